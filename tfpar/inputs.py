@@ -1,0 +1,128 @@
+"""Feeding global batches to the mesh.
+
+A global batch is cut along its batch dimension into one block per
+coordinate of the data axis; each device receives only its block (a DTensor
+sharded over the data axis). A batch the data axis does not divide — only
+the last, partial batch of an epoch may be one — is handed whole to every
+device instead: the step then computes the same global result, it only does
+not split that one small batch.
+"""
+
+import tensorflow as tf
+
+from tfpar import placement
+
+
+class InputPlacer:
+    """Places host batches on the mesh, split along the data axis."""
+
+    def __init__(self, mesh, data_axis):
+        self._mesh = mesh
+        self._data_axis = data_axis
+        self._data_size = mesh.axis_size(data_axis)
+
+    def splits_evenly(self, batch, batch_dim=0):
+        """Whether the data axis divides every tensor's batch dimension."""
+        return all(
+            t is None
+            or (
+                t.shape.rank > batch_dim
+                and t.shape[batch_dim] % self._data_size == 0
+            )
+            for t in tf.nest.flatten(batch)
+        )
+
+    def check_batch_size(self, batch):
+        """Raises ValueError unless the data axis divides `batch`."""
+        if self.splits_evenly(batch):
+            return
+        size = next(
+            t.shape[0] for t in tf.nest.flatten(batch)
+            if t is not None and t.shape.rank
+        )
+        raise ValueError(
+            f"The global batch size {size} is not divisible by the data axis "
+            f"{self._data_axis!r} of size {self._data_size} (mesh "
+            f"{self._mesh!r}). Received: batch_size={size}. Use a batch size "
+            f"that is a multiple of {self._data_size}."
+        )
+
+    def place(self, batch, batch_dim=0):
+        """DTensors for the host tensors in `batch` (None stays None)."""
+        split = self._data_size > 1 and self.splits_evenly(batch, batch_dim)
+
+        def put(tensor):
+            if tensor is None:
+                return None
+            if not isinstance(tensor, (tf.Tensor, tf.Variable)):
+                if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+                    raise TypeError(
+                        "ParallelStrategy feeds dense tensors only. Received "
+                        f"an input of type {type(tensor).__name__}; make it "
+                        "dense in the dataset (e.g. tf.sparse.to_dense)."
+                    )
+                tensor = tf.convert_to_tensor(tensor)
+            spec = [None] * tensor.shape.rank
+            if split:
+                spec[batch_dim] = self._data_axis
+            return placement.put(tensor, tuple(spec), self._mesh)
+
+        return tf.nest.map_structure(put, batch)
+
+
+class DistributedBatches:
+    """`strategy.experimental_distribute_dataset(dataset)`: global batches.
+
+    Iterating yields each batch of `dataset` placed on the mesh. The first
+    batch fixes the batch size: the data axis must divide it unless it is
+    the only batch.
+    """
+
+    def __init__(self, dataset, placer):
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                "ParallelStrategy.experimental_distribute_dataset needs a "
+                f"batched tf.data.Dataset. Received: {type(dataset).__name__}"
+            )
+        self._dataset = dataset
+        self._placer = placer
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def __iter__(self):
+        return BatchIterator(iter(self._dataset), self._placer)
+
+
+class BatchIterator:
+    """Iterates global batches; `next_host_batch` skips the placement."""
+
+    def __init__(self, host_iterator, placer):
+        self._host_iterator = host_iterator
+        self._placer = placer
+        self._lookahead = None
+        self._started = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._placer.place(self.next_host_batch())
+
+    def get_next(self):
+        return next(self)
+
+    def next_host_batch(self):
+        """The next global batch as host tensors."""
+        if not self._started:
+            self._started = True
+            batch = next(self._host_iterator)
+            self._lookahead = next(self._host_iterator, None)
+            if self._lookahead is not None:
+                self._placer.check_batch_size(batch)
+            return batch
+        if self._lookahead is not None:
+            batch, self._lookahead = self._lookahead, None
+            return batch
+        return next(self._host_iterator)

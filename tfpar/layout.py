@@ -1,0 +1,205 @@
+"""Layout rules: which weights are sharded over which mesh axes.
+
+A *spec* is a tuple with one entry per dimension of a variable: the name of a
+mesh axis that dimension is split over, or `None` for "every device holds the
+whole dimension". `LayoutRules` maps regular expressions over Keras variable
+paths to specs. All conversion to DTensor layouts happens here.
+"""
+
+import collections.abc
+import re
+
+from tensorflow.experimental import dtensor
+
+
+class LayoutRules:
+    """An ordered mapping `{regex: spec}` from Keras variable paths to specs.
+
+    Each regex is `re.fullmatch`ed against `variable.path`, e.g.
+    `"sequential/up0/kernel"` (or `"up0/kernel"` in a functional model).
+    Variables that no rule matches are replicated. Stricter than its PyTorch
+    and Keras cousins: a variable matched by two rules is an error, and so is
+    a rule that matches no variable (reported when training starts).
+
+    A Keras Dense kernel is (in, out): column-parallel shards axis 1
+    (`(None, "model")`, bias `("model",)`), row-parallel shards axis 0
+    (`("model", None)`, bias replicated).
+
+    Example:
+
+    >>> rules = tfpar.LayoutRules({
+    ...     r".*up\\d/kernel": (None, "model"),
+    ...     r".*up\\d/bias": ("model",),
+    ...     r".*down\\d/kernel": ("model", None),
+    ... })
+    >>> rules.spec_for("sequential/up0/kernel", (512, 1024))
+    (None, 'model')
+
+    Args:
+        mapping: ordered mapping of regex (str) to spec (tuple of mesh axis
+            names or None).
+    """
+
+    def __init__(self, mapping=None):
+        if mapping is None:
+            mapping = {}
+        if not isinstance(mapping, collections.abc.Mapping):
+            raise TypeError(
+                "LayoutRules(mapping) needs a mapping {regex: spec}, e.g. "
+                "{r'.*dense/kernel': (None, 'model')}. "
+                f"Received: mapping={mapping!r} of type {type(mapping).__name__}"
+            )
+        self._rules = []
+        for pattern, spec in mapping.items():
+            if not isinstance(pattern, str):
+                raise TypeError(
+                    "LayoutRules keys must be regex strings. "
+                    f"Received: key {pattern!r} of type {type(pattern).__name__}"
+                )
+            try:
+                regex = re.compile(pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"LayoutRules key {pattern!r} is not a valid regex: {e}"
+                ) from None
+            self._rules.append((pattern, regex, _check_spec(pattern, spec)))
+        self._matched = set()
+
+    @property
+    def patterns(self):
+        return [pattern for pattern, _, _ in self._rules]
+
+    def items(self):
+        return [(pattern, spec) for pattern, _, spec in self._rules]
+
+    def axes_used(self):
+        """{axis name: first rule naming it} over all specs."""
+        axes = {}
+        for pattern, _, spec in self._rules:
+            for axis in spec:
+                if axis is not None:
+                    axes.setdefault(axis, pattern)
+        return axes
+
+    def spec_for(self, path, shape):
+        """The spec for the variable at `path` with `shape`, or None.
+
+        Raises ValueError when two rules match `path` or the spec's length is
+        not the variable's rank. Marks the matching rule as used.
+        """
+        hits = [(p, s) for p, regex, s in self._rules if regex.fullmatch(path)]
+        if not hits:
+            return None
+        if len(hits) > 1:
+            raise ValueError(
+                f"Variable {path!r} is matched by {len(hits)} layout rules: "
+                f"{[p for p, _ in hits]}. Each variable may match at most one "
+                "rule; make the regexes exclusive."
+            )
+        pattern, spec = hits[0]
+        self._matched.add(pattern)
+        if len(spec) != len(shape):
+            raise ValueError(
+                f"Layout rule {pattern!r} gives spec {spec} with {len(spec)} "
+                f"entries, but variable {path!r} has rank {len(shape)} "
+                f"(shape={tuple(shape)}). Give one entry per dimension."
+            )
+        return spec
+
+    def unmatched(self):
+        """Patterns that have matched no variable so far."""
+        return [p for p, _, _ in self._rules if p not in self._matched]
+
+    def __len__(self):
+        return len(self._rules)
+
+    def __repr__(self):
+        body = ", ".join(f"{p!r}: {s!r}" for p, _, s in self._rules)
+        return f"LayoutRules({{{body}}})"
+
+
+def _check_spec(pattern, spec):
+    if isinstance(spec, list):
+        spec = tuple(spec)
+    if not isinstance(spec, tuple) or not all(
+        s is None or isinstance(s, str) for s in spec
+    ):
+        raise TypeError(
+            f"Layout rule {pattern!r} needs a spec: a tuple of mesh axis names "
+            f"or None, one per dimension, e.g. (None, 'model'). "
+            f"Received: {spec!r}"
+        )
+    named = [s for s in spec if s is not None]
+    if len(set(named)) != len(named):
+        raise ValueError(
+            f"Layout rule {pattern!r} shards two dimensions over one mesh axis. "
+            f"Received: {spec!r}. Name each mesh axis at most once."
+        )
+    return spec
+
+
+def replicated_spec(rank):
+    return (None,) * rank
+
+
+def batch_spec(rank, data_axis):
+    """Spec of an input batch: dimension 0 split over `data_axis`."""
+    return (data_axis,) + (None,) * (rank - 1)
+
+
+def check_divisible(path, shape, spec, mesh):
+    """Raises ValueError unless every sharded dimension splits evenly."""
+    for dim, (size, axis) in enumerate(zip(shape, spec)):
+        if axis is None:
+            continue
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"Variable {path!r} is sharded over mesh axis {axis!r}, which "
+                f"the mesh lacks. Received: spec={spec}, mesh={mesh!r}."
+            )
+        if size is not None and size % mesh.shape[axis]:
+            raise ValueError(
+                f"Variable {path!r} has dimension {dim} of size {size}, which "
+                f"mesh axis {axis!r} of size {mesh.shape[axis]} does not divide. "
+                f"Received: shape={tuple(shape)}, spec={spec}. Choose sizes "
+                "divisible by the axis, or replicate that dimension (None)."
+            )
+
+
+_LAYOUT_CACHE = {}
+
+
+def to_dtensor_layout(spec, mesh):
+    """The DTensor layout for `spec` on `mesh` (cached).
+
+    Axes of size 1 become unsharded: DTensor counts a size-1 axis as sharded,
+    which some kernels (e.g. Conv2D filters) reject.
+    """
+    key = (spec, mesh)
+    layout = _LAYOUT_CACHE.get(key)
+    if layout is None:
+        sharding = [
+            dtensor.UNSHARDED
+            if axis is None or mesh.axis_size(axis) == 1
+            else axis
+            for axis in spec
+        ]
+        layout = dtensor.Layout(sharding, mesh.dtensor_mesh)
+        _LAYOUT_CACHE[key] = layout
+    return layout
+
+
+def spec_of(dtensor_layout):
+    """Back from a DTensor layout to a spec tuple."""
+    return tuple(
+        None if s == dtensor.UNSHARDED else s
+        for s in dtensor_layout.sharding_specs
+    )
+
+
+def shard_shape(shape, spec, mesh):
+    """Shape of one device's block for a variable of `shape` laid out by `spec`."""
+    return tuple(
+        size if axis is None else size // mesh.axis_size(axis)
+        for size, axis in zip(shape, spec)
+    )

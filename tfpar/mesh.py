@@ -1,0 +1,248 @@
+"""Named device meshes and virtual CPU devices.
+
+A `Mesh` is an ordered set of named axes over a list of devices, e.g.
+`Mesh({"data": 2, "model": 4})` arranges 8 devices as a 2 x 4 grid whose rows
+split the batch and whose columns split the weights. It is a thin, validated
+front for `tf.experimental.dtensor.Mesh`.
+"""
+
+import collections.abc
+import math
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+_DEVICE_PREFERENCE = ("TPU", "GPU", "CPU")
+
+
+def use_virtual_cpus(n):
+    """Splits the host CPU into `n` logical devices (for tests and demos).
+
+    Must run before TensorFlow initialises its devices. Calling it again with
+    the same `n` is a no-op.
+
+    Example:
+
+    >>> import tfpar
+    >>> tfpar.use_virtual_cpus(8)
+    >>> len(tf.config.list_logical_devices("CPU"))
+    8
+
+    Args:
+        n: number of logical CPU devices, a positive int.
+
+    Raises:
+        ValueError: `n` is not a positive int.
+        RuntimeError: TensorFlow already initialised its devices with another
+            number of logical CPUs.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(
+            f"use_virtual_cpus(n) needs a positive int. Received: n={n!r}"
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * n
+        )
+    except RuntimeError:
+        existing = len(tf.config.list_logical_devices("CPU"))
+        if existing == n:
+            return
+        raise RuntimeError(
+            f"use_virtual_cpus({n}) was called after TensorFlow initialised "
+            f"its devices with {existing} logical CPU(s). Received: n={n}. "
+            "Call tfpar.use_virtual_cpus(n) first thing in the program, "
+            "before any TensorFlow op, model or strategy is created."
+        ) from None
+
+
+def default_device_type():
+    """The device type tfpar uses by default: "TPU", else "GPU", else "CPU"."""
+    for device_type in _DEVICE_PREFERENCE:
+        if tf.config.list_logical_devices(device_type):
+            return device_type
+    return "CPU"
+
+
+def default_devices():
+    """All logical devices of `default_device_type()`, in index order."""
+    device_type = default_device_type()
+    names = [
+        _short_device_name(d.name)
+        for d in tf.config.list_logical_devices(device_type)
+    ]
+    return sorted(names, key=_device_index)
+
+
+def _device_index(name):
+    return int(name.rsplit(":", 1)[-1])
+
+
+def _short_device_name(name):
+    """'/job:localhost/replica:0/task:0/device:CPU:3' -> 'CPU:3'."""
+    return name.rsplit("device:", 1)[-1]
+
+
+class Mesh:
+    """A named grid of devices.
+
+    Axis sizes multiply to the number of devices; devices fill the grid in
+    row-major order, so in `Mesh({"data": 2, "model": 4})` devices 0-3 form
+    data row 0 and devices 4-7 data row 1 (model groups are neighbours).
+
+    Example:
+
+    >>> tfpar.use_virtual_cpus(8)
+    >>> mesh = tfpar.Mesh({"data": 2, "model": 4})
+    >>> mesh
+    Mesh({'data': 2, 'model': 4}, devices=CPU:0..CPU:7)
+    >>> mesh.shape["model"]
+    4
+
+    Args:
+        axes: ordered mapping of axis name (str) to size (positive int).
+        devices: optional list of device names ("CPU:3", "/device:GPU:0", ...),
+            possibly a subset of the machine's devices. Defaults to all TPU
+            cores, else all GPUs, else all logical CPUs.
+    """
+
+    def __init__(self, axes, devices=None):
+        if not isinstance(axes, collections.abc.Mapping) or not axes:
+            raise TypeError(
+                "Mesh(axes) needs a non-empty mapping of axis name to size, "
+                f"e.g. {{'data': 2, 'model': 4}}. Received: axes={axes!r}"
+            )
+        for name, size in axes.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(
+                    "Mesh axis names must be identifiers like 'data'. "
+                    f"Received: axis name {name!r} in axes={dict(axes)!r}"
+                )
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(
+                    f"Mesh axis {name!r} needs a positive int size. "
+                    f"Received: axes={dict(axes)!r}"
+                )
+        self._axes = dict(axes)
+        if devices is None:
+            devices = default_devices()
+        else:
+            devices = _normalize_devices(devices)
+        if math.prod(self._axes.values()) != len(devices):
+            raise ValueError(
+                f"Mesh axes multiply to {math.prod(self._axes.values())} but "
+                f"{len(devices)} device(s) are given. Received: "
+                f"axes={self._axes!r}, devices={_device_range(devices)}. "
+                "Choose axis sizes whose product is the number of devices, "
+                "or pass `devices=` with that many devices."
+            )
+        self._devices = tuple(devices)
+        self._dtensor_mesh = None
+
+    @property
+    def axis_names(self):
+        """Axis names in order, e.g. ('data', 'model')."""
+        return tuple(self._axes)
+
+    @property
+    def shape(self):
+        """A dict axis name -> size (a copy)."""
+        return dict(self._axes)
+
+    @property
+    def size(self):
+        """Number of devices."""
+        return len(self._devices)
+
+    @property
+    def devices(self):
+        """Device names in mesh order (row-major over the axes)."""
+        return self._devices
+
+    @property
+    def device_type(self):
+        return _short_device_name(self._devices[0]).split(":")[0]
+
+    def axis_size(self, name):
+        """Size of axis `name`, or 1 when the mesh has no such axis."""
+        return self._axes.get(name, 1)
+
+    @property
+    def dtensor_mesh(self):
+        """The `tf.experimental.dtensor.Mesh` this mesh stands for (cached)."""
+        if self._dtensor_mesh is None:
+            self._dtensor_mesh = dtensor.create_mesh(
+                list(self._axes.items()),
+                devices=[_short_device_name(d) for d in self._devices],
+            )
+        return self._dtensor_mesh
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, Mesh)
+            and list(self._axes.items()) == list(other._axes.items())
+            and self._devices == other._devices
+        )
+
+    def __hash__(self):
+        return hash((tuple(self._axes.items()), self._devices))
+
+    def __repr__(self):
+        return f"Mesh({self._axes!r}, devices={_device_range(self._devices)})"
+
+
+def _normalize_devices(devices):
+    if isinstance(devices, (str, bytes)) or not isinstance(
+        devices, collections.abc.Sequence
+    ):
+        raise TypeError(
+            "Mesh(devices=...) needs a list of device names like "
+            f"['CPU:0', 'CPU:1']. Received: devices={devices!r}"
+        )
+    names = []
+    for device in devices:
+        if isinstance(device, tf.config.LogicalDevice):
+            device = device.name
+        spec = tf.DeviceSpec.from_string(str(device))
+        if spec.device_type is None or spec.device_index is None:
+            raise ValueError(
+                "Each mesh device needs a type and an index like 'GPU:1'. "
+                f"Received: {device!r} in devices={list(devices)!r}"
+            )
+        names.append(f"{spec.device_type.upper()}:{spec.device_index}")
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"Mesh devices must be distinct. Received: devices={names!r}"
+        )
+    device_types = {n.split(":")[0] for n in names}
+    if len(device_types) != 1:
+        raise ValueError(
+            "All mesh devices must be of one type. Received: "
+            f"devices={names!r}"
+        )
+    available = {
+        _short_device_name(d.name)
+        for d in tf.config.list_logical_devices(device_types.pop())
+    }
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise ValueError(
+            f"Mesh devices {missing} do not exist on this host. Received: "
+            f"devices={names!r}; available: {sorted(available, key=_device_index)}. "
+            "For CPU tests call tfpar.use_virtual_cpus(n) first."
+        )
+    return names
+
+
+def _device_range(devices):
+    short = [_short_device_name(d) for d in devices]
+    kind = short[0].split(":")[0]
+    indices = [_device_index(d) for d in short]
+    contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
+    if len(short) > 2 and contiguous and all(d.startswith(kind) for d in short):
+        return f"{short[0]}..{short[-1]}"
+    return "[" + ", ".join(short) + "]"

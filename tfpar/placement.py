@@ -1,0 +1,80 @@
+"""Moving values between the host and a mesh.
+
+`put(value, spec, mesh)` cuts a host array into the blocks `spec` asks for
+and hands each device only its own block (no device ever holds the whole
+value unless the spec replicates it). `fetch(dtensor)` assembles a host numpy
+array from the blocks. Both work on eager values only.
+"""
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import layout as layout_lib
+
+
+def block_index(shape, spec, axis_sizes, location):
+    """The numpy index of the block the device at `location` holds.
+
+    `location` maps each mesh axis to the device's coordinate along it and
+    `axis_sizes` each axis to its size. For a dimension of size n split over
+    an axis of size k, coordinate c holds rows [c * n/k, (c+1) * n/k).
+    """
+    index = []
+    for size, axis in zip(shape, spec):
+        k = axis_sizes[axis] if axis is not None else 1
+        if k == 1:
+            index.append(slice(None))
+        else:
+            c = location[axis]
+            block = size // k
+            index.append(slice(c * block, (c + 1) * block))
+    return tuple(index)
+
+
+def put(value, spec, mesh, dtype=None):
+    """A DTensor on `mesh` laid out by `spec`, built from a host value."""
+    if dtensor.is_dtensor(value):
+        return relayout(value, spec, mesh)
+    value = tf.convert_to_tensor(value, dtype=dtype)
+    if dtype is not None and value.dtype != dtype:
+        value = tf.cast(value, dtype)
+    layout = layout_lib.to_dtensor_layout(spec, mesh)
+    dmesh = mesh.dtensor_mesh
+    if all(a is None or mesh.axis_size(a) == 1 for a in spec):
+        return dtensor.copy_to_mesh(value, layout)
+    shape = value.shape.as_list()
+    blocks = [
+        value[block_index(shape, spec, mesh.shape, loc)]
+        for loc in dmesh.local_device_locations()
+    ]
+    return dtensor.pack(blocks, layout)
+
+
+def relayout(value, spec, mesh):
+    """`value` (a DTensor on `mesh`) relaid out to `spec`."""
+    target = layout_lib.to_dtensor_layout(spec, mesh)
+    if dtensor.fetch_layout(value) == target:
+        return value
+    return dtensor.relayout(value, target)
+
+
+def fetch(value):
+    """A host numpy array with the global value of DTensor `value`."""
+    if not dtensor.is_dtensor(value):
+        return np.asarray(value)
+    layout = dtensor.fetch_layout(value)
+    if layout.is_fully_replicated():
+        return dtensor.unpack(value)[0].numpy()
+    dmesh = layout.mesh
+    if dmesh.num_local_devices() != dmesh.size:
+        # Multi-client: the blocks are spread over hosts; gather them first.
+        replicated = dtensor.Layout.replicated(dmesh, layout.rank)
+        return dtensor.unpack(dtensor.relayout(value, replicated))[0].numpy()
+    components = dtensor.unpack(value)
+    out = np.empty(value.shape.as_list(), dtype=value.dtype.as_numpy_dtype)
+    spec = layout_lib.spec_of(layout)
+    axis_sizes = dict(zip(dmesh.dim_names, dmesh.shape()))
+    for component, loc in zip(components, dmesh.local_device_locations()):
+        out[block_index(out.shape, spec, axis_sizes, loc)] = component.numpy()
+    return out

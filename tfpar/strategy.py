@@ -1,0 +1,414 @@
+"""ParallelStrategy: a tf.distribute.Strategy over a DTensor mesh.
+
+The whole training step runs as one SPMD program on the mesh: inputs are
+split along the data axis, weights are laid out by `LayoutRules`, and DTensor
+inserts the collectives (gradient all-reduce over the data axis, the
+all-reduce after a row-parallel matmul over the model axis). Keras therefore
+sees a single replica holding global values: `num_replicas_in_sync` is 1, a
+replica-context `all_reduce` returns its input (the value is already global)
+and `extended.update(var, fn)` simply calls `fn(var)`.
+"""
+
+import collections
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import _compat
+from tfpar import inputs
+from tfpar import layout as layout_lib
+from tfpar import placement
+from tfpar import training
+from tfpar.mesh import Mesh
+
+
+class ParallelStrategy(tf.distribute.Strategy):
+    """Data and tensor parallelism for Keras 3 on one named mesh.
+
+    Example:
+
+    >>> import keras, numpy as np, tfpar
+    >>> tfpar.use_virtual_cpus(8)
+    >>> strategy = tfpar.ParallelStrategy(
+    ...     tfpar.Mesh({"data": 2, "model": 4}),
+    ...     rules=tfpar.LayoutRules({
+    ...         r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
+    ...         r".*down/kernel": ("model", None)}))
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([
+    ...         keras.Input((16,)),
+    ...         keras.layers.Dense(64, activation="relu", name="up"),
+    ...         keras.layers.Dense(16, name="down")])
+    ...     model.compile(optimizer="adam", loss="mse")
+    >>> x = np.random.rand(64, 16).astype("float32")
+    >>> history = model.fit(x, x, batch_size=16, epochs=2, verbose=0)
+
+    Args:
+        mesh: a `tfpar.Mesh`.
+        rules: a `tfpar.LayoutRules` (or a plain mapping, converted); None
+            replicates every weight.
+        data_axis: the mesh axis the batch is split over. A mesh without it
+            means no data parallelism.
+    """
+
+    def __init__(self, mesh, rules=None, data_axis="data"):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
+                "tfpar.Mesh({'data': 2, 'model': 4}). "
+                f"Received: mesh={mesh!r} of type {type(mesh).__name__}"
+            )
+        if rules is None:
+            rules = layout_lib.LayoutRules()
+        elif not isinstance(rules, layout_lib.LayoutRules):
+            rules = layout_lib.LayoutRules(rules)
+        if not isinstance(data_axis, str):
+            raise TypeError(
+                "ParallelStrategy(data_axis) needs a mesh axis name (str). "
+                f"Received: data_axis={data_axis!r}"
+            )
+        for axis, pattern in rules.axes_used().items():
+            if axis not in mesh.shape:
+                raise ValueError(
+                    f"Layout rule {pattern!r} names mesh axis {axis!r}, which "
+                    f"the mesh lacks. Received: mesh axes {mesh.axis_names}. "
+                    "Use one of the mesh's axis names or add that axis."
+                )
+        super().__init__(ParallelExtended(self, mesh, rules, data_axis))
+
+    @property
+    def mesh(self):
+        return self.extended.mesh
+
+    @property
+    def rules(self):
+        return self.extended.rules
+
+    @property
+    def data_axis(self):
+        return self.extended.data_axis
+
+    @property
+    def data_parallel_size(self):
+        """How many ways the batch is split (the data axis size, or 1)."""
+        return self.mesh.axis_size(self.data_axis)
+
+    def variables(self):
+        """[(path, variable)] of every live variable created in scope."""
+        return self.extended.tracked_variables()
+
+    def memory_per_device(self):
+        """Bytes of variables held by each device, split by kind.
+
+        Returns a dict {device name: {"params": bytes, "optimizer": bytes,
+        "other": bytes}}: "params" are trainable weights, "optimizer" the
+        optimizer slots made for them (e.g. Adam moments, laid out like their
+        weight), "other" every other variable (non-trainable state such as
+        BatchNormalization statistics, optimizer counters, metrics).
+        """
+        return self.extended.memory_per_device()
+
+
+class _VariableInfo(
+    collections.namedtuple("_VariableInfo", "path spec kind ref")
+):
+    """What the strategy knows of a variable it created."""
+
+
+class ShardedVariable(_compat.DVariable):
+    """A DTensor variable that accepts host values like a plain tf.Variable.
+
+    Keras' `set_weights`, `load_weights` and optimizers assign plain tensors
+    and read back numpy; a bare DVariable only takes DTensors and cannot turn
+    a sharded value into numpy. This subclass puts host values on the mesh
+    with the variable's own layout and assembles numpy from the shards.
+    """
+
+    def __init__(self, *args, tfpar_spec, tfpar_mesh, **kwargs):
+        self._tfpar_spec = tfpar_spec
+        self._tfpar_mesh = tfpar_mesh
+        super().__init__(*args, **kwargs)
+
+    def _on_mesh(self, value):
+        if tf.executing_eagerly() and not dtensor.is_dtensor(value):
+            return placement.put(value, self._tfpar_spec, self._tfpar_mesh,
+                                 dtype=self.dtype)
+        return value
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return super().assign(self._on_mesh(value), use_locking, name,
+                              read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_add(self._on_mesh(delta), use_locking, name,
+                                  read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_sub(self._on_mesh(delta), use_locking, name,
+                                  read_value)
+
+    def numpy(self):
+        return placement.fetch(self.read_value())
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+
+class ParallelExtended(_compat.StrategyExtendedV2):
+    """The machinery behind `ParallelStrategy` (see the module docstring)."""
+
+    def __init__(self, container_strategy, mesh, rules, data_axis):
+        super().__init__(container_strategy)
+        self.mesh = mesh
+        self.rules = rules
+        self.data_axis = data_axis
+        self.input_placer = inputs.InputPlacer(mesh, data_axis)
+        self._variables = []
+        self._rules_checked = False
+
+    # -- variables -----------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        del next_creator  # DTensor variables replace the default creator.
+        colocate_with = kwargs.pop("colocate_with", None)
+        for unsupported in ("use_resource", "expected_shape", "caching_device"):
+            kwargs.pop(unsupported, None)
+        name = kwargs.get("name") or "Variable"
+        scope = tf.get_current_name_scope()
+        path = f"{scope}/{name}" if scope else name
+        initial_value = kwargs.pop("initial_value")
+        dtype = kwargs.get("dtype")
+        with tf.init_scope(), tf.device("CPU:0"):
+            if callable(initial_value):
+                initial_value = initial_value()
+            if not dtensor.is_dtensor(initial_value):
+                initial_value = tf.convert_to_tensor(initial_value, dtype=dtype)
+        shape = initial_value.shape.as_list()
+
+        spec, kind = self._spec_for(path, shape, colocate_with,
+                                    kwargs.get("trainable", True))
+        with tf.init_scope():  # also when first built inside a tf.function
+            value = placement.put(initial_value, spec, self.mesh, dtype=dtype)
+            variable = ShardedVariable(
+                value, tfpar_spec=spec, tfpar_mesh=self.mesh, **kwargs
+            )
+        self._variables.append(
+            _VariableInfo(path, spec, kind, weakref.ref(variable))
+        )
+        return variable
+
+    def _spec_for(self, path, shape, colocate_with, trainable):
+        """(spec, kind) for a new variable; slots follow their weight."""
+        if colocate_with is not None:
+            reference = self._info_of(colocate_with)
+            if reference is not None:
+                if reference.kind == "params" and len(shape) == len(reference.spec):
+                    return reference.spec, "optimizer"
+                return layout_lib.replicated_spec(len(shape)), "optimizer"
+        spec = self.rules.spec_for(path, shape)
+        if spec is None:
+            spec = layout_lib.replicated_spec(len(shape))
+        layout_lib.check_divisible(path, shape, spec, self.mesh)
+        return spec, ("params" if trainable else "other")
+
+    def _info_of(self, variable):
+        if not isinstance(variable, tf.Variable):
+            variable = getattr(variable, "value", variable)  # a Keras Variable
+        for info in self._variables:
+            if info.ref() is variable:
+                return info
+        return None
+
+    def tracked_variables(self):
+        return [(i.path, i.ref()) for i in self._variables if i.ref() is not None]
+
+    def memory_per_device(self):
+        report = {
+            d: {"params": 0, "optimizer": 0, "other": 0}
+            for d in self.mesh.devices
+        }
+        for info in self._variables:
+            variable = info.ref()
+            if variable is None:
+                continue
+            shape = variable.shape.as_list()
+            block = layout_lib.shard_shape(shape, info.spec, self.mesh)
+            nbytes = int(np.prod(block)) * variable.dtype.size
+            for device in self.mesh.devices:
+                report[device][info.kind] += nbytes
+        return report
+
+    def check_rules_used(self):
+        """Raises when a layout rule matched no variable (once per strategy)."""
+        if self._rules_checked:
+            return
+        unmatched = self.rules.unmatched()
+        if unmatched:
+            paths = [p for p, _ in self.tracked_variables()][:12]
+            raise ValueError(
+                f"Layout rule(s) {unmatched} matched no variable. Rules are "
+                "re.fullmatch'ed against variable paths such as "
+                f"{paths}. Fix or remove those rules."
+            )
+        self._rules_checked = True
+
+    # -- running the step ----------------------------------------------------
+
+    def replica_scope(self):
+        """Enters the strategy scope and its single SPMD replica context."""
+        self.check_rules_used()
+        return _ReplicaScope(self._container_strategy())
+
+    def keras_function(self, model, mode):
+        """Builds `model.{mode}_function` (see `tfpar.training`)."""
+        return training.make_function(model, self, mode)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if tf.executing_eagerly():
+            args, kwargs = self.input_placer.place((args, kwargs or {}))
+        with self.replica_scope():
+            return fn(*args, **(kwargs or {}))
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        _compat.require_cross_replica_or_default_context(self)
+        with self._container_strategy().scope():
+            return self._call_for_each_replica(fn, args, kwargs)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # One SPMD replica: the value already is the global value.
+        return value
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return value
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return [v for v, _ in value_destination_pairs]
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        return value
+
+    def _broadcast_to(self, tensor, destinations):
+        return tensor
+
+    def _update(self, var, fn, args, kwargs, group):
+        return fn(var, *args, **(kwargs or {}))
+
+    def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+        return fn(*args, **(kwargs or {}))
+
+    def _local_results(self, val):
+        return (val,)
+
+    def value_container(self, value):
+        return value
+
+    def read_var(self, var):
+        return tf.identity(var)
+
+    def _use_merge_call(self):
+        return False
+
+    @property
+    def _num_replicas_in_sync(self):
+        return 1
+
+    @property
+    def worker_devices(self):
+        return self.mesh.devices
+
+    @property
+    def parameter_devices(self):
+        return self.mesh.devices
+
+    def _in_multi_worker_mode(self):
+        return False
+
+    def non_slot_devices(self, var_list):
+        return self.mesh.devices
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group
+
+    @property
+    def experimental_between_graph(self):
+        return False
+
+    @property
+    def experimental_should_init(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return True
+
+    @property
+    def should_save_summary(self):
+        return True
+
+    # -- inputs --------------------------------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        return inputs.DistributedBatches(dataset, self.input_placer)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        context = tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0,
+            num_replicas_in_sync=1)
+        return inputs.DistributedBatches(dataset_fn(context), self.input_placer)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(tf.distribute.experimental.ValueContext(0, 1))
+
+    def _make_dataset_iterator(self, dataset):
+        raise RuntimeError(
+            "make_dataset_iterator is a TF1 API; use "
+            "strategy.experimental_distribute_dataset(dataset) instead."
+        )
+
+    def _make_input_fn_iterator(self, input_fn, replication_mode):
+        raise RuntimeError(
+            "make_input_fn_iterator is a TF1 API; use "
+            "strategy.distribute_datasets_from_function(fn) instead."
+        )
+
+
+class _SPMDReplicaContext(tf.distribute.ReplicaContext):
+    """The single replica of an SPMD program: reductions are identities."""
+
+    def __init__(self, strategy):
+        super().__init__(strategy, replica_id_in_sync_group=0)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        return value
+
+    def all_gather(self, value, axis, options=None):
+        return value
+
+
+class _ReplicaScope:
+    """`with strategy.scope(), _SPMDReplicaContext(strategy):` as one."""
+
+    def __init__(self, strategy):
+        self._scope = strategy.scope()
+        self._context = _SPMDReplicaContext(strategy)
+
+    def __enter__(self):
+        self._scope.__enter__()
+        self._context.__enter__()
+
+    def __exit__(self, *exc):
+        self._context.__exit__(*exc)
+        self._scope.__exit__(*exc)
+
+
+def _keras_function_for(model, mode):
+    strategy = model.distribute_strategy
+    if isinstance(strategy, ParallelStrategy):
+        return strategy.extended.keras_function(model, mode)
+    return None
+
+
+_compat.route_keras_step_functions(_keras_function_for)

@@ -1,0 +1,144 @@
+"""Keras train/test/predict functions for models under a ParallelStrategy.
+
+Keras builds its step functions for per-replica strategies. Under a
+`ParallelStrategy` tfpar builds them instead (`_compat` routes
+`make_train_function` and friends here), because one SPMD program needs its
+inputs placed on the mesh before the `tf.function` is entered, and because
+running several steps per call is the main lever on speed:
+
+- `steps_per_execution = k` stacks k equal global batches on the host into
+  one (k, batch, ...) tensor, places it split along the data axis on
+  dimension 1, and runs the k steps in one `tf.function` call (a
+  `tf.while_loop`); Keras only reads the logs of the last step.
+- A batch the data axis does not divide (the last, partial batch of an
+  epoch) runs alone, replicated over the data axis (see `inputs`).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar import placement
+
+
+class StepRunner:
+    """Runs one kind of Keras step (train, test or predict) on the mesh."""
+
+    def __init__(self, model, extended, mode):
+        self._extended = extended
+        self._placer = extended.input_placer
+        self._mode = mode
+        self._step_fn = {
+            "train": model.train_step,
+            "test": model.test_step,
+            "predict": model.predict_step,
+        }[mode]
+        wrap = (lambda f: f) if model.run_eagerly else (
+            lambda f: tf.function(f, reduce_retracing=True))
+        self._one_step = wrap(self._in_replica)
+        self._many_steps = wrap(self._loop)
+
+    def _in_replica(self, batch):
+        with self._extended.replica_scope():
+            return self._step_fn(batch)
+
+    def _loop(self, stacked):
+        """Runs the step on stacked[0], ..., stacked[k-1]; last outputs."""
+        steps = tf.shape(tf.nest.flatten(stacked)[0])[0]
+        outputs = self._in_replica(tf.nest.map_structure(lambda t: t[0], stacked))
+
+        def body(i, _):
+            batch = tf.nest.map_structure(lambda t: t[i], stacked)
+            return i + 1, self._in_replica(batch)
+
+        _, outputs = tf.while_loop(
+            lambda i, _: i < steps, body, (tf.constant(1), outputs)
+        )
+        return outputs
+
+    def run(self, host_batches):
+        """Runs the step over `host_batches` (a list).
+
+        Train and test return the logs of the last step; predict returns
+        every batch's outputs concatenated, as host numpy arrays.
+        """
+        batches = [_strip_optionals(b) for b in host_batches]
+        if self._mode == "predict":
+            outputs = [
+                _fetch_all(self._one_step(self._placer.place(b)))
+                for b in batches
+            ]
+            return tf.nest.map_structure(
+                lambda *xs: np.concatenate(xs), *outputs)
+        outputs = None
+        for group in self._stackable_runs(batches):
+            if len(group) == 1:
+                outputs = self._one_step(self._placer.place(group[0]))
+            else:
+                stacked = tf.nest.map_structure(
+                    lambda *ts: None if ts[0] is None else tf.stack(ts), *group
+                )
+                outputs = self._many_steps(
+                    self._placer.place(stacked, batch_dim=1))
+        return _fetch_all(outputs)
+
+    def _stackable_runs(self, batches):
+        """Consecutive batches of one shape that the data axis splits."""
+        runs = []
+        for batch in batches:
+            key = tuple(
+                None if t is None else tuple(t.shape.as_list())
+                for t in tf.nest.flatten(batch)
+            )
+            if runs and runs[-1][0] == key and self._placer.splits_evenly(batch):
+                runs[-1][1].append(batch)
+            else:
+                runs.append((key, [batch]))
+        return [run for _, run in runs]
+
+
+def _strip_optionals(batch):
+    return tf.nest.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t,
+        batch,
+    )
+
+
+def _fetch_all(outputs):
+    return tf.nest.map_structure(placement.fetch, outputs)
+
+
+def make_function(model, extended, mode):
+    """The function Keras calls as `model.{train,test,predict}_function`."""
+    runner = StepRunner(model, extended, mode)
+
+    if mode == "predict":
+
+        def predict_function(data):
+            # Keras passes a list of up to steps_per_execution batches.
+            return runner.run([_as_batch(b) for b in data])
+
+        return predict_function
+
+    def function(iterator):
+        batches = []
+        for _ in range(model.steps_per_execution):
+            try:
+                batches.append(_next_host_batch(iterator))
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+        if not batches:
+            raise StopIteration
+        return runner.run(batches)
+
+    return function
+
+
+def _as_batch(data):
+    return tf.nest.map_structure(
+        lambda t: None if t is None else tf.convert_to_tensor(t), data)
+
+
+def _next_host_batch(iterator):
+    next_host = getattr(iterator, "next_host_batch", None)
+    batch = next_host() if next_host is not None else next(iterator)
+    return _as_batch(batch)

@@ -4,6 +4,8 @@ A TensorFlow upgrade that moves one of these touches only this file.
 Checked against tensorflow 2.21.
 """
 
+import threading
+
 from tensorflow.dtensor.python import d_variable
 from tensorflow.python.distribute import distribute_lib
 
@@ -46,3 +48,40 @@ def route_keras_step_functions(make_function_for):
 
         setattr(cls, f"make_{attribute}", make)
     cls._tfpar_routed = True  # noqa: SLF001
+
+
+_initializing = threading.local()
+
+
+def keras_variable_being_created():
+    """The Keras Variable whose backing tf.Variable is being created, or None.
+
+    A strategy's variable creator sees only tf.Variable kwargs; the Keras
+    path (`variable.path`, e.g. "model/dense/kernel") lives on the Keras
+    Variable, which Keras' TensorFlow backend wraps around the tf.Variable in
+    `Variable._initialize`. That method is wrapped once to publish `self`.
+    """
+    stack = getattr(_initializing, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _publish_keras_variables():
+    from keras.src.backend.tensorflow import core  # noqa: PLC0415
+
+    original = core.Variable._initialize  # noqa: SLF001
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def _initialize(self, value):
+        stack = _initializing.__dict__.setdefault("stack", [])
+        stack.append(self)
+        try:
+            return original(self, value)
+        finally:
+            stack.pop()
+
+    _initialize._tfpar_wrapped = True  # noqa: SLF001
+    core.Variable._initialize = _initialize  # noqa: SLF001
+
+
+_publish_keras_variables()

@@ -99,6 +99,14 @@ class ParallelStrategy(tf.distribute.Strategy):
         """[(path, variable)] of every live variable created in scope."""
         return self.extended.tracked_variables()
 
+    def placements(self, kind=None):
+        """[(path, spec, per-device block shape)] of live variables.
+
+        `kind` filters by "params", "optimizer" or "other" (see
+        `memory_per_device`); None lists all.
+        """
+        return self.extended.placements(kind)
+
     def memory_per_device(self):
         """Bytes of variables held by each device, split by kind.
 
@@ -176,9 +184,13 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         colocate_with = kwargs.pop("colocate_with", None)
         for unsupported in ("use_resource", "expected_shape", "caching_device"):
             kwargs.pop(unsupported, None)
-        name = kwargs.get("name") or "Variable"
-        scope = tf.get_current_name_scope()
-        path = f"{scope}/{name}" if scope else name
+        keras_variable = _compat.keras_variable_being_created()
+        if keras_variable is not None:
+            path = keras_variable.path
+        else:
+            name = kwargs.get("name") or "Variable"
+            scope = tf.get_current_name_scope()
+            path = f"{scope}/{name}" if scope else name
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.get("dtype")
         with tf.init_scope(), tf.device("CPU:0"):
@@ -224,6 +236,15 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def tracked_variables(self):
         return [(i.path, i.ref()) for i in self._variables if i.ref() is not None]
+
+    def placements(self, kind=None):
+        return [
+            (info.path, info.spec,
+             layout_lib.shard_shape(info.ref().shape.as_list(), info.spec,
+                                    self.mesh))
+            for info in self._variables
+            if info.ref() is not None and kind in (None, info.kind)
+        ]
 
     def memory_per_device(self):
         report = {

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Set up a virtual environment and run the demo, the tests or the benchmarks.
+
+    python3 dev.py demo     # trains a data x model parallel model on 8 virtual CPUs
+    python3 dev.py test     # runs the test suite
+    python3 dev.py bench    # runs benchmarks/step_time.py
+
+Needs only Python 3.10+: the first run creates .venv/ and installs tfpar with
+its dependencies (TensorFlow, Keras) into it.
+"""
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+STAMP = VENV / ".tfpar-installed"
+
+COMMANDS = {
+    "demo": ["examples/quickstart.py"],
+    "test": ["-m", "pytest", "-q"],
+    "bench": ["benchmarks/step_time.py"],
+}
+
+
+def ensure_venv():
+    if not PYTHON.exists():
+        print(f"creating {VENV} ...", flush=True)
+        venv.create(VENV, with_pip=True)
+    manifest = (ROOT / "pyproject.toml").stat().st_mtime
+    if not STAMP.exists() or STAMP.stat().st_mtime < manifest:
+        print("installing tfpar and its dependencies ...", flush=True)
+        subprocess.run(
+            [str(PYTHON), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test]"],
+            check=True,
+        )
+        STAMP.touch()
+
+
+def main(argv):
+    if len(argv) < 1 or argv[0] not in COMMANDS:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    command = [str(PYTHON), *COMMANDS[argv[0]], *argv[1:]]
+    return subprocess.run(command, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,169 @@
+"""Models, data and comparisons shared by the parity tests.
+
+Every model holds the layer kinds the foundation must cover: Dense (a
+column-parallel "up" and a row-parallel "down" pair), Conv2D (replicated
+filters), Embedding, LayerNormalization, BatchNormalization, Dropout (forced
+into inference mode so results are deterministic) and a custom layer with
+its own `add_weight`.
+"""
+
+import keras
+import numpy as np
+
+import tfpar
+
+IMAGE_SHAPE = (6, 6, 2)
+SEQ_LEN, VOCAB = 5, 32
+HIDDEN, OUT = 32, 4
+
+# Megatron MLP pair: up is column-parallel, down is row-parallel; the
+# embedding table is split along its hidden dimension.
+TP_RULES = {
+    r".*up/kernel": (None, "model"),
+    r".*up/bias": ("model",),
+    r".*down/kernel": ("model", None),
+    r".*embed/embeddings": (None, "model"),
+}
+
+
+def tp_rules(kind="functional"):
+    rules = dict(TP_RULES)
+    if kind == "sequential":
+        del rules[r".*embed/embeddings"]
+    return tfpar.LayoutRules(rules)
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer with its own weight: y = x * gamma."""
+
+    def build(self, input_shape):
+        self.gamma = self.add_weight(
+            shape=(input_shape[-1],), initializer="ones", name="gamma"
+        )
+
+    def call(self, x):
+        return x * self.gamma
+
+
+class InferenceDropout(keras.layers.Dropout):
+    """Dropout that always runs in inference mode (deterministic parity)."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=False)
+
+
+def _trunk(image):
+    h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv")(image)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    return keras.layers.Flatten(name="flat")(h)
+
+
+def _head(h):
+    h = keras.layers.Dense(HIDDEN, activation="relu", name="up")(h)
+    h = InferenceDropout(0.3, name="drop")(h)
+    h = keras.layers.Dense(16, name="down")(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    h = Scale(name="scale")(h)
+    return keras.layers.Dense(OUT, name="out")(h)
+
+
+def sequential():
+    """Image-only Sequential model (no Embedding: Sequential has one input)."""
+    return keras.Sequential(
+        [
+            keras.Input(IMAGE_SHAPE),
+            keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Flatten(name="flat"),
+            keras.layers.Dense(HIDDEN, activation="relu", name="up"),
+            InferenceDropout(0.3, name="drop"),
+            keras.layers.Dense(16, name="down"),
+            keras.layers.LayerNormalization(name="ln"),
+            Scale(name="scale"),
+            keras.layers.Dense(OUT, name="out"),
+        ],
+        name="seq",
+    )
+
+
+def functional():
+    image = keras.Input(IMAGE_SHAPE, name="image")
+    tokens = keras.Input((SEQ_LEN,), dtype="int32", name="tokens")
+    e = keras.layers.Embedding(VOCAB, 8, name="embed")(tokens)
+    e = keras.layers.GlobalAveragePooling1D(name="pool")(e)
+    h = keras.layers.Concatenate(name="cat")([_trunk(image), e])
+    return keras.Model([image, tokens], _head(h), name="func")
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="sub")
+        self.conv = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv")
+        self.bn = keras.layers.BatchNormalization(name="bn")
+        self.embed = keras.layers.Embedding(VOCAB, 8, name="embed")
+        self.up = keras.layers.Dense(HIDDEN, activation="relu", name="up")
+        self.drop = InferenceDropout(0.3, name="drop")
+        self.down = keras.layers.Dense(16, name="down")
+        self.ln = keras.layers.LayerNormalization(name="ln")
+        self.scale = Scale(name="scale")
+        self.out = keras.layers.Dense(OUT, name="out")
+
+    def call(self, inputs, training=None):
+        image, tokens = inputs
+        h = keras.ops.reshape(self.bn(self.conv(image), training=training),
+                              (-1, int(np.prod(IMAGE_SHAPE[:2])) * 4))
+        e = keras.ops.mean(self.embed(tokens), axis=1)
+        h = keras.ops.concatenate([h, e], axis=-1)
+        h = self.ln(self.down(self.drop(self.up(h))))
+        return self.out(self.scale(h))
+
+
+def subclassed():
+    model = Subclassed()
+    model([keras.Input(IMAGE_SHAPE), keras.Input((SEQ_LEN,), dtype="int32")])
+    return model
+
+
+BUILDERS = {"sequential": sequential, "functional": functional,
+            "subclassed": subclassed}
+
+
+def data(kind, n=64, seed=0):
+    """(x, y): inputs for model `kind` and a learnable regression target."""
+    rng = np.random.RandomState(seed)
+    image = rng.normal(size=(n, *IMAGE_SHAPE)).astype("float32")
+    tokens = rng.randint(0, VOCAB, size=(n, SEQ_LEN)).astype("int32")
+    mix = rng.normal(size=(int(np.prod(IMAGE_SHAPE)), OUT)).astype("float32")
+    y = (image.reshape(n, -1) @ mix / 8.0 + tokens[:, :OUT] / VOCAB).astype(
+        "float32")
+    x = image if kind == "sequential" else [image, tokens]
+    return x, y
+
+
+def optimizer(name):
+    return {
+        "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    }[name]()
+
+
+def initial_weights(kind, seed=0):
+    keras.utils.set_random_seed(seed)
+    return BUILDERS[kind]().get_weights()
+
+
+def relative_error(a, b):
+    """max |a - b| / max(|a|, tiny): the test's notion of 'relative'."""
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
+
+
+class BatchLosses(keras.callbacks.Callback):
+    """Records the logged loss after every training batch."""
+
+    def on_train_begin(self, logs=None):
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))

@@ -1,0 +1,102 @@
+"""Bad input gets a clear Python error before any training step."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpar
+
+
+def mlp(name="mlp"):
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(12, name="up"),
+         keras.layers.Dense(4, name="down")],
+        name=name,
+    )
+
+
+def compiled_under(strategy):
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+X = np.ones((32, 8), "float32")
+Y = np.ones((32, 4), "float32")
+
+
+def test_non_mesh_is_rejected():
+    with pytest.raises(TypeError, match=r"needs a tfpar.Mesh.*Received: mesh=\{'data': 8\}"):
+        tfpar.ParallelStrategy({"data": 8})
+
+
+def test_non_mapping_rules_are_rejected():
+    with pytest.raises(TypeError, match=r"needs a mapping.*Received: mapping=\['up'\]"):
+        tfpar.LayoutRules(["up"])
+
+
+def test_bad_spec_is_rejected():
+    with pytest.raises(TypeError, match=r"Layout rule '.\*up/kernel' needs a spec.*Received: 'model'"):
+        tfpar.LayoutRules({r".*up/kernel": "model"})
+
+
+def test_bad_regex_is_rejected():
+    with pytest.raises(ValueError, match=r"'up\[' is not a valid regex"):
+        tfpar.LayoutRules({"up[": (None,)})
+
+
+def test_rule_naming_missing_axis():
+    with pytest.raises(ValueError, match=r"names mesh axis 'tensor'.*mesh axes \('data', 'model'\)"):
+        tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 2, "model": 4}),
+            rules={r".*up/kernel": (None, "tensor")},
+        )
+
+
+def test_spec_length_must_match_rank():
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"model": 8}), rules={r".*up/kernel": ("model",)})
+    with pytest.raises(ValueError, match=r"spec \('model',\) with 1 entries, but variable 'mlp/up/kernel' has rank 2"):
+        compiled_under(strategy)
+
+
+def test_sharded_dimension_must_divide():
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"model": 8}), rules={r".*up/kernel": (None, "model")})
+    with pytest.raises(ValueError, match=r"'mlp/up/kernel' has dimension 1 of size 12, which mesh axis 'model' of size 8 does not divide"):
+        compiled_under(strategy)
+
+
+def test_variable_matched_by_two_rules_names_both():
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"model": 8}),
+        rules={r".*/kernel": (None, None), r".*up/.*": (None, "model")})
+    with pytest.raises(ValueError, match=r"'mlp/up/kernel' is matched by 2 layout rules: \['.\*/kernel', '.\*up/.\*'\]"):
+        compiled_under(strategy)
+
+
+def test_rule_that_matched_nothing_is_reported_when_training_starts():
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}),
+        rules={r".*down/kernel": ("model", None), r".*upp/bias": ("model",)})
+    model = compiled_under(strategy)  # building is fine: more models may come
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"\['.\*upp/bias'\] matched no variable.*'mlp/down/kernel'"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # no step ran
+
+
+def test_global_batch_not_divisible_by_data_axis():
+    model = compiled_under(tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"global batch size 12 is not divisible by the data axis 'data' of size 8.*multiple of 8"):
+        model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_data_axis_must_be_a_name():
+    with pytest.raises(TypeError, match="Received: data_axis=0"):
+        tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}), data_axis=0)

@@ -5,9 +5,19 @@
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
 """
 
-from tfpar.layout import LayoutRules
-from tfpar.mesh import Mesh, use_virtual_cpus
-from tfpar.strategy import ParallelStrategy
+import os
+
+# DTensor's all-reduce combiner (DTensorAllReduceCombineOptimization) moves
+# a variable update that follows an all-reduce past later reads of that
+# variable: it tracks data dependencies only. Keras' `metric.result()` then
+# reads a stale `total` and Adam a stale moment. TF reads this switch once,
+# when the first DTensor function compiles, and only the exact string "0"
+# turns the pass off. See tests/test_dtensor_ordering.py.
+os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
+
+from tfpar.layout import LayoutRules  # noqa: E402
+from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
+from tfpar.strategy import ParallelStrategy  # noqa: E402
 
 __all__ = ["LayoutRules", "Mesh", "ParallelStrategy", "use_virtual_cpus"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ Checked against tensorflow 2.21.
 
 import threading
 
+import tensorflow as tf
 from tensorflow.dtensor.python import d_variable
 from tensorflow.python.distribute import distribute_lib
 
@@ -19,19 +20,33 @@ def require_cross_replica_or_default_context(extended):
     distribute_lib._require_cross_replica_or_default_context_extended(extended)  # noqa: SLF001
 
 
-def route_keras_step_functions(make_function_for):
+def route_keras_step_functions(make_function_for, owns):
     """Lets a strategy build a Keras model's train/test/predict functions.
 
-    Patches `make_{train,test,predict}_function` of Keras' TensorFlow
-    trainer once: for a model whose `distribute_strategy` answers
-    `make_function_for(model, mode)` with a function, that function is used;
-    for every other model Keras' own code runs unchanged.
+    Patches Keras' TensorFlow trainer once: for a model whose
+    `distribute_strategy` answers `make_function_for(model, mode)` with a
+    function, `make_{train,test,predict}_function` use that function; for
+    every other model Keras' own code runs unchanged. `compile` of a model
+    whose strategy `owns(strategy)` enters that strategy's scope, so the
+    optimizer is created under it even when `compile` is called outside.
     """
     from keras.src.backend.tensorflow import trainer  # noqa: PLC0415
 
     cls = trainer.TensorFlowTrainer
     if getattr(cls, "_tfpar_routed", False):
         return
+    original_compile = cls.compile
+
+    def compile(self, *args, **kwargs):  # noqa: A001
+        strategy = self.distribute_strategy
+        if not owns(strategy):
+            return original_compile(self, *args, **kwargs)
+        with strategy.scope():
+            result = original_compile(self, *args, **kwargs)
+            _optimizer_under(self, strategy)
+        return result
+
+    cls.compile = compile
     for mode in ("train", "test", "predict"):
         attribute = f"{mode}_function"
         original = getattr(cls, f"make_{attribute}")
@@ -48,6 +63,49 @@ def route_keras_step_functions(make_function_for):
 
         setattr(cls, f"make_{attribute}", make)
     cls._tfpar_routed = True  # noqa: SLF001
+
+
+def _optimizer_under(model, strategy):
+    """Makes sure `model.optimizer` was created under `strategy`.
+
+    Keras' TF optimizer remembers the strategy current at construction and
+    creates its `iterations` and `learning_rate` variables right away. One
+    built outside `strategy.scope()` therefore cannot train under it (Keras
+    fails with "Mixing different tf.distribute.Strategy objects"). While it
+    has no slots yet, an equal optimizer is rebuilt from its config under the
+    scope and becomes `model.optimizer`.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or getattr(optimizer, "_distribution_strategy",
+                                    strategy) is strategy:
+        return
+    if optimizer.built:
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} was created and built outside "
+            "the strategy's scope. Received: an optimizer bound to "
+            f"{type(optimizer._distribution_strategy).__name__}. Create it "  # noqa: SLF001
+            "inside `with strategy.scope():` or pass its name to compile()."
+        )
+    try:
+        config = optimizer.get_config()
+        with strategy.scope():
+            model.optimizer = type(optimizer).from_config(config)
+    except Exception as error:  # noqa: BLE001 (any failure: explain how to fix)
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} was created outside the "
+            "strategy's scope and could not be rebuilt from its config "
+            f"({error}). Create it inside `with strategy.scope():`."
+        ) from error
+
+
+def backing_variable(variable):
+    """The tf.Variable behind a Keras Variable (or `variable` itself)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+def rebind_keras_variable(keras_variable, tf_variable):
+    """Makes `keras_variable` store its value in `tf_variable` from now on."""
+    keras_variable._value = tf_variable  # noqa: SLF001
 
 
 _initializing = threading.local()

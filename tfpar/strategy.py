@@ -198,12 +198,15 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 initial_value = initial_value()
             if not dtensor.is_dtensor(initial_value):
                 initial_value = tf.convert_to_tensor(initial_value, dtype=dtype)
-        shape = initial_value.shape.as_list()
+        return self._new_variable(path, initial_value, colocate_with, kwargs)
 
+    def _new_variable(self, path, initial_value, colocate_with, kwargs):
+        shape = initial_value.shape.as_list()
         spec, kind = self._spec_for(path, shape, colocate_with,
                                     kwargs.get("trainable", True))
         with tf.init_scope():  # also when first built inside a tf.function
-            value = placement.put(initial_value, spec, self.mesh, dtype=dtype)
+            value = placement.put(initial_value, spec, self.mesh,
+                                  dtype=kwargs.get("dtype"))
             variable = ShardedVariable(
                 value, tfpar_spec=spec, tfpar_mesh=self.mesh, **kwargs
             )
@@ -211,6 +214,37 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             _VariableInfo(path, spec, kind, weakref.ref(variable))
         )
         return variable
+
+    def adopt_state_variables(self, model):
+        """Moves metric/optimizer state made outside the scope onto the mesh.
+
+        Keras metrics passed to `compile` are often constructed before it,
+        outside `strategy.scope()`, and so own plain tf.Variables. DTensor
+        would silently compute wrong values with those inside the SPMD
+        step, so each is replaced (same value, replicated) by a mesh
+        variable. A model weight outside the mesh is an error.
+        """
+        optimizer = getattr(model, "optimizer", None)
+        state = list(model.metrics_variables)
+        if optimizer is not None:
+            state += list(optimizer.variables)
+        for variable in model.variables:
+            if not isinstance(_compat.backing_variable(variable),
+                              ShardedVariable):
+                raise ValueError(
+                    f"Model weight {variable.path!r} was created outside "
+                    "the strategy's scope. Build the model inside "
+                    "`with strategy.scope():`."
+                )
+        for variable in state:
+            backing = _compat.backing_variable(variable)
+            if isinstance(backing, ShardedVariable):
+                continue
+            replacement = self._new_variable(
+                variable.path, tf.convert_to_tensor(backing), None,
+                {"trainable": backing.trainable, "name": backing.name.split(":")[0],
+                 "dtype": backing.dtype})
+            _compat.rebind_keras_variable(variable, replacement)
 
     def _spec_for(self, path, shape, colocate_with, trainable):
         """(spec, kind) for a new variable; slots follow their weight."""
@@ -432,4 +466,5 @@ def _keras_function_for(model, mode):
     return None
 
 
-_compat.route_keras_step_functions(_keras_function_for)
+_compat.route_keras_step_functions(
+    _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))

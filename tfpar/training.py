@@ -24,6 +24,7 @@ class StepRunner:
     """Runs one kind of Keras step (train, test or predict) on the mesh."""
 
     def __init__(self, model, extended, mode):
+        extended.adopt_state_variables(model)
         self._extended = extended
         self._placer = extended.input_placer
         self._mode = mode
@@ -43,12 +44,18 @@ class StepRunner:
 
     def _loop(self, stacked):
         """Runs the step on stacked[0], ..., stacked[k-1]; last outputs."""
+        # tf.gather, not t[i]: DTensor mis-propagates the layout of a strided
+        # slice that drops dimension 0 of a (k, batch, ...) tensor.
         steps = tf.shape(tf.nest.flatten(stacked)[0])[0]
-        outputs = self._in_replica(tf.nest.map_structure(lambda t: t[0], stacked))
+
+        def step(i):
+            return self._in_replica(
+                tf.nest.map_structure(lambda t: tf.gather(t, i), stacked))
+
+        outputs = step(0)
 
         def body(i, _):
-            batch = tf.nest.map_structure(lambda t: t[i], stacked)
-            return i + 1, self._in_replica(batch)
+            return i + 1, step(i)
 
         _, outputs = tf.while_loop(
             lambda i, _: i < steps, body, (tf.constant(1), outputs)
@@ -59,7 +66,7 @@ class StepRunner:
         """Runs the step over `host_batches` (a list).
 
         Train and test return the logs of the last step; predict returns
-        every batch's outputs concatenated, as host numpy arrays.
+        every batch's outputs concatenated, as host tensors.
         """
         batches = [_strip_optionals(b) for b in host_batches]
         if self._mode == "predict":
@@ -68,7 +75,7 @@ class StepRunner:
                 for b in batches
             ]
             return tf.nest.map_structure(
-                lambda *xs: np.concatenate(xs), *outputs)
+                lambda *xs: tf.constant(np.concatenate(xs)), *outputs)
         outputs = None
         for group in self._stackable_runs(batches):
             if len(group) == 1:

@@ -1,0 +1,186 @@
+"""Keras works under ParallelStrategy as on one device (data=2 x model=4).
+
+Each test runs the same calls on a single-device twin built from the same
+initial weights and compares the results.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+
+import models
+
+RTOL = 1e-4
+
+
+def mlp():
+    return keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu", name="up"),
+         keras.layers.Dense(16, name="down"), keras.layers.Dense(3, name="out")],
+        name="mlp")
+
+
+RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
+         r".*down/kernel": ("model", None)}
+STRATEGY = None
+
+
+def strategy():
+    global STRATEGY
+    if STRATEGY is None:
+        STRATEGY = tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 2, "model": 4}), rules=RULES)
+    return STRATEGY
+
+
+def twins(**compile_kwargs):
+    """(single-device model, tfpar model) with equal weights, compiled alike."""
+    keras.utils.set_random_seed(1)
+    single = mlp()
+    with strategy().scope():
+        parallel = mlp()
+        parallel.set_weights(single.get_weights())
+    for model in (single, parallel):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss="mse",
+            metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")],
+            **compile_kwargs)
+    return single, parallel
+
+
+def data(n=100, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = np.stack([x[:, :4].sum(1), x[:, 4:8].prod(1), np.sin(x[:, 8])], 1)
+    return x, y.astype("float32")
+
+
+def assert_weights_close(a, b):
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        assert models.relative_error(wa, wb) < RTOL
+
+
+def assert_logs_close(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert models.relative_error(a[key], b[key]) < RTOL, key
+
+
+def test_fit_with_partial_last_batch_validation_and_callbacks(tmp_path):
+    """100 samples, batch 32, data=2: the last batch has 4 samples."""
+    x, y = data()
+    xv, yv = data(40, seed=1)
+    histories, batch_logs = [], []
+    for model in twins():
+        losses = models.BatchLosses()
+        history = model.fit(
+            x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
+            validation_data=(xv, yv), callbacks=[losses])
+        histories.append(history.history)
+        batch_logs.append(losses.losses)
+    assert len(batch_logs[1]) == 3 * 4  # 4 batches per epoch, none dropped
+    assert models.relative_error(batch_logs[0], batch_logs[1]) < RTOL
+    assert_logs_close(histories[0], histories[1])
+
+
+def test_partial_batch_not_divisible_by_data_axis_matches():
+    """A last batch of 3 samples (data=2 does not divide it) is exact too."""
+    x, y = data(35)
+    single, parallel = twins()
+    for model in (single, parallel):
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(single, parallel)
+
+
+def test_evaluate_predict_and_on_batch_methods():
+    x, y = data()
+    single, parallel = twins()
+    assert_logs_close(
+        single.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+        parallel.evaluate(x, y, batch_size=32, verbose=0, return_dict=True))
+    a = single.predict(x, batch_size=32, verbose=0)
+    b = parallel.predict(x, batch_size=32, verbose=0)
+    assert b.shape == (100, 3) and models.relative_error(a, b) < RTOL
+    for _ in range(2):
+        assert_logs_close(
+            single.train_on_batch(x[:32], y[:32], return_dict=True),
+            parallel.train_on_batch(x[:32], y[:32], return_dict=True))
+    assert_logs_close(
+        single.test_on_batch(x[:32], y[:32], return_dict=True),
+        parallel.test_on_batch(x[:32], y[:32], return_dict=True))
+    assert models.relative_error(single.predict_on_batch(x[:8]),
+                                 parallel.predict_on_batch(x[:8])) < RTOL
+    assert_weights_close(single, parallel)
+
+
+@pytest.mark.parametrize("steps_per_execution", [3, 4])
+def test_steps_per_execution_and_tf_data(steps_per_execution):
+    """k steps run per call; the epoch length need not be a multiple of k."""
+    x, y = data(96)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    single, parallel = twins(steps_per_execution=steps_per_execution)
+    results = []
+    for model in (single, parallel):
+        logs = models.BatchLosses()
+        model.fit(dataset, epochs=2, verbose=0, callbacks=[logs])
+        results.append(logs.losses)
+    # Keras calls batch callbacks once per execution of k steps.
+    assert len(results[1]) == len(results[0]) == 2 * -(-6 // steps_per_execution)
+    assert models.relative_error(results[0], results[1]) < RTOL
+    assert_weights_close(single, parallel)
+
+
+def test_early_stopping_history_and_custom_callback():
+    x, y = data()
+    seen = []
+
+    class Recorder(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((epoch, round(logs["loss"], 4)))
+
+    single, parallel = twins()
+    histories = []
+    for model in (single, parallel):
+        seen.clear()
+        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0,
+                                             min_delta=10.0)
+        history = model.fit(x, y, batch_size=20, epochs=5, verbose=0,
+                            shuffle=False, callbacks=[stop, Recorder()])
+        histories.append((history.history, list(seen)))
+    (h0, seen0), (h1, seen1) = histories
+    assert len(h1["loss"]) == len(h0["loss"]) < 5  # stopped early, alike
+    assert [e for e, _ in seen1] == [e for e, _ in seen0]
+    assert_logs_close(h0, h1)
+
+
+def test_get_set_and_save_load_weights(tmp_path):
+    x, y = data()
+    single, parallel = twins()
+    parallel.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    path = str(tmp_path / "p.weights.h5")
+    parallel.save_weights(path)
+    trained = parallel.get_weights()
+    # Load the file into a single-device model: same values.
+    single.load_weights(path)
+    for a, b in zip(trained, single.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # Scramble, then load back into the sharded model.
+    parallel.set_weights([np.zeros_like(w) for w in trained])
+    assert all(not w.any() for w in parallel.get_weights())
+    parallel.load_weights(path)
+    for a, b in zip(trained, parallel.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert models.relative_error(single.predict(x, verbose=0),
+                                 parallel.predict(x, verbose=0)) < RTOL
+
+
+def test_summary_lists_layers_and_parameter_count():
+    _, parallel = twins()
+    lines = []
+    parallel.summary(print_fn=lambda line, **kwargs: lines.append(line))
+    text = "\n".join(lines)
+    assert "up (Dense)" in text and "down (Dense)" in text
+    assert "Total params: 1,123" in text  # 16*32+32 + 32*16+16 + 16*3+3

@@ -184,3 +184,13 @@ def test_summary_lists_layers_and_parameter_count():
     text = "\n".join(lines)
     assert "up (Dense)" in text and "down (Dense)" in text
     assert "Total params: 1,123" in text  # 16*32+32 + 32*16+16 + 16*3+3
+
+
+def test_eager_model_call_on_host_arrays():
+    """model(x) eagerly: host input in, replicated output back."""
+    x, _ = data(6)
+    single, parallel = twins()
+    for rows in (x, x[:5]):  # 5 rows: the data axis (2) does not divide it
+        expected = single(rows).numpy()
+        got = parallel(rows, training=False)
+        assert models.relative_error(expected, got.numpy()) < RTOL

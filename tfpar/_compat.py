@@ -47,6 +47,19 @@ def route_keras_step_functions(make_function_for, owns):
         return result
 
     cls.compile = compile
+
+    def original_call(self, *args, **kwargs):
+        # Next in the MRO of keras.Model after the trainer: Layer.__call__.
+        return super(cls, self).__call__(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):  # models only: layers keep theirs
+        strategy = self.distribute_strategy
+        if tf.executing_eagerly() and owns(strategy):
+            return strategy.extended.eager_model_call(
+                original_call, self, args, kwargs)
+        return original_call(self, *args, **kwargs)
+
+    cls.__call__ = __call__
     for mode in ("train", "test", "predict"):
         attribute = f"{mode}_function"
         original = getattr(cls, f"make_{attribute}")

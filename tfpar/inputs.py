@@ -8,7 +8,9 @@ device instead: the step then computes the same global result, it only does
 not split that one small batch.
 """
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import placement
 
@@ -68,6 +70,28 @@ class InputPlacer:
             return placement.put(tensor, tuple(spec), self._mesh)
 
         return tf.nest.map_structure(put, batch)
+
+
+    def place_arrays(self, structure):
+        """Like `place`, for host arrays only (Python values, symbolic
+        KerasTensors and DTensors pass through)."""
+        from keras import KerasTensor  # noqa: PLC0415
+
+        def is_host_array(x):
+            return (
+                isinstance(x, np.ndarray)
+                or (isinstance(x, tf.Tensor) and not isinstance(x, KerasTensor)
+                    and not dtensor.is_dtensor(x))
+            )
+
+        leaves = tf.nest.flatten(structure)
+        arrays = [x for x in leaves if is_host_array(x)]
+        if not arrays:
+            return structure
+        placed = iter(tf.nest.flatten(self.place(
+            [tf.convert_to_tensor(x) for x in arrays])))
+        return tf.nest.pack_sequence_as(
+            structure, [next(placed) if is_host_array(x) else x for x in leaves])
 
 
 class DistributedBatches:

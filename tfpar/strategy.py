@@ -321,6 +321,23 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         """Builds `model.{mode}_function` (see `tfpar.training`)."""
         return training.make_function(model, self, mode)
 
+    def eager_model_call(self, call, model, args, kwargs):
+        """`model(x)` run eagerly: host arrays go to the mesh (split over the
+        data axis when it divides them) and outputs come back replicated, so
+        `.numpy()` works on them. (Eager gradients through DTensor ops are
+        not supported by DTensor itself; train with `fit` or `strategy.run`
+        inside a `tf.function`.)"""
+        args, kwargs = self.input_placer.place_arrays((args, kwargs))
+        outputs = call(model, *args, **kwargs)
+        return tf.nest.map_structure(self._replicate, outputs)
+
+    def _replicate(self, value):
+        if not dtensor.is_dtensor(value):
+            return value
+        rank = value.shape.rank
+        return placement.relayout(value, layout_lib.replicated_spec(rank),
+                                  self.mesh)
+
     def _call_for_each_replica(self, fn, args, kwargs):
         if tf.executing_eagerly():
             args, kwargs = self.input_placer.place((args, kwargs or {}))

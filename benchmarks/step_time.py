@@ -37,6 +37,7 @@ same run only.
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -315,8 +316,15 @@ def config_specs(args, data):
 
 
 def first_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:100]
+    """The error's first informative line (skips TF's generic headers)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = lines[0] if lines else ""
+    if line.startswith(("Graph execution error", "Detected at node")):
+        for candidate in lines[1:]:
+            if re.match(r"(\(\d+\) )?[A-Z_]{5,}:", candidate):
+                line = candidate
+                break
+    return f"{type(error).__name__}: {line}"[:160]
 
 
 def settings_report(args):

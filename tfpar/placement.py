@@ -64,11 +64,12 @@ def put(value, spec, mesh, dtype=None):
 
 
 def relayout(value, spec, mesh):
-    """`value` (a DTensor on `mesh`) relaid out to `spec`."""
+    """`value` (a DTensor on `mesh`, or a tensor in a DTensor function)
+    relaid out to `spec`."""
     target = layout_lib.to_dtensor_layout(spec, mesh)
-    if dtensor.fetch_layout(value) == target:
+    if tf.executing_eagerly() and dtensor.fetch_layout(value) == target:
         return value
-    return dtensor.relayout(value, target)
+    return dtensor.relayout(value, target)  # in a graph: free if it matches
 
 
 def fetch(value):

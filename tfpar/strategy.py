@@ -329,10 +329,12 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         inside a `tf.function`.)"""
         args, kwargs = self.input_placer.place_arrays((args, kwargs))
         outputs = call(model, *args, **kwargs)
-        return tf.nest.map_structure(self._replicate, outputs)
+        return tf.nest.map_structure(self.replicate, outputs)
 
-    def _replicate(self, value):
-        if not dtensor.is_dtensor(value):
+    def replicate(self, value):
+        """`value` relaid out so that every device holds all of it."""
+        if not isinstance(value, tf.Tensor) or (
+                tf.executing_eagerly() and not dtensor.is_dtensor(value)):
             return value
         rank = value.shape.rank
         return placement.relayout(value, layout_lib.replicated_spec(rank),

@@ -40,7 +40,13 @@ class StepRunner:
 
     def _in_replica(self, batch):
         with self._extended.replica_scope():
-            return self._step_fn(batch)
+            outputs = self._step_fn(batch)
+        if self._mode == "predict":
+            return outputs  # assembled on the host from the blocks
+        # Logs go back to Keras as DTensors held whole by every device (a
+        # no-op for the usual scalar metrics); nothing waits for the step
+        # until Keras reads a value, so the host runs ahead.
+        return tf.nest.map_structure(self._extended.replicate, outputs)
 
     def _loop(self, stacked):
         """Runs the step on stacked[0], ..., stacked[k-1]; last outputs."""
@@ -65,8 +71,9 @@ class StepRunner:
     def run(self, host_batches):
         """Runs the step over `host_batches` (a list).
 
-        Train and test return the logs of the last step; predict returns
-        every batch's outputs concatenated, as host tensors.
+        Train and test return the logs of the last step (replicated
+        DTensors); predict returns every batch's outputs concatenated, as
+        host tensors.
         """
         batches = [_strip_optionals(b) for b in host_batches]
         if self._mode == "predict":
@@ -86,7 +93,7 @@ class StepRunner:
                 )
                 outputs = self._many_steps(
                     self._placer.place(stacked, batch_dim=1))
-        return _fetch_all(outputs)
+        return outputs
 
     def _stackable_runs(self, batches):
         """Consecutive batches of one shape that the data axis splits."""

@@ -21,8 +21,9 @@ configuration:
                no tfpar, batches placed on the mesh once before timing; its
                baseline is the same step on plain tf.Variables on one device.
 
-Keras configs are timed as `model.fit(x, y, batch_size=256, epochs=1,
-shuffle=False, verbose=0)` over a fixed in-memory numpy dataset after a
+Keras configs are timed as `model.fit(dataset, epochs=1, verbose=0)` over a
+fixed in-memory tf.data dataset (batch 256, tf.data autotuning off for all
+configs alike, see KerasConfig) after a
 warm-up fit (so tracing is excluded); the raw configs as a Python loop of
 step calls over the same number of batches. Configs are measured side by
 side in one process, round-robin over several rounds; the table shows each
@@ -153,6 +154,14 @@ class KerasConfig:
         self.name = name
         self.x, self.y = data
         self.steps = len(self.x) // BATCH
+        # Every Keras config reads the same tf.data pipeline with tf.data's
+        # autotuner off: with 8 virtual devices on the host's cores the
+        # autotuner makes whole fits ~50% slower at random (plain Keras
+        # included), which would swamp the step time being compared.
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        self.dataset = tf.data.Dataset.from_tensor_slices(
+            (self.x, self.y)).batch(BATCH).with_options(options)
         strategy = make_strategy()
         keras.utils.set_random_seed(0)
         if strategy is None:
@@ -164,8 +173,7 @@ class KerasConfig:
                 compile_model(self.model, steps_per_execution)
 
     def fit(self):
-        self.model.fit(self.x, self.y, batch_size=BATCH, epochs=1,
-                       shuffle=False, verbose=0)
+        self.model.fit(self.dataset, epochs=1, verbose=0)
 
     def time_step(self):
         start = time.perf_counter()

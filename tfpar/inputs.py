@@ -19,7 +19,7 @@ class InputPlacer:
     """Places host batches on the mesh, split along the data axis."""
 
     def __init__(self, mesh, data_axis):
-        self._mesh = mesh
+        self.mesh = mesh
         self._data_axis = data_axis
         self._data_size = mesh.axis_size(data_axis)
 
@@ -45,7 +45,7 @@ class InputPlacer:
         raise ValueError(
             f"The global batch size {size} is not divisible by the data axis "
             f"{self._data_axis!r} of size {self._data_size} (mesh "
-            f"{self._mesh!r}). Received: batch_size={size}. Use a batch size "
+            f"{self.mesh!r}). Received: batch_size={size}. Use a batch size "
             f"that is a multiple of {self._data_size}."
         )
 
@@ -67,7 +67,7 @@ class InputPlacer:
             spec = [None] * tensor.shape.rank
             if split:
                 spec[batch_dim] = self._data_axis
-            return placement.put(tensor, tuple(spec), self._mesh)
+            return placement.put(tensor, tuple(spec), self.mesh)
 
         return tf.nest.map_structure(put, batch)
 
@@ -116,7 +116,16 @@ class DistributedBatches:
         return self._dataset.element_spec
 
     def __iter__(self):
-        return BatchIterator(iter(self._dataset), self._placer)
+        dataset = self._dataset
+        if self._placer.mesh.device_type == "CPU":
+            # The devices compute on the host's cores; tf.data's autotuner
+            # then competes with them and makes every other epoch ~50%
+            # slower on 2 cores (benchmarks/step_time.py). Fixed defaults
+            # are steadier there. GPU/TPU meshes keep the autotuner.
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            dataset = dataset.with_options(options)
+        return BatchIterator(iter(dataset), self._placer)
 
 
 class BatchIterator:

@@ -18,6 +18,21 @@ os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 from tfpar.layout import LayoutRules  # noqa: E402
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.strategy import ParallelStrategy  # noqa: E402
+from tfpar.tensor_parallel import (  # noqa: E402
+    ColumnParallel,
+    Replicated,
+    RowParallel,
+    auto_rules,
+)
 
-__all__ = ["LayoutRules", "Mesh", "ParallelStrategy", "use_virtual_cpus"]
+__all__ = [
+    "ColumnParallel",
+    "LayoutRules",
+    "Mesh",
+    "ParallelStrategy",
+    "Replicated",
+    "RowParallel",
+    "auto_rules",
+    "use_virtual_cpus",
+]
 __version__ = "0.1.0"

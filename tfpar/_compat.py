@@ -136,6 +136,31 @@ def keras_variable_being_created():
     return stack[-1] if stack else None
 
 
+def keras_layer_adding_weight():
+    """The Keras layer whose `add_weight` is running, or None."""
+    stack = getattr(_initializing, "layers", None)
+    return stack[-1] if stack else None
+
+
+def _publish_adding_layers():
+    from keras.src.layers import layer as layer_module  # noqa: PLC0415
+
+    original = layer_module.Layer.add_weight
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def add_weight(self, *args, **kwargs):
+        stack = _initializing.__dict__.setdefault("layers", [])
+        stack.append(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    add_weight._tfpar_wrapped = True  # noqa: SLF001
+    layer_module.Layer.add_weight = add_weight
+
+
 def _publish_keras_variables():
     from keras.src.backend.tensorflow import core  # noqa: PLC0415
 
@@ -156,3 +181,4 @@ def _publish_keras_variables():
 
 
 _publish_keras_variables()
+_publish_adding_layers()

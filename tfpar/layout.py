@@ -73,21 +73,31 @@ class LayoutRules:
         return [(pattern, spec) for pattern, _, spec in self._rules]
 
     def axes_used(self):
-        """{axis name: first rule naming it} over all specs."""
+        """{axis name: first rule naming it} over all specs and styles."""
         axes = {}
         for pattern, _, spec in self._rules:
-            for axis in spec:
+            for axis in (spec.axes() if _is_style(spec) else spec):
                 if axis is not None:
                     axes.setdefault(axis, pattern)
         return axes
 
-    def spec_for(self, path, shape):
+    def spec_for(self, path, shape, layer=None):
         """The spec for the variable at `path` with `shape`, or None.
 
-        Raises ValueError when two rules match `path` or the spec's length is
-        not the variable's rank. Marks the matching rule as used.
+        A raw spec rule matches the variable path; a style rule (e.g.
+        `tfpar.ColumnParallel()`) matches the path of the layer owning the
+        variable, and the style lays out the weight given `layer`. Raises
+        ValueError when two rules match `path` or the spec's length is not
+        the variable's rank. Marks the matching rule as used.
         """
-        hits = [(p, s) for p, regex, s in self._rules if regex.fullmatch(path)]
+        hits = []
+        for pattern, regex, spec in self._rules:
+            if _is_style(spec):
+                match = layer_prefix_match(regex, path)
+                if match is not None:
+                    hits.append((pattern, (spec, match[1])))
+            elif regex.fullmatch(path):
+                hits.append((pattern, spec))
         if not hits:
             return None
         if len(hits) > 1:
@@ -98,6 +108,9 @@ class LayoutRules:
             )
         pattern, spec = hits[0]
         self._matched.add(pattern)
+        if isinstance(spec, tuple) and len(spec) == 2 and _is_style(spec[0]):
+            style, role = spec
+            spec = style.spec_for(layer, role, tuple(shape))
         if len(spec) != len(shape):
             raise ValueError(
                 f"Layout rule {pattern!r} gives spec {spec} with {len(spec)} "
@@ -118,7 +131,27 @@ class LayoutRules:
         return f"LayoutRules({{{body}}})"
 
 
+def _is_style(spec):
+    return callable(getattr(spec, "spec_for", None))
+
+
+def layer_prefix_match(regex, path):
+    """(layer path, role) if `regex` fullmatches a layer prefix of `path`.
+
+    The longest matching prefix wins: `.*attn` matches
+    "block/attn/query/kernel" with role "query/kernel".
+    """
+    parts = path.split("/")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = "/".join(parts[:cut])
+        if regex.fullmatch(prefix):
+            return prefix, "/".join(parts[cut:])
+    return None
+
+
 def _check_spec(pattern, spec):
+    if _is_style(spec):
+        return spec
     if isinstance(spec, list):
         spec = tuple(spec)
     if not isinstance(spec, tuple) or not all(
@@ -126,8 +159,8 @@ def _check_spec(pattern, spec):
     ):
         raise TypeError(
             f"Layout rule {pattern!r} needs a spec: a tuple of mesh axis names "
-            f"or None, one per dimension, e.g. (None, 'model'). "
-            f"Received: {spec!r}"
+            f"or None, one per dimension, e.g. (None, 'model'), or a style "
+            f"such as tfpar.ColumnParallel(). Received: {spec!r}"
         )
     named = [s for s in spec if s is not None]
     if len(set(named)) != len(named):

@@ -69,13 +69,7 @@ class ParallelStrategy(tf.distribute.Strategy):
                 "ParallelStrategy(data_axis) needs a mesh axis name (str). "
                 f"Received: data_axis={data_axis!r}"
             )
-        for axis, pattern in rules.axes_used().items():
-            if axis not in mesh.shape:
-                raise ValueError(
-                    f"Layout rule {pattern!r} names mesh axis {axis!r}, which "
-                    f"the mesh lacks. Received: mesh axes {mesh.axis_names}. "
-                    "Use one of the mesh's axis names or add that axis."
-                )
+        _check_axes(rules, mesh)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis))
 
     @property
@@ -99,6 +93,15 @@ class ParallelStrategy(tf.distribute.Strategy):
         """[(path, variable)] of every live variable created in scope."""
         return self.extended.tracked_variables()
 
+    def apply_rules(self, model, rules):
+        """Re-lays out the weights of a model built in this scope by `rules`.
+
+        For plans computed from the built model, e.g. `tfpar.auto_rules`.
+        Must run before the optimizer is built (compile/fit build it later).
+        Every rule must match a weight of `model`.
+        """
+        self.extended.apply_rules(model, rules)
+
     def placements(self, kind=None):
         """[(path, spec, per-device block shape)] of live variables.
 
@@ -117,6 +120,25 @@ class ParallelStrategy(tf.distribute.Strategy):
         BatchNormalization statistics, optimizer counters, metrics).
         """
         return self.extended.memory_per_device()
+
+
+def _check_axes(rules, mesh):
+    for axis, pattern in rules.axes_used().items():
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"Layout rule {pattern!r} names mesh axis {axis!r}, which "
+                f"the mesh lacks. Received: mesh axes {mesh.axis_names}. "
+                "Use one of the mesh's axis names or add that axis."
+            )
+
+
+def _owning_layers(model):
+    """{id(weight): the innermost layer that owns it}."""
+    owners = {}
+    for layer in model._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
+        for weight in layer.weights:
+            owners[id(weight)] = layer  # inner layers come later: they win
+    return owners
 
 
 class _VariableInfo(
@@ -203,7 +225,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     def _new_variable(self, path, initial_value, colocate_with, kwargs):
         shape = initial_value.shape.as_list()
         spec, kind = self._spec_for(path, shape, colocate_with,
-                                    kwargs.get("trainable", True))
+                                    kwargs.get("trainable", True),
+                                    _compat.keras_layer_adding_weight())
         with tf.init_scope():  # also when first built inside a tf.function
             value = placement.put(initial_value, spec, self.mesh,
                                   dtype=kwargs.get("dtype"))
@@ -246,7 +269,56 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                  "dtype": backing.dtype})
             _compat.rebind_keras_variable(variable, replacement)
 
-    def _spec_for(self, path, shape, colocate_with, trainable):
+    def apply_rules(self, model, rules):
+        """Re-lays out the existing weights of `model` by `rules`."""
+        if not isinstance(rules, layout_lib.LayoutRules):
+            rules = layout_lib.LayoutRules(rules)
+        _check_axes(rules, self.mesh)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            raise ValueError(
+                "apply_rules must run before the optimizer is built (its "
+                f"slots follow the weights' layouts); {optimizer.name!r} is "
+                "built already. Call strategy.apply_rules(model, rules) right "
+                "after building the model, before compile/fit."
+            )
+        owners = _owning_layers(model)
+        for variable in model.weights:
+            backing = _compat.backing_variable(variable)
+            info = self._info_of(backing)
+            if info is None:
+                raise ValueError(
+                    f"Model weight {variable.path!r} was created outside the "
+                    "strategy's scope. Build the model inside "
+                    "`with strategy.scope():`."
+                )
+            shape = backing.shape.as_list()
+            spec, kind = self._spec_for(
+                variable.path, shape, None, backing.trainable,
+                owners.get(id(variable)), rules)
+            if spec == info.spec:
+                continue
+            with tf.init_scope():
+                value = placement.relayout(backing.read_value(), spec,
+                                           self.mesh)
+                replacement = ShardedVariable(
+                    value, tfpar_spec=spec, tfpar_mesh=self.mesh,
+                    trainable=backing.trainable,
+                    name=backing.name.split(":")[0], dtype=backing.dtype)
+            self._variables.remove(info)
+            self._variables.append(_VariableInfo(
+                info.path, spec, kind, weakref.ref(replacement)))
+            _compat.rebind_keras_variable(variable, replacement)
+        unmatched = rules.unmatched()
+        if unmatched:
+            raise ValueError(
+                f"Layout rule(s) {unmatched} matched no weight of model "
+                f"{model.name!r} (weights such as "
+                f"{[v.path for v in model.weights][:8]}). Fix or remove them."
+            )
+
+    def _spec_for(self, path, shape, colocate_with, trainable, layer=None,
+                  rules=None):
         """(spec, kind) for a new variable; slots follow their weight."""
         if colocate_with is not None:
             reference = self._info_of(colocate_with)
@@ -254,7 +326,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 if reference.kind == "params" and len(shape) == len(reference.spec):
                     return reference.spec, "optimizer"
                 return layout_lib.replicated_spec(len(shape)), "optimizer"
-        spec = self.rules.spec_for(path, shape)
+        spec = (rules or self.rules).spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
         layout_lib.check_divisible(path, shape, spec, self.mesh)

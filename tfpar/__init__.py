@@ -16,7 +16,9 @@ import os
 os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 
 from tfpar.layout import LayoutRules  # noqa: E402
+from tfpar import pipeline, visualize  # noqa: E402
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
+from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.strategy import ParallelStrategy  # noqa: E402
 from tfpar.tensor_parallel import (  # noqa: E402
     ColumnParallel,
@@ -24,6 +26,8 @@ from tfpar.tensor_parallel import (  # noqa: E402
     RowParallel,
     auto_rules,
 )
+from tfpar.tpu import connect_tpu  # noqa: E402
+from tfpar.visualize import summary, visualize_layout  # noqa: E402
 
 __all__ = [
     "ColumnParallel",
@@ -33,6 +37,13 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "auto_rules",
+    "connect_tpu",
+    "get_schedule",
+    "pipeline",
+    "plot_schedule",
+    "summary",
     "use_virtual_cpus",
+    "visualize",
+    "visualize_layout",
 ]
 __version__ = "0.1.0"

@@ -62,20 +62,75 @@ def use_virtual_cpus(n):
 
 def default_device_type():
     """The device type tfpar uses by default: "TPU", else "GPU", else "CPU"."""
-    for device_type in _DEVICE_PREFERENCE:
-        if tf.config.list_logical_devices(device_type):
-            return device_type
-    return "CPU"
+    devices = _pick_devices(tf.config.list_logical_devices())
+    return devices[0].split(":")[0] if devices else "CPU"
 
 
 def default_devices():
-    """All logical devices of `default_device_type()`, in index order."""
-    device_type = default_device_type()
-    names = [
-        _short_device_name(d.name)
-        for d in tf.config.list_logical_devices(device_type)
-    ]
-    return sorted(names, key=_device_index)
+    """All logical devices of `default_device_type()`, in index order.
+
+    Example:
+
+    >>> tfpar.use_virtual_cpus(8)
+    >>> tfpar.mesh.default_devices()[:3]
+    ['CPU:0', 'CPU:1', 'CPU:2']
+
+    Raises:
+        RuntimeError: TensorFlow lists no TPU, GPU or CPU device.
+    """
+    logical = tf.config.list_logical_devices()
+    devices = _pick_devices(logical)
+    if not devices:
+        raise RuntimeError(
+            "tfpar found no TPU, GPU or CPU device. Received: logical "
+            f"devices={[d.name for d in logical]!r}. Check the TensorFlow "
+            "install with `python -m tfpar.env`."
+        )
+    return devices
+
+
+def _pick_devices(logical_devices):
+    """Chooses the default mesh devices from a list of logical devices.
+
+    A pure function (no TensorFlow calls), so it can be tested with made-up
+    device lists: all TPU cores if there are any, else all GPUs, else all
+    CPUs, as short names ordered by numeric index ("GPU:2" before "GPU:10").
+    Other device types (e.g. "TPU_SYSTEM") are ignored; a short name listed
+    twice (the same index in two jobs) is kept once.
+
+    Example:
+
+    >>> _pick_devices([("CPU", "CPU:0"), ("GPU", "GPU:10"), ("GPU", "GPU:2")])
+    ['GPU:2', 'GPU:10']
+
+    Args:
+        logical_devices: `tf.config.LogicalDevice`s, or any objects with
+            `.name` and `.device_type`, or `(device_type, name)` pairs.
+
+    Returns:
+        A list of short device names like "GPU:0"; empty when there is no
+        TPU, GPU or CPU device.
+    """
+    by_type = {}
+    for device in logical_devices:
+        # Attributes first: a LogicalDevice is a (name, device_type) tuple.
+        if hasattr(device, "name") and hasattr(device, "device_type"):
+            device_type, name = device.device_type, device.name
+        elif isinstance(device, tuple) and len(device) == 2:
+            device_type, name = device
+        else:
+            raise TypeError(
+                "_pick_devices(logical_devices) needs LogicalDevice-like "
+                "objects (with .name and .device_type) or (device_type, name) "
+                f"pairs. Received: {device!r} in logical_devices="
+                f"{list(logical_devices)!r}"
+            )
+        short = _short_device_name(name)
+        by_type.setdefault(str(device_type).upper(), {})[short] = None
+    for device_type in _DEVICE_PREFERENCE:
+        if by_type.get(device_type):
+            return sorted(by_type[device_type], key=_device_index)
+    return []
 
 
 def _device_index(name):
@@ -107,7 +162,8 @@ class Mesh:
         axes: ordered mapping of axis name (str) to size (positive int).
         devices: optional list of device names ("CPU:3", "/device:GPU:0", ...),
             possibly a subset of the machine's devices. Defaults to all TPU
-            cores, else all GPUs, else all logical CPUs.
+            cores, else all GPUs, else all logical CPUs (on a TPU host call
+            `tfpar.connect_tpu()` first so the TPU cores are listed).
     """
 
     def __init__(self, axes, devices=None):
@@ -165,6 +221,7 @@ class Mesh:
 
     @property
     def device_type(self):
+        """The kind of device the mesh runs on: "TPU", "GPU" or "CPU"."""
         return _short_device_name(self._devices[0]).split(":")[0]
 
     def axis_size(self, name):
@@ -224,16 +281,32 @@ def _normalize_devices(devices):
             "All mesh devices must be of one type. Received: "
             f"devices={names!r}"
         )
+    device_type = device_types.pop()
+    logical = tf.config.list_logical_devices()
     available = {
         _short_device_name(d.name)
-        for d in tf.config.list_logical_devices(device_types.pop())
+        for d in logical
+        if d.device_type.upper() == device_type
     }
     missing = [n for n in names if n not in available]
     if missing:
+        if available:
+            hint = (
+                f"Choose among the available {device_type} devices "
+                f"{sorted(available, key=_device_index)}"
+            )
+        else:
+            hint = (
+                f"This host has no {device_type} device; omit devices= to use "
+                f"{_device_range(_pick_devices(logical) or ['CPU:0'])}"
+            )
+        if device_type == "CPU":
+            hint += ", or call tfpar.use_virtual_cpus(n) first for more CPUs"
+        elif device_type == "TPU":
+            hint += ", or call tfpar.connect_tpu() first thing on a TPU host"
         raise ValueError(
             f"Mesh devices {missing} do not exist on this host. Received: "
-            f"devices={names!r}; available: {sorted(available, key=_device_index)}. "
-            "For CPU tests call tfpar.use_virtual_cpus(n) first."
+            f"devices={names!r}. {hint}."
         )
     return names
 

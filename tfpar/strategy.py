@@ -521,6 +521,11 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         )
 
 
+def in_spmd_step():
+    """Whether the code runs inside a tfpar SPMD step (a traced step)."""
+    return isinstance(tf.distribute.get_replica_context(), _SPMDReplicaContext)
+
+
 class _SPMDReplicaContext(tf.distribute.ReplicaContext):
     """The single replica of an SPMD program: reductions are identities."""
 

@@ -29,11 +29,15 @@ Example:
 ... })
 """
 
+import functools
 import re
 import warnings
 
 import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
 
+from tfpar import strategy as strategy_lib
 from tfpar.layout import LayoutRules
 
 
@@ -113,12 +117,44 @@ class RowParallel(Style):
 _ATTENTION_OUTPUT = ("attention_output", "output")
 
 
+def _gather_output_hidden(layer):
+    """Makes a hidden-wise split Embedding return whole hidden vectors.
+
+    The lookup itself needs no communication; its output is gathered along
+    the hidden dimension (an all-gather over the model axis; other
+    dimensions keep their layout), as in Megatron. Left to itself, DTensor
+    2.21 propagates the hidden split into the following LayerNormalization
+    and then fails to expand the backward pass (EmitAllScatter).
+    """
+    if layer is None or getattr(layer, "_tfpar_gathers_output", False):
+        return
+    original_call = layer.call
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        outputs = original_call(*args, **kwargs)
+        if tf.executing_eagerly() and dtensor.is_dtensor(outputs):
+            mesh = dtensor.fetch_layout(outputs).mesh
+        elif not tf.executing_eagerly() and strategy_lib.in_spmd_step():
+            mesh = tf.distribute.get_strategy().mesh.dtensor_mesh
+        else:  # not on a mesh, e.g. Keras' symbolic build
+            return outputs
+        # Keep the batch layout (split over data or not); all else whole.
+        specs = [dtensor.MATCH] + [dtensor.UNSHARDED] * (outputs.shape.rank - 1)
+        return dtensor.relayout(outputs, dtensor.Layout(specs, mesh))
+
+    layer.call = call
+    layer._tfpar_gathers_output = True  # noqa: SLF001
+
+
 def _split(layer, role, shape, axis, row, owner):
     """Spec splitting the input (row) or output (column) side of a weight."""
     name = role.rsplit("/", 1)[-1]
     spec = [None] * len(shape)
     if name == "embeddings" and len(shape) == 2:
         spec[0 if row else 1] = axis  # vocab-wise or hidden-wise
+        if not row:
+            _gather_output_hidden(layer)
         return tuple(spec)
     equation = getattr(layer, "equation", None)
     if equation is not None:  # EinsumDense

@@ -1,0 +1,278 @@
+"""Device discovery on faked device lists, connect_tpu (mocked), tfpar.env."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar import env, tpu
+from tfpar.mesh import _pick_devices, default_device_type, default_devices
+
+
+def _devices(*names):
+    """LogicalDevices for short names like "GPU:0" (TPU_SYSTEM:0 allowed)."""
+    return [
+        tf.config.LogicalDevice(
+            name=f"/job:localhost/replica:0/task:0/device:{n}",
+            device_type=n.rsplit(":", 1)[0],
+        )
+        for n in names
+    ]
+
+
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """Makes tf.config.list_logical_devices report the given devices."""
+
+    def install(*names):
+        devices = _devices(*names)
+
+        def list_logical_devices(device_type=None):
+            return [
+                d
+                for d in devices
+                if device_type is None or d.device_type == device_type
+            ]
+
+        monkeypatch.setattr(tf.config, "list_logical_devices", list_logical_devices)
+
+    return install
+
+
+def test_pick_devices_prefers_tpu_then_gpu_then_cpu():
+    cpus = ("CPU:0", "CPU:1")
+    assert _pick_devices(_devices(*cpus)) == ["CPU:0", "CPU:1"]
+    assert _pick_devices(_devices(*cpus, "GPU:1", "GPU:0")) == ["GPU:0", "GPU:1"]
+    tpu_host = _devices(*cpus, "GPU:0", "TPU_SYSTEM:0", "TPU:1", "TPU:0")
+    assert _pick_devices(tpu_host) == ["TPU:0", "TPU:1"]
+    assert _pick_devices([]) == []
+
+
+def test_pick_devices_orders_by_numeric_index():
+    gpus = [f"GPU:{i}" for i in (10, 2, 0, 11, 1)]
+    assert _pick_devices(_devices(*gpus)) == ["GPU:0", "GPU:1", "GPU:2", "GPU:10", "GPU:11"]
+
+
+def test_pick_devices_accepts_pairs_and_drops_duplicate_names():
+    pairs = [
+        ("GPU", "/job:localhost/replica:0/task:0/device:GPU:1"),
+        ("gpu", "GPU:0"),
+        ("GPU", "/job:worker/replica:0/task:0/device:GPU:1"),
+    ]
+    assert _pick_devices(pairs) == ["GPU:0", "GPU:1"]
+
+
+def test_pick_devices_rejects_other_items():
+    with pytest.raises(TypeError, match=r"\(device_type, name\) pairs.*Received: 'GPU:0'"):
+        _pick_devices(["GPU:0"])
+
+
+def test_default_devices_and_mesh_on_faked_gpus(fake_devices):
+    fake_devices("CPU:0", *[f"GPU:{i}" for i in range(12)])
+    assert default_device_type() == "GPU"
+    assert default_devices()[-3:] == ["GPU:9", "GPU:10", "GPU:11"]
+    mesh = tfpar.Mesh({"data": 3, "model": 4})  # no DTensor mesh is created
+    assert mesh.device_type == "GPU"
+    assert mesh.devices[:3] == ("GPU:0", "GPU:1", "GPU:2")
+    assert repr(mesh) == "Mesh({'data': 3, 'model': 4}, devices=GPU:0..GPU:11)"
+
+
+def test_default_mesh_on_faked_tpu(fake_devices):
+    fake_devices("CPU:0", "TPU_SYSTEM:0", *[f"TPU:{i}" for i in range(8)])
+    mesh = tfpar.Mesh({"data": 2, "model": 4})
+    assert mesh.device_type == "TPU"
+    assert repr(mesh) == "Mesh({'data': 2, 'model': 4}, devices=TPU:0..TPU:7)"
+
+
+def test_explicit_devices_checked_against_faked_gpus(fake_devices):
+    fake_devices("CPU:0", "GPU:0", "GPU:1", "GPU:2")
+    mesh = tfpar.Mesh({"model": 2}, devices=["GPU:2", "/device:GPU:0"])
+    assert mesh.devices == ("GPU:2", "GPU:0")
+    assert repr(mesh) == "Mesh({'model': 2}, devices=[GPU:2, GPU:0])"
+    with pytest.raises(
+        ValueError,
+        match=r"\['GPU:7'\] do not exist.*Received: devices=\['GPU:0', 'GPU:7'\]"
+        r".*available GPU devices \['GPU:0', 'GPU:1', 'GPU:2'\]",
+    ):
+        tfpar.Mesh({"model": 2}, devices=["GPU:0", "GPU:7"])
+
+
+def test_explicit_gpu_devices_on_cpu_host_say_how_to_fix(fake_devices):
+    fake_devices("CPU:0", "CPU:1")
+    with pytest.raises(
+        ValueError,
+        match=r"do not exist.*Received: devices=\['GPU:0', 'GPU:1'\]\. This "
+        r"host has no GPU device; omit devices= to use \[CPU:0, CPU:1\]",
+    ):
+        tfpar.Mesh({"model": 2}, devices=["GPU:0", "GPU:1"])
+
+
+def test_default_devices_without_any_device_raises(fake_devices):
+    fake_devices("TPU_SYSTEM:0")
+    with pytest.raises(RuntimeError, match=r"no TPU, GPU or CPU device\. Received"):
+        default_devices()
+
+
+# connect_tpu: only the error and repeat-call paths, with mocks.
+
+
+@pytest.fixture
+def fresh_tpu_state(monkeypatch):
+    monkeypatch.setattr(tpu, "_connected", None)
+
+
+def test_connect_tpu_without_tpu_raises_clear_error(fresh_tpu_state, monkeypatch):
+    def no_tpu(tpu=None, **kwargs):
+        raise ValueError("Please provide a TPU Name to connect to.")
+
+    monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", no_tpu)
+    with pytest.raises(
+        RuntimeError,
+        match=r"no TPU found.*Received: tpu=None; on Colab choose "
+        r"Runtime > Change runtime type > TPU",
+    ):
+        tpu.connect_tpu()
+    assert tpu.connected_tpu_cores() == 0
+
+
+def test_connect_tpu_falls_back_to_local_chips(fresh_tpu_state, monkeypatch, fake_devices):
+    tried = []
+
+    def resolver(tpu=None):
+        tried.append(tpu)
+        if tpu is None:
+            raise ValueError("Please provide a TPU Name to connect to.")
+        return "local resolver"
+
+    monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", resolver)
+    monkeypatch.setattr(tpu, "_local_tpu_chips", lambda: ["/dev/accel0"])
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda r: None)
+    monkeypatch.setattr(dtensor, "initialize_accelerator_system", lambda t: t)
+    fake_devices("CPU:0", "TPU:0", "TPU:1", "TPU:2", "TPU:3")
+    assert tpu.connect_tpu() == 4
+    assert tried == [None, "local"]
+
+
+@pytest.mark.skipif(
+    bool(os.environ.get("TPU_NAME") or tpu._local_tpu_chips()),
+    reason="this host may have a TPU",
+)
+def test_connect_tpu_real_resolver_without_tpu_raises(fresh_tpu_state):
+    # This host has no TPU: the real resolver raises ValueError, which we wrap.
+    with pytest.raises(RuntimeError, match=r"no TPU found.*Received: tpu=None"):
+        tpu.connect_tpu()
+
+
+def test_connect_tpu_initialises_once(fresh_tpu_state, monkeypatch, fake_devices):
+    calls = []
+    monkeypatch.setattr(
+        tf.distribute.cluster_resolver,
+        "TPUClusterResolver",
+        lambda tpu=None: calls.append(("resolve", tpu)) or "resolver",
+    )
+    monkeypatch.setattr(
+        tf.config,
+        "experimental_connect_to_cluster",
+        lambda resolver: calls.append(("connect", resolver)),
+    )
+    monkeypatch.setattr(
+        dtensor,
+        "initialize_accelerator_system",
+        lambda device_type: calls.append(("init", device_type)) or device_type,
+    )
+    fake_devices("CPU:0", "TPU_SYSTEM:0", *[f"TPU:{i}" for i in range(8)])
+    assert tpu.connect_tpu("local") == 8
+    assert tpu.connect_tpu() == 8
+    assert tpu.connect_tpu("local") == 8
+    assert calls == [
+        ("resolve", "local"),
+        ("connect", "resolver"),
+        ("init", "TPU"),
+    ]
+    assert tpu.connected_tpu_cores() == 8
+    with pytest.raises(RuntimeError, match=r"already connected.*Received: tpu='other'"):
+        tpu.connect_tpu("other")
+
+
+def test_connect_tpu_after_tensorflow_started_says_call_it_first(
+    fresh_tpu_state, monkeypatch
+):
+    monkeypatch.setattr(
+        tf.distribute.cluster_resolver, "TPUClusterResolver", lambda tpu=None: "r"
+    )
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda r: None)
+
+    def already(device_type):
+        raise ValueError("TensorFlow has already been initialized. ...")
+
+    monkeypatch.setattr(dtensor, "initialize_accelerator_system", already)
+    with pytest.raises(
+        RuntimeError, match=r"Received: tpu=None\. Call tfpar\.connect_tpu\(\) first"
+    ):
+        tpu.connect_tpu()
+    assert tpu.connected_tpu_cores() == 0
+
+
+# python -m tfpar.env
+
+
+def test_report_in_process():
+    text = env.report()
+    lines = text.splitlines()
+    assert lines[0] == f"tfpar: {tfpar.__version__}"
+    assert f"tensorflow: {tf.__version__}" in lines
+    for key in ("keras: ", "numpy: ", "python: ", "platform: ", "tf.config.threading: "):
+        assert any(line.startswith(key) for line in lines), key
+    assert "logical devices: 8 CPU" in lines
+    assert "  CPU: CPU:0..CPU:7" in lines
+    assert any(line.startswith("dtensor: importable") for line in lines)
+    assert "  DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0" in lines
+    assert lines[-1] == (
+        "default mesh: Mesh({'data': 8}, devices=CPU:0..CPU:7) (device type: CPU)"
+    )
+
+
+def test_report_leaves_out_terraform_and_secret_variables(monkeypatch):
+    monkeypatch.setenv("TF_VAR_db_password", "hunter2")
+    monkeypatch.setenv("TF_TOKEN_app_terraform_io", "tok")
+    monkeypatch.setenv("TF_SOME_API_KEY", "abc")
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    text = env.report()
+    assert "hunter2" not in text and "TF_TOKEN" not in text
+    assert "  TF_SOME_API_KEY=<redacted>" in text.splitlines()
+    assert "  KERAS_BACKEND=tensorflow" in text.splitlines()
+
+
+def test_env_help_and_bad_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        env.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--virtual-cpus N" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        env.main(["--virtual-cpus", "0"])
+    assert exit_info.value.code == 2
+    assert "Received: --virtual-cpus 0" in capsys.readouterr().err
+
+
+def test_python_m_tfpar_env_with_virtual_cpus():
+    environ = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.env", "--virtual-cpus", "8"],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"tfpar: {tfpar.__version__}"
+    assert any(line.startswith("physical devices: ") for line in lines)
+    assert "logical devices: 8 CPU" in lines
+    assert "  TF_CPP_MIN_LOG_LEVEL=2" in lines
+    assert lines[-1] == (
+        "default mesh: Mesh({'data': 8}, devices=CPU:0..CPU:7) (device type: CPU)"
+    )

@@ -1,0 +1,41 @@
+"""Pipeline parallelism: schedules as plain data, plus their pictures.
+
+Device-free part of issue 4: which stage runs which forward/backward, in
+what order (`gpipe`, `one_f_one_b`), a dependency-respecting simulation of
+the resulting timeline, its bubble fraction, and text/PNG renderings.
+
+Example:
+
+>>> from tfpar.pipeline import get_schedule, format_timeline
+>>> schedule = get_schedule("1f1b", num_stages=4, num_microbatches=8)
+>>> timeline = schedule.simulate(forward_time=1.0, backward_time=1.0)
+>>> round(schedule.bubble_fraction(), 4)   # (p - 1) / (m + p - 1) = 3 / 11
+0.2727
+"""
+
+from tfpar.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    TimelineEntry,
+    bubble_fraction,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+    theoretical_bubble_fraction,
+)
+from tfpar.pipeline.timeline import format_timeline, plot_schedule
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Schedule",
+    "TimelineEntry",
+    "bubble_fraction",
+    "format_timeline",
+    "get_schedule",
+    "gpipe",
+    "one_f_one_b",
+    "plot_schedule",
+    "theoretical_bubble_fraction",
+]

@@ -31,11 +31,12 @@ def route_keras_step_functions(make_function_for, owns):
     optimizer is created under it even when `compile` is called outside.
     """
     from keras.src.backend.tensorflow import trainer  # noqa: PLC0415
+    from keras.src.trainers import trainer as base_trainer  # noqa: PLC0415
 
     cls = trainer.TensorFlowTrainer
     if getattr(cls, "_tfpar_routed", False):
         return
-    original_compile = cls.compile
+    original_compile = base_trainer.Trainer.compile
 
     def compile(self, *args, **kwargs):  # noqa: A001
         strategy = self.distribute_strategy
@@ -46,7 +47,10 @@ def route_keras_step_functions(make_function_for, owns):
             _optimizer_under(self, strategy)
         return result
 
-    cls.compile = compile
+    # Patched on the base class: Keras' `compile_from_config` (what
+    # `load_model` compiles with) skips compiling, with a warning, any model
+    # whose `type(model).compile` is not `Trainer.compile`.
+    base_trainer.Trainer.compile = compile
 
     def original_call(self, *args, **kwargs):
         # Next in the MRO of keras.Model after the trainer: Layer.__call__.

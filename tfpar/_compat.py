@@ -115,6 +115,21 @@ def _optimizer_under(model, strategy):
         ) from error
 
 
+def all_layers(layer, include_self=True):
+    """`layer` and every layer nested in it, outermost first."""
+    return list(layer._flatten_layers(include_self=include_self,  # noqa: SLF001
+                                      recursive=True))
+
+
+def producers(layer):
+    """The layers whose outputs `layer` was called on in a functional graph
+    (first call), or [] for layers with no graph (subclassed models)."""
+    for node in getattr(layer, "_inbound_nodes", []):
+        return [t._keras_history.operation  # noqa: SLF001
+                for t in node.arguments.keras_tensors]
+    return []
+
+
 def backing_variable(variable):
     """The tf.Variable behind a Keras Variable (or `variable` itself)."""
     return variable if isinstance(variable, tf.Variable) else variable.value

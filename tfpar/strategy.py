@@ -135,7 +135,7 @@ def _check_axes(rules, mesh):
 def _owning_layers(model):
     """{id(weight): the innermost layer that owns it}."""
     owners = {}
-    for layer in model._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
+    for layer in _compat.all_layers(model):
         for weight in layer.weights:
             owners[id(weight)] = layer  # inner layers come later: they win
     return owners

@@ -37,6 +37,7 @@ import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import _compat
 from tfpar import strategy as strategy_lib
 from tfpar.layout import LayoutRules
 
@@ -302,12 +303,12 @@ def _check_divides(layer, size, axis, axis_size, what):
 def _leaf_layers(model):
     """Layers that own weights directly (attention counted whole), in order."""
     out, inside_attention = [], set()
-    for layer in model._flatten_layers(include_self=False, recursive=True):  # noqa: SLF001
+    for layer in _compat.all_layers(model, include_self=False):
         if id(layer) in inside_attention or isinstance(layer, keras.Model):
             continue
         if isinstance(layer, keras.layers.MultiHeadAttention):
             inside_attention.update(
-                id(sub) for sub in layer._flatten_layers(include_self=False))  # noqa: SLF001
+                id(sub) for sub in _compat.all_layers(layer, include_self=False))
         out.append(layer)
     return out
 
@@ -323,11 +324,9 @@ def _dense_pairs(model, layers):
     producer = {}
     graph_known = False
     for layer in layers:
-        for node in getattr(layer, "_inbound_nodes", []):
-            parents = [t._keras_history.operation for t in node.arguments.keras_tensors]  # noqa: SLF001
-            if parents:
-                graph_known = True
-            producer.setdefault(id(layer), parents)
+        parents = _compat.producers(layer)
+        graph_known = graph_known or bool(parents)
+        producer[id(layer)] = parents
     pairs, used = [], set()
     if graph_known:
         for b in dense:

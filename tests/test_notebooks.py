@@ -1,0 +1,118 @@
+"""Every notebook in colab/ runs top to bottom on 8 virtual CPU devices.
+
+Each notebook is executed with nbclient in a fresh Jupyter kernel running
+this interpreter (a kernelspec written to a temporary JUPYTER_PATH, so the
+result does not depend on which `python3` kernel is installed where), with
+TFPAR_NOTEBOOK_SMALL=1 so the notebooks pick tiny sizes. A cell error fails
+the test; then a key output of each notebook is checked.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import ipykernel  # noqa: F401  (the kernel the notebooks run in)
+import nbclient
+import nbformat
+import pytest
+
+COLAB = Path(__file__).resolve().parents[1] / "colab"
+NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
+KERNEL = "tfpar-notebook-test"
+CELL_TIMEOUT = 300  # seconds; each notebook takes well under a minute
+
+# Text each notebook must print (in any stream or display output), and
+# whether it must display at least one PNG.
+EXPECTED = {
+    "quickstart": (["parity with one device: OK", "8 CPU device(s)",
+                    "up0/kernel"], True),
+    "gpt": (["parity with one device: OK", "ColumnParallel", "RowParallel"],
+            True),
+    "pipeline_schedules": (
+        ["simulated bubbles match (p-1)/(m+p-1): OK",
+         "gpipe schedule, 4 stages x 8 micro-batches",
+         "1f1b schedule, 4 stages x 8 micro-batches"], True),
+}
+
+
+def test_every_notebook_has_expectations():
+    assert NOTEBOOKS, f"no notebooks in {COLAB}"
+    assert {p.stem for p in NOTEBOOKS} == set(EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def kernel_path(tmp_path_factory):
+    """A JUPYTER_PATH whose only kernelspec runs this interpreter."""
+    root = tmp_path_factory.mktemp("jupyter")
+    spec_dir = root / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher",
+                 "-f", "{connection_file}"],
+        "display_name": "tfpar notebook test",
+        "language": "python",
+        "env": {
+            "TFPAR_NOTEBOOK_SMALL": "1",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "KERAS_BACKEND": "tensorflow",
+            # No stray matplotlib GUI backend in the kernel.
+            "MPLBACKEND": "Agg",
+        },
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return root
+
+
+def _outputs(nb):
+    text, pngs = [], 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                text.append(out.text)
+            elif out.output_type in ("execute_result", "display_data"):
+                text.append(out.data.get("text/plain", ""))
+                pngs += "image/png" in out.data
+    return "\n".join(text), pngs
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stored_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, (
+                f"{path.name}: outputs not cleared")
+    first_md = next(c for c in nb.cells if c.cell_type == "markdown").source
+    assert (f"https://colab.research.google.com/github/OWNER/tfpar/blob/main/"
+            f"colab/{path.name}") in first_md
+    first_code = next(c for c in nb.cells if c.cell_type == "code").source
+    for needle in ("TFPAR_REPO", "%pip install", "tfpar.connect_tpu()",
+                   "use_virtual_cpus(8)"):
+        assert needle in first_code, (path.name, needle)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, kernel_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name=KERNEL,
+        timeout=CELL_TIMEOUT,
+        resources={"metadata": {"path": str(tmp_path)}},  # PNGs land here
+    )
+    start = time.monotonic()
+    client.execute()  # raises CellExecutionError on the first failing cell
+    elapsed = time.monotonic() - start
+    print(f"{path.name}: {elapsed:.1f} s")
+
+    text, pngs = _outputs(nb)
+    needles, wants_png = EXPECTED[path.stem]
+    for needle in needles:
+        assert needle in text, f"{path.name}: {needle!r} not in outputs:\n{text}"
+    if wants_png:
+        assert pngs >= 1, f"{path.name}: no PNG displayed"
+    # The install line is skipped when tfpar is importable.
+    assert "Successfully installed" not in text

@@ -16,7 +16,12 @@ import os
 os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 
 from tfpar.layout import LayoutRules  # noqa: E402
-from tfpar import pipeline, visualize  # noqa: E402
+from tfpar import checkpoint, pipeline, visualize  # noqa: E402
+from tfpar.checkpoint import (  # noqa: E402
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.strategy import ParallelStrategy  # noqa: E402
@@ -37,10 +42,14 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "auto_rules",
+    "checkpoint",
     "connect_tpu",
     "get_schedule",
+    "latest_checkpoint",
     "pipeline",
     "plot_schedule",
+    "restore_checkpoint",
+    "save_checkpoint",
     "summary",
     "use_virtual_cpus",
     "visualize",

@@ -236,10 +236,9 @@ def restore_checkpoint(model, directory, optimizer=True):
     targets = {(kind, key): variable for kind, key, variable in entries}
 
     # 1. Names, shapes and dtypes, before touching any file or weight.
-    missing = [f"{k}:{key}" if k != "params" else key
-               for (k, key) in targets if (k, key) not in saved]
-    extra = [f"{k}:{key}" if k != "params" else key
-             for (k, key) in saved if k in kinds and (k, key) not in targets]
+    missing = [ident for ident in targets if ident not in saved]
+    extra = [ident for ident in saved
+             if ident[0] in kinds and ident not in targets]
     mismatched = []
     for ident, variable in targets.items():
         record = saved.get(ident)
@@ -249,16 +248,17 @@ def restore_checkpoint(model, directory, optimizer=True):
         dtype = tf.as_dtype(variable.dtype).name
         if tuple(record["shape"]) != shape or record["dtype"] != dtype:
             mismatched.append(
-                f"{ident[1]} (checkpoint {tuple(record['shape'])} "
+                f"{ident[1]!r} (checkpoint {tuple(record['shape'])} "
                 f"{record['dtype']}, model {shape} {dtype})")
     if missing or extra or mismatched:
         problems = []
         if missing:
-            problems.append(f"missing from the checkpoint: {missing}")
+            problems.append(f"missing from the checkpoint: {_names(missing)}")
         if extra:
-            problems.append(f"in the checkpoint but not in the model: {extra}")
+            problems.append(
+                f"in the checkpoint but not in the model: {_names(extra)}")
         if mismatched:
-            problems.append(f"shape/dtype differ: {mismatched}")
+            problems.append(f"shape/dtype differ: {', '.join(mismatched)}")
         raise ValueError(
             f"Checkpoint {path!r} does not fit model {model.name!r}; "
             + "; ".join(problems) + ". No variable was changed.")
@@ -272,6 +272,15 @@ def restore_checkpoint(model, directory, optimizer=True):
     for variable, value in staged:
         _compat.backing_variable(variable).assign(value)
     return int(manifest["step"])
+
+
+def _names(idents):
+    """'weights [...], optimizer variables [...]' for (kind, key) pairs."""
+    params = [key for kind, key in idents if kind == "params"]
+    others = [key for kind, key in idents if kind != "params"]
+    return ", ".join(f"{label} {keys}" for label, keys in
+                     (("weights", params), ("optimizer variables", others))
+                     if keys)
 
 
 # -- which variables, under which keys -----------------------------------------
@@ -336,7 +345,7 @@ def _layout_of(backing):
         layout = dtensor.fetch_layout(backing)
         dmesh = layout.mesh
         if dmesh.num_local_devices() != dmesh.size:
-            raise NotImplementedError(
+            raise RuntimeError(
                 "tfpar checkpoints support single-client meshes only; "
                 f"mesh {dmesh} spans several hosts.")
         return (layout_lib.spec_of(layout),
@@ -410,7 +419,7 @@ def _manifest_header(step, model):
 def _write_npy(path, array):
     """Writes one block file and fsyncs it (tests patch this to crash)."""
     with open(path, "wb") as f:
-        np.lib.format.write_array(f, np.ascontiguousarray(array),
+        np.lib.format.write_array(f, np.require(array, requirements="C"),
                                   allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
@@ -452,7 +461,7 @@ def _read_manifest(path):
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(
             f"Checkpoint manifest {file!r} is damaged (not valid JSON: "
-            f"{error}).") from None
+            f"{error}). No variable was changed.") from None
     problem = None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         problem = f"it is not a {FORMAT} manifest"
@@ -466,21 +475,25 @@ def _read_manifest(path):
             for record in manifest["variables"]:
                 _check_record(record)
         except (KeyError, TypeError, ValueError) as error:
-            problem = f"a variable entry is malformed ({error!r})"
+            problem = f"a variable entry is malformed ({error})"
     if problem:
-        raise ValueError(f"Checkpoint manifest {file!r} is damaged: {problem}.")
+        raise ValueError(f"Checkpoint manifest {file!r} is damaged: {problem}. "
+                         "No variable was changed.")
     return manifest
 
 
 def _check_record(record):
     """Blocks must lie inside the variable, not overlap, and tile it."""
     shape = [int(s) for s in record["shape"]]
-    tf.as_dtype(record["dtype"])
-    str(record["kind"]), str(record["key"])
+    tf.as_dtype(record["dtype"])  # raises TypeError for an unknown dtype
+    if record["kind"] not in ("params", "optimizer") or not isinstance(
+            record["key"], str):
+        raise ValueError(f"bad kind/key {record['kind']!r}/{record['key']!r}")
     volume = 0
     boxes = []
     for block in record["blocks"]:
-        str(block["file"])
+        if not isinstance(block["file"], str) or os.sep in block["file"]:
+            raise ValueError(f"bad block file name {block['file']!r}")
         box = [(int(a), int(b)) for a, b in block["index"]]
         if len(box) != len(shape) or any(
                 not 0 <= a < b <= n for (a, b), n in zip(box, shape)):

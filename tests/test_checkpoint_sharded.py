@@ -1,0 +1,360 @@
+"""Sharded, reshardable, crash-safe checkpoints (issue 5, items 2-4).
+
+Saved on one mesh, restored onto others (and into one device) with equal
+weights, optimizer state and predictions; every block file holds one
+device's block; resumed training repeats the losses of uninterrupted
+training; a save killed halfway leaves the previous checkpoint in charge;
+bad checkpoints and mismatched models fail before any weight changes.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar import checkpoint
+from tfpar import layout as layout_lib
+from tfpar import placement
+from tfpar import strategy as strategy_lib
+
+import models
+
+RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
+         r".*down/kernel": ("model", None)}
+MESHES = {"model=8": ({"model": 8}, RULES),
+          "data=2,model=4": ({"data": 2, "model": 4}, RULES),
+          "data=4,model=2": ({"data": 4, "model": 2}, RULES),
+          "data=8": ({"data": 8}, None)}
+EXPECTED_SPECS = {"up/kernel": (None, "model"), "up/bias": ("model",),
+                  "down/kernel": ("model", None), "down/bias": (None,),
+                  "out/kernel": (None, None), "out/bias": (None,)}
+_STRATEGIES = {}
+
+
+def strategy(name):
+    if name not in _STRATEGIES:
+        axes, rules = MESHES[name]
+        _STRATEGIES[name] = tfpar.ParallelStrategy(tfpar.Mesh(axes),
+                                                   rules=rules)
+    return _STRATEGIES[name]
+
+
+def mlp(hidden=32, extra=False, out=True):
+    layers = [keras.Input((16,)),
+              keras.layers.Dense(hidden, activation="relu", name="up"),
+              keras.layers.Dense(16, name="down")]
+    if out:
+        layers.append(keras.layers.Dense(3, name="out"))
+    if extra:
+        layers.append(keras.layers.Dense(3, name="extra"))
+    return keras.Sequential(layers, name="mlp")
+
+
+def build(mesh=None, seed=1, compile=True, **kwargs):  # noqa: A002
+    """An MLP on `mesh` (None: one device) with weights from `seed`."""
+    keras.utils.set_random_seed(seed)
+    if mesh is None:
+        model = mlp(**kwargs)
+    else:
+        single = mlp(**kwargs)
+        with strategy(mesh).scope():
+            model = mlp(**kwargs)
+            model.set_weights(single.get_weights())
+    if compile:
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def build_optimizer(model):
+    """Builds the optimizer (slots) as training would, in the model's scope."""
+    with model.distribute_strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+
+
+def data(n=64, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = np.stack([x[:, :4].sum(1), x[:, 4:8].prod(1), np.sin(x[:, 8])], 1)
+    return x, y.astype("float32")
+
+
+def fit(model, epochs=1, **kwargs):
+    x, y = data()
+    return model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
+                     verbose=0, **kwargs)
+
+
+def state(model):
+    """(weights, optimizer variables) as host arrays (test-side gather)."""
+    opt = getattr(model, "optimizer", None)
+    return ([np.asarray(w) for w in model.get_weights()],
+            [np.asarray(v) for v in opt.variables] if opt else [])
+
+
+def assert_same_state(a, b):
+    for xs, ys in zip(a, b):
+        assert len(xs) == len(ys)
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(x, y)
+
+
+def specs(model):
+    return {v.path.removeprefix("mlp/"):
+            layout_lib.spec_of(dtensor.fetch_layout(v.value))
+            for v in model.weights}
+
+
+def manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A model=8 model trained 4 Adam steps and checkpointed."""
+    model = build("model=8")
+    fit(model, 1)
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    path = checkpoint.save_checkpoint(model, root)
+    x, _ = data()
+    return {"root": root, "path": path, "model": model, "state": state(model),
+            "predictions": model.predict(x, verbose=0)}
+
+
+def test_layout_of_the_files(saved):
+    """One file per distinct block: 8 column blocks of up/kernel, 8 row
+    blocks of down/kernel, one file for each replicated variable."""
+    assert saved["path"] == os.path.join(saved["root"], "ckpt-4")
+    assert checkpoint.latest_checkpoint(saved["root"]) == saved["path"]
+    info = manifest(saved["path"])
+    assert info["format"] == "tfpar-checkpoint" and info["step"] == 4
+    assert info["mesh"] == {"model": 8}
+    assert set(info["versions"]) == {"tfpar", "tensorflow", "keras", "numpy"}
+    records = {(r["kind"], r["key"]): r for r in info["variables"]}
+    assert set(records) == (
+        {("params", f"mlp/{k}") for k in EXPECTED_SPECS}
+        | {("optimizer", "iteration"), ("optimizer", "learning_rate")}
+        | {("optimizer", f"mlp/{k}:{slot}") for k in EXPECTED_SPECS
+           for slot in ("momentum", "velocity")})
+
+    def block_shapes(kind, key):
+        record = records[(kind, key)]
+        return [np.load(os.path.join(saved["path"], b["file"]),
+                        mmap_mode="r").shape for b in record["blocks"]]
+
+    # Weights and their Adam slots (laid out like the weight) alike.
+    for kind, suffix in (("params", ""), ("optimizer", ":momentum"),
+                         ("optimizer", ":velocity")):
+        up = block_shapes(kind, f"mlp/up/kernel{suffix}")
+        assert up == [(16, 4)] * 8, (kind, suffix)   # (in, out/8) each
+        assert block_shapes(kind, f"mlp/up/bias{suffix}") == [(4,)] * 8
+        assert block_shapes(kind, f"mlp/down/kernel{suffix}") == [(4, 16)] * 8
+        assert block_shapes(kind, f"mlp/down/bias{suffix}") == [(16,)]
+        assert block_shapes(kind, f"mlp/out/kernel{suffix}") == [(16, 3)]
+    assert block_shapes("optimizer", "iteration") == [()]
+    up = records[("params", "mlp/up/kernel")]
+    assert up["spec"] == [None, "model"] and up["shape"] == [16, 32]
+    assert [b["index"] for b in up["blocks"]] == [
+        [[0, 16], [4 * c, 4 * c + 4]] for c in range(8)]
+    # No whole-variable file for any sharded variable.
+    for record in info["variables"]:
+        if any(record["spec"]):
+            for b in record["blocks"]:
+                shape = np.load(os.path.join(saved["path"], b["file"]),
+                                mmap_mode="r").shape
+                assert list(shape) != record["shape"]
+    assert len(os.listdir(saved["path"])) == 1 + sum(
+        len(r["blocks"]) for r in info["variables"])
+
+
+@pytest.mark.parametrize("target", ["data=2,model=4", "data=8", None])
+def test_restore_onto_another_mesh(saved, target):
+    x, _ = data()
+    model = build(target, seed=7)
+    assert models.relative_error(saved["state"][0][0],
+                                 model.get_weights()[0]) > 0.1
+    step = checkpoint.restore_checkpoint(model, saved["root"])
+    assert step == 4
+    assert_same_state(saved["state"], state(model))
+    assert models.relative_error(saved["predictions"],
+                                 model.predict(x, verbose=0)) < 1e-5
+    if target == "data=2,model=4":
+        assert specs(model) == EXPECTED_SPECS
+        # Slots are matched by weight, whatever the optimizer is called
+        # ("adam" when saved, "adam_<n>" here); they keep their layout.
+        moments = {v.name: layout_lib.spec_of(dtensor.fetch_layout(v.value))
+                   for v in model.optimizer.variables}
+        assert model.optimizer.name != "adam"
+        assert moments["mlp_up_kernel_momentum"] == (None, "model")
+        assert moments["mlp_down_kernel_velocity"] == ("model", None)
+    # A weights-only restore into an uncompiled model.
+    bare = build(target, seed=9, compile=False)
+    checkpoint.restore_checkpoint(bare, saved["path"], optimizer=False)
+    assert_same_state((saved["state"][0],), (state(bare)[0],))
+
+
+def test_no_variable_is_gathered(tmp_path, monkeypatch):
+    """Save and restore never assemble a sharded variable (on host or a
+    device): the gathering paths of tfpar fail loudly while they run."""
+    source = build("data=2,model=4")
+    fit(source, 1)
+    target = build("model=8", seed=7)
+    expected = state(source)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a variable was gathered")
+
+    monkeypatch.setattr(placement, "fetch", forbidden)
+    monkeypatch.setattr(placement, "relayout", forbidden)
+    monkeypatch.setattr(strategy_lib.ShardedVariable, "numpy", forbidden)
+    monkeypatch.setattr(dtensor, "relayout", forbidden)
+    checkpoint.save_checkpoint(source, tmp_path)
+    checkpoint.restore_checkpoint(target, tmp_path)
+    monkeypatch.undo()
+    assert_same_state(expected, state(target))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Per-batch losses of 3 epochs (12 Adam steps) on data=2 x model=4."""
+    model = build("data=2,model=4")
+    losses = models.BatchLosses()
+    fit(model, 3, callbacks=[losses])
+    return {"losses": losses.losses, "state": state(model)}
+
+
+@pytest.mark.parametrize("resume_on", ["data=2,model=4", "data=4,model=2"])
+def test_resumed_training_repeats_the_losses(uninterrupted, tmp_path,
+                                             resume_on):
+    first = build("data=2,model=4")
+    losses = models.BatchLosses()
+    fit(first, 1, callbacks=[losses])
+    assert models.relative_error(uninterrupted["losses"][:4],
+                                 losses.losses) < 1e-4
+    checkpoint.save_checkpoint(first, tmp_path)
+    del first                                   # the job "stops" here
+    resumed = build(resume_on, seed=7)          # other initial weights
+    assert checkpoint.restore_checkpoint(resumed, tmp_path) == 4
+    assert int(np.asarray(resumed.optimizer.iterations)) == 4
+    losses = models.BatchLosses()
+    fit(resumed, 2, callbacks=[losses])
+    assert len(losses.losses) == 8
+    assert models.relative_error(uninterrupted["losses"][4:],
+                                 losses.losses) < 1e-4
+    weights, opt = state(resumed)
+    for a, b in zip(uninterrupted["state"][0] + uninterrupted["state"][1],
+                    weights + opt):
+        assert models.relative_error(a, b) < 1e-4
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path):
+    root, out = tmp_path / "run", tmp_path / "child.npz"
+    child = os.path.join(os.path.dirname(__file__), "checkpoint_crash_child.py")
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, child, str(root), str(out)],
+                            capture_output=True, text=True, env=env,
+                            timeout=300, check=False)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    entries = sorted(os.listdir(root))
+    assert entries[:2] == ["checkpoint", "ckpt-4"]
+    assert len(entries) == 3 and entries[2].startswith("ckpt-8.tmp-")
+    partial = os.listdir(root / entries[2])
+    assert "manifest.json" not in partial
+    assert 0 < len(partial) < len(os.listdir(root / "ckpt-4")) - 1
+    assert checkpoint.latest_checkpoint(root) == str(root / "ckpt-4")
+    # Even without the pointer file the tmp directory never counts.
+    os.remove(root / "checkpoint")
+    assert checkpoint.latest_checkpoint(root) == str(root / "ckpt-4")
+
+    model = build("data=8", seed=7)
+    assert checkpoint.restore_checkpoint(model, root) == 4
+    saved = np.load(out)
+    arrays = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    weights, opt = state(model)
+    assert len(arrays) == len(weights) + len(opt)
+    for a, b in zip(arrays, weights + opt):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_latest_checkpoint_and_resave(tmp_path):
+    assert checkpoint.latest_checkpoint(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
+        checkpoint.restore_checkpoint(build(compile=False), tmp_path,
+                                      optimizer=False)
+    model = build()
+    first = checkpoint.save_checkpoint(model, tmp_path, step=3)
+    second = checkpoint.save_checkpoint(model, tmp_path)     # iterations = 0
+    assert checkpoint.latest_checkpoint(tmp_path) == second
+    assert os.path.basename(second) == "ckpt-0"
+    (tmp_path / "checkpoint").write_text("garbage")
+    assert checkpoint.latest_checkpoint(tmp_path) == first   # highest step
+    checkpoint.save_checkpoint(model, tmp_path, step=3)      # same step again
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-0", "ckpt-3"]
+
+
+@pytest.mark.parametrize("target", [None, "data=2,model=4"])
+@pytest.mark.parametrize("variant,names", [
+    ({"extra": True}, ["mlp/extra/kernel", "mlp/extra/bias",
+                       "mlp/extra/kernel:momentum"]),
+    ({"out": False}, ["mlp/out/kernel", "mlp/out/bias"]),
+    ({"hidden": 64}, ["mlp/up/kernel", "mlp/up/bias", "mlp/down/kernel"]),
+])
+def test_mismatched_model_changes_nothing(saved, target, variant, names):
+    model = build(target, seed=7, **variant)
+    build_optimizer(model)
+    before = state(model)
+    with pytest.raises(ValueError) as error:
+        checkpoint.restore_checkpoint(model, saved["root"])
+    for name in names:
+        assert repr(name) in str(error.value), (name, str(error.value))
+    assert "No variable was changed" in str(error.value)
+    assert_same_state(before, state(model))
+
+
+def _corrupt(path, how):
+    info = manifest(path)
+    # The last variable's block: a restore that assigned as it went would
+    # have changed every other variable before failing.
+    file = os.path.join(path, info["variables"][-1]["blocks"][0]["file"])
+    up = [r for r in info["variables"] if r["key"] == "mlp/up/kernel"][0]
+    if how == "truncated":
+        size = os.path.getsize(file)
+        with open(file, "r+b") as f:
+            f.truncate(size - 3)
+    elif how == "missing":
+        os.remove(file)
+    elif how == "wrong shape":
+        file = os.path.join(path, up["blocks"][5]["file"])
+        np.save(file, np.zeros((16, 5), "float32"))
+    elif how == "manifest":
+        file = os.path.join(path, "manifest.json")
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)
+    elif how == "manifest fields":
+        file = os.path.join(path, "manifest.json")
+        up["blocks"][1]["index"] = [[0, 16], [0, 4]]   # overlaps block 0
+        with open(file, "w") as f:
+            json.dump(info, f)
+    return os.path.basename(file)
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing", "wrong shape",
+                                 "manifest", "manifest fields"])
+def test_damaged_checkpoint_changes_nothing(saved, tmp_path, how):
+    path = str(tmp_path / "ckpt-4")
+    shutil.copytree(saved["path"], path)
+    file = _corrupt(path, how)
+    model = build("data=2,model=4", seed=7)
+    build_optimizer(model)
+    before = state(model)
+    with pytest.raises(ValueError, match=file.replace(".", r"\.")):
+        checkpoint.restore_checkpoint(model, path)
+    assert_same_state(before, state(model))

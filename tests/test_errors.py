@@ -100,3 +100,38 @@ def test_global_batch_not_divisible_by_data_axis():
 def test_data_axis_must_be_a_name():
     with pytest.raises(TypeError, match="Received: data_axis=0"):
         tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}), data_axis=0)
+
+
+def test_rules_reused_by_a_second_strategy_are_checked_again():
+    rules = tfpar.LayoutRules({r".*up/kernel": (None, "model"),
+                               r".*upp/bias": ("model",)})
+    first = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}), rules=rules)
+    second = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}), rules=rules)
+    for strategy in (first, second):
+        model = compiled_under(strategy)
+        with pytest.raises(ValueError, match=r"'.\*upp/bias'\] matched no variable"):
+            model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_apply_rules_changes_nothing_when_a_rule_is_bad():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+    with strategy.scope():
+        model = mlp()
+    before = strategy.placements("params")
+    with pytest.raises(ValueError, match=r"\['nothing'\] matched no weight"):
+        strategy.apply_rules(model, {r".*up/kernel": (None, "model"),
+                                     "nothing": (None,)})
+    assert strategy.placements("params") == before
+
+
+def test_unbatched_input_is_a_clear_error():
+    import tensorflow as tf  # noqa: PLC0415
+
+    model = compiled_under(tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})))
+    dataset = tf.data.Dataset.from_tensor_slices(X).map(lambda x: (x[0], x[:4]))
+    # Keras' own shape check speaks first, before any step.
+    with pytest.raises(ValueError, match=r"Expected shape \(None, 8\), but input has incompatible shape \(\)"):
+        model.fit(dataset, epochs=1, verbose=0)
+    placer = tfpar.strategy.inputs.InputPlacer(tfpar.Mesh({"data": 8}), "data")
+    with pytest.raises(ValueError, match="every input needs a batch dimension"):
+        placer.check_batch_size((tf.constant(1.0), tf.ones((8, 2))))

@@ -194,3 +194,26 @@ def test_eager_model_call_on_host_arrays():
         expected = single(rows).numpy()
         got = parallel(rows, training=False)
         assert models.relative_error(expected, got.numpy()) < RTOL
+
+
+def test_generator_input_with_missing_sample_weights():
+    """Keras turns a None in a generator batch into an Optional stand-in."""
+    x, y = data(64)
+
+    def batches():
+        for i in range(0, 64, 16):
+            yield x[i:i + 16], y[i:i + 16], None
+
+    single, parallel = twins()
+    for model in (single, parallel):
+        model.fit(batches(), epochs=1, steps_per_epoch=4, verbose=0)
+    assert_weights_close(single, parallel)
+
+
+def test_run_eagerly_training_is_a_clear_error():
+    x, y = data(32)
+    with strategy().scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    with pytest.raises(ValueError, match=r"run_eagerly=True\) cannot train"):
+        model.fit(x, y, batch_size=16, verbose=0)

@@ -159,3 +159,20 @@ def test_transformer_auto_rules_parity_and_sharding(data, model_axis):
     slot = [v for v in parallel.optimizer.variables if "attn_query_kernel" in v.path][0]
     assert dtensor.fetch_layout(slot.value) == dtensor.fetch_layout(
         parallel.get_layer("attn")._query_dense.kernel.value)
+
+
+def test_auto_rules_keeps_the_output_head_whole():
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(16, activation="relu", name="hidden"),
+                              keras.layers.Dense(4, name="logits")])
+    assert dict(tfpar.auto_rules(model, axis_size=2).items()) == {}
+
+
+def test_einsum_bias_split_follows_the_output_dims():
+    layer = keras.layers.EinsumDense("ab,bcd->acd", output_shape=(4, 6),
+                                     bias_axes="d")
+    layer.build((None, 8))
+    col = tfpar.ColumnParallel()
+    assert col.spec_for(layer, "kernel", (8, 4, 6)) == (None, "model", None)
+    # Only d (the second output dim) carries a bias; c is split: bias whole.
+    assert col.spec_for(layer, "bias", (6,)) == (None,)

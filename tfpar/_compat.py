@@ -51,13 +51,30 @@ def route_keras_step_functions(make_function_for, owns):
     # `load_model` compiles with) skips compiling, with a warning, any model
     # whose `type(model).compile` is not `Trainer.compile`.
     base_trainer.Trainer.compile = compile
+    original_symbolic_build = cls._maybe_symbolic_build  # noqa: SLF001
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras builds a model under a strategy from `next()` of a fresh
+        # iterator, which for a one-shot generator silently drops a batch.
+        # Only shapes and dtypes are used: take them from the dataset spec.
+        dataset = getattr(iterator, "_distributed_dataset", None)
+        if owns(self.distribute_strategy) and dataset is not None:
+            data_batch = tf.nest.map_structure(
+                lambda s: s if isinstance(s, tf.TensorSpec) else None,
+                dataset.element_spec)
+            iterator = None
+        return original_symbolic_build(self, iterator=iterator,
+                                       data_batch=data_batch)
+
+    cls._maybe_symbolic_build = _maybe_symbolic_build  # noqa: SLF001
 
     def original_call(self, *args, **kwargs):
         # Next in the MRO of keras.Model after the trainer: Layer.__call__.
         return super(cls, self).__call__(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):  # models only: layers keep theirs
-        strategy = self.distribute_strategy
+        # The strategy the model was built under, not merely the current one.
+        strategy = getattr(self, "_distribute_strategy", None)
         if tf.executing_eagerly() and owns(strategy):
             return strategy.extended.eager_model_call(
                 original_call, self, args, kwargs)
@@ -128,6 +145,13 @@ def producers(layer):
         return [t._keras_history.operation  # noqa: SLF001
                 for t in node.arguments.keras_tensors]
     return []
+
+
+def model_output_layers(model):
+    """The layers whose outputs are a functional model's outputs ([] for
+    subclassed models)."""
+    return [t._keras_history.operation  # noqa: SLF001
+            for t in getattr(model, "outputs", None) or []]
 
 
 def backing_variable(variable):

@@ -38,10 +38,18 @@ class InputPlacer:
         """Raises ValueError unless the data axis divides `batch`."""
         if self.splits_evenly(batch):
             return
-        size = next(
-            t.shape[0] for t in tf.nest.flatten(batch)
-            if t is not None and t.shape.rank
-        )
+        leaves = [t for t in tf.nest.flatten(batch) if t is not None]
+        scalars = [t for t in leaves if not t.shape.rank]
+        if scalars:
+            raise ValueError(
+                "ParallelStrategy feeds batched inputs: every input needs a "
+                "batch dimension. Received: an input of shape "
+                f"{scalars[0].shape} in a batch. Batch the dataset "
+                "(dataset.batch(global_batch_size)) or give arrays with a "
+                "leading batch dimension."
+            )
+        size = next(t.shape[0] for t in leaves
+                    if t.shape[0] % self._data_size)
         raise ValueError(
             f"The global batch size {size} is not divisible by the data axis "
             f"{self._data_axis!r} of size {self._data_size} (mesh "
@@ -70,7 +78,6 @@ class InputPlacer:
             return placement.put(tensor, tuple(spec), self.mesh)
 
         return tf.nest.map_structure(put, batch)
-
 
     def place_arrays(self, structure):
         """Like `place`, for host arrays only (Python values, symbolic
@@ -147,15 +154,24 @@ class BatchIterator:
         return next(self)
 
     def next_host_batch(self):
-        """The next global batch as host tensors."""
+        """The next global batch as host tensors (Keras' `Optional`
+        stand-ins for missing entries become None)."""
         if not self._started:
             self._started = True
-            batch = next(self._host_iterator)
-            self._lookahead = next(self._host_iterator, None)
+            batch = _host(next(self._host_iterator))
+            self._lookahead = _host(next(self._host_iterator, None))
             if self._lookahead is not None:
                 self._placer.check_batch_size(batch)
             return batch
         if self._lookahead is not None:
             batch, self._lookahead = self._lookahead, None
             return batch
-        return next(self._host_iterator)
+        return _host(next(self._host_iterator))
+
+
+def _host(batch):
+    if batch is None:
+        return None
+    return tf.nest.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t,
+        batch)

@@ -175,11 +175,6 @@ def replicated_spec(rank):
     return (None,) * rank
 
 
-def batch_spec(rank, data_axis):
-    """Spec of an input batch: dimension 0 split over `data_axis`."""
-    return (data_axis,) + (None,) * (rank - 1)
-
-
 def check_divisible(path, shape, spec, mesh):
     """Raises ValueError unless every sharded dimension splits evenly."""
     for dim, (size, axis) in enumerate(zip(shape, spec)):

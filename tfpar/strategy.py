@@ -61,9 +61,10 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r} of type {type(mesh).__name__}"
             )
         if rules is None:
-            rules = layout_lib.LayoutRules()
-        elif not isinstance(rules, layout_lib.LayoutRules):
-            rules = layout_lib.LayoutRules(rules)
+            rules = {}
+        elif isinstance(rules, layout_lib.LayoutRules):
+            rules = dict(rules.items())  # this strategy's own usage record
+        rules = layout_lib.LayoutRules(rules)
         if not isinstance(data_axis, str):
             raise TypeError(
                 "ParallelStrategy(data_axis) needs a mesh axis name (str). "
@@ -196,7 +197,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.rules = rules
         self.data_axis = data_axis
         self.input_placer = inputs.InputPlacer(mesh, data_axis)
-        self._variables = []
+        self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
 
     # -- variables -----------------------------------------------------------
@@ -230,12 +231,16 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         with tf.init_scope():  # also when first built inside a tf.function
             value = placement.put(initial_value, spec, self.mesh,
                                   dtype=kwargs.get("dtype"))
-            variable = ShardedVariable(
-                value, tfpar_spec=spec, tfpar_mesh=self.mesh, **kwargs
-            )
-        self._variables.append(
-            _VariableInfo(path, spec, kind, weakref.ref(variable))
-        )
+            return self._register(path, spec, kind, value, kwargs)
+
+    def _register(self, path, spec, kind, value, kwargs):
+        """A ShardedVariable holding `value`, tracked until it is freed."""
+        variable = ShardedVariable(
+            value, tfpar_spec=spec, tfpar_mesh=self.mesh, **kwargs)
+        key = id(variable)
+        self._variables[key] = _VariableInfo(path, spec, kind,
+                                             weakref.ref(variable))
+        weakref.finalize(variable, self._variables.pop, key, None)
         return variable
 
     def adopt_state_variables(self, model):
@@ -252,13 +257,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         if optimizer is not None:
             state += list(optimizer.variables)
         for variable in model.variables:
-            if not isinstance(_compat.backing_variable(variable),
-                              ShardedVariable):
-                raise ValueError(
-                    f"Model weight {variable.path!r} was created outside "
-                    "the strategy's scope. Build the model inside "
-                    "`with strategy.scope():`."
-                )
+            self._require_on_mesh(variable)
         for variable in state:
             backing = _compat.backing_variable(variable)
             if isinstance(backing, ShardedVariable):
@@ -282,33 +281,19 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 "built already. Call strategy.apply_rules(model, rules) right "
                 "after building the model, before compile/fit."
             )
+        rules = layout_lib.LayoutRules(dict(rules.items()))  # fresh usage
         owners = _owning_layers(model)
+        # Plan every weight and check every rule first: nothing changes
+        # unless the whole plan is valid.
+        plan = []
         for variable in model.weights:
+            info = self._require_on_mesh(variable)
             backing = _compat.backing_variable(variable)
-            info = self._info_of(backing)
-            if info is None:
-                raise ValueError(
-                    f"Model weight {variable.path!r} was created outside the "
-                    "strategy's scope. Build the model inside "
-                    "`with strategy.scope():`."
-                )
-            shape = backing.shape.as_list()
             spec, kind = self._spec_for(
-                variable.path, shape, None, backing.trainable,
-                owners.get(id(variable)), rules)
-            if spec == info.spec:
-                continue
-            with tf.init_scope():
-                value = placement.relayout(backing.read_value(), spec,
-                                           self.mesh)
-                replacement = ShardedVariable(
-                    value, tfpar_spec=spec, tfpar_mesh=self.mesh,
-                    trainable=backing.trainable,
-                    name=backing.name.split(":")[0], dtype=backing.dtype)
-            self._variables.remove(info)
-            self._variables.append(_VariableInfo(
-                info.path, spec, kind, weakref.ref(replacement)))
-            _compat.rebind_keras_variable(variable, replacement)
+                variable.path, backing.shape.as_list(), None,
+                backing.trainable, owners.get(id(variable)), rules)
+            if spec != info.spec:
+                plan.append((variable, backing, info, spec, kind))
         unmatched = rules.unmatched()
         if unmatched:
             raise ValueError(
@@ -316,6 +301,28 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 f"{model.name!r} (weights such as "
                 f"{[v.path for v in model.weights][:8]}). Fix or remove them."
             )
+        for variable, backing, info, spec, kind in plan:
+            with tf.init_scope():
+                value = placement.relayout(backing.read_value(), spec,
+                                           self.mesh)
+                replacement = self._register(
+                    info.path, spec, kind, value,
+                    {"trainable": backing.trainable,
+                     "name": backing.name.split(":")[0],
+                     "dtype": backing.dtype})
+            self._variables.pop(id(backing), None)
+            _compat.rebind_keras_variable(variable, replacement)
+
+    def _require_on_mesh(self, variable):
+        """The _VariableInfo of a Keras weight; error if made elsewhere."""
+        info = self._info_of(variable)
+        if info is None:
+            raise ValueError(
+                f"Model weight {variable.path!r} was created outside the "
+                "strategy's scope. Build the model inside "
+                "`with strategy.scope():`."
+            )
+        return info
 
     def _spec_for(self, path, shape, colocate_with, trainable, layer=None,
                   rules=None):
@@ -326,29 +333,27 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 if reference.kind == "params" and len(shape) == len(reference.spec):
                     return reference.spec, "optimizer"
                 return layout_lib.replicated_spec(len(shape)), "optimizer"
-        spec = (rules or self.rules).spec_for(path, shape, layer)
+        rules = self.rules if rules is None else rules
+        spec = rules.spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
         layout_lib.check_divisible(path, shape, spec, self.mesh)
         return spec, ("params" if trainable else "other")
 
     def _info_of(self, variable):
-        if not isinstance(variable, tf.Variable):
-            variable = getattr(variable, "value", variable)  # a Keras Variable
-        for info in self._variables:
-            if info.ref() is variable:
-                return info
-        return None
+        info = self._variables.get(id(_compat.backing_variable(variable)))
+        return info if info is not None and info.ref() is not None else None
 
     def tracked_variables(self):
-        return [(i.path, i.ref()) for i in self._variables if i.ref() is not None]
+        return [(i.path, i.ref()) for i in list(self._variables.values())
+                if i.ref() is not None]
 
     def placements(self, kind=None):
         return [
             (info.path, info.spec,
              layout_lib.shard_shape(info.ref().shape.as_list(), info.spec,
                                     self.mesh))
-            for info in self._variables
+            for info in list(self._variables.values())
             if info.ref() is not None and kind in (None, info.kind)
         ]
 
@@ -357,7 +362,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             d: {"params": 0, "optimizer": 0, "other": 0}
             for d in self.mesh.devices
         }
-        for info in self._variables:
+        for info in list(self._variables.values()):
             variable = info.ref()
             if variable is None:
                 continue
@@ -414,7 +419,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if tf.executing_eagerly():
-            args, kwargs = self.input_placer.place((args, kwargs or {}))
+            args, kwargs = self.input_placer.place_arrays((args, kwargs or {}))
         with self.replica_scope():
             return fn(*args, **(kwargs or {}))
 

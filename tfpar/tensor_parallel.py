@@ -172,8 +172,10 @@ def _split(layer, role, shape, axis, row, owner):
             sharded = [c for c in kernel_letters if c in output]
             bias_axes = getattr(layer, "bias_axes", None) or ""
             if sharded and sharded[0] in bias_axes:
-                # The bias spans the trailing output dims named by bias_axes.
-                spec[bias_axes.index(sharded[0])] = axis
+                # Keras shapes the bias as the output dims from the first
+                # bias axis on: output[first:], whatever bias_axes' order.
+                first = min(output.index(c) for c in bias_axes)
+                spec[output[first:].index(sharded[0])] = axis
             return tuple(spec)
     elif name == "kernel" and len(shape) == 2:  # Dense: (in, out)
         spec[0 if row else 1] = axis
@@ -200,9 +202,6 @@ _REPLICATED_KINDS = (
     keras.layers.LayerNormalization, keras.layers.BatchNormalization,
     keras.layers.GroupNormalization, keras.layers.UnitNormalization,
     keras.layers.RMSNormalization,
-) if hasattr(keras.layers, "RMSNormalization") else (
-    keras.layers.LayerNormalization, keras.layers.BatchNormalization,
-    keras.layers.GroupNormalization, keras.layers.UnitNormalization,
 )
 
 
@@ -258,7 +257,7 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None):
             f"auto_rules needs a built model; {model.name!r} is not built. "
             "Call it on data or build it with keras.Input first."
         )
-    layers = [l for l in _leaf_layers(model)]
+    layers = _leaf_layers(model)
     plan = {}
     not_understood = []
     dense_pairs = _dense_pairs(model, layers)
@@ -320,7 +319,13 @@ def _dense_pairs(model, layers):
     subclassed models (no graph) consecutive Dense layers whose widths chain
     (a.units == b's input width) are paired in attribute order.
     """
+    # A Dense that produces a model output is the head: never split, so
+    # logits are computed whole (subclassed models: the last Dense).
     dense = [l for l in layers if isinstance(l, keras.layers.Dense)]
+    heads = {id(l) for l in _compat.model_output_layers(model)}
+    if not heads and dense:
+        heads = {id(dense[-1])}
+    dense = [l for l in dense if id(l) not in heads]
     producer = {}
     graph_known = False
     for layer in layers:

@@ -24,6 +24,13 @@ class StepRunner:
     """Runs one kind of Keras step (train, test or predict) on the mesh."""
 
     def __init__(self, model, extended, mode):
+        if model.run_eagerly and mode == "train":
+            raise ValueError(
+                "compile(run_eagerly=True) cannot train under "
+                "ParallelStrategy: DTensor does not support eager gradients. "
+                "Received: run_eagerly=True. Compile with run_eagerly=False "
+                "(the default) to train; evaluate/predict may run eagerly."
+            )
         extended.adopt_state_variables(model)
         self._extended = extended
         self._placer = extended.input_placer
@@ -75,7 +82,7 @@ class StepRunner:
         DTensors); predict returns every batch's outputs concatenated, as
         host tensors.
         """
-        batches = [_strip_optionals(b) for b in host_batches]
+        batches = list(host_batches)
         if self._mode == "predict":
             outputs = [
                 _fetch_all(self._one_step(self._placer.place(b)))
@@ -110,13 +117,6 @@ class StepRunner:
         return [run for _, run in runs]
 
 
-def _strip_optionals(batch):
-    return tf.nest.map_structure(
-        lambda t: None if isinstance(t, tf.experimental.Optional) else t,
-        batch,
-    )
-
-
 def _fetch_all(outputs):
     return tf.nest.map_structure(placement.fetch, outputs)
 
@@ -148,11 +148,12 @@ def make_function(model, extended, mode):
 
 
 def _as_batch(data):
+    """Host tensors for a batch; Keras' `Optional` stand-ins become None."""
     return tf.nest.map_structure(
-        lambda t: None if t is None else tf.convert_to_tensor(t), data)
+        lambda t: None if t is None or isinstance(t, tf.experimental.Optional)
+        else tf.convert_to_tensor(t), data)
 
 
 def _next_host_batch(iterator):
     next_host = getattr(iterator, "next_host_batch", None)
-    batch = next_host() if next_host is not None else next(iterator)
-    return _as_batch(batch)
+    return next_host() if next_host is not None else _as_batch(next(iterator))

@@ -140,6 +140,14 @@ def data(kind, n=64, seed=0):
     return x, y
 
 
+def mlp_data(n=64, seed=0):
+    """(x, y) for the 16 -> 3 MLPs of the API and checkpoint tests."""
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = np.stack([x[:, :4].sum(1), x[:, 4:8].prod(1), np.sin(x[:, 8])], 1)
+    return x, y.astype("float32")
+
+
 def optimizer(name):
     return {
         "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),

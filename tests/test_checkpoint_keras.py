@@ -66,10 +66,7 @@ def build(mesh=None, seed=1, compile=True):  # noqa: A002
 
 
 def data(n=64, seed=0):
-    rng = np.random.RandomState(seed)
-    x = rng.normal(size=(n, 16)).astype("float32")
-    y = np.stack([x[:, :4].sum(1), x[:, 4:8].prod(1), np.sin(x[:, 8])], 1)
-    return x, y.astype("float32")
+    return models.mlp_data(n, seed)
 
 
 def fit(model, epochs=1, **kwargs):

@@ -52,10 +52,7 @@ def twins(**compile_kwargs):
 
 
 def data(n=100, seed=0):
-    rng = np.random.RandomState(seed)
-    x = rng.normal(size=(n, 16)).astype("float32")
-    y = np.stack([x[:, :4].sum(1), x[:, 4:8].prod(1), np.sin(x[:, 8])], 1)
-    return x, y.astype("float32")
+    return models.mlp_data(n, seed)
 
 
 def assert_weights_close(a, b):

@@ -3,7 +3,8 @@
 A *spec* is a tuple with one entry per dimension of a variable: the name of a
 mesh axis that dimension is split over, or `None` for "every device holds the
 whole dimension". `LayoutRules` maps regular expressions over Keras variable
-paths to specs. All conversion to DTensor layouts happens here.
+paths to specs (or to tensor-parallel styles). Specs become DTensor layouts
+here (`to_dtensor_layout`).
 """
 
 import collections.abc

@@ -97,3 +97,20 @@ def test_memory_report_follows_the_formula(trained):
     sharded = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights
                   if v.path in EXPECTED)
     assert params == whole - sharded + sharded // 4
+
+
+def test_assign_takes_values_from_any_layout_or_mesh(trained):
+    """A weight accepts host arrays, DTensors of another layout and values
+    living on another mesh, and keeps its own layout."""
+    strategy, model = trained
+    kernel = [v for v in model.weights if v.path == "up/kernel"][0]
+    layout = dtensor.fetch_layout(kernel.value)
+    target = np.arange(np.prod(kernel.shape), dtype="float32").reshape(kernel.shape)
+    other = tfpar.ParallelStrategy(tfpar.Mesh({"model": 8}))
+    replicated = placement.put(target, (None, None), strategy.mesh)
+    elsewhere = placement.put(target, ("model", None), other.mesh)
+    for value in (target, replicated, elsewhere):
+        kernel.assign(np.zeros_like(target))
+        kernel.assign(value)
+        np.testing.assert_array_equal(kernel.numpy(), target)
+        assert dtensor.fetch_layout(kernel.value) == layout

@@ -163,10 +163,19 @@ class ShardedVariable(_compat.DVariable):
         super().__init__(*args, **kwargs)
 
     def _on_mesh(self, value):
-        if tf.executing_eagerly() and not dtensor.is_dtensor(value):
-            return placement.put(value, self._tfpar_spec, self._tfpar_mesh,
-                                 dtype=self.dtype)
-        return value
+        """`value` laid out like this variable (eager values only)."""
+        if not tf.executing_eagerly():
+            return value  # inside a DTensor function: DTensor lays it out
+        if isinstance(value, tf.Variable):
+            value = value.read_value()
+        if dtensor.is_dtensor(value):
+            layout = dtensor.fetch_layout(value)
+            if layout == dtensor.fetch_layout(self):
+                return value  # already laid out like this variable
+            if layout.mesh != self._tfpar_mesh.dtensor_mesh:
+                value = placement.fetch(value)  # another mesh: via the host
+        return placement.put(value, self._tfpar_spec, self._tfpar_mesh,
+                             dtype=self.dtype)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return super().assign(self._on_mesh(value), use_locking, name,

@@ -4,6 +4,7 @@ A TensorFlow upgrade that moves one of these touches only this file.
 Checked against tensorflow 2.21.
 """
 
+import functools
 import threading
 
 import tensorflow as tf
@@ -152,6 +153,25 @@ def model_output_layers(model):
     subclassed models)."""
     return [t._keras_history.operation  # noqa: SLF001
             for t in getattr(model, "outputs", None) or []]
+
+
+def transform_layer_outputs(layer, name, transform):
+    """Makes `layer` return `transform(outputs)`; once per `name`.
+
+    Wraps this one layer object's `call` (not its class), keeping its
+    signature for Keras' argument inspection.
+    """
+    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        return transform(original_call(*args, **kwargs))
+
+    layer.call = call
+    applied.add(name)
 
 
 def backing_variable(variable):

@@ -29,7 +29,6 @@ Example:
 ... })
 """
 
-import functools
 import re
 import warnings
 
@@ -127,13 +126,10 @@ def _gather_output_hidden(layer):
     2.21 propagates the hidden split into the following LayerNormalization
     and then fails to expand the backward pass (EmitAllScatter).
     """
-    if layer is None or getattr(layer, "_tfpar_gathers_output", False):
+    if layer is None:
         return
-    original_call = layer.call
 
-    @functools.wraps(original_call)
-    def call(*args, **kwargs):
-        outputs = original_call(*args, **kwargs)
+    def gather_hidden(outputs):
         if tf.executing_eagerly() and dtensor.is_dtensor(outputs):
             mesh = dtensor.fetch_layout(outputs).mesh
         elif not tf.executing_eagerly() and strategy_lib.in_spmd_step():
@@ -144,8 +140,7 @@ def _gather_output_hidden(layer):
         specs = [dtensor.MATCH] + [dtensor.UNSHARDED] * (outputs.shape.rank - 1)
         return dtensor.relayout(outputs, dtensor.Layout(specs, mesh))
 
-    layer.call = call
-    layer._tfpar_gathers_output = True  # noqa: SLF001
+    _compat.transform_layer_outputs(layer, "tfpar_gather_hidden", gather_hidden)
 
 
 def _split(layer, role, shape, axis, row, owner):

@@ -176,3 +176,40 @@ def test_einsum_bias_split_follows_the_output_dims():
     assert col.spec_for(layer, "kernel", (8, 4, 6)) == (None, "model", None)
     # Only d (the second output dim) carries a bias; c is split: bias whole.
     assert col.spec_for(layer, "bias", (6,)) == (None,)
+
+
+def test_vocab_wise_embedding_trains_in_parity():
+    """RowParallel on an Embedding splits the vocabulary over the model axis."""
+    keras.utils.set_random_seed(0)
+    weights = transformer().get_weights()
+    x, y = lm_data()
+
+    def run(strategy=None):
+        def build():
+            model = transformer()
+            model.set_weights(weights)
+            if strategy is not None:
+                strategy.apply_rules(model, {"embed": tfpar.RowParallel()})
+            model.compile(optimizer=keras.optimizers.Adam(0.01),
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True))
+            return model
+
+        if strategy is None:
+            model = build()
+        else:
+            with strategy.scope():
+                model = build()
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return model, losses.losses
+
+    reference, ref_losses = run()
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+    model, losses = run(strategy)
+    assert models.relative_error(ref_losses, losses) < 1e-4
+    table = model.get_layer("embed").embeddings
+    assert models.relative_error(reference.get_layer("embed").embeddings.numpy(),
+                                 table.numpy()) < 1e-4
+    assert dtensor.unpack(table.value.read_value())[0].shape == (VOCAB // 4, DIM)

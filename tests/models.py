@@ -148,6 +148,13 @@ def mlp_data(n=64, seed=0):
     return x, y.astype("float32")
 
 
+def fit_mlp(model, epochs=1, **kwargs):
+    """Fits a 16 -> 3 MLP on `mlp_data()` in order, batch 16."""
+    x, y = mlp_data()
+    return model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
+                     verbose=0, **kwargs)
+
+
 def optimizer(name):
     return {
         "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),

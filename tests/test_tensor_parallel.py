@@ -96,7 +96,9 @@ def test_auto_rules_rejects_indivisible_heads_and_warns_on_unknown_layers():
         tfpar.auto_rules(conv_model, axis_size=2)
 
 
-def train_transformer(strategy=None, auto=False):
+def train_transformer(strategy=None, plan=None, epochs=2):
+    """Trains the transformer from fixed weights; `plan(model)` gives the
+    rules `strategy.apply_rules` lays it out by."""
     keras.utils.set_random_seed(0)
     weights = transformer().get_weights()
     x, y = lm_data()
@@ -104,8 +106,8 @@ def train_transformer(strategy=None, auto=False):
     def build():
         model = transformer()
         model.set_weights(weights)
-        if auto:
-            strategy.apply_rules(model, tfpar.auto_rules(model, mesh=strategy.mesh))
+        if plan is not None:
+            strategy.apply_rules(model, plan(model))
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
@@ -116,7 +118,7 @@ def train_transformer(strategy=None, auto=False):
         with strategy.scope():
             model = build()
     losses = models.BatchLosses()
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[losses])
     return model, losses.losses
 
@@ -134,7 +136,8 @@ def test_transformer_auto_rules_parity_and_sharding(data, model_axis):
     reference, ref_losses = train_transformer()
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": data, "model": model_axis}))
-    parallel, losses = train_transformer(strategy, auto=True)
+    parallel, losses = train_transformer(
+        strategy, plan=lambda m: tfpar.auto_rules(m, mesh=strategy.mesh))
     assert models.relative_error(ref_losses, losses) < 1e-4
     for a, b in zip(reference.weights, parallel.weights):
         if a.path == "attn/key/bias":
@@ -180,34 +183,10 @@ def test_einsum_bias_split_follows_the_output_dims():
 
 def test_vocab_wise_embedding_trains_in_parity():
     """RowParallel on an Embedding splits the vocabulary over the model axis."""
-    keras.utils.set_random_seed(0)
-    weights = transformer().get_weights()
-    x, y = lm_data()
-
-    def run(strategy=None):
-        def build():
-            model = transformer()
-            model.set_weights(weights)
-            if strategy is not None:
-                strategy.apply_rules(model, {"embed": tfpar.RowParallel()})
-            model.compile(optimizer=keras.optimizers.Adam(0.01),
-                          loss=keras.losses.SparseCategoricalCrossentropy(
-                              from_logits=True))
-            return model
-
-        if strategy is None:
-            model = build()
-        else:
-            with strategy.scope():
-                model = build()
-        losses = models.BatchLosses()
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[losses])
-        return model, losses.losses
-
-    reference, ref_losses = run()
+    reference, ref_losses = train_transformer(epochs=1)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
-    model, losses = run(strategy)
+    model, losses = train_transformer(
+        strategy, plan=lambda m: {"embed": tfpar.RowParallel()}, epochs=1)
     assert models.relative_error(ref_losses, losses) < 1e-4
     table = model.get_layer("embed").embeddings
     assert models.relative_error(reference.get_layer("embed").embeddings.numpy(),

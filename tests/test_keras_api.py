@@ -214,3 +214,20 @@ def test_run_eagerly_training_is_a_clear_error():
         model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
     with pytest.raises(ValueError, match=r"run_eagerly=True\) cannot train"):
         model.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_strategy_run_eagerly_and_in_tf_function():
+    """Custom loops: strategy.run on host arrays or placed batches."""
+    loop = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+    with loop.scope():
+        scale = tf.Variable(2.0)
+    x = np.arange(16, dtype="float32").reshape(8, 2)
+
+    def step(batch):
+        return tf.reduce_sum(batch) * scale
+
+    assert float(loop.run(step, args=(x,))) == 2 * x.sum()
+    batches = loop.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(x).batch(4))
+    traced = tf.function(lambda b: loop.run(step, args=(b,)))
+    assert [float(traced(b)) for b in batches] == [2 * x[:4].sum(), 2 * x[4:].sum()]

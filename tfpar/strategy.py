@@ -367,20 +367,16 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         ]
 
     def memory_per_device(self):
-        report = {
-            d: {"params": 0, "optimizer": 0, "other": 0}
-            for d in self.mesh.devices
-        }
+        # Layouts split evenly, so every device holds blocks of equal size.
+        totals = {"params": 0, "optimizer": 0, "other": 0}
         for info in list(self._variables.values()):
             variable = info.ref()
             if variable is None:
                 continue
             shape = variable.shape.as_list()
             block = layout_lib.shard_shape(shape, info.spec, self.mesh)
-            nbytes = int(np.prod(block)) * variable.dtype.size
-            for device in self.mesh.devices:
-                report[device][info.kind] += nbytes
-        return report
+            totals[info.kind] += int(np.prod(block)) * variable.dtype.size
+        return {device: dict(totals) for device in self.mesh.devices}
 
     def check_rules_used(self):
         """Raises when a layout rule matched no variable (once per strategy)."""
@@ -434,8 +430,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         _compat.require_cross_replica_or_default_context(self)
-        with self._container_strategy().scope():
-            return self._call_for_each_replica(fn, args, kwargs)
+        return self._call_for_each_replica(fn, args, kwargs)  # enters scope
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # One SPMD replica: the value already is the global value.

@@ -24,6 +24,7 @@ from tfpar.checkpoint import (  # noqa: E402
 )
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
+from tfpar.pipeline.model import PipelineModel  # noqa: E402
 from tfpar.strategy import ParallelStrategy  # noqa: E402
 from tfpar.tensor_parallel import (  # noqa: E402
     ColumnParallel,
@@ -39,6 +40,7 @@ __all__ = [
     "LayoutRules",
     "Mesh",
     "ParallelStrategy",
+    "PipelineModel",
     "Replicated",
     "RowParallel",
     "auto_rules",

@@ -245,3 +245,165 @@ def _publish_keras_variables():
 
 _publish_keras_variables()
 _publish_adding_layers()
+
+
+def functional_graph(model):
+    """(nodes, inputs, outputs) of a functional or Sequential model.
+
+    `nodes` are the graph's call nodes (input nodes excluded) in an order
+    Keras itself executes them (deepest first); `inputs`/`outputs` are the
+    model's flat lists of KerasTensors. Returns None for a model without a
+    graph (subclassed, or a Sequential that was never given an input shape).
+    """
+    from keras.src.models import sequential  # noqa: PLC0415
+
+    graph = model
+    if isinstance(model, sequential.Sequential):
+        graph = getattr(model, "_functional", None)
+    nodes_by_depth = getattr(graph, "_nodes_by_depth", None)
+    if graph is None or nodes_by_depth is None:
+        return None
+    nodes = [
+        node
+        for depth in sorted(nodes_by_depth, reverse=True)
+        for node in nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+    return nodes, list(graph.inputs), list(graph.outputs)
+
+
+def node_inputs(node):
+    """The KerasTensors a graph node reads."""
+    return list(node.input_tensors)
+
+
+def run_node(node, tensors, training):
+    """Runs one functional graph node on concrete tensors.
+
+    `tensors` maps id(KerasTensor) to a value; the node's outputs are added
+    to it. `training` is passed to layers that take it, as Keras'
+    Functional.call does.
+    """
+    from keras.src.models import functional  # noqa: PLC0415
+    from keras.src import tree  # noqa: PLC0415
+
+    args, kwargs = node.arguments.fill_in(tensors)
+    outputs = functional.operation_fn(node.operation, training=training)(
+        *args, **kwargs)
+    for symbolic, value in zip(node.outputs, tree.flatten(outputs)):
+        tensors[id(symbolic)] = value
+
+
+def model_output_structure(model, flat_outputs):
+    """`flat_outputs` packed like a functional model's outputs."""
+    from keras.src import tree  # noqa: PLC0415
+    from keras.src.models import sequential  # noqa: PLC0415
+
+    graph = model._functional if isinstance(model, sequential.Sequential) else model  # noqa: SLF001
+    return tree.pack_sequence_as(graph._outputs_struct, flat_outputs)  # noqa: SLF001
+
+
+def optimizer_learning_rate_variable(optimizer):
+    """The variable holding a Keras optimizer's learning rate, or None when
+    it is a schedule (computed from `iterations`)."""
+    value = getattr(optimizer, "_learning_rate", None)
+    return value if hasattr(value, "assign") else None
+
+
+# -- tensor parallelism: layer inputs; DTensor's compiled programs -----------
+
+
+def transform_layer_inputs(layer, name, transform):
+    """Makes `layer` call its `call` on `transform(first input)`; once per
+    `name`.
+
+    Like `transform_layer_outputs`, wraps this one layer object's `call`
+    (keeping its signature); the first input is the first positional
+    argument, or the first parameter of `call` when passed by keyword.
+    """
+    import inspect  # noqa: PLC0415
+
+    applied = layer.__dict__.setdefault("_tfpar_input_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+    first = next(iter(inspect.signature(original_call).parameters), None)
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        if args:
+            args = (transform(args[0]),) + tuple(args[1:])
+        elif first in kwargs:
+            kwargs[first] = transform(kwargs[first])
+        return original_call(*args, **kwargs)
+
+    layer.call = call
+    applied.add(name)
+
+
+def runtime_function_names():
+    """Names of every function in the eager context's function library."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    return context.context().list_function_names()
+
+
+def runtime_function_def(name):
+    """The FunctionDef named `name` in the eager context's library."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    return context.context().get_function_def(name)
+
+
+def traced_function_name(concrete_function):
+    """The library name of a traced `tf.function` (a ConcreteFunction)."""
+    name = concrete_function.function_def.signature.name
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def dtensor_expanded_wrappers(traced_name):
+    """Names of the functions DTensor made by SPMD-expanding `traced_name`.
+
+    TF 2.21's DTensor device, the first time it runs a traced function on a
+    mesh, registers in the eager context a wrapper named
+    `<traced name>__func_<fingerprint>_<n>` that calls the expanded
+    per-device program (`_func_<fingerprint>`, every collective in it).
+    """
+    prefix = traced_name + "__func_"
+    return [n for n in runtime_function_names() if n.startswith(prefix)]
+
+
+def _op_def(node):
+    from tensorflow.python.framework import op_def_registry  # noqa: PLC0415
+
+    return op_def_registry.get(node.op)
+
+
+def op_output_offsets(node):
+    """{output argument name: flat index of its first tensor} of a NodeDef
+    (FunctionDef bodies reference outputs as "node:argument:i")."""
+    op_def = _op_def(node)
+    offsets, index = {}, 0
+    for arg in (op_def.output_arg if op_def else []):
+        offsets[arg.name] = index
+        if arg.number_attr:
+            index += node.attr[arg.number_attr].i
+        elif arg.type_list_attr:
+            index += len(node.attr[arg.type_list_attr].list.type)
+        else:
+            index += 1
+    return offsets
+
+
+def op_output_dtypes(node):
+    """The dtypes of a NodeDef's outputs, flat ([] for unknown ops)."""
+    op_def = _op_def(node)
+    types = []
+    for arg in (op_def.output_arg if op_def else []):
+        if arg.type_list_attr:
+            types.extend(node.attr[arg.type_list_attr].list.type)
+            continue
+        single = node.attr[arg.type_attr].type if arg.type_attr else arg.type
+        count = node.attr[arg.number_attr].i if arg.number_attr else 1
+        types.extend([single] * count)
+    return [tf.as_dtype(t) for t in types]

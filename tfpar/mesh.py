@@ -9,6 +9,7 @@ front for `tf.experimental.dtensor.Mesh`.
 import collections.abc
 import math
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -227,6 +228,29 @@ class Mesh:
     def axis_size(self, name):
         """Size of axis `name`, or 1 when the mesh has no such axis."""
         return self._axes.get(name, 1)
+
+    def submesh(self, axis, index):
+        """The devices at coordinate `index` of `axis`, as a mesh over the
+        remaining axes (in order). A pipeline stage is such a sub-mesh.
+
+        >>> tfpar.Mesh({"data": 2, "pipe": 2, "model": 2}).submesh("pipe", 1)
+        Mesh({'data': 2, 'model': 2}, devices=[CPU:2, CPU:3, CPU:6, CPU:7])
+        """
+        if axis not in self._axes:
+            raise ValueError(
+                f"Mesh.submesh(axis) needs one of the mesh axes "
+                f"{self.axis_names}. Received: axis={axis!r}")
+        if not 0 <= index < self._axes[axis]:
+            raise ValueError(
+                f"Mesh.submesh(index) needs 0 <= index < {self._axes[axis]} "
+                f"(the size of axis {axis!r}). Received: index={index!r}")
+        rest = {name: size for name, size in self._axes.items() if name != axis}
+        if not rest:
+            rest = {axis: 1}
+        # Row-major: flat position -> coordinates along every axis.
+        grid = np.arange(self.size).reshape(tuple(self._axes.values()))
+        picked = np.take(grid, index, axis=self.axis_names.index(axis))
+        return Mesh(rest, devices=[self._devices[i] for i in picked.ravel()])
 
     @property
     def dtensor_mesh(self):

@@ -10,6 +10,7 @@ and `extended.update(var, fn)` simply calls `fn(var)`.
 """
 
 import collections
+import contextlib
 import weakref
 
 import numpy as np
@@ -51,9 +52,14 @@ class ParallelStrategy(tf.distribute.Strategy):
             replicates every weight.
         data_axis: the mesh axis the batch is split over. A mesh without it
             means no data parallelism.
+        pipeline_axis: the mesh axis whose coordinates are pipeline stages
+            (see `tfpar.PipelineModel`). Each stage is the sub-mesh of the
+            other axes at one coordinate; rules lay weights out within it.
+            A mesh without this axis (or with size 1) has one stage.
     """
 
-    def __init__(self, mesh, rules=None, data_axis="data"):
+    def __init__(self, mesh, rules=None, data_axis="data",
+                 pipeline_axis="pipe"):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -70,8 +76,20 @@ class ParallelStrategy(tf.distribute.Strategy):
                 "ParallelStrategy(data_axis) needs a mesh axis name (str). "
                 f"Received: data_axis={data_axis!r}"
             )
-        _check_axes(rules, mesh)
-        super().__init__(ParallelExtended(self, mesh, rules, data_axis))
+        if not isinstance(pipeline_axis, str):
+            raise TypeError(
+                "ParallelStrategy(pipeline_axis) needs a mesh axis name (str). "
+                f"Received: pipeline_axis={pipeline_axis!r}"
+            )
+        if pipeline_axis == data_axis:
+            raise ValueError(
+                "ParallelStrategy needs different data and pipeline axes. "
+                f"Received: data_axis={data_axis!r}, "
+                f"pipeline_axis={pipeline_axis!r}"
+            )
+        _check_axes(rules, mesh, pipeline_axis)
+        super().__init__(ParallelExtended(self, mesh, rules, data_axis,
+                                          pipeline_axis))
 
     @property
     def mesh(self):
@@ -84,6 +102,20 @@ class ParallelStrategy(tf.distribute.Strategy):
     @property
     def data_axis(self):
         return self.extended.data_axis
+
+    @property
+    def pipeline_axis(self):
+        return self.extended.pipeline_axis
+
+    @property
+    def num_stages(self):
+        """Pipeline stages: the size of the pipeline axis (1 without one)."""
+        return len(self.extended.stage_meshes)
+
+    @property
+    def stage_meshes(self):
+        """The sub-mesh of every pipeline stage ([mesh] without a pipeline)."""
+        return list(self.extended.stage_meshes)
 
     @property
     def data_parallel_size(self):
@@ -123,8 +155,16 @@ class ParallelStrategy(tf.distribute.Strategy):
         return self.extended.memory_per_device()
 
 
-def _check_axes(rules, mesh):
+def _check_axes(rules, mesh, pipeline_axis):
     for axis, pattern in rules.axes_used().items():
+        if axis == pipeline_axis and mesh.axis_size(axis) > 1:
+            raise ValueError(
+                f"Layout rule {pattern!r} shards over the pipeline axis "
+                f"{axis!r}. Pipeline stages own whole layers, so rules may "
+                "only name the other axes "
+                f"{[a for a in mesh.axis_names if a != axis]}. Received: "
+                f"rule {pattern!r}."
+            )
         if axis not in mesh.shape:
             raise ValueError(
                 f"Layout rule {pattern!r} names mesh axis {axis!r}, which "
@@ -143,9 +183,10 @@ def _owning_layers(model):
 
 
 class _VariableInfo(
-    collections.namedtuple("_VariableInfo", "path spec kind ref")
+    collections.namedtuple("_VariableInfo", "path spec kind ref mesh")
 ):
-    """What the strategy knows of a variable it created."""
+    """What the strategy knows of a variable it created (and on which
+    (sub-)mesh it lives)."""
 
 
 class ShardedVariable(_compat.DVariable):
@@ -200,14 +241,37 @@ class ShardedVariable(_compat.DVariable):
 class ParallelExtended(_compat.StrategyExtendedV2):
     """The machinery behind `ParallelStrategy` (see the module docstring)."""
 
-    def __init__(self, container_strategy, mesh, rules, data_axis):
+    def __init__(self, container_strategy, mesh, rules, data_axis,
+                 pipeline_axis):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.rules = rules
         self.data_axis = data_axis
+        self.pipeline_axis = pipeline_axis
+        stages = mesh.axis_size(pipeline_axis)
+        self.stage_meshes = ([mesh] if stages == 1 else
+                             [mesh.submesh(pipeline_axis, s)
+                              for s in range(stages)])
         self.input_placer = inputs.InputPlacer(mesh, data_axis)
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
+        self._placing = []  # stack of meshes new variables go to
+
+    @contextlib.contextmanager
+    def placing_on(self, mesh):
+        """New variables (other than optimizer slots, which follow their
+        weight) are created on `mesh`, a pipeline stage's sub-mesh."""
+        self._placing.append(mesh)
+        try:
+            yield mesh
+        finally:
+            self._placing.pop()
+
+    @property
+    def placement_mesh(self):
+        """Where a new variable goes: the innermost `placing_on` mesh, else
+        the first pipeline stage (the whole mesh without a pipeline)."""
+        return self._placing[-1] if self._placing else self.stage_meshes[0]
 
     # -- variables -----------------------------------------------------------
 
@@ -234,21 +298,26 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def _new_variable(self, path, initial_value, colocate_with, kwargs):
         shape = initial_value.shape.as_list()
+        reference = (None if colocate_with is None
+                     else self._info_of(colocate_with))
+        mesh = self.placement_mesh if reference is None else reference.mesh
         spec, kind = self._spec_for(path, shape, colocate_with,
                                     kwargs.get("trainable", True),
-                                    _compat.keras_layer_adding_weight())
+                                    _compat.keras_layer_adding_weight(),
+                                    mesh=mesh)
         with tf.init_scope():  # also when first built inside a tf.function
-            value = placement.put(initial_value, spec, self.mesh,
+            value = placement.put(initial_value, spec, mesh,
                                   dtype=kwargs.get("dtype"))
-            return self._register(path, spec, kind, value, kwargs)
+            return self._register(path, spec, kind, value, kwargs, mesh)
 
-    def _register(self, path, spec, kind, value, kwargs):
-        """A ShardedVariable holding `value`, tracked until it is freed."""
+    def _register(self, path, spec, kind, value, kwargs, mesh):
+        """A ShardedVariable holding `value` on `mesh`, tracked until it is
+        freed."""
         variable = ShardedVariable(
-            value, tfpar_spec=spec, tfpar_mesh=self.mesh, **kwargs)
+            value, tfpar_spec=spec, tfpar_mesh=mesh, **kwargs)
         key = id(variable)
         self._variables[key] = _VariableInfo(path, spec, kind,
-                                             weakref.ref(variable))
+                                             weakref.ref(variable), mesh)
         weakref.finalize(variable, self._variables.pop, key, None)
         return variable
 
@@ -281,7 +350,6 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         """Re-lays out the existing weights of `model` by `rules`."""
         if not isinstance(rules, layout_lib.LayoutRules):
             rules = layout_lib.LayoutRules(rules)
-        _check_axes(rules, self.mesh)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             raise ValueError(
@@ -291,6 +359,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 "after building the model, before compile/fit."
             )
         rules = layout_lib.LayoutRules(dict(rules.items()))  # fresh usage
+        _check_axes(rules, self.mesh, self.pipeline_axis)
         owners = _owning_layers(model)
         # Plan every weight and check every rule first: nothing changes
         # unless the whole plan is valid.
@@ -300,7 +369,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             backing = _compat.backing_variable(variable)
             spec, kind = self._spec_for(
                 variable.path, backing.shape.as_list(), None,
-                backing.trainable, owners.get(id(variable)), rules)
+                backing.trainable, owners.get(id(variable)), rules,
+                mesh=info.mesh)
             if spec != info.spec:
                 plan.append((variable, backing, info, spec, kind))
         unmatched = rules.unmatched()
@@ -313,14 +383,47 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         for variable, backing, info, spec, kind in plan:
             with tf.init_scope():
                 value = placement.relayout(backing.read_value(), spec,
-                                           self.mesh)
-                replacement = self._register(
-                    info.path, spec, kind, value,
-                    {"trainable": backing.trainable,
-                     "name": backing.name.split(":")[0],
-                     "dtype": backing.dtype})
-            self._variables.pop(id(backing), None)
-            _compat.rebind_keras_variable(variable, replacement)
+                                           info.mesh)
+                self._replace(variable, backing, info, spec, kind, value,
+                              info.mesh)
+
+    def move_to(self, variable, mesh, layer=None):
+        """Moves a Keras weight (made in this scope) onto `mesh`, laid out
+        there by the strategy's rules; returns its new spec.
+
+        Used to put each pipeline stage's weights on that stage's sub-mesh.
+        The value travels through the host, one device block at a time on
+        the receiving side.
+        """
+        info = self._require_on_mesh(variable)
+        if info.mesh == mesh:
+            return info.spec
+        backing = _compat.backing_variable(variable)
+        spec, kind = self._spec_for(info.path, backing.shape.as_list(), None,
+                                    backing.trainable, layer, mesh=mesh)
+        with tf.init_scope():
+            value = placement.put(backing.numpy(), spec, mesh,
+                                  dtype=backing.dtype)
+            self._replace(variable, backing, info, spec, kind, value, mesh)
+        return spec
+
+    def _replace(self, variable, backing, info, spec, kind, value, mesh):
+        """Makes Keras `variable` hold `value` in a new tracked variable."""
+        replacement = self._register(
+            info.path, spec, kind, value,
+            {"trainable": backing.trainable,
+             "name": backing.name.split(":")[0], "dtype": backing.dtype},
+            mesh)
+        self._variables.pop(id(backing), None)
+        _compat.rebind_keras_variable(variable, replacement)
+
+    def owns(self, variable):
+        """Whether `variable` was made (and still lives) in this scope."""
+        return self._info_of(variable) is not None
+
+    def mesh_of(self, variable):
+        """The (sub-)mesh a variable made in this scope lives on."""
+        return self._require_on_mesh(variable).mesh
 
     def _require_on_mesh(self, variable):
         """The _VariableInfo of a Keras weight; error if made elsewhere."""
@@ -334,7 +437,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return info
 
     def _spec_for(self, path, shape, colocate_with, trainable, layer=None,
-                  rules=None):
+                  rules=None, mesh=None):
         """(spec, kind) for a new variable; slots follow their weight."""
         if colocate_with is not None:
             reference = self._info_of(colocate_with)
@@ -346,7 +449,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         spec = rules.spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
-        layout_lib.check_divisible(path, shape, spec, self.mesh)
+        layout_lib.check_divisible(path, shape, spec, mesh or self.mesh)
         return spec, ("params" if trainable else "other")
 
     def _info_of(self, variable):
@@ -361,22 +464,31 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return [
             (info.path, info.spec,
              layout_lib.shard_shape(info.ref().shape.as_list(), info.spec,
-                                    self.mesh))
+                                    info.mesh))
             for info in list(self._variables.values())
             if info.ref() is not None and kind in (None, info.kind)
         ]
 
     def memory_per_device(self):
-        # Layouts split evenly, so every device holds blocks of equal size.
-        totals = {"params": 0, "optimizer": 0, "other": 0}
+        # Layouts split evenly, so every device of a variable's (sub-)mesh
+        # holds a block of the same size; other devices hold nothing of it.
+        totals = {}  # mesh -> {kind: bytes}
         for info in list(self._variables.values()):
             variable = info.ref()
             if variable is None:
                 continue
             shape = variable.shape.as_list()
-            block = layout_lib.shard_shape(shape, info.spec, self.mesh)
-            totals[info.kind] += int(np.prod(block)) * variable.dtype.size
-        return {device: dict(totals) for device in self.mesh.devices}
+            block = layout_lib.shard_shape(shape, info.spec, info.mesh)
+            per_kind = totals.setdefault(
+                info.mesh, {"params": 0, "optimizer": 0, "other": 0})
+            per_kind[info.kind] += int(np.prod(block)) * variable.dtype.size
+        memory = {device: {"params": 0, "optimizer": 0, "other": 0}
+                  for device in self.mesh.devices}
+        for mesh, per_kind in totals.items():
+            for device in mesh.devices:
+                for kind, size in per_kind.items():
+                    memory[device][kind] += size
+        return memory
 
     def check_rules_used(self):
         """Raises when a layout rule matched no variable (once per strategy)."""
@@ -400,7 +512,21 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return _ReplicaScope(self._container_strategy())
 
     def keras_function(self, model, mode):
-        """Builds `model.{mode}_function` (see `tfpar.training`)."""
+        """Builds `model.{mode}_function` (see `tfpar.training`; a
+        `tfpar.PipelineModel` brings its own runner)."""
+        make_runner = getattr(model, "_tfpar_pipeline_runner", None)
+        if make_runner is not None:
+            return training.make_function(model, self, mode,
+                                          runner=make_runner(mode))
+        if len(self.stage_meshes) > 1:
+            raise ValueError(
+                f"The mesh has a pipeline axis {self.pipeline_axis!r} of size "
+                f"{len(self.stage_meshes)}, so a model needs stages to run "
+                f"on it. Received: model {model.name!r} of type "
+                f"{type(model).__name__}. Wrap it in the scope: "
+                "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
+                "or drop the pipeline axis from the mesh."
+            )
         return training.make_function(model, self, mode)
 
     def eager_model_call(self, call, model, args, kwargs):
@@ -409,6 +535,9 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         `.numpy()` works on them. (Eager gradients through DTensor ops are
         not supported by DTensor itself; train with `fit` or `strategy.run`
         inside a `tf.function`.)"""
+        pipeline_call = getattr(model, "_tfpar_eager_call", None)
+        if pipeline_call is not None:
+            return pipeline_call(args, kwargs)
         args, kwargs = self.input_placer.place_arrays((args, kwargs))
         outputs = call(model, *args, **kwargs)
         return tf.nest.map_structure(self.replicate, outputs)

@@ -121,9 +121,12 @@ def _fetch_all(outputs):
     return tf.nest.map_structure(placement.fetch, outputs)
 
 
-def make_function(model, extended, mode):
-    """The function Keras calls as `model.{train,test,predict}_function`."""
-    runner = StepRunner(model, extended, mode)
+def make_function(model, extended, mode, runner=None):
+    """The function Keras calls as `model.{train,test,predict}_function`.
+
+    `runner` (default: a `StepRunner`) has `run(host_batches)`.
+    """
+    runner = runner or StepRunner(model, extended, mode)
 
     if mode == "predict":
 

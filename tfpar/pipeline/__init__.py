@@ -25,11 +25,13 @@ from tfpar.pipeline.schedules import (
     theoretical_bubble_fraction,
 )
 from tfpar.pipeline.timeline import format_timeline, plot_schedule
+from tfpar.pipeline.split import Stage, split_model
 
 __all__ = [
     "SCHEDULE_NAMES",
     "Action",
     "Schedule",
+    "Stage",
     "TimelineEntry",
     "bubble_fraction",
     "format_timeline",
@@ -37,5 +39,6 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "plot_schedule",
+    "split_model",
     "theoretical_bubble_fraction",
 ]

@@ -1,0 +1,654 @@
+"""PipelineModel: a Keras model whose stages run on different sub-meshes.
+
+Under a `ParallelStrategy` whose mesh has a pipeline axis of size p, the
+wrapped model is cut into p stages (`tfpar.pipeline.split`); stage s's
+weights move to the sub-mesh at coordinate s of that axis (the other axes,
+e.g. data × model, work inside every stage). A global batch of B samples is
+cut into m micro-batches of B/m, each split over the data axis.
+
+One training step is one `tf.function` holding every stage's work:
+
+- forward F(s, i): stage s runs its layers on micro-batch i under its own
+  `GradientTape`; the last stage also computes the loss and metrics.
+  Activations cross to stage s+1 (DTensor: relayout to replicated on the
+  source sub-mesh, `copy_to_mesh`, relayout to the batch split).
+- backward B(s, i): the stage's tape gives the gradients of its weights and
+  inputs, with the gradient arriving from stage s+1 as `output_gradients`
+  (a vector-Jacobian product); input gradients cross back to stage s-1.
+  Each micro-batch loss is scaled by 1/m, so the summed weight gradients
+  are those of the mean loss over the whole batch: the step equals the
+  full-batch step (gradient accumulation).
+- each stage's actions run in its schedule's order (GPipe or 1F1B), chained
+  by control dependencies; different stages run concurrently wherever the
+  data flow allows. Then every stage applies its optimizer to its weights.
+
+Keras' optimizer keeps scalar state (`iterations`, the learning rate) that
+every update reads; a DTensor op cannot read tensors of two meshes, so each
+stage gets its own copy of the optimizer (same config, kept in step; the
+compiled optimizer — `model.optimizer` — serves the last stage).
+
+Example:
+
+>>> import keras, numpy as np, tfpar
+>>> tfpar.use_virtual_cpus(8)
+>>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+>>> with strategy.scope():
+...     model = keras.Sequential([keras.Input((8,))] + [
+...         keras.layers.Dense(16, activation="relu", name=f"d{i}")
+...         for i in range(4)])
+...     pipe = tfpar.PipelineModel(model, num_microbatches=4)
+...     pipe.compile(optimizer="adam", loss="mse")
+>>> print(pipe.split_report())  # doctest: +ELLIPSIS
+stage 0 on CPU:0..CPU:3: 2 layer(s) d0..d1, ...
+>>> x = np.random.rand(64, 8).astype("float32")
+>>> history = pipe.fit(x, np.zeros((64, 16)), batch_size=32, verbose=0)
+"""
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import _compat
+from tfpar import inputs as inputs_lib
+from tfpar import layout as layout_lib
+from tfpar import placement
+from tfpar.pipeline import schedules as schedules_lib
+from tfpar.pipeline import split as split_lib
+from tfpar.pipeline.schedules import BACKWARD, FORWARD, TimelineEntry
+
+
+class PipelineModel(keras.Model):
+    """Runs a Sequential or functional model as a pipeline of stages.
+
+    Create it inside `strategy.scope()` of a `tfpar.ParallelStrategy` whose
+    mesh has a pipeline axis (default name "pipe"); then `compile`, `fit`,
+    `evaluate`, `predict`, `get_weights`/`set_weights`, `get_layer` work as
+    for any Keras model.
+
+    Args:
+        model: a built Sequential (with `keras.Input`) or functional model,
+            created in the same scope.
+        num_microbatches: m, micro-batches per global batch. The global
+            batch must be divisible by m × the data axis size.
+        schedule: "1f1b" (default: at most p micro-batches' activations
+            alive per stage) or "gpipe" (all m).
+        stage_boundaries: names of the layers where stages 1..p-1 begin;
+            None cuts automatically.
+        balance: what the automatic cut balances: "params" (parameter
+            count, default) or "time" (each layer's measured forward time
+            on one batch of zeros; needs `input_shape` known, i.e. a model
+            with `keras.Input`).
+        record_timeline: keep the executed timeline of each training step
+            in `last_timeline` (adds a timestamp op per action).
+        name: model name (default "pipeline_<model name>").
+    """
+
+    def __init__(self, model, num_microbatches, schedule="1f1b",
+                 stage_boundaries=None, balance="params",
+                 record_timeline=False, name=None):
+        strategy = tf.distribute.get_strategy()
+        extended = getattr(strategy, "extended", None)
+        if not hasattr(extended, "stage_meshes"):
+            raise ValueError(
+                "Create PipelineModel inside `with strategy.scope():` of a "
+                "tfpar.ParallelStrategy (its mesh's pipeline axis gives the "
+                f"stages). Received: current strategy {type(strategy).__name__}."
+            )
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "PipelineModel(model) needs a Keras Model. Received: "
+                f"model={model!r} of type {type(model).__name__}")
+        if isinstance(num_microbatches, bool) or not isinstance(
+                num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(
+                "PipelineModel(num_microbatches) needs an int >= 1. "
+                f"Received: num_microbatches={num_microbatches!r}")
+        num_stages = len(extended.stage_meshes)
+        # Validates the name before anything changes.
+        full_schedule = schedules_lib.get_schedule(schedule, num_stages,
+                                                   num_microbatches)
+        if balance not in split_lib.BALANCE_MODES:
+            raise ValueError(
+                f"PipelineModel(balance) must be one of "
+                f"{split_lib.BALANCE_MODES}. Received: balance={balance!r}")
+        if not model.built:
+            raise ValueError(
+                f"PipelineModel needs a built model; model {model.name!r} is "
+                "not built. Give it a keras.Input (Sequential) or build it.")
+        costs = None
+        if stage_boundaries is None and balance == "time":
+            costs = _measured_layer_times(model, extended)
+        stages = split_lib.split_model(model, num_stages, stage_boundaries,
+                                       costs)
+        super().__init__(name=name or f"pipeline_{model.name}")
+        self.wrapped = model
+        self._extended = extended
+        self._stages = stages
+        self._num_microbatches = num_microbatches
+        self._schedule = full_schedule
+        self.record_timeline = record_timeline
+        self.last_timeline = None
+        self._expect_full_batch = True
+        self._place_stages()
+        self.built = True
+
+    # -- structure -----------------------------------------------------------
+
+    def _place_stages(self):
+        """Moves every stage's weights onto its stage's sub-mesh."""
+        owners = {}
+        for stage in self._stages:
+            for layer in stage.layers:
+                for inner in _compat.all_layers(layer):
+                    for weight in inner.weights:
+                        owners[id(weight)] = (stage.index, inner)
+        for stage in self._stages:
+            mesh = self._extended.stage_meshes[stage.index]
+            for layer in stage.layers:
+                for weight in layer.weights:
+                    owner_stage, owner = owners[id(weight)]
+                    if owner_stage != stage.index:
+                        raise ValueError(
+                            f"Weight {weight.path!r} is used by stage "
+                            f"{stage.index} and by stage {owner_stage} "
+                            f"(layer {layer.name!r} shares it). Keep layers "
+                            "that share weights in one stage "
+                            "(stage_boundaries).")
+                    self._extended.move_to(weight, mesh, owner)
+        self._stage_weights = [
+            [w for layer in stage.layers for w in layer.trainable_weights]
+            for stage in self._stages]
+
+    @property
+    def stages(self):
+        """The `tfpar.pipeline.split.Stage`s, in order."""
+        return list(self._stages)
+
+    @property
+    def num_microbatches(self):
+        return self._num_microbatches
+
+    @property
+    def schedule(self):
+        """The `tfpar.pipeline.Schedule` a full training batch runs."""
+        return self._schedule
+
+    def split_report(self):
+        """Which stage holds which layers and parameters, on which devices."""
+        devices = [_device_range(m) for m in self._extended.stage_meshes]
+        return split_lib.format_split(self._stages, devices)
+
+    def call(self, inputs, training=None):
+        # Symbolic use only (Keras builds output specs with it); concrete
+        # inputs are run stage by stage by the pipeline runner.
+        return self.wrapped(inputs, training=training)
+
+    def get_layer(self, name=None, index=None):
+        return self.wrapped.get_layer(name=name, index=index)
+
+    def summary(self, *args, **kwargs):
+        print(self.split_report())
+        return self.wrapped.summary(*args, **kwargs)
+
+    def compile(self, *args, **kwargs):
+        """Keras `compile`; loss, metrics and this optimizer live on the
+        last stage (the other stages get copies of the optimizer)."""
+        last = self._extended.stage_meshes[-1]
+        with self._extended.placing_on(last):
+            super().compile(*args, **kwargs)
+        # An optimizer or metrics made before compile (in the scope) have
+        # their counters on the first stage: the last stage updates them.
+        state = [self.optimizer.iterations] + list(self.metrics_variables)
+        rate = _compat.optimizer_learning_rate_variable(self.optimizer)
+        if rate is not None:
+            state.append(rate)
+        for variable in state:
+            if self._extended.owns(variable):
+                self._extended.move_to(variable, last)
+        if getattr(self.optimizer, "global_clipnorm", None):
+            raise ValueError(
+                "PipelineModel cannot clip by global norm: the norm would "
+                "span several stages' meshes. Received: global_clipnorm="
+                f"{self.optimizer.global_clipnorm}. Use clipnorm= or "
+                "clipvalue= (per variable) instead.")
+
+    def _symbolic_build(self, *args, **kwargs):
+        # Keras builds metrics here (they belong on the last stage) and the
+        # optimizer for *all* weights; each stage's optimizer is built for
+        # its own weights instead (slots then exist once, on their stage).
+        last = self._extended.stage_meshes[-1]
+        with self.distribute_strategy.scope(), \
+                self._extended.placing_on(last):
+            if self.optimizer is not None and not self.optimizer.built:
+                self.optimizer.build(self._stage_weights[-1])
+            return super()._symbolic_build(*args, **kwargs)
+
+    def fit(self, *args, **kwargs):
+        self._expect_full_batch = True
+        return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        self._expect_full_batch = True
+        return super().train_on_batch(*args, **kwargs)
+
+    # -- hooks the strategy calls ---------------------------------------------
+
+    def _tfpar_pipeline_runner(self, mode):
+        return PipelineRunner(self, mode)
+
+    def _tfpar_eager_call(self, args, kwargs):
+        x = args[0] if args else kwargs.pop("inputs")
+        x = tf.nest.map_structure(tf.convert_to_tensor, x)
+        return tf.nest.map_structure(
+            tf.constant, PipelineRunner(self, "predict").predict_batch(x))
+
+
+class PipelineRunner:
+    """Runs train/test/predict steps of a `PipelineModel` (see module doc)."""
+
+    def __init__(self, pipeline, mode):
+        if pipeline.run_eagerly and mode == "train":
+            raise ValueError(
+                "compile(run_eagerly=True) cannot train a PipelineModel: "
+                "DTensor has no eager gradients. Received: run_eagerly=True. "
+                "Compile with run_eagerly=False (the default).")
+        self._model = pipeline
+        self._extended = extended = pipeline._extended  # noqa: SLF001
+        self._meshes = extended.stage_meshes
+        self._stages = pipeline._stages  # noqa: SLF001
+        self._mode = mode
+        self._data_axis = extended.data_axis
+        self._placers = [inputs_lib.InputPlacer(mesh, extended.data_axis)
+                         for mesh in self._meshes]
+        last = self._meshes[-1]
+        with extended.placing_on(last):
+            extended.adopt_state_variables(pipeline)
+        self._optimizers = None
+        self._functions = {}
+
+    # -- host side ---------------------------------------------------------
+
+    def run(self, host_batches):
+        outputs = None
+        if self._mode == "predict":
+            results = [self.predict_batch(_x_of(b)) for b in host_batches]
+            return tf.nest.map_structure(
+                lambda *xs: tf.constant(np.concatenate(xs)), *results)
+        for batch in host_batches:
+            outputs = self._run_batch(batch)
+        return outputs
+
+    def _microbatches(self, size):
+        """(m, split over data) for a batch of `size` samples.
+
+        The first training batch must split into m micro-batches, each
+        split over the data axis; a smaller batch after it (an epoch's last)
+        and any evaluate/predict batch use the most micro-batches that
+        divide it (the step's result does not depend on m).
+        """
+        m = self._model._num_microbatches  # noqa: SLF001
+        d = self._meshes[0].axis_size(self._data_axis)
+        if size % (m * d) == 0:
+            return m, True
+        if self._mode == "train" and self._model._expect_full_batch:  # noqa: SLF001
+            raise ValueError(
+                f"The global batch size {size} is not divisible by "
+                f"num_microbatches ({m}) × the data axis {self._data_axis!r} "
+                f"({d}) = {m * d}. Received: batch_size={size}. Use a batch "
+                f"size that is a multiple of {m * d}, or change "
+                "num_microbatches.")
+        k = max(k for k in range(1, m + 1) if size % k == 0)
+        return k, (size // k) % d == 0
+
+    def _place(self, structure, mesh_index, m, split):
+        """Host tensors of B samples as DTensors (m, B/m, ...) on a stage,
+        each micro-batch split over the data axis when `split`."""
+        placer = self._placers[mesh_index]
+
+        def put(t):
+            if t is None:
+                return None
+            array = np.asarray(t)
+            array = array.reshape((m, array.shape[0] // m) + array.shape[1:])
+            spec = [None] * array.ndim
+            if split and placer.mesh.axis_size(self._data_axis) > 1:
+                spec[1] = self._data_axis
+            return placement.put(array, tuple(spec), placer.mesh)
+
+        return tf.nest.map_structure(put, structure)
+
+    def _run_batch(self, batch):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+        size = int(np.shape(tf.nest.flatten(x)[0])[0])
+        m, split = self._microbatches(size)
+        if self._mode == "train":
+            self._model._expect_full_batch = False  # noqa: SLF001
+            self._sync_optimizers()
+        xs = self._place(x, 0, m, split)
+        targets = self._place((y, sample_weight), -1, m, split)
+        record = self._mode == "train" and self._model.record_timeline
+        function = self._function(self._mode, record)
+        start = time.perf_counter()
+        logs, stamps = function(xs, targets, split)
+        if record:
+            self._model.last_timeline = self._timeline(stamps, m, start)
+        return logs
+
+    def predict_batch(self, x):
+        size = int(np.shape(tf.nest.flatten(x)[0])[0])
+        m, split = self._microbatches(size)
+        outputs, _ = self._function("predict", False)(
+            self._place(x, 0, m, split), None, split)
+        return tf.nest.map_structure(
+            lambda *ys: np.concatenate([placement.fetch(t) for t in ys]),
+            *outputs)
+
+    def _function(self, mode, record):
+        key = (mode, record)
+        if key not in self._functions:
+            body = {"train": self._train, "test": self._test,
+                    "predict": self._predict}[mode]
+
+            def step(xs, targets, split, _body=body, _record=record):
+                with self._extended.replica_scope():
+                    return _body(xs, targets, split, _record)
+
+            self._functions[key] = (step if self._model.run_eagerly else
+                                    tf.function(step, reduce_retracing=True))
+        return self._functions[key]
+
+    def _timeline(self, stamps, m, host_start):
+        """TimelineEntry list (seconds from the first action's start)."""
+        values = {key: float(placement.fetch(t)) for key, t in stamps.items()}
+        origin = min(v for (_, _, _, edge), v in values.items()
+                     if edge == "start")
+        entries = [
+            TimelineEntry(s, kind, i, values[(s, kind, i, "start")] - origin,
+                          values[(s, kind, i, "end")] - origin)
+            for (s, kind, i, edge) in values if edge == "start"]
+        del host_start, m
+        return sorted(entries, key=lambda e: (e.start, e.stage))
+
+    def _sync_optimizers(self):
+        """Creates the other stages' optimizers once; copies the learning
+        rate (callbacks may change it) into them every step."""
+        optimizer = self._model.optimizer
+        if self._optimizers is None:
+            if not optimizer.built:
+                with self._extended.placing_on(self._meshes[-1]):
+                    optimizer.build(self._model._stage_weights[-1])  # noqa: SLF001
+            optimizers = []
+            for s, mesh in enumerate(self._meshes[:-1]):
+                with self._extended.placing_on(mesh), \
+                        self._model.distribute_strategy.scope():
+                    clone = type(optimizer).from_config(optimizer.get_config())
+                    clone.build(self._model._stage_weights[s])  # noqa: SLF001
+                optimizers.append(clone)
+            optimizers.append(optimizer)
+            self._optimizers = optimizers
+            self._learning_rate = None
+        rate = _compat.optimizer_learning_rate_variable(optimizer)
+        if rate is not None and len(self._optimizers) > 1:
+            value = float(rate.numpy())
+            if value != self._learning_rate:
+                for clone in self._optimizers[:-1]:
+                    _compat.optimizer_learning_rate_variable(clone).assign(value)
+                self._learning_rate = value
+
+    # -- traced steps ------------------------------------------------------
+
+    def _move(self, tensor, source, target, split):
+        """`tensor` from stage `source`'s mesh to stage `target`'s, with the
+        batch dimension split over the data axis when `split`."""
+        if source == target:
+            return tensor
+        rank = tensor.shape.rank
+        src, dst = self._meshes[source], self._meshes[target]
+        whole = dtensor.relayout(tensor, dtensor.Layout.replicated(
+            src.dtensor_mesh, rank))
+        moved = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(
+            dst.dtensor_mesh, rank))
+        return placement.relayout(moved, self._batch_spec(rank, split), dst)
+
+    def _batch_spec(self, rank, split):
+        spec = [None] * rank
+        if rank and split:
+            spec[0] = self._data_axis
+        return tuple(spec)
+
+    def _run_stage(self, s, values, training):
+        """Runs stage s on its input tensors; (outputs, its own losses)."""
+        stage = self._stages[s]
+        tensors = {id(k): v for k, v in zip(stage.inputs, values)}
+        for node in stage.nodes:
+            _compat.run_node(node, tensors, training)
+        outputs = [tensors[id(k)] for k in stage.outputs]
+        losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
+                  for layer in stage.layers for loss in layer.losses]
+        return outputs, (tf.add_n(losses) if losses else None)
+
+    def _last_stage_loss(self, y_pred, y, sample_weight, extra):
+        """Keras' compiled loss of one micro-batch plus `extra` (the
+        regularisation losses of all stages), as `compute_loss` adds them."""
+        model = self._model
+        losses = []
+        if model._compile_loss is not None:  # noqa: SLF001
+            loss = model._compile_loss(y, y_pred, sample_weight)  # noqa: SLF001
+            if loss is not None:
+                losses.append(loss)
+        losses += [e for e in extra if e is not None]
+        if not losses:
+            raise ValueError(
+                "No loss to compute. Provide a `loss` argument in compile().")
+        return tf.add_n(losses) if len(losses) > 1 else losses[0]
+
+    def _microbatch(self, structure, i):
+        # tf.gather, not t[i]: DTensor mis-lays out a strided slice that
+        # drops the leading dimension.
+        return tf.nest.map_structure(
+            lambda t: None if t is None else tf.gather(t, i), structure)
+
+    def _forward_only(self, xs, split, i):
+        """Outputs of the last stage for micro-batch i, and the other
+        stages' additional losses moved to the last stage."""
+        values = tf.nest.flatten(self._microbatch(xs, i))
+        extra = []
+        for s in range(len(self._stages)):
+            if s:
+                values = [self._move(v, s - 1, s, split) for v in values]
+                extra = [self._move(e, s - 1, s, split) for e in extra]
+            with self._on_stage(s):
+                values, loss = self._run_stage(s, values, training=False)
+            if loss is not None:
+                extra.append(loss)
+        return values, extra
+
+    def _y_pred(self, values):
+        return _compat.model_output_structure(self._model.wrapped, values)
+
+    def _update_metrics(self, x_size, y_pred, y, sample_weight, loss):
+        model = self._model
+        model._loss_tracker.update_state(loss, sample_weight=x_size)  # noqa: SLF001
+        if model._compile_metrics is not None:  # noqa: SLF001
+            model._compile_metrics.update_state(y, y_pred, sample_weight)  # noqa: SLF001
+
+    def _test(self, xs, targets, split, record):
+        m = tf.nest.flatten(xs)[0].shape[0]
+        size = tf.nest.flatten(xs)[0].shape[1]
+        for i in range(m):
+            values, extra = self._forward_only(xs, split, i)
+            with self._on_stage(len(self._stages) - 1):
+                y, sample_weight = self._microbatch(targets, i)
+                y_pred = self._y_pred(values)
+                loss = self._last_stage_loss(y_pred, y, sample_weight, extra)
+                self._update_metrics(size, y_pred, y, sample_weight, loss)
+        with self._on_stage(len(self._stages) - 1):
+            return self._logs(), {}
+
+    def _predict(self, xs, targets, split, record):
+        m = tf.nest.flatten(xs)[0].shape[0]
+        return [self._y_pred(self._forward_only(xs, split, i)[0])
+                for i in range(m)], {}
+
+    def _logs(self):
+        last = self._meshes[-1]
+        return tf.nest.map_structure(
+            lambda t: placement.relayout(
+                t, layout_lib.replicated_spec(t.shape.rank), last),
+            self._model.get_metrics_result())
+
+    def _train(self, xs, targets, split, record):
+        p = len(self._stages)
+        m = tf.nest.flatten(xs)[0].shape[0]
+        size = tf.nest.flatten(xs)[0].shape[1]
+        schedule = (self._model.schedule if m == self._model.num_microbatches
+                    else schedules_lib.get_schedule(self._model.schedule.name,
+                                                    p, m))
+        order = schedule.simulate(forward_time=1.0, backward_time=2.0)
+        weights = self._model._stage_weights  # noqa: SLF001
+        activations = {}   # (s, i) -> inputs of stage s for micro-batch i
+        gradients = {}     # (s, i) -> gradients of stage s's outputs
+        extras = {}        # (s, i) -> additional losses so far (stop-grad)
+        tapes = {}         # (s, i) -> (tape, watched inputs, targets)
+        sums = [[None] * len(w) for w in weights]
+        previous = [[] for _ in range(p)]   # last action's tensors per stage
+        stamps = {}
+        scale = 1.0 / m
+        for action in order:
+            s, i, kind = action.stage, action.microbatch, action.kind
+            with tf.control_dependencies(previous[s]), self._on_stage(s):
+                if record:
+                    stamps[(s, kind, i, "start")] = self._stamp(s)
+                if kind == FORWARD:
+                    done = self._train_forward(
+                        s, i, xs, targets, split, size, scale, activations,
+                        extras, tapes)
+                else:
+                    done = self._train_backward(
+                        s, i, split, weights[s], sums[s], gradients, tapes)
+            previous[s] = [t for t in done if t is not None]
+            if record:
+                with tf.control_dependencies(previous[s]):
+                    stamps[(s, kind, i, "end")] = self._stamp(s)
+        for s in range(p):
+            grads = [tf.zeros_like(w) if g is None else g
+                     for g, w in zip(sums[s], weights[s])]
+            with self._on_stage(s):
+                self._optimizers[s].apply(grads, weights[s])
+        with self._on_stage(p - 1):
+            return self._logs(), stamps
+
+    def _on_stage(self, s):
+        """Ops with no DTensor input (constants, timestamps) made in this
+        context belong to stage s's mesh."""
+        return dtensor.default_mesh(self._meshes[s].dtensor_mesh)
+
+    def _stamp(self, s):
+        with self._on_stage(s):
+            return tf.timestamp()
+
+    def _train_forward(self, s, i, xs, targets, split, size, scale,
+                       activations, extras, tapes):
+        p = len(self._stages)
+        if s == 0:
+            values = tf.nest.flatten(self._microbatch(xs, i))
+            extra_in = []
+        else:
+            values = activations.pop((s, i))
+            extra_in = extras.pop((s, i))
+        values = [tf.identity(v) for v in values]  # after the control deps
+        # Stage 0 reads data (no gradient); integer inputs have none either.
+        watched = [v if s and v.dtype.is_floating else None for v in values]
+        with tf.GradientTape(watch_accessed_variables=True) as tape:
+            tape.watch([v for v in watched if v is not None])
+            outputs, own_loss = self._run_stage(s, values, training=True)
+            if s == p - 1:
+                y, sample_weight = self._microbatch(targets, i)
+                y_pred = self._y_pred(outputs)
+                loss = self._last_stage_loss(
+                    y_pred, y, sample_weight,
+                    [own_loss] + [tf.stop_gradient(e) for e in extra_in])
+                objective = self._model.optimizer.scale_loss(loss * scale)
+            elif own_loss is not None:
+                objective = own_loss * scale
+            else:
+                objective = None
+        tapes[(s, i)] = (tape, watched, outputs, objective)
+        if s == p - 1:
+            self._update_metrics(size, y_pred, y, sample_weight, loss)
+            return [loss]
+        carried = extra_in + ([own_loss] if own_loss is not None else [])
+        activations[(s + 1, i)] = [self._move(v, s, s + 1, split)
+                                   for v in outputs]
+        extras[(s + 1, i)] = [self._move(e, s, s + 1, split)
+                              for e in carried]
+        return outputs
+
+    def _train_backward(self, s, i, split, weights, sums, gradients, tapes):
+        p = len(self._stages)
+        tape, watched, outputs, objective = tapes.pop((s, i))
+        if s == p - 1:
+            targets, seeds = [objective], None
+        else:
+            incoming = gradients.pop((s, i))
+            pairs = [(o, g) for o, g in zip(outputs, incoming)
+                     if g is not None]
+            targets = [o for o, _ in pairs]
+            seeds = [g for _, g in pairs]
+            if objective is not None:
+                targets.append(objective)
+                seeds.append(tf.ones_like(objective))
+        sources = [v for v in watched if v is not None]
+        # d(targets · seeds)/d(inputs, weights): the vector-Jacobian product.
+        grads = tape.gradient(
+            targets, sources + list(weights), output_gradients=seeds,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        input_grads = iter(grads[:len(sources)])
+        for k, g in enumerate(grads[len(sources):]):
+            g = tf.convert_to_tensor(g)  # IndexedSlices (embeddings): dense
+            sums[k] = g if sums[k] is None else sums[k] + g
+        if s > 0:
+            # One gradient per output of stage s-1 (None for integers).
+            gradients[(s - 1, i)] = [
+                None if v is None else
+                self._move(next(input_grads), s, s - 1, split)
+                for v in watched]
+        return [g for g in grads if g is not None]
+
+
+def _x_of(batch):
+    """The inputs of a batch, as host arrays (Keras' predict loop hands
+    over batches its iterator already placed on the whole mesh)."""
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    return tf.nest.map_structure(placement.fetch, x)
+
+
+def _device_range(mesh):
+    from tfpar.mesh import _device_range as device_range  # noqa: PLC0415
+
+    return device_range(mesh.devices)
+
+
+def _measured_layer_times(model, extended, batch_size=32, repeats=3):
+    """Seconds per layer of one forward on `batch_size` zeros (the best of
+    `repeats` eager runs on the mesh the weights were created on)."""
+    nodes, layers, inputs, _ = split_lib.model_graph(model)
+    mesh = extended.placement_mesh
+    tensors = {}
+    for k in inputs:
+        shape = [batch_size if d is None else d for d in k.shape]
+        tensors[id(k)] = placement.put(
+            np.zeros(shape, dtype=k.dtype), layout_lib.replicated_spec(
+                len(shape)), mesh)
+    seconds = {id(layer): 0.0 for layer in layers}
+    for node in nodes:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _compat.run_node(node, tensors, training=False)  # synchronous
+            best = min(best, time.perf_counter() - start)
+        seconds[id(node.operation)] += best
+    return [seconds[id(layer)] for layer in layers]

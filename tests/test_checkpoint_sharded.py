@@ -2,17 +2,20 @@
 
 Saved on one mesh, restored onto others (and into one device) with equal
 weights, optimizer state and predictions; every block file holds one
-device's block; resumed training repeats the losses of uninterrupted
-training; a save killed halfway leaves the previous checkpoint in charge;
-bad checkpoints and mismatched models fail before any weight changes.
+device's block and its CRC-32 is in the manifest; resumed training repeats
+the losses of uninterrupted training; a save killed halfway leaves the
+previous checkpoint in charge; bad checkpoints (a single flipped bit
+included) and mismatched models fail before any weight changes.
 """
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import zlib
 
 import keras
 import numpy as np
@@ -332,16 +335,20 @@ def _corrupt(path, how):
         file = os.path.join(path, "manifest.json")
         with open(file, "r+b") as f:
             f.truncate(os.path.getsize(file) // 2)
-    elif how == "manifest fields":
+    elif how in ("manifest fields", "manifest checksum"):
         file = os.path.join(path, "manifest.json")
-        up["blocks"][1]["index"] = [[0, 16], [0, 4]]   # overlaps block 0
+        if how == "manifest fields":
+            up["blocks"][1]["index"] = [[0, 16], [0, 4]]   # overlaps block 0
+        else:
+            del up["blocks"][3]["crc32"]
         with open(file, "w") as f:
             json.dump(info, f)
     return os.path.basename(file)
 
 
 @pytest.mark.parametrize("how", ["truncated", "missing", "wrong shape",
-                                 "manifest", "manifest fields"])
+                                 "manifest", "manifest fields",
+                                 "manifest checksum"])
 def test_damaged_checkpoint_changes_nothing(saved, tmp_path, how):
     path = str(tmp_path / "ckpt-4")
     shutil.copytree(saved["path"], path)
@@ -352,3 +359,233 @@ def test_damaged_checkpoint_changes_nothing(saved, tmp_path, how):
     with pytest.raises(ValueError, match=file.replace(".", r"\.")):
         checkpoint.restore_checkpoint(model, path)
     assert_same_state(before, state(model))
+
+
+def test_block_files_carry_their_crc32(saved):
+    """The manifest holds, per block, the CRC-32 of the file's bytes."""
+    info = manifest(saved["path"])
+    assert info["format_version"] == 2
+    blocks = [b for r in info["variables"] for b in r["blocks"]]
+    assert len(blocks) == len(os.listdir(saved["path"])) - 1
+    for block in blocks:
+        with open(os.path.join(saved["path"], block["file"]), "rb") as f:
+            assert block["crc32"] == zlib.crc32(f.read()), block["file"]
+    # Different bytes, different checksums (none is a constant).
+    assert len({b["crc32"] for b in blocks}) > len(blocks) // 2
+
+
+def test_a_flipped_byte_changes_nothing(saved, tmp_path):
+    """One byte flipped in the middle of a block file (same size, header
+    intact, still a valid .npy of the right shape) is caught by its CRC-32
+    before any variable is assigned."""
+    path = str(tmp_path / "ckpt-4")
+    shutil.copytree(saved["path"], path)
+    info = manifest(path)
+    # A sharded block of the last sharded variable in restore order: a
+    # restore that assigned as it went would have changed the others.
+    record = [r for r in info["variables"] if len(r["blocks"]) == 8][-1]
+    name = record["blocks"][5]["file"]
+    file = os.path.join(path, name)
+    size = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert os.path.getsize(file) == size
+    assert np.load(file).shape == tuple(b - a for a, b in
+                                        record["blocks"][5]["index"])
+    model = build("data=2,model=4", seed=7)
+    build_optimizer(model)
+    before = state(model)
+    with pytest.raises(ValueError) as error:
+        checkpoint.restore_checkpoint(model, path)
+    message = str(error.value)
+    assert file in message and repr(record["key"]) in message
+    assert "CRC-32" in message and "No variable was changed" in message
+    assert_same_state(before, state(model))
+
+
+def test_format_1_without_checksums_still_restores(saved, tmp_path):
+    """A version-1 manifest (no crc32) is read, without the check."""
+    path = str(tmp_path / "ckpt-4")
+    shutil.copytree(saved["path"], path)
+    info = manifest(path)
+    info["format_version"] = 1
+    for record in info["variables"]:
+        for block in record["blocks"]:
+            del block["crc32"]
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(info, f)
+    model = build("model=8", seed=7)
+    assert checkpoint.restore_checkpoint(model, path) == 4
+    assert_same_state(saved["state"], state(model))
+    info["format_version"] = 3
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(info, f)
+    with pytest.raises(ValueError, match="format_version 3 is not one of"):
+        checkpoint.restore_checkpoint(model, path)
+
+
+def test_restore_keeps_few_files_open(saved, tmp_path):
+    """Restoring maps one variable's block files at a time: it works with
+    fewer free file descriptors than the checkpoint has files."""
+    files = len(os.listdir(saved["path"])) - 1          # 83 block files
+    model = build("data=2,model=4", seed=7)
+    build_optimizer(model)
+    checkpoint.restore_checkpoint(model, saved["path"])  # warm every path
+    model = build("data=2,model=4", seed=7)
+    build_optimizer(model)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) + files // 2
+    assert limit < soft
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        step = checkpoint.restore_checkpoint(model, saved["path"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert step == 4
+    assert_same_state(saved["state"], state(model))
+
+
+def test_bfloat16_round_trip(tmp_path):
+    """bfloat16 blocks (stored by .npy as raw 2-byte items) restore as
+    bfloat16 onto another mesh and into one device."""
+    def bf16_mlp():
+        return keras.Sequential(
+            [keras.Input((16,)),
+             keras.layers.Dense(32, name="up", dtype="bfloat16"),
+             keras.layers.Dense(16, name="down", dtype="bfloat16")],
+            name="mlp")
+
+    keras.utils.set_random_seed(3)
+    with strategy("model=8").scope():
+        source = bf16_mlp()
+        source.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    checkpoint.save_checkpoint(source, tmp_path, step=1)
+    expected = [np.asarray(w) for w in source.get_weights()]
+    assert expected[0].dtype.name == "bfloat16"
+    keras.utils.set_random_seed(4)
+    single = bf16_mlp()
+    with strategy("data=2,model=4").scope():
+        other = bf16_mlp()
+    for model in (single, other):
+        assert not np.array_equal(model.get_weights()[0], expected[0])
+        assert checkpoint.restore_checkpoint(model, tmp_path,
+                                             optimizer=False) == 1
+        for want, got in zip(expected, model.get_weights()):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(want.view(np.uint16),
+                                          np.asarray(got).view(np.uint16))
+
+
+def test_long_variable_paths(tmp_path):
+    """Keys longer than a file name may be are cut in the file names only."""
+    keras.utils.set_random_seed(5)
+    layer = "a" * 150 + "_up"
+    model = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(8, name=layer)],
+                             name="b" * 120)
+    path = checkpoint.save_checkpoint(model, tmp_path, optimizer=False, step=0)
+    assert max(len(name) for name in os.listdir(path)) <= 255
+    assert {r["key"] for r in manifest(path)["variables"]} == {
+        f"{'b' * 120}/{layer}/kernel", f"{'b' * 120}/{layer}/bias"}
+    expected = model.get_weights()
+    model.set_weights([np.zeros_like(w) for w in expected])
+    checkpoint.restore_checkpoint(model, path, optimizer=False)
+    assert_same_state((expected,), (model.get_weights(),))
+
+
+def _values(model):
+    """{(kind, key): host array} of all a checkpoint of `model` holds."""
+    return {(kind, key): np.asarray(variable) for kind, key, variable
+            in checkpoint._entries(model, True)}  # noqa: SLF001
+
+
+def test_restore_assigns_one_variable_at_a_time(saved, monkeypatch):
+    """After the checks, each variable is read and assigned before the next
+    is read: no second copy of the whole model is staged."""
+    expected = _values(saved["model"])
+    model = build("data=2,model=4", seed=7)
+    build_optimizer(model)
+    before = _values(model)
+    entries = checkpoint._entries(model, True)  # noqa: SLF001
+    order = {id(variable): n for n, (_, _, variable) in enumerate(entries)}
+    original = checkpoint._assemble  # noqa: SLF001
+    calls = []
+
+    def spy(variable, record, opened):
+        n = order[id(variable)]
+        calls.append(n)
+        if n > 0:   # the previous variable already holds its saved value
+            kind, key, previous = entries[n - 1]
+            np.testing.assert_array_equal(np.asarray(previous),
+                                          expected[kind, key])
+        kind, key, _ = entries[n]    # this one still holds its own
+        np.testing.assert_array_equal(np.asarray(variable), before[kind, key])
+        return original(variable, record, opened)
+
+    monkeypatch.setattr(checkpoint, "_assemble", spy)
+    assert checkpoint.restore_checkpoint(model, saved["path"]) == 4
+    assert calls == list(range(len(entries)))
+    monkeypatch.undo()
+    assert_same_state(saved["state"], state(model))
+
+
+def test_failure_after_the_checks_says_how_far_it_got(saved, monkeypatch):
+    model = build("model=8", seed=7)
+    build_optimizer(model)
+    total = len(checkpoint._entries(model, True))  # noqa: SLF001
+    original = checkpoint._open_blocks  # noqa: SLF001
+    calls = []
+
+    def vanish_third(path, record):
+        calls.append(record["key"])
+        if len(calls) == 3:
+            raise ValueError(f"block file of {record['key']!r} is missing")
+        return original(path, record)
+
+    monkeypatch.setattr(checkpoint, "_open_blocks", vanish_third)
+    with pytest.raises(RuntimeError) as error:
+        checkpoint.restore_checkpoint(model, saved["path"])
+    message = str(error.value)
+    assert f"failed at {calls[2]!r} after 2 of {total} variables" in message
+    assert "restore it again" in message and saved["path"] in message
+
+
+class _WithEmpty(keras.layers.Layer):
+    """A layer with a zero-size weight next to a shardable one."""
+
+    def build(self, input_shape):
+        self.empty = self.add_weight(shape=(0, 4), name="empty")
+        self.up = self.add_weight(shape=(16,), name="up_scale",
+                                  initializer="random_normal")
+
+    def call(self, x):
+        return x * self.up
+
+
+def test_zero_size_variables_round_trip(tmp_path):
+    """A zero-size weight saves as one empty block and restores anywhere."""
+    rules = {r".*up_scale": ("model",)}
+
+    def build_on(mesh, seed):
+        keras.utils.set_random_seed(seed)
+        layers = [keras.Input((16,)), _WithEmpty(name="odd")]
+        if mesh is None:
+            return keras.Sequential(layers, name="e")
+        with tfpar.ParallelStrategy(tfpar.Mesh(mesh), rules=rules).scope():
+            return keras.Sequential(layers, name="e")
+
+    source = build_on({"model": 8}, 1)
+    checkpoint.save_checkpoint(source, tmp_path, optimizer=False, step=2)
+    record = {r["key"]: r for r in manifest(tmp_path / "ckpt-2")["variables"]}
+    assert record["e/odd/empty"]["blocks"][0]["index"] == [[0, 0], [0, 4]]
+    assert len(record["e/odd/up_scale"]["blocks"]) == 8
+    expected = source.get_weights()
+    for mesh in ({"data": 2, "model": 4}, None):
+        target = build_on(mesh, 2)
+        assert not np.array_equal(target.get_weights()[1], expected[1])
+        assert checkpoint.restore_checkpoint(target, tmp_path,
+                                             optimizer=False) == 2
+        assert_same_state((expected,), (target.get_weights(),))

@@ -6,16 +6,23 @@ A checkpoint is a directory of `.npy` block files plus a `manifest.json`:
       checkpoint                  pointer: {"latest": "ckpt-12", "step": 12}
       ckpt-8/                     an older complete checkpoint
       ckpt-12/
-        manifest.json             written last: the directory is complete
+        manifest.json             written last: the directory is complete;
+                                  per block: file, index, crc32
         v0000_mlp_up_kernel.b0.npy ... one file per distinct block
       ckpt-16.tmp-4242/           a save that never finished: ignored
 
 Saving never assembles a sharded variable anywhere: each device's block is
 read from that device's own component (`dtensor.unpack`) and written to its
-own file; devices holding the same block (replicas) write it once. Restoring
-works onto any mesh and layout: every device's target block is cut out of the
-saved blocks that overlap it (memory-mapped, so only the needed slices are
-read), then the blocks are packed onto the mesh.
+own file; devices holding the same block (replicas) write it once. The
+manifest records the CRC-32 of every file's bytes, computed from memory while
+the file is written. Restoring works onto any mesh and layout: first the
+manifest, the model's variables and every block file are checked (header,
+size, CRC-32 of all bytes, streamed in chunks), so a damaged checkpoint
+raises a ValueError naming the file and leaves the model untouched. Then,
+one variable at a time, every device's target block is cut out of the saved
+blocks that overlap it (memory-mapped, so only the needed slices are read),
+the blocks are packed onto the mesh and the variable is assigned: restoring
+needs extra memory for one variable, not for the whole model.
 
 Variable keys (stable across meshes, optimizer names and rebuilds):
 
@@ -54,6 +61,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -64,10 +72,15 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 
 FORMAT = "tfpar-checkpoint"
-FORMAT_VERSION = 1
+# Version 2 added the per-file "crc32"; version 1 checkpoints (no checksums)
+# are still read, without the checksum check.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 POINTER = "checkpoint"
 _CKPT_DIR = re.compile(r"ckpt-(\d+)")
+_CHUNK = 1 << 22        # bytes per write / checksum read: 4 MiB
+_MAX_STEM = 96          # characters of the variable key kept in file names
 
 
 # -- public API --------------------------------------------------------------
@@ -192,8 +205,14 @@ def restore_checkpoint(model, directory, optimizer=True):
     For every variable and every device, the block the variable's layout
     gives that device is assembled from the saved blocks overlapping it, so
     a checkpoint written on `model=8` restores onto `data=2 x model=4`, onto
-    `data=8` or into a single-device model. Everything is checked and read
-    before the first variable changes: on any error no weight is modified.
+    `data=8` or into a single-device model.
+
+    Everything is checked before the first variable changes: names, shapes,
+    dtypes, the manifest, and every block file's header, size and CRC-32
+    (streamed in 4 MiB chunks). A missing, truncated or bit-flipped file
+    raises a ValueError and no weight is modified. Only then are the
+    variables read and assigned one at a time, so the extra host/device
+    memory is that of one variable, not of a second copy of the model.
 
     Example:
 
@@ -215,8 +234,13 @@ def restore_checkpoint(model, directory, optimizer=True):
     Raises:
         FileNotFoundError: no complete checkpoint in `directory`.
         ValueError: missing, extra or mismatched (shape/dtype) variables, a
-            damaged manifest, a block file that is missing, truncated or of
-            the wrong shape/dtype. The message names them.
+            damaged manifest, a block file that is missing, truncated, of
+            the wrong shape/dtype or whose CRC-32 differs from the
+            manifest's. The message names them.
+        RuntimeError: reading or assigning failed after the checks passed
+            (a file changed or vanished while the restore ran, out of
+            memory): the message says how many variables were already
+            restored; restore again.
     """
     directory = os.fspath(directory)
     if os.path.isfile(os.path.join(directory, MANIFEST)):
@@ -263,14 +287,35 @@ def restore_checkpoint(model, directory, optimizer=True):
             f"Checkpoint {path!r} does not fit model {model.name!r}; "
             + "; ".join(problems) + ". No variable was changed.")
 
-    # 2. Open every block file and check it against the manifest.
-    opened = {ident: _open_blocks(path, saved[ident]) for ident in targets}
-    # 3. Read and stage every target value (on the mesh, not yet assigned).
-    staged = [(variable, _assemble(variable, saved[ident], opened[ident]))
-              for ident, variable in targets.items()]
-    # 4. Only now change the model.
-    for variable, value in staged:
-        _compat.backing_variable(variable).assign(value)
+    # 2. Every block file against the manifest: present, header shape and
+    #    dtype, size, and (format 2) CRC-32 of all its bytes. Files are
+    #    streamed and closed again: memory and open files stay bounded.
+    checksums = int(manifest["format_version"]) >= 2
+    for ident, variable in targets.items():
+        _layout_of(_compat.backing_variable(variable))  # single-client mesh
+        for block in saved[ident]["blocks"]:
+            _verify_block(path, saved[ident], block, checksums)
+    # 3. Only now change the model, one variable at a time: its blocks are
+    #    memory-mapped (one variable's files open at a time; each map holds
+    #    a file descriptor and a model has thousands of blocks), its target
+    #    value is packed onto the mesh and assigned, then dropped.
+    done = 0
+    try:
+        for ident, variable in targets.items():
+            value = _assemble(variable, saved[ident],
+                              _open_blocks(path, saved[ident]))
+            _compat.backing_variable(variable).assign(value)
+            del value
+            done += 1
+    except Exception as error:
+        if done == 0:
+            raise
+        raise RuntimeError(
+            f"Restoring {path!r} failed at {ident[1]!r} after {done} of "
+            f"{len(targets)} variables were restored: {error}. Every file "
+            "had passed its checks, so it changed or vanished during the "
+            "restore, or memory ran out. The model is partly restored: "
+            "restore it again.") from error
     return int(manifest["step"])
 
 
@@ -365,7 +410,9 @@ def _save_variable(n, kind, key, variable, tmp):
     backing = _compat.backing_variable(variable)
     shape = tuple(backing.shape)
     spec, axis_sizes, layout = _layout_of(backing)
-    stem = f"v{n:04d}_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    # File names: "v<n>_" keeps them unique; the key's tail only informs
+    # (cut so that a deeply nested path stays under the 255-byte limit).
+    stem = f"v{n:04d}_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", key)[-_MAX_STEM:]
     blocks = []
     if layout is None:
         components = [backing.read_value()]
@@ -393,8 +440,8 @@ def _save_variable(n, kind, key, variable, tmp):
             raise RuntimeError(
                 f"Block of {key!r} on device {location} has shape "
                 f"{array.shape}, expected {expected} for spec {spec}.")
-        _write_npy(os.path.join(tmp, file), array)
-        blocks.append({"file": file, "index": ranges})
+        crc = _write_npy(os.path.join(tmp, file), array)
+        blocks.append({"file": file, "index": ranges, "crc32": crc})
     return {"kind": kind, "key": key, "path": variable.path,
             "shape": list(shape), "dtype": tf.as_dtype(backing.dtype).name,
             "spec": list(spec), "blocks": blocks}
@@ -417,12 +464,57 @@ def _manifest_header(step, model):
 
 
 def _write_npy(path, array):
-    """Writes one block file and fsyncs it (tests patch this to crash)."""
+    """Writes one `.npy` block file, fsyncs it and returns its CRC-32.
+
+    The checksum covers every byte of the file (header and data) and is
+    computed from memory while writing, chunk by chunk: no re-read and no
+    copy of the block (CRC-32 is chained, crc(a + b) = crc32(b, crc(a))).
+    Tests patch this function to crash.
+
+    Example:
+
+    >>> crc = _write_npy("/tmp/b.npy", np.arange(4.0))
+    >>> crc == zlib.crc32(open("/tmp/b.npy", "rb").read())
+    True
+    """
+    array = np.require(array, requirements="C")
+    header = np.lib.format.header_data_from_array_1_0(array)
     with open(path, "wb") as f:
-        np.lib.format.write_array(f, np.require(array, requirements="C"),
-                                  allow_pickle=False)
+        writer = _Crc32Writer(f)
+        try:
+            np.lib.format.write_array_header_1_0(writer, header)
+        except ValueError:  # header over 64 KiB: format 2.0 (as np.save)
+            np.lib.format.write_array_header_2_0(writer, header)
+        # Raw bytes of the block in C order; a view, never a copy (also for
+        # dtypes numpy cannot name, e.g. bfloat16, stored as void "V2").
+        data = array.reshape(-1).view(np.uint8)
+        for start in range(0, data.size, _CHUNK):
+            writer.write(data[start:start + _CHUNK])
         f.flush()
         os.fsync(f.fileno())
+    return writer.crc
+
+
+class _Crc32Writer:
+    """A write-only file wrapper that keeps the CRC-32 of what it wrote."""
+
+    def __init__(self, file):
+        self.file, self.crc = file, 0
+
+    def write(self, data):
+        self.crc = zlib.crc32(data, self.crc)
+        return self.file.write(data)
+
+
+def _file_crc32(file):
+    """CRC-32 of a file's bytes, read in `_CHUNK` pieces into one buffer."""
+    crc = 0
+    with open(file, "rb", buffering=0) as f:
+        buffer = bytearray(min(_CHUNK, max(os.fstat(f.fileno()).st_size, 1)))
+        view = memoryview(buffer)
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
 
 
 def _write_file(path, data, atomic=False):
@@ -465,15 +557,17 @@ def _read_manifest(path):
     problem = None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         problem = f"it is not a {FORMAT} manifest"
-    elif manifest.get("format_version") != FORMAT_VERSION:
+    elif manifest.get("format_version") not in READABLE_VERSIONS:
         problem = (f"format_version {manifest.get('format_version')!r} is "
-                   f"not {FORMAT_VERSION} (written by tfpar "
-                   f"{manifest.get('versions', {}).get('tfpar')})")
+                   f"not one of {READABLE_VERSIONS} that this tfpar reads "
+                   "(written by tfpar "
+                   f"{manifest.get('versions', {}).get('tfpar')}; use that "
+                   "version to restore it)")
     else:
         try:
             int(manifest["step"])
             for record in manifest["variables"]:
-                _check_record(record)
+                _check_record(record, manifest["format_version"] >= 2)
         except (KeyError, TypeError, ValueError) as error:
             problem = f"a variable entry is malformed ({error})"
     if problem:
@@ -482,8 +576,9 @@ def _read_manifest(path):
     return manifest
 
 
-def _check_record(record):
-    """Blocks must lie inside the variable, not overlap, and tile it."""
+def _check_record(record, checksums):
+    """Blocks must lie inside the variable, not overlap, and tile it; with
+    `checksums` each must carry a CRC-32 (an int in [0, 2**32))."""
     shape = [int(s) for s in record["shape"]]
     tf.as_dtype(record["dtype"])  # raises TypeError for an unknown dtype
     if record["kind"] not in ("params", "optimizer") or not isinstance(
@@ -494,9 +589,16 @@ def _check_record(record):
     for block in record["blocks"]:
         if not isinstance(block["file"], str) or os.sep in block["file"]:
             raise ValueError(f"bad block file name {block['file']!r}")
+        if checksums and not (isinstance(block.get("crc32"), int)
+                              and 0 <= block["crc32"] < 2**32):
+            raise ValueError(f"block {block['file']} has no valid crc32 "
+                             f"(got {block.get('crc32')!r})")
         box = [(int(a), int(b)) for a, b in block["index"]]
+        # Empty boxes (a == b) only arise in zero-size variables; they add
+        # no volume, so "no overlap and volumes sum to the variable's" still
+        # means the blocks tile it.
         if len(box) != len(shape) or any(
-                not 0 <= a < b <= n for (a, b), n in zip(box, shape)):
+                not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
             raise ValueError(f"block {block['file']} index {box} is outside "
                              f"shape {shape} of {record['key']!r}")
         for other in boxes:
@@ -509,36 +611,70 @@ def _check_record(record):
                          f"shape {shape}")
 
 
+def _load_block(path, record, block):
+    """(box, memory-mapped array) of one saved block, checked: the file
+    exists, its header parses, its size fits the header, and shape and dtype
+    are the manifest's."""
+    dtype = np.dtype(tf.as_dtype(record["dtype"]).as_numpy_dtype)
+    file = os.path.join(path, block["file"])
+    box = [(int(a), int(b)) for a, b in block["index"]]
+    expected = tuple(b - a for a, b in box)
+    try:
+        if int(np.prod(expected)) == 0:
+            array = np.load(file, allow_pickle=False)
+        else:
+            array = np.load(file, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) is "
+            "missing. No variable was changed.") from None
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) is "
+            f"truncated or corrupt: {error}. No variable was changed."
+        ) from None
+    # .npy cannot name dtypes outside numpy (bfloat16, float8_*): they are
+    # stored as raw void items of the same size ("V2") and viewed back.
+    if (array.dtype != dtype and array.dtype.kind == dtype.kind == "V"
+            and array.dtype.names is None
+            and array.dtype.itemsize == dtype.itemsize):
+        array = array.view(dtype)
+    if array.shape != expected or array.dtype != dtype:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) holds "
+            f"{array.shape} {array.dtype}, but the manifest says "
+            f"{expected} {dtype}. No variable was changed.")
+    return box, array
+
+
+def _verify_block(path, record, block, checksums):
+    """Checks one block file (see `_load_block`) and, with `checksums`, that
+    the CRC-32 of its bytes is the one recorded when it was written. The
+    file is streamed, not kept: nothing stays mapped or open."""
+    _load_block(path, record, block)   # the map is closed when dropped
+    if not checksums:
+        return
+    file = os.path.join(path, block["file"])
+    try:
+        crc = _file_crc32(file)
+    except OSError as error:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) cannot "
+            f"be read: {error}. No variable was changed.") from None
+    if crc != block["crc32"]:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) is "
+            f"corrupt: its CRC-32 is {crc:#010x} but the manifest recorded "
+            f"{block['crc32']:#010x} when it was saved, so its bytes changed "
+            "on disk or in a copy. Copy the checkpoint again from a good "
+            "source, or restore an older one by passing its ckpt-<step> "
+            "directory. No variable was changed.")
+
+
 def _open_blocks(path, record):
     """[(box, memory-mapped array)] of a variable's saved blocks, checked
     (exists, readable, shape and dtype as the manifest says)."""
-    dtype = tf.as_dtype(record["dtype"]).as_numpy_dtype
-    opened = []
-    for block in record["blocks"]:
-        file = os.path.join(path, block["file"])
-        box = [(int(a), int(b)) for a, b in block["index"]]
-        expected = tuple(b - a for a, b in box)
-        try:
-            if int(np.prod(expected)) == 0:
-                array = np.load(file, allow_pickle=False)
-            else:
-                array = np.load(file, mmap_mode="r", allow_pickle=False)
-        except FileNotFoundError:
-            raise ValueError(
-                f"Checkpoint block file {file!r} (of {record['key']!r}) is "
-                "missing. No variable was changed.") from None
-        except (OSError, ValueError, EOFError) as error:
-            raise ValueError(
-                f"Checkpoint block file {file!r} (of {record['key']!r}) is "
-                f"truncated or corrupt: {error}. No variable was changed."
-            ) from None
-        if array.shape != expected or array.dtype != dtype:
-            raise ValueError(
-                f"Checkpoint block file {file!r} (of {record['key']!r}) holds "
-                f"{array.shape} {array.dtype}, but the manifest says "
-                f"{expected} {np.dtype(dtype)}. No variable was changed.")
-        opened.append((box, array))
-    return opened
+    return [_load_block(path, record, block) for block in record["blocks"]]
 
 
 def _cut(target, opened, record):
@@ -548,7 +684,16 @@ def _cut(target, opened, record):
     on [max(a, s), min(b, e)) per dimension; that box is read from the block
     at offset -a and written into the target at offset -s. Only overlapping
     slices of the memory-mapped files are read.
+
+    A target inside one saved block (a ≤ s and e ≤ b in every dimension:
+    restoring onto the saved layout, or a finer one) is returned as a view
+    of that block's map: the caller's conversion to a tensor is then the
+    only copy.
     """
+    for box, array in opened:
+        if all(a <= s and e <= b for (a, b), (s, e) in zip(box, target)):
+            return np.asarray(array[tuple(
+                slice(s - a, e - a) for (a, _), (s, e) in zip(box, target))])
     out = np.empty([e - s for s, e in target],
                    dtype=tf.as_dtype(record["dtype"]).as_numpy_dtype)
     filled = 0

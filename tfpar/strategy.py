@@ -387,25 +387,23 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 self._replace(variable, backing, info, spec, kind, value,
                               info.mesh)
 
-    def move_to(self, variable, mesh, layer=None):
-        """Moves a Keras weight (made in this scope) onto `mesh`, laid out
-        there by the strategy's rules; returns its new spec.
-
-        Used to put each pipeline stage's weights on that stage's sub-mesh.
-        The value travels through the host, one device block at a time on
-        the receiving side.
+    def move_to(self, variable, mesh):
+        """Moves a Keras weight (made in this scope) onto `mesh`, keeping its
+        spec (from the rules or `apply_rules`), e.g. a pipeline stage's
+        sub-mesh, which has the same axes but the pipeline axis. The value
+        travels through the host; each device receives only its block.
         """
         info = self._require_on_mesh(variable)
         if info.mesh == mesh:
-            return info.spec
+            return
         backing = _compat.backing_variable(variable)
-        spec, kind = self._spec_for(info.path, backing.shape.as_list(), None,
-                                    backing.trainable, layer, mesh=mesh)
+        layout_lib.check_divisible(info.path, backing.shape.as_list(),
+                                   info.spec, mesh)
         with tf.init_scope():
-            value = placement.put(backing.numpy(), spec, mesh,
+            value = placement.put(backing.numpy(), info.spec, mesh,
                                   dtype=backing.dtype)
-            self._replace(variable, backing, info, spec, kind, value, mesh)
-        return spec
+            self._replace(variable, backing, info, info.spec, info.kind,
+                          value, mesh)
 
     def _replace(self, variable, backing, info, spec, kind, value, mesh):
         """Makes Keras `variable` hold `value` in a new tracked variable."""

@@ -44,6 +44,7 @@ stage 0 on CPU:0..CPU:3: 2 layer(s) d0..d1, ...
 >>> history = pipe.fit(x, np.zeros((64, 16)), batch_size=32, verbose=0)
 """
 
+import re
 import time
 
 import keras
@@ -138,26 +139,25 @@ class PipelineModel(keras.Model):
     # -- structure -----------------------------------------------------------
 
     def _place_stages(self):
-        """Moves every stage's weights onto its stage's sub-mesh."""
-        owners = {}
+        """Moves every stage's weights onto its stage's sub-mesh (after
+        checking that no weight is used by two stages)."""
+        owner = {}
         for stage in self._stages:
             for layer in stage.layers:
-                for inner in _compat.all_layers(layer):
-                    for weight in inner.weights:
-                        owners[id(weight)] = (stage.index, inner)
+                for weight in layer.weights:
+                    first = owner.setdefault(id(weight), (stage.index, layer))
+                    if first[0] != stage.index:
+                        raise ValueError(
+                            f"Weight {weight.path!r} is used by layer "
+                            f"{first[1].name!r} (stage {first[0]}) and by "
+                            f"layer {layer.name!r} (stage {stage.index}). "
+                            "Keep layers that share weights in one stage "
+                            "(stage_boundaries).")
         for stage in self._stages:
             mesh = self._extended.stage_meshes[stage.index]
             for layer in stage.layers:
                 for weight in layer.weights:
-                    owner_stage, owner = owners[id(weight)]
-                    if owner_stage != stage.index:
-                        raise ValueError(
-                            f"Weight {weight.path!r} is used by stage "
-                            f"{stage.index} and by stage {owner_stage} "
-                            f"(layer {layer.name!r} shares it). Keep layers "
-                            "that share weights in one stage "
-                            "(stage_boundaries).")
-                    self._extended.move_to(weight, mesh, owner)
+                    self._extended.move_to(weight, mesh)
         self._stage_weights = [
             [w for layer in stage.layers for w in layer.trainable_weights]
             for stage in self._stages]
@@ -329,48 +329,36 @@ class PipelineRunner:
             self._sync_optimizers()
         xs = self._place(x, 0, m, split)
         targets = self._place((y, sample_weight), -1, m, split)
-        record = self._mode == "train" and self._model.record_timeline
-        function = self._function(self._mode, record)
-        start = time.perf_counter()
-        logs, stamps = function(xs, targets, split)
-        if record:
-            self._model.last_timeline = self._timeline(stamps, m, start)
+        function = self._function(self._mode)
+        if not (self._mode == "train" and self._model.record_timeline):
+            return function(xs, targets, split)
+        with _compat.OpEvents() as trace:
+            logs = function(xs, targets, split)
+            tf.nest.map_structure(placement.fetch, logs)  # wait for the step
+        self._model.last_timeline = _timeline(trace.events)
         return logs
 
     def predict_batch(self, x):
         size = int(np.shape(tf.nest.flatten(x)[0])[0])
         m, split = self._microbatches(size)
-        outputs, _ = self._function("predict", False)(
+        outputs = self._function("predict")(
             self._place(x, 0, m, split), None, split)
         return tf.nest.map_structure(
             lambda *ys: np.concatenate([placement.fetch(t) for t in ys]),
             *outputs)
 
-    def _function(self, mode, record):
-        key = (mode, record)
-        if key not in self._functions:
+    def _function(self, mode):
+        if mode not in self._functions:
             body = {"train": self._train, "test": self._test,
                     "predict": self._predict}[mode]
 
-            def step(xs, targets, split, _body=body, _record=record):
+            def step(xs, targets, split, _body=body):
                 with self._extended.replica_scope():
-                    return _body(xs, targets, split, _record)
+                    return _body(xs, targets, split)
 
-            self._functions[key] = (step if self._model.run_eagerly else
-                                    tf.function(step, reduce_retracing=True))
-        return self._functions[key]
-
-    def _timeline(self, stamps, m, host_start):
-        """TimelineEntry list (seconds from the first action's start)."""
-        values = {key: float(placement.fetch(t)) for key, t in stamps.items()}
-        origin = min(v for (_, _, _, edge), v in values.items()
-                     if edge == "start")
-        entries = [
-            TimelineEntry(s, kind, i, values[(s, kind, i, "start")] - origin,
-                          values[(s, kind, i, "end")] - origin)
-            for (s, kind, i, edge) in values if edge == "start"]
-        del host_start, m
-        return sorted(entries, key=lambda e: (e.start, e.stage))
+            self._functions[mode] = (step if self._model.run_eagerly else
+                                     tf.function(step, reduce_retracing=True))
+        return self._functions[mode]
 
     def _sync_optimizers(self):
         """Creates the other stages' optimizers once; copies the learning
@@ -407,11 +395,13 @@ class PipelineRunner:
             return tensor
         rank = tensor.shape.rank
         src, dst = self._meshes[source], self._meshes[target]
-        whole = dtensor.relayout(tensor, dtensor.Layout.replicated(
-            src.dtensor_mesh, rank))
-        moved = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(
-            dst.dtensor_mesh, rank))
-        return placement.relayout(moved, self._batch_spec(rank, split), dst)
+        with tf.name_scope(f"send_{source}_to_{target}"):
+            whole = dtensor.relayout(tensor, dtensor.Layout.replicated(
+                src.dtensor_mesh, rank))
+            moved = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(
+                dst.dtensor_mesh, rank))
+            return placement.relayout(moved, self._batch_spec(rank, split),
+                                      dst)
 
     def _batch_spec(self, rank, split):
         spec = [None] * rank
@@ -475,7 +465,7 @@ class PipelineRunner:
         if model._compile_metrics is not None:  # noqa: SLF001
             model._compile_metrics.update_state(y, y_pred, sample_weight)  # noqa: SLF001
 
-    def _test(self, xs, targets, split, record):
+    def _test(self, xs, targets, split):
         m = tf.nest.flatten(xs)[0].shape[0]
         size = tf.nest.flatten(xs)[0].shape[1]
         for i in range(m):
@@ -486,12 +476,12 @@ class PipelineRunner:
                 loss = self._last_stage_loss(y_pred, y, sample_weight, extra)
                 self._update_metrics(size, y_pred, y, sample_weight, loss)
         with self._on_stage(len(self._stages) - 1):
-            return self._logs(), {}
+            return self._logs()
 
-    def _predict(self, xs, targets, split, record):
+    def _predict(self, xs, targets, split):
         m = tf.nest.flatten(xs)[0].shape[0]
         return [self._y_pred(self._forward_only(xs, split, i)[0])
-                for i in range(m)], {}
+                for i in range(m)]
 
     def _logs(self):
         last = self._meshes[-1]
@@ -500,7 +490,7 @@ class PipelineRunner:
                 t, layout_lib.replicated_spec(t.shape.rank), last),
             self._model.get_metrics_result())
 
-    def _train(self, xs, targets, split, record):
+    def _train(self, xs, targets, split):
         p = len(self._stages)
         m = tf.nest.flatten(xs)[0].shape[0]
         size = tf.nest.flatten(xs)[0].shape[1]
@@ -514,44 +504,37 @@ class PipelineRunner:
         extras = {}        # (s, i) -> additional losses so far (stop-grad)
         tapes = {}         # (s, i) -> (tape, watched inputs, targets)
         sums = [[None] * len(w) for w in weights]
-        previous = [[] for _ in range(p)]   # last action's tensors per stage
-        stamps = {}
+        tokens = [None] * p   # per stage: zeros computed from its last action
         scale = 1.0 / m
         for action in order:
             s, i, kind = action.stage, action.microbatch, action.kind
-            with tf.control_dependencies(previous[s]), self._on_stage(s):
-                if record:
-                    stamps[(s, kind, i, "start")] = self._stamp(s)
+            # The scope names the action's ops (see `_timeline`).
+            with self._on_stage(s), \
+                    tf.name_scope(f"{_ACTION_SCOPE}{s}{kind}{i}"):
                 if kind == FORWARD:
                     done = self._train_forward(
                         s, i, xs, targets, split, size, scale, activations,
-                        extras, tapes)
+                        extras, tapes, tokens[s])
                 else:
                     done = self._train_backward(
-                        s, i, split, weights[s], sums[s], gradients, tapes)
-            previous[s] = [t for t in done if t is not None]
-            if record:
-                with tf.control_dependencies(previous[s]):
-                    stamps[(s, kind, i, "end")] = self._stamp(s)
+                        s, i, split, weights[s], sums[s], gradients, tapes,
+                        tokens[s])
+                tokens[s] = _token(done, size)
         for s in range(p):
             grads = [tf.zeros_like(w) if g is None else g
                      for g, w in zip(sums[s], weights[s])]
             with self._on_stage(s):
                 self._optimizers[s].apply(grads, weights[s])
         with self._on_stage(p - 1):
-            return self._logs(), stamps
+            return self._logs()
 
     def _on_stage(self, s):
-        """Ops with no DTensor input (constants, timestamps) made in this
+        """Ops with no DTensor input (constants) made in this
         context belong to stage s's mesh."""
         return dtensor.default_mesh(self._meshes[s].dtensor_mesh)
 
-    def _stamp(self, s):
-        with self._on_stage(s):
-            return tf.timestamp()
-
     def _train_forward(self, s, i, xs, targets, split, size, scale,
-                       activations, extras, tapes):
+                       activations, extras, tapes, token):
         p = len(self._stages)
         if s == 0:
             values = tf.nest.flatten(self._microbatch(xs, i))
@@ -559,7 +542,7 @@ class PipelineRunner:
         else:
             values = activations.pop((s, i))
             extra_in = extras.pop((s, i))
-        values = [tf.identity(v) for v in values]  # after the control deps
+        values = _after(values, token)
         # Stage 0 reads data (no gradient); integer inputs have none either.
         watched = [v if s and v.dtype.is_floating else None for v in values]
         with tf.GradientTape(watch_accessed_variables=True) as tape:
@@ -587,13 +570,15 @@ class PipelineRunner:
                               for e in carried]
         return outputs
 
-    def _train_backward(self, s, i, split, weights, sums, gradients, tapes):
+    def _train_backward(self, s, i, split, weights, sums, gradients, tapes,
+                        token):
         p = len(self._stages)
         tape, watched, outputs, objective = tapes.pop((s, i))
         if s == p - 1:
-            targets, seeds = [objective], None
+            targets, seeds = [objective], _after([tf.ones_like(objective)],
+                                                 token)
         else:
-            incoming = gradients.pop((s, i))
+            incoming = _after(gradients.pop((s, i)), token)
             pairs = [(o, g) for o, g in zip(outputs, incoming)
                      if g is not None]
             targets = [o for o, _ in pairs]
@@ -608,15 +593,118 @@ class PipelineRunner:
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
         input_grads = iter(grads[:len(sources)])
         for k, g in enumerate(grads[len(sources):]):
-            g = tf.convert_to_tensor(g)  # IndexedSlices (embeddings): dense
-            sums[k] = g if sums[k] is None else sums[k] + g
+            sums[k] = _accumulate(sums[k], g)
         if s > 0:
             # One gradient per output of stage s-1 (None for integers).
             gradients[(s - 1, i)] = [
                 None if v is None else
                 self._move(next(input_grads), s, s - 1, split)
                 for v in watched]
-        return [g for g in grads if g is not None]
+        return [g.values if isinstance(g, tf.IndexedSlices) else g
+                for g in grads if g is not None]
+
+
+_ACTION_SCOPE = "tfpar_pipeline_action_"
+
+
+def _accumulate(total, gradient):
+    """Sum of micro-batch gradients. Sparse ones (embedding lookups) stay
+    sparse: their rows are concatenated in micro-batch order, which is
+    exactly the IndexedSlices the whole batch gives on one device (Keras'
+    optimizers treat sparse and dense gradients differently)."""
+    if total is None:
+        return gradient
+    if isinstance(total, tf.IndexedSlices) and isinstance(
+            gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([total.values, gradient.values], 0),
+            tf.concat([total.indices, gradient.indices], 0),
+            total.dense_shape)
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
+
+
+# DTensor's graph lowering keeps only data dependencies between stateless
+# ops (control dependencies are dropped), so a stage's actions are chained
+# by data: each action yields a zero "token" computed from its results, and
+# the next action on that stage adds the token to its inputs. Adding zeros
+# changes no value; the executor cannot start the action before the
+# previous one produced its results.
+
+def _token(tensors, rows):
+    """Zeros that depend on `tensors`. From a tensor with `rows` (micro-batch)
+    rows: one zero per row, split like the batch (no communication);
+    otherwise a scalar (e.g. from a loss or a weight gradient)."""
+    tensors = [t for t in tensors if t is not None and t.dtype.is_floating]
+    if not tensors:
+        return None
+    batched = [t for t in tensors if t.shape.rank and t.shape[0] == rows]
+    source = min(batched or tensors,
+                 key=lambda t: t.shape.num_elements() or 0)
+    if batched and source.shape.rank > 1:
+        source = source[..., :1]  # one column: the batch split stays local
+    # min(|t|, 0) is 0 but, unlike t * 0 or zeros_like(t), is not folded
+    # away by TF's graph optimiser, so the dependency survives.
+    zeros = tf.cast(tf.minimum(tf.abs(source), 0), tf.float32)
+    axes = list(range(1 if batched else 0, source.shape.rank))
+    return tf.reduce_sum(zeros, axis=axes) if axes else zeros
+
+
+def _after(values, token):
+    """`values` plus zero from `token`: they exist only after the token."""
+    if token is None:
+        return values
+    out = []
+    for v in values:
+        if v is None or v.dtype == tf.bool:
+            out.append(v)
+            continue
+        t = token
+        if t.shape.rank and not (v.shape.rank and v.shape[0] == t.shape[0]):
+            t = tf.reduce_sum(t)  # a value without the batch dimension
+        if t.shape.rank:
+            t = tf.reshape(t, [-1] + [1] * (v.shape.rank - 1))
+        out.append(v + tf.cast(t, v.dtype))
+    return out
+
+
+_COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")
+_LAYOUT_OPS = re.compile(r"Relayout|DTensorAll|CopyToMesh")
+
+
+def _timeline(events):
+    """The executed timeline from profiled op events (TF's profiler names
+    every executed op "<scope>/<name>:<type>").
+
+    An action spans from the start of its first to the end of its last
+    matrix multiply or convolution on its stage's devices (ops that do not
+    wait for the action's inputs, such as weight reads, run whenever the
+    executor gets to them and would blur the picture); an action with no
+    such op spans all of its ops. Seconds from the first action's start.
+    """
+    # Gradient ops are named after their forward op: "gradient_tape/<F>".
+    pattern = re.compile(
+        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FB])(\d+)/")
+    spans, compute = {}, {}
+    for name, start, end in events:
+        match = pattern.search(name)
+        if match:
+            kind = BACKWARD if match[1] else match[3]
+            key = (int(match[2]), kind, int(match[4]))
+            op_name, _, op_type = name.rpartition(":")
+            # DTensor's layout changes (named "Relayout"/"DTensorAll...")
+            # include small matmuls on constants that run at any time.
+            is_compute = (_COMPUTE_OPS.search(op_type)
+                          and not _LAYOUT_OPS.search(op_name))
+            target = compute if is_compute else spans
+            low, high = target.get(key, (start, end))
+            target[key] = (min(low, start), max(high, end))
+    spans.update(compute)
+    if not spans:
+        return []
+    origin = min(low for low, _ in spans.values())
+    return sorted((TimelineEntry(s, kind, i, low - origin, high - origin)
+                   for (s, kind, i), (low, high) in spans.items()),
+                  key=lambda e: (e.start, e.stage))
 
 
 def _x_of(batch):

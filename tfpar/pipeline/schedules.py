@@ -421,7 +421,8 @@ def bubble_fraction(timeline):
     With `p` stages busy for a total of `busy` time units over a makespan
     `T = max(end) - min(start)`, the pipeline offers `p * T` stage-time and
     the bubble is `(p * T - busy) / (p * T)`. The number of stages is
-    `1 + max(stage)`.
+    `1 + max(stage)`; a stage's busy time is the union of its actions'
+    intervals (measured actions may overlap).
 
     Args:
         timeline: `TimelineEntry` records or `(stage, kind, microbatch,
@@ -442,7 +443,19 @@ def bubble_fraction(timeline):
     makespan = max(e.end for e in entries) - min(e.start for e in entries)
     if makespan <= 0:
         return 0.0
-    busy = sum(e.end - e.start for e in entries)
+    # Busy time of a stage is the union of its actions' intervals (in a
+    # measured timeline a stage's actions may overlap).
+    busy = 0.0
+    for stage in range(p):
+        reach = None
+        for e in sorted((e for e in entries if e.stage == stage),
+                        key=lambda e: e.start):
+            if reach is None or e.start >= reach:
+                busy += e.end - e.start
+                reach = e.end
+            elif e.end > reach:
+                busy += e.end - reach
+                reach = e.end
     total = p * makespan
     return (total - busy) / total
 

@@ -1,0 +1,171 @@
+"""Pipeline parallelism on 8 virtual CPUs: step time, bubble, activations.
+
+    python benchmarks/pipeline.py [--microbatches 8] [--rounds 3] [--quick]
+                                  [--gantt docs/pipeline_1f1b.png]
+
+Trains the benchmark MLP of benchmarks/step_time.py (512 -> 1024 -> 512 ->
+1024 -> 512 -> 10, batch 256, Adam) as a `tfpar.PipelineModel` with m
+micro-batches, for p = 2 and 4 stages and both schedules, on
+
+- `Mesh({"pipe": p})` over p of the CPUs (pipeline only), and
+- `Mesh({"pipe": p, "data": 8 // p})` (pipeline × data on all 8).
+
+It prints, side by side in one process (interleaved rounds, medians):
+
+- step time ÷ single-device Keras (the stages share the host's cores, so
+  no wall-clock speed-up is possible here; this measures the overhead);
+- the bubble measured from an executed timeline (`record_timeline=True`,
+  TF's profiler) next to the theory (p - 1) / (m + p - 1);
+- per stage, the peak number of micro-batches in flight (forward started,
+  backward not finished) in the executed timeline, and the activation
+  bytes that implies: in flight × bytes of the stage's layer outputs for
+  one micro-batch (1F1B keeps at most p - s, GPipe all m).
+
+`--gantt PATH` saves the executed 1F1B timeline of the pipe=4 × data=2 run
+as a PNG Gantt chart.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfpar  # noqa: E402
+
+BATCH = 256
+
+
+def build_model():
+    import keras  # noqa: PLC0415
+
+    return keras.Sequential([
+        keras.Input((512,)),
+        keras.layers.Dense(1024, activation="relu", name="up0"),
+        keras.layers.Dense(512, activation="relu", name="down0"),
+        keras.layers.Dense(1024, activation="relu", name="up1"),
+        keras.layers.Dense(512, activation="relu", name="down1"),
+        keras.layers.Dense(10, name="head"),
+    ], name="mlp")
+
+
+def compile_model(model):
+    import keras  # noqa: PLC0415
+
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses
+                  .SparseCategoricalCrossentropy(from_logits=True))
+
+
+def in_flight_peaks(timeline, num_stages):
+    """Per stage: the most micro-batches between F start and B end."""
+    peaks = []
+    for s in range(num_stages):
+        events = []
+        for e in timeline:
+            if e.stage == s:
+                events.append((e.start if e.kind == "F" else e.end,
+                               1 if e.kind == "F" else -1))
+        alive = peak = 0
+        for _, delta in sorted(events, key=lambda t: (t[0], t[1])):
+            alive += delta
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+def activation_bytes(stage, microbatch_size):
+    """Bytes of the stage's layer outputs for one micro-batch (fp32)."""
+    return sum(microbatch_size * math.prod(layer.output.shape[1:]) * 4
+               for layer in stage.layers)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 1 round of 2 steps")
+    parser.add_argument("--gantt", default=None,
+                        help="save the pipe=4 x data=2 1F1B timeline here")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 2
+    tfpar.use_virtual_cpus(8)
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+    from tfpar.pipeline import bubble_fraction, theoretical_bubble_fraction  # noqa: PLC0415
+
+    m = args.microbatches
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * args.steps, 512)).astype("float32")
+    y = rng.integers(0, 10, size=(BATCH * args.steps,)).astype("int32")
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        BATCH).with_options(options)
+
+    configs = {}
+    keras.utils.set_random_seed(0)
+    single = build_model()
+    compile_model(single)
+    configs["single device"] = single
+    cpus = [f"CPU:{i}" for i in range(8)]
+    for p in (2, 4):
+        for axes, devices in (({"pipe": p}, cpus[:p]),
+                              ({"pipe": p, "data": 8 // p}, cpus)):
+            for schedule in ("gpipe", "1f1b"):
+                strategy = tfpar.ParallelStrategy(
+                    tfpar.Mesh(axes, devices=devices))
+                with strategy.scope():
+                    keras.utils.set_random_seed(0)
+                    pipe = tfpar.PipelineModel(
+                        build_model(), num_microbatches=m, schedule=schedule)
+                    compile_model(pipe)
+                name = " x ".join(f"{k}={v}" for k, v in axes.items())
+                configs[f"{name} {schedule}"] = pipe
+    for model in configs.values():  # warm-up: tracing is not timed
+        model.fit(dataset.take(1), epochs=1, verbose=0)
+    times = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, model in configs.items():
+            start = time.perf_counter()
+            model.fit(dataset, epochs=1, verbose=0)
+            times[name].append((time.perf_counter() - start) / args.steps)
+    base = float(np.median(times["single device"]))
+    load = os.getloadavg()[0]
+    print(f"benchmark MLP, batch {BATCH}, m = {m} micro-batches, Adam; "
+          f"median of {args.rounds} rounds x {args.steps} steps; load "
+          f"{load:.1f}")
+    print(f"{'config':<26}{'ms/step':>9}{'÷ single':>10}{'bubble':>8}"
+          f"{'theory':>8}  peak in flight per stage (activation MiB)")
+    for name, model in configs.items():
+        median = float(np.median(times[name])) * 1e3
+        line = f"{name:<26}{median:>9.1f}{median / base / 1e3:>10.2f}"
+        if name == "single device":
+            print(line)
+            continue
+        model.record_timeline = True
+        model.fit(dataset.take(1), epochs=1, verbose=0)
+        model.record_timeline = False
+        timeline = model.last_timeline
+        p = len(model.stages)
+        peaks = in_flight_peaks(timeline, p)
+        mib = [activation_bytes(stage, BATCH // m) * k / 2**20
+               for stage, k in zip(model.stages, peaks)]
+        line += (f"{bubble_fraction(timeline):>8.2f}"
+                 f"{theoretical_bubble_fraction(p, m):>8.2f}  "
+                 + " ".join(f"{k} ({v:.1f})" for k, v in zip(peaks, mib)))
+        print(line)
+        if args.gantt and name == "pipe=4 x data=2 1f1b":
+            tfpar.plot_schedule(timeline, args.gantt,
+                                title=f"executed 1F1B, pipe=4 x data=2, m={m}")
+            print(f"  Gantt chart of this step: {args.gantt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Pipeline parallelism: PipelineModel against single-device Keras.
+
+The model (x -> d0 -> d1 -> add(d1, d0) -> ln -> d2 -> drop -> scale ->
+out) has a skip connection, a weight regulariser, a LayerNormalization and
+a custom layer. With the pipeline axis p in {2, 4}, m in {1, 4, 8}
+micro-batches and both schedules, one epoch of Adam (two batches of 32)
+gives the single-device per-batch losses and final weights within 1e-4
+relative, alone (pipe × data) and with data and model axes together.
+"""
+
+import collections
+import functools
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar.pipeline.model import PipelineRunner
+
+import models
+
+RTOL = 1e-4
+BATCH = 32
+LAYERS = ["d0", "d1", "add", "ln", "d2", "drop", "scale", "out"]
+TP_RULES = {r".*d0/kernel": (None, "model"), r".*d0/bias": ("model",),
+            r".*d1/kernel": ("model", None),
+            r".*d2/kernel": (None, "model"), r".*d2/bias": ("model",),
+            r".*out/kernel": ("model", None)}
+
+
+def build():
+    x = keras.Input((16,), name="x")
+    h0 = keras.layers.Dense(32, activation="relu", name="d0")(x)
+    h1 = keras.layers.Dense(32, activation="relu", name="d1")(h0)
+    h = keras.layers.Add(name="add")([h1, h0])           # skip connection
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    h = keras.layers.Dense(
+        32, activation="relu", name="d2",
+        kernel_regularizer=keras.regularizers.L2(1e-3))(h)
+    h = models.InferenceDropout(0.2, name="drop")(h)
+    h = models.Scale(name="scale")(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h), name="net")
+
+
+@functools.lru_cache(maxsize=None)
+def initial_weights():
+    keras.utils.set_random_seed(0)
+    return tuple(build().get_weights())
+
+
+def train(model):
+    model.set_weights(list(initial_weights()))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                  metrics=["mae"])
+    losses = models.BatchLosses()
+    x, y = models.mlp_data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                        verbose=0, callbacks=[losses])
+    return {"losses": losses.losses, "mae": history.history["mae"],
+            "weights": [np.asarray(w) for w in model.get_weights()]}
+
+
+@functools.lru_cache(maxsize=None)
+def reference():
+    return train(build())
+
+
+def pipeline(axes, rules=None, **kwargs):
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules=rules)
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(build(), **kwargs)
+    return strategy, pipe
+
+
+def assert_parity(result):
+    expected = reference()
+    assert len(result["losses"]) == len(expected["losses"]) == 2
+    assert models.relative_error(expected["losses"], result["losses"]) < RTOL
+    assert models.relative_error(expected["mae"], result["mae"]) < RTOL
+    for want, got in zip(expected["weights"], result["weights"]):
+        assert models.relative_error(want, got) < RTOL
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [1, 4, 8])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_parity_pipe_by_data(stages, microbatches, schedule):
+    _, pipe = pipeline({"pipe": stages, "data": 8 // stages},
+                       num_microbatches=microbatches, schedule=schedule)
+    assert_parity(train(pipe))
+
+
+@pytest.mark.parametrize("axes,microbatches,schedule", [
+    ({"pipe": 2, "data": 2, "model": 2}, 4, "1f1b"),
+    ({"pipe": 2, "data": 2, "model": 2}, 8, "gpipe"),
+    ({"data": 2, "pipe": 2, "model": 2}, 1, "1f1b"),
+    ({"pipe": 4, "model": 2}, 8, "1f1b"),
+])
+def test_parity_with_data_and_model_axes(axes, microbatches, schedule):
+    strategy, pipe = pipeline(axes, rules=TP_RULES,
+                              num_microbatches=microbatches,
+                              schedule=schedule)
+    assert_parity(train(pipe))
+    # Tensor parallelism inside the stages is real: d0's kernel is split
+    # over the model axis on its stage's devices.
+    kernel = pipe.get_layer("d0").kernel
+    blocks = dtensor.unpack(kernel.value.read_value())
+    assert [tuple(c.shape) for c in blocks] == \
+        [(16, 16)] * strategy.stage_meshes[0].size
+
+
+def test_each_stage_holds_only_its_own_weights():
+    strategy, pipe = pipeline({"pipe": 4, "data": 2}, num_microbatches=2,
+                              stage_boundaries=["d1", "d2", "drop"])
+    pipe.compile(optimizer="adam", loss="mse")
+    stages = pipe.stages
+    assert [s.layer_names for s in stages] == [
+        ["d0"], ["d1", "add", "ln"], ["d2"], ["drop", "scale", "out"]]
+    memory = strategy.memory_per_device()
+    for stage, mesh in zip(stages, strategy.stage_meshes):
+        for layer in stage.layers:
+            for weight in layer.weights:
+                devices = dtensor.fetch_layout(weight.value).mesh.local_devices()
+                assert [d.split("device:")[-1] for d in devices] == \
+                    list(mesh.devices)
+        params = sum(int(np.prod(w.shape)) * 4 for layer in stage.layers
+                     for w in layer.trainable_weights)
+        for device in mesh.devices:
+            assert memory[device]["params"] == params
+    x, y = models.mlp_data()
+    pipe.fit(x, y, batch_size=16, verbose=0)
+    memory = strategy.memory_per_device()
+    for stage, mesh in zip(stages, strategy.stage_meshes):
+        params = sum(int(np.prod(w.shape)) * 4 for layer in stage.layers
+                     for w in layer.trainable_weights)
+        for device in mesh.devices:  # Adam: two slots per weight, same place
+            assert memory[device]["optimizer"] == 2 * params
+
+
+def test_activations_and_gradients_cross_stages():
+    """The compiled step moves one activation forward and one gradient back
+    per micro-batch and stage boundary (CopyToMesh between sub-meshes)."""
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                       stage_boundaries=["d2"])
+    pipe.compile(optimizer="adam", loss="mse")
+    x, y = models.mlp_data(n=32)
+    pipe.fit(x, y, batch_size=32, verbose=0)  # builds optimizers, metrics
+    runner = PipelineRunner(pipe, "train")
+    runner._sync_optimizers()
+    xs = runner._place(x, 0, 4, True)
+    targets = runner._place((y, None), -1, 4, True)
+    graph = runner._function("train").get_concrete_function(
+        xs, targets, True).graph
+    # Each transfer is one name scope holding a relayout onto the target
+    # stage's devices (DTensor's copy_to_mesh).
+    sends = collections.Counter()
+    for op in graph.get_operations():
+        match = re.search(r"send_(\d)_to_(\d)(_\d+)?/", op.name)
+        if match and op.type == "Relayout":
+            target = tfpar.Mesh({"pipe": 2, "data": 4}).submesh(
+                "pipe", int(match[2])).devices
+            if all(d in op.get_attr("layout").decode() for d in target):
+                sends[op.name[:match.end()]] += 1  # the whole scope
+    forward = [k for k in sends if "send_0_to_1" in k]
+    backward = [k for k in sends if "send_1_to_0" in k]
+    assert len(forward) == len(backward) == 4   # one per micro-batch
+
+
+def test_skip_connection_is_carried_across_stages():
+    _, pipe = pipeline({"pipe": 4, "data": 2}, num_microbatches=4,
+                       stage_boundaries=["d1", "add", "d2"])
+    received = [[t.name for t in s.inputs] for s in pipe.stages]
+    assert len(received[1]) == 1 and len(received[2]) == 2  # d1 out + d0 out
+    assert "receives" in pipe.split_report()
+    assert_parity(train(pipe))
+
+
+def test_balanced_split_and_report():
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2)
+    params = [s.num_params for s in pipe.stages]
+    assert sum(params) == sum(int(np.prod(w.shape)) for w in pipe.weights)
+    report = pipe.split_report()
+    assert "stage 0 on CPU:0..CPU:3" in report and "stage 1 on CPU:4..CPU:7" in report
+    assert f"{params[0]:,} params" in report
+    # Balancing by measured time also gives a valid split.
+    _, timed = pipeline({"pipe": 2, "data": 4}, num_microbatches=2,
+                        balance="time")
+    assert sum(len(s.layers) for s in timed.stages) == len(LAYERS)
+
+
+def test_evaluate_predict_and_partial_last_batch_match_single_device():
+    x, y = models.mlp_data(n=100)  # batches 32, 32, 32, 4
+    single = build()
+    single.set_weights(list(initial_weights()))
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4)
+    pipe.set_weights(list(initial_weights()))
+    pipe.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    want = single.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    got = pipe.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert models.relative_error(want.history["loss"], got.history["loss"]) < RTOL
+    assert models.relative_error(single.evaluate(x, y, verbose=0),
+                                 pipe.evaluate(x, y, verbose=0)) < RTOL
+    assert models.relative_error(single.predict(x, verbose=0),
+                                 pipe.predict(x, verbose=0)) < RTOL
+    assert models.relative_error(single(x[:8]), pipe(x[:8])) < RTOL
+    assert pipe.get_layer("d2") is pipe.wrapped.get_layer("d2")
+
+
+def test_timeline_follows_the_data_flow():
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                       schedule="1f1b", record_timeline=True)
+    pipe.compile(optimizer="adam", loss="mse")
+    x, y = models.mlp_data(n=32)
+    pipe.fit(x, y, batch_size=32, verbose=0)
+    timeline = pipe.last_timeline
+    ends = {(e.stage, e.kind, e.microbatch): e.end for e in timeline}
+    assert len(ends) == len(timeline) == 2 * 2 * 4
+    for i in range(4):
+        assert ends[(0, "F", i)] < ends[(1, "F", i)]   # activation arrives
+        assert ends[(1, "B", i)] < ends[(0, "B", i)]   # gradient returns
+        assert all(e.start <= e.end for e in timeline)
+
+
+def test_a_model_without_a_graph_is_rejected():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        model = models.subclassed()
+        with pytest.raises(ValueError, match="Sequential or functional"):
+            tfpar.PipelineModel(model, num_microbatches=2)
+
+
+def test_shared_layer_across_a_boundary_is_rejected():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        x = keras.Input((8,))
+        shared = keras.layers.Dense(8, name="shared")
+        h = keras.layers.Dense(8, name="mid")(shared(x))
+        model = keras.Model(x, shared(h))
+        with pytest.raises(ValueError, match="shared"):
+            tfpar.PipelineModel(model, num_microbatches=2,
+                                stage_boundaries=["mid"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_microbatches=2, stage_boundaries=["d1", "nope", "out"]),
+     "'nope'.*does not"),
+    (dict(num_microbatches=2, stage_boundaries=["d2", "d1", "ln"]),
+     "graph order"),
+    (dict(num_microbatches=2, stage_boundaries=["d2"]), "needs 3 name"),
+    (dict(num_microbatches=2, schedule="zigzag"), "unknown schedule"),
+    (dict(num_microbatches=0), "num_microbatches"),
+    (dict(num_microbatches=2, balance="flops"), "balance"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, match):
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 4, "data": 2}))
+    with strategy.scope():
+        model = build()
+        with pytest.raises((ValueError, TypeError), match=match):
+            tfpar.PipelineModel(model, **kwargs)
+
+
+def test_more_stages_than_layers_is_a_clear_error():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 4, "data": 2}))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(4, name="a"),
+                                  keras.layers.Dense(4, name="b")])
+        with pytest.raises(ValueError, match="at least one layer per stage"):
+            tfpar.PipelineModel(model, num_microbatches=2)
+
+
+def test_batch_not_divisible_by_microbatches_times_data_is_rejected():
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4)
+    pipe.compile(optimizer="adam", loss="mse")
+    before = [w.copy() for w in pipe.get_weights()]
+    x, y = models.mlp_data(n=48)
+    with pytest.raises(ValueError, match=r"batch size 24 .*\(4\) × the data "
+                                         r"axis 'data' \(4\) = 16"):
+        pipe.fit(x, y, batch_size=24, verbose=0)
+    for a, b in zip(before, pipe.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_plain_model_on_a_pipeline_mesh_and_pipe_rules_are_errors():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+    x, y = models.mlp_data(n=32)
+    with pytest.raises(ValueError, match="tfpar.PipelineModel"):
+        model.fit(x, y, batch_size=32, verbose=0)
+    with pytest.raises(ValueError, match="pipeline axis 'pipe'"):
+        tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}),
+                               rules={r".*d0/kernel": ("pipe", None)})
+    with pytest.raises(ValueError, match="strategy.scope"):
+        tfpar.PipelineModel(build(), num_microbatches=2)
+
+
+def test_gradients_of_integer_inputs_and_embeddings():
+    """Token ids (int32) are carried to a later stage; the embedding's
+    sparse gradient is summed over micro-batches."""
+    def lm():
+        tokens = keras.Input((6,), dtype="int32", name="tokens")
+        e = keras.layers.Embedding(20, 8, name="embed")(tokens)
+        h = keras.layers.Dense(8, activation="tanh", name="mix")(e)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+        # tokens reach the last stage too (a skip of an integer input).
+        count = keras.layers.Lambda(
+            lambda t: keras.ops.cast(keras.ops.sum(t, axis=1, keepdims=True),
+                                     "float32") / 100.0, name="count")(tokens)
+        h = keras.layers.Concatenate(name="cat")([h, count])
+        return keras.Model(tokens, keras.layers.Dense(2, name="head")(h))
+
+    keras.utils.set_random_seed(3)
+    weights = lm().get_weights()
+    rng = np.random.RandomState(1)
+    x = rng.randint(0, 20, size=(32, 6)).astype("int32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+
+    def fit(model):
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    want = fit(lm())
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(lm(), num_microbatches=2,
+                                   stage_boundaries=["pool"])
+    for a, b in zip(want, fit(pipe)):
+        assert models.relative_error(a, b) < RTOL

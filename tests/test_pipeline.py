@@ -150,7 +150,7 @@ def test_activations_and_gradients_cross_stages():
     x, y = models.mlp_data(n=32)
     pipe.fit(x, y, batch_size=32, verbose=0)  # builds optimizers, metrics
     runner = PipelineRunner(pipe, "train")
-    runner._sync_optimizers()
+    runner._optimizers = pipe.stage_optimizers
     xs = runner._place(x, 0, 4, True)
     targets = runner._place((y, None), -1, 4, True)
     graph = runner._function("train").get_concrete_function(
@@ -335,3 +335,40 @@ def test_gradients_of_integer_inputs_and_embeddings():
                                    stage_boundaries=["pool"])
     for a, b in zip(want, fit(pipe)):
         assert models.relative_error(a, b) < RTOL
+
+
+def test_checkpoint_resumes_on_another_pipeline_and_loads_into_plain_keras(
+        tmp_path):
+    """Save mid-training from pipe=2 × data=2 × model=2, resume on pipe=4 ×
+    data=2: the per-batch losses and weights are those of uninterrupted
+    single-device training; the same checkpoint loads into a plain model."""
+    x, y = models.mlp_data()
+
+    def compiled(model):
+        model.set_weights(list(initial_weights()))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    def fit(model):
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return losses.losses
+
+    single = compiled(build())
+    want = fit(single) + fit(single)
+    _, first = pipeline({"pipe": 2, "data": 2, "model": 2}, rules=TP_RULES,
+                        num_microbatches=4)
+    got = fit(compiled(first))
+    tfpar.save_checkpoint(first, tmp_path)
+    _, second = pipeline({"pipe": 4, "data": 2}, num_microbatches=2)
+    compiled(second)
+    assert tfpar.restore_checkpoint(second, tmp_path) == 2
+    got += fit(second)
+    assert models.relative_error(want, got) < RTOL
+    for a, b in zip(single.get_weights(), second.get_weights()):
+        assert models.relative_error(a, b) < RTOL
+    plain = compiled(build())
+    tfpar.restore_checkpoint(plain, tmp_path, optimizer=False)
+    assert models.relative_error(first.predict(x, verbose=0),
+                                 plain.predict(x, verbose=0)) < RTOL

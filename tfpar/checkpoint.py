@@ -307,6 +307,9 @@ def restore_checkpoint(model, directory, optimizer=True):
             _compat.backing_variable(variable).assign(value)
             del value
             done += 1
+        sync = getattr(model, "sync_stage_optimizers", None)
+        if optimizer and sync is not None:
+            sync(iterations=True)  # PipelineModel: counters of every stage
     except Exception as error:
         if done == 0:
             raise
@@ -343,9 +346,14 @@ def _entries(model, optimizer):
                 "weights only.")
         _build_optimizer(model)
         trainable = list(model.trainable_variables)
-        for variable in opt.variables:
-            entries.append(("optimizer", _optimizer_key(variable, trainable),
-                            variable))
+        # A tfpar.PipelineModel has one optimizer per stage: the slots of
+        # all of them, the counters of the main one (the others mirror it),
+        # so its checkpoints are those of the plain model.
+        for stage_opt in getattr(model, "stage_optimizers", None) or [opt]:
+            for variable in stage_opt.variables:
+                key = _optimizer_key(variable, trainable)
+                if stage_opt is opt or ":" in key:
+                    entries.append(("optimizer", key, variable))
     seen, duplicates = set(), []
     for kind, key, _ in entries:
         if (kind, key) in seen:
@@ -374,6 +382,9 @@ def _optimizer_key(variable, trainable):
 
 
 def _build_optimizer(model):
+    if hasattr(model, "stage_optimizers"):
+        model.stage_optimizers  # noqa: B018 (builds each stage's optimizer)
+        return
     opt = getattr(model, "optimizer", None)
     if opt is not None and not opt.built:
         with model.distribute_strategy.scope():

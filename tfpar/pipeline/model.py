@@ -132,6 +132,8 @@ class PipelineModel(keras.Model):
         self._schedule = full_schedule
         self.record_timeline = record_timeline
         self.last_timeline = None
+        self._optimizers = None
+        self._learning_rate = None
         self._expect_full_batch = True
         self._place_stages()
         self.built = True
@@ -225,6 +227,54 @@ class PipelineModel(keras.Model):
             if self.optimizer is not None and not self.optimizer.built:
                 self.optimizer.build(self._stage_weights[-1])
             return super()._symbolic_build(*args, **kwargs)
+
+    @property
+    def stage_optimizers(self):
+        """One built optimizer per stage, for that stage's weights; the last
+        is `self.optimizer` (the others are copies of its config, created
+        on first use, kept in step by `sync_stage_optimizers`)."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            return []
+        if self._optimizers is None or self._optimizers[-1] is not optimizer:
+            meshes = self._extended.stage_meshes
+            with self.distribute_strategy.scope():
+                if not optimizer.built:
+                    with self._extended.placing_on(meshes[-1]):
+                        optimizer.build(self._stage_weights[-1])
+                copies = []
+                for s, mesh in enumerate(meshes[:-1]):
+                    with self._extended.placing_on(mesh):
+                        copy = type(optimizer).from_config(
+                            optimizer.get_config())
+                        copy.build(self._stage_weights[s])
+                    copies.append(copy)
+            self._optimizers = copies + [optimizer]
+            self._learning_rate = None
+            self.sync_stage_optimizers(iterations=True)
+        return list(self._optimizers)
+
+    def sync_stage_optimizers(self, iterations=False):
+        """Copies `self.optimizer`'s learning rate (a callback may have
+        changed it) and, with `iterations=True` (e.g. after restoring a
+        checkpoint), its step counter into the other stages' optimizers."""
+        optimizers = self.stage_optimizers if self._optimizers is None \
+            else self._optimizers
+        main, copies = optimizers[-1], optimizers[:-1]
+        if not copies:
+            return
+        rate = _compat.optimizer_learning_rate_variable(main)
+        if rate is not None:
+            value = float(rate.numpy())
+            if value != self._learning_rate:
+                for copy in copies:
+                    _compat.optimizer_learning_rate_variable(copy).assign(
+                        value)
+                self._learning_rate = value
+        if iterations:
+            step = int(main.iterations.numpy())
+            for copy in copies:
+                copy.iterations.assign(step)
 
     def fit(self, *args, **kwargs):
         self._expect_full_batch = True
@@ -326,7 +376,8 @@ class PipelineRunner:
         m, split = self._microbatches(size)
         if self._mode == "train":
             self._model._expect_full_batch = False  # noqa: SLF001
-            self._sync_optimizers()
+            self._optimizers = self._model.stage_optimizers
+            self._model.sync_stage_optimizers()
         xs = self._place(x, 0, m, split)
         targets = self._place((y, sample_weight), -1, m, split)
         function = self._function(self._mode)
@@ -359,32 +410,6 @@ class PipelineRunner:
             self._functions[mode] = (step if self._model.run_eagerly else
                                      tf.function(step, reduce_retracing=True))
         return self._functions[mode]
-
-    def _sync_optimizers(self):
-        """Creates the other stages' optimizers once; copies the learning
-        rate (callbacks may change it) into them every step."""
-        optimizer = self._model.optimizer
-        if self._optimizers is None:
-            if not optimizer.built:
-                with self._extended.placing_on(self._meshes[-1]):
-                    optimizer.build(self._model._stage_weights[-1])  # noqa: SLF001
-            optimizers = []
-            for s, mesh in enumerate(self._meshes[:-1]):
-                with self._extended.placing_on(mesh), \
-                        self._model.distribute_strategy.scope():
-                    clone = type(optimizer).from_config(optimizer.get_config())
-                    clone.build(self._model._stage_weights[s])  # noqa: SLF001
-                optimizers.append(clone)
-            optimizers.append(optimizer)
-            self._optimizers = optimizers
-            self._learning_rate = None
-        rate = _compat.optimizer_learning_rate_variable(optimizer)
-        if rate is not None and len(self._optimizers) > 1:
-            value = float(rate.numpy())
-            if value != self._learning_rate:
-                for clone in self._optimizers[:-1]:
-                    _compat.optimizer_learning_rate_variable(clone).assign(value)
-                self._learning_rate = value
 
     # -- traced steps ------------------------------------------------------
 

@@ -31,6 +31,7 @@ EXPECTED = {
             True),
     "pipeline_schedules": (
         ["simulated bubbles match (p-1)/(m+p-1): OK",
+         "pipeline parity with one device: OK",
          "gpipe schedule, 4 stages x 8 micro-batches",
          "1f1b schedule, 4 stages x 8 micro-batches"], True),
 }

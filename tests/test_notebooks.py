@@ -25,6 +25,8 @@ CELL_TIMEOUT = 300  # seconds; each notebook takes well under a minute
 # Text each notebook must print (in any stream or display output), and
 # whether it must display at least one PNG.
 EXPECTED = {
+    "checkpoints": (["resume across meshes matches uninterrupted training: OK",
+                     "export to plain Keras: OK", "CPU:7"], False),
     "quickstart": (["parity with one device: OK", "8 CPU device(s)",
                     "up0/kernel"], True),
     "gpt": (["parity with one device: OK", "ColumnParallel", "RowParallel"],

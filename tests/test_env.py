@@ -276,3 +276,18 @@ def test_python_m_tfpar_env_with_virtual_cpus():
     assert lines[-1] == (
         "default mesh: Mesh({'data': 8}, devices=CPU:0..CPU:7) (device type: CPU)"
     )
+
+
+@pytest.mark.parametrize("preset,expected", [(None, "1"), ("0", "0")])
+def test_import_turns_on_nccl_for_gpu_meshes_unless_the_user_chose(
+        preset, expected):
+    environment = {k: v for k, v in os.environ.items()
+                   if k != "DTENSOR_GPU_USE_NCCL_COMMUNICATION"}
+    if preset is not None:
+        environment["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] = preset
+    code = ("import os, tfpar; "
+            "print(os.environ['DTENSOR_GPU_USE_NCCL_COMMUNICATION'])")
+    result = subprocess.run([sys.executable, "-c", code], env=environment,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == expected

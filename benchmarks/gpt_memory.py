@@ -1,13 +1,26 @@
-"""Per-device memory and step time of the GPT example at model = 1, 2, 4, 8.
+"""Per-device memory, activations, communication and step time of the GPT example.
 
     python benchmarks/gpt_memory.py [--layers 2 --dim 64 --rounds 3]
 
-On 8 virtual CPUs, for each mesh data = 8/model x model, builds the GPT of
-examples/gpt.py, plans it with `tfpar.auto_rules`, and prints the bytes of
-parameters and optimizer state (Adam) that one device holds, next to the
-formula sharded/model + replicated, and the median `fit` step time divided
-by single-device Keras (interleaved rounds in one process). Sequence
-parallelism is not implemented yet, so no activation figures are printed.
+On 8 virtual CPUs, for each mesh data = 8/model x model (model = 1, 2, 4,
+8), builds the GPT of examples/gpt.py, plans it with `tfpar.auto_rules`
+(tensor parallel, "TP"; and with `sequence_parallel=True`, "TP+SP", for
+model > 1) and prints:
+
+1. memory per device: bytes of parameters and Adam state one device holds,
+   next to the formula sharded/model + replicated; the activations the
+   compiled training step keeps for its backward pass, per device
+   (`CommunicationReport.saved_activation_bytes`: the distinct forward
+   tensors that backward ops read, read from the SPMD-expanded step); and
+   the median `fit` step time divided by single-device Keras (interleaved
+   rounds in one process);
+2. communication per step over the model axis, measured in the compiled
+   step `fit` runs (`tfpar.communication.capture`): collectives forward /
+   backward, message bytes, bytes each device sends in a ring
+   implementation — next to Megatron-LM's formula for the same shapes
+   (`tfpar.communication.megatron_tp_bytes`: per layer 2 all-reduces
+   forward + 2 backward of b*s*h, ring all-reduce 2(n-1)/n of it; b is the
+   batch of one data-parallel replica).
 """
 
 import argparse
@@ -27,6 +40,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
@@ -36,10 +50,10 @@ def main():
     import numpy as np  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
-    config = dict(vocab=64, seq_len=16, dim=args.dim, heads=8,
+    config = dict(vocab=64, seq_len=args.seq_len, dim=args.dim, heads=8,
                   layers=args.layers)
     batch = 16
-    x, y = gpt.toy_corpus(batch * args.steps, vocab=64, seq_len=16)
+    x, y = gpt.toy_corpus(batch * args.steps, vocab=64, seq_len=args.seq_len)
     options = tf.data.Options()
     options.autotune.enabled = False
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
@@ -53,17 +67,24 @@ def main():
     gpt.compile_gpt(single)
     runs["single device"] = (single, None)
     for model_axis in (1, 2, 4, 8):
-        mesh = tfpar.Mesh({"data": 8 // model_axis, "model": model_axis})
-        strategy = tfpar.ParallelStrategy(mesh)
-        with strategy.scope():
-            model = gpt.build_gpt(**config)
-            model.set_weights(weights)
-            strategy.apply_rules(model, tfpar.auto_rules(model, mesh=mesh))
-            gpt.compile_gpt(model)
-        runs[f"data={8 // model_axis} x model={model_axis}"] = (model, strategy)
+        for sp in ((False, True) if model_axis > 1 else (False,)):
+            mesh = tfpar.Mesh({"data": 8 // model_axis, "model": model_axis})
+            strategy = tfpar.ParallelStrategy(mesh)
+            with strategy.scope():
+                model = gpt.build_gpt(**config)
+                model.set_weights(weights)
+                strategy.apply_rules(model, tfpar.auto_rules(
+                    model, mesh=mesh, sequence_parallel=sp))
+                gpt.compile_gpt(model)
+            name = f"{8 // model_axis}x{model_axis} {'TP+SP' if sp else 'TP'}"
+            runs[name] = (model, strategy)
 
-    for model, _ in runs.values():
-        model.fit(dataset, epochs=1, verbose=0)  # trace, build optimizer
+    reports = {}
+    for name, (model, strategy) in runs.items():
+        with tfpar.communication.capture() as programs:
+            model.fit(dataset, epochs=1, verbose=0)  # trace, build optimizer
+        if strategy is not None:
+            reports[name] = programs.train_report()
     times = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, _) in runs.items():
@@ -73,15 +94,16 @@ def main():
     base = float(np.median(times["single device"]))
 
     print(f"GPT {config}, batch {batch}, Adam; 8 virtual CPUs on "
-          f"{os.cpu_count()} cores")
-    print(f"{'config':24s} {'params B/dev':>13s} {'optim B/dev':>12s} "
-          f"{'formula':>10s} {'step ms':>8s} {'ratio':>6s}")
+          f"{os.cpu_count()} cores (mesh data x model)")
+    print(f"\n{'config':16s} {'params B/dev':>13s} {'optim B/dev':>12s} "
+          f"{'formula':>10s} {'saved act B/dev':>16s} {'step ms':>8s} "
+          f"{'ratio':>6s}")
     for name, (model, strategy) in runs.items():
         median = float(np.median(times[name])) * 1000
         if strategy is None:
             params = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
-            print(f"{name:24s} {params:13d} {2 * params:12d} {'':>10s} "
-                  f"{median:8.1f} {1.0:6.2f}")
+            print(f"{name:16s} {params:13d} {2 * params:12d} {'':>10s} "
+                  f"{'':>16s} {median:8.1f} {1.0:6.2f}")
             continue
         memory = strategy.memory_per_device()[strategy.mesh.devices[0]]
         k = strategy.mesh.axis_size("model")
@@ -90,8 +112,38 @@ def main():
                     if v.path in sharded)
         whole = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
         formula = (whole - split) + split // k  # replicated + sharded / k
-        print(f"{name:24s} {memory['params']:13d} {memory['optimizer']:12d} "
-              f"{formula:10d} {median:8.1f} {median / 1000 / base:6.2f}")
+        saved = reports[name].saved_activation_bytes
+        print(f"{name:16s} {memory['params']:13d} {memory['optimizer']:12d} "
+              f"{formula:10d} {saved:16d} {median:8.1f} "
+              f"{median / 1000 / base:6.2f}")
+
+    print("\nCommunication per step over the model axis (collectives whose "
+          "group spans it; measured in the compiled step) vs Megatron-LM's "
+          "tensor-parallel formula; and over the data axis alone")
+    print(f"{'config':16s} {'fwd':>4s} {'bwd':>4s} {'bytes':>9s} "
+          f"{'ring B/dev':>10s} {'Megatron':>9s} {'ring':>9s} "
+          f"{'data-axis bytes':>16s}")
+    for name, report in reports.items():
+        strategy = runs[name][1]
+        n = strategy.mesh.axis_size("model")
+        b = batch // strategy.mesh.axis_size("data")
+        model_axis = dict(spans="model")
+        megatron = tfpar.communication.megatron_tp_bytes(
+            b, config["seq_len"], config["dim"], config["layers"], n)
+        if n == 1:
+            megatron = {"bytes": 0, "ring_bytes": 0.0}
+        data_bytes = report.total_bytes(axes=("data",))
+        print(f"{name:16s} "
+              f"{report.count(phase='forward', **model_axis):4d} "
+              f"{report.count(phase='backward', **model_axis):4d} "
+              f"{report.total_bytes(**model_axis):9d} "
+              f"{report.total_ring_bytes(**model_axis):10.0f} "
+              f"{megatron['bytes']:9d} {megatron['ring_bytes']:9.0f} "
+              f"{data_bytes:16d}")
+    print("\nMessage bytes: all-reduce B = the tensor; ring all-reduce sends "
+          "2(n-1)/n * B per device, all-gather/reduce-scatter/all-to-all "
+          "(n-1)/n * B. DTensor on CPU runs SP's all-gathers and "
+          "reduce-scatters as all-reduces (see tfpar.communication).")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 Token + position embeddings, N pre-norm blocks (causal multi-head attention,
 GELU MLP), a final norm and an LM head. `tfpar.auto_rules` plans the split:
 attention by heads, each MLP column -> row (Megatron), embeddings along the
-hidden dimension, norms and the head replicated. The script trains it on a
-data x model mesh of virtual CPUs and on one device from the same weights,
-and prints both loss curves and the per-device memory.
+hidden dimension, norms and the head replicated; with --sequence-parallel
+the residual stream and norms are also split along the sequence
+(Megatron-SP). The script trains it on a data x model mesh of virtual CPUs
+and on one device from the same weights, and prints both loss curves, the
+per-device memory and the communication of the compiled training step.
 
-    python examples/gpt.py [--data 2 --model 4 --layers 2 --steps 20]
+    python examples/gpt.py [--data 2 --model 4 --layers 2 --sequence-parallel]
 """
 
 import argparse
@@ -60,9 +62,11 @@ def compile_gpt(model):
     )
 
 
-def train(strategy, weights, x, y, batch_size, epochs, **gpt_kwargs):
+def train(strategy, weights, x, y, batch_size, epochs,
+          sequence_parallel=False, **gpt_kwargs):
     """Builds the GPT from `weights` (under `strategy` with auto_rules when
-    given) and trains it; returns (model, per-batch losses)."""
+    given, sequence parallel if asked) and trains it; returns (model,
+    per-batch losses)."""
     import keras  # noqa: PLC0415
 
     class Losses(keras.callbacks.Callback):
@@ -80,7 +84,8 @@ def train(strategy, weights, x, y, batch_size, epochs, **gpt_kwargs):
         with strategy.scope():
             model = build_gpt(**gpt_kwargs)
             model.set_weights(weights)
-            strategy.apply_rules(model, tfpar.auto_rules(model, mesh=strategy.mesh))
+            strategy.apply_rules(model, tfpar.auto_rules(
+                model, mesh=strategy.mesh, sequence_parallel=sequence_parallel))
             compile_gpt(model)
     losses = Losses()
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
@@ -95,6 +100,9 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split norms and the residual stream along the "
+                             "sequence over the model axis (Megatron-SP)")
     args = parser.parse_args()
 
     tfpar.use_virtual_cpus(args.data * args.model)
@@ -107,8 +115,10 @@ def main():
                       layers=args.layers)
     mesh = tfpar.Mesh({"data": args.data, "model": args.model})
     strategy = tfpar.ParallelStrategy(mesh)
-    model, parallel = train(strategy, weights, x, y, args.batch_size,
-                            args.epochs, layers=args.layers)
+    with tfpar.communication.capture() as programs:
+        model, parallel = train(strategy, weights, x, y, args.batch_size,
+                                args.epochs, args.sequence_parallel,
+                                layers=args.layers)
     print(f"GPT on {mesh}; sharded weights (the rest is replicated):")
     for path, spec, block in strategy.placements("params"):
         if any(spec):
@@ -121,6 +131,16 @@ def main():
     print(f"largest relative loss difference: {worst:.2e}")
     memory = strategy.memory_per_device()[mesh.devices[0]]
     print(f"bytes on {mesh.devices[0]}: {memory}")
+    report = programs.train_report()
+    seq_len, dim = model.input_shape[1], model.get_layer("tok_embed").output_dim
+    megatron = tfpar.communication.megatron_tp_bytes(
+        args.batch_size // args.data, seq_len, dim, args.layers, args.model)
+    print(f"\ncompiled training step: {report.count(spans='model')} "
+          f"collectives over the model axis, {report.total_bytes(spans='model')} "
+          f"bytes per step (Megatron-LM formula for these shapes: "
+          f"{megatron['bytes']} + the embedding gather); activations kept "
+          f"for the backward pass: {report.saved_activation_bytes} bytes per "
+          "device")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ import os
 os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 
 from tfpar.layout import LayoutRules  # noqa: E402
-from tfpar import checkpoint, pipeline, visualize  # noqa: E402
+from tfpar import checkpoint, communication, pipeline, visualize  # noqa: E402
 from tfpar.checkpoint import (  # noqa: E402
     latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
 )
+from tfpar.communication import communication_report  # noqa: E402
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
@@ -30,6 +31,7 @@ from tfpar.tensor_parallel import (  # noqa: E402
     ColumnParallel,
     Replicated,
     RowParallel,
+    SequenceParallel,
     auto_rules,
 )
 from tfpar.tpu import connect_tpu  # noqa: E402
@@ -43,8 +45,11 @@ __all__ = [
     "PipelineModel",
     "Replicated",
     "RowParallel",
+    "SequenceParallel",
     "auto_rules",
     "checkpoint",
+    "communication",
+    "communication_report",
     "connect_tpu",
     "get_schedule",
     "latest_checkpoint",

@@ -407,3 +407,14 @@ def op_output_dtypes(node):
         count = node.attr[arg.number_attr].i if arg.number_attr else 1
         types.extend([single] * count)
     return [tf.as_dtype(t) for t in types]
+
+
+# Names in TF 2.21's DTensor-expanded programs (tfpar/communication.py):
+# tf.GradientTape puts gradient ops under this name scope; DTensor names the
+# nodes it inserts "<op>/DTensor<Collective>Op_<n>" and their group-key
+# lookups ".../group_key"; a zero-padded all-gather's blocks are written by
+# nodes named "...DTensorAllGatherOp...". The expanded function's first
+# argument is the device id.
+GRADIENT_SCOPE = "gradient_tape/"
+DTENSOR_ALL_GATHER_NODE = "DTensorAllGatherOp"
+DTENSOR_INSERTED_NODE = r"DTensor\w*Op|group_key"

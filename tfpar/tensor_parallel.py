@@ -13,6 +13,24 @@ layers. A style knows how to lay out the weights of the layer it is given:
   replicated: it is added once, after the all-reduce of the partial sums);
   EinsumDense the first contracted kernel dimension; Embedding the vocabulary.
 - `Replicated()` keeps every weight whole on every device.
+- `SequenceParallel(axis)` (for LayerNormalization/RMSNormalization) keeps
+  the weights whole and the layer's activations split along the sequence.
+
+Sequence parallelism (Megatron-SP, Korthikanti et al. 2022): with
+`sequence_parallel=True`, activations between the tensor-parallel blocks
+(norms, dropout, residual adds) are split along the sequence dimension
+(batch, sequence, hidden) -> each device holds (b, s/k, h). Before a
+column-parallel layer the sequence is gathered (g: all-gather forward,
+reduce-scatter backward); after a row-parallel layer the partial sums are
+reduce-scattered along the sequence (g-bar: reduce-scatter forward,
+all-gather backward) instead of all-reduced. tfpar expresses both as
+DTensor relayouts of the layer's input and output; DTensor inserts the
+collectives. Values are unchanged: a relayout only moves data. On CPU (and
+GPU without NCCL) DTensor 2.21 runs the all-gather as an all-reduce of
+zero-padded blocks and the reduce-scatter as an all-reduce plus a slice, so
+sequence parallelism saves activation memory there but moves about twice
+the bytes of plain tensor parallelism (`tfpar.communication_report` shows
+both; tests/dtensor_sp_collectives_repro.py reproduces it without tfpar).
 
 The math of the Megatron MLP, with X replicated and W1 = [W1_1 ... W1_k]
 split by columns, W2 = [W2_1; ...; W2_k] split by rows over k devices:
@@ -64,14 +82,37 @@ class Style:
         """
         raise NotImplementedError  # every concrete style overrides this
 
+    def _key(self):
+        return (type(self), self.axis)
+
     def __repr__(self):
         return f"{type(self).__name__}(axis={self.axis!r})"
 
     def __eq__(self, other):
-        return type(self) is type(other) and self.axis == other.axis
+        return isinstance(other, Style) and self._key() == other._key()
 
     def __hash__(self):
-        return hash((type(self), self.axis))
+        return hash(self._key())
+
+
+class _TensorParallel(Style):
+    """Column/row styles: an axis, and whether sequence parallelism is on."""
+
+    def __init__(self, axis="model", sequence_parallel=False):
+        super().__init__(axis)
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(
+                f"{type(self).__name__}(sequence_parallel) must be True or "
+                f"False. Received: sequence_parallel={sequence_parallel!r}"
+            )
+        self.sequence_parallel = sequence_parallel
+
+    def _key(self):
+        return (type(self), self.axis, self.sequence_parallel)
+
+    def __repr__(self):
+        extra = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f"{type(self).__name__}(axis={self.axis!r}{extra})"
 
 
 class Replicated(Style):
@@ -90,19 +131,51 @@ class Replicated(Style):
         return "Replicated()"
 
 
-class ColumnParallel(Style):
-    """Split the layer's outputs over `axis` (see module docstring)."""
+class ColumnParallel(_TensorParallel):
+    """Split the layer's outputs over `axis` (see module docstring).
+
+    With `sequence_parallel=True` the layer's input, split along the
+    sequence, is first gathered whole (all-gather forward, reduce-scatter
+    backward); for MultiHeadAttention that is the input of query, key and
+    value (gathered once when they are the same tensor), and the output
+    projection's partial sums are reduce-scattered along the sequence. An
+    Embedding's output, split along the hidden dimension, is re-split along
+    the sequence instead of gathered (an all-to-all).
+
+    Example:
+
+    >>> rules = tfpar.LayoutRules({
+    ...     r".*up": tfpar.ColumnParallel(sequence_parallel=True)})
+    """
 
     def spec_for(self, layer, role, shape):
         if "/" in role:  # a sublayer of MultiHeadAttention
             sublayer = role.split("/", 1)[0]
             row = sublayer in _ATTENTION_OUTPUT
-            return _split(layer, role, shape, self.axis, row=row, owner=self)
-        return _split(layer, role, shape, self.axis, row=False, owner=self)
+            spec = _split(layer, role, shape, self.axis, row=row, owner=self,
+                          gather_embedding=not self.sequence_parallel)
+            if self.sequence_parallel:
+                if row:  # the output projection: partial sums, split by sequence
+                    _sequence_output(layer, self.axis)
+                else:  # query/key/value (and gate) need the whole sequence
+                    _sequence_input(layer, self.axis, split=False)
+            return spec
+        spec = _split(layer, role, shape, self.axis, row=False, owner=self,
+                      gather_embedding=not self.sequence_parallel)
+        if self.sequence_parallel:
+            if _is_embedding_table(role, shape):
+                _sequence_output(layer, self.axis)
+            else:
+                _sequence_input(layer, self.axis, split=False)
+        return spec
 
 
-class RowParallel(Style):
-    """Split the layer's inputs over `axis` (see module docstring)."""
+class RowParallel(_TensorParallel):
+    """Split the layer's inputs over `axis` (see module docstring).
+
+    With `sequence_parallel=True` the output, a partial sum on each device,
+    is reduce-scattered along the sequence instead of all-reduced.
+    """
 
     def spec_for(self, layer, role, shape):
         if "/" in role:
@@ -111,10 +184,47 @@ class RowParallel(Style):
                 f"{role!r} of layer {getattr(layer, 'path', layer)!r}). "
                 "Use ColumnParallel(), which splits attention by heads."
             )
-        return _split(layer, role, shape, self.axis, row=True, owner=self)
+        spec = _split(layer, role, shape, self.axis, row=True, owner=self)
+        if self.sequence_parallel:
+            _sequence_output(layer, self.axis)
+        return spec
+
+
+class SequenceParallel(Style):
+    """Weights whole; the layer's input and output split along the sequence.
+
+    For layers with weights that act on each token alone
+    (LayerNormalization and RMSNormalization over the features): each
+    device computes its s/k tokens of the (batch, sequence, hidden)
+    activation, so what the layer keeps for its backward pass takes 1/k of
+    the memory; the weight gradients are summed over the devices (a small
+    all-reduce). Layers without weights between them (Dropout, residual
+    adds) keep the sequence split DTensor gives them. Use it together with
+    `ColumnParallel(sequence_parallel=True)` / `RowParallel(...)` (what
+    `auto_rules(model, sequence_parallel=True)` plans).
+
+    Example:
+
+    >>> rules = tfpar.LayoutRules({r".*ln\\d": tfpar.SequenceParallel()})
+    """
+
+    def spec_for(self, layer, role, shape):
+        _sequence_input(layer, self.axis, split=True)
+        _sequence_output(layer, self.axis)
+        return (None,) * len(shape)
 
 
 _ATTENTION_OUTPUT = ("attention_output", "output")
+
+
+def _step_mesh(tensor):
+    """The DTensor mesh `tensor` lives on inside a tfpar step, or None when
+    it is not on a mesh (e.g. Keras' symbolic build, a single device)."""
+    if tf.executing_eagerly():
+        return dtensor.fetch_layout(tensor).mesh if dtensor.is_dtensor(tensor) else None
+    if strategy_lib.in_spmd_step():
+        return tf.distribute.get_strategy().mesh.dtensor_mesh
+    return None
 
 
 def _gather_output_hidden(layer):
@@ -130,11 +240,8 @@ def _gather_output_hidden(layer):
         return
 
     def gather_hidden(outputs):
-        if tf.executing_eagerly() and dtensor.is_dtensor(outputs):
-            mesh = dtensor.fetch_layout(outputs).mesh
-        elif not tf.executing_eagerly() and strategy_lib.in_spmd_step():
-            mesh = tf.distribute.get_strategy().mesh.dtensor_mesh
-        else:  # not on a mesh, e.g. Keras' symbolic build
+        mesh = _step_mesh(outputs)
+        if mesh is None:
             return outputs
         # Keep the batch layout (split over data or not); all else whole.
         specs = [dtensor.MATCH] + [dtensor.UNSHARDED] * (outputs.shape.rank - 1)
@@ -143,13 +250,107 @@ def _gather_output_hidden(layer):
     _compat.transform_layer_outputs(layer, "tfpar_gather_hidden", gather_hidden)
 
 
-def _split(layer, role, shape, axis, row, owner):
+def _sequence_relayout(tensor, axis, layer, where, split):
+    """`tensor` (batch, sequence, ...) split along the sequence over `axis`
+    (`split`) or whole along it (gathered); the batch keeps its layout
+    (split over the data axis or not), every other dimension is whole.
+
+    The gradient is pinned to the sequence-split layout: it stays in the
+    sequence-parallel region (a reduce-scatter after the backward of a
+    column-parallel layer, no gather in the backward of a norm).
+    """
+    mesh = _step_mesh(tensor)
+    if mesh is None or axis not in mesh.dim_names or mesh.dim_size(axis) == 1:
+        return tensor
+    path = getattr(layer, "path", None) or getattr(layer, "name", layer)
+    rank = tensor.shape.rank
+    if rank is None or rank < 3:
+        raise ValueError(
+            f"Sequence parallelism needs (batch, sequence, features) "
+            f"activations, but the {where} of layer {path!r} has shape "
+            f"{tensor.shape}. Received: rank={rank}. Turn sequence_parallel "
+            "off for this layer (plain ColumnParallel/RowParallel, or no "
+            "SequenceParallel rule)."
+        )
+    size = mesh.dim_size(axis)
+    length = tensor.shape[1]
+    if length is not None and length % size:
+        raise ValueError(
+            f"Sequence parallelism splits the sequence (dimension 1) of the "
+            f"{where} of layer {path!r} over mesh axis {axis!r} of size "
+            f"{size}, which does not divide it. Received: shape="
+            f"{tensor.shape}. Use a sequence length that is a multiple of "
+            f"{size}, or sequence_parallel=False."
+        )
+    whole = [dtensor.MATCH] + [dtensor.UNSHARDED] * (rank - 1)
+    split_specs = list(whole)
+    split_specs[1] = axis
+    target = dtensor.Layout(split_specs if split else whole, mesh)
+    sequence = dtensor.Layout(split_specs, mesh)
+    # Self-attention feeds one tensor to query, key and value: relayout it
+    # once, so the backward sums the three gradients before one collective.
+    # (A relayout is a pure function of its input: reusing it is exact.)
+    last = _LAST_RELAYOUT.get("entry")
+    if last is not None and last[0] is tensor and last[1] == target:
+        return last[2]
+
+    @tf.custom_gradient
+    def relayout(x):
+        def grad(dy):
+            if not split:
+                # The gradient of a gather is a sum of partial gradients
+                # (query, key and value of self-attention, each partial
+                # over the heads): made whole once (one all-reduce of the
+                # sum), then each device keeps its sequence block.
+                dy = dtensor.relayout(dy, dtensor.Layout(whole, mesh))
+            return dtensor.relayout(dy, sequence)
+        return dtensor.relayout(x, target), grad
+
+    result = relayout(tensor)
+    _LAST_RELAYOUT["entry"] = (tensor, target, result)
+    return result
+
+
+# The last sequence relayout: (input tensor, target layout, output). Holding
+# the input keeps its id from being reused while it is cached.
+_LAST_RELAYOUT = {}
+
+
+def _sequence_output(layer, axis):
+    """`layer`'s output is relaid out split along the sequence over `axis`.
+
+    After a row-parallel layer (a partial sum on every device) DTensor
+    reduces and scatters: Y_i = (sum_j Y^(j))[sequence block i].
+    """
+    if layer is None:
+        return
+    _compat.transform_layer_outputs(
+        layer, "tfpar_sequence_output",
+        lambda out: _sequence_relayout(out, axis, layer, "output", split=True))
+
+
+def _sequence_input(layer, axis, split):
+    """`layer`'s first input is relaid out: split along the sequence
+    (`split`, for norms) or whole (an all-gather of the sequence blocks,
+    before a column-parallel layer)."""
+    if layer is None:
+        return
+    _compat.transform_layer_inputs(
+        layer, "tfpar_sequence_input",
+        lambda x: _sequence_relayout(x, axis, layer, "input", split=split))
+
+
+def _is_embedding_table(role, shape):
+    return role.rsplit("/", 1)[-1] == "embeddings" and len(shape) == 2
+
+
+def _split(layer, role, shape, axis, row, owner, gather_embedding=True):
     """Spec splitting the input (row) or output (column) side of a weight."""
     name = role.rsplit("/", 1)[-1]
     spec = [None] * len(shape)
-    if name == "embeddings" and len(shape) == 2:
+    if _is_embedding_table(role, shape):
         spec[0 if row else 1] = axis  # vocab-wise or hidden-wise
-        if not row:
+        if not row and gather_embedding:
             _gather_output_hidden(layer)
         return tuple(spec)
     equation = getattr(layer, "equation", None)
@@ -200,7 +401,8 @@ _REPLICATED_KINDS = (
 )
 
 
-def auto_rules(model, axis="model", axis_size=None, mesh=None):
+def auto_rules(model, axis="model", axis_size=None, mesh=None,
+               sequence_parallel=False):
     """LayoutRules for the standard tensor-parallel patterns of `model`.
 
     Walks a built Keras model and plans:
@@ -217,6 +419,16 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None):
     - every other Dense (e.g. the output head), norms and small layers
       replicated, so logits are computed whole and are exact.
 
+    With `sequence_parallel=True` (Megatron-SP) the column/row styles get
+    `sequence_parallel=True` and LayerNormalization/RMSNormalization layers
+    that normalize each token get `SequenceParallel`: the residual stream,
+    norms and dropout hold (batch, sequence/k, hidden) per device; the
+    sequence is all-gathered before each column-parallel layer and
+    reduce-scattered after each row-parallel one; embedding outputs are
+    re-split from hidden-wise to sequence-wise (an all-to-all). The head
+    stays replicated; DTensor gathers its input, so the logits are
+    computed whole as without sequence parallelism.
+
     Layers with weights it does not understand stay replicated and are
     listed in a warning. Head counts or widths the axis does not divide
     raise ValueError naming the layer.
@@ -227,7 +439,8 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None):
     >>> strategy = tfpar.ParallelStrategy(mesh)
     >>> with strategy.scope():
     ...     model = build_model()
-    ...     strategy.apply_rules(model, tfpar.auto_rules(model, mesh=mesh))
+    ...     rules = tfpar.auto_rules(model, mesh=mesh, sequence_parallel=True)
+    ...     strategy.apply_rules(model, rules)
     ...     model.compile(optimizer="adam", loss="mse")
 
     Args:
@@ -235,10 +448,17 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None):
         axis: the mesh axis to split over.
         axis_size: its size (or give `mesh`); used to check divisibility.
         mesh: a `tfpar.Mesh` to read `axis_size` from.
+        sequence_parallel: also split the activations between the
+            tensor-parallel layers along the sequence (dimension 1).
 
     Returns:
         `tfpar.LayoutRules` with one exact-path rule per sharded layer.
     """
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(
+            "auto_rules(sequence_parallel) must be True or False. Received: "
+            f"sequence_parallel={sequence_parallel!r}"
+        )
     if mesh is not None:
         axis_size = mesh.axis_size(axis)
     if axis_size is None:
@@ -252,29 +472,36 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None):
             f"auto_rules needs a built model; {model.name!r} is not built. "
             "Call it on data or build it with keras.Input first."
         )
+    sp = sequence_parallel
     layers = _leaf_layers(model)
     plan = {}
     not_understood = []
     dense_pairs = _dense_pairs(model, layers)
     for first, second in dense_pairs:
         _check_divides(first, first.units, axis, axis_size, "units")
-        plan[first.path] = ColumnParallel(axis)
-        plan[second.path] = RowParallel(axis)
+        plan[first.path] = ColumnParallel(axis, sequence_parallel=sp)
+        plan[second.path] = RowParallel(axis, sequence_parallel=sp)
     for layer in layers:
         if layer.path in plan or not layer.weights:
             continue
         if isinstance(layer, keras.layers.MultiHeadAttention):
             _check_divides(layer, layer.num_heads, axis, axis_size, "num_heads")
-            plan[layer.path] = ColumnParallel(axis)
+            plan[layer.path] = ColumnParallel(axis, sequence_parallel=sp)
         elif isinstance(layer, keras.layers.Embedding):
             _check_divides(layer, layer.output_dim, axis, axis_size,
                            "output_dim")
-            plan[layer.path] = ColumnParallel(axis)
+            plan[layer.path] = ColumnParallel(axis, sequence_parallel=sp)
+        elif sp and _normalizes_each_token(layer):
+            plan[layer.path] = SequenceParallel(axis)
         elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)
                         + _REPLICATED_KINDS):
             continue  # unpaired Dense (e.g. the head), norms: replicated
         else:
             not_understood.append(f"{layer.path} ({type(layer).__name__})")
+    if sp:
+        for layer in layers:
+            if layer.path in plan:
+                _check_sequence_divides(layer, axis, axis_size)
     if not_understood:
         warnings.warn(
             "tfpar.auto_rules keeps these layers replicated (no plan for "
@@ -282,6 +509,48 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None):
             stacklevel=2,
         )
     return LayoutRules({re.escape(path): style for path, style in plan.items()})
+
+
+def _normalizes_each_token(layer):
+    """A LayerNormalization/RMSNormalization over feature axes only (not
+    batch or sequence), so each token is normalized alone and sequence
+    parallelism applies."""
+    if not isinstance(layer, (keras.layers.LayerNormalization,
+                              keras.layers.RMSNormalization)):
+        return False
+    axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    try:
+        rank = len(layer.input.shape)
+    except (AttributeError, ValueError):  # no graph: only the last axis is sure
+        return list(axes) == [-1]
+    return rank >= 3 and all(a % rank >= 2 for a in axes)
+
+
+def _check_sequence_divides(layer, axis, axis_size):
+    """For functional models: the sequence (dimension 1) of the layer's
+    output must split over the axis. (Subclassed models are checked when
+    the step is traced.)"""
+    try:
+        shape = layer.output.shape
+    except (AttributeError, ValueError):
+        return
+    if len(shape) < 3:
+        raise ValueError(
+            f"Sequence parallelism needs (batch, sequence, features) "
+            f"activations, but layer {layer.path!r} "
+            f"({type(layer).__name__}) outputs shape {tuple(shape)}. "
+            f"Received: rank={len(shape)}. Use sequence_parallel=False for "
+            "models without a sequence dimension."
+        )
+    if shape[1] is not None and shape[1] % axis_size:
+        raise ValueError(
+            f"Layer {layer.path!r} ({type(layer).__name__}) outputs shape "
+            f"{tuple(shape)}: sequence parallelism splits dimension 1 "
+            f"(length {shape[1]}) over mesh axis {axis!r} of size "
+            f"{axis_size}, which does not divide it. Received: "
+            f"sequence length {shape[1]}. Use a multiple of {axis_size} or "
+            "sequence_parallel=False."
+        )
 
 
 def _check_divides(layer, size, axis, axis_size, what):

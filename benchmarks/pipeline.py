@@ -1,11 +1,13 @@
 """Pipeline parallelism on 8 virtual CPUs: step time, bubble, activations.
 
-    python benchmarks/pipeline.py [--microbatches 8] [--rounds 3] [--quick]
+    python benchmarks/pipeline.py [--batch 256] [--microbatches 8]
+                                  [--rounds 3] [--steps 8] [--quick]
                                   [--gantt docs/pipeline_1f1b.png]
 
 Trains the benchmark MLP of benchmarks/step_time.py (512 -> 1024 -> 512 ->
-1024 -> 512 -> 10, batch 256, Adam) as a `tfpar.PipelineModel` with m
-micro-batches, for p = 2 and 4 stages and both schedules, on
+1024 -> 512 -> 10, Adam; global batch 256 by default) as a
+`tfpar.PipelineModel` with m micro-batches, for p = 2 and 4 stages and both
+schedules, on
 
 - `Mesh({"pipe": p})` over p of the CPUs (pipeline only), and
 - `Mesh({"pipe": p, "data": 8 // p})` (pipeline × data on all 8).
@@ -13,7 +15,10 @@ micro-batches, for p = 2 and 4 stages and both schedules, on
 It prints, side by side in one process (interleaved rounds, medians):
 
 - step time ÷ single-device Keras (the stages share the host's cores, so
-  no wall-clock speed-up is possible here; this measures the overhead);
+  no wall-clock speed-up is possible here; this measures the overhead),
+  and ÷ the same gradient-accumulation step on one device (m micro-batch
+  forward/backward passes in one tf.function, summed, one Adam update):
+  the part of the cost that is micro-batching itself;
 - the bubble measured from an executed timeline (`record_timeline=True`,
   TF's profiler) next to the theory (p - 1) / (m + p - 1);
 - per stage, the peak number of micro-batches in flight (forward started,
@@ -35,7 +40,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfpar  # noqa: E402
 
-BATCH = 256
 
 
 def build_model():
@@ -56,6 +60,44 @@ def compile_model(model):
 
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses
                   .SparseCategoricalCrossentropy(from_logits=True))
+
+
+class AccumulatingModel:
+    """The single-device baseline with m micro-batches: m forward/backward
+    passes in one tf.function, gradients summed, one Adam update (what a
+    pipeline computes, without stages)."""
+
+    def __init__(self, m):
+        import keras  # noqa: PLC0415
+        import tensorflow as tf  # noqa: PLC0415
+
+        keras.utils.set_random_seed(0)
+        self.model = build_model()
+        self.optimizer = keras.optimizers.Adam(1e-3)
+        self.optimizer.build(self.model.trainable_variables)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        weights = self.model.trainable_variables
+
+        @tf.function
+        def step(x, y):
+            xs, ys = tf.split(x, m), tf.split(y, m)
+            total = None
+            for xi, yi in zip(xs, ys):
+                with tf.GradientTape() as tape:
+                    value = loss(yi, self.model(xi, training=True)) / m
+                grads = tape.gradient(value, weights)
+                total = grads if total is None else [
+                    a + b for a, b in zip(total, grads)]
+            self.optimizer.apply(total, weights)
+            return value
+
+        self.step = step
+
+    def fit(self, dataset, epochs=1, verbose=0):
+        del epochs, verbose
+        for x, y in dataset:
+            value = self.step(x, y)
+        float(value)  # wait for the last step
 
 
 def in_flight_peaks(timeline, num_stages):
@@ -83,6 +125,8 @@ def activation_bytes(stage, microbatch_size):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256,
+                        help="global batch size (default 256)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
@@ -100,19 +144,21 @@ def main():
     from tfpar.pipeline import bubble_fraction, theoretical_bubble_fraction  # noqa: PLC0415
 
     m = args.microbatches
+    batch = args.batch
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * args.steps, 512)).astype("float32")
-    y = rng.integers(0, 10, size=(BATCH * args.steps,)).astype("int32")
+    x = rng.normal(size=(batch * args.steps, 512)).astype("float32")
+    y = rng.integers(0, 10, size=(batch * args.steps,)).astype("int32")
     options = tf.data.Options()
     options.autotune.enabled = False
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        BATCH).with_options(options)
+        batch).with_options(options)
 
     configs = {}
     keras.utils.set_random_seed(0)
     single = build_model()
     compile_model(single)
     configs["single device"] = single
+    configs["1 device, m grad. accum."] = AccumulatingModel(m)
     cpus = [f"CPU:{i}" for i in range(8)]
     for p in (2, 4):
         for axes, devices in (({"pipe": p}, cpus[:p]),
@@ -136,16 +182,19 @@ def main():
             model.fit(dataset, epochs=1, verbose=0)
             times[name].append((time.perf_counter() - start) / args.steps)
     base = float(np.median(times["single device"]))
+    accumulated = float(np.median(times["1 device, m grad. accum."]))
     load = os.getloadavg()[0]
-    print(f"benchmark MLP, batch {BATCH}, m = {m} micro-batches, Adam; "
+    print(f"benchmark MLP, batch {batch}, m = {m} micro-batches, Adam; "
           f"median of {args.rounds} rounds x {args.steps} steps; load "
           f"{load:.1f}")
-    print(f"{'config':<26}{'ms/step':>9}{'÷ single':>10}{'bubble':>8}"
-          f"{'theory':>8}  peak in flight per stage (activation MiB)")
+    print(f"{'config':<26}{'ms/step':>9}{'÷ single':>10}{'÷ accum.':>10}"
+          f"{'bubble':>8}{'theory':>8}  peak in flight per stage "
+          "(activation MiB)")
     for name, model in configs.items():
         median = float(np.median(times[name])) * 1e3
-        line = f"{name:<26}{median:>9.1f}{median / base / 1e3:>10.2f}"
-        if name == "single device":
+        line = (f"{name:<26}{median:>9.1f}{median / base / 1e3:>10.2f}"
+                f"{median / accumulated / 1e3:>10.2f}")
+        if not isinstance(model, tfpar.PipelineModel):
             print(line)
             continue
         model.record_timeline = True
@@ -154,7 +203,7 @@ def main():
         timeline = model.last_timeline
         p = len(model.stages)
         peaks = in_flight_peaks(timeline, p)
-        mib = [activation_bytes(stage, BATCH // m) * k / 2**20
+        mib = [activation_bytes(stage, batch // m) * k / 2**20
                for stage, k in zip(model.stages, peaks)]
         line += (f"{bubble_fraction(timeline):>8.2f}"
                  f"{theoretical_bubble_fraction(p, m):>8.2f}  "

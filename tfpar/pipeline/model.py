@@ -134,6 +134,7 @@ class PipelineModel(keras.Model):
         self.last_timeline = None
         self._optimizers = None
         self._learning_rate = None
+        self._eager_runner = None
         self._expect_full_batch = True
         self._place_stages()
         self.built = True
@@ -290,10 +291,13 @@ class PipelineModel(keras.Model):
         return PipelineRunner(self, mode)
 
     def _tfpar_eager_call(self, args, kwargs):
+        """`model(x)` on concrete inputs: the pipeline's forward pass."""
         x = args[0] if args else kwargs.pop("inputs")
         x = tf.nest.map_structure(tf.convert_to_tensor, x)
+        if self._eager_runner is None:
+            self._eager_runner = PipelineRunner(self, "predict")
         return tf.nest.map_structure(
-            tf.constant, PipelineRunner(self, "predict").predict_batch(x))
+            tf.constant, self._eager_runner.predict_batch(x))
 
 
 class PipelineRunner:

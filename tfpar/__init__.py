@@ -14,6 +14,10 @@ import os
 # when the first DTensor function compiles, and only the exact string "0"
 # turns the pass off. See tests/test_dtensor_ordering.py.
 os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
+# On GPU meshes DTensor lowers collectives to NCCL when this is set (it needs
+# one logical device per physical GPU); CPU and TPU meshes ignore it. A
+# user's own setting wins. (Not yet run on a GPU: see README.)
+os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")
 
 from tfpar.layout import LayoutRules  # noqa: E402
 from tfpar import checkpoint, communication, pipeline, visualize  # noqa: E402

@@ -409,6 +409,59 @@ def op_output_dtypes(node):
     return [tf.as_dtype(t) for t in types]
 
 
+class OpEvents:
+    """Records the TF ops executed in its `with` block (TF's profiler, host
+    tracer level 3: every op kernel, named by its name scope).
+
+    After the block, `events` holds (op name, start seconds, end seconds)
+    of every executed op. The xplane protobuf it reads is TF-private.
+    """
+
+    def __init__(self):
+        self.events = []
+        self._directory = None
+
+    def __enter__(self):
+        import tempfile  # noqa: PLC0415
+
+        self._directory = tempfile.mkdtemp(prefix="tfpar_trace_")
+        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=3)
+        try:
+            tf.profiler.experimental.start(self._directory, options=options)
+        except Exception as error:  # noqa: BLE001 (already profiling, ...)
+            raise RuntimeError(
+                "record_timeline needs TF's profiler, which would not start "
+                f"({error}). Stop any other profiler session first."
+            ) from error
+        return self
+
+    def __exit__(self, *exc):
+        import glob  # noqa: PLC0415
+        import shutil  # noqa: PLC0415
+
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
+
+        tf.profiler.experimental.stop()
+        try:
+            for path in glob.glob(f"{self._directory}/**/*.xplane.pb",
+                                  recursive=True):
+                space = xplane_pb2.XSpace()
+                with open(path, "rb") as f:
+                    space.ParseFromString(f.read())
+                for plane in space.planes:
+                    names = plane.event_metadata
+                    for line in plane.lines:
+                        base = line.timestamp_ns * 1e-9
+                        for event in line.events:
+                            start = base + event.offset_ps * 1e-12
+                            self.events.append((
+                                names[event.metadata_id].name, start,
+                                start + event.duration_ps * 1e-12))
+        finally:
+            shutil.rmtree(self._directory, ignore_errors=True)
+        return False
+
+
 # Names in TF 2.21's DTensor-expanded programs (tfpar/communication.py):
 # tf.GradientTape puts gradient ops under this name scope; DTensor names the
 # nodes it inserts "<op>/DTensor<Collective>Op_<n>" and their group-key

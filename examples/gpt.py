@@ -63,10 +63,11 @@ def compile_gpt(model):
 
 
 def train(strategy, weights, x, y, batch_size, epochs,
-          sequence_parallel=False, **gpt_kwargs):
+          sequence_parallel=False, num_microbatches=4, **gpt_kwargs):
     """Builds the GPT from `weights` (under `strategy` with auto_rules when
-    given, sequence parallel if asked) and trains it; returns (model,
-    per-batch losses)."""
+    given, sequence parallel if asked; as a `tfpar.PipelineModel` with
+    `num_microbatches` when the mesh has a "pipe" axis) and trains it;
+    returns (model, per-batch losses)."""
     import keras  # noqa: PLC0415
 
     class Losses(keras.callbacks.Callback):
@@ -86,6 +87,8 @@ def train(strategy, weights, x, y, batch_size, epochs,
             model.set_weights(weights)
             strategy.apply_rules(model, tfpar.auto_rules(
                 model, mesh=strategy.mesh, sequence_parallel=sequence_parallel))
+            if strategy.num_stages > 1:
+                model = tfpar.PipelineModel(model, num_microbatches)
             compile_gpt(model)
     losses = Losses()
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,

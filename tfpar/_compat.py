@@ -8,6 +8,7 @@ import functools
 import threading
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 from tensorflow.dtensor.python import d_variable
 from tensorflow.python.distribute import distribute_lib
 
@@ -288,10 +289,28 @@ def run_node(node, tensors, training):
     from keras.src import tree  # noqa: PLC0415
 
     args, kwargs = node.arguments.fill_in(tensors)
+    if not tf.executing_eagerly():
+        # A model built with an eager constant (e.g. `keras.ops.arange(n)`
+        # added to a symbolic tensor) keeps that tensor in its graph; traced
+        # into a DTensor function it would be captured and placed on
+        # whatever mesh DTensor last defaulted to. Re-created in the graph,
+        # it follows the mesh of the code being traced (a pipeline stage).
+        args, kwargs = tree.map_structure(_as_graph_constant, (args, kwargs))
     outputs = functional.operation_fn(node.operation, training=training)(
         *args, **kwargs)
     for symbolic, value in zip(node.outputs, tree.flatten(outputs)):
         tensors[id(symbolic)] = value
+
+
+def _as_graph_constant(value):
+    """An eager, non-DTensor tensor as a constant of the graph being traced."""
+    if not (isinstance(value, tf.Tensor) and hasattr(value, "numpy")):
+        return value  # symbolic tensors and other values
+    with tf.init_scope():
+        if dtensor.is_dtensor(value):
+            return value
+        array = value.numpy()
+    return tf.constant(array)
 
 
 def model_output_structure(model, flat_outputs):
@@ -471,3 +490,10 @@ class OpEvents:
 GRADIENT_SCOPE = "gradient_tape/"
 DTENSOR_ALL_GATHER_NODE = "DTensorAllGatherOp"
 DTENSOR_INSERTED_NODE = r"DTensor\w*Op|group_key"
+
+
+
+def layer_transforms(layer):
+    """Names of the input/output transforms tfpar applied to `layer`."""
+    return (layer.__dict__.get("_tfpar_output_transforms", set())
+            | layer.__dict__.get("_tfpar_input_transforms", set()))

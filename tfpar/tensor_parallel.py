@@ -223,7 +223,8 @@ def _step_mesh(tensor):
     if tf.executing_eagerly():
         return dtensor.fetch_layout(tensor).mesh if dtensor.is_dtensor(tensor) else None
     if strategy_lib.in_spmd_step():
-        return tf.distribute.get_strategy().mesh.dtensor_mesh
+        # The whole mesh, or the pipeline stage being traced.
+        return tf.distribute.get_strategy().extended.placement_mesh.dtensor_mesh
     return None
 
 

@@ -44,6 +44,7 @@ stage 0 on CPU:0..CPU:3: 2 layer(s) d0..d1, ...
 >>> history = pipe.fit(x, np.zeros((64, 16)), batch_size=32, verbose=0)
 """
 
+import contextlib
 import re
 import time
 
@@ -122,6 +123,7 @@ class PipelineModel(keras.Model):
         costs = None
         if stage_boundaries is None and balance == "time":
             costs = _measured_layer_times(model, extended)
+        _check_sequence_parallel(model, extended)
         stages = split_lib.split_model(model, num_stages, stage_boundaries,
                                        costs)
         super().__init__(name=name or f"pipeline_{model.name}")
@@ -147,7 +149,7 @@ class PipelineModel(keras.Model):
         owner = {}
         for stage in self._stages:
             for layer in stage.layers:
-                for weight in layer.weights:
+                for weight in split_lib.weights_of(layer):
                     first = owner.setdefault(id(weight), (stage.index, layer))
                     if first[0] != stage.index:
                         raise ValueError(
@@ -159,10 +161,11 @@ class PipelineModel(keras.Model):
         for stage in self._stages:
             mesh = self._extended.stage_meshes[stage.index]
             for layer in stage.layers:
-                for weight in layer.weights:
+                for weight in split_lib.weights_of(layer):
                     self._extended.move_to(weight, mesh)
         self._stage_weights = [
-            [w for layer in stage.layers for w in layer.trainable_weights]
+            [w for layer in stage.layers
+             for w in split_lib.weights_of(layer, trainable=True)]
             for stage in self._stages]
 
     @property
@@ -446,7 +449,8 @@ class PipelineRunner:
             _compat.run_node(node, tensors, training)
         outputs = [tensors[id(k)] for k in stage.outputs]
         losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
-                  for layer in stage.layers for loss in layer.losses]
+                  for layer in stage.layers
+                  for loss in getattr(layer, "losses", [])]
         return outputs, (tf.add_n(losses) if losses else None)
 
     def _last_stage_loss(self, y_pred, y, sample_weight, extra):
@@ -464,16 +468,24 @@ class PipelineRunner:
                 "No loss to compute. Provide a `loss` argument in compile().")
         return tf.add_n(losses) if len(losses) > 1 else losses[0]
 
-    def _microbatch(self, structure, i):
-        # tf.gather, not t[i]: DTensor mis-lays out a strided slice that
-        # drops the leading dimension.
+    def _microbatch(self, structure, i, stage, split):
+        """Micro-batch i of stacked (m, B/m, ...) inputs on `stage`, laid
+        out like every activation (batch split over the data axis when
+        `split`). tf.gather, not t[i]: DTensor mis-lays out a strided slice
+        that drops the leading dimension; and the explicit layout keeps
+        DTensor from propagating a consumer's layout into the gather, which
+        it then cannot expand."""
+        mesh = self._meshes[stage]
         return tf.nest.map_structure(
-            lambda t: None if t is None else tf.gather(t, i), structure)
+            lambda t: None if t is None else placement.relayout(
+                tf.gather(t, i), self._batch_spec(t.shape.rank - 1, split),
+                mesh),
+            structure)
 
     def _forward_only(self, xs, split, i):
         """Outputs of the last stage for micro-batch i, and the other
         stages' additional losses moved to the last stage."""
-        values = tf.nest.flatten(self._microbatch(xs, i))
+        values = tf.nest.flatten(self._microbatch(xs, i, 0, split))
         extra = []
         for s in range(len(self._stages)):
             if s:
@@ -500,7 +512,7 @@ class PipelineRunner:
         for i in range(m):
             values, extra = self._forward_only(xs, split, i)
             with self._on_stage(len(self._stages) - 1):
-                y, sample_weight = self._microbatch(targets, i)
+                y, sample_weight = self._microbatch(targets, i, -1, split)
                 y_pred = self._y_pred(values)
                 loss = self._last_stage_loss(y_pred, y, sample_weight, extra)
                 self._update_metrics(size, y_pred, y, sample_weight, loss)
@@ -557,16 +569,21 @@ class PipelineRunner:
         with self._on_stage(p - 1):
             return self._logs()
 
+    @contextlib.contextmanager
     def _on_stage(self, s):
-        """Ops with no DTensor input (constants) made in this
-        context belong to stage s's mesh."""
-        return dtensor.default_mesh(self._meshes[s].dtensor_mesh)
+        """Code traced in this context runs on stage s's mesh: ops with no
+        DTensor input (constants) are placed there, and so are tfpar's own
+        relayouts inside layers (`extended.placement_mesh`)."""
+        mesh = self._meshes[s]
+        with dtensor.default_mesh(mesh.dtensor_mesh), \
+                self._extended.placing_on(mesh):
+            yield
 
     def _train_forward(self, s, i, xs, targets, split, size, scale,
                        activations, extras, tapes, token):
         p = len(self._stages)
         if s == 0:
-            values = tf.nest.flatten(self._microbatch(xs, i))
+            values = tf.nest.flatten(self._microbatch(xs, i, 0, split))
             extra_in = []
         else:
             values = activations.pop((s, i))
@@ -578,7 +595,7 @@ class PipelineRunner:
             tape.watch([v for v in watched if v is not None])
             outputs, own_loss = self._run_stage(s, values, training=True)
             if s == p - 1:
-                y, sample_weight = self._microbatch(targets, i)
+                y, sample_weight = self._microbatch(targets, i, -1, split)
                 y_pred = self._y_pred(outputs)
                 loss = self._last_stage_loss(
                     y_pred, y, sample_weight,
@@ -734,6 +751,26 @@ def _timeline(events):
     return sorted((TimelineEntry(s, kind, i, low - origin, high - origin)
                    for (s, kind, i), (low, high) in spans.items()),
                   key=lambda e: (e.start, e.stage))
+
+
+def _check_sequence_parallel(model, extended):
+    """Sequence parallelism inside stages whose mesh has no data axis
+    (e.g. pipe=2 × model=4) crashes DTensor's compiler (a segmentation
+    fault on TF 2.21, found with examples/gpt.py); with a data axis (pipe=2
+    × data=2 × model=2) it trains in parity. Refuse the crashing case."""
+    if len(extended.stage_meshes) < 2 or extended.stage_meshes[0].axis_size(
+            extended.data_axis) > 1:
+        return
+    for layer in _compat.all_layers(model):
+        if any("sequence" in name for name in _compat.layer_transforms(layer)):
+            raise ValueError(
+                "Sequence parallelism inside pipeline stages needs a data "
+                "axis in the mesh: without one, DTensor (TF 2.21) crashes "
+                f"compiling the step. Received: layer {layer.name!r} planned "
+                "with sequence_parallel=True on stages "
+                f"{extended.stage_meshes[0]!r}. Add a data axis (e.g. "
+                "Mesh({'pipe': 2, 'data': 2, 'model': 2})) or plan without "
+                "sequence_parallel.")
 
 
 def _x_of(batch):

@@ -81,8 +81,15 @@ def model_graph(model):
     return nodes, layers, inputs, outputs
 
 
-def num_params(layer):
-    return int(sum(np.prod(w.shape) for w in layer.weights))
+def weights_of(operation, trainable=False):
+    """A graph operation's weights ([] for plain Keras ops such as
+    `keras.ops.add` applied to symbolic tensors, which are not layers)."""
+    return list(getattr(operation,
+                        "trainable_weights" if trainable else "weights", []))
+
+
+def num_params(operation):
+    return int(sum(np.prod(w.shape) for w in weights_of(operation)))
 
 
 def balanced_cuts(costs, num_stages):

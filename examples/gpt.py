@@ -5,11 +5,14 @@ GELU MLP), a final norm and an LM head. `tfpar.auto_rules` plans the split:
 attention by heads, each MLP column -> row (Megatron), embeddings along the
 hidden dimension, norms and the head replicated; with --sequence-parallel
 the residual stream and norms are also split along the sequence
-(Megatron-SP). The script trains it on a data x model mesh of virtual CPUs
-and on one device from the same weights, and prints both loss curves, the
+(Megatron-SP); with --pipe > 1 it is also cut into pipeline stages (a
+tfpar.PipelineModel: Megatron's 3D parallelism). The script trains it on a
+data x [pipe x] model mesh of virtual CPUs and on one device from the same
+weights, and prints both loss curves, the
 per-device memory and the communication of the compiled training step.
 
     python examples/gpt.py [--data 2 --model 4 --layers 2 --sequence-parallel]
+    python examples/gpt.py --data 2 --pipe 2 --model 2   # 3D: data x pipe x model
 """
 
 import argparse
@@ -100,6 +103,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=int, default=2)
     parser.add_argument("--model", type=int, default=4)
+    parser.add_argument("--pipe", type=int, default=1,
+                        help="pipeline stages (data x pipe x model devices); "
+                             "> 1 trains a tfpar.PipelineModel")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches per batch with --pipe > 1")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -108,7 +116,7 @@ def main():
                              "sequence over the model axis (Megatron-SP)")
     args = parser.parse_args()
 
-    tfpar.use_virtual_cpus(args.data * args.model)
+    tfpar.use_virtual_cpus(args.data * args.pipe * args.model)
     import keras  # noqa: PLC0415
 
     x, y = toy_corpus(128)
@@ -116,12 +124,16 @@ def main():
     weights = build_gpt(layers=args.layers).get_weights()
     _, single = train(None, weights, x, y, args.batch_size, args.epochs,
                       layers=args.layers)
-    mesh = tfpar.Mesh({"data": args.data, "model": args.model})
+    axes = {"data": args.data, "pipe": args.pipe, "model": args.model}
+    mesh = tfpar.Mesh({k: v for k, v in axes.items() if k != "pipe" or v > 1})
     strategy = tfpar.ParallelStrategy(mesh)
     with tfpar.communication.capture() as programs:
         model, parallel = train(strategy, weights, x, y, args.batch_size,
                                 args.epochs, args.sequence_parallel,
-                                layers=args.layers)
+                                args.microbatches, layers=args.layers)
+    if args.pipe > 1:
+        print(f"pipeline stages ({args.microbatches} micro-batches, 1F1B):")
+        print(model.split_report())
     print(f"GPT on {mesh}; sharded weights (the rest is replicated):")
     for path, spec, block in strategy.placements("params"):
         if any(spec):
@@ -134,6 +146,8 @@ def main():
     print(f"largest relative loss difference: {worst:.2e}")
     memory = strategy.memory_per_device()[mesh.devices[0]]
     print(f"bytes on {mesh.devices[0]}: {memory}")
+    if args.pipe > 1:
+        return  # the step spans several stage meshes: no per-mesh report
     report = programs.train_report()
     seq_len, dim = model.input_shape[1], model.get_layer("tok_embed").output_dim
     megatron = tfpar.communication.megatron_tp_bytes(

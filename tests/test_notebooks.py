@@ -29,7 +29,8 @@ EXPECTED = {
                      "export to plain Keras: OK", "CPU:7"], False),
     "quickstart": (["parity with one device: OK", "8 CPU device(s)",
                     "up0/kernel"], True),
-    "gpt": (["parity with one device: OK", "ColumnParallel", "RowParallel"],
+    "gpt": (["parity with one device: OK", "ColumnParallel", "RowParallel",
+             "3-D parity with one device: OK"],
             True),
     "pipeline_schedules": (
         ["simulated bubbles match (p-1)/(m+p-1): OK",

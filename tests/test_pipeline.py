@@ -15,7 +15,6 @@ import re
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfpar

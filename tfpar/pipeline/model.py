@@ -84,7 +84,8 @@ class PipelineModel(keras.Model):
             on one batch of zeros; needs `input_shape` known, i.e. a model
             with `keras.Input`).
         record_timeline: keep the executed timeline of each training step
-            in `last_timeline` (adds a timestamp op per action).
+            in `last_timeline` (runs TF's profiler around every step: for
+            diagnosis, not for production runs).
         name: model name (default "pipeline_<model name>").
     """
 

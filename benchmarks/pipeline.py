@@ -39,27 +39,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfpar  # noqa: E402
-
-
-
-def build_model():
-    import keras  # noqa: PLC0415
-
-    return keras.Sequential([
-        keras.Input((512,)),
-        keras.layers.Dense(1024, activation="relu", name="up0"),
-        keras.layers.Dense(512, activation="relu", name="down0"),
-        keras.layers.Dense(1024, activation="relu", name="up1"),
-        keras.layers.Dense(512, activation="relu", name="down1"),
-        keras.layers.Dense(10, name="head"),
-    ], name="mlp")
-
-
-def compile_model(model):
-    import keras  # noqa: PLC0415
-
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses
-                  .SparseCategoricalCrossentropy(from_logits=True))
+from step_time import build_model, compile_model  # noqa: E402  (its MLP)
 
 
 class AccumulatingModel:
@@ -156,7 +136,7 @@ def main():
     configs = {}
     keras.utils.set_random_seed(0)
     single = build_model()
-    compile_model(single)
+    compile_model(single, 1)
     configs["single device"] = single
     configs["1 device, m grad. accum."] = AccumulatingModel(m)
     cpus = [f"CPU:{i}" for i in range(8)]
@@ -170,7 +150,7 @@ def main():
                     keras.utils.set_random_seed(0)
                     pipe = tfpar.PipelineModel(
                         build_model(), num_microbatches=m, schedule=schedule)
-                    compile_model(pipe)
+                    compile_model(pipe, 1)
                 name = " x ".join(f"{k}={v}" for k, v in axes.items())
                 configs[f"{name} {schedule}"] = pipe
     for model in configs.values():  # warm-up: tracing is not timed

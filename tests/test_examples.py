@@ -16,7 +16,8 @@ def run(script, *args):
     return result.stdout
 
 
-@pytest.mark.parametrize("script", ["quickstart.py", "gpt.py"])
+@pytest.mark.parametrize("script", ["quickstart.py", "gpt.py", "pipeline.py",
+                                    "checkpoints.py"])
 def test_help(script):
     assert "usage:" in run(script, "--help")
 
@@ -34,3 +35,28 @@ def test_gpt_example_trains_in_parity():
     difference = float(out.split("largest relative loss difference:")[1].split()[0])
     assert difference < 1e-4
     assert "b0_attn/query/kernel" in out
+
+
+def test_gpt_example_in_three_dimensions():
+    out = run("gpt.py", "--epochs", "1", "--layers", "1", "--data", "2",
+              "--pipe", "2", "--model", "2")
+    difference = float(out.split("largest relative loss difference:")[1].split()[0])
+    assert difference < 1e-4
+    assert "stage 1 on" in out
+
+
+def test_pipeline_example_trains_in_parity_and_draws_the_timeline(tmp_path):
+    gantt = tmp_path / "pipeline.png"
+    out = run("pipeline.py", "--epochs", "1", "--depth", "4",
+              "--microbatches", "4", "--gantt", str(gantt))
+    difference = float(out.split("largest relative weight difference:")[1].split()[0])
+    assert difference < 1e-4
+    assert "stage 3 on" in out and gantt.stat().st_size > 0
+
+
+def test_checkpoints_example_resumes_and_exports(tmp_path):
+    out = run("checkpoints.py", "--width", "64", "--directory", str(tmp_path))
+    difference = float(out.split("largest relative loss difference:")[1].split()[0])
+    assert difference < 1e-4
+    served = float(out.split("largest prediction difference:")[1].split()[0])
+    assert served < 1e-5

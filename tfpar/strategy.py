@@ -419,10 +419,6 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         """Whether `variable` was made (and still lives) in this scope."""
         return self._info_of(variable) is not None
 
-    def mesh_of(self, variable):
-        """The (sub-)mesh a variable made in this scope lives on."""
-        return self._require_on_mesh(variable).mesh
-
     def _require_on_mesh(self, variable):
         """The _VariableInfo of a Keras weight; error if made elsewhere."""
         info = self._info_of(variable)

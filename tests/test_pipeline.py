@@ -371,3 +371,17 @@ def test_checkpoint_resumes_on_another_pipeline_and_loads_into_plain_keras(
     tfpar.restore_checkpoint(plain, tmp_path, optimizer=False)
     assert models.relative_error(first.predict(x, verbose=0),
                                  plain.predict(x, verbose=0)) < RTOL
+
+
+def test_compile_without_optimizer_evaluates_and_global_clipnorm_is_refused():
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2)
+    single = build()
+    single.set_weights(pipe.get_weights())
+    single.compile(loss="mse", metrics=["mae"])
+    pipe.compile(loss="mse", metrics=["mae"])  # evaluation only
+    x, y = models.mlp_data(n=32)
+    assert models.relative_error(single.evaluate(x, y, verbose=0),
+                                 pipe.evaluate(x, y, verbose=0)) < RTOL
+    with pytest.raises(ValueError, match="global_clipnorm=1.0"):
+        pipe.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0),
+                     loss="mse")

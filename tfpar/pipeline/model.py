@@ -208,10 +208,12 @@ class PipelineModel(keras.Model):
             super().compile(*args, **kwargs)
         # An optimizer or metrics made before compile (in the scope) have
         # their counters on the first stage: the last stage updates them.
-        state = [self.optimizer.iterations] + list(self.metrics_variables)
-        rate = _compat.optimizer_learning_rate_variable(self.optimizer)
-        if rate is not None:
-            state.append(rate)
+        state = list(self.metrics_variables)
+        if self.optimizer is not None:
+            state.append(self.optimizer.iterations)
+            rate = _compat.optimizer_learning_rate_variable(self.optimizer)
+            if rate is not None:
+                state.append(rate)
         for variable in state:
             if self._extended.owns(variable):
                 self._extended.move_to(variable, last)

@@ -385,3 +385,23 @@ def test_compile_without_optimizer_evaluates_and_global_clipnorm_is_refused():
     with pytest.raises(ValueError, match="global_clipnorm=1.0"):
         pipe.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0),
                      loss="mse")
+
+
+def test_weights_wait_on_the_host_until_the_pipeline_places_them():
+    """On a pipeline mesh a model is built on the host (no device holds a
+    weight, eager calls run there), and PipelineModel then sends each
+    stage's weights straight to its own devices."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        model = build()
+        x, _ = models.mlp_data(n=8)
+        assert model(x).shape == (8, 3)
+        assert all(v["params"] == 0
+                   for v in strategy.memory_per_device().values())
+        assert not any(dtensor.is_dtensor(w.value) for w in model.weights)
+        pipe = tfpar.PipelineModel(model, num_microbatches=2,
+                                   stage_boundaries=["d2"])
+    assert all(dtensor.is_dtensor(w.value.read_value()) for w in pipe.weights)
+    memory = strategy.memory_per_device()
+    assert memory["CPU:0"]["params"] + memory["CPU:4"]["params"] == 4 * sum(
+        int(np.prod(w.shape)) for w in pipe.weights)

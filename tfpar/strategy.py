@@ -270,13 +270,17 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     @property
     def placement_mesh(self):
         """Where a new variable goes: the innermost `placing_on` mesh, else
-        the first pipeline stage (the whole mesh without a pipeline)."""
-        return self._placing[-1] if self._placing else self.stage_meshes[0]
+        the whole mesh; None (the host) on a pipeline mesh, where a model's
+        weights wait for `PipelineModel` to put each on its stage."""
+        if self._placing:
+            return self._placing[-1]
+        return self.mesh if len(self.stage_meshes) == 1 else None
 
     # -- variables -----------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        del next_creator  # DTensor variables replace the default creator.
+        # DTensor variables replace the default creator, except for weights
+        # waiting on the host for their pipeline stage (`placement_mesh`).
         colocate_with = kwargs.pop("colocate_with", None)
         for unsupported in ("use_resource", "expected_shape", "caching_device"):
             kwargs.pop(unsupported, None)
@@ -294,9 +298,11 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 initial_value = initial_value()
             if not dtensor.is_dtensor(initial_value):
                 initial_value = tf.convert_to_tensor(initial_value, dtype=dtype)
-        return self._new_variable(path, initial_value, colocate_with, kwargs)
+        return self._new_variable(path, initial_value, colocate_with, kwargs,
+                                  next_creator)
 
-    def _new_variable(self, path, initial_value, colocate_with, kwargs):
+    def _new_variable(self, path, initial_value, colocate_with, kwargs,
+                      host_creator=None):
         shape = initial_value.shape.as_list()
         reference = (None if colocate_with is None
                      else self._info_of(colocate_with))
@@ -304,8 +310,13 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         spec, kind = self._spec_for(path, shape, colocate_with,
                                     kwargs.get("trainable", True),
                                     _compat.keras_layer_adding_weight(),
-                                    mesh=mesh)
+                                    mesh=mesh or self.stage_meshes[0])
         with tf.init_scope():  # also when first built inside a tf.function
+            if mesh is None:  # on the host until PipelineModel places it
+                with tf.device("CPU:0"):
+                    variable = host_creator(initial_value=initial_value,
+                                            **kwargs)
+                return self._track(variable, path, spec, kind, None)
             value = placement.put(initial_value, spec, mesh,
                                   dtype=kwargs.get("dtype"))
             return self._register(path, spec, kind, value, kwargs, mesh)
@@ -315,6 +326,9 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         freed."""
         variable = ShardedVariable(
             value, tfpar_spec=spec, tfpar_mesh=mesh, **kwargs)
+        return self._track(variable, path, spec, kind, mesh)
+
+    def _track(self, variable, path, spec, kind, mesh):
         key = id(variable)
         self._variables[key] = _VariableInfo(path, spec, kind,
                                              weakref.ref(variable), mesh)
@@ -370,7 +384,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             spec, kind = self._spec_for(
                 variable.path, backing.shape.as_list(), None,
                 backing.trainable, owners.get(id(variable)), rules,
-                mesh=info.mesh)
+                mesh=info.mesh or self.stage_meshes[0])
             if spec != info.spec:
                 plan.append((variable, backing, info, spec, kind))
         unmatched = rules.unmatched()
@@ -381,6 +395,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 f"{[v.path for v in model.weights][:8]}). Fix or remove them."
             )
         for variable, backing, info, spec, kind in plan:
+            if info.mesh is None:  # on the host: laid out when placed
+                self._variables[id(backing)] = info._replace(spec=spec,
+                                                             kind=kind)
+                continue
             with tf.init_scope():
                 value = placement.relayout(backing.read_value(), spec,
                                            info.mesh)
@@ -458,7 +476,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return [
             (info.path, info.spec,
              layout_lib.shard_shape(info.ref().shape.as_list(), info.spec,
-                                    info.mesh))
+                                    info.mesh or self.stage_meshes[0]))
             for info in list(self._variables.values())
             if info.ref() is not None and kind in (None, info.kind)
         ]
@@ -469,7 +487,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         totals = {}  # mesh -> {kind: bytes}
         for info in list(self._variables.values()):
             variable = info.ref()
-            if variable is None:
+            if variable is None or info.mesh is None:  # gone, or on the host
                 continue
             shape = variable.shape.as_list()
             block = layout_lib.shard_shape(shape, info.spec, info.mesh)
@@ -532,6 +550,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         pipeline_call = getattr(model, "_tfpar_eager_call", None)
         if pipeline_call is not None:
             return pipeline_call(args, kwargs)
+        if self.placement_mesh is None:  # weights still on the host
+            return call(model, *args, **kwargs)
         args, kwargs = self.input_placer.place_arrays((args, kwargs))
         outputs = call(model, *args, **kwargs)
         return tf.nest.map_structure(self.replicate, outputs)

@@ -793,13 +793,13 @@ def _measured_layer_times(model, extended, batch_size=32, repeats=3):
     """Seconds per layer of one forward on `batch_size` zeros (the best of
     `repeats` eager runs on the mesh the weights were created on)."""
     nodes, layers, inputs, _ = split_lib.model_graph(model)
-    mesh = extended.placement_mesh
+    mesh = extended.placement_mesh  # None: the weights are on the host
     tensors = {}
     for k in inputs:
         shape = [batch_size if d is None else d for d in k.shape]
-        tensors[id(k)] = placement.put(
-            np.zeros(shape, dtype=k.dtype), layout_lib.replicated_spec(
-                len(shape)), mesh)
+        zeros = np.zeros(shape, dtype=k.dtype)
+        tensors[id(k)] = tf.constant(zeros) if mesh is None else placement.put(
+            zeros, layout_lib.replicated_spec(len(shape)), mesh)
     seconds = {id(layer): 0.0 for layer in layers}
     for node in nodes:
         best = float("inf")

@@ -1,8 +1,11 @@
-"""Pipeline parallelism: schedules as plain data, plus their pictures.
+"""Pipeline parallelism: schedules as plain data, the model split, pictures.
 
-Device-free part of issue 4: which stage runs which forward/backward, in
-what order (`gpipe`, `one_f_one_b`), a dependency-respecting simulation of
-the resulting timeline, its bubble fraction, and text/PNG renderings.
+Which stage runs which forward/backward, in what order (`gpipe`,
+`one_f_one_b`), a dependency-respecting simulation of the resulting
+timeline, its bubble fraction, and text/PNG renderings — all device-free —
+plus `split_model` (cutting a Keras graph into stages). The runtime that
+executes them on sub-meshes is `tfpar.PipelineModel`
+(`tfpar/pipeline/model.py`).
 
 Example:
 

@@ -405,3 +405,24 @@ def test_weights_wait_on_the_host_until_the_pipeline_places_them():
     memory = strategy.memory_per_device()
     assert memory["CPU:0"]["params"] + memory["CPU:4"]["params"] == 4 * sum(
         int(np.prod(w.shape)) for w in pipe.weights)
+
+
+def test_keras_saving_of_a_pipeline(tmp_path):
+    """save_weights/load_weights round-trip; model.save writes the plain
+    wrapped model, which loads and predicts the same."""
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2)
+    pipe.compile(optimizer="adam", loss="mse")
+    x, y = models.mlp_data(n=32)
+    callback = keras.callbacks.ModelCheckpoint(tmp_path / "best.keras")
+    pipe.fit(x, y, batch_size=16, verbose=0, callbacks=[callback])
+    want = pipe.predict(x, verbose=0)
+    pipe.save_weights(tmp_path / "w.weights.h5")
+    pipe.set_weights([np.zeros_like(w) for w in pipe.get_weights()])
+    pipe.load_weights(tmp_path / "w.weights.h5")
+    assert models.relative_error(want, pipe.predict(x, verbose=0)) < RTOL
+    loaded = keras.models.load_model(
+        tmp_path / "best.keras",
+        custom_objects={"InferenceDropout": models.InferenceDropout,
+                        "Scale": models.Scale})
+    assert not isinstance(loaded, tfpar.PipelineModel)
+    assert models.relative_error(want, loaded.predict(x, verbose=0)) < RTOL

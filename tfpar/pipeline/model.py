@@ -200,6 +200,13 @@ class PipelineModel(keras.Model):
         print(self.split_report())
         return self.wrapped.summary(*args, **kwargs)
 
+    def save(self, filepath, *args, **kwargs):
+        """Saves the wrapped model: a plain Keras model (whole weights, not
+        compiled) that loads anywhere, also without tfpar; wrap it in a
+        `PipelineModel` again to resume pipeline training (or restore a
+        `tfpar.save_checkpoint` for the optimizer state)."""
+        return self.wrapped.save(filepath, *args, **kwargs)
+
     def compile(self, *args, **kwargs):
         """Keras `compile`; loss, metrics and this optimizer live on the
         last stage (the other stages get copies of the optimizer)."""

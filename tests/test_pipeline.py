@@ -426,3 +426,21 @@ def test_keras_saving_of_a_pipeline(tmp_path):
                         "Scale": models.Scale})
     assert not isinstance(loaded, tfpar.PipelineModel)
     assert models.relative_error(want, loaded.predict(x, verbose=0)) < RTOL
+
+
+def test_steps_per_execution_and_validation_data():
+    x, y = models.mlp_data()
+
+    def fit(model):
+        model.set_weights(list(initial_weights()))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                      steps_per_execution=2)
+        history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0,
+                            validation_data=(x[:32], y[:32]))
+        return history.history
+
+    want = fit(build())
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2)
+    got = fit(pipe)
+    for key in ("loss", "val_loss"):
+        assert models.relative_error(want[key], got[key]) < RTOL

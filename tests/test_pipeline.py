@@ -149,7 +149,6 @@ def test_activations_and_gradients_cross_stages():
     x, y = models.mlp_data(n=32)
     pipe.fit(x, y, batch_size=32, verbose=0)  # builds optimizers, metrics
     runner = PipelineRunner(pipe, "train")
-    runner._optimizers = pipe.stage_optimizers
     xs = runner._place(x, 0, 4, True)
     targets = runner._place((y, None), -1, 4, True)
     graph = runner._function("train").get_concrete_function(

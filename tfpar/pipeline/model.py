@@ -54,7 +54,6 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
-from tfpar import inputs as inputs_lib
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar.pipeline import schedules as schedules_lib
@@ -272,11 +271,10 @@ class PipelineModel(keras.Model):
         """Copies `self.optimizer`'s learning rate (a callback may have
         changed it) and, with `iterations=True` (e.g. after restoring a
         checkpoint), its step counter into the other stages' optimizers."""
-        optimizers = self.stage_optimizers if self._optimizers is None \
-            else self._optimizers
+        optimizers = self.stage_optimizers  # creates them on first use
+        if len(optimizers) < 2:
+            return  # no optimizer, or a single stage
         main, copies = optimizers[-1], optimizers[:-1]
-        if not copies:
-            return
         rate = _compat.optimizer_learning_rate_variable(main)
         if rate is not None:
             value = float(rate.numpy())
@@ -328,12 +326,9 @@ class PipelineRunner:
         self._stages = pipeline._stages  # noqa: SLF001
         self._mode = mode
         self._data_axis = extended.data_axis
-        self._placers = [inputs_lib.InputPlacer(mesh, extended.data_axis)
-                         for mesh in self._meshes]
         last = self._meshes[-1]
         with extended.placing_on(last):
             extended.adopt_state_variables(pipeline)
-        self._optimizers = None
         self._functions = {}
 
     # -- host side ---------------------------------------------------------
@@ -373,7 +368,7 @@ class PipelineRunner:
     def _place(self, structure, mesh_index, m, split):
         """Host tensors of B samples as DTensors (m, B/m, ...) on a stage,
         each micro-batch split over the data axis when `split`."""
-        placer = self._placers[mesh_index]
+        mesh = self._meshes[mesh_index]
 
         def put(t):
             if t is None:
@@ -381,9 +376,9 @@ class PipelineRunner:
             array = np.asarray(t)
             array = array.reshape((m, array.shape[0] // m) + array.shape[1:])
             spec = [None] * array.ndim
-            if split and placer.mesh.axis_size(self._data_axis) > 1:
+            if split and mesh.axis_size(self._data_axis) > 1:
                 spec[1] = self._data_axis
-            return placement.put(array, tuple(spec), placer.mesh)
+            return placement.put(array, tuple(spec), mesh)
 
         return tf.nest.map_structure(put, structure)
 
@@ -393,7 +388,6 @@ class PipelineRunner:
         m, split = self._microbatches(size)
         if self._mode == "train":
             self._model._expect_full_batch = False  # noqa: SLF001
-            self._optimizers = self._model.stage_optimizers
             self._model.sync_stage_optimizers()
         xs = self._place(x, 0, m, split)
         targets = self._place((y, sample_weight), -1, m, split)
@@ -571,11 +565,11 @@ class PipelineRunner:
                         s, i, split, weights[s], sums[s], gradients, tapes,
                         tokens[s])
                 tokens[s] = _token(done, size)
-        for s in range(p):
+        for s, optimizer in enumerate(self._model.stage_optimizers):
             grads = [tf.zeros_like(w) if g is None else g
                      for g, w in zip(sums[s], weights[s])]
             with self._on_stage(s):
-                self._optimizers[s].apply(grads, weights[s])
+                optimizer.apply(grads, weights[s])
         with self._on_stage(p - 1):
             return self._logs()
 

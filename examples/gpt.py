@@ -114,6 +114,9 @@ def main():
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split norms and the residual stream along the "
                              "sequence over the model axis (Megatron-SP)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="also split weights and Adam state over the "
+                             "data axis (ZeRO-3); needs --data > 1")
     args = parser.parse_args()
 
     tfpar.use_virtual_cpus(args.data * args.pipe * args.model)
@@ -126,7 +129,7 @@ def main():
                       layers=args.layers)
     axes = {"data": args.data, "pipe": args.pipe, "model": args.model}
     mesh = tfpar.Mesh({k: v for k, v in axes.items() if k != "pipe" or v > 1})
-    strategy = tfpar.ParallelStrategy(mesh)
+    strategy = tfpar.ParallelStrategy(mesh, fsdp=args.fsdp)
     with tfpar.communication.capture() as programs:
         model, parallel = train(strategy, weights, x, y, args.batch_size,
                                 args.epochs, args.sequence_parallel,

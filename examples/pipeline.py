@@ -47,7 +47,6 @@ def main():
     args = parser.parse_args()
 
     tfpar.use_virtual_cpus(args.pipe * args.data)
-    import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
     rng = np.random.default_rng(0)

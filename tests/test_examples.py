@@ -37,12 +37,13 @@ def test_gpt_example_trains_in_parity():
     assert "b0_attn/query/kernel" in out
 
 
-def test_gpt_example_in_three_dimensions():
+def test_gpt_example_in_three_dimensions_with_fsdp():
     out = run("gpt.py", "--epochs", "1", "--layers", "1", "--data", "2",
-              "--pipe", "2", "--model", "2")
+              "--pipe", "2", "--model", "2", "--fsdp")
     difference = float(out.split("largest relative loss difference:")[1].split()[0])
     assert difference < 1e-4
     assert "stage 1 on" in out
+    assert "('data', 'model', None)" in out  # attention kernels, fsdp
 
 
 def test_pipeline_example_trains_in_parity_and_draws_the_timeline(tmp_path):

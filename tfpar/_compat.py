@@ -4,8 +4,10 @@ A TensorFlow upgrade that moves one of these touches only this file.
 Checked against tensorflow 2.21.
 """
 
+import contextlib
 import functools
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -201,9 +203,14 @@ def keras_variable_being_created():
 
 
 def keras_layer_adding_weight():
-    """The Keras layer whose `add_weight` is running, or None."""
+    """The Keras layer whose `add_weight` is running, or None. When Keras
+    defers a weight's initialisation (layers built by a symbolic call of a
+    subclassed model), the layer that added the weight being initialised."""
     stack = getattr(_initializing, "layers", None)
-    return stack[-1] if stack else None
+    if stack:
+        return stack[-1]
+    owner = getattr(keras_variable_being_created(), "_tfpar_owner", None)
+    return owner() if owner is not None else None
 
 
 def _publish_adding_layers():
@@ -217,9 +224,11 @@ def _publish_adding_layers():
         stack = _initializing.__dict__.setdefault("layers", [])
         stack.append(self)
         try:
-            return original(self, *args, **kwargs)
+            variable = original(self, *args, **kwargs)
         finally:
             stack.pop()
+        variable._tfpar_owner = weakref.ref(self)  # noqa: SLF001
+        return variable
 
     add_weight._tfpar_wrapped = True  # noqa: SLF001
     layer_module.Layer.add_weight = add_weight
@@ -497,3 +506,31 @@ def layer_transforms(layer):
     """Names of the input/output transforms tfpar applied to `layer`."""
     return (layer.__dict__.get("_tfpar_output_transforms", set())
             | layer.__dict__.get("_tfpar_input_transforms", set()))
+
+
+# Read by DTensor's MLIR lowering each time it compiles a function: an
+# all-gather then compiles to a CollectiveGatherV2 instead of an all-reduce
+# of zero-padded blocks (sends (n-1)/n of the tensor instead of 2(n-1)/n).
+# TF 2.21 then fails to compile a relayout that gathers over two mesh axes at
+# once (tests/dtensor_sp_collectives_repro.py), so tfpar turns it on only
+# while it compiles steps on meshes with a single axis of size > 1.
+_GATHER_LOWERING = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+
+
+@contextlib.contextmanager
+def collective_all_gathers(enabled):
+    """All-gathers compiled in this block are CollectiveGatherV2 ops."""
+    import os  # noqa: PLC0415
+
+    if not enabled or os.environ.get(_GATHER_LOWERING) == "1":
+        yield
+        return
+    outer = os.environ.get(_GATHER_LOWERING)
+    os.environ[_GATHER_LOWERING] = "1"
+    try:
+        yield
+    finally:
+        if outer is None:
+            del os.environ[_GATHER_LOWERING]
+        else:
+            os.environ[_GATHER_LOWERING] = outer

@@ -668,7 +668,8 @@ def _keras_report(model, x, y=None, sample_weight=None):
 
     placed = extended.input_placer.place(host)
     try:
-        train_step(placed)
+        with _compat.collective_all_gathers(extended.real_all_gathers):
+            train_step(placed)
         concrete = train_step.get_concrete_function(placed)
         return report_for_traced(_compat.traced_function_name(concrete))
     finally:

@@ -176,6 +176,22 @@ def replicated_spec(rank):
     return (None,) * rank
 
 
+def fully_sharded_spec(spec, shape, data_axis, mesh):
+    """`spec` with `data_axis` added on the first dimension that `spec`
+    leaves whole and that the data axis divides (FSDP / ZeRO-3 storage);
+    `spec` itself when it already names the axis or no dimension fits.
+    E.g. a (512, 1024) kernel with spec (None, "model") on a mesh with
+    data=2 is stored as ("data", "model").
+    """
+    size = mesh.axis_size(data_axis)
+    if size <= 1 or data_axis in spec:
+        return spec
+    for dim, (length, axis) in enumerate(zip(shape, spec)):
+        if axis is None and length and length % size == 0:
+            return spec[:dim] + (data_axis,) + spec[dim + 1:]
+    return spec
+
+
 def check_divisible(path, shape, spec, mesh):
     """Raises ValueError unless every sharded dimension splits evenly."""
     for dim, (size, axis) in enumerate(zip(shape, spec)):

@@ -11,6 +11,7 @@ and `extended.update(var, fn)` simply calls `fn(var)`.
 
 import collections
 import contextlib
+import threading
 import weakref
 
 import numpy as np
@@ -56,10 +57,19 @@ class ParallelStrategy(tf.distribute.Strategy):
             (see `tfpar.PipelineModel`). Each stage is the sub-mesh of the
             other axes at one coordinate; rules lay weights out within it.
             A mesh without this axis (or with size 1) has one stage.
+        fsdp: fully sharded data parallelism (ZeRO-3): every trainable
+            weight is also split over the data axis, on the first dimension
+            its rule leaves whole and the axis divides, and so are its
+            optimizer slots. A step gathers each weight over the data axis
+            where a layer reads it and reduce-scatters its gradient, so the
+            optimizer updates only the local block: parameters and optimizer
+            state take 1/data of the memory and the optimizer 1/data of the
+            work, for one all-gather per weight and step. Losses and weights
+            equal plain data parallelism's.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
-                 pipeline_axis="pipe"):
+                 pipeline_axis="pipe", fsdp=False):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -87,9 +97,21 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: data_axis={data_axis!r}, "
                 f"pipeline_axis={pipeline_axis!r}"
             )
+        if not isinstance(fsdp, bool):
+            raise TypeError(
+                "ParallelStrategy(fsdp) needs True or False. "
+                f"Received: fsdp={fsdp!r}"
+            )
+        if fsdp and mesh.axis_size(data_axis) == 1:
+            raise ValueError(
+                "ParallelStrategy(fsdp=True) shards weights over the data "
+                f"axis {data_axis!r}, which this mesh lacks or has of size 1. "
+                f"Received: mesh={mesh!r}, data_axis={data_axis!r}. Add a "
+                "data axis of size > 1 or leave fsdp=False."
+            )
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
-                                          pipeline_axis))
+                                          pipeline_axis, fsdp))
 
     @property
     def mesh(self):
@@ -106,6 +128,11 @@ class ParallelStrategy(tf.distribute.Strategy):
     @property
     def pipeline_axis(self):
         return self.extended.pipeline_axis
+
+    @property
+    def fsdp(self):
+        """Whether trainable weights are also split over the data axis."""
+        return self.extended.fsdp
 
     @property
     def num_stages(self):
@@ -183,10 +210,12 @@ def _owning_layers(model):
 
 
 class _VariableInfo(
-    collections.namedtuple("_VariableInfo", "path spec kind ref mesh")
+    collections.namedtuple("_VariableInfo",
+                           "path spec kind ref mesh compute_spec")
 ):
-    """What the strategy knows of a variable it created (and on which
-    (sub-)mesh it lives)."""
+    """What the strategy knows of a variable it created: its stored spec,
+    on which (sub-)mesh it lives (None: the host), and the spec steps
+    compute with (differs from `spec` only under fsdp)."""
 
 
 class ShardedVariable(_compat.DVariable):
@@ -196,12 +225,48 @@ class ShardedVariable(_compat.DVariable):
     and read back numpy; a bare DVariable only takes DTensors and cannot turn
     a sharded value into numpy. This subclass puts host values on the mesh
     with the variable's own layout and assembles numpy from the shards.
+
+    Under `fsdp` a weight is stored split over the data axis
+    (`tfpar_spec`) but computed with whole (`tfpar_compute_spec`): reads in
+    a training step gather it there, and the gradient of that gather is a
+    reduce-scatter back to the stored blocks. Optimizer updates read the
+    stored blocks, and so do row look-ups (`sparse_read`/`gather_nd`, i.e.
+    `tf.gather` of the variable): a GatherV2 of the stored blocks, which
+    DTensor computes in the split table and whose gradient stays sparse.
+    (DTensor 2.21 has no ResourceGather from a table split by rows.)
     """
 
-    def __init__(self, *args, tfpar_spec, tfpar_mesh, **kwargs):
+    def __init__(self, *args, tfpar_spec, tfpar_mesh, tfpar_compute_spec=None,
+                 tfpar_split_rows=False, **kwargs):
         self._tfpar_spec = tfpar_spec
         self._tfpar_mesh = tfpar_mesh
+        self._tfpar_compute_spec = tfpar_compute_spec
+        self._tfpar_split_rows = tfpar_split_rows
         super().__init__(*args, **kwargs)
+
+    def _in_step(self):
+        return (not tf.executing_eagerly() and in_spmd_step()
+                and not getattr(_UPDATING, "active", False))
+
+    def _read_variable_op(self, no_copy=False):
+        value = super()._read_variable_op(no_copy=no_copy)
+        if self._tfpar_compute_spec is not None and self._in_step():
+            value = _gathered(value, self._tfpar_compute_spec,
+                              self._tfpar_mesh)
+        return value
+
+    def _stored_value(self):
+        return super()._read_variable_op()
+
+    def sparse_read(self, indices, name=None):
+        if self._tfpar_split_rows and self._in_step():
+            return tf.gather(self._stored_value(), indices, name=name)
+        return super().sparse_read(indices, name=name)
+
+    def gather_nd(self, indices, name=None):
+        if self._tfpar_split_rows and self._in_step():
+            return tf.gather_nd(self._stored_value(), indices, name=name)
+        return super().gather_nd(indices, name=name)
 
     def _on_mesh(self, value):
         """`value` laid out like this variable (eager values only)."""
@@ -242,12 +307,13 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     """The machinery behind `ParallelStrategy` (see the module docstring)."""
 
     def __init__(self, container_strategy, mesh, rules, data_axis,
-                 pipeline_axis):
+                 pipeline_axis, fsdp=False):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.rules = rules
         self.data_axis = data_axis
         self.pipeline_axis = pipeline_axis
+        self.fsdp = fsdp
         stages = mesh.axis_size(pipeline_axis)
         self.stage_meshes = ([mesh] if stages == 1 else
                              [mesh.submesh(pipeline_axis, s)
@@ -307,31 +373,49 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         reference = (None if colocate_with is None
                      else self._info_of(colocate_with))
         mesh = self.placement_mesh if reference is None else reference.mesh
-        spec, kind = self._spec_for(path, shape, colocate_with,
-                                    kwargs.get("trainable", True),
-                                    _compat.keras_layer_adding_weight(),
-                                    mesh=mesh or self.stage_meshes[0])
+        spec, kind = self._spec_for(
+            path, shape, colocate_with, kwargs.get("trainable", True),
+            _compat.keras_layer_adding_weight(),
+            mesh=mesh or self.stage_meshes[0])
+        spec, compute_spec = self._fsdp_specs(spec, kind, shape)
         with tf.init_scope():  # also when first built inside a tf.function
             if mesh is None:  # on the host until PipelineModel places it
                 with tf.device("CPU:0"):
                     variable = host_creator(initial_value=initial_value,
                                             **kwargs)
-                return self._track(variable, path, spec, kind, None)
+                return self._track(variable, path, spec, kind, None,
+                                   compute_spec)
             value = placement.put(initial_value, spec, mesh,
                                   dtype=kwargs.get("dtype"))
-            return self._register(path, spec, kind, value, kwargs, mesh)
+            return self._register(path, spec, kind, value, kwargs, mesh,
+                                  compute_spec)
 
-    def _register(self, path, spec, kind, value, kwargs, mesh):
+    def _fsdp_specs(self, spec, kind, shape):
+        """(stored spec, compute spec) of a variable its rules lay out by
+        `spec`: under fsdp a trainable weight is stored split over the data
+        axis too, and gathered where a step reads it."""
+        if not self.fsdp or kind != "params":
+            return spec, spec
+        return layout_lib.fully_sharded_spec(spec, shape, self.data_axis,
+                                             self.mesh), spec
+
+    def _register(self, path, spec, kind, value, kwargs, mesh,
+                  compute_spec=None):
         """A ShardedVariable holding `value` on `mesh`, tracked until it is
-        freed."""
+        freed; `compute_spec` is how steps read it (default: `spec`)."""
         variable = ShardedVariable(
-            value, tfpar_spec=spec, tfpar_mesh=mesh, **kwargs)
-        return self._track(variable, path, spec, kind, mesh)
+            value, tfpar_spec=spec, tfpar_mesh=mesh,
+            tfpar_compute_spec=(None if compute_spec in (None, spec)
+                                else compute_spec),
+            tfpar_split_rows=bool(spec) and spec[0] == self.data_axis
+            and self.fsdp, **kwargs)
+        return self._track(variable, path, spec, kind, mesh, compute_spec)
 
-    def _track(self, variable, path, spec, kind, mesh):
+    def _track(self, variable, path, spec, kind, mesh, compute_spec=None):
         key = id(variable)
-        self._variables[key] = _VariableInfo(path, spec, kind,
-                                             weakref.ref(variable), mesh)
+        self._variables[key] = _VariableInfo(
+            path, spec, kind, weakref.ref(variable), mesh,
+            spec if compute_spec is None else compute_spec)
         weakref.finalize(variable, self._variables.pop, key, None)
         return variable
 
@@ -381,12 +465,15 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         for variable in model.weights:
             info = self._require_on_mesh(variable)
             backing = _compat.backing_variable(variable)
+            shape = backing.shape.as_list()
             spec, kind = self._spec_for(
-                variable.path, backing.shape.as_list(), None,
-                backing.trainable, owners.get(id(variable)), rules,
+                variable.path, shape, None, backing.trainable,
+                owners.get(id(variable)), rules,
                 mesh=info.mesh or self.stage_meshes[0])
-            if spec != info.spec:
-                plan.append((variable, backing, info, spec, kind))
+            spec, compute_spec = self._fsdp_specs(spec, kind, shape)
+            if (spec, compute_spec) != (info.spec, info.compute_spec):
+                plan.append((variable, backing, info, spec, kind,
+                             compute_spec))
         unmatched = rules.unmatched()
         if unmatched:
             raise ValueError(
@@ -394,16 +481,16 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 f"{model.name!r} (weights such as "
                 f"{[v.path for v in model.weights][:8]}). Fix or remove them."
             )
-        for variable, backing, info, spec, kind in plan:
+        for variable, backing, info, spec, kind, compute_spec in plan:
             if info.mesh is None:  # on the host: laid out when placed
-                self._variables[id(backing)] = info._replace(spec=spec,
-                                                             kind=kind)
+                self._variables[id(backing)] = info._replace(
+                    spec=spec, kind=kind, compute_spec=compute_spec)
                 continue
             with tf.init_scope():
                 value = placement.relayout(backing.read_value(), spec,
                                            info.mesh)
                 self._replace(variable, backing, info, spec, kind, value,
-                              info.mesh)
+                              info.mesh, compute_spec)
 
     def move_to(self, variable, mesh):
         """Moves a Keras weight (made in this scope) onto `mesh`, keeping its
@@ -421,15 +508,16 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             value = placement.put(backing.numpy(), info.spec, mesh,
                                   dtype=backing.dtype)
             self._replace(variable, backing, info, info.spec, info.kind,
-                          value, mesh)
+                          value, mesh, info.compute_spec)
 
-    def _replace(self, variable, backing, info, spec, kind, value, mesh):
+    def _replace(self, variable, backing, info, spec, kind, value, mesh,
+                 compute_spec):
         """Makes Keras `variable` hold `value` in a new tracked variable."""
         replacement = self._register(
             info.path, spec, kind, value,
             {"trainable": backing.trainable,
              "name": backing.name.split(":")[0], "dtype": backing.dtype},
-            mesh)
+            mesh, compute_spec)
         self._variables.pop(id(backing), None)
         _compat.rebind_keras_variable(variable, replacement)
 
@@ -523,6 +611,14 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.check_rules_used()
         return _ReplicaScope(self._container_strategy())
 
+    @property
+    def real_all_gathers(self):
+        """Whether steps compile all-gathers as CollectiveGatherV2 ops: under
+        fsdp on a mesh with one axis of size > 1, where no relayout can
+        gather over two axes (see `_compat.collective_all_gathers`)."""
+        return self.fsdp and sum(
+            self.mesh.axis_size(a) > 1 for a in self.mesh.axis_names) == 1
+
     def keras_function(self, model, mode):
         """Builds `model.{mode}_function` (see `tfpar.training`; a
         `tfpar.PipelineModel` brings its own runner)."""
@@ -592,10 +688,12 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return tensor
 
     def _update(self, var, fn, args, kwargs, group):
-        return fn(var, *args, **(kwargs or {}))
+        with _updating():  # under fsdp: read the stored blocks
+            return fn(var, *args, **(kwargs or {}))
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
-        return fn(*args, **(kwargs or {}))
+        with _updating():
+            return fn(*args, **(kwargs or {}))
 
     def _local_results(self, val):
         return (val,)
@@ -671,6 +769,40 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             "make_input_fn_iterator is a TF1 API; use "
             "strategy.distribute_datasets_from_function(fn) instead."
         )
+
+
+def _gathered(stored, spec, mesh):
+    """`stored` (a weight's blocks) all-gathered over the data axis into
+    `spec`. The gradient is the reverse relayout (a reduce-scatter), except
+    that a sparse gradient (IndexedSlices: rows looked up with tf.gather, as
+    in Keras' Embedding) stays sparse, as on one device: Keras' Adam treats
+    sparse gradients differently (it squares each looked-up row before
+    summing repeated rows)."""
+
+    @tf.custom_gradient
+    def gather(value):
+        def grad(upstream):
+            if isinstance(upstream, tf.IndexedSlices):
+                return upstream
+            return dtensor.relayout_like(upstream, value)
+
+        return placement.relayout(value, spec, mesh), grad
+
+    return gather(stored)
+
+
+_UPDATING = threading.local()
+
+
+@contextlib.contextmanager
+def _updating():
+    """Optimizer updates run inside: fsdp weights are read as stored."""
+    outer = getattr(_UPDATING, "active", False)
+    _UPDATING.active = True
+    try:
+        yield
+    finally:
+        _UPDATING.active = outer
 
 
 def in_spmd_step():

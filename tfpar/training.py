@@ -17,6 +17,7 @@ running several steps per call is the main lever on speed:
 import numpy as np
 import tensorflow as tf
 
+from tfpar import _compat
 from tfpar import placement
 
 
@@ -82,7 +83,10 @@ class StepRunner:
         DTensors); predict returns every batch's outputs concatenated, as
         host tensors.
         """
-        batches = list(host_batches)
+        with _compat.collective_all_gathers(self._extended.real_all_gathers):
+            return self._run(list(host_batches))
+
+    def _run(self, batches):
         if self._mode == "predict":
             outputs = [
                 _fetch_all(self._one_step(self._placer.place(b)))

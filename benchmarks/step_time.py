@@ -257,7 +257,8 @@ class RawConfig:
         self.step = tf.function(self._step)
 
     def _stored(self, spec, shape):
-        if self.fsdp and spec[0] is None and shape[0] % NUM_DEVICES == 0:
+        if (self.fsdp and spec[0] is None
+                and shape[0] % self.mesh.dim_size("data") == 0):
             return ("data",) + spec[1:]
         return spec
 

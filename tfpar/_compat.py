@@ -513,7 +513,9 @@ def layer_transforms(layer):
 # of zero-padded blocks (sends (n-1)/n of the tensor instead of 2(n-1)/n).
 # TF 2.21 then fails to compile a relayout that gathers over two mesh axes at
 # once (tests/dtensor_sp_collectives_repro.py), so tfpar turns it on only
-# while it compiles steps on meshes with a single axis of size > 1.
+# while it runs a step that may compile (a new input signature) on a mesh
+# with a single axis of size > 1. The variable is process-wide: a DTensor
+# function another thread compiles at that moment gets it too.
 _GATHER_LOWERING = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
 
 

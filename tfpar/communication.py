@@ -29,8 +29,10 @@ of zero-padded blocks and a reduce-scatter as an all-reduce followed by a
 slice. (The environment variable LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2
 makes all-gathers real CollectiveGatherV2 ops, but then a relayout that
 gathers over two mesh axes at once fails to compile; see
-tests/dtensor_sp_collectives_repro.py.) Each report row therefore names
-both the op that runs (`kind`) and what DTensor asked for (`purpose`).
+tests/dtensor_sp_collectives_repro.py. tfpar sets it while compiling fsdp
+steps on one-axis meshes, where no gather spans two axes, and so does the
+report of such a model.) Each report row therefore names both the op that
+runs (`kind`) and what DTensor asked for (`purpose`).
 
 Example (one Megatron pair: one all-reduce forward; its input is data, so
 none backward):

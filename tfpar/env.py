@@ -23,7 +23,7 @@ import tfpar
 from tfpar import mesh as _mesh
 from tfpar import tpu as _tpu
 
-_ENV_PREFIXES = ("TF_", "DTENSOR_")
+_ENV_PREFIXES = ("TF_", "DTENSOR_", "LOWER_DTENSOR_")
 _ENV_NAMES = (
     "KERAS_BACKEND",
     "CUDA_VISIBLE_DEVICES",

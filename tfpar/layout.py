@@ -183,6 +183,7 @@ def fully_sharded_spec(spec, shape, data_axis, mesh):
     E.g. a (512, 1024) kernel with spec (None, "model") on a mesh with
     data=2 is stored as ("data", "model").
     """
+    spec = tuple(spec)
     size = mesh.axis_size(data_axis)
     if size <= 1 or data_axis in spec:
         return spec

@@ -11,7 +11,6 @@ and `extended.update(var, fn)` simply calls `fn(var)`.
 
 import collections
 import contextlib
-import threading
 import weakref
 
 import numpy as np
@@ -60,12 +59,15 @@ class ParallelStrategy(tf.distribute.Strategy):
         fsdp: fully sharded data parallelism (ZeRO-3): every trainable
             weight is also split over the data axis, on the first dimension
             its rule leaves whole and the axis divides, and so are its
-            optimizer slots. A step gathers each weight over the data axis
-            where a layer reads it and reduce-scatters its gradient, so the
-            optimizer updates only the local block: parameters and optimizer
-            state take 1/data of the memory and the optimizer 1/data of the
-            work, for one all-gather per weight and step. Losses and weights
-            equal plain data parallelism's.
+            optimizer slots. Each read of a weight in a step gathers it over
+            the data axis (once per step for a layer; once per micro-batch
+            in a PipelineModel) and its gradient is reduce-scattered, so the
+            optimizer updates only the local block: stored weights and
+            optimizer state take 1/data of the memory and the optimizer
+            1/data of the work. The gathered weights live until the backward
+            pass has used them (no re-gather in the backward pass), so a
+            step's peak holds every weight whole. Losses and weights equal
+            plain data parallelism's.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
@@ -227,13 +229,12 @@ class ShardedVariable(_compat.DVariable):
     with the variable's own layout and assembles numpy from the shards.
 
     Under `fsdp` a weight is stored split over the data axis
-    (`tfpar_spec`) but computed with whole (`tfpar_compute_spec`): reads in
-    a training step gather it there, and the gradient of that gather is a
+    (`tfpar_spec`) but computed with whole (`tfpar_compute_spec`): each read
+    in a step gathers it, and the gradient of that gather is a
     reduce-scatter back to the stored blocks. Optimizer updates read the
-    stored blocks, and so do row look-ups (`sparse_read`/`gather_nd`, i.e.
-    `tf.gather` of the variable): a GatherV2 of the stored blocks, which
-    DTensor computes in the split table and whose gradient stays sparse.
-    (DTensor 2.21 has no ResourceGather from a table split by rows.)
+    stored blocks. Row look-ups (`sparse_read`/`gather_nd`, i.e. `tf.gather`
+    of the variable) are a GatherV2 of the stored blocks, inside a step or
+    not: DTensor 2.21 has no ResourceGather from a table split by rows.
     """
 
     def __init__(self, *args, tfpar_spec, tfpar_mesh, tfpar_compute_spec=None,
@@ -244,13 +245,12 @@ class ShardedVariable(_compat.DVariable):
         self._tfpar_split_rows = tfpar_split_rows
         super().__init__(*args, **kwargs)
 
-    def _in_step(self):
-        return (not tf.executing_eagerly() and in_spmd_step()
-                and not getattr(_UPDATING, "active", False))
-
     def _read_variable_op(self, no_copy=False):
         value = super()._read_variable_op(no_copy=no_copy)
-        if self._tfpar_compute_spec is not None and self._in_step():
+        # In a step's replica context; optimizer updates run in the
+        # cross-replica context (extended.update's merge_call).
+        if (self._tfpar_compute_spec is not None
+                and not tf.executing_eagerly() and in_spmd_step()):
             value = _gathered(value, self._tfpar_compute_spec,
                               self._tfpar_mesh)
         return value
@@ -259,12 +259,12 @@ class ShardedVariable(_compat.DVariable):
         return super()._read_variable_op()
 
     def sparse_read(self, indices, name=None):
-        if self._tfpar_split_rows and self._in_step():
+        if self._tfpar_split_rows:
             return tf.gather(self._stored_value(), indices, name=name)
         return super().sparse_read(indices, name=name)
 
     def gather_nd(self, indices, name=None):
-        if self._tfpar_split_rows and self._in_step():
+        if self._tfpar_split_rows:
             return tf.gather_nd(self._stored_value(), indices, name=name)
         return super().gather_nd(indices, name=name)
 
@@ -688,12 +688,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return tensor
 
     def _update(self, var, fn, args, kwargs, group):
-        with _updating():  # under fsdp: read the stored blocks
-            return fn(var, *args, **(kwargs or {}))
+        return fn(var, *args, **(kwargs or {}))
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
-        with _updating():
-            return fn(*args, **(kwargs or {}))
+        return fn(*args, **(kwargs or {}))
 
     def _local_results(self, val):
         return (val,)
@@ -789,20 +787,6 @@ def _gathered(stored, spec, mesh):
         return placement.relayout(value, spec, mesh), grad
 
     return gather(stored)
-
-
-_UPDATING = threading.local()
-
-
-@contextlib.contextmanager
-def _updating():
-    """Optimizer updates run inside: fsdp weights are read as stored."""
-    outer = getattr(_UPDATING, "active", False)
-    _UPDATING.active = True
-    try:
-        yield
-    finally:
-        _UPDATING.active = outer
 
 
 def in_spmd_step():

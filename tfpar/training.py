@@ -45,6 +45,7 @@ class StepRunner:
             lambda f: tf.function(f, reduce_retracing=True))
         self._one_step = wrap(self._in_replica)
         self._many_steps = wrap(self._loop)
+        self._compiled = set()  # input signatures already run (see _call)
 
     def _in_replica(self, batch):
         with self._extended.replica_scope():
@@ -83,13 +84,10 @@ class StepRunner:
         DTensors); predict returns every batch's outputs concatenated, as
         host tensors.
         """
-        with _compat.collective_all_gathers(self._extended.real_all_gathers):
-            return self._run(list(host_batches))
-
-    def _run(self, batches):
+        batches = list(host_batches)
         if self._mode == "predict":
             outputs = [
-                _fetch_all(self._one_step(self._placer.place(b)))
+                _fetch_all(self._call(self._one_step, self._placer.place(b)))
                 for b in batches
             ]
             return tf.nest.map_structure(
@@ -97,13 +95,30 @@ class StepRunner:
         outputs = None
         for group in self._stackable_runs(batches):
             if len(group) == 1:
-                outputs = self._one_step(self._placer.place(group[0]))
+                outputs = self._call(self._one_step,
+                                     self._placer.place(group[0]))
             else:
                 stacked = tf.nest.map_structure(
                     lambda *ts: None if ts[0] is None else tf.stack(ts), *group
                 )
-                outputs = self._many_steps(
-                    self._placer.place(stacked, batch_dim=1))
+                outputs = self._call(self._many_steps,
+                                     self._placer.place(stacked, batch_dim=1))
+        return outputs
+
+    def _call(self, function, placed):
+        """`function(placed)`; a call with inputs of a new signature (one
+        that may trace and compile) compiles all-gathers as real ones when
+        the strategy asks for it (`_compat.collective_all_gathers`)."""
+        if not self._extended.real_all_gathers:
+            return function(placed)
+        key = (function is self._many_steps,) + tuple(
+            (tuple(t.shape.as_list()), t.dtype)
+            for t in tf.nest.flatten(placed) if t is not None)
+        if key in self._compiled:
+            return function(placed)
+        with _compat.collective_all_gathers(True):
+            outputs = function(placed)
+        self._compiled.add(key)
         return outputs
 
     def _stackable_runs(self, batches):

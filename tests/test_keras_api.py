@@ -193,6 +193,23 @@ def test_eager_model_call_on_host_arrays():
         assert models.relative_error(expected, got.numpy()) < RTOL
 
 
+def test_submodel_built_outside_the_scope_runs_on_the_mesh():
+    """keras.Model(model.inputs, model.get_layer(...).output) made after the
+    scope was left still predicts and evaluates on the mesh."""
+    x, _ = data(20)
+    single, parallel = twins()
+    models_ = [keras.Model(m.inputs, m.get_layer("down").output)
+               for m in (single, parallel)]
+    expected, got = (m.predict(x, batch_size=4, verbose=0) for m in models_)
+    assert models.relative_error(expected, got) < RTOL
+    for m in models_:
+        m.compile(loss="mse")
+    target = np.zeros((20, 16), "float32")
+    assert models.relative_error(
+        models_[0].evaluate(x, target, batch_size=4, verbose=0),
+        models_[1].evaluate(x, target, batch_size=4, verbose=0)) < RTOL
+
+
 def test_generator_input_with_missing_sample_weights():
     """Keras turns a None in a generator batch into an Optional stand-in."""
     x, y = data(64)

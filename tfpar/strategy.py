@@ -237,8 +237,9 @@ class ShardedVariable(_compat.DVariable):
     not: DTensor 2.21 has no ResourceGather from a table split by rows.
     """
 
-    def __init__(self, *args, tfpar_spec, tfpar_mesh, tfpar_compute_spec=None,
-                 tfpar_split_rows=False, **kwargs):
+    def __init__(self, *args, tfpar_extended, tfpar_spec, tfpar_mesh,
+                 tfpar_compute_spec=None, tfpar_split_rows=False, **kwargs):
+        self._tfpar_extended = weakref.ref(tfpar_extended)
         self._tfpar_spec = tfpar_spec
         self._tfpar_mesh = tfpar_mesh
         self._tfpar_compute_spec = tfpar_compute_spec
@@ -404,7 +405,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         """A ShardedVariable holding `value` on `mesh`, tracked until it is
         freed; `compute_spec` is how steps read it (default: `spec`)."""
         variable = ShardedVariable(
-            value, tfpar_spec=spec, tfpar_mesh=mesh,
+            value, tfpar_extended=self, tfpar_spec=spec, tfpar_mesh=mesh,
             tfpar_compute_spec=(None if compute_spec in (None, spec)
                                 else compute_spec),
             tfpar_split_rows=bool(spec) and spec[0] == self.data_axis
@@ -825,8 +826,22 @@ class _ReplicaScope:
 
 def _keras_function_for(model, mode):
     strategy = model.distribute_strategy
-    if isinstance(strategy, ParallelStrategy):
-        return strategy.extended.keras_function(model, mode)
+    if not isinstance(strategy, ParallelStrategy):
+        # e.g. keras.Model(model.inputs, model.get_layer(...).output) made
+        # outside the scope from layers whose weights live on a mesh.
+        strategy = _owning_strategy(model)
+    if strategy is None:
+        return None
+    return strategy.extended.keras_function(model, mode)
+
+
+def _owning_strategy(model):
+    """The ParallelStrategy that made `model`'s weights, or None."""
+    for weight in model.weights:
+        backing = _compat.backing_variable(weight)
+        if isinstance(backing, ShardedVariable):
+            extended = backing._tfpar_extended()  # noqa: SLF001
+            return None if extended is None else extended._container_strategy()  # noqa: SLF001
     return None
 
 

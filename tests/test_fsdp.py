@@ -190,6 +190,26 @@ def test_checkpoints_move_between_fsdp_and_plain(mlp_on_data8, tmp_path):
             rtol=1e-5, atol=1e-6)
 
 
+def test_keras_saving_round_trips(mlp_on_data8, tmp_path):
+    """model.save / load_model without tfpar, and save_weights /
+    load_weights into an fsdp model (which keeps its split layout)."""
+    strategy, model, _, _, _ = mlp_on_data8
+    x, _ = models.mlp_data(n=16)
+    expected = model.predict(x, batch_size=16, verbose=0)
+    model.save(tmp_path / "mlp.keras")
+    plain = keras.models.load_model(tmp_path / "mlp.keras")
+    np.testing.assert_allclose(plain.predict(x, verbose=0), expected,
+                               rtol=1e-5, atol=1e-6)
+    model.save_weights(tmp_path / "mlp.weights.h5")
+    with strategy.scope():
+        again = _mlp()
+    again.load_weights(tmp_path / "mlp.weights.h5")
+    for ours, theirs in zip(again.weights, model.weights):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+        assert dtensor.fetch_layout(ours.value) == dtensor.fetch_layout(
+            theirs.value)
+
+
 def test_eager_call_matches_predict(mlp_on_data8):
     _, model, _, _, _ = mlp_on_data8
     x, _ = models.mlp_data(n=16)
@@ -236,11 +256,13 @@ def _lookup_model(how):
                              keras.layers.Dense(2, name="out")], name="lk")
 
 
-@pytest.mark.parametrize("how", ["tf.gather", "keras.ops.take"])
-def test_row_lookups_keep_sparse_gradients(how):
+@pytest.mark.parametrize("how,fsdp", [("tf.gather", True),
+                                      ("keras.ops.take", True),
+                                      ("tf.gather", False)])
+def test_row_lookups_keep_sparse_gradients(how, fsdp):
     """Rows looked up in a split weight keep a sparse gradient, so Adam
     (which treats sparse gradients differently) matches one device even
-    with repeated rows."""
+    with repeated rows. Without fsdp the table is split by a rule."""
     rng = np.random.RandomState(0)
     ids = rng.randint(0, 16, size=(64, 3)).astype("int32")
     ids[:, 1] = ids[:, 0]  # repeated rows within every sample
@@ -248,8 +270,9 @@ def test_row_lookups_keep_sparse_gradients(how):
     keras.utils.set_random_seed(2)
     weights = _lookup_model(how).get_weights()
     results = []
-    for strategy in (None, tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}),
-                                                  fsdp=True)):
+    rules = None if fsdp else {r".*lookup/table": ("data", None)}
+    for strategy in (None, tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 8}), rules=rules, fsdp=fsdp)):
         with strategy.scope() if strategy else contextlib.nullcontext():
             model = _lookup_model(how)
             model.set_weights(weights)

@@ -233,8 +233,9 @@ class ShardedVariable(_compat.DVariable):
     in a step gathers it, and the gradient of that gather is a
     reduce-scatter back to the stored blocks. Optimizer updates read the
     stored blocks. Row look-ups (`sparse_read`/`gather_nd`, i.e. `tf.gather`
-    of the variable) are a GatherV2 of the stored blocks, inside a step or
-    not: DTensor 2.21 has no ResourceGather from a table split by rows.
+    of the variable) in a table split by rows over the data axis (by fsdp
+    or a rule) are a GatherV2 of the stored blocks, inside a step or not:
+    DTensor 2.21 has no ResourceGather from such a table.
     """
 
     def __init__(self, *args, tfpar_extended, tfpar_spec, tfpar_mesh,
@@ -408,8 +409,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             value, tfpar_extended=self, tfpar_spec=spec, tfpar_mesh=mesh,
             tfpar_compute_spec=(None if compute_spec in (None, spec)
                                 else compute_spec),
-            tfpar_split_rows=bool(spec) and spec[0] == self.data_axis
-            and self.fsdp, **kwargs)
+            tfpar_split_rows=bool(spec) and spec[0] == self.data_axis,
+            **kwargs)
         return self._track(variable, path, spec, kind, mesh, compute_spec)
 
     def _track(self, variable, path, spec, kind, mesh, compute_spec=None):

@@ -160,6 +160,9 @@ def optimizer(name):
         "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
         "adam": lambda: keras.optimizers.Adam(0.01),
         "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+        # Keras' own gradient accumulation: update every 2nd batch.
+        "adam-accumulate": lambda: keras.optimizers.Adam(
+            0.01, gradient_accumulation_steps=2),
     }[name]()
 
 

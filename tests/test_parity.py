@@ -81,3 +81,23 @@ def test_other_optimizers_parity(optimizer_name):
         tfpar.Mesh({"data": 2, "model": 4}), rules=models.tp_rules())
     assert_same(single_device("functional", optimizer_name),
                 train("functional", optimizer_name, strategy))
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+def test_gradient_accumulation_parity(fsdp):
+    """Keras' `gradient_accumulation_steps`: the accumulators are laid out
+    like their weights' optimizer slots (split by the rules, and over the
+    data axis under fsdp)."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}), rules=models.tp_rules(),
+        fsdp=fsdp)
+    assert_same(single_device("functional", "adam-accumulate"),
+                train("functional", "adam-accumulate", strategy))
+    specs = {path: spec for path, spec, _ in strategy.placements("optimizer")}
+    accumulators = [p for p in specs if p.endswith("_gradient_accumulator")]
+    assert len(accumulators) == len(strategy.placements("params"))
+    for path in accumulators:
+        assert specs[path] == specs[path.replace("_gradient_accumulator",
+                                                 "_momentum")], path
+    assert any("model" in specs[p] for p in accumulators)
+    assert any("data" in specs[p] for p in accumulators) == fsdp

@@ -13,6 +13,7 @@ per-device memory and the communication of the compiled training step.
 
     python examples/gpt.py [--data 2 --model 4 --layers 2 --sequence-parallel]
     python examples/gpt.py --data 2 --pipe 2 --model 2   # 3D: data x pipe x model
+    python examples/gpt.py --fsdp --recompute    # ZeRO-3 + activation checkpointing
 """
 
 import argparse
@@ -23,8 +24,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tfpar  # noqa: E402
 
 
-def build_gpt(vocab=64, seq_len=16, dim=64, heads=8, layers=2, name="gpt"):
-    """The model; call inside `strategy.scope()` to train it in parallel."""
+def build_gpt(vocab=64, seq_len=16, dim=64, heads=8, layers=2, name="gpt",
+              recompute=False):
+    """The model; call inside `strategy.scope()` to train it in parallel.
+    With `recompute`, every layer of the blocks keeps only its inputs for
+    the backward pass and runs again there (`keras.RematScope`)."""
+    import contextlib  # noqa: PLC0415
+
     import keras  # noqa: PLC0415
 
     tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
@@ -34,14 +40,18 @@ def build_gpt(vocab=64, seq_len=16, dim=64, heads=8, layers=2, name="gpt"):
     h = keras.layers.Embedding(vocab, dim, name="tok_embed")(tokens)
     h = h + keras.layers.Embedding(seq_len, dim, name="pos_embed")(positions)
     for i in range(layers):
-        a = keras.layers.LayerNormalization(name=f"b{i}_ln1")(h)
-        a = keras.layers.MultiHeadAttention(
-            heads, dim // heads, name=f"b{i}_attn")(a, a, use_causal_mask=True)
-        h = h + a
-        m = keras.layers.LayerNormalization(name=f"b{i}_ln2")(h)
-        m = keras.layers.Dense(4 * dim, activation="gelu", name=f"b{i}_up")(m)
-        m = keras.layers.Dense(dim, name=f"b{i}_down")(m)
-        h = h + m
+        with (keras.RematScope(mode="full") if recompute
+              else contextlib.nullcontext()):
+            a = keras.layers.LayerNormalization(name=f"b{i}_ln1")(h)
+            a = keras.layers.MultiHeadAttention(heads, dim // heads,
+                                                name=f"b{i}_attn")(
+                a, a, use_causal_mask=True)
+            h = h + a
+            m = keras.layers.LayerNormalization(name=f"b{i}_ln2")(h)
+            m = keras.layers.Dense(4 * dim, activation="gelu",
+                                   name=f"b{i}_up")(m)
+            m = keras.layers.Dense(dim, name=f"b{i}_down")(m)
+            h = h + m
     h = keras.layers.LayerNormalization(name="ln_f")(h)
     logits = keras.layers.Dense(vocab, name="lm_head")(h)
     return keras.Model(tokens, logits, name=name)
@@ -117,6 +127,11 @@ def main():
     parser.add_argument("--fsdp", action="store_true",
                         help="also split weights and Adam state over the "
                              "data axis (ZeRO-3); needs --data > 1")
+    parser.add_argument("--recompute", action="store_true",
+                        help="recompute the blocks' layers in the backward "
+                             "pass instead of keeping their activations "
+                             "(keras.RematScope); with --fsdp their weights "
+                             "are gathered again there too")
     args = parser.parse_args()
 
     tfpar.use_virtual_cpus(args.data * args.pipe * args.model)
@@ -126,14 +141,15 @@ def main():
     keras.utils.set_random_seed(0)
     weights = build_gpt(layers=args.layers).get_weights()
     _, single = train(None, weights, x, y, args.batch_size, args.epochs,
-                      layers=args.layers)
+                      layers=args.layers)  # the reference: no recomputation
     axes = {"data": args.data, "pipe": args.pipe, "model": args.model}
     mesh = tfpar.Mesh({k: v for k, v in axes.items() if k != "pipe" or v > 1})
     strategy = tfpar.ParallelStrategy(mesh, fsdp=args.fsdp)
     with tfpar.communication.capture() as programs:
         model, parallel = train(strategy, weights, x, y, args.batch_size,
                                 args.epochs, args.sequence_parallel,
-                                args.microbatches, layers=args.layers)
+                                args.microbatches, layers=args.layers,
+                                recompute=args.recompute)
     if args.pipe > 1:
         print(f"pipeline stages ({args.microbatches} micro-batches, 1F1B):")
         print(model.split_report())

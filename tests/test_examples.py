@@ -37,9 +37,9 @@ def test_gpt_example_trains_in_parity():
     assert "b0_attn/query/kernel" in out
 
 
-def test_gpt_example_in_three_dimensions_with_fsdp():
+def test_gpt_example_in_three_dimensions_with_fsdp_and_recompute():
     out = run("gpt.py", "--epochs", "1", "--layers", "1", "--data", "2",
-              "--pipe", "2", "--model", "2", "--fsdp")
+              "--pipe", "2", "--model", "2", "--fsdp", "--recompute")
     difference = float(out.split("largest relative loss difference:")[1].split()[0])
     assert difference < 1e-4
     assert "stage 1 on" in out

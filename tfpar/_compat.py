@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.dtensor.python import d_variable
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.eager import record
 
 # The base classes tf.distribute strategies are built from.
 StrategyExtendedV2 = distribute_lib.StrategyExtendedV2
@@ -101,6 +102,138 @@ def route_keras_step_functions(make_function_for, owns):
 
         setattr(cls, f"make_{attribute}", make)
     cls._tfpar_routed = True  # noqa: SLF001
+
+
+_RECOMPUTING = threading.local()
+
+
+def recompute_dependency():
+    """Inside a recomputation (see `recompute`): a scalar 0.0 computed from
+    the upstream gradient, which reads that must run again in the backward
+    pass add to their value; None elsewhere."""
+    stack = getattr(_RECOMPUTING, "dependencies", None)
+    return stack[-1] if stack else None
+
+
+class _Seeds:
+    """The Keras random seeds a checkpointed call drew in its forward pass
+    (`recording`), handed out again in the same order when it is recomputed
+    (`replaying`): Dropout gets the same mask twice."""
+
+    def __init__(self):
+        self.values = []
+        self.replaying = False
+
+
+@contextlib.contextmanager
+def _pushed(name, value):
+    stack = _RECOMPUTING.__dict__.setdefault(name, [])
+    stack.append(value)
+    try:
+        yield value
+    finally:
+        stack.pop()
+
+
+def _next_seed(generator, original, ordered=True):
+    """`keras.random.SeedGenerator.next` that replays inside a
+    recomputation. Frames pushed inside a replaying one (checkpointed calls
+    nested in a recomputed one) record what it replays."""
+    frames = getattr(_RECOMPUTING, "seeds", None) or []
+    replaying = [i for i, frame in enumerate(frames) if frame.replaying]
+    if replaying:
+        value = frames[replaying[-1]].values.pop(0)
+        recorders = frames[replaying[-1] + 1:]
+    else:
+        value = original(generator, ordered)
+        recorders = frames
+    for frame in recorders:
+        frame.values.append(value)
+    return value
+
+
+def recompute(f):
+    """`f` whose gradient recomputes `f` from its inputs instead of keeping
+    its intermediate results (activation checkpointing).
+
+    Like `tf.recompute_grad`, with four differences: keyword arguments are
+    accepted (tensor ones get gradients); Keras random seeds drawn in the
+    forward pass are replayed in the recomputation (`tf.recompute_grad`
+    would draw new ones: another Dropout mask, wrong gradients); the
+    recomputation is ordered after the upstream gradient through one
+    all-reduced scalar (0.0, or NaN if that gradient is NaN) instead of an
+    all-gather of the upstream gradient's first element, which DTensor
+    turns into an all-gather of the whole tensor; and
+    `recompute_dependency()` hands that scalar to variable reads, so an
+    fsdp weight is gathered again in the backward pass instead of the
+    forward gather being reused (the compiler merges identical reads).
+    Random ops that do not draw from a Keras SeedGenerator (e.g. an
+    unseeded `tf.random.uniform`) are not replayed.
+    """
+
+    def call(*args, **kwargs):
+        leaves = tf.nest.flatten((args, kwargs))
+        at = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
+
+        def run(*tensors):
+            filled = list(leaves)
+            for i, tensor in zip(at, tensors):
+                filled[i] = tensor
+            args_, kwargs_ = tf.nest.pack_sequence_as((args, kwargs), filled)
+            return f(*args_, **kwargs_)
+
+        @tf.custom_gradient
+        def checkpointed(*tensors):
+            # Keep no intermediate results; note the seeds drawn.
+            with record.stop_recording(), _pushed("seeds", _Seeds()) as seeds:
+                result = run(*tensors)
+
+            def grad(*upstream, variables=None):
+                first = tf.reduce_sum(tf.cast(upstream[0], tf.float32))
+                zero = tf.where(tf.equal(first, first), 0.0, float("nan"))
+                again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating
+                         else t for t in tensors]
+                variables = list(variables or ())
+                replay = _Seeds()
+                replay.values, replay.replaying = list(seeds.values), True
+                with tf.GradientTape() as tape:
+                    tape.watch(again)
+                    tape.watch(variables)
+                    with _pushed("dependencies", zero), \
+                            _pushed("seeds", replay):
+                        recomputed = run(*again)
+                grads = tape.gradient(
+                    recomputed, again + variables, output_gradients=upstream,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                return grads[:len(again)], grads[len(again):]
+
+            return result, grad
+
+        return checkpointed(*(leaves[i] for i in at))
+
+    return call
+
+
+def let_keras_remat_take_keywords():
+    """Makes `keras.RematScope` / `keras.remat` work inside a `tf.function`.
+
+    Keras 3's TF backend rematerializes with `tf.recompute_grad(call)` and
+    calls it with the layer's keyword arguments (every layer gets
+    `training=`), which `tf.custom_gradient` refuses in graph mode ("supports
+    keywords arguments only when eager execution is enabled"): on TF,
+    `RematScope(mode="full")` fails in any `fit`, even on one device
+    (tests/test_recompute.py). This replaces Keras' TF `remat` with
+    `recompute` once, and lets `SeedGenerator.next` replay seeds inside a
+    recomputation.
+    """
+    from keras.src.backend.tensorflow import core  # noqa: PLC0415
+    from keras.src.random import seed_generator  # noqa: PLC0415
+
+    if core.remat is recompute:
+        return
+    core.remat = recompute
+    generator = seed_generator.SeedGenerator
+    generator.next = functools.partialmethod(_next_seed, generator.next)
 
 
 def _optimizer_under(model, strategy):

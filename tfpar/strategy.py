@@ -253,6 +253,9 @@ class ShardedVariable(_compat.DVariable):
         # cross-replica context (extended.update's merge_call).
         if (self._tfpar_compute_spec is not None
                 and not tf.executing_eagerly() and in_spmd_step()):
+            again = _compat.recompute_dependency()
+            if again is not None:  # recomputing: gather again (+ 0.0)
+                value = value + tf.cast(again, value.dtype)
             value = _gathered(value, self._tfpar_compute_spec,
                               self._tfpar_mesh)
         return value
@@ -848,3 +851,4 @@ def _owning_strategy(model):
 
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
+_compat.let_keras_remat_take_keywords()

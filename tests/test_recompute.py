@@ -1,0 +1,180 @@
+"""Recomputation (activation checkpointing) through Keras' own API,
+`keras.RematScope` / `keras.remat`, under ParallelStrategy.
+
+A recomputed layer keeps only its inputs for the backward pass and runs
+its forward again there. Under fsdp its weights are gathered again in the
+backward pass too, so between the two passes a device holds only their
+blocks (PyTorch FSDP's `reshard_after_forward`). Results equal one device
+without recomputation.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+
+import models
+
+RTOL = 1e-4
+RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
+         r".*down/kernel": ("model", None)}
+MESHES = pytest.mark.parametrize("axes,rules,fsdp", [
+    ({"data": 2, "model": 4}, RULES, False),
+    ({"data": 8}, None, True),
+], ids=["data2xmodel4", "data8-fsdp"])
+
+
+class Block(keras.layers.Layer):
+    """x + down(relu(up(x))) * scale: an MLP block with a residual, whose
+    gate `scale` arrives as a keyword tensor (it must get gradients)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(64, activation="relu", name="up")
+        self.down = keras.layers.Dense(16, name="down")
+
+    def call(self, x, scale=None):
+        return x + self.down(self.up(x)) * scale
+
+
+def build(remat):
+    x = keras.Input((16,))
+    scale = keras.layers.Dense(16, activation="sigmoid", name="gate")(x)
+    with (keras.RematScope(mode="list_of_layers", layer_names=["block"])
+          if remat else contextlib.nullcontext()):
+        block = Block(name="block")
+    return keras.Model(x, keras.layers.Dense(3, name="out")(
+        block(x, scale=scale)))
+
+
+def train(strategy, remat, weights):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = build(remat)
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    with tfpar.communication.capture() as programs:
+        history = models.fit_mlp(model, epochs=2)
+    return model, history.history["loss"], programs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    keras.utils.set_random_seed(0)
+    weights = build(remat=False).get_weights()
+    model, losses, _ = train(None, False, weights)
+    return weights, model, losses
+
+
+def test_tf_recompute_grad_refuses_keywords_in_a_function():
+    """Why tfpar replaces Keras' TF `remat` (`tf.recompute_grad`): every
+    Keras layer is called with `training=`, and on TF 2.21 this fails inside
+    any `tf.function`, so `RematScope(mode="full")` breaks `fit` even on one
+    device. If this test fails, TF fixed it and the patch can go."""
+    layer = keras.layers.Dense(4)
+
+    @tf.function
+    def step(x):
+        return tf.recompute_grad(layer)(x, training=True)
+
+    with pytest.raises(ValueError, match="keywords arguments only when eager"):
+        step(tf.ones((2, 3)))
+
+
+def test_remat_scope_trains_on_one_device(reference):
+    weights, single, losses = reference
+    model, got, _ = train(None, True, weights)
+    assert models.relative_error(losses, got) < RTOL
+    for want, have in zip(single.weights, model.weights):
+        assert models.relative_error(want.numpy(), have.numpy()) < RTOL
+
+
+@MESHES
+def test_recomputed_block_matches_one_device(reference, axes, rules, fsdp):
+    weights, single, losses = reference
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules=rules,
+                                      fsdp=fsdp)
+    model, got, _ = train(strategy, True, weights)
+    assert models.relative_error(losses, got) < RTOL
+    for want, have in zip(single.weights, model.weights):
+        error = models.relative_error(want.numpy(), have.numpy())
+        assert error < RTOL, (want.path, error)
+    # The gate reaches the loss only through the keyword tensor `scale`.
+    assert not np.allclose(model.get_layer("gate").kernel.numpy(),
+                           weights[0])
+
+
+@MESHES
+def test_recomputation_keeps_only_the_block_input(reference, axes, rules,
+                                                  fsdp):
+    weights = reference[0]
+    saved, gathered = {}, {}
+    for remat in (False, True):
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules=rules,
+                                          fsdp=fsdp)
+        _, _, programs = train(strategy, remat, weights)
+        report = programs.train_report()
+        saved[remat] = set(report.saved_activations)
+        gathered[remat] = sorted(
+            c.shape for c in report.collectives
+            if c.phase == "backward" and c.kind == "all-gather")
+    inside = {name for name in saved[False]
+              if "block" in name and not name.endswith("add:0")}
+    # Without recomputation the block's hidden ReLU output and down
+    # projection are kept for the backward pass; with it, neither is.
+    assert any("up_1/Relu" in name for name in inside)
+    assert not any("block" in name and not name.endswith("add:0")
+                   for name in saved[True])
+    assert len(saved[True]) == len(saved[False]) - len(inside)
+    assert gathered[False] == []
+    if fsdp:  # the block's weights are gathered again in the backward pass
+        n = axes["data"]
+        assert gathered[True] == sorted([(64 // n,), (16 // n, 64),
+                                         (64 // n, 16), (16 // n,)])
+    else:
+        assert gathered[True] == []
+
+
+def build_with_dropout(remat):
+    """Dropout in training inside recomputed layers, the Sequential itself
+    recomputed too (nested checkpoints)."""
+    with (keras.RematScope(mode="full") if remat
+          else contextlib.nullcontext()):
+        inner = keras.Sequential([
+            keras.layers.Dense(64, activation="relu", name="up"),
+            keras.layers.Dropout(0.5, seed=3, name="drop"),
+            keras.layers.Dense(16, name="down"),
+            keras.layers.Dropout(0.3, seed=5, name="drop2")], name="inner")
+    x = keras.Input((16,))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(inner(x)))
+
+
+@pytest.mark.parametrize("axes", [None, {"data": 8}], ids=["one-device",
+                                                           "data8-fsdp"])
+def test_recomputation_replays_dropout_masks(axes):
+    """`tf.recompute_grad` would draw new seeds in the recomputation: another
+    mask, wrong gradients, the seed advanced twice. Replayed, recomputing
+    changes nothing (the same mesh with and without recomputation; DTensor
+    draws other masks than one device)."""
+    keras.utils.set_random_seed(0)
+    weights = build_with_dropout(False).get_weights()
+    results = []
+    for remat in (False, True):
+        strategy = axes and tfpar.ParallelStrategy(tfpar.Mesh(axes),
+                                                   fsdp=True)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = build_with_dropout(remat)
+            model.set_weights(weights)
+            model.compile(optimizer="sgd", loss="mse")
+        losses = models.fit_mlp(model, epochs=2).history["loss"]
+        seeds = [v.numpy() for v in model.variables if "seed" in v.path]
+        results.append((losses, model.get_weights(), seeds))
+    (want_losses, want, want_seeds), (losses, got, seeds) = results
+    assert models.relative_error(want_losses, losses) < RTOL
+    for a, b in zip(want, got):
+        assert models.relative_error(a, b) < RTOL
+    assert len(seeds) == 2
+    np.testing.assert_array_equal(want_seeds, seeds)

@@ -24,6 +24,9 @@ configuration:
                baseline is the same step on plain tf.Variables on one device.
                "raw DTensor data=8 fsdp" stores weights split over data and
                gathers them in the step (what fsdp compiles, minus Adam).
+               "raw DTensor data=8, no communication": each device trains
+               its own weight copy on its 32 samples, nothing exchanged:
+               the floor of any data=8 step on DTensor here.
 
 Keras configs are timed as `model.fit(dataset, epochs=1, verbose=0)` over a
 fixed in-memory tf.data dataset (batch 256, tf.data autotuning off for all
@@ -224,11 +227,18 @@ class RawConfig:
     (where 8 divides it) and relaid out to its compute layout inside the
     step, as tfpar's fsdp does (an all-gather; its gradient a
     reduce-scatter).
+
+    With `local` (on Mesh({"data": 8})), every device trains its own copy
+    of the weights on its 32 samples: weights and batches get a leading
+    device dimension split over "data", so the step has no collective at
+    all. It is the floor of any data=8 step on DTensor: eight device
+    programs at batch 32 sharing the host's cores, nothing exchanged.
     """
 
-    def __init__(self, name, axes, data, fsdp=False):
+    def __init__(self, name, axes, data, fsdp=False, local=False):
         self.name = name
         self.fsdp = fsdp
+        self.local = local
         x, y = data
         self.steps = len(x) // BATCH
         rng = np.random.RandomState(0)
@@ -238,10 +248,14 @@ class RawConfig:
                 list(axes.items()),
                 devices=[f"CPU:{i}" for i in range(NUM_DEVICES)])
         self.variables = []
+        copies = NUM_DEVICES if local else None
         for name_, fan_in, fan_out in zip(NAMES, SIZES[:-1], SIZES[1:]):
             kernel = rng.uniform(-1, 1, (fan_in, fan_out)).astype("float32")
             kernel *= np.sqrt(6.0 / (fan_in + fan_out))
             bias = np.zeros((fan_out,), "float32")
+            if local:  # one copy per device: (8, in, out) and (8, 1, out)
+                kernel = np.broadcast_to(kernel, (copies,) + kernel.shape)
+                bias = np.broadcast_to(bias, (copies, 1, fan_out))
             self.variables.append(
                 (self._variable(kernel, self._stored(_spec(name_, "kernel"),
                                                      kernel.shape), axes),
@@ -252,11 +266,17 @@ class RawConfig:
         for i in range(self.steps):
             xb = x[i * BATCH:(i + 1) * BATCH]
             yb = y[i * BATCH:(i + 1) * BATCH].astype("int32")
-            self.batches.append((self._tensor(xb, (data_axis, None)),
-                                 self._tensor(yb, (data_axis,))))
+            if local:  # (8, 32, 512): device d's samples at [d]
+                xb = xb.reshape(copies, BATCH // copies, -1)
+                yb = yb.reshape(copies, BATCH // copies)
+            split = (data_axis,) + (None,) * (xb.ndim - 1)
+            self.batches.append((self._tensor(xb, split),
+                                 self._tensor(yb, split[:yb.ndim])))
         self.step = tf.function(self._step)
 
     def _stored(self, spec, shape):
+        if self.local:
+            return ("data",) + (None,) * (len(shape) - 1)
         if (self.fsdp and spec[0] is None
                 and shape[0] % self.mesh.dim_size("data") == 0):
             return ("data",) + spec[1:]
@@ -300,8 +320,11 @@ class RawConfig:
                      + self._compute(bias))
                 if i < len(self.variables) - 1:
                     h = tf.nn.relu(h)
+            # local: one mean per device ((8,) split over "data"); the
+            # gradient of their sum reaches each copy from its own only.
             loss = tf.reduce_mean(
-                tf.nn.sparse_softmax_cross_entropy_with_logits(y, h))
+                tf.nn.sparse_softmax_cross_entropy_with_logits(y, h),
+                axis=-1 if self.local else None)
         grads = tape.gradient(loss, flat)
         for v, g in zip(flat, grads):
             v.assign_sub(1e-3 * g)
@@ -317,7 +340,7 @@ class RawConfig:
         if self.mesh is None:
             loss.numpy()
         else:
-            dtensor.unpack(loss)[0].numpy()
+            dtensor.unpack(loss)[0].numpy()  # (all devices: one program)
 
     def time_step(self):
         start = time.perf_counter()
@@ -331,6 +354,7 @@ class RawConfig:
 
 BASELINE = "single device (Keras)"
 RAW_BASELINE = "raw single device"
+RAW_FLOOR = "raw DTensor data=8, no communication"
 
 
 def config_specs(args, data):
@@ -358,6 +382,8 @@ def config_specs(args, data):
             "raw DTensor data=8", {"data": 8}, data)),
         ("raw DTensor data=8 fsdp", lambda: RawConfig(
             "raw DTensor data=8 fsdp", {"data": 8}, data, fsdp=True)),
+        (RAW_FLOOR, lambda: RawConfig(RAW_FLOOR, {"data": 8}, data,
+                                      local=True)),
     ]
 
 

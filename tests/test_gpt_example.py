@@ -155,5 +155,8 @@ def test_gpt_recompute_with_fsdp_parity(single_device, axes):
                             phase="backward")
 
     # (Without recomputation one attention activation is gathered there.)
-    # Recomputed: also q, k, v and output projections, MLP kernels, ...
-    assert backward_gathers(recomputed) >= backward_gathers(kept) + 8
+    # Recomputed: also q, k, v and output projections, MLP kernels, ...,
+    # each once: the block has 16 weights (MultiHeadAttention's inner
+    # layers are recomputed with it, not again on their own).
+    extra = backward_gathers(recomputed) - backward_gathers(kept)
+    assert 8 <= extra <= 16

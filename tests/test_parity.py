@@ -91,8 +91,11 @@ def test_gradient_accumulation_parity(fsdp):
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 4}), rules=models.tp_rules(),
         fsdp=fsdp)
-    assert_same(single_device("functional", "adam-accumulate"),
-                train("functional", "adam-accumulate", strategy))
+    reference = single_device("functional", "adam-accumulate")
+    assert models.relative_error(  # accumulating changes the training
+        single_device("functional", "adam")["batch_losses"],
+        reference["batch_losses"]) > 1e-2
+    assert_same(reference, train("functional", "adam-accumulate", strategy))
     specs = {path: spec for path, spec, _ in strategy.placements("optimizer")}
     accumulators = [p for p in specs if p.endswith("_gradient_accumulator")]
     assert len(accumulators) == len(strategy.placements("params"))

@@ -232,6 +232,31 @@ def test_timeline_follows_the_data_flow():
         assert starts[(1, "B", i)] < starts[(0, "B", i)]
 
 
+def test_dropout_trains_inside_a_stage():
+    """Dropout in training: its seed generator moves to its stage with the
+    weights (it stayed on the host and DTensor failed to compile the step:
+    "All inputs to `tf_device.Cluster` must have same mesh"), and it draws
+    one seed per micro-batch forward pass."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        x = keras.Input((16,))
+        h = keras.layers.Dense(32, name="d1")(x)
+        h = keras.layers.Dropout(0.5, seed=3, name="drop")(h)
+        pipe = tfpar.PipelineModel(
+            keras.Model(x, keras.layers.Dense(3, name="d2")(h)),
+            num_microbatches=2)
+        pipe.compile(optimizer="sgd", loss="mse")
+    x, y = models.mlp_data()
+    history = pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    seed = pipe.get_layer("drop").seed_generator.state
+    stage = {p: s for p, s, _ in strategy.placements()}
+    assert dtensor.fetch_layout(seed.value).mesh in [
+        mesh.dtensor_mesh for mesh in strategy.stage_meshes]
+    assert seed.path in stage
+    np.testing.assert_array_equal(seed.numpy(), [3, 4 * 2])  # 4 steps × m
+
+
 def test_a_model_without_a_graph_is_rejected():
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
     with strategy.scope():

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from tfpar import _compat
 
 import models
 
@@ -138,43 +139,109 @@ def test_recomputation_keeps_only_the_block_input(reference, axes, rules,
         assert gathered[True] == []
 
 
-def build_with_dropout(remat):
-    """Dropout in training inside recomputed layers, the Sequential itself
-    recomputed too (nested checkpoints)."""
+class Noisy(keras.layers.Layer):
+    """Dropout and BatchNormalization called without `training=` (they take
+    it from the Keras call context); counts its traced calls and those that
+    recompute it in a backward pass."""
+
+    calls = recomputed = 0
+
+    def __init__(self, rate, seed, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(64, activation="relu", name="dense")
+        self.norm = keras.layers.BatchNormalization(name="norm")
+        self.drop = keras.layers.Dropout(rate, seed=seed, name="drop")
+
+    def call(self, x):
+        Noisy.calls += 1
+        Noisy.recomputed += _compat.recompute_dependency() is not None
+        return self.drop(self.norm(self.dense(x)))
+
+
+def build_noisy(remat, policy=None):
+    """Two Noisy layers in a Sequential; with `remat` everything is
+    recomputed, the Sequential too (nested checkpoints)."""
     with (keras.RematScope(mode="full") if remat
           else contextlib.nullcontext()):
-        inner = keras.Sequential([
-            keras.layers.Dense(64, activation="relu", name="up"),
-            keras.layers.Dropout(0.5, seed=3, name="drop"),
-            keras.layers.Dense(16, name="down"),
-            keras.layers.Dropout(0.3, seed=5, name="drop2")], name="inner")
+        inner = keras.Sequential([Noisy(0.5, 3, name="a", dtype=policy),
+                                  Noisy(0.3, 5, name="b", dtype=policy)],
+                                 name="inner")
     x = keras.Input((16,))
     return keras.Model(x, keras.layers.Dense(3, name="out")(inner(x)))
 
 
-@pytest.mark.parametrize("axes", [None, {"data": 8}], ids=["one-device",
-                                                           "data8-fsdp"])
-def test_recomputation_replays_dropout_masks(axes):
-    """`tf.recompute_grad` would draw new seeds in the recomputation: another
-    mask, wrong gradients, the seed advanced twice. Replayed, recomputing
-    changes nothing (the same mesh with and without recomputation; DTensor
-    draws other masks than one device)."""
+@pytest.mark.parametrize("axes,policy", [
+    (None, None), ({"data": 8}, None), ({"data": 8}, "mixed_bfloat16"),
+    ({"pipe": 2, "data": 4}, None)],
+    ids=["one-device", "data8-fsdp", "mixed-bfloat16", "pipe2xdata4-fsdp"])
+def test_recomputation_reproduces_the_forward_pass(axes, policy):
+    """Recomputing changes nothing, and each layer runs twice per traced
+    step, not three times (nested checkpoints recompute once): Dropout
+    applies the same mask (seeds replayed; `tf.recompute_grad` would draw
+    new ones and advance the seed twice), Dropout and BatchNormalization
+    read `training` from the forward pass's Keras context, the moving
+    statistics are updated once, mixed precision computes in its dtype.
+    Compared on the same mesh with and without recomputation (DTensor
+    draws other Dropout masks than one device)."""
     keras.utils.set_random_seed(0)
-    weights = build_with_dropout(False).get_weights()
-    results = []
+    weights = build_noisy(False, policy).get_weights()
+    results, calls = [], []
     for remat in (False, True):
         strategy = axes and tfpar.ParallelStrategy(tfpar.Mesh(axes),
                                                    fsdp=True)
         with strategy.scope() if strategy else contextlib.nullcontext():
-            model = build_with_dropout(remat)
+            model = build_noisy(remat, policy)
             model.set_weights(weights)
+            if axes and "pipe" in axes:
+                model = tfpar.PipelineModel(model, num_microbatches=2)
             model.compile(optimizer="sgd", loss="mse")
+        Noisy.calls = Noisy.recomputed = 0
         losses = models.fit_mlp(model, epochs=2).history["loss"]
+        calls.append((Noisy.calls, Noisy.recomputed))
         seeds = [v.numpy() for v in model.variables if "seed" in v.path]
         results.append((losses, model.get_weights(), seeds))
     (want_losses, want, want_seeds), (losses, got, seeds) = results
-    assert models.relative_error(want_losses, losses) < RTOL
-    for a, b in zip(want, got):
-        assert models.relative_error(a, b) < RTOL
+    # Each Noisy layer recomputed once per traced forward pass.
+    forward = 2 if axes is None or "pipe" not in axes else 2 * 2  # m = 2
+    assert calls[0][1] == 0 and calls[1] == (calls[0][0] + forward, forward)
+    tolerance = RTOL if policy is None else 1e-6  # same ops, same dtype
+    assert models.relative_error(want_losses, losses) < max(tolerance, RTOL)
+    for a, b in zip(want, got):  # also BatchNormalization's moving stats
+        assert models.relative_error(a, b) < max(tolerance, RTOL)
     assert len(seeds) == 2
     np.testing.assert_array_equal(want_seeds, seeds)
+
+
+class AddsLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.mean(x ** 2))
+        return x
+
+
+def test_a_recomputed_layer_that_adds_a_loss_is_refused():
+    """Its forward pass records no gradients: the loss would get none."""
+    with keras.RematScope(mode="full"):
+        layer = AddsLoss(name="adds_loss")
+    x = keras.Input((16,))
+    model = keras.Model(x, keras.layers.Dense(3)(layer(x)))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="'adds_loss' adds a loss"):
+        models.fit_mlp(model)
+
+
+def test_random_ops_are_not_recomputed_under_tensor_parallelism():
+    """On data=2×model=4 DTensor lays the recomputed BatchNormalization
+    output out otherwise and Dropout draws another mask from the same seed:
+    refused before the first step (data-only meshes are fine, above)."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}),
+        rules={r".*dense/kernel": (None, "model"),
+               r".*dense/bias": ("model",)})
+    with strategy.scope():
+        model = build_noisy(remat=True)
+        model.compile(optimizer="sgd", loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="draws random numbers.*'model': 4"):
+        models.fit_mlp(model)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -1,4 +1,4 @@
-"""Every private TensorFlow hook tfpar uses, in one place.
+"""Every private TensorFlow or Keras hook tfpar uses, in one place.
 
 A TensorFlow upgrade that moves one of these touches only this file.
 Checked against tensorflow 2.21.
@@ -107,27 +107,14 @@ def route_keras_step_functions(make_function_for, owns):
 _RECOMPUTING = threading.local()
 
 
-def recompute_dependency():
-    """Inside a recomputation (see `recompute`): a scalar 0.0 computed from
-    the upstream gradient, which reads that must run again in the backward
-    pass add to their value; None elsewhere."""
-    stack = getattr(_RECOMPUTING, "dependencies", None)
-    return stack[-1] if stack else None
-
-
-class _Seeds:
-    """The Keras random seeds a checkpointed call drew in its forward pass
-    (`recording`), handed out again in the same order when it is recomputed
-    (`replaying`): Dropout gets the same mask twice."""
-
-    def __init__(self):
-        self.values = []
-        self.replaying = False
+def _stack(name):
+    return _RECOMPUTING.__dict__.setdefault(name, [])
 
 
 @contextlib.contextmanager
 def _pushed(name, value):
-    stack = _RECOMPUTING.__dict__.setdefault(name, [])
+    """`value` on top of this thread's stack `name` inside the block."""
+    stack = _stack(name)
     stack.append(value)
     try:
         yield value
@@ -135,20 +122,42 @@ def _pushed(name, value):
         stack.pop()
 
 
-def _next_seed(generator, original, ordered=True):
-    """`keras.random.SeedGenerator.next` that replays inside a
-    recomputation. Frames pushed inside a replaying one (checkpointed calls
-    nested in a recomputed one) record what it replays."""
-    frames = getattr(_RECOMPUTING, "seeds", None) or []
-    replaying = [i for i, frame in enumerate(frames) if frame.replaying]
-    if replaying:
-        value = frames[replaying[-1]].values.pop(0)
-        recorders = frames[replaying[-1] + 1:]
-    else:
-        value = original(generator, ordered)
-        recorders = frames
-    for frame in recorders:
-        frame.values.append(value)
+def recompute_dependency():
+    """While a layer is recomputed in the backward pass (see `recompute`):
+    a scalar 0.0 computed from the upstream gradient. A variable read that
+    must run again there adds it to its value. None at any other time."""
+    stack = _stack("dependencies")
+    return stack[-1] if stack else None
+
+
+class _Seeds:
+    """The Keras random seeds a checkpointed call drew in its forward pass,
+    handed out again in the same order when it is recomputed (`replaying`),
+    so Dropout applies the same mask twice."""
+
+    def __init__(self, values=(), replaying=False):
+        self.values = list(values)
+        self.replaying = replaying
+
+
+def _next_seed(generator, original, check_replay, ordered=True):
+    """`keras.random.SeedGenerator.next`, replaying inside a recomputation
+    (after `check_replay(generator)`, which may refuse)."""
+    frames = _stack("seeds")
+    if frames and frames[-1].replaying:
+        check_replay(generator)
+        if not frames[-1].values:
+            raise RuntimeError(
+                "A recomputed layer drew more random seeds in the backward "
+                "pass than in its forward pass (e.g. a random op inside "
+                "keras.ops.cond/while_loop, or a branch on a Python value "
+                "that changed), so its recomputation cannot reproduce the "
+                f"forward pass. Received: seed generator {generator.name!r}. "
+                "Leave this layer out of keras.RematScope.")
+        return frames[-1].values.pop(0)
+    value = original(generator, ordered)
+    if frames:
+        frames[-1].values.append(value)
     return value
 
 
@@ -156,22 +165,37 @@ def recompute(f):
     """`f` whose gradient recomputes `f` from its inputs instead of keeping
     its intermediate results (activation checkpointing).
 
-    Like `tf.recompute_grad`, with four differences: keyword arguments are
-    accepted (tensor ones get gradients); Keras random seeds drawn in the
-    forward pass are replayed in the recomputation (`tf.recompute_grad`
-    would draw new ones: another Dropout mask, wrong gradients); the
-    recomputation is ordered after the upstream gradient through one
-    all-reduced scalar (0.0, or NaN if that gradient is NaN) instead of an
-    all-gather of the upstream gradient's first element, which DTensor
-    turns into an all-gather of the whole tensor; and
-    `recompute_dependency()` hands that scalar to variable reads, so an
-    fsdp weight is gathered again in the backward pass instead of the
-    forward gather being reused (the compiler merges identical reads).
-    Random ops that do not draw from a Keras SeedGenerator (e.g. an
-    unseeded `tf.random.uniform`) are not replayed.
+    Like `tf.recompute_grad`, except that: keyword arguments are accepted
+    (tensor ones get gradients); the recomputation runs in the Keras
+    context of the forward pass (its `training` value and mixed-precision
+    autocast) with state updates discarded (BatchNormalization's moving
+    statistics, seed generators, losses: the forward pass made them) and
+    the Keras random seeds of the forward pass replayed (the same Dropout
+    mask); it waits for the upstream gradient through one all-reduced
+    scalar, 0.0 (NaN if that gradient is NaN), where `tf.recompute_grad`
+    takes the upstream gradient's first element, which DTensor turns into
+    an all-gather of the whole tensor; and `recompute_dependency()` hands
+    that scalar to variable reads, so an fsdp weight is gathered again in
+    the backward pass instead of the forward gather being kept (the
+    compiler merges identical reads). A checkpointed call inside another
+    (a recomputed layer's sublayers) runs plainly: the outer checkpoint
+    recomputes it once. Without a gradient tape (predict, evaluate) `f`
+    just runs.
     """
+    from keras.src.backend import StatelessScope  # noqa: PLC0415
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    keras_context = ("current_call_ctx", "autocast_scope")
 
     def call(*args, **kwargs):
+        if not record.could_possibly_record() or _stack("checkpoints"):
+            return f(*args, **kwargs)
+        layer = getattr(f, "__self__", None)  # a Layer's call (or an op's)
+        if not hasattr(layer, "losses"):
+            layer = None
+        losses_before = len(layer.losses) if layer is not None else 0
+        context = [global_state.get_global_attribute(name)
+                   for name in keras_context]
         leaves = tf.nest.flatten((args, kwargs))
         at = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
 
@@ -180,7 +204,8 @@ def recompute(f):
             for i, tensor in zip(at, tensors):
                 filled[i] = tensor
             args_, kwargs_ = tf.nest.pack_sequence_as((args, kwargs), filled)
-            return f(*args_, **kwargs_)
+            with _pushed("checkpoints", f):
+                return f(*args_, **kwargs_)
 
         @tf.custom_gradient
         def checkpointed(*tensors):
@@ -189,19 +214,35 @@ def recompute(f):
                 result = run(*tensors)
 
             def grad(*upstream, variables=None):
-                first = tf.reduce_sum(tf.cast(upstream[0], tf.float32))
+                first = upstream[0]
+                if isinstance(first, tf.IndexedSlices):
+                    first = first.values
+                first = tf.reduce_sum(tf.cast(first, tf.float32))
                 zero = tf.where(tf.equal(first, first), 0.0, float("nan"))
                 again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating
                          else t for t in tensors]
                 variables = list(variables or ())
-                replay = _Seeds()
-                replay.values, replay.replaying = list(seeds.values), True
-                with tf.GradientTape() as tape:
-                    tape.watch(again)
-                    tape.watch(variables)
-                    with _pushed("dependencies", zero), \
-                            _pushed("seeds", replay):
-                        recomputed = run(*again)
+                saved = [global_state.get_global_attribute(name)
+                         for name in keras_context]
+                for name, value in zip(keras_context, context):
+                    global_state.set_global_attribute(name, value)
+                try:
+                    with tf.GradientTape() as tape:
+                        tape.watch([t for t in again if t.dtype.is_floating])
+                        tape.watch(variables)
+                        with _pushed("dependencies", zero), \
+                                _pushed("seeds", _Seeds(seeds.values, True)) \
+                                as replay, StatelessScope():
+                            recomputed = run(*again)
+                finally:
+                    for name, value in zip(keras_context, saved):
+                        global_state.set_global_attribute(name, value)
+                if replay.values:
+                    raise RuntimeError(
+                        "A recomputed layer drew fewer random seeds in the "
+                        "backward pass than in its forward pass, so its "
+                        "recomputation does not reproduce it. Leave it out "
+                        "of keras.RematScope.")
                 grads = tape.gradient(
                     recomputed, again + variables, output_gradients=upstream,
                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -209,22 +250,32 @@ def recompute(f):
 
             return result, grad
 
-        return checkpointed(*(leaves[i] for i in at))
+        result = checkpointed(*(leaves[i] for i in at))
+        if layer is not None and len(layer.losses) > losses_before:
+            raise ValueError(
+                f"Layer {layer.name!r} adds a loss in call() (add_loss) and "
+                "is recomputed (keras.RematScope): its forward pass runs "
+                "without recording gradients, so that loss would get none. "
+                "Leave this layer out of the RematScope (e.g. mode="
+                "'list_of_layers' with the other layers' names).")
+        return result
 
     return call
 
 
-def let_keras_remat_take_keywords():
-    """Makes `keras.RematScope` / `keras.remat` work inside a `tf.function`.
+def patch_keras_remat(check_replay):
+    """Makes Keras' rematerialization (`keras.RematScope`, `keras.remat`)
+    work on the TF backend.
 
-    Keras 3's TF backend rematerializes with `tf.recompute_grad(call)` and
-    calls it with the layer's keyword arguments (every layer gets
-    `training=`), which `tf.custom_gradient` refuses in graph mode ("supports
-    keywords arguments only when eager execution is enabled"): on TF,
-    `RematScope(mode="full")` fails in any `fit`, even on one device
-    (tests/test_recompute.py). This replaces Keras' TF `remat` with
-    `recompute` once, and lets `SeedGenerator.next` replay seeds inside a
-    recomputation.
+    Keras 3.15 rematerializes with `tf.recompute_grad(call)` called with the
+    layer's keyword arguments (every layer gets `training=`), which
+    `tf.custom_gradient` refuses in graph mode ("supports keywords arguments
+    only when eager execution is enabled"): `RematScope(mode="full")` fails
+    in any `fit`, even on one device (tests/test_recompute.py). And
+    `tf.recompute_grad` would draw new Dropout masks in the recomputation.
+    This replaces Keras' TF `remat` with `recompute` and lets
+    `SeedGenerator.next` replay seeds inside a recomputation (calling
+    `check_replay(generator)` first), once.
     """
     from keras.src.backend.tensorflow import core  # noqa: PLC0415
     from keras.src.random import seed_generator  # noqa: PLC0415
@@ -233,7 +284,8 @@ def let_keras_remat_take_keywords():
         return
     core.remat = recompute
     generator = seed_generator.SeedGenerator
-    generator.next = functools.partialmethod(_next_seed, generator.next)
+    generator.next = functools.partialmethod(_next_seed, generator.next,
+                                             check_replay)
 
 
 def _optimizer_under(model, strategy):

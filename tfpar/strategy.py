@@ -254,7 +254,7 @@ class ShardedVariable(_compat.DVariable):
         if (self._tfpar_compute_spec is not None
                 and not tf.executing_eagerly() and in_spmd_step()):
             again = _compat.recompute_dependency()
-            if again is not None:  # recomputing: gather again (+ 0.0)
+            if again is not None:  # recomputing: a new gather, not the old
                 value = value + tf.cast(again, value.dtype)
             value = _gathered(value, self._tfpar_compute_spec,
                               self._tfpar_mesh)
@@ -794,6 +794,37 @@ def _gathered(stored, spec, mesh):
     return gather(stored)
 
 
+def _check_random_recomputation(generator):
+    """Refuses to recompute a random op on a mesh that splits tensors over
+    more than the data (and pipeline) axis.
+
+    A recomputation draws the forward pass's seed again, but DTensor
+    derives each device's random numbers from the seed and the tensor's
+    layout, and the recomputed tensor may be laid out otherwise: on
+    data=2×model=4, BatchNormalization then Dropout drew another mask in
+    the recomputation (tests/test_recompute.py). On data (× pipe) meshes
+    tensors are split by the batch alone, and the masks are the same.
+    """
+    context = tf.distribute.get_replica_context()
+    if not isinstance(context, _SPMDReplicaContext):
+        return
+    extended = context.strategy.extended
+    other = {axis: extended.mesh.axis_size(axis)
+             for axis in extended.mesh.axis_names
+             if axis not in (extended.data_axis, extended.pipeline_axis)
+             and extended.mesh.axis_size(axis) > 1}
+    if other:
+        raise ValueError(
+            "A recomputed layer (keras.RematScope) draws random numbers "
+            f"(seed generator {generator.name!r}, e.g. Dropout) on a mesh "
+            f"that also splits tensors over {other}: DTensor may lay the "
+            "recomputed tensor out differently from the forward pass and "
+            "draw another mask, so the gradients would be wrong. Leave "
+            "layers with random ops out of the RematScope (e.g. mode="
+            "'list_of_layers'), or recompute them on a data-only mesh. "
+            f"Received mesh: {extended.mesh!r}.")
+
+
 def in_spmd_step():
     """Whether the code runs inside a tfpar SPMD step (a traced step)."""
     return isinstance(tf.distribute.get_replica_context(), _SPMDReplicaContext)
@@ -851,4 +882,4 @@ def _owning_strategy(model):
 
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
-_compat.let_keras_remat_take_keywords()
+_compat.patch_keras_remat(_check_random_recomputation)

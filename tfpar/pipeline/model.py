@@ -144,8 +144,8 @@ class PipelineModel(keras.Model):
     # -- structure -----------------------------------------------------------
 
     def _place_stages(self):
-        """Moves every stage's weights onto its stage's sub-mesh (after
-        checking that no weight is used by two stages)."""
+        """Moves every stage's weights and other state onto its stage's
+        sub-mesh (after checking that no weight is used by two stages)."""
         owner = {}
         for stage in self._stages:
             for layer in stage.layers:
@@ -161,8 +161,10 @@ class PipelineModel(keras.Model):
         for stage in self._stages:
             mesh = self._extended.stage_meshes[stage.index]
             for layer in stage.layers:
-                for weight in split_lib.weights_of(layer):
-                    self._extended.move_to(weight, mesh)
+                # All state: weights and random seed generators (Dropout's
+                # seed drawn elsewhere would put its mask on another mesh).
+                for variable in getattr(layer, "variables", []):
+                    self._extended.move_to(variable, mesh)
         self._stage_weights = [
             [w for layer in stage.layers
              for w in split_lib.weights_of(layer, trainable=True)]

@@ -340,7 +340,7 @@ class RawConfig:
         if self.mesh is None:
             loss.numpy()
         else:
-            dtensor.unpack(loss)[0].numpy()  # (all devices: one program)
+            dtensor.unpack(loss)[0].numpy()
 
     def time_step(self):
         start = time.perf_counter()

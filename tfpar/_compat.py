@@ -122,6 +122,22 @@ def _pushed(name, value):
         stack.pop()
 
 
+@contextlib.contextmanager
+def _keras_globals(values):
+    """Keras' per-thread global attributes set to `values` ({name: value})
+    inside the block, restored after it."""
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    saved = {name: global_state.get_global_attribute(name) for name in values}
+    for name, value in values.items():
+        global_state.set_global_attribute(name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            global_state.set_global_attribute(name, value)
+
+
 def recompute_dependency():
     """While a layer is recomputed in the backward pass (see `recompute`):
     a scalar 0.0 computed from the upstream gradient. A variable read that
@@ -222,21 +238,14 @@ def recompute(f):
                 again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating
                          else t for t in tensors]
                 variables = list(variables or ())
-                saved = [global_state.get_global_attribute(name)
-                         for name in keras_context]
-                for name, value in zip(keras_context, context):
-                    global_state.set_global_attribute(name, value)
-                try:
-                    with tf.GradientTape() as tape:
-                        tape.watch([t for t in again if t.dtype.is_floating])
-                        tape.watch(variables)
-                        with _pushed("dependencies", zero), \
-                                _pushed("seeds", _Seeds(seeds.values, True)) \
-                                as replay, StatelessScope():
-                            recomputed = run(*again)
-                finally:
-                    for name, value in zip(keras_context, saved):
-                        global_state.set_global_attribute(name, value)
+                with _keras_globals(dict(zip(keras_context, context))), \
+                        tf.GradientTape() as tape:
+                    tape.watch([t for t in again if t.dtype.is_floating])
+                    tape.watch(variables)
+                    with _pushed("dependencies", zero), \
+                            _pushed("seeds", _Seeds(seeds.values, True)) \
+                            as replay, StatelessScope():
+                        recomputed = run(*again)
                 if replay.values:
                     raise RuntimeError(
                         "A recomputed layer drew fewer random seeds in the "

@@ -10,7 +10,9 @@ Trains the benchmark MLP of benchmarks/step_time.py (512 -> 1024 -> 512 ->
 schedules, on
 
 - `Mesh({"pipe": p})` over p of the CPUs (pipeline only), and
-- `Mesh({"pipe": p, "data": 8 // p})` (pipeline × data on all 8).
+- `Mesh({"pipe": p, "data": 8 // p})` (pipeline × data on all 8);
+- plus interleaved 1F1B with v = 2 parts per stage on pipe=2 × data=4
+  (the MLP's 5 layers allow 4 parts, not 8).
 
 It prints, side by side in one process (interleaved rounds, medians):
 
@@ -20,11 +22,13 @@ It prints, side by side in one process (interleaved rounds, medians):
   forward/backward passes in one tf.function, summed, one Adam update):
   the part of the cost that is micro-batching itself;
 - the bubble measured from an executed timeline (`record_timeline=True`,
-  TF's profiler) next to the theory (p - 1) / (m + p - 1);
+  TF's profiler) next to the theory (p - 1) / (v m + p - 1);
 - per stage, the peak number of micro-batches in flight (forward started,
-  backward not finished) in the executed timeline, and the activation
-  bytes that implies: in flight × bytes of the stage's layer outputs for
-  one micro-batch (1F1B keeps at most p - s, GPipe all m).
+  backward not finished; interleaved: per part) in the executed timeline,
+  and the activation bytes that implies: the bytes of the parts' layer
+  outputs for one micro-batch, summed over what is in flight (1F1B keeps
+  at most p - s, GPipe all m; interleaved 1F1B counts part × micro-batch
+  pairs, up to (p - s - 1) * 2 + (v - 1) * p + 1).
 
 `--gantt PATH` saves the executed 1F1B timeline of the pipe=4 × data=2 run
 as a PNG Gantt chart.
@@ -80,20 +84,25 @@ class AccumulatingModel:
         float(value)  # wait for the last step
 
 
-def in_flight_peaks(timeline, num_stages):
-    """Per stage: the most micro-batches between F start and B end."""
+def in_flight_peaks(timeline, num_stages, part_bytes):
+    """Per stage: the most (part, micro-batch) pairs between F start and B
+    end, and the most activation bytes alive (`part_bytes[k]` per pair of
+    part k = chunk * p + stage)."""
     peaks = []
     for s in range(num_stages):
         events = []
         for e in timeline:
             if e.stage == s:
-                events.append((e.start if e.kind == "F" else e.end,
-                               1 if e.kind == "F" else -1))
-        alive = peak = 0
-        for _, delta in sorted(events, key=lambda t: (t[0], t[1])):
+                sign = 1 if e.kind == "F" else -1
+                events.append((e.start if e.kind == "F" else e.end, sign,
+                               sign * part_bytes[e.chunk * num_stages + s]))
+        alive = peak = alive_bytes = peak_bytes = 0
+        for _, delta, size in sorted(events, key=lambda t: (t[0], t[1])):
             alive += delta
+            alive_bytes += size
             peak = max(peak, alive)
-        peaks.append(peak)
+            peak_bytes = max(peak_bytes, alive_bytes)
+        peaks.append((peak, peak_bytes))
     return peaks
 
 
@@ -153,6 +162,13 @@ def main():
                     compile_model(pipe, 1)
                 name = " x ".join(f"{k}={v}" for k, v in axes.items())
                 configs[f"{name} {schedule}"] = pipe
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        pipe = tfpar.PipelineModel(build_model(), num_microbatches=m,
+                                   schedule="1f1b", virtual_stages=2)
+        compile_model(pipe, 1)
+    configs["pipe=2 x data=4 1f1b v=2"] = pipe
     for model in configs.values():  # warm-up: tracing is not timed
         model.fit(dataset.take(1), epochs=1, verbose=0)
     times = {name: [] for name in configs}
@@ -181,13 +197,13 @@ def main():
         model.fit(dataset.take(1), epochs=1, verbose=0)
         model.record_timeline = False
         timeline = model.last_timeline
-        p = len(model.stages)
-        peaks = in_flight_peaks(timeline, p)
-        mib = [activation_bytes(stage, batch // m) * k / 2**20
-               for stage, k in zip(model.stages, peaks)]
+        p, v = model.schedule.num_stages, model.virtual_stages
+        peaks = in_flight_peaks(
+            timeline, p,
+            [activation_bytes(part, batch // m) for part in model.stages])
         line += (f"{bubble_fraction(timeline):>8.2f}"
-                 f"{theoretical_bubble_fraction(p, m):>8.2f}  "
-                 + " ".join(f"{k} ({v:.1f})" for k, v in zip(peaks, mib)))
+                 f"{theoretical_bubble_fraction(p, m, v):>8.2f}  "
+                 + " ".join(f"{k} ({b / 2**20:.1f})" for k, b in peaks))
         print(line)
         if args.gantt and name == "pipe=4 x data=2 1f1b":
             tfpar.plot_schedule(timeline, args.gantt,

@@ -7,7 +7,11 @@ curves and the peak micro-batches in flight per stage, and saves the
 executed timeline of the last step as a Gantt chart.
 
     python examples/pipeline.py [--pipe 4 --data 2 --microbatches 8
-                                 --schedule 1f1b --gantt pipeline.png]
+                                 --schedule 1f1b --virtual-stages 1
+                                 --gantt pipeline.png]
+
+`--virtual-stages 2` interleaves: the MLP is cut into 2 x pipe parts, part k
+on stage k mod pipe (Megatron-LM's virtual pipeline stages).
 """
 
 import argparse
@@ -39,6 +43,8 @@ def main():
                         help="data-parallel replicas inside every stage")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="model parts per stage (> 1: interleaved)")
     parser.add_argument("--depth", type=int, default=8, help="hidden layers")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -65,11 +71,14 @@ def main():
     with strategy.scope():
         pipe = tfpar.PipelineModel(
             build_mlp(args.depth), num_microbatches=args.microbatches,
-            schedule=args.schedule, record_timeline=True)
+            schedule=args.schedule, virtual_stages=args.virtual_stages,
+            record_timeline=True)
         pipe.set_weights(weights)
         pipe.compile(optimizer="adam", loss="mse")
+    interleaved = (f", interleaved: {args.virtual_stages} parts per stage"
+                   if args.virtual_stages > 1 else "")
     print(f"{args.schedule} pipeline on {strategy.mesh}, "
-          f"{args.microbatches} micro-batches per batch:")
+          f"{args.microbatches} micro-batches per batch{interleaved}:")
     print(pipe.split_report())
     history = pipe.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
                        shuffle=False, verbose=1)
@@ -84,13 +93,13 @@ def main():
     print(f"largest relative weight difference: {worst:.2e}")
     timeline = pipe.last_timeline
     print(f"{args.schedule} keeps at most these micro-batches' activations "
-          "per stage:", [pipe.schedule.peak_in_flight(s)
-                         for s in range(args.pipe)])
+          "per stage (part × micro-batch pairs when interleaved):",
+          [pipe.schedule.peak_in_flight(s) for s in range(args.pipe)])
     bubble = tfpar.pipeline.bubble_fraction(timeline)
-    theory = tfpar.pipeline.theoretical_bubble_fraction(args.pipe,
-                                                        args.microbatches)
-    print(f"measured bubble {bubble:.0%} (theory (p-1)/(m+p-1) = {theory:.0%}; "
-          "the stages share this host's cores)")
+    theory = tfpar.pipeline.theoretical_bubble_fraction(
+        args.pipe, args.microbatches, args.virtual_stages)
+    print(f"measured bubble {bubble:.0%} (theory (p-1)/(v·m+p-1) = "
+          f"{theory:.0%}; the stages share this host's cores)")
     path = tfpar.plot_schedule(timeline, args.gantt,
                                title=f"executed {args.schedule}, "
                                      f"pipe={args.pipe} x data={args.data}")

@@ -55,6 +55,16 @@ def test_pipeline_example_trains_in_parity_and_draws_the_timeline(tmp_path):
     assert "stage 3 on" in out and gantt.stat().st_size > 0
 
 
+def test_pipeline_example_interleaved(tmp_path):
+    out = run("pipeline.py", "--epochs", "1", "--depth", "3", "--pipe", "2",
+              "--data", "4", "--microbatches", "4", "--virtual-stages", "2",
+              "--gantt", str(tmp_path / "interleaved.png"))
+    difference = float(out.split("largest relative weight difference:")[1].split()[0])
+    assert difference < 1e-4
+    assert "part 3 (stage 1, chunk 1) on CPU:4..CPU:7" in out
+    assert "theory (p-1)/(v·m+p-1) = 11%" in out   # 1 / (2 * 4 + 1)
+
+
 def test_checkpoints_example_resumes_and_exports(tmp_path):
     out = run("checkpoints.py", "--width", "64", "--directory", str(tmp_path))
     difference = float(out.split("largest relative loss difference:")[1].split()[0])

@@ -476,3 +476,196 @@ def test_steps_per_execution_and_validation_data():
     got = fit(pipe)
     for key in ("loss", "val_loss"):
         assert models.relative_error(want[key], got[key]) < RTOL
+
+
+# -- interleaved stages (virtual_stages > 1) ----------------------------------
+
+
+@pytest.mark.parametrize("axes,microbatches,schedule,virtual", [
+    ({"pipe": 2, "data": 4}, 4, "1f1b", 2),
+    ({"pipe": 4, "data": 2}, 4, "1f1b", 2),   # 8 parts: one layer each
+    ({"pipe": 2, "data": 4}, 2, "gpipe", 3),
+    ({"pipe": 1, "data": 8}, 2, "1f1b", 2),   # parts share the one mesh
+])
+def test_interleaved_parity(axes, microbatches, schedule, virtual):
+    _, pipe = pipeline(axes, num_microbatches=microbatches, schedule=schedule,
+                       virtual_stages=virtual)
+    assert len(pipe.stages) == axes["pipe"] * virtual
+    assert pipe.virtual_stages == pipe.schedule.virtual_stages == virtual
+    assert_parity(train(pipe))
+
+
+def test_interleaved_parity_with_tensor_parallel_parts():
+    strategy, pipe = pipeline({"pipe": 2, "data": 2, "model": 2},
+                              rules=TP_RULES, num_microbatches=2,
+                              virtual_stages=2,
+                              stage_boundaries=["d1", "ln", "drop"])
+    assert_parity(train(pipe))
+    # d0 (part 0) and d2 (part 2) both sit on stage 0, split over "model".
+    for name in ("d0", "d2"):
+        blocks = dtensor.unpack(pipe.get_layer(name).kernel.value.read_value())
+        assert [tuple(c.shape) for c in blocks] == \
+            [(16 if name == "d0" else 32, 16)] * 4
+        devices = dtensor.fetch_layout(
+            pipe.get_layer(name).kernel.value).mesh.local_devices()
+        assert [d.split("device:")[-1] for d in devices] == \
+            list(strategy.stage_meshes[0].devices)
+
+
+def test_interleaved_parts_live_on_their_stage():
+    """Part k sits on stage k mod p: its weights and its own optimizer's
+    slots on that stage's devices only; the report names part and chunk."""
+    strategy, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2,
+                              virtual_stages=2,
+                              stage_boundaries=["d1", "d2", "drop"])
+    pipe.compile(optimizer="adam", loss="mse")
+    assert [s.layer_names for s in pipe.stages] == [
+        ["d0"], ["d1", "add", "ln"], ["d2"], ["drop", "scale", "out"]]
+    report = pipe.split_report().splitlines()
+    assert report[2].startswith("part 2 (stage 0, chunk 1) on CPU:0..CPU:3")
+    assert report[3].startswith("part 3 (stage 1, chunk 1) on CPU:4..CPU:7")
+    x, y = models.mlp_data()
+    pipe.fit(x, y, batch_size=16, verbose=0)
+    memory = strategy.memory_per_device()
+    for s, mesh in enumerate(strategy.stage_meshes):
+        params = sum(int(np.prod(w.shape)) * 4
+                     for part in pipe.stages[s::2] for layer in part.layers
+                     for w in layer.trainable_weights)
+        for part in pipe.stages[s::2]:
+            for weight in (w for layer in part.layers for w in layer.weights):
+                devices = dtensor.fetch_layout(weight.value).mesh.local_devices()
+                assert [d.split("device:")[-1] for d in devices] == \
+                    list(mesh.devices)
+        for device in mesh.devices:
+            assert memory[device]["params"] == params
+            assert memory[device]["optimizer"] == 2 * params  # Adam m, v
+    assert len(pipe.stage_optimizers) == 4
+
+
+def test_interleaved_crosses_the_stages_v_times():
+    """With v = 2 on two stages a micro-batch goes stage 0 -> 1 -> 0 -> 1:
+    three transfers forward and three back per micro-batch, each onto the
+    devices of the receiving part's stage. (The cut keeps d0's skip
+    connection inside part 1 and d2's regularisation loss in the last
+    part: nothing else moves.)"""
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2,
+                       virtual_stages=2, stage_boundaries=["d1", "ln", "d2"])
+    pipe.compile(optimizer="adam", loss="mse")
+    x, y = models.mlp_data(n=32)
+    pipe.fit(x, y, batch_size=32, verbose=0)
+    runner = PipelineRunner(pipe, "train")
+    graph = runner._function("train").get_concrete_function(
+        runner._place(x, 0, 2, True), runner._place((y, None), -1, 2, True),
+        True).graph
+    scopes = collections.Counter()
+    mesh = tfpar.Mesh({"pipe": 2, "data": 4})
+    for op in graph.get_operations():
+        match = re.search(r"send_(\d)_to_(\d)(_\d+)?/", op.name)
+        if match and op.type == "Relayout":
+            # Part k lives on stage k mod 2: a copy onto those devices.
+            target = mesh.submesh("pipe", int(match[2]) % 2).devices
+            if all(d in op.get_attr("layout").decode() for d in target):
+                scopes[(match[1], match[2], op.name[:match.end()])] += 1
+    pairs = collections.Counter((a, b) for a, b, _ in scopes)
+    assert pairs == {("0", "1"): 2, ("1", "2"): 2, ("2", "3"): 2,
+                     ("1", "0"): 2, ("2", "1"): 2, ("3", "2"): 2}
+
+
+def test_interleaved_partial_last_batch_evaluate_and_predict():
+    """100 samples at batch 32: the last batch of 4 runs m = 4 micro-batches
+    of one sample (1f1b: p | m); 99 samples leave 3, run as looped GPipe
+    (interleaved 1F1B needs p | m). Both as on one device."""
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                       virtual_stages=2)
+    runner = PipelineRunner(pipe, "train")
+    assert runner._schedule_for(4) is pipe.schedule
+    assert (runner._schedule_for(2).name, runner._schedule_for(3).name) == (
+        "1f1b", "gpipe")
+    assert runner._schedule_for(3).virtual_stages == 2
+    for n in (100, 99):
+        x, y = models.mlp_data(n=n)
+        single = build()
+        single.set_weights(list(initial_weights()))
+        single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                           virtual_stages=2)
+        pipe.set_weights(list(initial_weights()))
+        pipe.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        want = single.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        got = pipe.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        assert models.relative_error(want.history["loss"],
+                                     got.history["loss"]) < RTOL
+        for a, b in zip(single.get_weights(), pipe.get_weights()):
+            assert models.relative_error(a, b) < RTOL
+    assert models.relative_error(single.evaluate(x, y, verbose=0),
+                                 pipe.evaluate(x, y, verbose=0)) < RTOL
+    assert models.relative_error(single.predict(x, verbose=0),
+                                 pipe.predict(x, verbose=0)) < RTOL
+
+
+def test_interleaved_timeline_follows_the_data_flow():
+    _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2,
+                       virtual_stages=2, record_timeline=True)
+    pipe.compile(optimizer="adam", loss="mse")
+    x, y = models.mlp_data(n=32)
+    pipe.fit(x, y, batch_size=32, verbose=0)
+    timeline = pipe.last_timeline
+    starts = {(e.chunk * 2 + e.stage, e.kind, e.microbatch): e.start
+              for e in timeline}
+    assert len(starts) == len(timeline) == 4 * 2 * 2
+    assert {(e.stage, e.chunk) for e in timeline} == {
+        (0, 0), (1, 0), (0, 1), (1, 1)}
+    for k in range(3):  # part k+1 needs part k's activations, and back
+        for i in range(2):
+            assert starts[(k, "F", i)] < starts[(k + 1, "F", i)]
+            assert starts[(k + 1, "B", i)] < starts[(k, "B", i)]
+
+
+def test_interleaved_checkpoint_loads_into_a_plain_pipeline(tmp_path):
+    """A checkpoint of an interleaved pipeline (optimizer state of four
+    parts) resumes on a plain pipe=2 one as if training never stopped."""
+    x, y = models.mlp_data()
+
+    def compiled(model):
+        model.set_weights(list(initial_weights()))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    def fit(model):
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return losses.losses
+
+    single = compiled(build())
+    want = fit(single) + fit(single)
+    _, first = pipeline({"pipe": 2, "data": 4}, num_microbatches=2,
+                        virtual_stages=2)
+    got = fit(compiled(first))
+    tfpar.save_checkpoint(first, tmp_path)
+    _, second = pipeline({"pipe": 2, "data": 4}, num_microbatches=2)
+    compiled(second)
+    assert tfpar.restore_checkpoint(second, tmp_path) == 2
+    got += fit(second)
+    assert models.relative_error(want, got) < RTOL
+    for a, b in zip(single.get_weights(), second.get_weights()):
+        assert models.relative_error(a, b) < RTOL
+
+
+@pytest.mark.parametrize("axes,kwargs,match", [
+    ({"pipe": 4, "data": 2}, dict(num_microbatches=6, virtual_stages=2),
+     r"multiple of num_stages \(4\)\. Received: num_microbatches=6"),
+    ({"pipe": 4, "data": 2}, dict(num_microbatches=4, virtual_stages=3),
+     r"3 × 4 = 12 parts.*only 8 layer\(s\).*virtual_stages <= 2"),
+    ({"pipe": 2, "data": 4}, dict(num_microbatches=2, virtual_stages=0),
+     r"virtual_stages\) needs an int >= 1.*virtual_stages=0"),
+    ({"pipe": 2, "data": 4}, dict(num_microbatches=2, virtual_stages=2,
+                                  stage_boundaries=["d2"]),
+     r"needs 3 name\(s\) for 4 stages/parts"),
+])
+def test_interleaved_bad_arguments_are_clear_errors(axes, kwargs, match):
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes))
+    with strategy.scope():
+        model = build()
+        with pytest.raises(ValueError, match=match):
+            tfpar.PipelineModel(model, **kwargs)

@@ -2,6 +2,7 @@
 
 import doctest
 import itertools
+import re
 from collections import defaultdict
 
 import pytest
@@ -206,7 +207,123 @@ def test_plot_schedule_writes_png(tmp_path, as_tuples):
 def test_timeline_entries_are_tuples():
     entry = gpipe(1, 1).simulate()[0]
     assert isinstance(entry, TimelineEntry)
-    assert tuple(entry) == (0, "F", 0, 0, 1.0)
+    assert tuple(entry) == (0, "F", 0, 0, 1.0, 0)
+    assert TimelineEntry(1, "B", 2, 0.5, 1.5) == (1, "B", 2, 0.5, 1.5, 0)
+
+
+# -- interleaved schedules (virtual stages) ----------------------------------
+
+INTERLEAVED = pytest.mark.parametrize("name,p,m,v", [
+    (name, p, m, v) for name in ("gpipe", "1f1b") for p in (1, 2, 4)
+    for m in (p, 2 * p, 4 * p) for v in (2, 3)])
+
+
+@INTERLEAVED
+def test_interleaved_schedules_run_every_chunk_once(name, p, m, v):
+    schedule = get_schedule(name, p, m, virtual_stages=v)
+    assert (schedule.num_stages, schedule.num_microbatches,
+            schedule.virtual_stages, schedule.num_parts) == (p, m, v, p * v)
+    for s, row in enumerate(schedule.actions):
+        assert sorted(row, key=str) == sorted(
+            (Action(s, k, i, c) for c in range(v) for k in "FB"
+             for i in range(m)), key=str)
+    # Part k = chunk * p + stage: stage s holds parts s, s + p, s + 2p, ...
+    parts = {schedule.part(a) for row in schedule.actions for a in row}
+    assert parts == set(range(p * v))
+    assert all(schedule.part(a) % p == s
+               for s, row in enumerate(schedule.actions) for a in row)
+
+
+@INTERLEAVED
+def test_interleaved_timeline_respects_dependencies_between_parts(name, p, m, v):
+    schedule = get_schedule(name, p, m, virtual_stages=v)
+    timeline = schedule.simulate(1.0, 2.0)
+    at = {(e.chunk * p + e.stage, e.kind, e.microbatch): e for e in timeline}
+    assert len(at) == len(timeline) == 2 * p * v * m
+    for k, i in itertools.product(range(p * v), range(m)):
+        f, b = at[(k, "F", i)], at[(k, "B", i)]
+        assert f.end - f.start == pytest.approx(1.0 / v)
+        assert b.end - b.start == pytest.approx(2.0 / v)
+        assert f.end <= b.start
+        if k + 1 < p * v:  # activations to part k+1, its gradients back
+            assert f.end <= at[(k + 1, "F", i)].start
+            assert at[(k + 1, "B", i)].end <= b.start
+    order = schedule.execution_order()
+    assert [(a.stage, a.kind, a.microbatch, a.chunk) for a in order] == [
+        (e.stage, e.kind, e.microbatch, e.chunk) for e in timeline]
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 16, 2),
+                                   (3, 6, 3)])
+def test_interleaved_1f1b_shrinks_the_bubble_as_megatron_says(p, m, v):
+    """Narayanan et al. 2021: the bubble goes from (p-1)/(m+p-1) to
+    (p-1)/(vm+p-1); stage s keeps (p-s-1)*2 + (v-1)*p + 1 chunk
+    activations alive (Megatron-LM's warm-up plus one), all m*v if m == p.
+    Looped GPipe matches that bubble for m >= p, not below."""
+    interleaved = one_f_one_b(p, m, virtual_stages=v)
+    assert interleaved.bubble_fraction(1.0, 1.0) == pytest.approx(
+        theoretical_bubble_fraction(p, m, v)) == pytest.approx(
+        (p - 1) / (v * m + p - 1))
+    assert interleaved.bubble_fraction(1.0, 1.0) < one_f_one_b(
+        p, m).bubble_fraction(1.0, 1.0)
+    for s in range(p):
+        assert interleaved.peak_in_flight(s) == min(
+            (p - s - 1) * 2 + (v - 1) * p + 1, m * v)
+        assert one_f_one_b(p, p, v).peak_in_flight(s) == p * v  # all warm-up
+    # 1F1B in steady state: stage 0 never holds all m * v chunk-batches
+    # once m is larger than p (GPipe does).
+    assert gpipe(p, m, v).peak_in_flight(0) == m * v
+    assert gpipe(p, m, v).bubble_fraction(1.0, 1.0) == pytest.approx(
+        theoretical_bubble_fraction(p, m, v))
+    if p > 1:
+        assert gpipe(p, p - 1, v).bubble_fraction(1.0, 1.0) > \
+            theoretical_bubble_fraction(p, p - 1, v)
+    if m > p:
+        assert interleaved.peak_in_flight(0) < m * v
+
+
+def test_interleaved_1f1b_order_matches_megatron():
+    """p=2, v=2, m=4: micro-batches go through chunk 0 in groups of p, then
+    chunk 1; backwards walk the chunks in reverse. Warm-up (p-s-1)*2 +
+    (v-1)*p forwards: 4 on stage 0, 2 on stage 1; with m == p every
+    forward is warm-up (Megatron-LM's all_warmup_microbatches)."""
+    schedule = one_f_one_b(2, 4, 2)
+    assert [str(a) for a in schedule.actions[0]] == [
+        "0F0", "0F1", "0F0.1", "0F1.1", "0F2", "0B0.1", "0F3", "0B1.1",
+        "0F2.1", "0B0", "0F3.1", "0B1", "0B2.1", "0B3.1", "0B2", "0B3"]
+    assert [str(a) for a in schedule.actions[1]] == [
+        "1F0", "1F1", "1F0.1", "1B0.1", "1F1.1", "1B1.1", "1F2", "1B0",
+        "1F3", "1B1", "1F2.1", "1B2.1", "1F3.1", "1B3.1", "1B2", "1B3"]
+    for row in one_f_one_b(2, 2, 2).actions:
+        assert [a.kind for a in row] == ["F"] * 4 + ["B"] * 4
+        assert [(a.microbatch, a.chunk) for a in row] == [
+            (0, 0), (1, 0), (0, 1), (1, 1), (0, 1), (1, 1), (0, 0), (1, 0)]
+    assert str(one_f_one_b(2, 2, 2)).splitlines()[0] == (
+        "1f1b schedule, 2 stages x 2 chunks x 2 micro-batches")
+
+
+def test_interleaved_1f1b_needs_microbatches_multiple_of_stages():
+    with pytest.raises(ValueError, match=r"multiple of num_stages \(4\)\. "
+                                         r"Received: num_microbatches=6"):
+        one_f_one_b(4, 6, virtual_stages=2)
+    assert gpipe(4, 6, virtual_stages=2).num_microbatches == 6
+    with pytest.raises(ValueError, match="virtual_stages must be >= 1"):
+        get_schedule("1f1b", 2, 2, virtual_stages=0)
+
+
+def test_interleaved_schedule_validation_and_rendering():
+    with pytest.raises(ValueError, match=r"chunks 0\.\.1"):
+        Schedule("bad", [[Action(0, "F", 0, 2), Action(0, "B", 0, 2)]],
+                 virtual_stages=2)
+    with pytest.raises(ValueError, match=r"0B0\.1 comes before 0F0\.1"):
+        Schedule("bad", [[Action(0, "F", 0), Action(0, "B", 0, 1),
+                          Action(0, "F", 0, 1), Action(0, "B", 0)]])
+    with pytest.raises(ValueError, match=r"misses 0F0\.1, 0B0\.1"):
+        Schedule("bad", [[Action(0, "F", 0), Action(0, "B", 0)]],
+                 virtual_stages=2)
+    text = format_timeline(gpipe(2, 1, 2).simulate(1.0, 1.0))
+    assert re.findall(r"[FB]\d(?:\.\d)?", text.splitlines()[0]) == [
+        "F0", "F0.1", "B0.1", "B0"]
 
 
 @pytest.mark.parametrize("module", [pipeline, pipeline.schedules, pipeline.timeline])

@@ -21,6 +21,11 @@ One training step is one `tf.function` holding every stage's work:
 - each stage's actions run in its schedule's order (GPipe or 1F1B), chained
   by control dependencies; different stages run concurrently wherever the
   data flow allows. Then every stage applies its optimizer to its weights.
+- interleaved (`virtual_stages=v`): the model is cut into v × p parts and
+  part k runs on stage k mod p (Megatron-LM's virtual pipeline stages);
+  everything above holds per part, a micro-batch crossing the stages v
+  times, and a stage's actions (of all its parts) are chained in its
+  schedule's order.
 
 Keras' optimizer keeps scalar state (`iterations`, the learning rate) that
 every update reads; a DTensor op cannot read tensors of two meshes, so each
@@ -75,9 +80,18 @@ class PipelineModel(keras.Model):
         num_microbatches: m, micro-batches per global batch. The global
             batch must be divisible by m × the data axis size.
         schedule: "1f1b" (default: at most p micro-batches' activations
-            alive per stage) or "gpipe" (all m).
-        stage_boundaries: names of the layers where stages 1..p-1 begin;
-            None cuts automatically.
+            alive per stage; interleaved, Megatron-LM's warm-up
+            (p-s-1)·2 + (v-1)·p plus one part-micro-batch pairs, each 1/v
+            of a stage) or "gpipe" (all m).
+        virtual_stages: v, model parts per stage (default 1). With v > 1
+            the model is cut into v × p parts, part k on stage k mod p, and
+            the schedule is interleaved ("1f1b": Megatron-LM's interleaved
+            1F1B, num_microbatches a multiple of p; "gpipe": looped GPipe):
+            the bubble shrinks from (p-1)/(m+p-1) to (p-1)/(v·m+p-1) (looped
+            GPipe: only for m >= p) for v times more stage-to-stage
+            transfers.
+        stage_boundaries: names of the layers where parts 1..v·p-1 begin
+            (stages 1..p-1 without interleaving); None cuts automatically.
         balance: what the automatic cut balances: "params" (parameter
             count, default) or "time" (each layer's measured forward time
             on one batch of zeros; needs `input_shape` known, i.e. a model
@@ -90,7 +104,7 @@ class PipelineModel(keras.Model):
 
     def __init__(self, model, num_microbatches, schedule="1f1b",
                  stage_boundaries=None, balance="params",
-                 record_timeline=False, name=None):
+                 record_timeline=False, name=None, virtual_stages=1):
         strategy = tf.distribute.get_strategy()
         extended = getattr(strategy, "extended", None)
         if not hasattr(extended, "stage_meshes"):
@@ -108,10 +122,15 @@ class PipelineModel(keras.Model):
             raise ValueError(
                 "PipelineModel(num_microbatches) needs an int >= 1. "
                 f"Received: num_microbatches={num_microbatches!r}")
+        if isinstance(virtual_stages, bool) or not isinstance(
+                virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(
+                "PipelineModel(virtual_stages) needs an int >= 1 (model "
+                f"parts per stage). Received: virtual_stages={virtual_stages!r}")
         num_stages = len(extended.stage_meshes)
-        # Validates the name before anything changes.
-        full_schedule = schedules_lib.get_schedule(schedule, num_stages,
-                                                   num_microbatches)
+        # Validates the name (and m for interleaving) before anything changes.
+        full_schedule = schedules_lib.get_schedule(
+            schedule, num_stages, num_microbatches, virtual_stages)
         if balance not in split_lib.BALANCE_MODES:
             raise ValueError(
                 f"PipelineModel(balance) must be one of "
@@ -120,12 +139,21 @@ class PipelineModel(keras.Model):
             raise ValueError(
                 f"PipelineModel needs a built model; model {model.name!r} is "
                 "not built. Give it a keras.Input (Sequential) or build it.")
+        num_layers = len(split_lib.model_graph(model)[1])
+        if virtual_stages > 1 and num_stages * virtual_stages > num_layers:
+            raise ValueError(
+                f"PipelineModel cuts the model into virtual_stages × stages "
+                f"= {virtual_stages} × {num_stages} = "
+                f"{virtual_stages * num_stages} parts, but model "
+                f"{model.name!r} has only {num_layers} layer(s). Received: "
+                f"virtual_stages={virtual_stages}. Use virtual_stages <= "
+                f"{max(1, num_layers // num_stages)}.")
         costs = None
         if stage_boundaries is None and balance == "time":
             costs = _measured_layer_times(model, extended)
         _check_sequence_parallel(model, extended)
-        stages = split_lib.split_model(model, num_stages, stage_boundaries,
-                                       costs)
+        stages = split_lib.split_model(model, num_stages * virtual_stages,
+                                       stage_boundaries, costs)
         super().__init__(name=name or f"pipeline_{model.name}")
         self.wrapped = model
         self._extended = extended
@@ -143,23 +171,30 @@ class PipelineModel(keras.Model):
 
     # -- structure -----------------------------------------------------------
 
+    def part_mesh(self, part):
+        """The `tfpar.Mesh` of model part `part`: stage `part mod p`'s."""
+        meshes = self._extended.stage_meshes
+        return meshes[part % len(meshes)]
+
     def _place_stages(self):
-        """Moves every stage's weights and other state onto its stage's
-        sub-mesh (after checking that no weight is used by two stages)."""
+        """Moves every part's weights and other state onto its stage's
+        sub-mesh (after checking that no weight is used by two parts)."""
         owner = {}
         for stage in self._stages:
             for layer in stage.layers:
                 for weight in split_lib.weights_of(layer):
                     first = owner.setdefault(id(weight), (stage.index, layer))
                     if first[0] != stage.index:
+                        unit = "part" if len(self._stages) > len(
+                            self._extended.stage_meshes) else "stage"
                         raise ValueError(
                             f"Weight {weight.path!r} is used by layer "
-                            f"{first[1].name!r} (stage {first[0]}) and by "
-                            f"layer {layer.name!r} (stage {stage.index}). "
-                            "Keep layers that share weights in one stage "
+                            f"{first[1].name!r} ({unit} {first[0]}) and by "
+                            f"layer {layer.name!r} ({unit} {stage.index}). "
+                            f"Keep layers that share weights in one {unit} "
                             "(stage_boundaries).")
         for stage in self._stages:
-            mesh = self._extended.stage_meshes[stage.index]
+            mesh = self.part_mesh(stage.index)
             for layer in stage.layers:
                 # All state: weights and random seed generators (Dropout's
                 # seed drawn elsewhere would put its mask on another mesh).
@@ -172,8 +207,14 @@ class PipelineModel(keras.Model):
 
     @property
     def stages(self):
-        """The `tfpar.pipeline.split.Stage`s, in order."""
+        """The model parts (`tfpar.pipeline.split.Stage`s) in pipeline
+        order: one per stage, or v per stage when interleaved."""
         return list(self._stages)
+
+    @property
+    def virtual_stages(self):
+        """v, model parts per stage (1: not interleaved)."""
+        return self._schedule.virtual_stages
 
     @property
     def num_microbatches(self):
@@ -186,8 +227,10 @@ class PipelineModel(keras.Model):
 
     def split_report(self):
         """Which stage holds which layers and parameters, on which devices."""
-        devices = [_device_range(m) for m in self._extended.stage_meshes]
-        return split_lib.format_split(self._stages, devices)
+        devices = [_device_range(self.part_mesh(stage.index))
+                   for stage in self._stages]
+        return split_lib.format_split(self._stages, devices,
+                                      len(self._extended.stage_meshes))
 
     def call(self, inputs, training=None):
         # Symbolic use only (Keras builds output specs with it); concrete
@@ -245,14 +288,15 @@ class PipelineModel(keras.Model):
 
     @property
     def stage_optimizers(self):
-        """One built optimizer per stage, for that stage's weights; the last
-        is `self.optimizer` (the others are copies of its config, created
-        on first use, kept in step by `sync_stage_optimizers`)."""
+        """One built optimizer per model part (per stage unless
+        interleaved), for that part's weights; the last is `self.optimizer`
+        (the others are copies of its config, created on first use, kept in
+        step by `sync_stage_optimizers`)."""
         optimizer = self.optimizer
         if optimizer is None:
             return []
         if self._optimizers is None or self._optimizers[-1] is not optimizer:
-            meshes = self._extended.stage_meshes
+            meshes = [self.part_mesh(k) for k in range(len(self._stages))]
             with self.distribute_strategy.scope():
                 if not optimizer.built:
                     with self._extended.placing_on(meshes[-1]):
@@ -324,8 +368,9 @@ class PipelineRunner:
                 "Compile with run_eagerly=False (the default).")
         self._model = pipeline
         self._extended = extended = pipeline._extended  # noqa: SLF001
-        self._meshes = extended.stage_meshes
-        self._stages = pipeline._stages  # noqa: SLF001
+        self._stages = pipeline._stages  # noqa: SLF001  (the model parts)
+        # Indexed by part (the model part runs on its stage's mesh).
+        self._meshes = [pipeline.part_mesh(k) for k in range(len(self._stages))]
         self._mode = mode
         self._data_axis = extended.data_axis
         last = self._meshes[-1]
@@ -399,7 +444,8 @@ class PipelineRunner:
         with _compat.OpEvents() as trace:
             logs = function(xs, targets, split)
             tf.nest.map_structure(placement.fetch, logs)  # wait for the step
-        self._model.last_timeline = _timeline(trace.events)
+        self._model.last_timeline = _timeline(
+            trace.events, len(self._extended.stage_meshes))
         return logs
 
     def predict_batch(self, x):
@@ -429,8 +475,8 @@ class PipelineRunner:
     def _move(self, tensor, source, target, split):
         """`tensor` from stage `source`'s mesh to stage `target`'s, with the
         batch dimension split over the data axis when `split`."""
-        if source == target:
-            return tensor
+        if self._meshes[source] is self._meshes[target]:
+            return tensor  # parts on one stage (e.g. one stage, v > 1)
         rank = tensor.shape.rank
         src, dst = self._meshes[source], self._meshes[target]
         with tf.name_scope(f"send_{source}_to_{target}"):
@@ -537,47 +583,58 @@ class PipelineRunner:
                 t, layout_lib.replicated_spec(t.shape.rank), last),
             self._model.get_metrics_result())
 
+    def _schedule_for(self, m):
+        """The schedule of a batch of m micro-batches (an epoch's smaller
+        last batch may have fewer than the model's)."""
+        full = self._model.schedule
+        if m == full.num_microbatches:
+            return full
+        if full.virtual_stages > 1 and m % full.num_stages:
+            # Interleaved 1F1B needs p | m; looped GPipe runs any m and the
+            # step's result does not depend on the order.
+            return schedules_lib.gpipe(full.num_stages, m, full.virtual_stages)
+        return schedules_lib.get_schedule(full.name, full.num_stages, m,
+                                          full.virtual_stages)
+
     def _train(self, xs, targets, split):
-        p = len(self._stages)
         m = tf.nest.flatten(xs)[0].shape[0]
         size = tf.nest.flatten(xs)[0].shape[1]
-        schedule = (self._model.schedule if m == self._model.num_microbatches
-                    else schedules_lib.get_schedule(self._model.schedule.name,
-                                                    p, m))
-        order = schedule.simulate(forward_time=1.0, backward_time=2.0)
+        schedule = self._schedule_for(m)
         weights = self._model._stage_weights  # noqa: SLF001
-        activations = {}   # (s, i) -> inputs of stage s for micro-batch i
-        gradients = {}     # (s, i) -> gradients of stage s's outputs
-        extras = {}        # (s, i) -> additional losses so far (stop-grad)
-        tapes = {}         # (s, i) -> (tape, watched inputs, targets)
+        # Keyed by (k, i): model part k, micro-batch i.
+        activations = {}   # inputs of part k
+        gradients = {}     # gradients of part k's outputs
+        extras = {}        # additional losses so far (stop-grad)
+        tapes = {}         # (tape, watched inputs, targets)
         sums = [[None] * len(w) for w in weights]
-        tokens = [None] * p   # per stage: zeros computed from its last action
+        # Per stage (device): zeros computed from its last action.
+        tokens = [None] * schedule.num_stages
         scale = 1.0 / m
-        for action in order:
-            s, i, kind = action.stage, action.microbatch, action.kind
+        for action in schedule.execution_order():
+            k, i, kind = schedule.part(action), action.microbatch, action.kind
             # The scope names the action's ops (see `_timeline`).
-            with self._on_stage(s), \
-                    tf.name_scope(f"{_ACTION_SCOPE}{s}{kind}{i}"):
+            with self._on_stage(k), \
+                    tf.name_scope(f"{_ACTION_SCOPE}{k}{kind}{i}"):
                 if kind == FORWARD:
                     done = self._train_forward(
-                        s, i, xs, targets, split, size, scale, activations,
-                        extras, tapes, tokens[s])
+                        k, i, xs, targets, split, size, scale, activations,
+                        extras, tapes, tokens[action.stage])
                 else:
                     done = self._train_backward(
-                        s, i, split, weights[s], sums[s], gradients, tapes,
-                        tokens[s])
-                tokens[s] = _token(done, size)
+                        k, i, split, weights[k], sums[k], gradients, tapes,
+                        tokens[action.stage])
+                tokens[action.stage] = _token(done, size)
         for s, optimizer in enumerate(self._model.stage_optimizers):
             grads = [tf.zeros_like(w) if g is None else g
                      for g, w in zip(sums[s], weights[s])]
             with self._on_stage(s):
                 optimizer.apply(grads, weights[s])
-        with self._on_stage(p - 1):
+        with self._on_stage(len(self._stages) - 1):
             return self._logs()
 
     @contextlib.contextmanager
     def _on_stage(self, s):
-        """Code traced in this context runs on stage s's mesh: ops with no
+        """Code traced in this context runs on part s's mesh: ops with no
         DTensor input (constants) are placed there, and so are tfpar's own
         relayouts inside layers (`extended.placement_mesh`)."""
         mesh = self._meshes[s]
@@ -723,9 +780,10 @@ _COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")
 _LAYOUT_OPS = re.compile(r"Relayout|DTensorAll|CopyToMesh")
 
 
-def _timeline(events):
+def _timeline(events, num_stages):
     """The executed timeline from profiled op events (TF's profiler names
-    every executed op "<scope>/<name>:<type>").
+    every executed op "<scope>/<name>:<type>"); part k is reported as
+    stage k mod p, chunk k // p.
 
     An action spans from the start of its first to the end of its last
     matrix multiply or convolution on its stage's devices (ops that do not
@@ -754,8 +812,9 @@ def _timeline(events):
     if not spans:
         return []
     origin = min(low for low, _ in spans.values())
-    return sorted((TimelineEntry(s, kind, i, low - origin, high - origin)
-                   for (s, kind, i), (low, high) in spans.items()),
+    return sorted((TimelineEntry(k % num_stages, kind, i, low - origin,
+                                 high - origin, k // num_stages)
+                   for (k, kind, i), (low, high) in spans.items()),
                   key=lambda e: (e.start, e.stage))
 
 

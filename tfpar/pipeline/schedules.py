@@ -17,6 +17,15 @@ Two classic schedules are provided, modelled on
 With equal forward and backward costs both have the same idle ("bubble")
 fraction, `(p - 1) / (m + p - 1)`: 1F1B saves memory, not time.
 
+Both also come *interleaved* (`virtual_stages=v > 1`, Narayanan et al.,
+2021, Megatron-LM's virtual pipeline stages): the model is cut into `v * p`
+chunks and stage `s` holds chunks `s, s + p, s + 2p, ...`, so a micro-batch
+crosses every stage `v` times, each time doing `1/v` of the stage's work.
+The pipe fills and drains `v` times faster: interleaved 1F1B's bubble is
+`(p - 1) / (v * m + p - 1)`, at the price of `v` times more stage-to-stage
+transfers. Interleaved 1F1B needs `m` to be a multiple of `p` (Megatron-LM's
+rule: micro-batches go through the chunks in groups of `p`).
+
 Example:
 
 >>> from tfpar.pipeline import one_f_one_b
@@ -58,24 +67,28 @@ class Action:
         stage: Pipeline stage (device) index, 0 is the first stage.
         kind: "F" for the forward pass, "B" for the backward pass.
         microbatch: Micro-batch index, 0-based.
+        chunk: Which of the stage's model chunks runs (interleaved
+            schedules; 0 otherwise). With `p` stages, chunk `c` of stage `s`
+            is model part `c * p + s` (`Schedule.part`).
 
     Example:
 
     >>> str(Action(stage=1, kind="F", microbatch=0))
     '1F0'
-    >>> str(Action(0, "B", 3))
-    '0B3'
+    >>> str(Action(0, "B", 3, chunk=1))
+    '0B3.1'
     """
 
     stage: int
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __post_init__(self):
         if self.kind not in (FORWARD, BACKWARD):
             raise ValueError(
                 f"Action kind must be 'F' or 'B'. Received: kind={self.kind!r}")
-        for field in ("stage", "microbatch"):
+        for field in ("stage", "microbatch", "chunk"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(
@@ -83,14 +96,16 @@ class Action:
                     f"Received: {field}={value!r}")
 
     def __str__(self):
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        suffix = f".{self.chunk}" if self.chunk else ""
+        return f"{self.stage}{self.kind}{self.microbatch}{suffix}"
 
 
 class TimelineEntry(NamedTuple):
     """One simulated action: which stage ran what, from `start` to `end`.
 
     A `NamedTuple`, so it also unpacks as
-    `(stage, kind, microbatch, start, end)`.
+    `(stage, kind, microbatch, start, end, chunk)`; `chunk` (the stage's
+    model chunk, see `Action`) may be left out when building one.
     """
 
     stage: int
@@ -98,6 +113,7 @@ class TimelineEntry(NamedTuple):
     microbatch: int
     start: float
     end: float
+    chunk: int = 0
 
 
 def _check_count(value, arg):
@@ -118,20 +134,25 @@ def _check_count(value, arg):
 class Schedule:
     """Per-stage ordered lists of `Action`s, checked on construction.
 
-    Every `(stage, kind, microbatch)` must appear exactly once, on its own
-    stage's list, with the forward of a micro-batch before its backward.
+    Every `(stage, kind, microbatch, chunk)` must appear exactly once, on
+    its own stage's list, with the forward of a micro-batch before its
+    backward (for each chunk).
 
     Args:
         name: Schedule name, e.g. "gpipe" or "1f1b".
         actions: One sequence of `Action`s per stage; `actions[s]` is the
             order in which stage `s` runs its work.
         num_microbatches: Number of micro-batches `m`; inferred when omitted.
+        virtual_stages: Model chunks per stage `v` (1: not interleaved);
+            inferred when omitted.
 
     Attributes:
         name: The schedule name.
         actions: Tuple (one per stage) of tuples of `Action`s.
-        num_stages: `p`, the number of stages.
+        num_stages: `p`, the number of stages (devices, rows).
         num_microbatches: `m`, the number of micro-batches.
+        virtual_stages: `v`, model chunks per stage.
+        num_parts: `v * p`, the model parts (chunks) in pipeline order.
 
     Example:
 
@@ -142,18 +163,34 @@ class Schedule:
     stage 1 | 1F0 1F1 1B0 1B1
     """
 
-    def __init__(self, name, actions, num_microbatches=None):
+    def __init__(self, name, actions, num_microbatches=None,
+                 virtual_stages=None):
         self.name = str(name)
         self.actions = tuple(tuple(stage_actions) for stage_actions in actions)
         self.num_stages = _check_count(len(self.actions), "num_stages")
+        everything = [a for row in self.actions for a in row]
         if num_microbatches is None:
             num_microbatches = 1 + max(
-                (a.microbatch for row in self.actions for a in row), default=-1)
+                (getattr(a, "microbatch", 0) for a in everything), default=-1)
         self.num_microbatches = _check_count(num_microbatches, "num_microbatches")
+        if virtual_stages is None:
+            virtual_stages = 1 + max(
+                (getattr(a, "chunk", 0) for a in everything), default=0)
+        self.virtual_stages = _check_count(virtual_stages, "virtual_stages")
+        self.num_parts = self.virtual_stages * self.num_stages
         self._validate()
 
+    def part(self, action):
+        """The model part (0 .. num_parts - 1, in pipeline order) that
+        `action` runs: chunk `c` of stage `s` is part `c * p + s`.
+
+        >>> one_f_one_b(2, 2, virtual_stages=2).part(Action(1, "F", 0, 1))
+        3
+        """
+        return action.chunk * self.num_stages + action.stage
+
     def _validate(self):
-        m = self.num_microbatches
+        m, v = self.num_microbatches, self.virtual_stages
         for s, row in enumerate(self.actions):
             seen = set()
             for position, action in enumerate(row):
@@ -162,25 +199,27 @@ class Schedule:
                         f"Schedule {self.name!r}: actions[{s}] must hold "
                         f"Action objects. Received: {action!r} at position "
                         f"{position}")
-                if action.stage != s or action.microbatch >= m:
+                if (action.stage != s or action.microbatch >= m
+                        or action.chunk >= v):
                     raise ValueError(
                         f"Schedule {self.name!r}: actions[{s}] may only hold "
-                        f"actions of stage {s} on micro-batches 0..{m - 1}. "
-                        f"Received: {action} at position {position}")
+                        f"actions of stage {s} on micro-batches 0..{m - 1}"
+                        + (f" and chunks 0..{v - 1}" if v > 1 else "")
+                        + f". Received: {action} at position {position}")
                 if action in seen:
                     raise ValueError(
                         f"Schedule {self.name!r}: {action} appears twice on "
                         f"stage {s}")
-                if (action.kind == BACKWARD
-                        and Action(s, FORWARD, action.microbatch) not in seen):
+                forward = Action(s, FORWARD, action.microbatch, action.chunk)
+                if action.kind == BACKWARD and forward not in seen:
                     raise ValueError(
                         f"Schedule {self.name!r}: {action} comes before "
-                        f"{Action(s, FORWARD, action.microbatch)} on stage {s}")
+                        f"{forward} on stage {s}")
                 seen.add(action)
-            if len(seen) != 2 * m:
-                missing = [str(Action(s, k, i)) for i in range(m)
-                           for k in (FORWARD, BACKWARD)
-                           if Action(s, k, i) not in seen]
+            if len(seen) != 2 * m * v:
+                missing = [str(Action(s, k, i, c)) for c in range(v)
+                           for i in range(m) for k in (FORWARD, BACKWARD)
+                           if Action(s, k, i, c) not in seen]
                 raise ValueError(
                     f"Schedule {self.name!r}: stage {s} misses "
                     f"{', '.join(missing)}")
@@ -197,7 +236,9 @@ class Schedule:
 
         Returns:
             The peak count over the stage's action list: GPipe gives `m`,
-            1F1B gives `min(p - stage, m)`.
+            1F1B gives `min(p - stage, m)`. With interleaving a micro-batch
+            counts once per chunk it is alive in (each chunk keeps `1/v` of
+            the stage's activations).
 
         Example:
 
@@ -218,18 +259,20 @@ class Schedule:
         """Computes when each action runs, as early as its dependencies allow.
 
         Rules: each stage runs its actions one at a time in list order;
-        `F(s, i)` needs `F(s - 1, i)` done (activations arrive from the
-        previous stage); `B(s, i)` needs `B(s + 1, i)` done (gradients arrive
-        from the next stage) and `F(s, i)` done. Communication is free.
+        `F(k, i)` of model part `k` needs `F(k - 1, i)` done (activations
+        arrive from the previous part); `B(k, i)` needs `B(k + 1, i)` done
+        (gradients arrive from the next part) and `F(k, i)` done. Without
+        interleaving part `k` is stage `k`. Communication is free.
 
         Args:
-            forward_time: Duration of one forward on one stage.
+            forward_time: Duration of one forward on one stage (a chunk's
+                forward takes `forward_time / virtual_stages`).
             backward_time: Duration of one backward on one stage (about twice
                 the forward in practice, hence the default).
 
         Returns:
-            A list of `TimelineEntry(stage, kind, microbatch, start, end)`,
-            sorted by start time then stage; time starts at 0.
+            A list of `TimelineEntry(stage, kind, microbatch, start, end,
+            chunk)`, sorted by start time then stage; time starts at 0.
 
         Raises:
             ValueError: If the durations are negative, or the action orders
@@ -238,16 +281,20 @@ class Schedule:
         Example:
 
         >>> gpipe(2, 1).simulate(forward_time=1, backward_time=2)[:2]
-        [TimelineEntry(stage=0, kind='F', microbatch=0, start=0, end=1), \
-TimelineEntry(stage=1, kind='F', microbatch=0, start=1, end=2)]
+        [TimelineEntry(stage=0, kind='F', microbatch=0, start=0, end=1, \
+chunk=0), TimelineEntry(stage=1, kind='F', microbatch=0, start=1, end=2, \
+chunk=0)]
         """
         for arg, value in (("forward_time", forward_time),
                            ("backward_time", backward_time)):
             if not value >= 0:
                 raise ValueError(f"{arg} must be >= 0. Received: {arg}={value!r}")
-        duration = {FORWARD: forward_time, BACKWARD: backward_time}
-        p = self.num_stages
-        end = {}                    # (stage, kind, microbatch) -> end time
+        v = self.virtual_stages
+        # A chunk is 1/v of a stage (v = 1 keeps the times exact).
+        duration = {FORWARD: forward_time / v if v > 1 else forward_time,
+                    BACKWARD: backward_time / v if v > 1 else backward_time}
+        p, last = self.num_stages, self.num_parts - 1
+        end = {}                    # (part, kind, microbatch) -> end time
         next_index = [0] * p        # next action to run, per stage
         free_at = [0] * p           # when each stage finishes its last action
         timeline = []
@@ -257,21 +304,22 @@ TimelineEntry(stage=1, kind='F', microbatch=0, start=1, end=2)]
             for s in range(p):
                 while next_index[s] < len(self.actions[s]):
                     a = self.actions[s][next_index[s]]
+                    k, i = self.part(a), a.microbatch
                     if a.kind == FORWARD:
-                        deps = [(s - 1, FORWARD, a.microbatch)] if s > 0 else []
+                        deps = [(k - 1, FORWARD, i)] if k > 0 else []
                     else:
-                        deps = [(s, FORWARD, a.microbatch)]
-                        if s < p - 1:
-                            deps.append((s + 1, BACKWARD, a.microbatch))
+                        deps = [(k, FORWARD, i)]
+                        if k < last:
+                            deps.append((k + 1, BACKWARD, i))
                     if any(d not in end for d in deps):
                         break       # wait for another stage; try it next sweep
                     # Start as soon as the stage is free and inputs are ready.
                     start = max([free_at[s]] + [end[d] for d in deps])
                     finish = start + duration[a.kind]
-                    end[(s, a.kind, a.microbatch)] = finish
+                    end[(k, a.kind, i)] = finish
                     free_at[s] = finish
-                    timeline.append(
-                        TimelineEntry(s, a.kind, a.microbatch, start, finish))
+                    timeline.append(TimelineEntry(s, a.kind, i, start, finish,
+                                                  a.chunk))
                     next_index[s] += 1
                     progress = True
         stuck = [str(self.actions[s][next_index[s]]) for s in range(p)
@@ -283,12 +331,21 @@ TimelineEntry(stage=1, kind='F', microbatch=0, start=1, end=2)]
         timeline.sort(key=lambda e: (e.start, e.stage))
         return timeline
 
+    def execution_order(self):
+        """Every `Action` once, in an order that respects the data flow
+        and each stage's list (the simulated start order, backward twice
+        the forward): the order a single program can issue them in."""
+        return [Action(e.stage, e.kind, e.microbatch, e.chunk)
+                for e in self.simulate(forward_time=1.0, backward_time=2.0)]
+
     def bubble_fraction(self, forward_time=1.0, backward_time=1.0):
         """`bubble_fraction(self.simulate(forward_time, backward_time))`."""
         return bubble_fraction(self.simulate(forward_time, backward_time))
 
     def __str__(self):
-        header = (f"{self.name} schedule, {self.num_stages} stages x "
+        chunks = (f" x {self.virtual_stages} chunks"
+                  if self.virtual_stages > 1 else "")
+        header = (f"{self.name} schedule, {self.num_stages} stages{chunks} x "
                   f"{self.num_microbatches} micro-batches")
         width = len(str(self.num_stages - 1))
         rows = [f"stage {s:>{width}} | " + " ".join(str(a) for a in row)
@@ -296,19 +353,25 @@ TimelineEntry(stage=1, kind='F', microbatch=0, start=1, end=2)]
         return "\n".join([header] + rows)
 
     def __repr__(self):
+        chunks = (f", virtual_stages={self.virtual_stages}"
+                  if self.virtual_stages > 1 else "")
         return (f"Schedule(name={self.name!r}, num_stages={self.num_stages}, "
-                f"num_microbatches={self.num_microbatches})")
+                f"num_microbatches={self.num_microbatches}{chunks})")
 
 
-def gpipe(num_stages, num_microbatches):
+def gpipe(num_stages, num_microbatches, virtual_stages=1):
     """GPipe: all forwards, then all backwards, on every stage.
 
     Stage `s` runs `F0 .. F(m-1)` then `B0 .. B(m-1)`, so it holds the
-    activations of all `m` micro-batches at its peak.
+    activations of all `m` micro-batches at its peak. Interleaved
+    (`virtual_stages=v`, torch.distributed.pipelining's "looped BFS"): the
+    forwards of chunk 0, then of chunk 1, ..., then the backwards from the
+    last chunk back to chunk 0. Any `m` works.
 
     Args:
         num_stages: `p >= 1`, the number of pipeline stages.
         num_microbatches: `m >= 1`, the number of micro-batches per batch.
+        virtual_stages: `v >= 1`, model chunks per stage.
 
     Returns:
         A `Schedule` named "gpipe".
@@ -317,17 +380,21 @@ def gpipe(num_stages, num_microbatches):
 
     >>> [str(a) for a in gpipe(2, 2).actions[1]]
     ['1F0', '1F1', '1B0', '1B1']
+    >>> [str(a) for a in gpipe(2, 1, virtual_stages=2).actions[0]]
+    ['0F0', '0F0.1', '0B0.1', '0B0']
     """
     p = _check_count(num_stages, "num_stages")
     m = _check_count(num_microbatches, "num_microbatches")
-    actions = [[Action(s, FORWARD, i) for i in range(m)]
-               + [Action(s, BACKWARD, i) for i in range(m)]
+    v = _check_count(virtual_stages, "virtual_stages")
+    actions = [[Action(s, FORWARD, i, c) for c in range(v) for i in range(m)]
+               + [Action(s, BACKWARD, i, c) for c in reversed(range(v))
+                  for i in range(m)]
                for s in range(p)]
-    return Schedule("gpipe", actions, m)
+    return Schedule("gpipe", actions, m, v)
 
 
-def one_f_one_b(num_stages, num_microbatches):
-    """1F1B (PipeDream-Flush, Megatron-LM's non-interleaved schedule).
+def one_f_one_b(num_stages, num_microbatches, virtual_stages=1):
+    """1F1B (PipeDream-Flush, Megatron-LM's schedules).
 
     Stage `s` runs three phases:
 
@@ -344,12 +411,20 @@ def one_f_one_b(num_stages, num_microbatches):
     (same bubble, in-flight `min(p - s, m) = m` there). Choose `m >= p`
     (ideally `m >> p`) for the memory saving and a small bubble.
 
+    With `virtual_stages=v > 1` this is Megatron-LM's interleaved 1F1B: see
+    `_interleaved_one_f_one_b`.
+
     Args:
         num_stages: `p >= 1`, the number of pipeline stages.
-        num_microbatches: `m >= 1`, the number of micro-batches per batch.
+        num_microbatches: `m >= 1`, the number of micro-batches per batch
+            (a multiple of `p` when `v > 1`).
+        virtual_stages: `v >= 1`, model chunks per stage.
 
     Returns:
         A `Schedule` named "1f1b".
+
+    Raises:
+        ValueError: If `v > 1` and `m` is not a multiple of `p`.
 
     Example:
 
@@ -361,6 +436,9 @@ def one_f_one_b(num_stages, num_microbatches):
     """
     p = _check_count(num_stages, "num_stages")
     m = _check_count(num_microbatches, "num_microbatches")
+    v = _check_count(virtual_stages, "virtual_stages")
+    if v > 1:
+        return _interleaved_one_f_one_b(p, m, v)
     actions = []
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -377,17 +455,54 @@ def one_f_one_b(num_stages, num_microbatches):
     return Schedule("1f1b", actions, m)
 
 
+def _interleaved_one_f_one_b(p, m, v):
+    """Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_
+    interleaving`), p stages x v chunks x m micro-batches, p | m.
+
+    Stage `s` runs `m * v` forwards and as many backwards. Its k-th forward
+    is chunk `(k // p) % v` on micro-batch `(k // (p v)) p + k % p`:
+    groups of `p` micro-batches go through chunk 0, then chunk 1, ...; its
+    k-th backward walks the chunks from the last one back. Warm-up:
+    `(p - s - 1) * 2 + (v - 1) * p` forwards (all of them when `m == p`),
+    then one forward and one backward at a time, then the backwards owed.
+    """
+    if m % p:
+        raise ValueError(
+            f"Interleaved 1F1B (virtual_stages={v}) needs num_microbatches "
+            f"to be a multiple of num_stages ({p}). Received: "
+            f"num_microbatches={m}. Use e.g. num_microbatches="
+            f"{(m // p + 1) * p}, or schedule='gpipe' (any count).")
+    total = m * v
+
+    def action(s, k, kind):
+        chunk = (k % (p * v)) // p
+        if kind == BACKWARD:
+            chunk = v - 1 - chunk
+        return Action(s, kind, (k // (p * v)) * p + k % p, chunk)
+
+    actions = []
+    for s in range(p):
+        warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
+        row = [action(s, k, FORWARD) for k in range(warmup)]
+        for k in range(total - warmup):
+            row += [action(s, warmup + k, FORWARD), action(s, k, BACKWARD)]
+        row += [action(s, k, BACKWARD) for k in range(total - warmup, total)]
+        actions.append(row)
+    return Schedule("1f1b", actions, m, v)
+
+
 _SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 SCHEDULE_NAMES = tuple(_SCHEDULES)
 
 
-def get_schedule(name, num_stages, num_microbatches):
+def get_schedule(name, num_stages, num_microbatches, virtual_stages=1):
     """Builds a schedule by name.
 
     Args:
         name: "gpipe" or "1f1b" (case-insensitive).
         num_stages: `p >= 1`, the number of pipeline stages.
         num_microbatches: `m >= 1`, the number of micro-batches per batch.
+        virtual_stages: `v >= 1`, model chunks per stage (interleaving).
 
     Returns:
         The `Schedule`.
@@ -412,7 +527,7 @@ def get_schedule(name, num_stages, num_microbatches):
             f"get_schedule() got an unknown schedule name. Received: "
             f"name={name!r}. Valid names (case-insensitive): "
             f"{', '.join(map(repr, SCHEDULE_NAMES))}")
-    return _SCHEDULES[key](num_stages, num_microbatches)
+    return _SCHEDULES[key](num_stages, num_microbatches, virtual_stages)
 
 
 def bubble_fraction(timeline):
@@ -460,33 +575,40 @@ def bubble_fraction(timeline):
     return (total - busy) / total
 
 
-def theoretical_bubble_fraction(num_stages, num_microbatches):
-    """`(p - 1) / (m + p - 1)`: the GPipe and 1F1B bubble, equal F/B costs.
+def theoretical_bubble_fraction(num_stages, num_microbatches,
+                                virtual_stages=1):
+    """`(p - 1) / (v m + p - 1)`: the (interleaved) 1F1B bubble, equal F/B.
 
     Each stage idles `p - 1` slots while the pipe fills and `p - 1` while it
-    drains, out of `2 (m + p - 1)` slots of a step where a slot is one F or B.
+    drains, out of `2 (v m + p - 1)` slots of a step where a slot is one
+    chunk's F or B (`1/v` of a stage's work). With `v = 1` this is also
+    GPipe's bubble.
 
     Example:
 
     >>> theoretical_bubble_fraction(4, 8)
     0.2727272727272727
+    >>> theoretical_bubble_fraction(4, 8, virtual_stages=2)   # 3 / 19
+    0.15789473684210525
     """
     p = _check_count(num_stages, "num_stages")
     m = _check_count(num_microbatches, "num_microbatches")
-    return (p - 1) / (m + p - 1)
+    v = _check_count(virtual_stages, "virtual_stages")
+    return (p - 1) / (v * m + p - 1)
 
 
 def _as_tuple(entry):
-    """`(stage, kind, microbatch, start, end)` from a tuple or an object."""
+    """`(stage, kind, microbatch, start, end, chunk)` from a tuple (chunk
+    optional) or an object."""
     if isinstance(entry, tuple):
-        if len(entry) != 5:
+        if len(entry) not in (5, 6):
             raise ValueError(
                 "A timeline entry needs 5 fields (stage, kind, microbatch, "
-                f"start, end). Received: {entry!r}")
-        return tuple(entry)
+                f"start, end) and optionally chunk. Received: {entry!r}")
+        return tuple(entry) + (0,) * (6 - len(entry))
     try:
         return (entry.stage, entry.kind, entry.microbatch, entry.start,
-                entry.end)
+                entry.end, getattr(entry, "chunk", 0))
     except AttributeError:
         raise TypeError(
             "A timeline entry must be a (stage, kind, microbatch, start, end) "

@@ -211,8 +211,9 @@ def _boundary_indices(boundaries, names, num_stages):
     boundaries = list(boundaries)
     if len(boundaries) != num_stages - 1:
         raise ValueError(
-            f"stage_boundaries names the first layer of stages 1..p-1, so "
-            f"it needs {num_stages - 1} name(s) for {num_stages} stages. "
+            f"stage_boundaries names the first layer of stages 1..p-1 (of "
+            f"model parts 1..v·p-1 with virtual_stages=v), so it needs "
+            f"{num_stages - 1} name(s) for {num_stages} stages/parts. "
             f"Received: stage_boundaries={boundaries!r}"
         )
     missing = [b for b in boundaries if b not in names]
@@ -232,15 +233,22 @@ def _boundary_indices(boundaries, names, num_stages):
     return starts
 
 
-def format_split(stages, devices=None):
-    """A table: stage, devices, layers, parameters, cost share, carried."""
+def format_split(stages, devices=None, num_stages=None):
+    """A table: stage, devices, layers, parameters, cost share, carried.
+
+    With `num_stages` p smaller than the number of parts (interleaving),
+    part k is labelled with its stage k mod p and chunk k // p."""
     total = sum(s.cost for s in stages) or 1.0
+    p = num_stages or len(stages)
     lines = []
     for stage in stages:
         where = f" on {devices[stage.index]}" if devices else ""
         carried = [t.name for t in stage.inputs] if stage.index else []
+        label = (f"stage {stage.index}" if p == len(stages) else
+                 f"part {stage.index} (stage {stage.index % p}, chunk "
+                 f"{stage.index // p})")
         lines.append(
-            f"stage {stage.index}{where}: {len(stage.layers)} layer(s) "
+            f"{label}{where}: {len(stage.layers)} layer(s) "
             f"{stage.layer_names[0]}..{stage.layer_names[-1]}, "
             f"{stage.num_params:,} params, est. {stage.cost / total:.0%} of "
             "the time"

@@ -1,8 +1,9 @@
 """Text and PNG (Gantt chart) renderings of a simulated pipeline timeline.
 
-A timeline is a list of `(stage, kind, microbatch, start, end)` records, as
-returned by `Schedule.simulate` (`TimelineEntry` named tuples); plain tuples
-or any object with those attributes work too.
+A timeline is a list of `(stage, kind, microbatch, start, end[, chunk])`
+records, as returned by `Schedule.simulate` (`TimelineEntry` named tuples);
+plain tuples or any object with those attributes work too. An interleaved
+schedule's chunk c > 0 is labelled "F3.c" (micro-batch 3, chunk c).
 
 Example:
 
@@ -23,6 +24,12 @@ BACKWARD_COLOR = "#DD8452"  # orange
 
 def _entries(timeline):
     return [TimelineEntry(*_as_tuple(e)) for e in timeline]
+
+
+def _label(entry):
+    """"3" for micro-batch 3; "3.1" for its pass through chunk 1."""
+    return f"{entry.microbatch}.{entry.chunk}" if entry.chunk else str(
+        entry.microbatch)
 
 
 def format_timeline(timeline):
@@ -54,7 +61,7 @@ def format_timeline(timeline):
     unit = min((e.end - e.start for e in entries if e.end > e.start),
                default=1)
     # Block width: longest label plus one space of separation.
-    block = 1 + max(len(f"{e.kind}{e.microbatch}") for e in entries)
+    block = 1 + max(len(e.kind + _label(e)) for e in entries)
 
     def column(t):
         return int(round((t - t0) / unit * block))
@@ -63,7 +70,7 @@ def format_timeline(timeline):
     rows = [["."] * width for _ in range(p)]
     for e in entries:
         c0, c1 = column(e.start), column(e.end)
-        text = f"{e.kind}{e.microbatch}".ljust(c1 - c0)[: max(c1 - c0, 0)]
+        text = (e.kind + _label(e)).ljust(c1 - c0)[: max(c1 - c0, 0)]
         rows[e.stage][c0:c1] = list(text)
     label = len(str(p - 1))
     lines = [(f"stage {s:>{label}} |" + "".join(row)).rstrip()
@@ -132,8 +139,8 @@ def plot_schedule(timeline, path, title=None):
         # (about 75% of figure width) plot area times 72 points per inch; a
         # digit is about 0.6 font sizes wide.
         box_points = (e.end - e.start) / span * 0.75 * fig_width * 72
-        size = max(4.0, min(10.0, box_points / (0.6 * len(str(e.microbatch)) + 0.6)))
-        axes.text((e.start + e.end) / 2, y, str(e.microbatch),
+        size = max(4.0, min(10.0, box_points / (0.6 * len(_label(e)) + 0.6)))
+        axes.text((e.start + e.end) / 2, y, _label(e),
                   ha="center", va="center", fontsize=size, color="white")
     axes.set_yticks(range(p))
     axes.set_yticklabels([f"stage {p - 1 - y}" for y in range(p)])

@@ -185,3 +185,30 @@ class BatchLosses(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.losses.append(float(logs["loss"]))
+
+
+# The MLP the two-host tests train (tests/test_hosts.py, hosts_child.py).
+HOST_RULES = {r".*up0/kernel": (None, "model"), r".*up0/bias": ("model",),
+              r".*down0/kernel": ("model", None)}
+
+
+def host_mlp():
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu", name="up0"),
+        keras.layers.Dense(16, activation="relu", name="down0"),
+        keras.layers.Dense(3, name="head")], name="mlp")
+
+
+def train_host_mlp(model, x, y, weights):
+    """Two epochs of batch 32 in order from `weights`, Adam; (per-batch
+    losses, final weights, evaluate, predict)."""
+    model.set_weights(weights)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                  metrics=["mae"])
+    losses = BatchLosses()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return (np.array(losses.losses), model.get_weights(),
+            np.array(model.evaluate(x, y, verbose=0)),
+            model.predict(x, verbose=0))

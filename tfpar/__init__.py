@@ -38,6 +38,7 @@ from tfpar.tensor_parallel import (  # noqa: E402
     SequenceParallel,
     auto_rules,
 )
+from tfpar.hosts import connect_hosts  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
 from tfpar.visualize import summary, visualize_layout  # noqa: E402
 
@@ -54,6 +55,7 @@ __all__ = [
     "checkpoint",
     "communication",
     "communication_report",
+    "connect_hosts",
     "connect_tpu",
     "get_schedule",
     "latest_checkpoint",

@@ -402,8 +402,12 @@ def _layout_of(backing):
         dmesh = layout.mesh
         if dmesh.num_local_devices() != dmesh.size:
             raise RuntimeError(
-                "tfpar checkpoints support single-client meshes only; "
-                f"mesh {dmesh} spans several hosts.")
+                "tfpar sharded checkpoints support meshes on one host only. "
+                f"Received: a variable on a mesh of {dmesh.size} devices, "
+                f"{dmesh.num_local_devices()} of them on this host "
+                "(tfpar.connect_hosts). Meanwhile save with Keras "
+                "(model.save_weights) on every host, each with its own "
+                "path.")
         return (layout_lib.spec_of(layout),
                 dict(zip(dmesh.dim_names, dmesh.shape())), layout)
     return (None,) * len(backing.shape), {}, None

@@ -87,7 +87,18 @@ def default_devices():
             f"devices={[d.name for d in logical]!r}. Check the TensorFlow "
             "install with `python -m tfpar.env`."
         )
-    return devices
+    return _global_names(devices)
+
+
+def _global_names(local_devices):
+    """With several hosts (`tfpar.connect_hosts`) the mesh devices are the
+    cluster's: host h's local device k is global device h * L + k (L
+    devices per host, DTensor's numbering). One host: `local_devices`."""
+    hosts = dtensor.num_clients()
+    if hosts == 1:
+        return local_devices
+    kind = local_devices[0].split(":")[0]
+    return [f"{kind}:{i}" for i in range(hosts * len(local_devices))]
 
 
 def _pick_devices(logical_devices):
@@ -256,11 +267,37 @@ class Mesh:
     def dtensor_mesh(self):
         """The `tf.experimental.dtensor.Mesh` this mesh stands for (cached)."""
         if self._dtensor_mesh is None:
-            self._dtensor_mesh = dtensor.create_mesh(
-                list(self._axes.items()),
-                devices=[_short_device_name(d) for d in self._devices],
-            )
+            if dtensor.num_clients() > 1:
+                self._dtensor_mesh = self._cluster_mesh()
+            else:
+                self._dtensor_mesh = dtensor.create_mesh(
+                    list(self._axes.items()),
+                    devices=[_short_device_name(d) for d in self._devices],
+                )
         return self._dtensor_mesh
+
+    def _cluster_mesh(self):
+        """The DTensor mesh over several hosts: global device ids in mesh
+        order, this host's own devices local (see `tfpar.connect_hosts`)."""
+        kind = self.device_type
+        per_host = dtensor.num_local_devices(kind)
+        host = dtensor.client_id()
+        ids = [_device_index(d) for d in self._devices]
+        local_ids = [i for i in ids if i // per_host == host]
+        if not local_ids:
+            raise ValueError(
+                f"{self!r} has no device on this host (host {host} holds "
+                f"{kind}:{host * per_host}..{kind}:{(host + 1) * per_host - 1})"
+                ". Across hosts every mesh must include devices of every "
+                "host: pipeline stages and device subsets that leave a host "
+                "out are not supported yet.")
+        local_devices = [
+            tf.DeviceSpec(job=dtensor.job_name(), replica=0, task=host,
+                          device_type=kind, device_index=i % per_host)
+            for i in local_ids]
+        return dtensor.Mesh(
+            list(self._axes), np.array(ids).reshape(tuple(self._axes.values())),
+            local_ids, local_devices)
 
     def __eq__(self, other):
         return (
@@ -307,11 +344,10 @@ def _normalize_devices(devices):
         )
     device_type = device_types.pop()
     logical = tf.config.list_logical_devices()
-    available = {
-        _short_device_name(d.name)
-        for d in logical
-        if d.device_type.upper() == device_type
-    }
+    local = sorted({_short_device_name(d.name) for d in logical
+                    if d.device_type.upper() == device_type},
+                   key=_device_index)
+    available = set(_global_names(local)) if local else set()
     missing = [n for n in names if n not in available]
     if missing:
         if available:

@@ -1,0 +1,90 @@
+"""One host of a two-host cluster (run by tests/test_hosts.py).
+
+    python hosts_child.py HOST_ID ADDR0,ADDR1 WORKDIR
+
+Joins the cluster with 4 virtual CPUs (8 devices in all), then trains the
+MLP of `models.host_mlp` from the parent's initial weights and data under
+two strategies spanning both hosts (data=2 × model=4 with Megatron rules;
+data=8 with fsdp) and writes what it saw to WORKDIR/host<HOST_ID>.npz:
+per-batch losses, final weights, evaluate and predict results, the shapes
+of this host's blocks of every weight, the memory report, predictions of
+a model reloaded from `save_weights`, and the errors of
+`tfpar.save_checkpoint` and of a mesh without a device of this host.
+"""
+
+import sys
+
+import tfpar
+
+host_id = int(sys.argv[1])
+addresses = sys.argv[2].split(",")
+workdir = sys.argv[3]
+tfpar.use_virtual_cpus(4)
+tfpar.connect_hosts(addresses, host_id, timeout=120)
+
+import numpy as np  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
+
+import models  # noqa: E402
+
+
+def run(strategy, given, name):
+    with strategy.scope():
+        model = models.host_mlp()
+        losses, weights, evaluated, predicted = models.train_host_mlp(
+            model, given["x"], given["y"],
+            [given[f"w{i}"] for i in range(6)])
+    blocks = {w.path: [tuple(c.shape) for c in dtensor.unpack(
+        w.value.read_value())] for w in model.weights}
+    memory = repr(strategy.memory_per_device())  # before a 2nd model exists
+    # Keras saving: every host gathers every weight (a collective each),
+    # each writes its own file; a fresh model loads it back.
+    path = f"{workdir}/{name}_host{host_id}.weights.h5"
+    model.save_weights(path)
+    with strategy.scope():
+        fresh = models.host_mlp()
+        fresh.load_weights(path)
+    return {"model": model,
+            "losses": losses, "weights": weights, "evaluate": evaluated,
+            "predict": predicted, "blocks": repr(blocks),
+            "memory": memory,
+            "reloaded": fresh.predict(given["x"], verbose=0)}
+
+
+def main():
+    given = np.load(f"{workdir}/given.npz")
+    out = {"hosts": tfpar.hosts.num_hosts(), "host": tfpar.hosts.host_id(),
+           "mesh_devices": list(tfpar.Mesh({"data": 8}).devices)}
+    for name, strategy in (
+            ("tp", tfpar.ParallelStrategy(
+                tfpar.Mesh({"data": 2, "model": 4}),
+                rules=tfpar.LayoutRules(models.HOST_RULES))),
+            ("fsdp", tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}),
+                                            fsdp=True))):
+        result = run(strategy, given, name)
+        model_for_checkpoint = result.pop("model")
+        for key, value in result.items():
+            if key == "weights":
+                for i, w in enumerate(value):
+                    out[f"{name}_w{i}"] = w
+            else:
+                out[f"{name}_{key}"] = value
+    try:
+        tfpar.save_checkpoint(model_for_checkpoint, f"{workdir}/ckpt{host_id}")
+        out["checkpoint_error"] = ""
+    except RuntimeError as error:
+        out["checkpoint_error"] = str(error)
+    # Host 0's first four devices only: host 1 holds none of them.
+    try:
+        tfpar.Mesh({"data": 4}, devices=[f"CPU:{i}" for i in range(4)]
+                   ).dtensor_mesh  # noqa: B018
+        out["subset_error"] = ""
+    except ValueError as error:
+        out["subset_error"] = str(error)
+    np.savez(f"{workdir}/host{host_id}.npz",
+             **{k: np.asarray(v) for k, v in out.items()})
+    print(f"host {host_id} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Two hosts as one mesh: two processes on this machine, 4 virtual CPUs each,
+joined by `tfpar.connect_hosts` (DTensor multi-client over gRPC).
+
+The hosts train the same MLP from the same weights under data=2 × model=4
+(Megatron rules) and data=8 fsdp, each mesh spanning both processes; the
+results must match single-device Keras here, and each host must hold only
+its own devices' blocks.
+"""
+
+import ast
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import models
+import tfpar
+from tfpar import hosts
+
+CHILD = Path(__file__).with_name("hosts_child.py")
+RTOL = 1e-4
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(results of host 0 and host 1, the single-device reference)."""
+    workdir = tmp_path_factory.mktemp("hosts")
+    keras.utils.set_random_seed(0)
+    weights = models.host_mlp().get_weights()
+    x, y = models.mlp_data(n=96)
+    np.savez(workdir / "given.npz", x=x, y=y,
+             **{f"w{i}": w for i, w in enumerate(weights)})
+    addresses = ",".join(f"localhost:{p}" for p in free_ports(2))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DTENSOR_")}
+    processes = [subprocess.Popen(
+        [sys.executable, str(CHILD), str(i), addresses, str(workdir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for i in range(2)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=600)[0])
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()  # a host stuck in a collective ignores SIGTERM
+        pytest.fail("the two hosts did not finish within 600 s")
+    for i, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"host {i}:\n{output[-4000:]}"
+    results = [dict(np.load(workdir / f"host{i}.npz")) for i in range(2)]
+    reference = models.train_host_mlp(models.host_mlp(), x, y, weights)
+    return results, reference
+
+
+@pytest.mark.parametrize("config", ["tp", "fsdp"])
+def test_two_hosts_train_in_parity_with_one_device(cluster, config):
+    results, (losses, weights, evaluated, predicted) = cluster
+    assert len(losses) == 6  # 96 samples, batch 32, 2 epochs
+    for host in results:
+        assert models.relative_error(losses, host[f"{config}_losses"]) < RTOL
+        assert models.relative_error(evaluated, host[f"{config}_evaluate"]) < RTOL
+        assert models.relative_error(predicted, host[f"{config}_predict"]) < RTOL
+        for i, want in enumerate(weights):
+            assert models.relative_error(want, host[f"{config}_w{i}"]) < RTOL
+    for host in results:  # save_weights on every host, load_weights back
+        assert models.relative_error(predicted,
+                                     host[f"{config}_reloaded"]) < RTOL
+    # Both hosts see the same global results (one SPMD program).
+    np.testing.assert_array_equal(results[0][f"{config}_losses"],
+                                  results[1][f"{config}_losses"])
+
+
+def test_each_host_holds_only_its_own_devices_blocks(cluster):
+    results, _ = cluster
+    for i, host in enumerate(results):
+        assert (int(host["hosts"]), int(host["host"])) == (2, i)
+        assert list(host["mesh_devices"]) == [f"CPU:{d}" for d in range(8)]
+        tp = ast.literal_eval(str(host["tp_blocks"]))
+        # Four local devices each: column-split up0, row-split down0,
+        # replicated head (and Adam's slots follow their weights).
+        assert tp["mlp/up0/kernel"] == [(16, 8)] * 4
+        assert tp["mlp/up0/bias"] == [(8,)] * 4
+        assert tp["mlp/down0/kernel"] == [(8, 16)] * 4
+        assert tp["mlp/head/kernel"] == [(16, 3)] * 4
+        fsdp = ast.literal_eval(str(host["fsdp_blocks"]))
+        assert fsdp["mlp/up0/kernel"] == [(2, 32)] * 4   # 16 rows / 8
+        assert fsdp["mlp/down0/kernel"] == [(4, 16)] * 4
+        memory = ast.literal_eval(str(host["tp_memory"]))
+        assert sorted(memory) == [f"CPU:{d}" for d in range(8)]
+        # up0 (16x32 + 32) and down0's kernel (32x16) split 4 ways, the
+        # rest (down0's bias, head) whole: float32 bytes per device.
+        params = 4 * ((16 * 32 + 32 + 32 * 16) // 4 + 16 + 16 * 3 + 3)
+        assert {m["params"] for m in memory.values()} == {params}
+        assert {m["optimizer"] for m in memory.values()} == {2 * params}
+
+
+def test_a_mesh_leaving_out_a_host_is_a_clear_error(cluster):
+    results, _ = cluster
+    for host in results:  # and sharded checkpoints are one-host only
+        assert "meshes on one host only" in str(host["checkpoint_error"])
+        assert "8 devices, 4 of them on this host" in str(
+            host["checkpoint_error"])
+    assert str(results[0]["subset_error"]) == ""   # all on host 0
+    message = str(results[1]["subset_error"])
+    assert "has no device on this host (host 1 holds CPU:4..CPU:7)" in message
+    assert "not supported yet" in message
+
+
+@pytest.mark.parametrize("addresses,host_id,match", [
+    ("localhost:1", 0, "list of 'host:port'"),
+    ([], 0, "list of 'host:port'"),
+    (["localhost"], 0, "'host:port' strings.*'localhost'"),
+    (["a:1", "a:1"], 0, "twice"),
+    (["a:1", "b:1"], 2, r"host_id\) needs an int in \[0, 2\).*host_id=2"),
+    (["a:1", "b:1"], True, "host_id=True"),
+])
+def test_bad_cluster_arguments_are_clear_errors(addresses, host_id, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        tfpar.connect_hosts(addresses, host_id)
+
+
+def test_a_missing_host_times_out_naming_it():
+    """Without the handshake, TF's cluster setup on host 0 waits forever
+    (and ignores SIGTERM) for a host that never starts."""
+    ports = free_ports(2)
+    addresses = [f"localhost:{p}" for p in ports]
+    with pytest.raises(TimeoutError, match=rf"hosts \[1\] \(\['localhost:"
+                                           rf"{ports[1]}'\]\)"):
+        hosts._wait_for_hosts(addresses, 0, timeout=1)
+
+
+def test_one_host_is_the_default():
+    assert (hosts.num_hosts(), hosts.host_id()) == (1, 0)

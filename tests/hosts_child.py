@@ -8,8 +8,9 @@ two strategies spanning both hosts (data=2 × model=4 with Megatron rules;
 data=8 with fsdp) and writes what it saw to WORKDIR/host<HOST_ID>.npz:
 per-batch losses, final weights, evaluate and predict results, the shapes
 of this host's blocks of every weight, the memory report, predictions of
-a model reloaded from `save_weights`, and the errors of
-`tfpar.save_checkpoint` and of a mesh without a device of this host.
+a model reloaded from `save_weights`, the errors of `tfpar.save_checkpoint`
+and of a mesh over a subset of the devices, and weights each host
+initialised or assigned on its own (unseeded), with and without tfpar.
 """
 
 import sys
@@ -51,6 +52,22 @@ def run(strategy, given, name):
             "reloaded": fresh.predict(given["x"], verbose=0)}
 
 
+def own_values(strategy):
+    """Weights of models no seed makes equal across hosts: plain Keras,
+    built under the strategy, and set_weights of this host's own random
+    arrays."""
+    out = {"plain": models.host_mlp().get_weights()}
+    with strategy.scope():
+        model = models.host_mlp()
+    out["built"] = model.get_weights()
+    mine = [np.random.rand(*w.shape).astype("float32") for w in out["built"]]
+    model.set_weights(mine)
+    out["assigned"] = model.get_weights()
+    out["mine"] = mine
+    return {f"own_{k}_w{i}": w for k, ws in out.items()
+            for i, w in enumerate(ws)}
+
+
 def main():
     given = np.load(f"{workdir}/given.npz")
     out = {"hosts": tfpar.hosts.num_hosts(), "host": tfpar.hosts.host_id(),
@@ -61,6 +78,8 @@ def main():
                 rules=tfpar.LayoutRules(models.HOST_RULES))),
             ("fsdp", tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}),
                                             fsdp=True))):
+        if name == "tp":
+            out.update(own_values(strategy))
         result = run(strategy, given, name)
         model_for_checkpoint = result.pop("model")
         for key, value in result.items():
@@ -74,7 +93,7 @@ def main():
         out["checkpoint_error"] = ""
     except RuntimeError as error:
         out["checkpoint_error"] = str(error)
-    # Host 0's first four devices only: host 1 holds none of them.
+    # Host 0's first four devices: refused on every host.
     try:
         tfpar.Mesh({"data": 4}, devices=[f"CPU:{i}" for i in range(4)]
                    ).dtensor_mesh  # noqa: B018

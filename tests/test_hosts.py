@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -52,16 +53,21 @@ def cluster(tmp_path_factory):
         [sys.executable, str(CHILD), str(i), addresses, str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for i in range(2)]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=600)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()  # a host stuck in a collective ignores SIGTERM
-        pytest.fail("the two hosts did not finish within 600 s")
+    # A host stuck in a collective (its peer died) ignores SIGTERM: kill
+    # both when one fails or time runs out, and show every host's output.
+    deadline = time.monotonic() + 600
+    while any(p.poll() is None for p in processes):
+        failed = any(p.poll() not in (None, 0) for p in processes)
+        if failed or time.monotonic() > deadline:
+            for process in processes:
+                process.kill()
+            break
+        time.sleep(0.5)
+    outputs = [p.communicate()[0] for p in processes]
     for i, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"host {i}:\n{output[-4000:]}"
+        assert process.returncode == 0, "\n".join(
+            f"host {j} (exit {p.returncode}):\n{out[-3000:]}"
+            for j, (p, out) in enumerate(zip(processes, outputs)))
     results = [dict(np.load(workdir / f"host{i}.npz")) for i in range(2)]
     reference = models.train_host_mlp(models.host_mlp(), x, y, weights)
     return results, reference
@@ -109,16 +115,35 @@ def test_each_host_holds_only_its_own_devices_blocks(cluster):
         assert {m["optimizer"] for m in memory.values()} == {2 * params}
 
 
-def test_a_mesh_leaving_out_a_host_is_a_clear_error(cluster):
+def test_a_subset_mesh_and_sharded_checkpoints_are_clear_errors(cluster):
+    """On every host alike (a host that went on alone would wait forever
+    in its next collective)."""
     results, _ = cluster
-    for host in results:  # and sharded checkpoints are one-host only
+    for host in results:
         assert "meshes on one host only" in str(host["checkpoint_error"])
         assert "8 devices, 4 of them on this host" in str(
             host["checkpoint_error"])
-    assert str(results[0]["subset_error"]) == ""   # all on host 0
-    message = str(results[1]["subset_error"])
-    assert "has no device on this host (host 1 holds CPU:4..CPU:7)" in message
-    assert "not supported yet" in message
+        message = str(host["subset_error"])
+        assert "must use all 8 devices in order (CPU:0..CPU:7)" in message
+        assert "devices=CPU:0..CPU:3" in message
+
+
+def test_hosts_agree_on_weights_they_made_on_their_own(cluster):
+    """Unseeded initializers and set_weights of each host's own random
+    arrays give every host host 0's values under tfpar (plain Keras on the
+    two hosts differs: the check is not vacuous)."""
+    results, _ = cluster
+    first, second = results
+    assert any(not np.array_equal(first[f"own_plain_w{i}"],
+                                  second[f"own_plain_w{i}"]) for i in range(6))
+    assert not np.array_equal(first["own_mine_w0"], second["own_mine_w0"])
+    for i in range(6):
+        np.testing.assert_array_equal(first[f"own_built_w{i}"],
+                                      second[f"own_built_w{i}"])
+        np.testing.assert_array_equal(first[f"own_assigned_w{i}"],
+                                      first[f"own_mine_w{i}"])
+        np.testing.assert_array_equal(second[f"own_assigned_w{i}"],
+                                      first[f"own_mine_w{i}"])
 
 
 @pytest.mark.parametrize("addresses,host_id,match", [
@@ -128,10 +153,25 @@ def test_a_mesh_leaving_out_a_host_is_a_clear_error(cluster):
     (["a:1", "a:1"], 0, "twice"),
     (["a:1", "b:1"], 2, r"host_id\) needs an int in \[0, 2\).*host_id=2"),
     (["a:1", "b:1"], True, "host_id=True"),
+    (["a:1", "b:70000"], 0, "port in 1..65535.*'b:70000'"),
+    (["a:1", "b:1"], 0, None),  # timeout=0 below
+    (["[::1]:1", "b:1"], 0, "IPv4.*'\\[::1\\]:1'"),
 ])
 def test_bad_cluster_arguments_are_clear_errors(addresses, host_id, match):
+    if match is None:
+        with pytest.raises(ValueError, match=r"timeout\) needs .*timeout=0"):
+            tfpar.connect_hosts(addresses, host_id, timeout=0)
+        return
     with pytest.raises((TypeError, ValueError), match=match):
         tfpar.connect_hosts(addresses, host_id)
+
+
+def test_connecting_after_tensorflow_started_is_a_clear_error():
+    # This process already runs TensorFlow (conftest made its devices):
+    # refused before any handshake, so no other host is left waiting.
+    with pytest.raises(RuntimeError, match="must run before TensorFlow"):
+        tfpar.connect_hosts(["localhost:1", "localhost:2"], 0)
+    assert (hosts.num_hosts(), hosts._connected) == (1, None)
 
 
 def test_a_missing_host_times_out_naming_it():

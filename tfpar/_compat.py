@@ -451,6 +451,13 @@ _publish_keras_variables()
 _publish_adding_layers()
 
 
+def tf_initialized():
+    """Whether TensorFlow's eager context (devices, cluster) is set up."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    return context.context()._context_handle is not None  # noqa: SLF001
+
+
 def functional_graph(model):
     """(nodes, inputs, outputs) of a functional or Sequential model.
 

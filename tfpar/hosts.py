@@ -4,11 +4,21 @@ Every host runs the same program on the same data. Each calls
 `connect_hosts` first thing (on CPU after `tfpar.use_virtual_cpus`), then
 `tfpar.Mesh(...)` spans the devices of all hosts (global device i is device
 i mod L of host i // L, L devices per host), and `ParallelStrategy`, `fit`,
-`evaluate`, `predict` and `get_weights` work as on one host: each host feeds
-its own devices' blocks of every global batch, which it cuts from the same
-host batch (so every host must read the same batches in the same order:
-the same files and shuffle seed, or arrays), and every collective spans the
-hosts.
+`evaluate`, `predict` and `get_weights` work as on one host: every
+collective spans the hosts, and each host feeds its own devices' blocks of
+every global batch, which it cuts from its own copy of that batch.
+
+So every host must read the same batches in the same order: the same
+arrays or files, and, when shuffling (Keras' `fit` shuffles arrays by
+default), the same seed: call `keras.utils.set_random_seed(s)` with one `s`
+on every host. Initial weights need no seed: tfpar gives every host host
+0's initial values (one collective per new variable), and values assigned
+from the host (`set_weights`, `load_weights`) likewise.
+
+Calls that read weights back (`get_weights`, `numpy()`, `save_weights`,
+`model.save`) are collectives too: make them on every host, in the same
+order (a call on host 0 alone waits forever for the others); each host
+then writes its own file.
 
 Example (two processes; in the second, `host_id=1`):
 
@@ -17,23 +27,25 @@ Example (two processes; in the second, `host_id=1`):
 >>> tfpar.connect_hosts(["localhost:23451", "localhost:23452"], host_id=0)
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
 
-Keras `save_weights`/`model.save` gather every weight on every host (a
-collective per variable): call them on all hosts, each with its own path.
-Not yet across hosts: pipeline stages (a stage's sub-mesh would leave some
-hosts without devices: `Mesh` refuses), sharded checkpoints
-(`tfpar.save_checkpoint` refuses); tested only with processes on one
-machine (`tests/test_hosts.py`).
+Not yet across hosts: meshes over a subset or a reordering of the
+devices, hence pipeline stages (`Mesh` refuses them on every host); sharded
+checkpoints (`tfpar.save_checkpoint` refuses); `visualize_layout` and
+`summary` show this host's devices only. Host names or IPv4 addresses only
+(no IPv6). Tested only with processes on one machine (`tests/test_hosts.py`).
 """
 
 import os
 import re
 import socket
+import threading
 import time
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+from tfpar import _compat
+
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-]+:(\d{1,5})$")
 _connected = None  # (addresses, host_id, job_name) once connected
 
 
@@ -74,10 +86,12 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
             "connect_hosts(addresses) needs a non-empty list of 'host:port' "
             f"strings, one per host. Received: addresses={addresses!r}")
     bad = [a for a in addresses if not isinstance(a, str)
-           or not _ADDRESS.match(a)]
+           or not _ADDRESS.match(a)
+           or not 1 <= int(_ADDRESS.match(a)[1]) <= 65535]
     if bad:
         raise ValueError(
-            "connect_hosts(addresses) needs 'host:port' strings (e.g. "
+            "connect_hosts(addresses) needs 'host:port' strings: a host name "
+            "or IPv4 address and a port in 1..65535 (e.g. "
             f"'10.0.0.2:23451'). Received: {bad[0]!r} in addresses="
             f"{list(addresses)!r}")
     if len(set(addresses)) != len(addresses):
@@ -89,6 +103,11 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
         raise ValueError(
             f"connect_hosts(host_id) needs an int in [0, {len(addresses)}) "
             f"(this host's index in addresses). Received: host_id={host_id!r}")
+    if isinstance(timeout, bool) or not isinstance(
+            timeout, (int, float)) or not timeout > 0:
+        raise ValueError(
+            "connect_hosts(timeout) needs a number of seconds > 0. "
+            f"Received: timeout={timeout!r}")
     if not isinstance(job_name, str) or not job_name.isidentifier():
         raise ValueError(
             "connect_hosts(job_name) needs an identifier like 'worker'. "
@@ -101,6 +120,14 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
             f"connect_hosts() already joined the cluster {list(_connected[0])} "
             f"as host {_connected[1]}; a process joins one cluster once. "
             f"Received: addresses={list(addresses)!r}, host_id={host_id}")
+    if _compat.tf_initialized():
+        # Before the handshake: once it passes, the other hosts wait in
+        # TF's cluster setup for this one.
+        raise RuntimeError(
+            "connect_hosts() must run before TensorFlow initialises (before "
+            "any op, model, Mesh or device listing; after "
+            "tfpar.use_virtual_cpus is fine). Received: a call after "
+            "TensorFlow started. Move it to the top of the program.")
     if len(addresses) > 1:
         _wait_for_hosts(list(addresses), host_id, timeout)
     os.environ["DTENSOR_JOBS"] = ",".join(addresses)
@@ -129,10 +156,11 @@ def _wait_for_hosts(addresses, host_id, timeout):
     """Returns once this host has reached every other host's port and been
     reached by every other host; raises TimeoutError naming the missing.
 
-    Each host listens on its own port (TF's server binds it afterwards) and
-    connects to every other one, sending its id. A host that has both
-    reached and heard everyone is done; the others have then reached it
-    too, so none waits on a closed port.
+    Each host listens on its own port (TF's server binds it afterwards; a
+    thread answers) and connects to every other one, sending its id; a host
+    counts as reached when it answers "ok" (else the id is sent again). A
+    host that has both reached and heard everyone is done; every other host
+    has then reached it too, so none waits on a closed port.
     """
     n = len(addresses)
     _, port = addresses[host_id].rsplit(":", 1)
@@ -147,44 +175,56 @@ def _wait_for_hosts(addresses, host_id, timeout):
             f"{addresses[host_id]} ({error}). Choose a free port.") from None
     listener.listen(n)
     listener.settimeout(0.2)
-    reached, heard = {host_id}, {host_id}
+    heard, reached = {host_id}, {host_id}
+    stop = threading.Event()
+
+    def answer():  # records who reached us, answering "ok"
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # timeout, or closed
+                continue
+            with connection:
+                connection.settimeout(2.0)
+                message = b""
+                try:
+                    while chunk := connection.recv(64):  # to the sender's EOF
+                        message += chunk
+                    match = re.fullmatch(rb"tfpar-host (\d+)\n", message)
+                    if match and int(match[1]) < n:
+                        connection.sendall(b"ok")
+                        heard.add(int(match[1]))
+                except OSError:
+                    pass
+
+    answering = threading.Thread(target=answer, daemon=True)
+    answering.start()
     deadline = time.monotonic() + timeout
     try:
         while len(reached) < n or len(heard) < n:
             if time.monotonic() > deadline:
-                missing = sorted((set(range(n)) - reached) | (set(range(n)) - heard))
+                missing = sorted(set(range(n)) - (reached & heard))
                 raise TimeoutError(
                     f"connect_hosts(): host {host_id} waited {timeout} s for "
                     f"hosts {missing} ({[addresses[i] for i in missing]}). "
                     "Start the same program on every host, with its own "
                     "host_id and the same addresses.")
-            for i in set(range(n)) - reached:
+            for i in sorted(set(range(n)) - reached):
                 name, other_port = addresses[i].rsplit(":", 1)
                 try:
                     with socket.create_connection((name, int(other_port)),
                                                   timeout=0.5) as connection:
                         connection.sendall(f"tfpar-host {host_id}\n".encode())
-                    reached.add(i)
+                        connection.shutdown(socket.SHUT_WR)
+                        connection.settimeout(2.0)
+                        if connection.recv(2) == b"ok":
+                            reached.add(i)
                 except OSError:
                     pass
-            try:
-                connection, _ = listener.accept()
-            except (socket.timeout, BlockingIOError):
-                continue
-            with connection:
-                # Read to the sender's close: it, not this port, keeps the
-                # closed connection's TIME_WAIT, so TF can bind the port.
-                connection.settimeout(2.0)
-                message = b""
-                try:
-                    while chunk := connection.recv(64):
-                        message += chunk
-                except OSError:
-                    continue
-            match = re.fullmatch(rb"tfpar-host (\d+)\n", message)
-            if match and int(match[1]) < n:
-                heard.add(int(match[1]))
+            time.sleep(0.05)
     finally:
+        stop.set()
+        answering.join()
         listener.close()
 
 

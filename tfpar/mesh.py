@@ -277,23 +277,25 @@ class Mesh:
         return self._dtensor_mesh
 
     def _cluster_mesh(self):
-        """The DTensor mesh over several hosts: global device ids in mesh
-        order, this host's own devices local (see `tfpar.connect_hosts`)."""
+        """The DTensor mesh over several hosts (see `tfpar.connect_hosts`):
+        DTensor numbers a multi-host mesh's devices in order, host h's
+        local device k being global device h * L + k, so the mesh must use
+        all devices in that order (the same check fails on every host)."""
         kind = self.device_type
         per_host = dtensor.num_local_devices(kind)
         host = dtensor.client_id()
-        ids = [_device_index(d) for d in self._devices]
-        local_ids = [i for i in ids if i // per_host == host]
-        if not local_ids:
+        everything = default_devices()
+        if list(self._devices) != everything:
             raise ValueError(
-                f"{self!r} has no device on this host (host {host} holds "
-                f"{kind}:{host * per_host}..{kind}:{(host + 1) * per_host - 1})"
-                ". Across hosts every mesh must include devices of every "
-                "host: pipeline stages and device subsets that leave a host "
-                "out are not supported yet.")
+                f"Across hosts a mesh must use all {len(everything)} devices "
+                f"in order ({_device_range(everything)}). Received: {self!r}. "
+                "Subsets and reorderings, hence pipeline stages, are not "
+                "supported across hosts yet.")
+        ids = list(range(len(everything)))
+        local_ids = ids[host * per_host:(host + 1) * per_host]
         local_devices = [
             tf.DeviceSpec(job=dtensor.job_name(), replica=0, task=host,
-                          device_type=kind, device_index=i % per_host)
+                          device_type=kind, device_index=i - host * per_host)
             for i in local_ids]
         return dtensor.Mesh(
             list(self._axes), np.array(ids).reshape(tuple(self._axes.values())),
@@ -311,6 +313,15 @@ class Mesh:
 
     def __repr__(self):
         return f"Mesh({self._axes!r}, devices={_device_range(self._devices)})"
+
+
+def local_device_names(dtensor_mesh):
+    """Names ("CPU:5") of this host's devices of a DTensor mesh, in its
+    local order; across hosts the global names (`tfpar.connect_hosts`)."""
+    if dtensor.num_clients() > 1:
+        return [f"{dtensor_mesh.device_type()}:{i}"
+                for i in dtensor_mesh.local_device_ids()]
+    return [_short_device_name(d) for d in dtensor_mesh.local_devices()]
 
 
 def _normalize_devices(devices):

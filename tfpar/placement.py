@@ -63,6 +63,36 @@ def put(value, spec, mesh, dtype=None):
     return dtensor.pack(components, layout)
 
 
+def same_on_every_host(value):
+    """Host 0's copy of a host value, on every host (`tfpar.connect_hosts`;
+    one host: `value` itself). A collective: every host calls it, in the
+    same order. Used for initial weights and values assigned from the host,
+    which each host computes on its own (e.g. from unseeded initializers).
+
+    Device 0 (on host 0) contributes the value, every other device zeros,
+    and an all-reduce adds them up: exact (adding zeros changes nothing).
+    Numbers only; other values (strings) stay as given.
+    """
+    if dtensor.num_clients() == 1 or dtensor.is_dtensor(value):
+        return value
+    array = value.numpy() if isinstance(value, (tf.Tensor, tf.Variable)) \
+        else np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        return value
+    wide = np.float64 if array.dtype.kind == "f" else np.int64
+    from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports TF only)
+
+    everything = Mesh({"tfpar_devices": dtensor.num_global_devices(
+        dtensor.preferred_device_type())}).dtensor_mesh
+    zeros = np.zeros((1,) + array.shape, wide)
+    components = [tf.constant(array.astype(wide)[None] if i == 0 else zeros)
+                  for i in everything.local_device_ids()]
+    stacked = dtensor.pack(components, dtensor.Layout(
+        ["tfpar_devices"] + [dtensor.UNSHARDED] * array.ndim, everything))
+    total = tf.reduce_sum(stacked, axis=0)
+    return dtensor.unpack(total)[0].numpy().astype(array.dtype)
+
+
 def relayout(value, spec, mesh):
     """`value` (a DTensor on `mesh`, or a tensor in a DTensor function)
     relaid out to `spec`."""

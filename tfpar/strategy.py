@@ -279,7 +279,10 @@ class ShardedVariable(_compat.DVariable):
             return value  # inside a DTensor function: DTensor lays it out
         if isinstance(value, tf.Variable):
             value = value.read_value()
-        if dtensor.is_dtensor(value):
+        if not dtensor.is_dtensor(value):
+            # From this host (set_weights): host 0's value on every host.
+            value = placement.same_on_every_host(value)
+        else:
             layout = dtensor.fetch_layout(value)
             if layout == dtensor.fetch_layout(self):
                 return value  # already laid out like this variable
@@ -390,8 +393,9 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                                             **kwargs)
                 return self._track(variable, path, spec, kind, None,
                                    compute_spec)
-            value = placement.put(initial_value, spec, mesh,
-                                  dtype=kwargs.get("dtype"))
+            value = placement.put(
+                placement.same_on_every_host(initial_value), spec, mesh,
+                dtype=kwargs.get("dtype"))
             return self._register(path, spec, kind, value, kwargs, mesh,
                                   compute_spec)
 

@@ -26,6 +26,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar.mesh import local_device_names
+
 _KINDS = ("params", "optimizer", "other")
 
 
@@ -176,7 +178,7 @@ def layout_grid(value, _caller="layout_grid"):
         counts.insert(0, 1)  # rank 1 is one row; rank 0 one cell
     n_rows, n_cols = counts
     cells = [[[] for _ in range(n_cols)] for _ in range(n_rows)]
-    devices = [_short_device_name(d) for d in layout.mesh.local_devices()]
+    devices = local_device_names(layout.mesh)
     for device, location in zip(devices, layout.mesh.local_device_locations()):
         coords = [location[spec[d]] if spec[d] is not None else 0 for d in dims]
         while len(coords) < 2:
@@ -343,14 +345,14 @@ def _check_mesh(value, mesh):
     own = layout.mesh
     same = (list(own.dim_names) == list(mesh.axis_names)
             and list(own.shape()) == [mesh.shape[a] for a in mesh.axis_names]
-            and [_short_device_name(d) for d in own.local_devices()]
-            == [_short_device_name(d) for d in mesh.devices])
+            and local_device_names(own)
+            == local_device_names(mesh.dtensor_mesh))
     if not same:
         raise ValueError(
             "visualize_layout: the value does not live on the given mesh. "
             f"Received: mesh={mesh!r}; the value's mesh has axes "
             f"{dict(zip(own.dim_names, own.shape()))} on devices "
-            f"{_format_devices([_short_device_name(d) for d in own.local_devices()])}."
+            f"{_format_devices(local_device_names(own))}."
         )
 
 
@@ -382,7 +384,7 @@ def _row(variable, section, kind):
         layout = dtensor.fetch_layout(backing)
         spec = _spec(layout)
         block = _block_shape(shape, spec, _axis_sizes(layout))
-        devices = [_short_device_name(d) for d in layout.mesh.local_devices()]
+        devices = local_device_names(layout.mesh)
     else:  # an ordinary variable: one device holds all of it
         spec = (None,) * len(shape)
         block = shape

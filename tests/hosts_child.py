@@ -8,8 +8,9 @@ two strategies spanning both hosts (data=2 × model=4 with Megatron rules;
 data=8 with fsdp) and writes what it saw to WORKDIR/host<HOST_ID>.npz:
 per-batch losses, final weights, evaluate and predict results, the shapes
 of this host's blocks of every weight, the memory report, predictions of
-a model reloaded from `save_weights`, the errors of `tfpar.save_checkpoint`
-and of a mesh over a subset of the devices, and weights each host
+a model reloaded from `save_weights`, a sharded checkpoint of the fsdp
+model (both hosts write WORKDIR/ckpt) restored onto data=2 x model=4, the
+error of a mesh over a subset of the devices, and weights each host
 initialised or assigned on its own (unseeded), with and without tfpar.
 """
 
@@ -81,18 +82,24 @@ def main():
         if name == "tp":
             out.update(own_values(strategy))
         result = run(strategy, given, name)
-        model_for_checkpoint = result.pop("model")
+        model_for_checkpoint = result.pop("model")  # the fsdp one, last
+        if name == "tp":
+            tp_strategy = strategy
         for key, value in result.items():
             if key == "weights":
                 for i, w in enumerate(value):
                     out[f"{name}_w{i}"] = w
             else:
                 out[f"{name}_{key}"] = value
-    try:
-        tfpar.save_checkpoint(model_for_checkpoint, f"{workdir}/ckpt{host_id}")
-        out["checkpoint_error"] = ""
-    except RuntimeError as error:
-        out["checkpoint_error"] = str(error)
+    # Sharded checkpoint of the fsdp model, written by both hosts into one
+    # directory, restored onto the data=2 x model=4 mesh (resharding).
+    tfpar.save_checkpoint(model_for_checkpoint, f"{workdir}/ckpt")
+    with tp_strategy.scope():
+        restored = models.host_mlp()
+        restored.compile(optimizer="adam", loss="mse")
+    out["restored_step"] = tfpar.restore_checkpoint(restored,
+                                                    f"{workdir}/ckpt")
+    out["restored_predict"] = restored.predict(given["x"], verbose=0)
     # Host 0's first four devices: refused on every host.
     try:
         tfpar.Mesh({"data": 4}, devices=[f"CPU:{i}" for i in range(4)]

@@ -24,6 +24,13 @@ blocks that overlap it (memory-mapped, so only the needed slices are read),
 the blocks are packed onto the mesh and the variable is assigned: restoring
 needs extra memory for one variable, not for the whole model.
 
+Across several hosts (`tfpar.connect_hosts`) every host saves into the same
+directory (which all must see): each writes the blocks its own devices own
+(a block several devices hold is written by the lowest-numbered one, file
+`<stem>.b<device>.npy`), host 0 merges the hosts' records into the
+manifest and publishes; every step is agreed on, so a failure on any host
+raises on all and publishes nothing.
+
 Variable keys (stable across meshes, optimizer names and rebuilds):
 
 * model weights (`model.weights`, kind "params"): `variable.path`, e.g.
@@ -134,22 +141,81 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
     os.makedirs(directory, exist_ok=True)
     name = f"ckpt-{step}"
     final = os.path.join(directory, name)
-    tmp = os.path.join(directory, f"{name}.tmp-{os.getpid()}")
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
+    # Several hosts (`tfpar.connect_hosts`, a directory they all see): each
+    # writes the blocks its devices own into host 0's temporary directory,
+    # then host 0 merges their records and publishes. Every step is agreed
+    # on by all hosts, so a failure anywhere raises everywhere and nothing
+    # is published.
+    hosts, host = dtensor.num_clients(), dtensor.client_id()
+    tag = int(placement.same_on_every_host(np.array(os.getpid(), np.int64)))
+    tmp = os.path.join(directory, f"{name}.tmp-{tag}")
+    if host == 0:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    _all_hosts_done(True, "creating the directory")  # others wait for it
+    error = None
     try:
         records = [_save_variable(n, kind, key, variable, tmp)
                    for n, (kind, key, variable) in enumerate(entries)]
-        manifest = _manifest_header(step, model)
-        manifest["variables"] = records
-        _write_file(os.path.join(tmp, MANIFEST),
-                    json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Publish: an atomic rename makes the complete directory appear at once.
+        if hosts > 1:
+            _write_file(os.path.join(tmp, f"host{host}.json"),
+                        json.dumps(records).encode())
+    except BaseException as caught:  # noqa: BLE001 (agreed on, re-raised)
+        error = caught
+    if not _all_hosts_done(error is None, "writing blocks"):
+        if host == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error or RuntimeError(
+            "save_checkpoint failed on another host while writing blocks; "
+            "nothing was published (see that host's error).")
+    if host == 0:
+        try:
+            if hosts > 1:
+                records = _merge_host_records(tmp, hosts)
+            manifest = _manifest_header(step, model)
+            manifest["variables"] = records
+            _write_file(os.path.join(tmp, MANIFEST),
+                        json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            _publish(directory, name, final, tmp, step)
+        except BaseException as caught:  # noqa: BLE001 (agreed on)
+            error = caught
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_hosts_done(error is None, "publishing"):
+        raise error or RuntimeError(
+            "save_checkpoint: host 0 failed to publish the checkpoint (see "
+            "its error); the previous checkpoint is still the latest.")
+    return final
+
+
+def _all_hosts_done(ok, what):
+    """Whether every host succeeded at `what` (one host: `ok`); with
+    several hosts a collective that also waits for all of them."""
+    del what  # names the step for readers of the call sites
+    return int(placement.sum_over_hosts(np.int64(0 if ok else 1))) == 0
+
+
+def _merge_host_records(tmp, hosts):
+    """Host 0: every variable's record with the blocks of all hosts (each
+    host wrote the blocks its devices own; the other fields agree)."""
+    parts = []
+    for h in range(hosts):
+        part = os.path.join(tmp, f"host{h}.json")
+        with open(part, "rb") as f:
+            parts.append(json.loads(f.read()))
+        os.remove(part)
+    merged = parts[0]
+    for other in parts[1:]:
+        for record, more in zip(merged, other):
+            record["blocks"] += more["blocks"]
+    return merged
+
+
+def _publish(directory, name, final, tmp, step):
+    """Renames the complete `tmp` to `final`, then points `checkpoint` at
+    it (each step fsync'ed)."""
+    # An atomic rename makes the complete directory appear at once.
     # Re-saving a step moves the old directory aside first (rename cannot
     # replace a non-empty directory).
     old = None
@@ -164,7 +230,6 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
                 json.dumps({"latest": name, "step": step}).encode(),
                 atomic=True)
     _fsync_dir(directory)
-    return final
 
 
 def latest_checkpoint(directory):
@@ -292,7 +357,6 @@ def restore_checkpoint(model, directory, optimizer=True):
     #    streamed and closed again: memory and open files stay bounded.
     checksums = int(manifest["format_version"]) >= 2
     for ident, variable in targets.items():
-        _layout_of(_compat.backing_variable(variable))  # single-client mesh
         for block in saved[ident]["blocks"]:
             _verify_block(path, saved[ident], block, checksums)
     # 3. Only now change the model, one variable at a time: its blocks are
@@ -400,14 +464,6 @@ def _layout_of(backing):
     if isinstance(backing, _compat.DVariable):
         layout = dtensor.fetch_layout(backing)
         dmesh = layout.mesh
-        if dmesh.num_local_devices() != dmesh.size:
-            raise RuntimeError(
-                "tfpar sharded checkpoints support meshes on one host only. "
-                f"Received: a variable on a mesh of {dmesh.size} devices, "
-                f"{dmesh.num_local_devices()} of them on this host "
-                "(tfpar.connect_hosts). Meanwhile save with Keras "
-                "(model.save_weights) on every host, each with its own "
-                "path.")
         return (layout_lib.spec_of(layout),
                 dict(zip(dmesh.dim_names, dmesh.shape())), layout)
     return (None,) * len(backing.shape), {}, None
@@ -432,23 +488,31 @@ def _save_variable(n, kind, key, variable, tmp):
     if layout is None:
         components = [backing.read_value()]
         locations = [{}]
+        device_ids = [0]
+        owners = None
     else:
         # One component per local device, in `local_device_locations` order.
         # Only that device's block is copied to the host: never the variable.
         components = dtensor.unpack(backing.read_value())
         locations = layout.mesh.local_device_locations()
-    seen = set()
-    for component, location in zip(components, locations):
+        device_ids = layout.mesh.local_device_ids()
+        owners = _block_owners(shape, spec, axis_sizes, layout.mesh)
+
+    def ranges_at(location):
         # Block math: along a dimension of size n split over an axis of size
         # k, the device at coordinate c holds [c*n/k, (c+1)*n/k);
-        # replicated dimensions are whole [0, n). Replicas share one block.
+        # replicated dimensions are whole [0, n).
         index = placement.block_index(shape, spec, axis_sizes, location)
-        ranges = [list(s.indices(size)[:2]) for s, size in zip(index, shape)]
-        block_key = tuple(map(tuple, ranges))
-        if block_key in seen:
+        return [list(s.indices(size)[:2]) for s, size in zip(index, shape)]
+
+    for component, location, device in zip(components, locations,
+                                           device_ids):
+        ranges = ranges_at(location)
+        # Replicas share one block: the device with the lowest id writes it
+        # (on whichever host it is).
+        if owners is not None and owners[tuple(map(tuple, ranges))] != device:
             continue
-        seen.add(block_key)
-        file = f"{stem}.b{len(blocks)}.npy"
+        file = f"{stem}.b{device}.npy"
         array = component.numpy()
         expected = tuple(b - a for a, b in ranges)
         if array.shape != expected:  # a layout we do not understand
@@ -460,6 +524,19 @@ def _save_variable(n, kind, key, variable, tmp):
     return {"kind": kind, "key": key, "path": variable.path,
             "shape": list(shape), "dtype": tf.as_dtype(backing.dtype).name,
             "spec": list(spec), "blocks": blocks}
+
+
+def _block_owners(shape, spec, axis_sizes, dmesh):
+    """{block ranges: the lowest global id of the devices holding it}, over
+    every device of the mesh (global ids in row-major mesh order)."""
+    owners = {}
+    for device in range(dmesh.size):
+        coords = np.unravel_index(device, tuple(dmesh.shape()))
+        location = dict(zip(dmesh.dim_names, (int(c) for c in coords)))
+        index = placement.block_index(shape, spec, axis_sizes, location)
+        key = tuple(tuple(s.indices(size)[:2]) for s, size in zip(index, shape))
+        owners.setdefault(key, device)
+    return owners
 
 
 def _manifest_header(step, model):

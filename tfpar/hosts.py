@@ -18,7 +18,9 @@ from the host (`set_weights`, `load_weights`) likewise.
 Calls that read weights back (`get_weights`, `numpy()`, `save_weights`,
 `model.save`) are collectives too: make them on every host, in the same
 order (a call on host 0 alone waits forever for the others); each host
-then writes its own file.
+then writes its own file. `tfpar.save_checkpoint` / `restore_checkpoint`
+also run on every host, with one directory all hosts see: each host
+writes its own devices' blocks, host 0 the manifest.
 
 Example (two processes; in the second, `host_id=1`):
 
@@ -28,8 +30,8 @@ Example (two processes; in the second, `host_id=1`):
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
 
 Not yet across hosts: meshes over a subset or a reordering of the
-devices, hence pipeline stages (`Mesh` refuses them on every host); sharded
-checkpoints (`tfpar.save_checkpoint` refuses); `visualize_layout` and
+devices, hence pipeline stages (`Mesh` refuses them on every host);
+`visualize_layout` and
 `summary` show this host's devices only. Host names or IPv4 addresses only
 (no IPv6). Tested only with processes on one machine (`tests/test_hosts.py`).
 """

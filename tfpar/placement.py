@@ -79,14 +79,33 @@ def same_on_every_host(value):
         else np.asarray(value)
     if array.dtype.kind not in "biuf":
         return value
-    wide = np.float64 if array.dtype.kind == "f" else np.int64
+    return _sum_over_devices(array, lambda device, first_local: device == 0)
+
+
+def sum_over_hosts(value):
+    """The sum over hosts of each host's numeric `value` (one host: the
+    value). A collective, like `same_on_every_host`."""
+    array = np.asarray(value)
+    if dtensor.num_clients() == 1:
+        return array
+    return _sum_over_devices(
+        array, lambda device, first_local: device == first_local)
+
+
+def _sum_over_devices(array, contributes):
+    """All-reduce over every device of the cluster: `array` from the
+    devices `contributes(global id, this host's first id)` picks, zeros
+    from the others (in float64/int64, cast back)."""
     from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports TF only)
 
+    wide = np.float64 if array.dtype.kind == "f" else np.int64
     everything = Mesh({"tfpar_devices": dtensor.num_global_devices(
         dtensor.preferred_device_type())}).dtensor_mesh
+    local = everything.local_device_ids()
     zeros = np.zeros((1,) + array.shape, wide)
-    components = [tf.constant(array.astype(wide)[None] if i == 0 else zeros)
-                  for i in everything.local_device_ids()]
+    components = [
+        tf.constant(array.astype(wide)[None] if contributes(i, local[0])
+                    else zeros) for i in local]
     stacked = dtensor.pack(components, dtensor.Layout(
         ["tfpar_devices"] + [dtensor.UNSHARDED] * array.ndim, everything))
     total = tf.reduce_sum(stacked, axis=0)

@@ -136,6 +136,26 @@ def test_sharded_checkpoint_written_by_both_hosts(cluster):
         results[0]["x"], verbose=0)) < RTOL
 
 
+def test_a_failure_on_one_host_raises_on_both(cluster):
+    """Block writes failing on host 1 only: both hosts raise, nothing is
+    published (the step-6 checkpoint stays the latest); a restore that
+    finds nothing on host 1 only: both raise. Neither host is left waiting
+    in a collective (the cluster fixture would time out)."""
+    first, second = cluster[0]
+    assert str(second["failed_save"]).startswith("OSError: No space left")
+    assert str(first["failed_save"]) == (
+        "RuntimeError: save_checkpoint failed on another host while "
+        "writing blocks; nothing was published (see that host's error).")
+    for host in (first, second):
+        assert str(host["latest_after_failed_save"]).endswith("ckpt-6")
+    assert not list((first["workdir"] / "ckpt").glob("*.tmp-*"))
+    assert str(second["failed_restore"]).startswith(
+        "FileNotFoundError: No complete checkpoint")
+    assert str(first["failed_restore"]).startswith(
+        "RuntimeError: restore_checkpoint failed on another host while "
+        "reading the checkpoint")
+
+
 def test_a_subset_mesh_is_a_clear_error_on_every_host(cluster):
     """On every host alike (a host that went on alone would wait forever
     in its next collective)."""

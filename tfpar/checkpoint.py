@@ -138,7 +138,6 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
     if step < 0:
         raise ValueError(f"save_checkpoint(step) must be >= 0. Received: {step}")
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
     name = f"ckpt-{step}"
     final = os.path.join(directory, name)
     # Several hosts (`tfpar.connect_hosts`, a directory they all see): each
@@ -149,12 +148,19 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
     hosts, host = dtensor.num_clients(), dtensor.client_id()
     tag = int(placement.same_on_every_host(np.array(os.getpid(), np.int64)))
     tmp = os.path.join(directory, f"{name}.tmp-{tag}")
-    if host == 0:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    _all_hosts_done(True, "creating the directory")  # others wait for it
     error = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if host == 0:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+    except BaseException as caught:  # noqa: BLE001 (agreed on, re-raised)
+        error = caught
+    if not _all_hosts_done(error is None, "creating the directory"):
+        raise error or RuntimeError(
+            "save_checkpoint failed on another host while creating "
+            f"{tmp!r}; nothing was written (see that host's error).")
     try:
         records = [_save_variable(n, kind, key, variable, tmp)
                    for n, (kind, key, variable) in enumerate(entries)]
@@ -178,10 +184,14 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
             _write_file(os.path.join(tmp, MANIFEST),
                         json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
-            _publish(directory, name, final, tmp, step)
         except BaseException as caught:  # noqa: BLE001 (agreed on)
             error = caught
             shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            try:  # a failed publish leaves both directories for inspection
+                _publish(directory, name, final, tmp, step)
+            except BaseException as caught:  # noqa: BLE001 (agreed on)
+                error = caught
     if not _all_hosts_done(error is None, "publishing"):
         raise error or RuntimeError(
             "save_checkpoint: host 0 failed to publish the checkpoint (see "
@@ -307,6 +317,44 @@ def restore_checkpoint(model, directory, optimizer=True):
             memory): the message says how many variables were already
             restored; restore again.
     """
+    # Across hosts each phase is agreed on (`_agreed`): a host whose files
+    # fail raises on every host, none waits in a collective for it.
+    path, manifest = _agreed("reading the checkpoint",
+                             lambda: _locate(directory))
+    saved = {(r["kind"], r["key"]): r for r in manifest["variables"]}
+    if optimizer:
+        _build_optimizer(model)
+    entries = _entries(model, optimizer)
+    targets = {(kind, key): variable for kind, key, variable in entries}
+    _agreed("checking the checkpoint",
+            lambda: _check_fit(path, manifest, saved, targets, model,
+                               optimizer))
+    # 3. Only now change the model, one variable at a time: its blocks are
+    #    memory-mapped (one variable's files open at a time; each map holds
+    #    a file descriptor and a model has thousands of blocks), its target
+    #    value is packed onto the mesh and assigned, then dropped.
+    _agreed("restoring", lambda: _assign_all(path, saved, targets, model,
+                                             optimizer))
+    return int(manifest["step"])
+
+
+def _agreed(what, function):
+    """`function()`'s result; with several hosts a collective after it,
+    so that when it raised on any host it raises on every host."""
+    error, result = None, None
+    try:
+        result = function()
+    except Exception as caught:  # noqa: BLE001 (agreed on, re-raised)
+        error = caught
+    if not _all_hosts_done(error is None, what):
+        raise error or RuntimeError(
+            f"restore_checkpoint failed on another host while {what} (see "
+            "that host's error); restore again on every host.")
+    return result
+
+
+def _locate(directory):
+    """(checkpoint path, its manifest) for a root or a ckpt-<step> dir."""
     directory = os.fspath(directory)
     if os.path.isfile(os.path.join(directory, MANIFEST)):
         path = directory
@@ -316,14 +364,13 @@ def restore_checkpoint(model, directory, optimizer=True):
             raise FileNotFoundError(
                 f"No complete checkpoint in {directory!r} (no 'checkpoint' "
                 "pointer and no ckpt-<step>/manifest.json).")
-    manifest = _read_manifest(path)
-    saved = {(r["kind"], r["key"]): r for r in manifest["variables"]}
-    kinds = ("params", "optimizer") if optimizer else ("params",)
-    if optimizer:
-        _build_optimizer(model)
-    entries = _entries(model, optimizer)
-    targets = {(kind, key): variable for kind, key, variable in entries}
+    return path, _read_manifest(path)
 
+
+def _check_fit(path, manifest, saved, targets, model, optimizer):
+    """Raises ValueError unless the checkpoint fits the model and every
+    block file is intact; reads files, changes nothing."""
+    kinds = ("params", "optimizer") if optimizer else ("params",)
     # 1. Names, shapes and dtypes, before touching any file or weight.
     missing = [ident for ident in targets if ident not in saved]
     extra = [ident for ident in saved
@@ -359,10 +406,10 @@ def restore_checkpoint(model, directory, optimizer=True):
     for ident, variable in targets.items():
         for block in saved[ident]["blocks"]:
             _verify_block(path, saved[ident], block, checksums)
-    # 3. Only now change the model, one variable at a time: its blocks are
-    #    memory-mapped (one variable's files open at a time; each map holds
-    #    a file descriptor and a model has thousands of blocks), its target
-    #    value is packed onto the mesh and assigned, then dropped.
+
+
+def _assign_all(path, saved, targets, model, optimizer):
+    """Assigns every target from its saved blocks (after `_check_fit`)."""
     done = 0
     try:
         for ident, variable in targets.items():
@@ -383,7 +430,6 @@ def restore_checkpoint(model, directory, optimizer=True):
             "had passed its checks, so it changed or vanished during the "
             "restore, or memory ran out. The model is partly restored: "
             "restore it again.") from error
-    return int(manifest["step"])
 
 
 def _names(idents):
@@ -489,7 +535,8 @@ def _save_variable(n, kind, key, variable, tmp):
         components = [backing.read_value()]
         locations = [{}]
         device_ids = [0]
-        owners = None
+        # A plain variable: each host has its own copy; host 0 writes it.
+        owners = None if dtensor.client_id() == 0 else {}
     else:
         # One component per local device, in `local_device_locations` order.
         # Only that device's block is copied to the host: never the variable.
@@ -510,7 +557,8 @@ def _save_variable(n, kind, key, variable, tmp):
         ranges = ranges_at(location)
         # Replicas share one block: the device with the lowest id writes it
         # (on whichever host it is).
-        if owners is not None and owners[tuple(map(tuple, ranges))] != device:
+        if owners is not None and owners.get(
+                tuple(map(tuple, ranges))) != device:
             continue
         file = f"{stem}.b{device}.npy"
         array = component.numpy()

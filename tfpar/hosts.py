@@ -13,7 +13,8 @@ arrays or files, and, when shuffling (Keras' `fit` shuffles arrays by
 default), the same seed: call `keras.utils.set_random_seed(s)` with one `s`
 on every host. Initial weights need no seed: tfpar gives every host host
 0's initial values (one collective per new variable), and values assigned
-from the host (`set_weights`, `load_weights`) likewise.
+from the host (`set_weights`, `load_weights`, `variable.assign(array)`)
+likewise: such assignments are collectives, make them on every host.
 
 Calls that read weights back (`get_weights`, `numpy()`, `save_weights`,
 `model.save`) are collectives too: make them on every host, in the same
@@ -219,7 +220,11 @@ def _wait_for_hosts(addresses, host_id, timeout):
                         connection.sendall(f"tfpar-host {host_id}\n".encode())
                         connection.shutdown(socket.SHUT_WR)
                         connection.settimeout(2.0)
-                        if connection.recv(2) == b"ok":
+                        answer_bytes = b""
+                        while len(answer_bytes) < 2 and (
+                                chunk := connection.recv(2)):
+                            answer_bytes += chunk
+                        if answer_bytes == b"ok":
                             reached.add(i)
                 except OSError:
                     pass

@@ -77,9 +77,14 @@ def same_on_every_host(value):
         return value
     array = value.numpy() if isinstance(value, (tf.Tensor, tf.Variable)) \
         else np.asarray(value)
-    if array.dtype.kind not in "biuf":
+    if array.dtype.kind not in "biuf" and not _is_float(array.dtype):
         return value
     return _sum_over_devices(array, lambda device, first_local: device == 0)
+
+
+def _is_float(dtype):
+    """float16/32/64 and ml_dtypes' bfloat16/float8 (numpy kind "V")."""
+    return dtype.kind == "f" or dtype.name.startswith(("bfloat16", "float8"))
 
 
 def sum_over_hosts(value):
@@ -98,14 +103,18 @@ def _sum_over_devices(array, contributes):
     from the others (in float64/int64, cast back)."""
     from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports TF only)
 
-    wide = np.float64 if array.dtype.kind == "f" else np.int64
+    # Adding zeros is exact in any float type: floats keep theirs (no extra
+    # memory), float8 goes through float32, integers and bools int64.
+    wide = (np.int64 if not _is_float(array.dtype) else
+            np.float32 if array.dtype.name.startswith("float8") else
+            array.dtype)
     everything = Mesh({"tfpar_devices": dtensor.num_global_devices(
         dtensor.preferred_device_type())}).dtensor_mesh
     local = everything.local_device_ids()
-    zeros = np.zeros((1,) + array.shape, wide)
+    zeros = tf.constant(np.zeros((1,) + array.shape, wide))
     components = [
-        tf.constant(array.astype(wide)[None] if contributes(i, local[0])
-                    else zeros) for i in local]
+        tf.constant(array.astype(wide)[None]) if contributes(i, local[0])
+        else zeros for i in local]
     stacked = dtensor.pack(components, dtensor.Layout(
         ["tfpar_devices"] + [dtensor.UNSHARDED] * array.ndim, everything))
     total = tf.reduce_sum(stacked, axis=0)

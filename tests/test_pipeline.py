@@ -368,23 +368,28 @@ def test_gradients_of_integer_inputs_and_embeddings():
         assert models.relative_error(a, b) < RTOL
 
 
+def compiled(model):
+    """`model` from the initial weights, compiled as the resume tests do."""
+    model.set_weights(list(initial_weights()))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def fit(model):
+    """One epoch of `mlp_data()` in order; the per-batch losses."""
+    x, y = models.mlp_data()
+    losses = models.BatchLosses()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return losses.losses
+
+
 def test_checkpoint_resumes_on_another_pipeline_and_loads_into_plain_keras(
         tmp_path):
     """Save mid-training from pipe=2 × data=2 × model=2, resume on pipe=4 ×
     data=2: the per-batch losses and weights are those of uninterrupted
     single-device training; the same checkpoint loads into a plain model."""
-    x, y = models.mlp_data()
-
-    def compiled(model):
-        model.set_weights(list(initial_weights()))
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-        return model
-
-    def fit(model):
-        losses = models.BatchLosses()
-        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
-                  callbacks=[losses])
-        return losses.losses
+    x, _ = models.mlp_data()
 
     single = compiled(build())
     want = fit(single) + fit(single)
@@ -624,18 +629,6 @@ def test_interleaved_timeline_follows_the_data_flow():
 def test_interleaved_checkpoint_loads_into_a_plain_pipeline(tmp_path):
     """A checkpoint of an interleaved pipeline (optimizer state of four
     parts) resumes on a plain pipe=2 one as if training never stopped."""
-    x, y = models.mlp_data()
-
-    def compiled(model):
-        model.set_weights(list(initial_weights()))
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-        return model
-
-    def fit(model):
-        losses = models.BatchLosses()
-        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
-                  callbacks=[losses])
-        return losses.losses
 
     single = compiled(build())
     want = fit(single) + fit(single)

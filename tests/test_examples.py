@@ -17,7 +17,7 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script", ["quickstart.py", "gpt.py", "pipeline.py",
-                                    "checkpoints.py"])
+                                    "checkpoints.py", "hosts.py"])
 def test_help(script):
     assert "usage:" in run(script, "--help")
 
@@ -71,3 +71,12 @@ def test_checkpoints_example_resumes_and_exports(tmp_path):
     assert difference < 1e-4
     served = float(out.split("largest prediction difference:")[1].split()[0])
     assert served < 1e-5
+
+
+def test_hosts_example_trains_one_mesh_over_two_processes():
+    out = run("hosts.py", "--epochs", "1")
+    difference = float(out.split("largest relative weight difference to one "
+                                 "device:")[1].split()[0])
+    assert difference < 1e-4
+    assert "host 0 holds these blocks of up/kernel (16, 64): CPU:0 (16, 16)" in out
+    assert "host 1 holds these blocks of up/kernel (16, 64): CPU:4 (16, 16)" in out

@@ -6,6 +6,8 @@ value unless the spec replicates it). `fetch(dtensor)` assembles a host numpy
 array from the blocks. Both work on eager values only.
 """
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -100,16 +102,13 @@ def sum_over_hosts(value):
 def _sum_over_devices(array, contributes):
     """All-reduce over every device of the cluster: `array` from the
     devices `contributes(global id, this host's first id)` picks, zeros
-    from the others (in float64/int64, cast back)."""
-    from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports TF only)
-
+    from the others; the result cast back to `array`'s dtype."""
     # Adding zeros is exact in any float type: floats keep theirs (no extra
     # memory), float8 goes through float32, integers and bools int64.
     wide = (np.int64 if not _is_float(array.dtype) else
             np.float32 if array.dtype.name.startswith("float8") else
             array.dtype)
-    everything = Mesh({"tfpar_devices": dtensor.num_global_devices(
-        dtensor.preferred_device_type())}).dtensor_mesh
+    everything = _all_devices_mesh()
     local = everything.local_device_ids()
     zeros = tf.constant(np.zeros((1,) + array.shape, wide))
     components = [
@@ -119,6 +118,15 @@ def _sum_over_devices(array, contributes):
         ["tfpar_devices"] + [dtensor.UNSHARDED] * array.ndim, everything))
     total = tf.reduce_sum(stacked, axis=0)
     return dtensor.unpack(total)[0].numpy().astype(array.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _all_devices_mesh():
+    """A 1-D DTensor mesh "tfpar_devices" over every device of the cluster."""
+    from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports TF only)
+
+    return Mesh({"tfpar_devices": dtensor.num_global_devices(
+        dtensor.preferred_device_type())}).dtensor_mesh
 
 
 def relayout(value, spec, mesh):

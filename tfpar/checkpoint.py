@@ -148,62 +148,68 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
     hosts, host = dtensor.num_clients(), dtensor.client_id()
     tag = int(placement.same_on_every_host(np.array(os.getpid(), np.int64)))
     tmp = os.path.join(directory, f"{name}.tmp-{tag}")
-    error = None
-    try:
+
+    def create():
         os.makedirs(directory, exist_ok=True)
         if host == 0:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
-    except BaseException as caught:  # noqa: BLE001 (agreed on, re-raised)
-        error = caught
-    if not _all_hosts_done(error is None, "creating the directory"):
-        raise error or RuntimeError(
-            "save_checkpoint failed on another host while creating "
-            f"{tmp!r}; nothing was written (see that host's error).")
-    try:
+
+    def write_blocks():
         records = [_save_variable(n, kind, key, variable, tmp)
                    for n, (kind, key, variable) in enumerate(entries)]
         if hosts > 1:
             _write_file(os.path.join(tmp, f"host{host}.json"),
                         json.dumps(records).encode())
-    except BaseException as caught:  # noqa: BLE001 (agreed on, re-raised)
-        error = caught
-    if not _all_hosts_done(error is None, "writing blocks"):
-        if host == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise error or RuntimeError(
-            "save_checkpoint failed on another host while writing blocks; "
-            "nothing was published (see that host's error).")
-    if host == 0:
+        return records
+
+    def publish():  # host 0: the manifest, then the rename
+        if host != 0:
+            return
         try:
-            if hosts > 1:
-                records = _merge_host_records(tmp, hosts)
             manifest = _manifest_header(step, model)
-            manifest["variables"] = records
+            manifest["variables"] = (_merge_host_records(tmp, hosts)
+                                     if hosts > 1 else records)
             _write_file(os.path.join(tmp, MANIFEST),
                         json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
-        except BaseException as caught:  # noqa: BLE001 (agreed on)
-            error = caught
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-        if error is None:
-            try:  # a failed publish leaves both directories for inspection
-                _publish(directory, name, final, tmp, step)
-            except BaseException as caught:  # noqa: BLE001 (agreed on)
-                error = caught
-    if not _all_hosts_done(error is None, "publishing"):
-        raise error or RuntimeError(
-            "save_checkpoint: host 0 failed to publish the checkpoint (see "
-            "its error); the previous checkpoint is still the latest.")
+            raise
+        # A failed publish leaves both directories for inspection.
+        _publish(directory, name, final, tmp, step)
+
+    _agreed(create, "save_checkpoint failed on another host while creating "
+            f"{tmp!r}; nothing was written (see that host's error).")
+    try:
+        records = _agreed(
+            write_blocks, "save_checkpoint failed on another host while "
+            "writing blocks; nothing was published (see that host's error).")
+    except BaseException:
+        if host == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _agreed(publish, "save_checkpoint: host 0 failed to publish the "
+            "checkpoint (see its error); the previous checkpoint is still "
+            "the latest.")
     return final
 
 
-def _all_hosts_done(ok, what):
-    """Whether every host succeeded at `what` (one host: `ok`); with
-    several hosts a collective that also waits for all of them."""
-    del what  # names the step for readers of the call sites
-    return int(placement.sum_over_hosts(np.int64(0 if ok else 1))) == 0
+def _agreed(function, failed_elsewhere):
+    """`function()`'s result, agreed on by every host: if it raised on any
+    host it raises on all of them, its own error where it failed and
+    RuntimeError(failed_elsewhere) on the others, so that none is left
+    waiting in a collective. One host: just `function()`; several: a
+    collective after it."""
+    error, result = None, None
+    try:
+        result = function()
+    except BaseException as caught:  # noqa: BLE001 (agreed on, re-raised)
+        error = caught
+    if int(placement.sum_over_hosts(np.int64(error is not None))):
+        raise error or RuntimeError(failed_elsewhere)
+    return result
 
 
 def _merge_host_records(tmp, hosts):
@@ -319,38 +325,29 @@ def restore_checkpoint(model, directory, optimizer=True):
     """
     # Across hosts each phase is agreed on (`_agreed`): a host whose files
     # fail raises on every host, none waits in a collective for it.
-    path, manifest = _agreed("reading the checkpoint",
-                             lambda: _locate(directory))
+    path, manifest = _agreed(
+        lambda: _locate(directory),
+        _restore_failed_elsewhere("reading the checkpoint"))
     saved = {(r["kind"], r["key"]): r for r in manifest["variables"]}
     if optimizer:
         _build_optimizer(model)
     entries = _entries(model, optimizer)
     targets = {(kind, key): variable for kind, key, variable in entries}
-    _agreed("checking the checkpoint",
-            lambda: _check_fit(path, manifest, saved, targets, model,
-                               optimizer))
+    _agreed(lambda: _check_fit(path, manifest, saved, targets, model,
+                               optimizer),
+            _restore_failed_elsewhere("checking the checkpoint"))
     # 3. Only now change the model, one variable at a time: its blocks are
     #    memory-mapped (one variable's files open at a time; each map holds
     #    a file descriptor and a model has thousands of blocks), its target
     #    value is packed onto the mesh and assigned, then dropped.
-    _agreed("restoring", lambda: _assign_all(path, saved, targets, model,
-                                             optimizer))
+    _agreed(lambda: _assign_all(path, saved, targets, model, optimizer),
+            _restore_failed_elsewhere("restoring"))
     return int(manifest["step"])
 
 
-def _agreed(what, function):
-    """`function()`'s result; with several hosts a collective after it,
-    so that when it raised on any host it raises on every host."""
-    error, result = None, None
-    try:
-        result = function()
-    except Exception as caught:  # noqa: BLE001 (agreed on, re-raised)
-        error = caught
-    if not _all_hosts_done(error is None, what):
-        raise error or RuntimeError(
-            f"restore_checkpoint failed on another host while {what} (see "
+def _restore_failed_elsewhere(what):
+    return (f"restore_checkpoint failed on another host while {what} (see "
             "that host's error); restore again on every host.")
-    return result
 
 
 def _locate(directory):

@@ -2,7 +2,8 @@
 """Set up a virtual environment and run the demo, the tests or the benchmarks.
 
     python3 dev.py demo     # trains a data x model parallel model on 8 virtual CPUs
-    python3 dev.py test     # runs the test suite
+    python3 dev.py test     # runs the test suite (fast profile: what CI runs)
+    python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing)
     python3 dev.py bench    # runs benchmarks/step_time.py
 
 Needs only Python 3.10+: the first run creates .venv/ and installs tfpar with
@@ -23,6 +24,7 @@ STAMP = VENV / ".tfpar-installed"
 COMMANDS = {
     "demo": ["examples/quickstart.py"],
     "test": ["-m", "pytest", "-q"],
+    "test-all": ["-m", "pytest", "-q", "-m", "slow or not slow"],
     "bench": ["benchmarks/step_time.py"],
 }
 

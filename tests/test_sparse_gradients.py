@@ -131,3 +131,39 @@ def test_scatter_update_writes_the_rows(spec):
     want = np.zeros((8, 4), "float32")
     want[5], want[2] = 1.0, 4.0  # 2 written, then 1 + 1 added
     np.testing.assert_array_equal(np.asarray(table.value), want)
+
+
+@pytest.mark.parametrize("optimizer_name", ["SGD", "Adagrad"])
+def test_scatter_optimizers_in_pipeline_stages(optimizer_name):
+    """Each stage's optimizer copy applies its stage's sparse gradient."""
+    def build():
+        return keras.Sequential([
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, HIDDEN, name="embed"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(HIDDEN, name="mid"),  # stage 1 begins here
+            keras.layers.Dense(1, name="head"),
+        ])
+
+    x, y = _data()
+    keras.utils.set_random_seed(1)
+    reference = build()
+    reference.compile(optimizer=getattr(keras.optimizers, optimizer_name)(),
+                      loss="mse")
+    initial = reference.get_weights()
+    want = reference.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                         shuffle=False).history["loss"]
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"pipe": 2, "data": 2, "model": 2}),
+        rules={r".*embed/embeddings": (None, "model")})
+    with strategy.scope():
+        model = build()
+        model.set_weights(initial)
+        model = tfpar.PipelineModel(model, num_microbatches=2)
+        model.compile(optimizer=getattr(keras.optimizers, optimizer_name)(),
+                      loss="mse")
+    got = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                    shuffle=False).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

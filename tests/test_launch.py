@@ -22,9 +22,10 @@ from tfpar import hosts
 
 TESTS = Path(__file__).resolve().parent
 CHILD = TESTS / "launch_child.py"
+PER_HOST_CHILD = TESTS / "per_host_child.py"
 
 
-def launch(workdir, mode, *flags, heartbeat=60, timeout=400):
+def launch(workdir, mode, *flags, heartbeat=60, timeout=400, child=CHILD):
     """Runs the launcher; (exit status, output, seconds)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DTENSOR_", "TFPAR_"))}
@@ -34,7 +35,7 @@ def launch(workdir, mode, *flags, heartbeat=60, timeout=400):
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "tfpar.launch", "--hosts", "2",
-         "--virtual-cpus", "4", *flags, str(CHILD), mode, str(workdir)],
+         "--virtual-cpus", "4", *flags, str(child), mode, str(workdir)],
         capture_output=True, text=True, timeout=timeout, env=env)
     return result.returncode, result.stdout + result.stderr, (
         time.monotonic() - start)
@@ -50,14 +51,14 @@ def workdir(tmp_path):
     return tmp_path
 
 
-def one_device_losses(workdir):
+def one_device_losses(workdir, epochs=4):
     given = np.load(workdir / "given.npz")
     model = models.host_mlp()
     model.set_weights([given[f"w{i}"] for i in range(6)])
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     recorder = models.BatchLosses()
-    model.fit(given["x"], given["y"], batch_size=32, epochs=4, shuffle=False,
-              verbose=0, callbacks=[recorder])
+    model.fit(given["x"], given["y"], batch_size=32, epochs=epochs,
+              shuffle=False, verbose=0, callbacks=[recorder])
     return np.array(recorder.losses)
 
 
@@ -171,3 +172,32 @@ def test_bad_launcher_arguments_are_clear_errors(argv, match):
                             capture_output=True, text=True, timeout=60,
                             cwd=TESTS.parent)
     assert result.returncode == 2 and match in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("mode", ["arrays", "dataset"])
+def test_each_host_feeds_only_its_share(workdir, mode):
+    """per_host_input=True: host h gives fit only rows 16h..16h+15 of each
+    32-row global batch; the losses equal one device's on whole batches."""
+    status, out, _ = launch(workdir, mode, child=PER_HOST_CHILD)
+    assert status == 0, out[-4000:]
+    want = one_device_losses(workdir, epochs=2)
+    for host in (0, 1):
+        got = json.loads((workdir / f"losses-host{host}.json").read_text())
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_datasets_from_function_get_each_host_its_input_context(workdir):
+    status, out, _ = launch(workdir, "function", child=PER_HOST_CHILD)
+    assert status == 0, out[-4000:]
+    x = np.load(workdir / "given.npz")["x"]
+    for host in (0, 1):
+        got = json.loads((workdir / f"batches-host{host}.json").read_text())
+        np.testing.assert_allclose(np.concatenate(got), x, rtol=0)
+
+
+def test_hosts_with_different_numbers_of_batches_are_a_clear_error(workdir):
+    status, out, _ = launch(workdir, "uneven", child=PER_HOST_CHILD)
+    assert status != 0
+    assert "every host must feed a batch of the same size" in out, out[-4000:]
+    assert "host 0: 3 batches, host 1: 2 batches" in out

@@ -1,6 +1,7 @@
 """Several hosts (processes) as one cluster of devices: DTensor multi-client.
 
-Every host runs the same program on the same data. Each calls
+Every host runs the same program on the same data (or, with
+`ParallelStrategy(per_host_input=True)`, on its own share of it). Each calls
 `connect_hosts` first thing (on CPU after `tfpar.use_virtual_cpus`), then
 `tfpar.Mesh(...)` spans the devices of all hosts (global device i is device
 i mod L of host i // L, L devices per host), and `ParallelStrategy`, `fit`,

@@ -68,10 +68,21 @@ class ParallelStrategy(tf.distribute.Strategy):
             pass has used them (no re-gather in the backward pass), so a
             step's peak holds every weight whole. Losses and weights equal
             plain data parallelism's.
+        per_host_input: with several hosts (`tfpar.connect_hosts`), each
+            host feeds only its share of every global batch — the rows of
+            the data coordinates its devices hold (host h of H: blocks
+            [h D/H, (h+1) D/H) of the data axis of size D) — instead of
+            every host reading every global batch. The arrays or dataset a
+            host gives `fit`/`evaluate` are then its own samples, batched
+            with the per-host batch size (global / H);
+            `distribute_datasets_from_function` passes an InputContext with
+            `num_input_pipelines=H` and `input_pipeline_id=h`. Hosts check
+            at every step that they all have a batch of the same size (a
+            clear error otherwise). One host: no effect.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
-                 pipeline_axis="pipe", fsdp=False):
+                 pipeline_axis="pipe", fsdp=False, per_host_input=False):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -111,9 +122,14 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r}, data_axis={data_axis!r}. Add a "
                 "data axis of size > 1 or leave fsdp=False."
             )
+        if not isinstance(per_host_input, bool):
+            raise TypeError(
+                "ParallelStrategy(per_host_input) needs True or False. "
+                f"Received: per_host_input={per_host_input!r}"
+            )
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
-                                          pipeline_axis, fsdp))
+                                          pipeline_axis, fsdp, per_host_input))
 
     @property
     def mesh(self):
@@ -343,7 +359,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     """The machinery behind `ParallelStrategy` (see the module docstring)."""
 
     def __init__(self, container_strategy, mesh, rules, data_axis,
-                 pipeline_axis, fsdp=False):
+                 pipeline_axis, fsdp=False, per_host_input=False):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.rules = rules
@@ -354,7 +370,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.stage_meshes = ([mesh] if stages == 1 else
                              [mesh.submesh(pipeline_axis, s)
                               for s in range(stages)])
-        self.input_placer = inputs.InputPlacer(mesh, data_axis)
+        self.input_placer = inputs.InputPlacer(
+            mesh, data_axis, per_host=per_host_input and dtensor.num_clients() > 1)
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
         self._placing = []  # stack of meshes new variables go to
@@ -785,8 +802,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return inputs.DistributedBatches(dataset, self.input_placer)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        hosts = dtensor.num_clients() if self.input_placer.per_host else 1
         context = tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0,
+            num_input_pipelines=hosts,
+            input_pipeline_id=dtensor.client_id() if hosts > 1 else 0,
             num_replicas_in_sync=1)
         return inputs.DistributedBatches(dataset_fn(context), self.input_placer)
 

@@ -355,6 +355,35 @@ def _sparse_quotient(x1, x2, divide):
         x1.dense_shape)
 
 
+def count_array_batches():
+    """Makes the tf.data datasets Keras builds from arrays state their
+    batch count (Keras knows it: `ArrayDataAdapter.num_batches`; its
+    flat_map pipeline hides it from `dataset.cardinality()`).
+
+    Per-host input needs it: Keras stops each host after its own count, so
+    hosts must compare counts before the first step (`inputs`). Installed
+    once, by the first strategy with per-host input; the datasets are
+    unchanged but for their stated cardinality.
+    """
+    from keras.src.trainers.data_adapters import array_data_adapter  # noqa: PLC0415
+
+    adapter = array_data_adapter.ArrayDataAdapter
+    original = adapter.get_tf_dataset
+    if getattr(original, "_tfpar_counted", False):
+        return
+
+    @functools.wraps(original)
+    def get_tf_dataset(self):
+        dataset = original(self)
+        if self.num_batches is None:
+            return dataset
+        return dataset.apply(
+            tf.data.experimental.assert_cardinality(self.num_batches))
+
+    get_tf_dataset._tfpar_counted = True  # noqa: SLF001
+    adapter.get_tf_dataset = get_tf_dataset
+
+
 def _optimizer_under(model, strategy):
     """Makes sure `model.optimizer` was created under `strategy`.
 

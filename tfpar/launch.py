@@ -91,7 +91,7 @@ def run_group(options, attempt):
             [sys.executable, options.script, *options.args],
             env={**environment, "TFPAR_HOST_ID": str(host)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1)
+            bufsize=1, preexec_fn=_die_with_launcher)
         printer = threading.Thread(target=_prefix, args=(process, host))
         printer.start()
         processes.append(process)
@@ -125,6 +125,17 @@ def _wait(processes, grace):
                     process.kill()
         time.sleep(0.1)
     return status
+
+
+def _die_with_launcher():
+    """In the child: SIGKILL when the launcher dies (Linux), so hosts stuck
+    in a collective do not outlive a launcher that was killed."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own cleanup must do
 
 
 def _prefix(process, host):

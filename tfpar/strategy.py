@@ -372,6 +372,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                               for s in range(stages)])
         self.input_placer = inputs.InputPlacer(
             mesh, data_axis, per_host=per_host_input and dtensor.num_clients() > 1)
+        if self.input_placer.per_host:
+            _compat.count_array_batches()
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
         self._placing = []  # stack of meshes new variables go to

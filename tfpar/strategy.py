@@ -437,11 +437,20 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     def _fsdp_specs(self, spec, kind, shape):
         """(stored spec, compute spec) of a variable its rules lay out by
         `spec`: under fsdp a trainable weight is stored split over the data
-        axis too, and gathered where a step reads it."""
+        axis too, and gathered where a step reads it. In a step the data
+        axis splits the batch, so a variable whose rule itself splits it
+        over the data axis (e.g. keras-hub's 2-D layout maps, weights split
+        over "batch" and "model") is computed with whole over that axis
+        too, by the same gather: a Dense kernel (in, out) ruled
+        ("data", "model") is stored so and computed as (None, "model")."""
+        compute = spec
+        if kind != "optimizer" and self.mesh.axis_size(self.data_axis) > 1:
+            compute = tuple(None if axis == self.data_axis else axis
+                            for axis in spec)
         if not self.fsdp or kind != "params":
-            return spec, spec
+            return spec, compute
         return layout_lib.fully_sharded_spec(spec, shape, self.data_axis,
-                                             self.mesh), spec
+                                             self.mesh), compute
 
     def _register(self, path, spec, kind, value, kwargs, mesh,
                   compute_spec=None):

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import compile_errors
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import placement
@@ -674,11 +675,14 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def keras_function(self, model, mode):
         """Builds `model.{mode}_function` (see `tfpar.training`; a
-        `tfpar.PipelineModel` brings its own runner)."""
+        `tfpar.PipelineModel` brings its own runner). DTensor's compile
+        errors in it name the layers (`tfpar.compile_errors`)."""
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)
         if make_runner is not None:
-            return training.make_function(model, self, mode,
-                                          runner=make_runner(mode))
+            return compile_errors.explaining(
+                training.make_function(model, self, mode,
+                                       runner=make_runner(mode)),
+                model, self, mode)
         if len(self.stage_meshes) > 1:
             raise ValueError(
                 f"The mesh has a pipeline axis {self.pipeline_axis!r} of size "
@@ -688,7 +692,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
                 "or drop the pipeline axis from the mesh."
             )
-        return training.make_function(model, self, mode)
+        return compile_errors.explaining(
+            training.make_function(model, self, mode), model, self, mode)
 
     def eager_model_call(self, call, model, args, kwargs):
         """`model(x)` run eagerly: host arrays go to the mesh (split over the

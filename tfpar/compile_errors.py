@@ -9,8 +9,9 @@ convolution must have fully replicated layout". `explaining(function, ...)`
 re-raises such an error as a `ValueError` naming the op, DTensor's reason,
 the weights whose per-device blocks are the op's operands (matched by block
 shape; failing that, every weight with a non-replicated layout) with their
-layers and layouts, and what to change. DTensor's own error stays chained
-below it.
+layers and layouts, and what to change. DTensor's own error is its
+`__cause__` (Keras drops that chain from the traceback it shows unless
+`keras.config.disable_traceback_filtering()`).
 
 Example:
 
@@ -123,8 +124,7 @@ def explain(message, model, extended, mode="train"):
     return (
         f"DTensor could not compile the {mode} step of model "
         f"{model.name!r} on {extended.mesh!r}: its {op} op failed: "
-        f"{reason}\n{listed}\nWhat to change: {advice} (DTensor's own error "
-        "is chained below.)")
+        f"{reason}\n{listed}\nWhat to change: {advice}")
 
 
 def _describe(weight, layer, info, shape):

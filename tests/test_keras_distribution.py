@@ -193,11 +193,6 @@ def test_keras_hub_layout_maps_train_in_parity(name, backbone, mesh_shape,
     assert len(split) >= 10
 
 
-def test_gemma_layout_map_trains_in_parity():
-    _hub_layout_run("gemma", keras_hub.models.GemmaBackbone, (2, 4),
-                    keras.optimizers.SGD, steps=1)
-
-
 def test_distribute_tensor_puts_host_values_and_relayouts_in_steps():
     mesh = device_mesh()
     # (Keras 3.15's DataParallel on a 2-D mesh fails in its own warning:

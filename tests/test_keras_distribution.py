@@ -193,6 +193,26 @@ def test_keras_hub_layout_maps_train_in_parity(name, backbone, mesh_shape,
     assert len(split) >= 10
 
 
+def test_a_variable_layout_wins_over_the_layout_map():
+    """keras.Variable(layout=...) as Keras' get_variable_layout honours it."""
+    mesh = device_mesh()
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["up/kernel"] = (None, "model")
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        up = keras.layers.Dense(8, name="up")
+        up.build((None, 4))
+        own = keras.Variable(np.ones((4, 8), "float32"), name="own",
+                             layout=keras.distribution.TensorLayout(
+                                 ("model", None), mesh))
+        with pytest.raises(ValueError, match="layout=.*rank 2"):
+            keras.Variable(np.ones((4, 8), "float32"),
+                           layout=keras.distribution.TensorLayout(
+                               ("model",), mesh))
+    specs = [dtensor.fetch_layout(v.value).sharding_specs
+             for v in (up.kernel, own)]
+    assert specs == [[dtensor.UNSHARDED, "model"], ["model", dtensor.UNSHARDED]]
+
+
 def test_distribute_tensor_puts_host_values_and_relayouts_in_steps():
     mesh = device_mesh()
     # (Keras 3.15's DataParallel on a 2-D mesh fails in its own warning:

@@ -396,6 +396,20 @@ def keras_variable_being_created():
     return stack[-1] if stack else None
 
 
+def keras_variable_layout(path):
+    """The spec of the layout given to the Keras Variable at `path` being
+    created (`keras.Variable(..., layout=TensorLayout(axes))`, stored as
+    its private `_layout`, which Keras' TF backend ignores), or None."""
+    variable = keras_variable_being_created()
+    layout = getattr(variable, "_layout", None)
+    if layout is None or variable.path != path:
+        return None
+    if isinstance(layout, dtensor.Layout):
+        return tuple(None if s == dtensor.UNSHARDED else s
+                     for s in layout.sharding_specs)
+    return tuple(layout.axes)
+
+
 def keras_layer_adding_weight():
     """The Keras layer whose `add_weight` is running, or None. When Keras
     defers a weight's initialisation (layers built by a symbolic call of a

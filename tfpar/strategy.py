@@ -600,7 +600,15 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                     return reference.spec, "optimizer"
                 return layout_lib.replicated_spec(len(shape)), "optimizer"
         rules = self.rules if rules is None else rules
-        spec = rules.spec_for(path, shape, layer)
+        # keras.Variable(layout=...) wins over the rules, as in Keras.
+        spec = _compat.keras_variable_layout(path)
+        if spec is not None and len(spec) != len(shape):
+            raise ValueError(
+                f"Variable {path!r} was given layout={spec} with {len(spec)} "
+                f"axes, but has rank {len(shape)} (shape={tuple(shape)}). "
+                "Give one mesh axis name or None per dimension.")
+        if spec is None:
+            spec = rules.spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
         layout_lib.check_divisible(path, shape, spec, mesh or self.mesh)

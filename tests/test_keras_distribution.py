@@ -7,6 +7,8 @@ model built and compiled there, `fit` called (inside or outside). The
 oracle is the same model on one device from the same weights and data.
 """
 
+import contextlib
+
 import keras
 import keras_hub
 import numpy as np
@@ -49,8 +51,7 @@ def train(build, x, y, weights, distribution=None, optimizer="sgd",
           loss="mse", epochs=2):
     """(per-batch losses, final weights, model) of `build()` trained from
     `weights`; built and compiled in `distribution.scope()`, fit outside."""
-    scope = distribution.scope() if distribution else _nothing()
-    with scope:
+    with distribution.scope() if distribution else contextlib.nullcontext():
         model = build()
         model.set_weights(weights)
         model.compile(optimizer=optimizer, loss=loss)
@@ -58,14 +59,6 @@ def train(build, x, y, weights, distribution=None, optimizer="sgd",
     model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[losses])
     return losses.losses, model.get_weights(), model
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def assert_parity(reference, parallel):

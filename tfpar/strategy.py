@@ -229,7 +229,8 @@ class ShardedVariable(_compat.DVariable):
     a sharded value into numpy. This subclass puts host values on the mesh
     with the variable's own layout and assembles numpy from the shards.
 
-    Under `fsdp` a weight is stored split over the data axis
+    Under `fsdp`, or when its rule splits it over the data axis, a weight
+    is stored split over the data axis
     (`tfpar_spec`) but computed with whole (`tfpar_compute_spec`): each read
     in a step gathers it, and the gradient of that gather is a
     reduce-scatter back to the stored blocks. Optimizer updates read the

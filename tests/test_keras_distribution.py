@@ -341,3 +341,16 @@ def test_compile_error_names_the_weights_of_a_contracting_clash():
             "('model', 'batch'), computed as ('model', None), per-device "
             "block (16, 32)") in text
     assert "split that dimension over the same axis on both sides" in text
+
+
+def test_set_distribution_sets_the_strategy_and_clear_session_clears_both():
+    distribution = keras.distribution.DataParallel()
+    keras.distribution.set_distribution(distribution)
+    assert tf.distribute.get_strategy() is keras_distribution.strategy_for(
+        distribution)
+    keras.backend.clear_session()  # Keras' state and TF's default graph
+    assert keras.distribution.distribution() is None
+    assert not tf.distribute.has_strategy()
+    with distribution.scope():  # the same strategy again
+        assert tf.distribute.get_strategy() is keras_distribution.strategy_for(
+            distribution)

@@ -93,6 +93,7 @@ def _llama_parity(*args):
     return out
 
 
+@pytest.mark.slow  # colab/keras_hub_llama.ipynb runs both flows by default
 def test_keras_hub_llama_through_keras_distribution():
     out = _llama_parity("--keras-distribution")
     # keras-hub's layout map: split over both axes, blocks per device.

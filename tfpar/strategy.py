@@ -310,35 +310,28 @@ class ShardedVariable(_compat.DVariable):
     # scatter ops, which DTensor 2.21 cannot lay out ("'tf.ResourceScatterSub'
     # op does not implement layout propagation"): plain SGD, Adagrad,
     # Adadelta, RMSprop and Adafactor failed on every mesh. Each is the same
-    # update written densely: the slices summed into rows,
-    # D = sum_j onehot(indices_j) values_j (an UnsortedSegmentSum, which
-    # DTensor lays out), then var -= D, var += D; scatter_update replaces the
-    # touched rows: var = where(touched, D_last, var). Repeated indices add,
-    # as ResourceScatterAdd/Sub do; for scatter_update the last slice of a
-    # repeated row wins (TF leaves that order unspecified).
+    # update written with ops DTensor lays out: scatter_add/sub sum the
+    # slices into rows, D_i = sum_{j: idx_j = i} v_j (an UnsortedSegmentSum;
+    # repeated rows add, as ResourceScatterAdd/Sub do), then var += D or
+    # var -= D; scatter_update writes the slices into the value
+    # (TensorScatterUpdate; of repeated rows one wins, as in TF).
 
-    def _dense_delta(self, sparse_delta):
+    def _summed_rows(self, sparse_delta):
         values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
         return tf.math.unsorted_segment_sum(values, sparse_delta.indices,
                                             self.shape[0])
 
     def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_add(self._dense_delta(sparse_delta), name=name)
+        return self.assign_add(self._summed_rows(sparse_delta), name=name)
 
     def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_sub(self._dense_delta(sparse_delta), name=name)
+        return self.assign_sub(self._summed_rows(sparse_delta), name=name)
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        indices = sparse_delta.indices
-        # The last position of each row among the indices: a later slice of
-        # a repeated row overwrites an earlier one.
-        positions = tf.range(tf.shape(indices)[0])
-        last = tf.math.unsorted_segment_max(positions, indices, self.shape[0])
-        touched = last >= 0  # unsorted_segment_max fills absent rows with min
-        rows = tf.gather(tf.convert_to_tensor(sparse_delta.values, self.dtype),
-                         tf.maximum(last, 0))
-        mask = tf.reshape(touched, [-1] + [1] * (self.shape.rank - 1))
-        return self.assign(tf.where(mask, rows, self.read_value()), name=name)
+        values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
+        return self.assign(tf.tensor_scatter_nd_update(
+            self.read_value(), sparse_delta.indices[:, None], values),
+            name=name)
 
     def numpy(self):
         return placement.fetch(self.read_value())
@@ -945,3 +938,6 @@ def _owning_strategy(model):
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
 _compat.patch_keras_remat(_check_random_recomputation)
+_compat.static_sparse_division(
+    lambda: not tf.executing_eagerly()
+    and isinstance(tf.distribute.get_strategy(), ParallelStrategy))

@@ -483,6 +483,20 @@ def keras_variable_being_created():
     return stack[-1] if stack else None
 
 
+def keras_variable_layout(path):
+    """The spec of the layout given to the Keras Variable at `path` being
+    created (`keras.Variable(..., layout=TensorLayout(axes))`, stored as
+    its private `_layout`, which Keras' TF backend ignores), or None."""
+    variable = keras_variable_being_created()
+    layout = getattr(variable, "_layout", None)
+    if layout is None or variable.path != path:
+        return None
+    if isinstance(layout, dtensor.Layout):
+        return tuple(None if s == dtensor.UNSHARDED else s
+                     for s in layout.sharding_specs)
+    return tuple(layout.axes)
+
+
 def keras_layer_adding_weight():
     """The Keras layer whose `add_weight` is running, or None. When Keras
     defers a weight's initialisation (layers built by a symbolic call of a
@@ -824,3 +838,44 @@ def collective_all_gathers(enabled):
             del os.environ[_GATHER_LOWERING]
         else:
             os.environ[_GATHER_LOWERING] = outer
+
+
+# -- Keras' distribution API (keras.distribution) on TensorFlow --------------
+
+
+def hook_keras_distribution(on_set, distribute_tensor, initialize):
+    """Makes Keras' distribution API reach tfpar on the TF backend; once.
+
+    Keras keeps the current distribution in its global attribute
+    "distribution", written only by `keras.distribution.set_distribution`
+    (which `Distribution.scope()` calls on entry and exit) through
+    `global_state.set_global_attribute`: that writer is wrapped so that
+    `on_set(value)` runs first (and may refuse by raising), whichever
+    binding of `set_distribution` the user imported. Keras 3.15's TF
+    `distribution_lib` (a "DO NOT USE" prototype) lacks `distribute_tensor`,
+    `get_device_count` and `initialize`, which `keras.distribution` calls:
+    they are supplied. A distribution set before this hook is installed is
+    handed to `on_set` now.
+    """
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+    from keras.src.backend.tensorflow import distribution_lib  # noqa: PLC0415
+
+    original = global_state.set_global_attribute
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def set_global_attribute(name, value):
+        if name == "distribution":
+            on_set(value)
+        original(name, value)
+
+    set_global_attribute._tfpar_wrapped = True  # noqa: SLF001
+    global_state.set_global_attribute = set_global_attribute
+    distribution_lib.distribute_tensor = distribute_tensor
+    distribution_lib.initialize = initialize
+    distribution_lib.get_device_count = (
+        lambda device_type=None: len(distribution_lib.list_devices(device_type)))
+    current = global_state.get_global_attribute("distribution")
+    if current is not None:
+        on_set(current)
+

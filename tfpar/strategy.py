@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import compile_errors
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import placement
@@ -244,7 +245,8 @@ class ShardedVariable(_compat.DVariable):
     a sharded value into numpy. This subclass puts host values on the mesh
     with the variable's own layout and assembles numpy from the shards.
 
-    Under `fsdp` a weight is stored split over the data axis
+    Under `fsdp`, or when its rule splits it over the data axis, a weight
+    is stored split over the data axis
     (`tfpar_spec`) but computed with whole (`tfpar_compute_spec`): each read
     in a step gathers it, and the gradient of that gather is a
     reduce-scatter back to the stored blocks. Optimizer updates read the
@@ -449,11 +451,20 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     def _fsdp_specs(self, spec, kind, shape):
         """(stored spec, compute spec) of a variable its rules lay out by
         `spec`: under fsdp a trainable weight is stored split over the data
-        axis too, and gathered where a step reads it."""
+        axis too, and gathered where a step reads it. In a step the data
+        axis splits the batch, so a variable whose rule itself splits it
+        over the data axis (e.g. keras-hub's 2-D layout maps, weights split
+        over "batch" and "model") is computed with whole over that axis
+        too, by the same gather: a Dense kernel (in, out) ruled
+        ("data", "model") is stored so and computed as (None, "model")."""
+        compute = spec
+        if kind != "optimizer" and self.mesh.axis_size(self.data_axis) > 1:
+            compute = tuple(None if axis == self.data_axis else axis
+                            for axis in spec)
         if not self.fsdp or kind != "params":
-            return spec, spec
+            return spec, compute
         return layout_lib.fully_sharded_spec(spec, shape, self.data_axis,
-                                             self.mesh), spec
+                                             self.mesh), compute
 
     def _register(self, path, spec, kind, value, kwargs, mesh,
                   compute_spec=None):
@@ -602,7 +613,15 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                     return reference.spec, "optimizer"
                 return layout_lib.replicated_spec(len(shape)), "optimizer"
         rules = self.rules if rules is None else rules
-        spec = rules.spec_for(path, shape, layer)
+        # keras.Variable(layout=...) wins over the rules, as in Keras.
+        spec = _compat.keras_variable_layout(path)
+        if spec is not None and len(spec) != len(shape):
+            raise ValueError(
+                f"Variable {path!r} was given layout={spec} with {len(spec)} "
+                f"axes, but has rank {len(shape)} (shape={tuple(shape)}). "
+                "Give one mesh axis name or None per dimension.")
+        if spec is None:
+            spec = rules.spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
         layout_lib.check_divisible(path, shape, spec, mesh or self.mesh)
@@ -677,11 +696,14 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def keras_function(self, model, mode):
         """Builds `model.{mode}_function` (see `tfpar.training`; a
-        `tfpar.PipelineModel` brings its own runner)."""
+        `tfpar.PipelineModel` brings its own runner). DTensor's compile
+        errors in it name the layers (`tfpar.compile_errors`)."""
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)
         if make_runner is not None:
-            return training.make_function(model, self, mode,
-                                          runner=make_runner(mode))
+            return compile_errors.explaining(
+                training.make_function(model, self, mode,
+                                       runner=make_runner(mode)),
+                model, self, mode)
         if len(self.stage_meshes) > 1:
             raise ValueError(
                 f"The mesh has a pipeline axis {self.pipeline_axis!r} of size "
@@ -691,7 +713,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
                 "or drop the pipeline axis from the mesh."
             )
-        return training.make_function(model, self, mode)
+        return compile_errors.explaining(
+            training.make_function(model, self, mode), model, self, mode)
 
     def eager_model_call(self, call, model, args, kwargs):
         """`model(x)` run eagerly: host arrays go to the mesh (split over the

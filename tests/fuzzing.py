@@ -20,10 +20,13 @@ import functools
 import os
 
 import hypothesis
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck
+
+import models
 
 RTOL = 1e-4
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -77,6 +80,8 @@ def refused(error, before, after):
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
     hypothesis.event(f"refused: {type(error).__name__}")
+    if os.environ.get("TFPAR_FUZZ_VERBOSE"):
+        print("refused:", str(error)[:300])
 
 
 def relative_error(a, b):
@@ -95,4 +100,33 @@ def assert_parity(want_losses, got_losses, want_weights, got_weights,
         assert np.all(np.isfinite(got)), i
         error = relative_error(want, got)
         assert error < rtol, (i, np.shape(want), error)
-    hypothesis.event("trained in parity")
+
+
+def train(model, x, y, weights, losses, optimizer=None, batch_size=16):
+    """One epoch in order from `weights` (plain SGD(0.1) unless
+    `optimizer`), batch losses recorded by `losses`: (losses, weights)."""
+    model.set_weights(weights)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1),
+                  loss="mse")
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+              verbose=0, callbacks=[losses])
+    return np.array(losses.losses), [np.asarray(w) for w in model.get_weights()]
+
+
+def parity_or_refused(build_and_train, weights, want_losses, want_weights):
+    """The property: `build_and_train(losses, built)` (which passes the
+    parallel model to `built` once made, then trains it with `losses` as a
+    callback and returns (losses, weights)) trains in parity with one
+    device's `want_*`, or raises a clear error before any batch ended with
+    no weight changed. Returns the trained model, or None if refused."""
+    losses = models.BatchLosses()
+    losses.losses = []
+    made = []
+    try:
+        got_losses, got_weights = build_and_train(losses, made.append)
+    except Exception as error:  # noqa: BLE001 (classified by `refused`)
+        assert not losses.losses, f"failed after a step: {error!r}"
+        refused(error, weights, made[0].get_weights() if made else weights)
+        return None
+    assert_parity(want_losses, got_losses, want_weights, got_weights)
+    return made[0]

@@ -164,14 +164,6 @@ def expected_blocks(model, rules, axes, fsdp):
     return blocks
 
 
-def train(model, x, y, weights, losses):
-    model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return np.array(losses.losses), [np.asarray(w) for w in model.get_weights()]
-
-
 def check_random_model(case):
     (axes, fsdp), trunk, embed_dim, picks = case
     keras.utils.set_random_seed(0)
@@ -180,25 +172,23 @@ def check_random_model(case):
     x, y = data(embed_dim)
     rules = draw_rules(single, axes, picks)
     hypothesis.note(f"rules={rules!r}")
-    want_losses, want_weights = train(single, x, y, weights,
-                                      models.BatchLosses())
+    want_losses, want_weights = fuzzing.train(single, x, y, weights,
+                                              models.BatchLosses())
 
     devices = [f"CPU:{i}" for i in range(math.prod(axes.values()))]
-    losses = models.BatchLosses()
-    losses.losses = []  # a refusal must come before the first batch ends
-    model = None
-    try:
+
+    def build_and_train(losses, built):
         strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
                                           rules=rules, fsdp=fsdp)
         with strategy.scope():
             model = build(trunk, embed_dim)
-        got_losses, got_weights = train(model, x, y, weights, losses)
-    except Exception as error:  # noqa: BLE001 (classified by `refused`)
-        assert not losses.losses
-        after = weights if model is None else model.get_weights()
-        fuzzing.refused(error, weights, after)
+        built(model)
+        return fuzzing.train(model, x, y, weights, losses)
+
+    model = fuzzing.parity_or_refused(build_and_train, weights, want_losses,
+                                      want_weights)
+    if model is None:
         return
-    fuzzing.assert_parity(want_losses, got_losses, want_weights, got_weights)
     hypothesis.event("trained in parity")
     blocks = expected_blocks(single, rules, axes, fsdp)
     for weight in model.weights:
@@ -227,11 +217,11 @@ def test_dropout_in_training_matches_one_device_on_a_data_mesh():
     single = with_dropout()
     weights = single.get_weights()
     x, y = data(None)
-    want_losses, want_weights = train(single, x, y, weights,
-                                      models.BatchLosses())
+    want_losses, want_weights = fuzzing.train(single, x, y, weights,
+                                              models.BatchLosses())
     mesh = tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"])
     with tfpar.ParallelStrategy(mesh).scope():
         model = with_dropout()
-    got_losses, got_weights = train(model, x, y, weights,
-                                    models.BatchLosses())
+    got_losses, got_weights = fuzzing.train(model, x, y, weights,
+                                            models.BatchLosses())
     fuzzing.assert_parity(want_losses, got_losses, want_weights, got_weights)

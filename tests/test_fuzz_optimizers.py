@@ -83,50 +83,42 @@ def make_optimizer(name, options, loss_scaling):
     return optimizer
 
 
-def train(model, optimizer, x, y, weights, losses):
-    model.set_weights(weights)
-    model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return np.array(losses.losses), [np.asarray(w) for w in model.get_weights()]
+def data():
+    rng = np.random.RandomState(0)
+    x = [rng.randint(0, VOCAB, size=(N, 4)).astype("int32"),
+         rng.normal(size=(N, 8)).astype("float32")]
+    return x, rng.normal(size=(N, 3)).astype("float32")
 
 
 def check_optimizer(case):
     name, options, loss_scaling, (axes, fsdp) = case
     hypothesis.assume(not (name in SPARSE_DIVIDE and "model" in axes))
     hypothesis.note(f"{name}({options}), loss scaling {loss_scaling}")
-    rng = np.random.RandomState(0)
-    x = [rng.randint(0, VOCAB, size=(N, 4)).astype("int32"),
-         rng.normal(size=(N, 8)).astype("float32")]
-    y = rng.normal(size=(N, 3)).astype("float32")
+    x, y = data()
     keras.utils.set_random_seed(0)
     single = build()
     weights = single.get_weights()
     optimizer = make_optimizer(name, options, loss_scaling)
     hypothesis.assume(optimizer is not None)
     try:
-        want_losses, want_weights = train(single, optimizer, x, y, weights,
-                                          models.BatchLosses())
+        want_losses, want_weights = fuzzing.train(
+            single, x, y, weights, models.BatchLosses(), optimizer)
     except (ValueError, TypeError, NotImplementedError):
         hypothesis.assume(False)  # Keras refuses it on one device too
     rules = RULES if "model" in axes else None
-    losses = models.BatchLosses()
-    losses.losses = []
-    model = None
-    try:
+
+    def build_and_train(losses, built):
         strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules=rules,
                                           fsdp=fsdp)
         with strategy.scope():
             model = build()
-        got_losses, got_weights = train(
-            model, make_optimizer(name, options, loss_scaling), x, y,
-            weights, losses)
-    except Exception as error:  # noqa: BLE001 (classified by `refused`)
-        assert not losses.losses, "failed after a step"
-        fuzzing.refused(error, weights,
-                        weights if model is None else model.get_weights())
+        built(model)
+        return fuzzing.train(model, x, y, weights, losses,
+                             make_optimizer(name, options, loss_scaling))
+
+    if fuzzing.parity_or_refused(build_and_train, weights, want_losses,
+                                 want_weights) is None:
         return
-    fuzzing.assert_parity(want_losses, got_losses, want_weights, got_weights)
     hypothesis.event(f"trained in parity: {name}")
 
 
@@ -137,21 +129,18 @@ test_optimizer_trains_in_parity_or_is_refused, \
 
 def _parity(name, options, axes, fsdp):
     """check_optimizer on one case, outside hypothesis."""
-    rng = np.random.RandomState(0)
-    x = [rng.randint(0, VOCAB, size=(N, 4)).astype("int32"),
-         rng.normal(size=(N, 8)).astype("float32")]
-    y = rng.normal(size=(N, 3)).astype("float32")
+    x, y = data()
     keras.utils.set_random_seed(0)
     single = build()
     weights = single.get_weights()
-    want = train(single, make_optimizer(name, options, False), x, y, weights,
-                 models.BatchLosses())
+    want = fuzzing.train(single, x, y, weights, models.BatchLosses(),
+                         make_optimizer(name, options, False))
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh(axes), rules=RULES if "model" in axes else None, fsdp=fsdp)
     with strategy.scope():
         model = build()
-    got = train(model, make_optimizer(name, options, False), x, y, weights,
-                models.BatchLosses())
+    got = fuzzing.train(model, x, y, weights, models.BatchLosses(),
+                        make_optimizer(name, options, False))
     fuzzing.assert_parity(want[0], got[0], want[1], got[1])
 
 

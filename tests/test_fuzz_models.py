@@ -122,7 +122,7 @@ def data(embed_dim):
 def draw_rules(model, axes, picks):
     """{escaped path: spec} for every weight, from the integers `picks`:
     each dimension replicated (most often) or split over a mesh axis,
-    each axis at most once; now and then a spec of the wrong rank or with
+    each axis at most once, mostly one that divides it; now and then a spec of the wrong rank or with
     an axis the mesh lacks (those must be refused)."""
     # Spread the integers (hypothesis favours 0 and other small values).
     picks = iter((p * 2654435761 >> 7) % 65521 for p in picks)
@@ -134,9 +134,12 @@ def draw_rules(model, axes, picks):
     rules = {}
     for weight in model.weights:
         spec, free = [], list(names)
-        for _ in weight.shape:
+        for size in weight.shape:
             pick = next(picks) % (3 * len(free) + 2)
-            if pick < len(free):
+            # An axis that does not divide the dimension is refused; keep
+            # one in four of those so that most cases get to train.
+            if pick < len(free) and (size % axes[free[pick]] == 0
+                                     or next(picks) % 4 == 0):
                 spec.append(free.pop(pick))
             else:
                 spec.append(None)

@@ -116,7 +116,7 @@ def check_damaged_checkpoint(saved, case):
 
 (test_damaged_checkpoint_is_refused_or_exact,
  test_damaged_checkpoint_is_refused_or_exact_long) = fuzzing.fast_and_long(
-    check_damaged_checkpoint, damage, fast_examples=12)
+    check_damaged_checkpoint, damage, fast_examples=8)
 
 
 def test_a_damaged_npy_header_is_a_clear_error(saved, tmp_path):

@@ -4,6 +4,9 @@
     python3 dev.py demo     # trains a data x model parallel model on 8 virtual CPUs
     python3 dev.py test     # runs the test suite (fast profile: what CI runs)
     python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing)
+    python3 dev.py fuzz     # the long property-based fuzzing profile; prints
+                            # the cases tried per property (TFPAR_FUZZ_EXAMPLES,
+                            # default 25 per property)
     python3 dev.py bench    # runs benchmarks/step_time.py
 
 Needs only Python 3.10+: the first run creates .venv/ and installs tfpar with
@@ -25,6 +28,8 @@ COMMANDS = {
     "demo": ["examples/quickstart.py"],
     "test": ["-m", "pytest", "-q"],
     "test-all": ["-m", "pytest", "-q", "-m", "slow or not slow"],
+    "fuzz": ["-m", "pytest", "-q", "-m", "slow", "-k", "fuzz and long",
+             "--hypothesis-show-statistics", "tests"],
     "bench": ["benchmarks/step_time.py"],
 }
 

@@ -559,6 +559,41 @@ def tf_initialized():
     return context.context()._context_handle is not None  # noqa: SLF001
 
 
+def eager_context_token():
+    """An object standing for TF's current eager context; a new one after
+    `context._reset_context()` (what TF's, Keras' and DTensor's test classes
+    call between tests). Kept as an attribute of the context object, so it
+    dies with it."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    ctx = context.context()
+    token = getattr(ctx, "_tfpar_token", None)
+    if token is None:
+        token = ctx._tfpar_token = object()  # noqa: SLF001
+    return token
+
+
+def ensure_dtensor_device():
+    """Makes DTensor's process-wide custom device belong to the current
+    eager context.
+
+    DTensor creates one device per process (`api._dtensor_singleton`) and
+    registers it with the context current at that time. After a context
+    reset the new context does not know it, and every DTensor op fails
+    ("CUSTOM:0 unknown device", "Could not find device for node
+    Relayout"). Dropping it makes DTensor create and register a new one
+    on its next use, as in a fresh process (DTensor's own test utilities
+    do the same with `reset_dtensor()`).
+    """
+    from tensorflow.dtensor.python import api  # noqa: PLC0415
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    device = api._dtensor_singleton  # noqa: SLF001
+    if device is not None and not context.context().is_custom_device(
+            device.name):
+        api._reset()  # noqa: SLF001
+
+
 def functional_graph(model):
     """(nodes, inputs, outputs) of a functional or Sequential model.
 

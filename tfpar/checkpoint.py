@@ -68,6 +68,7 @@ import os
 import re
 import shutil
 import time
+import tokenize
 import zlib
 
 import numpy as np
@@ -765,7 +766,9 @@ def _load_block(path, record, block):
         raise ValueError(
             f"Checkpoint block file {file!r} (of {record['key']!r}) is "
             "missing. No variable was changed.") from None
-    except (OSError, ValueError, EOFError) as error:
+    except (OSError, ValueError, EOFError, tokenize.TokenError) as error:
+        # numpy parses the .npy header with Python's tokenizer: a damaged
+        # header can also raise its TokenError.
         raise ValueError(
             f"Checkpoint block file {file!r} (of {record['key']!r}) is "
             f"truncated or corrupt: {error}. No variable was changed."

@@ -90,6 +90,7 @@ class ParallelStrategy(tf.distribute.Strategy):
                 "tfpar.Mesh({'data': 2, 'model': 4}). "
                 f"Received: mesh={mesh!r} of type {type(mesh).__name__}"
             )
+        _compat.ensure_dtensor_device()  # also after an eager context reset
         if rules is None:
             rules = {}
         elif isinstance(rules, layout_lib.LayoutRules):
@@ -131,6 +132,12 @@ class ParallelStrategy(tf.distribute.Strategy):
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
                                           pipeline_axis, fsdp, per_host_input))
+
+    def scope(self):
+        """`tf.distribute.Strategy.scope`; a RuntimeError if TF's eager
+        context was reset since this strategy was created."""
+        self.extended.check_context()
+        return super().scope()
 
     @property
     def mesh(self):
@@ -379,6 +386,19 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
         self._placing = []  # stack of meshes new variables go to
+        self._context = _compat.eager_context_token()
+
+    def check_context(self):
+        """Raises if TF's eager context was reset since this strategy was
+        created: its variables and compiled steps went with that context."""
+        if self._context is not _compat.eager_context_token():
+            raise RuntimeError(
+                f"This ParallelStrategy on {self.mesh!r} belongs to a reset "
+                "TensorFlow context: the eager context was reset (e.g. by "
+                "context._reset_context() in a TF/Keras/DTensor test class) "
+                "after it was created, and its variables went with it. "
+                "Create a new ParallelStrategy, and the model in its scope, "
+                "after the reset.")
 
     @contextlib.contextmanager
     def placing_on(self, mesh):
@@ -683,6 +703,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def replica_scope(self):
         """Enters the strategy scope and its single SPMD replica context."""
+        self.check_context()
         self.check_rules_used()
         return _ReplicaScope(self._container_strategy())
 
@@ -698,6 +719,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         """Builds `model.{mode}_function` (see `tfpar.training`; a
         `tfpar.PipelineModel` brings its own runner). DTensor's compile
         errors in it name the layers (`tfpar.compile_errors`)."""
+        self.check_context()
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)
         if make_runner is not None:
             return compile_errors.explaining(
@@ -722,6 +744,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         `.numpy()` works on them. (Eager gradients through DTensor ops are
         not supported by DTensor itself; train with `fit` or `strategy.run`
         inside a `tf.function`.)"""
+        self.check_context()
         pipeline_call = getattr(model, "_tfpar_eager_call", None)
         if pipeline_call is not None:
             return pipeline_call(args, kwargs)

@@ -1,0 +1,230 @@
+"""Property: random meshes, layout rules and models train in parity with one
+device, or are refused with a clear error before the first step.
+
+A case draws a mesh (1-3 axes named from data/model/extra in any order,
+sizes whose product divides 8, on the first that many devices), fsdp on or
+off, a model from a small grammar of Keras layers (Dense, EinsumDense,
+Embedding, Conv1D, LayerNormalization, BatchNormalization, Dropout,
+MultiHeadAttention, a custom `add_weight` layer) with random widths, and
+one random spec per weight (each dimension None or a mesh axis other than
+data, divisible or not; sometimes a wrong rank or an unknown axis). Two steps of plain SGD
+must then give the one-device losses and weights within 1e-4, every device
+holding only its block of every weight; or the case raises a clear Python
+error with no step run and no weight changed.
+"""
+
+import math
+import re
+
+import hypothesis
+import keras
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar import layout as layout_lib
+
+import fuzzing
+import models
+
+FEATURES, TOKENS, VOCAB = 8, 4, 16
+N, BATCH = 32, 16
+WIDTHS = st.sampled_from([2, 3, 4, 6, 8, 16])
+
+
+@st.composite
+def meshes(draw):
+    """(axes dict in drawn order, fsdp)."""
+    names = draw(st.permutations(["data", "model", "extra"]))
+    rank = draw(st.integers(1, 3))
+    sizes, left = [], 8
+    for _ in range(rank):
+        size = draw(st.sampled_from([s for s in (1, 2, 4, 8) if left % s == 0]))
+        sizes.append(size)
+        left //= size
+    axes = dict(zip(names[:rank], sizes))
+    # fsdp=True without a data axis of size > 1 is refused (test_errors).
+    return axes, axes.get("data", 1) > 1 and draw(st.booleans())
+
+
+LAYERS = st.one_of(
+    st.tuples(st.just("dense"), WIDTHS),
+    st.tuples(st.just("einsum"), WIDTHS),
+    st.tuples(st.just("layernorm"), st.just(0)),
+    st.tuples(st.just("batchnorm"), st.just(0)),
+    st.tuples(st.just("dropout"), st.sampled_from([0.1, 0.5])),
+    st.tuples(st.just("scale"), st.just(0)),
+    st.tuples(st.just("conv"), st.sampled_from([1, 2, 4])),
+    st.tuples(st.just("attention"), st.sampled_from([1, 2, 4])),
+)
+
+CASES = st.tuples(
+    meshes(),
+    st.lists(LAYERS, min_size=1, max_size=4),   # the trunk
+    st.one_of(st.none(), WIDTHS),               # an Embedding branch (dim)
+    st.lists(st.integers(0, 2**16), min_size=96, max_size=96),  # rule picks
+)
+
+
+def build(trunk, embed_dim):
+    """A functional model: features (and tokens) -> trunk -> Dense(3)."""
+    features = keras.Input((FEATURES,), name="features")
+    inputs, h = [features], features
+    if embed_dim:
+        tokens = keras.Input((TOKENS,), dtype="int32", name="tokens")
+        inputs.append(tokens)
+        e = keras.layers.Embedding(VOCAB, embed_dim, name="embed")(tokens)
+        h = keras.layers.Concatenate(name="join")(
+            [h, keras.layers.Flatten(name="flat_embed")(e)])
+    for i, (kind, arg) in enumerate(trunk):
+        name = f"{kind}{i}"
+        if kind == "dense":
+            h = keras.layers.Dense(arg, activation="tanh", name=name)(h)
+        elif kind == "einsum":
+            h = keras.layers.EinsumDense("ab,bc->ac", output_shape=arg,
+                                         bias_axes="c", name=name)(h)
+        elif kind == "layernorm":
+            h = keras.layers.LayerNormalization(name=name)(h)
+        elif kind == "batchnorm":
+            h = keras.layers.BatchNormalization(name=name)(h)
+        elif kind == "dropout":
+            # Inference-mode Dropout: in training its masks differ from one
+            # device's on a data mesh (test_dropout_in_training_matches_
+            # one_device_on_a_data_mesh below, a known failure).
+            h = models.InferenceDropout(arg, seed=i, name=name)(h)
+        elif kind == "scale":
+            h = models.Scale(name=name)(h)
+        elif kind in ("conv", "attention"):
+            width = h.shape[-1]
+            steps = 2 if width % 2 == 0 else 1
+            seq = keras.layers.Reshape((steps, width // steps))(h)
+            if kind == "conv":
+                seq = keras.layers.Conv1D(arg, 1, name=name)(seq)
+            else:
+                seq = keras.layers.MultiHeadAttention(
+                    num_heads=arg, key_dim=2, name=name)(seq, seq)
+            h = keras.layers.Flatten()(seq)
+    outputs = keras.layers.Dense(3, name="out")(h)
+    return keras.Model(inputs, outputs, name="fuzz")
+
+
+def data(embed_dim):
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(N, FEATURES)).astype("float32")
+    y = rng.normal(size=(N, 3)).astype("float32")
+    if embed_dim:
+        x = [x, rng.randint(0, VOCAB, size=(N, TOKENS)).astype("int32")]
+    return x, y
+
+
+def draw_rules(model, axes, picks):
+    """{escaped path: spec} for every weight, from the integers `picks`:
+    each dimension replicated (most often) or split over a mesh axis,
+    each axis at most once, mostly one that divides it; now and then a spec of the wrong rank or with
+    an axis the mesh lacks (those must be refused)."""
+    # Spread the integers (hypothesis favours 0 and other small values).
+    picks = iter((p * 2654435761 >> 7) % 65521 for p in picks)
+    # Not the data axis: found by this fuzzing, not fixed, rules that split
+    # weights over it (without fsdp) can crash DTensor's SPMD expansion
+    # ("EmitAllScatter was passed a desired_layout ... not more sharded",
+    # at a tf.Mean) on extra=2 x model=2 x data=2 with MultiHeadAttention.
+    names = [name for name in axes if name != "data"]
+    rules = {}
+    for weight in model.weights:
+        spec, free = [], list(names)
+        for size in weight.shape:
+            pick = next(picks) % (3 * len(free) + 2)
+            # An axis that does not divide the dimension is refused; keep
+            # one in four of those so that most cases get to train.
+            if pick < len(free) and (size % axes[free[pick]] == 0
+                                     or next(picks) % 4 == 0):
+                spec.append(free.pop(pick))
+            else:
+                spec.append(None)
+        odd = next(picks) % 100
+        if odd == 0:
+            spec.append(None)                  # wrong rank
+        elif odd == 1 and spec:
+            spec[0] = "nowhere"                # an axis the mesh lacks
+        if any(spec) or odd == 0:
+            rules[re.escape(weight.path)] = tuple(spec)
+    return rules
+
+
+def expected_blocks(model, rules, axes, fsdp):
+    """{path: per-device block shape} the rules (and fsdp) ask for."""
+    mesh = tfpar.Mesh(axes, devices=[f"CPU:{i}" for i in
+                                     range(math.prod(axes.values()))])
+    blocks = {}
+    for weight in model.weights:
+        shape = tuple(weight.shape)
+        spec = rules.get(re.escape(weight.path), (None,) * len(shape))
+        if fsdp and weight.trainable:
+            spec = layout_lib.fully_sharded_spec(spec, shape, "data", mesh)
+        blocks[weight.path] = layout_lib.shard_shape(shape, spec, mesh)
+    return blocks
+
+
+def check_random_model(case):
+    (axes, fsdp), trunk, embed_dim, picks = case
+    keras.utils.set_random_seed(0)
+    single = build(trunk, embed_dim)
+    weights = single.get_weights()
+    x, y = data(embed_dim)
+    rules = draw_rules(single, axes, picks)
+    hypothesis.note(f"rules={rules!r}")
+    want_losses, want_weights = fuzzing.train(single, x, y, weights,
+                                              models.BatchLosses())
+
+    devices = [f"CPU:{i}" for i in range(math.prod(axes.values()))]
+
+    def build_and_train(losses, built):
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
+                                          rules=rules, fsdp=fsdp)
+        with strategy.scope():
+            model = build(trunk, embed_dim)
+        built(model)
+        return fuzzing.train(model, x, y, weights, losses)
+
+    model = fuzzing.parity_or_refused(build_and_train, weights, want_losses,
+                                      want_weights)
+    if model is None:
+        return
+    hypothesis.event("trained in parity")
+    blocks = expected_blocks(single, rules, axes, fsdp)
+    for weight in model.weights:
+        held = {tuple(c.shape) for c in dtensor.unpack(
+            weight.value.read_value())}
+        assert held == {blocks[weight.path]}, (weight.path, held)
+
+
+test_random_model_trains_in_parity_or_is_refused, \
+    test_random_model_trains_in_parity_or_is_refused_long = \
+    fuzzing.fast_and_long(check_random_model, CASES, fast_examples=3)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Found by the fuzzing, not fixed: Dropout in training draws its mask per "
+    "device block on a data mesh, so the mask (and the training) differ "
+    "from one device's. A fix makes this pass; then remove the marker."))
+def test_dropout_in_training_matches_one_device_on_a_data_mesh():
+    def with_dropout():
+        x = keras.Input((FEATURES,))
+        h = keras.layers.Dense(16, activation="tanh", name="dense0")(x)
+        h = keras.layers.Dropout(0.5, seed=1, name="drop")(h)
+        return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+    keras.utils.set_random_seed(0)
+    single = with_dropout()
+    weights = single.get_weights()
+    x, y = data(None)
+    want_losses, want_weights = fuzzing.train(single, x, y, weights,
+                                              models.BatchLosses())
+    mesh = tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"])
+    with tfpar.ParallelStrategy(mesh).scope():
+        model = with_dropout()
+    got_losses, got_weights = fuzzing.train(model, x, y, weights,
+                                            models.BatchLosses())
+    fuzzing.assert_parity(want_losses, got_losses, want_weights, got_weights)

@@ -27,10 +27,6 @@ import models
 # (test_schedule_free_adamw_matches_one_device below, a known failure).
 OPTIMIZERS = ["SGD", "RMSprop", "Adam", "AdamW", "Adadelta", "Adagrad",
               "Adamax", "Adafactor", "Nadam", "Ftrl", "Lion", "Lamb", "Muon"]
-# Known, being fixed in ShardedVariable by the lead (not here): these
-# optimizers' sparse updates (a tf.cond over tf.where with dynamic shapes)
-# fail inside `fit` when the Embedding table is split over the model axis.
-SPARSE_DIVIDE = {"Adagrad", "RMSprop", "Adadelta", "Adafactor"}
 MESHES = [({"data": 8}, False), ({"data": 8}, True),
           ({"data": 2, "model": 4}, False), ({"data": 2, "model": 4}, True),
           ({"model": 8}, False), ({"model": 2, "data": 4}, True)]
@@ -92,7 +88,6 @@ def data():
 
 def check_optimizer(case):
     name, options, loss_scaling, (axes, fsdp) = case
-    hypothesis.assume(not (name in SPARSE_DIVIDE and "model" in axes))
     hypothesis.note(f"{name}({options}), loss scaling {loss_scaling}")
     x, y = data()
     keras.utils.set_random_seed(0)

@@ -702,6 +702,19 @@ DTENSOR_ALL_GATHER_NODE = "DTensorAllGatherOp"
 DTENSOR_INSERTED_NODE = r"DTensor\w*Op|group_key"
 
 
+def backward_uses(tensor):
+    """[(op, input index)] of the gradient ops (under tf.GradientTape's name
+    scope) of `tensor`'s graph that read it."""
+    return [(op, i) for op in tensor.consumers() if GRADIENT_SCOPE in op.name
+            for i, t in enumerate(op.inputs) if t is tensor]
+
+
+def rewire_input(op, index, tensor):
+    """Makes graph op `op` read `tensor` as its input `index` (TF-private
+    `Operation._update_input`: the op is already built)."""
+    op._update_input(index, tensor)  # noqa: SLF001
+
+
 
 def layer_transforms(layer):
     """Names of the input/output transforms tfpar applied to `layer`."""

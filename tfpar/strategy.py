@@ -66,12 +66,21 @@ class ParallelStrategy(tf.distribute.Strategy):
             optimizer state take 1/data of the memory and the optimizer
             1/data of the work. The gathered weights live until the backward
             pass has used them (no re-gather in the backward pass), so a
-            step's peak holds every weight whole. Losses and weights equal
-            plain data parallelism's.
+            step's peak holds every weight whole, unless
+            `reshard_after_forward`. Losses and weights equal plain data
+            parallelism's.
+        reshard_after_forward: under fsdp, free each gathered weight after
+            its forward use and gather it again for the backward pass
+            (PyTorch FSDP's `reshard_after_forward`; no recomputation of
+            the layer): between the passes a device keeps only the stored
+            blocks, for one more all-gather per weight read in the backward
+            pass (plus a scalar all-reduce that orders it). Default False:
+            the gathers of today's fsdp, fewest collectives.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
-                 pipeline_axis="pipe", fsdp=False):
+                 pipeline_axis="pipe", fsdp=False,
+                 reshard_after_forward=False):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -111,9 +120,22 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r}, data_axis={data_axis!r}. Add a "
                 "data axis of size > 1 or leave fsdp=False."
             )
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                "ParallelStrategy(reshard_after_forward) needs True or False. "
+                f"Received: reshard_after_forward={reshard_after_forward!r}"
+            )
+        if reshard_after_forward and not fsdp:
+            raise ValueError(
+                "ParallelStrategy(reshard_after_forward=True) frees the "
+                "weights fsdp gathers, so it needs fsdp=True. Received: "
+                "fsdp=False. Pass fsdp=True too, or drop "
+                "reshard_after_forward."
+            )
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
                                           pipeline_axis, fsdp))
+        self.extended.reshard_after_forward = reshard_after_forward
 
     @property
     def mesh(self):
@@ -135,6 +157,12 @@ class ParallelStrategy(tf.distribute.Strategy):
     def fsdp(self):
         """Whether trainable weights are also split over the data axis."""
         return self.extended.fsdp
+
+    @property
+    def reshard_after_forward(self):
+        """Whether fsdp's gathered weights are gathered again for the
+        backward pass instead of being kept from the forward pass."""
+        return self.extended.reshard_after_forward
 
     @property
     def num_stages(self):
@@ -254,10 +282,13 @@ class ShardedVariable(_compat.DVariable):
         if (self._tfpar_compute_spec is not None
                 and not tf.executing_eagerly() and in_spmd_step()):
             again = _compat.recompute_dependency()
+            extended = self._tfpar_extended()
+            reshard = (again is None and extended is not None
+                       and extended.reshard_after_forward)
             if again is not None:  # recomputing: a new gather, not the old
                 value = value + tf.cast(again, value.dtype)
             value = _gathered(value, self._tfpar_compute_spec,
-                              self._tfpar_mesh)
+                              self._tfpar_mesh, reshard)
         return value
 
     def _stored_value(self):
@@ -357,6 +388,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.data_axis = data_axis
         self.pipeline_axis = pipeline_axis
         self.fsdp = fsdp
+        self.reshard_after_forward = False
         stages = mesh.axis_size(pipeline_axis)
         self.stage_meshes = ([mesh] if stages == 1 else
                              [mesh.submesh(pipeline_axis, s)
@@ -813,24 +845,60 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         )
 
 
-def _gathered(stored, spec, mesh):
+def _gathered(stored, spec, mesh, reshard=False):
     """`stored` (a weight's blocks) all-gathered over the data axis into
     `spec`. The gradient is the reverse relayout (a reduce-scatter), except
     that a sparse gradient (IndexedSlices: rows looked up with tf.gather, as
     in Keras' Embedding) stays sparse, as on one device: Keras' Adam treats
     sparse gradients differently (it squares each looked-up row before
-    summing repeated rows)."""
+    summing repeated rows).
+
+    With `reshard` (`ParallelStrategy(reshard_after_forward=True)`) the
+    backward pass does not read the forward pass's gathered weight: when
+    the gather's gradient is built, every gradient op that reads it (e.g.
+    dx = dy @ W^T) is rewired to a gather of its own, made after its other
+    input (dy) exists, so the forward gather is freed after the forward
+    pass and only the stored blocks are kept in between.
+    """
+    gathered = []  # the custom gradient's output, which the consumers read
 
     @tf.custom_gradient
     def gather(value):
         def grad(upstream):
+            if reshard:
+                _regather_for_backward(gathered[0], value, spec, mesh)
             if isinstance(upstream, tf.IndexedSlices):
                 return upstream
             return dtensor.relayout_like(upstream, value)
 
         return placement.relayout(value, spec, mesh), grad
 
-    return gather(stored)
+    gathered.append(gather(stored))
+    return gathered[0]
+
+
+def _regather_for_backward(forward, stored, spec, mesh):
+    """Points the gradient ops reading `forward` (a gathered weight) at new
+    gathers of `stored`, one per upstream tensor they also read.
+
+    A new gather is `stored + 0` gathered, where the 0 is computed from the
+    upstream tensor (a sum, all-reduced: a scalar per gather; NaN if the
+    upstream holds NaN, as the matmul would give), so it runs only once
+    that tensor exists and the compiler cannot merge it with the forward
+    gather. DTensor keeps data dependencies (not control ones), hence a 0.
+    """
+    regathered = {}  # id(upstream tensor) -> its gather
+    for op, index in _compat.backward_uses(forward):
+        upstream = next((t for t in op.inputs if t is not forward
+                         and t.dtype.is_floating), None)
+        if upstream is None:
+            continue  # nothing to wait for: keep reading the forward gather
+        if id(upstream) not in regathered:
+            total = tf.reduce_sum(tf.cast(upstream, tf.float32))
+            zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
+            regathered[id(upstream)] = placement.relayout(
+                stored + tf.cast(zero, stored.dtype), spec, mesh)
+        _compat.rewire_input(op, index, regathered[id(upstream)])
 
 
 def _check_random_recomputation(generator):

@@ -709,6 +709,27 @@ def backward_uses(tensor):
             for i, t in enumerate(op.inputs) if t is tensor]
 
 
+def forward_readers(tensor):
+    """The ops of `tensor`'s graph that read it, gradient ops left out."""
+    return [op for op in tensor.consumers() if GRADIENT_SCOPE not in op.name]
+
+
+def relayout_op(gathered):
+    """The DTensor Relayout op whose result `gathered`, the output of a
+    `tf.custom_gradient` function (an IdentityN of it), forwards."""
+    tensor = gathered
+    while tensor.op.type in ("IdentityN", "Identity"):
+        tensor = tensor.op.inputs[tensor.value_index
+                                  if tensor.op.type == "IdentityN" else 0]
+    op = tensor.op
+    if op.type != "Relayout":
+        raise RuntimeError(
+            f"Expected a DTensor Relayout op behind {gathered.name!r}; "
+            f"found {op.type!r} ({op.name!r}). This TensorFlow builds "
+            "custom gradients or relayouts differently than 2.21.")
+    return op
+
+
 def rewire_input(op, index, tensor):
     """Makes graph op `op` read `tensor` as its input `index` (TF-private
     `Operation._update_input`: the op is already built)."""

@@ -853,12 +853,14 @@ def _gathered(stored, spec, mesh, reshard=False):
     sparse gradients differently (it squares each looked-up row before
     summing repeated rows).
 
-    With `reshard` (`ParallelStrategy(reshard_after_forward=True)`) the
-    backward pass does not read the forward pass's gathered weight: when
-    the gather's gradient is built, every gradient op that reads it (e.g.
-    dx = dy @ W^T) is rewired to a gather of its own, made after its other
-    input (dy) exists, so the forward gather is freed after the forward
-    pass and only the stored blocks are kept in between.
+    With `reshard` (`ParallelStrategy(reshard_after_forward=True)`), once
+    the gather's gradient is built (so every op that reads the gathered
+    weight exists): the gather waits for the other input of the forward op
+    that reads it (e.g. x of x @ W), instead of running at the start of
+    the step with every other gather, and every gradient op that reads it
+    (e.g. dx = dy @ W^T) reads a gather of its own, made once its other
+    input (dy) exists. The forward gather is then freed after its forward
+    use and only the stored blocks are kept between the passes.
     """
     gathered = []  # the custom gradient's output, which the consumers read
 
@@ -866,7 +868,7 @@ def _gathered(stored, spec, mesh, reshard=False):
     def gather(value):
         def grad(upstream):
             if reshard:
-                _regather_for_backward(gathered[0], value, spec, mesh)
+                _reshard(gathered[0], value, spec, mesh)
             if isinstance(upstream, tf.IndexedSlices):
                 return upstream
             return dtensor.relayout_like(upstream, value)
@@ -877,27 +879,39 @@ def _gathered(stored, spec, mesh, reshard=False):
     return gathered[0]
 
 
-def _regather_for_backward(forward, stored, spec, mesh):
-    """Points the gradient ops reading `forward` (a gathered weight) at new
-    gathers of `stored`, one per upstream tensor they also read.
+def _reshard(forward, stored, spec, mesh):
+    """Orders the gather of `stored` that made `forward` after its forward
+    reader's other input, and points the gradient ops reading `forward` at
+    new gathers, one per other input they read (see `_gathered`).
 
-    A new gather is `stored + 0` gathered, where the 0 is computed from the
-    upstream tensor (a sum, all-reduced: a scalar per gather; NaN if the
-    upstream holds NaN, as the matmul would give), so it runs only once
-    that tensor exists and the compiler cannot merge it with the forward
-    gather. DTensor keeps data dependencies (not control ones), hence a 0.
+    Waiting for a tensor t is adding 0 computed from it to `stored`: a sum
+    of t, all-reduced (a scalar per gather), then 0 (NaN if t holds NaN,
+    as the matmul would give). The compiler cannot fold it nor merge the
+    new gathers with the forward one; DTensor keeps data dependencies (not
+    control ones), hence a 0.
     """
+    def after(tensor):
+        total = tf.reduce_sum(tf.cast(tensor, tf.float32))
+        zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
+        return stored + tf.cast(zero, stored.dtype)
+
+    def other_input(op):
+        return next((t for t in op.inputs if t is not forward
+                     and t.dtype.is_floating), None)
+
+    forward_inputs = {id(t): t for op in _compat.forward_readers(forward)
+                      if (t := other_input(op)) is not None}
+    if len(forward_inputs) == 1:  # one reader (or several of one input)
+        _compat.rewire_input(_compat.relayout_op(forward), 0,
+                             after(*forward_inputs.values()))
     regathered = {}  # id(upstream tensor) -> its gather
     for op, index in _compat.backward_uses(forward):
-        upstream = next((t for t in op.inputs if t is not forward
-                         and t.dtype.is_floating), None)
+        upstream = other_input(op)
         if upstream is None:
             continue  # nothing to wait for: keep reading the forward gather
         if id(upstream) not in regathered:
-            total = tf.reduce_sum(tf.cast(upstream, tf.float32))
-            zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
-            regathered[id(upstream)] = placement.relayout(
-                stored + tf.cast(zero, stored.dtype), spec, mesh)
+            regathered[id(upstream)] = placement.relayout(after(upstream),
+                                                          spec, mesh)
         _compat.rewire_input(op, index, regathered[id(upstream)])
 
 

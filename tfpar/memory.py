@@ -70,13 +70,17 @@ class MemoryReport(dict):
             per device, from the names of the saved tensors' ops.
         live: bytes of the step's tensors live after each op, in the order
             the analysis ran them (variables not included).
+        communication: the `tfpar.CommunicationReport` of the same program
+            (its collectives, e.g. the all-gathers).
         function_name: the expanded function the figures come from.
     """
 
-    def __init__(self, per_device, by_layer, live, function_name):
+    def __init__(self, per_device, by_layer, live, communication_report,
+                 function_name):
         super().__init__(per_device)
         self.by_layer = dict(by_layer)
         self.live = list(live)
+        self.communication = communication_report
         self.function_name = function_name
 
     def __str__(self):
@@ -148,7 +152,8 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
                                           "memory_report")
     strategy = model.distribute_strategy
     backward = program.backward_nodes()
-    saved = program._saved_activations(backward)  # noqa: SLF001
+    collectives = program.report()
+    saved = collectives.saved_activations
     gathered = _saved_gathered(program, backward)
     live = _live_bytes(program)
     transient = max(live, default=0)
@@ -173,7 +178,8 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
             "optimizer": held["optimizer"], "other": held["other"],
             "activations": activations, "gathered": gathered_bytes,
             "peak": resident + transient}
-    report = MemoryReport(per_device, by_layer, live, program.name)
+    report = MemoryReport(per_device, by_layer, live, collectives,
+                          program.name)
     if path is not None:
         report.plot(path)
     return report
@@ -271,26 +277,6 @@ def _live_bytes(program):
                        if r in step), default=step[key])
             delta[step[key]] += nbytes
             delta[end + 1] -= nbytes
-    import os
-    if os.environ.get("MEMDEBUG"):
-        order = sorted(step, key=step.get)
-        peak_t = None
-        tot = 0; best = -1
-        for t, c in enumerate(delta[:-1]):
-            tot += c
-            if tot > best: best, peak_t = tot, t
-        print("PEAK at", peak_t, order[peak_t][1], best)
-        for key, node in program.nodes.items():
-            if key not in step or node.op in _NO_BUFFER or node.op in communication._ALIASES:
-                continue
-            for index in range(len(communication._output_shapes(node))):
-                size = _output_size(node, index)
-                if size is None: continue
-                end = max((step[r] for r in reads.get((key, index), ()) if r in step), default=step[key])
-                if step[key] <= peak_t <= end:
-                    print("  live", step[key], end, node.op, key[1], size)
-                    for r in reads.get((key, index), ()):
-                        if r in step: print("      read by", step[r], position[r], program.nodes[r].op, r[1], list(program.nodes[r].input))
     live, total = [], 0
     for change in delta[:-1]:
         total += change

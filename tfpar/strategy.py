@@ -76,11 +76,18 @@ class ParallelStrategy(tf.distribute.Strategy):
             blocks, for one more all-gather per weight read in the backward
             pass (plus a scalar all-reduce that orders it). Default False:
             the gathers of today's fsdp, fewest collectives.
+        offload: None, or "optimizer" (optimizer slots and their update in
+            host memory) / "optimizer+master" (also the fp32 master weights
+            of mixed precision). Not available yet: on a mesh of CPU
+            devices there is no separate host (DTensor's host mesh of a CPU
+            mesh is the mesh itself), and on TF 2.21 DTensor cannot move a
+            sharded value to another mesh inside a step
+            (tests/dtensor_offload_repro.py); both raise before training.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
                  pipeline_axis="pipe", fsdp=False,
-                 reshard_after_forward=False):
+                 reshard_after_forward=False, offload=None):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -132,6 +139,7 @@ class ParallelStrategy(tf.distribute.Strategy):
                 "fsdp=False. Pass fsdp=True too, or drop "
                 "reshard_after_forward."
             )
+        _check_offload(offload, mesh)
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
                                           pipeline_axis, fsdp))
@@ -210,6 +218,34 @@ class ParallelStrategy(tf.distribute.Strategy):
         BatchNormalization statistics, optimizer counters, metrics).
         """
         return self.extended.memory_per_device()
+
+
+OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
+
+
+def _check_offload(offload, mesh):
+    """Refuses `offload` values, and offload where it cannot be done."""
+    if offload not in OFFLOAD_OPTIONS:
+        raise ValueError(
+            "ParallelStrategy(offload) is one of "
+            f"{list(OFFLOAD_OPTIONS)}. Received: offload={offload!r}")
+    if offload is None:
+        return
+    if mesh.device_type == "CPU":
+        raise ValueError(
+            f"ParallelStrategy(offload={offload!r}) moves optimizer state "
+            "from the devices to the host, but this mesh's devices are "
+            "the host's CPUs (DTensor's host mesh of a CPU mesh is the mesh "
+            f"itself), so there is nothing to offload to. Received: "
+            f"mesh={mesh!r}. Use offload=None on CPU meshes; fsdp=True "
+            "splits optimizer state over the data axis instead.")
+    raise NotImplementedError(
+        f"ParallelStrategy(offload={offload!r}) is not implemented: DTensor "
+        "2.21 cannot copy a sharded value to the host mesh inside a step "
+        "(copy_to_mesh needs a replicated value, i.e. every device holding "
+        "the whole optimizer state; tests/dtensor_offload_repro.py). "
+        f"Received: a {mesh.device_type} mesh {mesh!r}. Use offload=None; "
+        "fsdp=True splits optimizer state over the data axis.")
 
 
 def _check_axes(rules, mesh, pipeline_axis):

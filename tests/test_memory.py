@@ -11,7 +11,6 @@ tensor parallelism.
 import contextlib
 
 import keras
-import numpy as np
 import pytest
 
 import tfpar
@@ -212,4 +211,14 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="no strategy"):
         model = _mlp()
         model.compile(optimizer="adam", loss="mse")
+        tfpar.memory_report(model, *models.mlp_data(n=BATCH))
+
+
+def test_pipeline_models_are_refused():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        model = tfpar.PipelineModel(_mlp(), num_microbatches=2)
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match="is a tfpar.PipelineModel.*"
+                       "memory_per_device"):
         tfpar.memory_report(model, *models.mlp_data(n=BATCH))

@@ -730,6 +730,23 @@ def relayout_op(gathered):
     return op
 
 
+def depends_on(tensor, op):
+    """Whether graph tensor `tensor` is computed from graph op `op`. Ops are
+    numbered as they are made (TF-private `Operation._id`), and an op only
+    reads older ones, so the search stops at ops older than `op`."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        current = stack.pop()
+        if current is op:
+            return True
+        if current._id < op._id or current in seen:  # noqa: SLF001
+            continue
+        seen.add(current)
+        stack.extend(t.op for t in current.inputs)
+        stack.extend(current.control_inputs)
+    return False
+
+
 def rewire_input(op, index, tensor):
     """Makes graph op `op` read `tensor` as its input `index` (TF-private
     `Operation._update_input`: the op is already built)."""

@@ -937,9 +937,11 @@ def _reshard(forward, stored, spec, mesh):
 
     forward_inputs = {id(t): t for op in _compat.forward_readers(forward)
                       if (t := other_input(op)) is not None}
+    relayout = _compat.relayout_op(forward)
     if len(forward_inputs) == 1:  # one reader (or several of one input)
-        _compat.rewire_input(_compat.relayout_op(forward), 0,
-                             after(*forward_inputs.values()))
+        (before,) = forward_inputs.values()
+        if not _compat.depends_on(before, relayout):  # else: a cycle
+            _compat.rewire_input(relayout, 0, after(before))
     regathered = {}  # id(upstream tensor) -> its gather
     for op, index in _compat.backward_uses(forward):
         upstream = other_input(op)

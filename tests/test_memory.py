@@ -51,6 +51,41 @@ class Pair(keras.layers.Layer):
         return self.h2(self.h1(x))
 
 
+class SelfScaled(keras.layers.Layer):
+    """(x * sum(w)) @ w: the matmul's other input is computed from the same
+    gathered weight, so its gather cannot wait for that input."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], 8), name="w")
+
+    def call(self, x):
+        w = keras.ops.convert_to_tensor(self.w)
+        return keras.ops.matmul(x * keras.ops.sum(w), w)
+
+
+def test_a_weight_feeding_its_own_readers_input_matches_one_device():
+    def build():
+        return keras.Sequential([keras.Input((16,)), SelfScaled(name="s"),
+                                 keras.layers.Dense(3, name="out")])
+
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}), fsdp=True,
+                                      reshard_after_forward=True)
+    results = []
+    for scope in (contextlib.nullcontext(), strategy.scope()):
+        with scope:
+            model = build()
+            model.set_weights(weights)
+            model.compile(optimizer="adam", loss="mse")
+        history = models.fit_mlp(model, epochs=1)
+        results.append((history.history["loss"], model.get_weights()))
+    (want, want_weights), (got, got_weights) = results
+    assert models.relative_error(want, got) < parity.RTOL
+    for a, b in zip(want_weights, got_weights):
+        assert models.relative_error(a, b) < parity.RTOL
+
+
 def _mlp(remat=False):
     with (keras.RematScope(mode="list_of_layers", layer_names=["pair"])
           if remat else contextlib.nullcontext()):

@@ -184,6 +184,18 @@ def test_saved_activations_are_the_hidden_outputs(reports):
         recomputed}
 
 
+def test_one_device_keeps_the_whole_batch_activations(reports):
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(
+        {"data": 1}, devices=tfpar.Mesh({"data": 8}).devices[:1]))
+    with strategy.scope():
+        model = _mlp()
+        model.compile(optimizer="adam", loss="mse")
+    (kinds,) = tfpar.memory_report(model, *models.mlp_data(n=BATCH)).values()
+    data8 = reports["replicated"][2][reports["replicated"][0].mesh.devices[0]]
+    assert kinds["activations"] == 8 * data8["activations"]
+    assert kinds["params"] == _param_bytes()
+
+
 def test_fsdp_keeps_gathered_weights_unless_freed(reports):
     # The backward pass reads every kernel but the first (no gradient for
     # the input), whole, kept from the forward pass.

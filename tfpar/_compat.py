@@ -696,10 +696,11 @@ class OpEvents:
 # nodes it inserts "<op>/DTensor<Collective>Op_<n>" and their group-key
 # lookups ".../group_key"; a zero-padded all-gather's blocks are written by
 # nodes named "...DTensorAllGatherOp...". The expanded function's first
-# argument is the device id.
+# argument is the device id, "device_id" (none on a mesh of one device).
 GRADIENT_SCOPE = "gradient_tape/"
 DTENSOR_ALL_GATHER_NODE = "DTensorAllGatherOp"
 DTENSOR_INSERTED_NODE = r"DTensor\w*Op|group_key"
+DTENSOR_DEVICE_ID_ARG = "device_id"
 
 
 def backward_uses(tensor):

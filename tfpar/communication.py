@@ -344,11 +344,12 @@ class _Program:
         self.name = call.attr["f"].func.name
         self.mesh = _parse_mesh(call.attr["_mesh"].s.decode()
                                 if "_mesh" in call.attr else "")
-        # The wrapper's first argument is DTensor's device id; the data
-        # inputs are its other non-resource arguments.
+        # The wrapper's arguments: DTensor's device id (not on a mesh of
+        # one device), then the data inputs and the resources.
         wrapper_args = list(fdef.signature.input_arg)
-        data = {a.name for a in wrapper_args[1:]
-                if a.type != tf.resource.as_datatype_enum}
+        data = {a.name for a in wrapper_args
+                if a.name != _compat.DTENSOR_DEVICE_ID_ARG
+                and a.type != tf.resource.as_datatype_enum}
         self.nodes = {}       # (function, node name) -> NodeDef
         self.order = []       # keys in program order
         self.args = set()     # (function, input arg name)

@@ -904,7 +904,7 @@ def _gathered(stored, spec, mesh, reshard=False):
     def gather(value):
         def grad(upstream):
             if reshard:
-                _reshard(gathered[0], value, spec, mesh)
+                _reshard(gathered[0], value, spec, mesh, upstream)
             if isinstance(upstream, tf.IndexedSlices):
                 return upstream
             return dtensor.relayout_like(upstream, value)
@@ -915,42 +915,76 @@ def _gathered(stored, spec, mesh, reshard=False):
     return gathered[0]
 
 
-def _reshard(forward, stored, spec, mesh):
+def _reshard(forward, stored, spec, mesh, gradient):
     """Orders the gather of `stored` that made `forward` after its forward
-    reader's other input, and points the gradient ops reading `forward` at
-    new gathers, one per other input they read (see `_gathered`).
+    reader's other input, and points the gradient ops reading `forward`
+    (or a view of it) at new gathers, one per other input they read (see
+    `_gathered`). `gradient` is the gradient arriving at the gather.
 
     Waiting for a tensor t is adding 0 computed from it to `stored`: a sum
     of t, all-reduced (a scalar per gather), then 0 (NaN if t holds NaN,
     as the matmul would give). The compiler cannot fold it nor merge the
     new gathers with the forward one; DTensor keeps data dependencies (not
-    control ones), hence a 0.
+    control ones), hence a 0. A gradient op with no other input (e.g. a
+    transpose of W in an einsum's gradient) waits for `gradient` instead,
+    unless that is computed from it.
     """
     def after(tensor):
         total = tf.reduce_sum(tf.cast(tensor, tf.float32))
         zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
         return stored + tf.cast(zero, stored.dtype)
 
-    def other_input(op):
-        return next((t for t in op.inputs if t is not forward
+    def other_input(op, tensor):
+        return next((t for t in op.inputs if t is not tensor
                      and t.dtype.is_floating), None)
 
-    forward_inputs = {id(t): t for op in _compat.forward_readers(forward)
-                      if (t := other_input(op)) is not None}
+    # The gathered weight and its views in the forward pass (e.g.
+    # LayerNormalization's reshaped gamma, a mixed-precision cast), each
+    # with how to make the same view of a new gather.
+    views = [(forward, lambda t: t)]
+    readers = []
+    for op in _compat.forward_readers(forward):
+        rebuild = _view(op)
+        if rebuild is None:
+            readers.append((op, forward))
+        else:
+            views.append((op.outputs[0], rebuild))
+            readers += [(r, op.outputs[0])
+                        for r in _compat.forward_readers(op.outputs[0])]
+    forward_inputs = {id(t): t for op, tensor in readers
+                      if (t := other_input(op, tensor)) is not None}
     relayout = _compat.relayout_op(forward)
     if len(forward_inputs) == 1:  # one reader (or several of one input)
         (before,) = forward_inputs.values()
         if not _compat.depends_on(before, relayout):  # else: a cycle
             _compat.rewire_input(relayout, 0, after(before))
-    regathered = {}  # id(upstream tensor) -> its gather
-    for op, index in _compat.backward_uses(forward):
-        upstream = other_input(op)
-        if upstream is None:
-            continue  # nothing to wait for: keep reading the forward gather
-        if id(upstream) not in regathered:
-            regathered[id(upstream)] = placement.relayout(after(upstream),
-                                                          spec, mesh)
-        _compat.rewire_input(op, index, regathered[id(upstream)])
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = gradient.values
+    regathered = {}  # (id(upstream), id(view)) -> the view of its gather
+    for tensor, rebuild in views:
+        for op, index in _compat.backward_uses(tensor):
+            upstream = other_input(op, tensor)
+            if upstream is None and not _compat.depends_on(gradient, op):
+                upstream = gradient
+            if upstream is None:
+                continue  # nothing to wait for: keep the forward gather
+            key = (id(upstream), id(tensor))
+            if key not in regathered:
+                regathered[key] = rebuild(placement.relayout(
+                    after(upstream), spec, mesh))
+            _compat.rewire_input(op, index, regathered[key])
+
+
+def _view(op):
+    """For an op that only re-views its one float input (Reshape, Cast,
+    Identity): a function making the same view of another tensor."""
+    if op.type == "Reshape":
+        return lambda t: tf.reshape(t, op.inputs[1])
+    if op.type == "Cast":
+        return lambda t: tf.cast(t, op.outputs[0].dtype)
+    if op.type == "Identity":
+        return tf.identity
+    return None
 
 
 def _check_random_recomputation(generator):

@@ -269,3 +269,29 @@ def test_pipeline_models_are_refused():
     with pytest.raises(ValueError, match="is a tfpar.PipelineModel.*"
                        "memory_per_device"):
         tfpar.memory_report(model, *models.mlp_data(n=BATCH))
+
+
+@pytest.mark.slow
+def test_gpt_keeps_no_gathered_weight_when_freed():
+    """The GPT example (attention's EinsumDense kernels, LayerNormalization
+    gammas read through a reshape, the head) on data=8 with fsdp: every
+    gathered weight is kept for the backward pass unless freed."""
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt  # noqa: PLC0415
+
+    config = dict(vocab=64, seq_len=16, dim=32, heads=4, layers=1)
+    x, y = gpt.toy_corpus(16, vocab=64, seq_len=16)
+    gathered = {}
+    for freed in (False, True):
+        strategy = tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 8}), fsdp=True, reshard_after_forward=freed)
+        with strategy.scope():
+            model = gpt.build_gpt(**config)
+            gpt.compile_gpt(model)
+        report = tfpar.memory_report(model, x, y)
+        gathered[freed] = report[strategy.mesh.devices[0]]["gathered"]
+    kernels = 4 * (4 * 32 * 32 + 2 * 32 * 128 + 32 * 64) + 4 * 3 * 32
+    assert gathered == {False: kernels, True: 0}

@@ -158,6 +158,7 @@ def fit_mlp(model, epochs=1, **kwargs):
 def optimizer(name):
     return {
         "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "sgd-default": keras.optimizers.SGD,  # plain SGD, Keras' defaults
         "adam": lambda: keras.optimizers.Adam(0.01),
         "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
         # Keras' own gradient accumulation: update every 2nd batch.

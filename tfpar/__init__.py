@@ -28,6 +28,7 @@ from tfpar.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from tfpar.communication import communication_report  # noqa: E402
+from tfpar.memory import memory_report  # noqa: E402
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
@@ -61,6 +62,7 @@ __all__ = [
     "get_schedule",
     "keras_distribution",
     "latest_checkpoint",
+    "memory_report",
     "pipeline",
     "plot_schedule",
     "restore_checkpoint",

@@ -832,10 +832,62 @@ class OpEvents:
 # nodes it inserts "<op>/DTensor<Collective>Op_<n>" and their group-key
 # lookups ".../group_key"; a zero-padded all-gather's blocks are written by
 # nodes named "...DTensorAllGatherOp...". The expanded function's first
-# argument is the device id.
+# argument is the device id, "device_id" (none on a mesh of one device).
 GRADIENT_SCOPE = "gradient_tape/"
 DTENSOR_ALL_GATHER_NODE = "DTensorAllGatherOp"
 DTENSOR_INSERTED_NODE = r"DTensor\w*Op|group_key"
+DTENSOR_DEVICE_ID_ARG = "device_id"
+
+
+def backward_uses(tensor):
+    """[(op, input index)] of the gradient ops (under tf.GradientTape's name
+    scope) of `tensor`'s graph that read it."""
+    return [(op, i) for op in tensor.consumers() if GRADIENT_SCOPE in op.name
+            for i, t in enumerate(op.inputs) if t is tensor]
+
+
+def forward_readers(tensor):
+    """The ops of `tensor`'s graph that read it, gradient ops left out."""
+    return [op for op in tensor.consumers() if GRADIENT_SCOPE not in op.name]
+
+
+def relayout_op(gathered):
+    """The DTensor Relayout op whose result `gathered`, the output of a
+    `tf.custom_gradient` function (an IdentityN of it), forwards."""
+    tensor = gathered
+    while tensor.op.type in ("IdentityN", "Identity"):
+        tensor = tensor.op.inputs[tensor.value_index
+                                  if tensor.op.type == "IdentityN" else 0]
+    op = tensor.op
+    if op.type != "Relayout":
+        raise RuntimeError(
+            f"Expected a DTensor Relayout op behind {gathered.name!r}; "
+            f"found {op.type!r} ({op.name!r}). This TensorFlow builds "
+            "custom gradients or relayouts differently than 2.21.")
+    return op
+
+
+def depends_on(tensor, op):
+    """Whether graph tensor `tensor` is computed from graph op `op`. Ops are
+    numbered as they are made (TF-private `Operation._id`), and an op only
+    reads older ones, so the search stops at ops older than `op`."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        current = stack.pop()
+        if current is op:
+            return True
+        if current._id < op._id or current in seen:  # noqa: SLF001
+            continue
+        seen.add(current)
+        stack.extend(t.op for t in current.inputs)
+        stack.extend(current.control_inputs)
+    return False
+
+
+def rewire_input(op, index, tensor):
+    """Makes graph op `op` read `tensor` as its input `index` (TF-private
+    `Operation._update_input`: the op is already built)."""
+    op._update_input(index, tensor)  # noqa: SLF001
 
 
 

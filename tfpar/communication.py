@@ -306,6 +306,11 @@ def report_for_traced(traced_name):
 
     Raises RuntimeError when DTensor has not expanded it (not yet run, or
     not run on a mesh)."""
+    return program_for_traced(traced_name).report()
+
+
+def program_for_traced(traced_name):
+    """The expanded per-device program (a `_Program`) of `traced_name`."""
     wrappers = _compat.dtensor_expanded_wrappers(traced_name)
     if not wrappers:
         raise RuntimeError(
@@ -314,8 +319,7 @@ def report_for_traced(traced_name):
             "mesh (or a TensorFlow whose DTensor names expanded functions "
             "differently than 2.21). Run it on DTensor inputs first."
         )
-    program = _Program(wrappers[-1])
-    return program.report()
+    return _Program(wrappers[-1])
 
 
 # -- reading the expanded program ---------------------------------------------
@@ -340,11 +344,12 @@ class _Program:
         self.name = call.attr["f"].func.name
         self.mesh = _parse_mesh(call.attr["_mesh"].s.decode()
                                 if "_mesh" in call.attr else "")
-        # The wrapper's first argument is DTensor's device id; the data
-        # inputs are its other non-resource arguments.
+        # The wrapper's arguments: DTensor's device id (not on a mesh of
+        # one device), then the data inputs and the resources.
         wrapper_args = list(fdef.signature.input_arg)
-        data = {a.name for a in wrapper_args[1:]
-                if a.type != tf.resource.as_datatype_enum}
+        data = {a.name for a in wrapper_args
+                if a.name != _compat.DTENSOR_DEVICE_ID_ARG
+                and a.type != tf.resource.as_datatype_enum}
         self.nodes = {}       # (function, node name) -> NodeDef
         self.order = []       # keys in program order
         self.args = set()     # (function, input arg name)
@@ -633,19 +638,28 @@ def _is_keras_model(target):
 
 
 def _keras_report(model, x, y=None, sample_weight=None):
+    return keras_program(model, x, y, sample_weight, "communication_report"
+                         ).report()
+
+
+def keras_program(model, x, y=None, sample_weight=None,
+                  caller="communication_report"):
+    """The expanded program (a `_Program`) of one training step of `model`
+    on `(x, y)`, compiled and run as `fit` does; the model's variables are
+    put back afterwards."""
     from tfpar import strategy as strategy_lib  # noqa: PLC0415
 
     strategy = getattr(model, "_distribute_strategy", None)
     if not isinstance(strategy, strategy_lib.ParallelStrategy):
         raise ValueError(
-            f"communication_report reads the DTensor program of a model "
+            f"{caller} reads the DTensor program of a model "
             f"built under a tfpar.ParallelStrategy; {model.name!r} was built "
             f"under {type(strategy).__name__ if strategy else 'no strategy'}. "
             "Build and compile it inside `with strategy.scope():`."
         )
     if not model.compiled:
         raise ValueError(
-            f"communication_report runs a training step of {model.name!r}, "
+            f"{caller} runs a training step of {model.name!r}, "
             "which is not compiled. Received: an uncompiled model. Call "
             "model.compile(optimizer=..., loss=...) first."
         )
@@ -673,7 +687,7 @@ def _keras_report(model, x, y=None, sample_weight=None):
         with _compat.collective_all_gathers(extended.real_all_gathers):
             train_step(placed)
         concrete = train_step.get_concrete_function(placed)
-        return report_for_traced(_compat.traced_function_name(concrete))
+        return program_for_traced(_compat.traced_function_name(concrete))
     finally:
         for variable, value in zip(state, saved):
             _compat.backing_variable(variable).assign(value)

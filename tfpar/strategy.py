@@ -67,8 +67,23 @@ class ParallelStrategy(tf.distribute.Strategy):
             optimizer state take 1/data of the memory and the optimizer
             1/data of the work. The gathered weights live until the backward
             pass has used them (no re-gather in the backward pass), so a
-            step's peak holds every weight whole. Losses and weights equal
-            plain data parallelism's.
+            step's peak holds every weight whole, unless
+            `reshard_after_forward`. Losses and weights equal plain data
+            parallelism's.
+        reshard_after_forward: under fsdp, free each gathered weight after
+            its forward use and gather it again for the backward pass
+            (PyTorch FSDP's `reshard_after_forward`; no recomputation of
+            the layer): between the passes a device keeps only the stored
+            blocks, for one more all-gather per weight read in the backward
+            pass (plus a scalar all-reduce that orders it). Default False:
+            the gathers of today's fsdp, fewest collectives.
+        offload: None, or "optimizer" (optimizer slots and their update in
+            host memory) / "optimizer+master" (also the fp32 master weights
+            of mixed precision). Not available yet: on a mesh of CPU
+            devices there is no separate host (DTensor's host mesh of a CPU
+            mesh is the mesh itself), and on TF 2.21 DTensor cannot move a
+            sharded value to another mesh inside a step
+            (tests/dtensor_offload_repro.py); both raise before training.
         per_host_input: with several hosts (`tfpar.connect_hosts`), each
             host feeds only its share of every global batch — the rows of
             the data coordinates its devices hold (host h of H: blocks
@@ -83,7 +98,9 @@ class ParallelStrategy(tf.distribute.Strategy):
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
-                 pipeline_axis="pipe", fsdp=False, per_host_input=False):
+                 pipeline_axis="pipe", fsdp=False,
+                 reshard_after_forward=False, offload=None,
+                 per_host_input=False):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -124,14 +141,28 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r}, data_axis={data_axis!r}. Add a "
                 "data axis of size > 1 or leave fsdp=False."
             )
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                "ParallelStrategy(reshard_after_forward) needs True or False. "
+                f"Received: reshard_after_forward={reshard_after_forward!r}"
+            )
+        if reshard_after_forward and not fsdp:
+            raise ValueError(
+                "ParallelStrategy(reshard_after_forward=True) frees the "
+                "weights fsdp gathers, so it needs fsdp=True. Received: "
+                "fsdp=False. Pass fsdp=True too, or drop "
+                "reshard_after_forward."
+            )
         if not isinstance(per_host_input, bool):
             raise TypeError(
                 "ParallelStrategy(per_host_input) needs True or False. "
                 f"Received: per_host_input={per_host_input!r}"
             )
+        _check_offload(offload, mesh)
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
                                           pipeline_axis, fsdp, per_host_input))
+        self.extended.reshard_after_forward = reshard_after_forward
 
     def scope(self):
         """`tf.distribute.Strategy.scope`; a RuntimeError if TF's eager
@@ -159,6 +190,12 @@ class ParallelStrategy(tf.distribute.Strategy):
     def fsdp(self):
         """Whether trainable weights are also split over the data axis."""
         return self.extended.fsdp
+
+    @property
+    def reshard_after_forward(self):
+        """Whether fsdp's gathered weights are gathered again for the
+        backward pass instead of being kept from the forward pass."""
+        return self.extended.reshard_after_forward
 
     @property
     def num_stages(self):
@@ -206,6 +243,34 @@ class ParallelStrategy(tf.distribute.Strategy):
         BatchNormalization statistics, optimizer counters, metrics).
         """
         return self.extended.memory_per_device()
+
+
+OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
+
+
+def _check_offload(offload, mesh):
+    """Refuses `offload` values, and offload where it cannot be done."""
+    if offload not in OFFLOAD_OPTIONS:
+        raise ValueError(
+            "ParallelStrategy(offload) is one of "
+            f"{list(OFFLOAD_OPTIONS)}. Received: offload={offload!r}")
+    if offload is None:
+        return
+    if mesh.device_type == "CPU":
+        raise ValueError(
+            f"ParallelStrategy(offload={offload!r}) moves optimizer state "
+            "from the devices to the host, but this mesh's devices are "
+            "the host's CPUs (DTensor's host mesh of a CPU mesh is the mesh "
+            f"itself), so there is nothing to offload to. Received: "
+            f"mesh={mesh!r}. Use offload=None on CPU meshes; fsdp=True "
+            "splits optimizer state over the data axis instead.")
+    raise NotImplementedError(
+        f"ParallelStrategy(offload={offload!r}) is not implemented: DTensor "
+        "2.21 cannot copy a sharded value to the host mesh inside a step "
+        "(copy_to_mesh needs a replicated value, i.e. every device holding "
+        "the whole optimizer state; tests/dtensor_offload_repro.py). "
+        f"Received: a {mesh.device_type} mesh {mesh!r}. Use offload=None; "
+        "fsdp=True splits optimizer state over the data axis.")
 
 
 def _check_axes(rules, mesh, pipeline_axis):
@@ -279,10 +344,13 @@ class ShardedVariable(_compat.DVariable):
         if (self._tfpar_compute_spec is not None
                 and not tf.executing_eagerly() and in_spmd_step()):
             again = _compat.recompute_dependency()
+            extended = self._tfpar_extended()
+            reshard = (again is None and extended is not None
+                       and extended.reshard_after_forward)
             if again is not None:  # recomputing: a new gather, not the old
                 value = value + tf.cast(again, value.dtype)
             value = _gathered(value, self._tfpar_compute_spec,
-                              self._tfpar_mesh)
+                              self._tfpar_mesh, reshard)
         return value
 
     def _stored_value(self):
@@ -375,6 +443,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.data_axis = data_axis
         self.pipeline_axis = pipeline_axis
         self.fsdp = fsdp
+        self.reshard_after_forward = False
         stages = mesh.axis_size(pipeline_axis)
         self.stage_meshes = ([mesh] if stages == 1 else
                              [mesh.submesh(pipeline_axis, s)
@@ -873,24 +942,110 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         )
 
 
-def _gathered(stored, spec, mesh):
+def _gathered(stored, spec, mesh, reshard=False):
     """`stored` (a weight's blocks) all-gathered over the data axis into
     `spec`. The gradient is the reverse relayout (a reduce-scatter), except
     that a sparse gradient (IndexedSlices: rows looked up with tf.gather, as
     in Keras' Embedding) stays sparse, as on one device: Keras' Adam treats
     sparse gradients differently (it squares each looked-up row before
-    summing repeated rows)."""
+    summing repeated rows).
+
+    With `reshard` (`ParallelStrategy(reshard_after_forward=True)`), once
+    the gather's gradient is built (so every op that reads the gathered
+    weight exists): the gather waits for the other input of the forward op
+    that reads it (e.g. x of x @ W), instead of running at the start of
+    the step with every other gather, and every gradient op that reads it
+    (e.g. dx = dy @ W^T) reads a gather of its own, made once its other
+    input (dy) exists. The forward gather is then freed after its forward
+    use and only the stored blocks are kept between the passes.
+    """
+    gathered = []  # the custom gradient's output, which the consumers read
 
     @tf.custom_gradient
     def gather(value):
         def grad(upstream):
+            if reshard:
+                _reshard(gathered[0], value, spec, mesh, upstream)
             if isinstance(upstream, tf.IndexedSlices):
                 return upstream
             return dtensor.relayout_like(upstream, value)
 
         return placement.relayout(value, spec, mesh), grad
 
-    return gather(stored)
+    gathered.append(gather(stored))
+    return gathered[0]
+
+
+def _reshard(forward, stored, spec, mesh, gradient):
+    """Orders the gather of `stored` that made `forward` after its forward
+    reader's other input, and points the gradient ops reading `forward`
+    (or a view of it) at new gathers, one per other input they read (see
+    `_gathered`). `gradient` is the gradient arriving at the gather.
+
+    Waiting for a tensor t is adding 0 computed from it to `stored`: a sum
+    of t, all-reduced (a scalar per gather), then 0 (NaN if t holds NaN,
+    as the matmul would give). The compiler cannot fold it nor merge the
+    new gathers with the forward one; DTensor keeps data dependencies (not
+    control ones), hence a 0. A gradient op with no other input (e.g. a
+    transpose of W in an einsum's gradient) waits for `gradient` instead,
+    unless that is computed from it.
+    """
+    def after(tensor):
+        total = tf.reduce_sum(tf.cast(tensor, tf.float32))
+        zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
+        return stored + tf.cast(zero, stored.dtype)
+
+    def other_input(op, tensor):
+        return next((t for t in op.inputs if t is not tensor
+                     and t.dtype.is_floating), None)
+
+    # The gathered weight and its views in the forward pass (e.g.
+    # LayerNormalization's reshaped gamma, a mixed-precision cast), each
+    # with how to make the same view of a new gather.
+    views = [(forward, lambda t: t)]
+    readers = []
+    for op in _compat.forward_readers(forward):
+        rebuild = _view(op)
+        if rebuild is None:
+            readers.append((op, forward))
+        else:
+            views.append((op.outputs[0], rebuild))
+            readers += [(r, op.outputs[0])
+                        for r in _compat.forward_readers(op.outputs[0])]
+    forward_inputs = {id(t): t for op, tensor in readers
+                      if (t := other_input(op, tensor)) is not None}
+    relayout = _compat.relayout_op(forward)
+    if len(forward_inputs) == 1:  # one reader (or several of one input)
+        (before,) = forward_inputs.values()
+        if not _compat.depends_on(before, relayout):  # else: a cycle
+            _compat.rewire_input(relayout, 0, after(before))
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = gradient.values
+    regathered = {}  # (id(upstream), id(view)) -> the view of its gather
+    for tensor, rebuild in views:
+        for op, index in _compat.backward_uses(tensor):
+            upstream = other_input(op, tensor)
+            if upstream is None and not _compat.depends_on(gradient, op):
+                upstream = gradient
+            if upstream is None:
+                continue  # nothing to wait for: keep the forward gather
+            key = (id(upstream), id(tensor))
+            if key not in regathered:
+                regathered[key] = rebuild(placement.relayout(
+                    after(upstream), spec, mesh))
+            _compat.rewire_input(op, index, regathered[key])
+
+
+def _view(op):
+    """For an op that only re-views its one float input (Reshape, Cast,
+    Identity): a function making the same view of another tensor."""
+    if op.type == "Reshape":
+        return lambda t: tf.reshape(t, op.inputs[1])
+    if op.type == "Cast":
+        return lambda t: tf.cast(t, op.outputs[0].dtype)
+    if op.type == "Identity":
+        return tf.identity
+    return None
 
 
 def _check_random_recomputation(generator):

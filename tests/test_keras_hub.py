@@ -6,7 +6,9 @@ hand-written rule, laid out by `strategy.apply_rules` and trained with `fit`
 on data=2 x model=4, model=8 and data=8: the per-step losses and the final
 weights equal one device's within 1e-4 (relative), and the attention and
 MLP kernels are really split (each device holds a block). The default run
-trains a representative subset; the full matrix is `slow`.
+trains two cases (grouped-query Llama with plain SGD on 2x4, Gemma with
+Adam on model=8) and checks every model's plan on 2x4; the full matrix
+(7 models x 3 meshes x 3 optimizers) is `slow`.
 """
 
 import re
@@ -77,13 +79,14 @@ def auto(model, mesh):
 
 
 def sharded_fraction(strategy):
-    """Bytes of parameters split over "model" / all parameter bytes."""
+    """Bytes of parameters split over "model" / all parameter bytes (0 when
+    the model axis has size 1)."""
+    ways = strategy.mesh.axis_size("model")
     total = split = 0
     for _, spec, block in strategy.placements("params"):
-        size = int(np.prod(block)) * (strategy.mesh.axis_size("model")
-                                      if "model" in spec else 1)
+        size = int(np.prod(block)) * (ways if "model" in spec else 1)
         total += size
-        split += size if "model" in spec else 0
+        split += size if "model" in spec and ways > 1 else 0
     return split / total
 
 
@@ -124,7 +127,6 @@ def check_parity(name, optimizer, mesh_id):
 @pytest.mark.parametrize("name,optimizer,mesh_id", [
     ("llama_gqa", "sgd", "2x4"),
     ("gemma", "adam", "1x8"),
-    ("bert", "momentum", "8x1"),
 ])
 def test_parity_subset(name, optimizer, mesh_id):
     check_parity(name, optimizer, mesh_id)

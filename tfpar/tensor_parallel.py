@@ -684,7 +684,19 @@ class _Dataflow:
 
     @classmethod
     def trace(cls, model, units):
-        traced = _compat.trace_layer_calls(model, units)
+        try:
+            traced = _compat.trace_layer_calls(model, units)
+        except Exception as error:  # noqa: BLE001 (any failure: say what to do)
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"auto_rules traces model {model.name!r} once on symbolic "
+                "inputs of its input signature (inference mode) to see which "
+                "layer feeds which, and that trace failed. Received: "
+                f"{type(error).__name__}: {first}. Make the model callable "
+                "on symbolic inputs (e.g. keras.Input shapes), or write the "
+                "plan by hand: tfpar.LayoutRules({layer regex: "
+                "tfpar.ColumnParallel(), ...})."
+            ) from error
         return cls(units) if traced is None else cls(units, *traced)
 
     def input_rank(self, layer):

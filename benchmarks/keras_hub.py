@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# This file's name is the library's: `import keras_hub` must not find it.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 BATCH = 16
 QUICK = ("llama_gqa", "gemma", "bert")
@@ -144,7 +147,7 @@ def first_line(error):
 
 def main(argv=None):
     args = parse_args(argv)
-    root = Path(__file__).resolve().parents[1]
+    root = HERE.parent
     sys.path[:0] = [str(root), str(root / "tests")]
     import tfpar  # noqa: PLC0415
 

@@ -61,15 +61,7 @@ def train(name, optimizer, mesh_shape=None, plan=None):
                       loss=hub_models.loss(name), weighted_metrics=[])
         return model
 
-    if strategy is None:
-        model = build()
-    else:
-        with strategy.scope():
-            model = build()
-    losses = models.BatchLosses()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return model, losses.losses, strategy
+    return (*models.train_built(strategy, build, x, y, BATCH), strategy)
 
 
 def auto(model, mesh):

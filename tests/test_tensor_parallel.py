@@ -112,15 +112,7 @@ def train_transformer(strategy=None, plan=None, epochs=2):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    if strategy is None:
-        model = build()
-    else:
-        with strategy.scope():
-            model = build()
-    losses = models.BatchLosses()
-    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return model, losses.losses
+    return models.train_built(strategy, build, x, y, 8, epochs)
 
 
 @pytest.mark.parametrize("data,model_axis", [(2, 4), (1, 8)], ids=["2x4", "1x8"])

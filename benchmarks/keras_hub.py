@@ -28,6 +28,7 @@ processes: compare ratios from the same run only.
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -62,18 +63,19 @@ def parse_args(argv=None):
 
 
 def keras_hub_rules(model, mesh):
-    """keras-hub's own layout map for `model` as LayoutRules, or None.
+    """keras-hub's own layout map for `model` as LayoutRules.
 
     `LayoutMap` keys are `re.fullmatch`ed against variable paths, as
     `LayoutRules` keys are; each `TensorLayout`'s axes become a spec, the
-    layout map's batch axis our data axis.
+    layout map's batch axis our data axis. LookupError for a backbone
+    without one.
     """
     import keras  # noqa: PLC0415
     import tfpar  # noqa: PLC0415
 
     backbone = type(model.backbone)
     if "get_layout_map" not in vars(backbone):
-        return None
+        raise LookupError(f"{backbone.__name__} has no get_layout_map")
     device_mesh = keras.distribution.DeviceMesh(
         shape=(mesh.axis_size("data"), mesh.axis_size("model")),
         axis_names=("batch", "model"),
@@ -100,7 +102,7 @@ def plans(name, mesh):
 class Run:
     """One model trained under one plan (or on one device), timed by fit."""
 
-    def __init__(self, name, weights, x, y, strategy=None, plan=None):
+    def __init__(self, name, weights, x, y, strategy=None, make_plan=None):
         import keras  # noqa: PLC0415
         import tensorflow as tf  # noqa: PLC0415
 
@@ -111,8 +113,8 @@ class Run:
         def build():
             model = hub_models.build(name)
             model.set_weights(weights)
-            if plan is not None:
-                strategy.apply_rules(model, plan)
+            if make_plan is not None:
+                strategy.apply_rules(model, make_plan(model))
             model.compile(optimizer=keras.optimizers.Adam(1e-3),
                           loss=hub_models.loss(name), weighted_metrics=[])
             return model
@@ -141,8 +143,10 @@ class Run:
 
 
 def first_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:110]
+    """The error's type and first line, without MLIR's location prefix."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    text = re.sub(r"^\S+:\d+:\d+: error: ", "", text)
+    return f"{type(error).__name__}: {text}"[:120]
 
 
 def main(argv=None):
@@ -173,14 +177,12 @@ def main(argv=None):
         for plan_name, make_plan in plans(name, tfpar.Mesh(args.axes)).items():
             strategy = tfpar.ParallelStrategy(tfpar.Mesh(args.axes))
             try:
-                with strategy.scope():
-                    plan = make_plan(hub_models.build(name))
-                if plan is None:
-                    failed[plan_name] = "keras-hub ships no get_layout_map"
-                    continue
-                runs[plan_name] = Run(name, weights, x, y, strategy, plan)
+                runs[plan_name] = Run(name, weights, x, y, strategy,
+                                      make_plan)
+            except LookupError as error:
+                failed[plan_name] = f"n/a ({error})"
             except Exception as error:  # noqa: BLE001 (reported, not raised)
-                failed[plan_name] = first_line(error)
+                failed[plan_name] = "failed: " + first_line(error)
         times = {key: [] for key in ["single", *runs]}
         for _ in range(3):  # rounds, interleaved
             times["single"].append(single.time_step())
@@ -195,7 +197,7 @@ def main(argv=None):
                 size = runs[plan_name].bytes_per_device()
                 print(f"{'':<10} {plan_name:<10} {ratio:>13.2f} {size:>24,}")
             else:
-                print(f"{'':<10} {plan_name:<10} failed: {failed[plan_name]}")
+                print(f"{'':<10} {plan_name:<10} {failed[plan_name]}")
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

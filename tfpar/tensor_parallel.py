@@ -6,12 +6,17 @@ layers. A style knows how to lay out the weights of the layer it is given:
 - `ColumnParallel(axis)` splits a layer's *outputs* over `axis`. For a Dense
   kernel (in, out) that is axis 1, plus the bias; for an EinsumDense the
   first kernel dimension that appears in the output; for an Embedding the
-  hidden dimension; for MultiHeadAttention the heads (query/key/value split
-  by heads, the output projection split row-wise by heads) — each device
-  then computes whole heads and one all-reduce follows the block.
+  hidden dimension (a ReversibleEmbedding's (hidden, vocab)
+  `reverse_embeddings` too: the projection to logits sums partial products);
+  for MultiHeadAttention, or any attention layer with query/key/value and
+  attention_output EinsumDense sublayers (keras-hub's), the heads
+  (query/key/value split by heads, the output projection split row-wise by
+  heads) — each device then computes whole heads and one all-reduce follows
+  the block.
 - `RowParallel(axis)` splits a layer's *inputs*: Dense kernel axis 0 (bias
   replicated: it is added once, after the all-reduce of the partial sums);
-  EinsumDense the first contracted kernel dimension; Embedding the vocabulary.
+  EinsumDense the first contracted kernel dimension; Embedding the
+  vocabulary (and a `reverse_embeddings` table by vocabulary).
 - `Replicated()` keeps every weight whole on every device.
 - `SequenceParallel(axis)` (for LayerNormalization/RMSNormalization) keeps
   the weights whole and the layer's activations split along the sequence.

@@ -1,5 +1,6 @@
 """Smoke tests: every example script runs with small settings and --help."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script", ["quickstart.py", "gpt.py", "pipeline.py",
-                                    "checkpoints.py", "hosts.py"])
+                                    "checkpoints.py", "hosts.py",
+                                    "keras_hub_llama.py"])
 def test_help(script):
     assert "usage:" in run(script, "--help")
 
@@ -80,3 +82,26 @@ def test_hosts_example_trains_one_mesh_over_two_processes():
     assert difference < 1e-4
     assert "host 0 holds these blocks of up/kernel (16, 64): CPU:0 (16, 16)" in out
     assert "host 1 holds these blocks of up/kernel (16, 64): CPU:4 (16, 16)" in out
+
+
+def _llama_parity(*args):
+    out = run("keras_hub_llama.py", "--layers", "1", "--steps", "2", *args)
+    assert "parity with one device: OK" in out
+    for gap in ("loss", "weight"):
+        value = out.split(f"largest relative {gap} difference:")[1].split()[0]
+        assert float(value) < 1e-4
+    return out
+
+
+@pytest.mark.slow  # colab/keras_hub_llama.ipynb runs both flows by default
+def test_keras_hub_llama_through_keras_distribution():
+    out = _llama_parity("--keras-distribution")
+    # keras-hub's layout map: split over both axes, blocks per device.
+    assert re.search(r"transformer_layer_0/feedforward_gate_dense/kernel +"
+                     r"\('batch', 'model'\) +per-device block \(32, 32\)", out)
+
+
+@pytest.mark.slow
+def test_keras_hub_llama_with_auto_rules():
+    out = _llama_parity()
+    assert "auto_rules plan on Mesh({'data': 2, 'model': 4}" in out

@@ -32,6 +32,9 @@ EXPECTED = {
     "gpt": (["parity with one device: OK", "ColumnParallel", "RowParallel",
              "3-D parity with one device: OK"],
             True),
+    "keras_hub_llama": (["auto_rules parity with one device: OK",
+                         "keras.distribution parity with one device: OK",
+                         "('batch', 'model')"], True),
     "pipeline_schedules": (
         ["simulated bubbles match (p-1)/(m+p-1): OK",
          "pipeline parity with one device: OK",

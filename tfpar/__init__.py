@@ -21,6 +21,7 @@ os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")
 
 from tfpar.layout import LayoutRules  # noqa: E402
 from tfpar import checkpoint, communication, pipeline, visualize  # noqa: E402
+from tfpar import keras_distribution  # noqa: E402
 from tfpar.checkpoint import (  # noqa: E402
     latest_checkpoint,
     restore_checkpoint,
@@ -58,6 +59,7 @@ __all__ = [
     "connect_hosts",
     "connect_tpu",
     "get_schedule",
+    "keras_distribution",
     "latest_checkpoint",
     "pipeline",
     "plot_schedule",

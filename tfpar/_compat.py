@@ -297,6 +297,93 @@ def patch_keras_remat(check_replay):
                                              check_replay)
 
 
+def static_sparse_division(active):
+    """Makes Keras' TF `ops.divide(sparse, dense)` keep static shapes while
+    `active()`.
+
+    Keras divides an IndexedSlices gradient by a dense tensor (Adagrad,
+    RMSprop, Adadelta: lr * g / sqrt(accumulator + eps)) inside a `tf.cond`
+    whose one branch adds the rows where the divisor is zero or NaN: a
+    dynamic number of rows, which DTensor 2.21 mis-expands when the table
+    is split over a model axis ("SPMD expansion resulted in op output
+    inconsistent with the provided layout"). `_sparse_quotient` gives the
+    same slices without the branch. Installed once; other backends and
+    models outside a strategy are unchanged.
+    """
+    from keras.src.backend.tensorflow import numpy as tf_numpy  # noqa: PLC0415
+
+    original = tf_numpy.divide
+    if getattr(original, "_tfpar_static", False):
+        return
+
+    @functools.wraps(original)
+    def divide(x1, x2):
+        if (isinstance(x1, tf.IndexedSlices) and isinstance(x2, tf.Tensor)
+                and x2.shape.rank and x2.dtype.is_floating and active()):
+            return _sparse_quotient(x1, x2, original)
+        return original(x1, x2)
+
+    divide._tfpar_static = True  # noqa: SLF001
+    tf_numpy.divide = divide
+
+
+def _sparse_quotient(x1, x2, divide):
+    """x1 / x2 for IndexedSlices x1 and dense x2, as Keras computes it.
+
+    Each slice j of x1 (row i_j) becomes v_j / x2[i_j]. Keras also adds the
+    rows no slice touches where x2 has a zero or NaN, with 0 / x2[i] (NaN or
+    +-inf there, 0 elsewhere in the row). Here every row r of x2 gets one
+    extra slice: 0 / x2[r] for those rows, zeros for all others. Zeros add
+    nothing wherever the slices are summed (scatter_add, densifying) and
+    square to zero, so every update equals Keras', with a static number of
+    slices (len(x1.indices) + rows).
+    """
+    rows = x2.shape[0]
+    indices = x1.indices
+    quotient = divide(x1.values, tf.gather(x2, indices))
+    zero_or_nan = tf.reduce_any(
+        tf.logical_or(tf.equal(x2, 0), tf.math.is_nan(x2)),
+        axis=list(range(1, x2.shape.rank)))
+    touched = tf.math.unsorted_segment_sum(  # (DTensor has no segment max)
+        tf.ones_like(indices), indices, rows) > 0
+    extra_rows = tf.logical_and(zero_or_nan, tf.logical_not(touched))
+    mask = tf.reshape(extra_rows, [rows] + [1] * (x2.shape.rank - 1))
+    extra = tf.where(mask, divide(tf.zeros_like(x2), x2), tf.zeros_like(x2))
+    return tf.IndexedSlices(
+        tf.concat([quotient, tf.cast(extra, quotient.dtype)], axis=0),
+        tf.concat([indices, tf.range(rows, dtype=indices.dtype)], axis=0),
+        x1.dense_shape)
+
+
+def count_array_batches():
+    """Makes the tf.data datasets Keras builds from arrays state their
+    batch count (Keras knows it: `ArrayDataAdapter.num_batches`; its
+    flat_map pipeline hides it from `dataset.cardinality()`).
+
+    Per-host input needs it: Keras stops each host after its own count, so
+    hosts must compare counts before the first step (`inputs`). Installed
+    once, by the first strategy with per-host input; the datasets are
+    unchanged but for their stated cardinality.
+    """
+    from keras.src.trainers.data_adapters import array_data_adapter  # noqa: PLC0415
+
+    adapter = array_data_adapter.ArrayDataAdapter
+    original = adapter.get_tf_dataset
+    if getattr(original, "_tfpar_counted", False):
+        return
+
+    @functools.wraps(original)
+    def get_tf_dataset(self):
+        dataset = original(self)
+        if self.num_batches is None:
+            return dataset
+        return dataset.apply(
+            tf.data.experimental.assert_cardinality(self.num_batches))
+
+    get_tf_dataset._tfpar_counted = True  # noqa: SLF001
+    adapter.get_tf_dataset = get_tf_dataset
+
+
 def _optimizer_under(model, strategy):
     """Makes sure `model.optimizer` was created under `strategy`.
 
@@ -378,6 +465,20 @@ def keras_variable_being_created():
     """
     stack = getattr(_initializing, "stack", None)
     return stack[-1] if stack else None
+
+
+def keras_variable_layout(path):
+    """The spec of the layout given to the Keras Variable at `path` being
+    created (`keras.Variable(..., layout=TensorLayout(axes))`, stored as
+    its private `_layout`, which Keras' TF backend ignores), or None."""
+    variable = keras_variable_being_created()
+    layout = getattr(variable, "_layout", None)
+    if layout is None or variable.path != path:
+        return None
+    if isinstance(layout, dtensor.Layout):
+        return tuple(None if s == dtensor.UNSHARDED else s
+                     for s in layout.sharding_specs)
+    return tuple(layout.axes)
 
 
 def keras_layer_adding_weight():
@@ -721,6 +822,46 @@ def collective_all_gathers(enabled):
             del os.environ[_GATHER_LOWERING]
         else:
             os.environ[_GATHER_LOWERING] = outer
+
+
+# -- Keras' distribution API (keras.distribution) on TensorFlow --------------
+
+
+def hook_keras_distribution(on_set, distribute_tensor, initialize):
+    """Makes Keras' distribution API reach tfpar on the TF backend; once.
+
+    Keras keeps the current distribution in its global attribute
+    "distribution", written only by `keras.distribution.set_distribution`
+    (which `Distribution.scope()` calls on entry and exit) through
+    `global_state.set_global_attribute`: that writer is wrapped so that
+    `on_set(value)` runs first (and may refuse by raising), whichever
+    binding of `set_distribution` the user imported. Keras 3.15's TF
+    `distribution_lib` (a "DO NOT USE" prototype) lacks `distribute_tensor`,
+    `get_device_count` and `initialize`, which `keras.distribution` calls:
+    they are supplied. A distribution set before this hook is installed is
+    handed to `on_set` now.
+    """
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+    from keras.src.backend.tensorflow import distribution_lib  # noqa: PLC0415
+
+    original = global_state.set_global_attribute
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def set_global_attribute(name, value):
+        if name == "distribution":
+            on_set(value)
+        original(name, value)
+
+    set_global_attribute._tfpar_wrapped = True  # noqa: SLF001
+    global_state.set_global_attribute = set_global_attribute
+    distribution_lib.distribute_tensor = distribute_tensor
+    distribution_lib.initialize = initialize
+    distribution_lib.get_device_count = (
+        lambda device_type=None: len(distribution_lib.list_devices(device_type)))
+    current = global_state.get_global_attribute("distribution")
+    if current is not None:
+        on_set(current)
 
 
 # -- auto_rules: what each layer reads and returns in one symbolic trace ------

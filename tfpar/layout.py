@@ -66,6 +66,39 @@ class LayoutRules:
             self._rules.append((pattern, regex, _check_spec(pattern, spec)))
         self._matched = set()
 
+    @classmethod
+    def from_keras(cls, layout_map):
+        """Rules from a `keras.distribution.LayoutMap`: each key is a regex
+        `re.fullmatch`ed against variable paths, as in Keras, and each
+        `TensorLayout`'s axes are the spec. Keys ending in "/output" are
+        layouts of layer outputs (Keras' `Layer.__call__` asks for
+        "<layer path>/output" and applies them with
+        `keras.distribution.distribute_tensor`), not of weights: they are
+        left out. Stricter than Keras: a weight key that matches no
+        variable is an error when training starts.
+
+        Example:
+
+        >>> layout_map = keras.distribution.LayoutMap(device_mesh)
+        >>> layout_map[".*dense.*kernel"] = (None, "model")
+        >>> tfpar.LayoutRules.from_keras(layout_map)
+        LayoutRules({'.*dense.*kernel': (None, 'model')})
+
+        Args:
+            layout_map: a `keras.distribution.LayoutMap` (or any mapping of
+                regex to `TensorLayout` or tuple of axis names).
+        """
+        if not isinstance(layout_map, collections.abc.Mapping):
+            raise TypeError(
+                "LayoutRules.from_keras(layout_map) needs a "
+                "keras.distribution.LayoutMap. Received: "
+                f"layout_map={layout_map!r} of type "
+                f"{type(layout_map).__name__}")
+        return cls({
+            key: tuple(getattr(layout, "axes", layout))
+            for key, layout in layout_map.items()
+            if not key.endswith("/output")})
+
     @property
     def patterns(self):
         return [pattern for pattern, _, _ in self._rules]

@@ -211,6 +211,38 @@ class Mesh:
         self._devices = tuple(devices)
         self._dtensor_mesh = None
 
+    @classmethod
+    def from_keras(cls, device_mesh):
+        """The mesh a `keras.distribution.DeviceMesh` describes: the same
+        axis names and sizes over the same devices, in the same order.
+
+        Example:
+
+        >>> device_mesh = keras.distribution.DeviceMesh(
+        ...     (2, 4), ("batch", "model"),
+        ...     devices=keras.distribution.list_devices())
+        >>> tfpar.Mesh.from_keras(device_mesh)
+        Mesh({'batch': 2, 'model': 4}, devices=CPU:0..CPU:7)
+
+        Args:
+            device_mesh: a `keras.distribution.DeviceMesh`.
+        """
+        names = getattr(device_mesh, "axis_names", None)
+        shape = getattr(device_mesh, "shape", None)
+        devices = getattr(device_mesh, "devices", None)
+        if names is None or shape is None or devices is None:
+            raise TypeError(
+                "Mesh.from_keras(device_mesh) needs a "
+                "keras.distribution.DeviceMesh. Received: "
+                f"device_mesh={device_mesh!r} of type "
+                f"{type(device_mesh).__name__}")
+        if len(set(names)) != len(names):
+            raise ValueError(
+                "Mesh.from_keras(device_mesh) needs distinct axis names. "
+                f"Received: axis_names={list(names)!r}")
+        return cls(dict(zip(names, (int(n) for n in shape))),
+                   devices=[str(d) for d in np.asarray(devices).ravel()])
+
     @property
     def axis_names(self):
         """Axis names in order, e.g. ('data', 'model')."""

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import compile_errors
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import placement
@@ -68,10 +69,21 @@ class ParallelStrategy(tf.distribute.Strategy):
             pass has used them (no re-gather in the backward pass), so a
             step's peak holds every weight whole. Losses and weights equal
             plain data parallelism's.
+        per_host_input: with several hosts (`tfpar.connect_hosts`), each
+            host feeds only its share of every global batch — the rows of
+            the data coordinates its devices hold (host h of H: blocks
+            [h D/H, (h+1) D/H) of the data axis of size D) — instead of
+            every host reading every global batch. The arrays or dataset a
+            host gives `fit`/`evaluate` are then its own samples, batched
+            with the per-host batch size (global / H);
+            `distribute_datasets_from_function` passes an InputContext with
+            `num_input_pipelines=H` and `input_pipeline_id=h`. Hosts check
+            at every step that they all have a batch of the same size (a
+            clear error otherwise). One host: no effect.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
-                 pipeline_axis="pipe", fsdp=False):
+                 pipeline_axis="pipe", fsdp=False, per_host_input=False):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -111,9 +123,14 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r}, data_axis={data_axis!r}. Add a "
                 "data axis of size > 1 or leave fsdp=False."
             )
+        if not isinstance(per_host_input, bool):
+            raise TypeError(
+                "ParallelStrategy(per_host_input) needs True or False. "
+                f"Received: per_host_input={per_host_input!r}"
+            )
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
-                                          pipeline_axis, fsdp))
+                                          pipeline_axis, fsdp, per_host_input))
 
     @property
     def mesh(self):
@@ -228,7 +245,8 @@ class ShardedVariable(_compat.DVariable):
     a sharded value into numpy. This subclass puts host values on the mesh
     with the variable's own layout and assembles numpy from the shards.
 
-    Under `fsdp` a weight is stored split over the data axis
+    Under `fsdp`, or when its rule splits it over the data axis, a weight
+    is stored split over the data axis
     (`tfpar_spec`) but computed with whole (`tfpar_compute_spec`): each read
     in a step gathers it, and the gradient of that gather is a
     reduce-scatter back to the stored blocks. Optimizer updates read the
@@ -308,35 +326,28 @@ class ShardedVariable(_compat.DVariable):
     # scatter ops, which DTensor 2.21 cannot lay out ("'tf.ResourceScatterSub'
     # op does not implement layout propagation"): plain SGD, Adagrad,
     # Adadelta, RMSprop and Adafactor failed on every mesh. Each is the same
-    # update written densely: the slices summed into rows,
-    # D = sum_j onehot(indices_j) values_j (an UnsortedSegmentSum, which
-    # DTensor lays out), then var -= D, var += D; scatter_update replaces the
-    # touched rows: var = where(touched, D_last, var). Repeated indices add,
-    # as ResourceScatterAdd/Sub do; for scatter_update the last slice of a
-    # repeated row wins (TF leaves that order unspecified).
+    # update written with ops DTensor lays out: scatter_add/sub sum the
+    # slices into rows, D_i = sum_{j: idx_j = i} v_j (an UnsortedSegmentSum;
+    # repeated rows add, as ResourceScatterAdd/Sub do), then var += D or
+    # var -= D; scatter_update writes the slices into the value
+    # (TensorScatterUpdate; of repeated rows one wins, as in TF).
 
-    def _dense_delta(self, sparse_delta):
+    def _summed_rows(self, sparse_delta):
         values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
         return tf.math.unsorted_segment_sum(values, sparse_delta.indices,
                                             self.shape[0])
 
     def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_add(self._dense_delta(sparse_delta), name=name)
+        return self.assign_add(self._summed_rows(sparse_delta), name=name)
 
     def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_sub(self._dense_delta(sparse_delta), name=name)
+        return self.assign_sub(self._summed_rows(sparse_delta), name=name)
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        indices = sparse_delta.indices
-        # The last position of each row among the indices: a later slice of
-        # a repeated row overwrites an earlier one.
-        positions = tf.range(tf.shape(indices)[0])
-        last = tf.math.unsorted_segment_max(positions, indices, self.shape[0])
-        touched = last >= 0  # unsorted_segment_max fills absent rows with min
-        rows = tf.gather(tf.convert_to_tensor(sparse_delta.values, self.dtype),
-                         tf.maximum(last, 0))
-        mask = tf.reshape(touched, [-1] + [1] * (self.shape.rank - 1))
-        return self.assign(tf.where(mask, rows, self.read_value()), name=name)
+        values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
+        return self.assign(tf.tensor_scatter_nd_update(
+            self.read_value(), sparse_delta.indices[:, None], values),
+            name=name)
 
     def numpy(self):
         return placement.fetch(self.read_value())
@@ -350,7 +361,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     """The machinery behind `ParallelStrategy` (see the module docstring)."""
 
     def __init__(self, container_strategy, mesh, rules, data_axis,
-                 pipeline_axis, fsdp=False):
+                 pipeline_axis, fsdp=False, per_host_input=False):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.rules = rules
@@ -361,7 +372,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.stage_meshes = ([mesh] if stages == 1 else
                              [mesh.submesh(pipeline_axis, s)
                               for s in range(stages)])
-        self.input_placer = inputs.InputPlacer(mesh, data_axis)
+        self.input_placer = inputs.InputPlacer(
+            mesh, data_axis, per_host=per_host_input and dtensor.num_clients() > 1)
+        if self.input_placer.per_host:
+            _compat.count_array_batches()
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
         self._placing = []  # stack of meshes new variables go to
@@ -437,11 +451,20 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     def _fsdp_specs(self, spec, kind, shape):
         """(stored spec, compute spec) of a variable its rules lay out by
         `spec`: under fsdp a trainable weight is stored split over the data
-        axis too, and gathered where a step reads it."""
+        axis too, and gathered where a step reads it. In a step the data
+        axis splits the batch, so a variable whose rule itself splits it
+        over the data axis (e.g. keras-hub's 2-D layout maps, weights split
+        over "batch" and "model") is computed with whole over that axis
+        too, by the same gather: a Dense kernel (in, out) ruled
+        ("data", "model") is stored so and computed as (None, "model")."""
+        compute = spec
+        if kind != "optimizer" and self.mesh.axis_size(self.data_axis) > 1:
+            compute = tuple(None if axis == self.data_axis else axis
+                            for axis in spec)
         if not self.fsdp or kind != "params":
-            return spec, spec
+            return spec, compute
         return layout_lib.fully_sharded_spec(spec, shape, self.data_axis,
-                                             self.mesh), spec
+                                             self.mesh), compute
 
     def _register(self, path, spec, kind, value, kwargs, mesh,
                   compute_spec=None):
@@ -590,7 +613,15 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                     return reference.spec, "optimizer"
                 return layout_lib.replicated_spec(len(shape)), "optimizer"
         rules = self.rules if rules is None else rules
-        spec = rules.spec_for(path, shape, layer)
+        # keras.Variable(layout=...) wins over the rules, as in Keras.
+        spec = _compat.keras_variable_layout(path)
+        if spec is not None and len(spec) != len(shape):
+            raise ValueError(
+                f"Variable {path!r} was given layout={spec} with {len(spec)} "
+                f"axes, but has rank {len(shape)} (shape={tuple(shape)}). "
+                "Give one mesh axis name or None per dimension.")
+        if spec is None:
+            spec = rules.spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
         layout_lib.check_divisible(path, shape, spec, mesh or self.mesh)
@@ -665,11 +696,14 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
     def keras_function(self, model, mode):
         """Builds `model.{mode}_function` (see `tfpar.training`; a
-        `tfpar.PipelineModel` brings its own runner)."""
+        `tfpar.PipelineModel` brings its own runner). DTensor's compile
+        errors in it name the layers (`tfpar.compile_errors`)."""
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)
         if make_runner is not None:
-            return training.make_function(model, self, mode,
-                                          runner=make_runner(mode))
+            return compile_errors.explaining(
+                training.make_function(model, self, mode,
+                                       runner=make_runner(mode)),
+                model, self, mode)
         if len(self.stage_meshes) > 1:
             raise ValueError(
                 f"The mesh has a pipeline axis {self.pipeline_axis!r} of size "
@@ -679,7 +713,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
                 "or drop the pipeline axis from the mesh."
             )
-        return training.make_function(model, self, mode)
+        return compile_errors.explaining(
+            training.make_function(model, self, mode), model, self, mode)
 
     def eager_model_call(self, call, model, args, kwargs):
         """`model(x)` run eagerly: host arrays go to the mesh (split over the
@@ -792,8 +827,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return inputs.DistributedBatches(dataset, self.input_placer)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        hosts = dtensor.num_clients() if self.input_placer.per_host else 1
         context = tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0,
+            num_input_pipelines=hosts,
+            input_pipeline_id=dtensor.client_id() if hosts > 1 else 0,
             num_replicas_in_sync=1)
         return inputs.DistributedBatches(dataset_fn(context), self.input_placer)
 
@@ -922,3 +959,6 @@ def _owning_strategy(model):
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
 _compat.patch_keras_remat(_check_random_recomputation)
+_compat.static_sparse_division(
+    lambda: not tf.executing_eagerly()
+    and isinstance(tf.distribute.get_strategy(), ParallelStrategy))

@@ -1,0 +1,137 @@
+"""Errors that name the layers when DTensor cannot compile a step.
+
+DTensor 2.21 compiles a step's SPMD program the first time it runs it. A
+layout combination it has no expansion for fails there with a message that
+names only a TF op and points at the user's `fit` line, e.g.
+"Contracting dimension for matmul has sharding dimension batch for the left
+input and model for the right input which are not equal" or "Filter for
+convolution must have fully replicated layout". `explaining(function, ...)`
+re-raises such an error as a `ValueError` naming the op, DTensor's reason,
+the weights whose per-device blocks are the op's operands (matched by block
+shape; failing that, every weight with a non-replicated layout) with their
+layers and layouts, and what to change. DTensor's own error is its
+`__cause__` (Keras drops that chain from the traceback it shows unless
+`keras.config.disable_traceback_filtering()`).
+
+Example:
+
+>>> strategy = tfpar.ParallelStrategy(
+...     tfpar.Mesh({"data": 2, "model": 4}),
+...     rules={r".*conv/kernel": (None, None, "model", None)})
+>>> with strategy.scope():
+...     model = keras.Sequential([
+...         keras.Input((8, 8, 4)), keras.layers.Conv2D(8, 3, name="conv"),
+...         keras.layers.Flatten(), keras.layers.Dense(2)])
+...     model.compile(optimizer="sgd", loss="mse")
+>>> model.fit(np.ones((8, 8, 8, 4)), np.ones((8, 2)), verbose=0)
+Traceback (most recent call last):
+ValueError: DTensor could not compile the train step of model 'sequential'
+on Mesh({'data': 2, 'model': 4}, devices=CPU:0..CPU:7): its tf.Conv2D op
+failed: Filter for convolution must have fully replicated layout.
+Weights involved (their per-device blocks are the op's operands):
+  layer 'sequential/conv' (Conv2D): weight 'sequential/conv/kernel' shape
+  (3, 3, 4, 8), layout (None, None, 'model', None), per-device block
+  (3, 3, 1, 8)
+What to change: DTensor's convolutions take only replicated filters: ...
+"""
+
+import re
+
+import tensorflow as tf
+
+from tfpar import _compat
+from tfpar import layout as layout_lib
+
+# DTensor's compile errors (SPMD expansion, layout propagation) say so.
+_DTENSOR_ERROR = re.compile(
+    r"SPMD expansion|layout propagation|tensorflow/dtensor/")
+_REASON = re.compile(r"error: (.*)")
+_OPERATION = re.compile(r'see current operation: .*?"tf\.(\w+)"(.*)')
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-z]+\d*>")
+_ADVICE = (
+    ("Filter for convolution must have fully replicated layout",
+     "DTensor's convolutions take only replicated filters: give the "
+     "convolution kernels no rule (replicated) and split other layers."),
+    ("Contracting dimension for matmul",
+     "the two operands of a matmul split the dimension it sums over "
+     "(contracts) over different mesh axes: split that dimension over the "
+     "same axis on both sides (a row-parallel kernel after a "
+     "column-parallel one), or leave it whole (None) on one side."),
+    ("only supports batch parallel layouts",
+     "this op runs only on tensors split over the batch: replicate the "
+     "weights of the layers around it (their rules make its inputs or "
+     "gradients split over another axis)."),
+)
+_MAX_LISTED = 12
+
+
+def explaining(function, model, extended, mode):
+    """`function` whose DTensor compile errors are re-raised explained."""
+
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except tf.errors.OpError as error:
+            message = str(error.message)
+            if not _DTENSOR_ERROR.search(message):
+                raise
+            raise ValueError(
+                explain(message, model, extended, mode)) from error
+
+    return run
+
+
+def explain(message, model, extended, mode="train"):
+    """The text of the error re-raised for DTensor's `message`."""
+    reason = _REASON.search(message)
+    reason = reason[1].strip() if reason else message.strip().splitlines()[0]
+    operation = _OPERATION.search(message)
+    op = f"tf.{operation[1]}" if operation else "an"
+    operands = set()
+    if operation:
+        signature = operation[2].rsplit("} : (", 1)[-1].split(") ->")[0]
+        operands = {tuple(int(d) for d in dims.split("x") if d)
+                    for dims in _TENSOR.findall(signature)}
+    owners = {id(w): layer for layer in _compat.all_layers(model)
+              for w in layer.weights}
+    split, involved = [], []
+    for weight in model.weights:
+        info = extended._info_of(weight)  # noqa: SLF001
+        if info is None or info.mesh is None:
+            continue
+        shape = tuple(weight.shape)
+        blocks = {layout_lib.shard_shape(shape, spec, info.mesh)
+                  for spec in (info.spec, info.compute_spec)}
+        if all(block == shape for block in blocks):
+            continue  # replicated (or over axes of size 1)
+        line = _describe(weight, owners.get(id(weight)), info, shape)
+        split.append(line)
+        if blocks & operands:
+            involved.append(line)
+    advice = next((text for key, text in _ADVICE if key in reason),
+                  "change the layout of the weights listed (their rules in "
+                  "LayoutRules or keys in the Keras LayoutMap), e.g. "
+                  "replicate one of them, until the step compiles.")
+    if involved:
+        listed = ("Weights involved (their per-device blocks are the op's "
+                  "operands):\n" + "\n".join(involved[:_MAX_LISTED]))
+    elif split:
+        listed = ("No weight's block is an operand of that op itself; the "
+                  "weights with non-replicated layouts are:\n"
+                  + "\n".join(split[:_MAX_LISTED]))
+    else:
+        listed = "Every weight is replicated."
+    return (
+        f"DTensor could not compile the {mode} step of model "
+        f"{model.name!r} on {extended.mesh!r}: its {op} op failed: "
+        f"{reason}\n{listed}\nWhat to change: {advice}")
+
+
+def _describe(weight, layer, info, shape):
+    owner = weight.path.rsplit("/", 1)[0]
+    kind = f" ({type(layer).__name__})" if layer is not None else ""
+    computed = ("" if info.compute_spec == info.spec
+                else f", computed as {info.compute_spec}")
+    block = layout_lib.shard_shape(shape, info.spec, info.mesh)
+    return (f"  layer {owner!r}{kind}: weight {weight.path!r} shape {shape}, "
+            f"layout {info.spec}{computed}, per-device block {block}")

@@ -79,13 +79,44 @@ BUILDERS = {
 }
 CAUSAL_LMS = ("gpt2", "llama", "llama_gqa", "gemma", "mistral")
 
+# Hand-written Megatron plans (attention by heads, MLP column -> row) that
+# train each model in parity: what auto_rules must find by itself.
+_LLAMA_RULES = {r".*self_attention": "column",
+                r".*feedforward_(gate|intermediate)_dense": "column",
+                r".*feedforward_output_dense": "row"}
+MEGATRON_RULES = {
+    "gpt2": {r".*self_attention": "column",
+             r".*feedforward_intermediate_dense": "column",
+             r".*feedforward_output_dense": "row"},
+    "llama": _LLAMA_RULES,
+    "llama_gqa": _LLAMA_RULES,
+    "mistral": _LLAMA_RULES,
+    "gemma": {r".*attention": "column", r".*ffw_gating(_2)?": "column",
+              r".*ffw_linear": "row"},
+    "bert": {r".*self_attention_layer": "column",
+             r".*feedforward_intermediate_dense": "column",
+             r".*feedforward_output_dense": "row"},
+    "vit": {r".*mha": "column", r".*mlp/dense_1": "column",
+            r".*mlp/dense_2": "row"},
+}
+
+
+def megatron_rules(name):
+    """MEGATRON_RULES[name] as `tfpar.LayoutRules`."""
+    import tfpar  # noqa: PLC0415 (the builders need no tfpar)
+
+    styles = {"column": tfpar.ColumnParallel(), "row": tfpar.RowParallel()}
+    return tfpar.LayoutRules({pattern: styles[style] for pattern, style
+                              in MEGATRON_RULES[name].items()})
+
 
 def build(name, seed=0):
     """The model `name` (a key of BUILDERS), built, with seeded weights."""
     keras.utils.set_random_seed(seed)
     model = BUILDERS[name]()
-    x, _ = data(name, batch=2)
-    model(x)  # builds every weight
+    if not model.built:  # keras-hub's functional models build in __init__
+        x, _ = data(name, batch=2)
+        model(x)
     return model
 
 

@@ -188,6 +188,20 @@ class BatchLosses(keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
+def train_built(strategy, build, x, y, batch_size, epochs=1):
+    """(model, per-batch losses): `build()` (in `strategy.scope()` unless
+    `strategy` is None), then fit on (x, y) in order."""
+    if strategy is None:
+        model = build()
+    else:
+        with strategy.scope():
+            model = build()
+    losses = BatchLosses()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+              verbose=0, callbacks=[losses])
+    return model, losses.losses
+
+
 # The MLP the two-host tests train (tests/test_hosts.py, hosts_child.py).
 HOST_RULES = {r".*up0/kernel": (None, "model"), r".*up0/bias": ("model",),
               r".*down0/kernel": ("model", None)}

@@ -112,15 +112,7 @@ def train_transformer(strategy=None, plan=None, epochs=2):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    if strategy is None:
-        model = build()
-    else:
-        with strategy.scope():
-            model = build()
-    losses = models.BatchLosses()
-    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return model, losses.losses
+    return models.train_built(strategy, build, x, y, 8, epochs)
 
 
 @pytest.mark.parametrize("data,model_axis", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
@@ -192,3 +184,83 @@ def test_vocab_wise_embedding_trains_in_parity():
     assert models.relative_error(reference.get_layer("embed").embeddings.numpy(),
                                  table.numpy()) < 1e-4
     assert dtensor.unpack(table.value.read_value())[0].shape == (VOCAB // 4, DIM)
+
+
+class GatedBlock(keras.layers.Layer):
+    """A subclassed decoder block: grouped-query attention with separate
+    query/key/value EinsumDense layers (4 query, 2 key/value heads) and a
+    gated MLP down(silu(gate(x)) * up(x)), each after an RMS norm."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.RMSNormalization(name="norm")
+        self.q = keras.layers.EinsumDense("bsd,dnh->bsnh", (None, 4, 4), name="q")
+        self.k = keras.layers.EinsumDense("bsd,dnh->bsnh", (None, 2, 4), name="k")
+        self.v = keras.layers.EinsumDense("bsd,dnh->bsnh", (None, 2, 4), name="v")
+        self.o = keras.layers.EinsumDense("bsnh,nhd->bsd", (None, DIM), name="o")
+        self.gate = keras.layers.Dense(32, activation="silu", name="gate")
+        self.up = keras.layers.Dense(32, name="up")
+        self.down = keras.layers.Dense(DIM, name="down")
+
+    def call(self, x):
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        k, v = keras.ops.repeat(k, 2, axis=2), keras.ops.repeat(v, 2, axis=2)
+        scores = keras.ops.softmax(keras.ops.einsum("bsnh,btnh->bnst", q, k))
+        x = x + self.o(keras.ops.einsum("bnst,btnh->bsnh", scores, v))
+        return x + self.down(self.gate(x) * self.up(x))
+
+
+def gated_model():
+    tokens = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, DIM, name="embed")(tokens)
+    h = GatedBlock(name="block")(h)
+    return keras.Model(tokens, keras.layers.Dense(VOCAB, name="head")(h))
+
+
+def test_auto_rules_plans_inside_a_subclassed_block():
+    model = gated_model()
+    with pytest.warns(UserWarning) as caught:
+        rules = dict(tfpar.auto_rules(model, axis_size=4).items())
+    col, row = tfpar.ColumnParallel(), tfpar.RowParallel()
+    assert rules == {"block/o": row, "block/q": col, "block/down": row,
+                     "block/gate": col, "block/up": col, "embed": col}
+    # Named by their own paths, with the reason; the block is not named.
+    message = str(caught[0].message)
+    assert "block/k (EinsumDense): 2 key/value heads" in message
+    assert "block/v (EinsumDense)" in message and "grouped-query" in message
+    assert "head (Dense): an output head" in message
+    assert "block (GatedBlock)" not in message
+    # On 2 devices the key/value heads split too.
+    rules = dict(tfpar.auto_rules(model, axis_size=2).items())
+    assert rules["block/k"] == rules["block/v"] == col
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+    with strategy.scope():
+        model = gated_model()
+        with pytest.warns(UserWarning):
+            strategy.apply_rules(model, tfpar.auto_rules(model, mesh=strategy.mesh))
+    blocks = {p: b for p, _, b in strategy.placements("params")}
+    assert blocks["block/q/kernel"] == (DIM, 1, 4)
+    assert blocks["block/o/kernel"] == (1, 4, DIM)
+    assert blocks["block/gate/kernel"] == blocks["block/up/kernel"] == (DIM, 8)
+    assert blocks["block/down/kernel"] == (8, DIM)
+    assert blocks["block/k/kernel"] == (DIM, 2, 4)
+
+
+class EagerOnly(keras.layers.Layer):
+    """Builds in a functional graph (its own output spec) but cannot be
+    traced: its call reads values."""
+
+    def call(self, x):
+        return x * float(x.numpy().mean())
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype)
+
+
+def test_auto_rules_says_what_to_do_when_the_trace_fails():
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(EagerOnly()(inputs)),
+                        name="eager_only")
+    with pytest.raises(ValueError, match=r"traces model 'eager_only'.*trace failed.*Received: AttributeError.*LayoutRules"):
+        tfpar.auto_rules(model, axis_size=2)

@@ -423,22 +423,6 @@ def all_layers(layer, include_self=True):
                                       recursive=True))
 
 
-def producers(layer):
-    """The layers whose outputs `layer` was called on in a functional graph
-    (first call), or [] for layers with no graph (subclassed models)."""
-    for node in getattr(layer, "_inbound_nodes", []):
-        return [t._keras_history.operation  # noqa: SLF001
-                for t in node.arguments.keras_tensors]
-    return []
-
-
-def model_output_layers(model):
-    """The layers whose outputs are a functional model's outputs ([] for
-    subclassed models)."""
-    return [t._keras_history.operation  # noqa: SLF001
-            for t in getattr(model, "outputs", None) or []]
-
-
 def transform_layer_outputs(layer, name, transform):
     """Makes `layer` return `transform(outputs)`; once per `name`.
 
@@ -966,3 +950,58 @@ def hook_keras_distribution(on_set, distribute_tensor, initialize):
     if current is not None:
         on_set(current)
 
+
+# -- auto_rules: what each layer reads and returns in one symbolic trace ------
+
+
+def trace_layer_calls(model, layers):
+    """Traces `model` once and returns what each of `layers` read and made.
+
+    The model is called on symbolic inputs of its own input signature in a
+    `tf.function` graph (traced, never run: no values are computed or
+    changed). Returns `({id(layer): [(inputs, outputs), ...]}, outputs)`:
+    per call of each layer the flat graph tensors of its arguments and of
+    its results, and the flat outputs of the model. Returns None for a model
+    without an input signature (subclassed, or never given an input shape).
+    """
+    from keras.src.models import sequential  # noqa: PLC0415
+
+    graph = model
+    if isinstance(model, sequential.Sequential):
+        graph = getattr(model, "_functional", None)
+    struct = getattr(graph, "_inputs_struct", None)
+    if struct is None:
+        return None
+    specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), struct)
+    calls = {id(layer): [] for layer in layers}
+
+    def recording(layer):
+        original = layer.call
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            flat_in = [t for t in tf.nest.flatten((args, kwargs))
+                       if isinstance(t, tf.Tensor)]
+            flat_out = [t for t in tf.nest.flatten(outputs)
+                        if isinstance(t, tf.Tensor)]
+            calls[id(layer)].append((flat_in, flat_out))
+            return outputs
+        return call
+
+    saved = [(layer, layer.__dict__.get("call")) for layer in layers]
+    for layer in layers:
+        layer.call = recording(layer)
+    try:
+        traced = tf.function(lambda x: model(x, training=False),
+                             autograph=False).get_concrete_function(specs)
+    finally:
+        for layer, previous in saved:
+            if previous is None:
+                del layer.__dict__["call"]
+            else:
+                layer.call = previous
+    outputs = [t for t in tf.nest.flatten(traced.structured_outputs)
+               if isinstance(t, tf.Tensor)]
+    return calls, outputs

@@ -39,14 +39,17 @@ from tfpar.tensor_parallel import (  # noqa: E402
     auto_rules,
 )
 from tfpar.hosts import connect_hosts  # noqa: E402
+from tfpar.planner import Cluster, Plan, plan  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
 from tfpar.visualize import summary, visualize_layout  # noqa: E402
 
 __all__ = [
+    "Cluster",
     "ColumnParallel",
     "LayoutRules",
     "Mesh",
     "ParallelStrategy",
+    "Plan",
     "PipelineModel",
     "Replicated",
     "RowParallel",
@@ -60,6 +63,7 @@ __all__ = [
     "get_schedule",
     "latest_checkpoint",
     "pipeline",
+    "plan",
     "plot_schedule",
     "restore_checkpoint",
     "save_checkpoint",

@@ -27,7 +27,10 @@ Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half
 of that; α and β are the cluster's intra- or inter-host figures,
 depending on whether the axis' groups span hosts (axes are laid out
-data, pipe, model: model groups are neighbours). Compute costs
+data, pipe, model: model groups are neighbours). The data axis'
+gradient reduction overlaps the backward pass (only what exceeds the
+backward compute shows, as in DDP's and Megatron-LM's bucketed
+reduction). Compute costs
 (3 + recompute) × forward FLOPs / device FLOP/s (backward = 2 × forward),
 with the split part of each layer divided by t. A pipeline takes
 (m + p - 1)/m × the slowest stage (the bubble (p-1)/(m+p-1) is the same
@@ -150,6 +153,9 @@ class Layout:
         self.tp_bytes_fwd, self.tp_bytes_bwd = np.zeros(n), np.zeros(n)
         self.tp_count_fwd, self.tp_count_bwd = np.zeros(n), np.zeros(n)
         self.carried = np.array([op.carried_in for op in profile.ops])
+        params = [w.itemsize for op in profile.ops for w in op.weights
+                  if w.trainable] or [profile.compute_itemsize]
+        self.grad_ratio = profile.compute_itemsize / max(params)
         self._weights = []  # per op: [(tp block shape, spec, itemsize, trainable)]
         fresh = (layout_lib.LayoutRules(dict(rules.items()))
                  if rules is not None else None)
@@ -202,7 +208,7 @@ class Layout:
     def _split_layers(profile, rules):
         """{op index: [(kind, phase, per-sample elements)]} of the model
         axis collectives each style implies, plus helper sets."""
-        out = {"column_out": set()}
+        out = {"column_out": set(), "gathered": set()}
         if rules is None:
             return out
         op_of = {}
@@ -222,9 +228,13 @@ class Layout:
                 continue
             row = isinstance(style, tp.RowParallel)
             if hasattr(layer, "input_dim") and hasattr(layer, "output_dim"):
-                width = layer.output_dim
-                entries.append(("all-reduce" if row else "all-gather",
-                                "forward", tokens * width, top))
+                # DTensor gathers hidden-split embeddings once where their
+                # outputs meet (e.g. token + position embeddings).
+                meet = frozenset(profile.ops[i].consumers) if top else None
+                if row or meet is None or meet not in out["gathered"]:
+                    entries.append(("all-reduce" if row else "all-gather",
+                                    "forward", tokens * layer.output_dim, top))
+                    out["gathered"].add(meet)
                 continue
             attention = _attention_hidden(layer)
             if attention:
@@ -347,18 +357,21 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         model_count = (layout.tp_count_fwd[sl].sum() * (1 + r)
                        + layout.tp_count_bwd[sl].sum()) * m
         stored, trainable, gathered, count = state[sl].sum(axis=0)
+        # Gradients are summed in the compute dtype (bfloat16 under
+        # mixed_bfloat16); fsdp gathers the stored (float32) weights.
+        grads = gathered * layout.grad_ratio
         if fsdp and d > 1:
             gathers = m * (1 + r)  # per micro-batch, again when recomputing
-            data_bytes = gathered * (gathers + 1)
+            data_bytes = gathered * gathers + grads
             data_time = (_collective_time("all-gather", gathered * gathers, d,
                                           links["data"], count * gathers)
-                         + _collective_time("reduce-scatter", gathered, d,
+                         + _collective_time("reduce-scatter", grads, d,
                                             links["data"], count))
             workspace = (2 * state[sl][:, 2].max() if recompute
                          else gathered - trainable)
         else:
-            data_bytes = gathered if d > 1 else 0.0
-            data_time = _collective_time("all-reduce", gathered, d,
+            data_bytes = grads if d > 1 else 0.0
+            data_time = _collective_time("all-reduce", grads, d,
                                          links["data"], count)
             workspace = 0.0
         # Activations forward and gradients back, per micro-batch, for the
@@ -367,7 +380,8 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
             [layout.carried[hi]] if s < p - 1 else [])
         alpha, beta = links["pipe"]
         pipe_time = sum(2 * m * (alpha + x * mb / beta) for x in sends)
-        kept = layout.kept[sl].sum() + layout.carried[lo]
+        # What stage 0 reads is the batch itself, not an activation.
+        kept = layout.kept[sl].sum() + (layout.carried[lo] if s else 0.0)
         internal = layout.internal[sl]
         per_sample = kept + (internal.max() if recompute else internal.sum())
         in_flight = m if schedule == "gpipe" else min(p - s, m)
@@ -386,12 +400,15 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     busy = [x["time"]["compute"] + x["time"]["model"] for x in per_stage]
     slow = per_stage[int(np.argmax(busy))]["time"]
     bubble = max(busy) * (p - 1) / m
-    step = max(busy) + bubble + slow["data"] + slow["pipe"]
+    # The data-axis gradient reduction overlaps the backward pass (2/3 of
+    # the compute), as DDP and Megatron-LM bucket it; the rest shows.
+    exposed = max(0.0, slow["data"] - slow["compute"] * 2 / (3 + r))
+    step = max(busy) + bubble + exposed + slow["pipe"]
     worst = max(per_stage, key=lambda x: sum(x["memory"].values()))
     return Estimate(
         step_time_s=float(step), memory_per_device=worst["memory"],
         communication_bytes_per_device=float(sum(worst["comm"].values())),
         communication_bytes_by_axis=worst["comm"],
         time_s={"compute": float(slow["compute"]), "bubble": float(bubble),
-                "model": float(slow["model"]), "data": float(slow["data"]),
+                "model": float(slow["model"]), "data": float(exposed),
                 "pipe": float(slow["pipe"])})

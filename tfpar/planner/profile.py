@@ -64,6 +64,7 @@ class Op:
     tokens: int
     carried_in: float = 0.0  # bytes per sample a cut just before it carries
     needs_input_grad: bool = True
+    consumers: set = dataclasses.field(default_factory=set)  # op indices
 
 
 @dataclasses.dataclass
@@ -244,9 +245,11 @@ def out_width(owner, shape):
 
 
 def _nonlinear(owner):
+    """Whether the layer's activation needs its input for the gradient
+    (ReLU's gradient reads its output, which is kept anyway)."""
     activation = getattr(owner, "activation", None)
     return activation is not None and getattr(
-        activation, "__name__", "linear") != "linear"
+        activation, "__name__", "linear") not in ("linear", "relu")
 
 
 def _carried(ops, nodes, inputs, outputs, index_of, itemsize, model):
@@ -260,6 +263,8 @@ def _carried(ops, nodes, inputs, outputs, index_of, itemsize, model):
         i = index_of[id(node.operation)]
         for t in _compat.node_inputs(node):
             last_read[id(t)] = max(last_read.get(id(t), -1), i)
+            if made.get(id(t), -1) >= 0:
+                ops[made[id(t)]].consumers.add(i)
         for t in node.outputs:
             made.setdefault(id(t), i)
             size[id(t)] = _float_bytes([t], itemsize, model)

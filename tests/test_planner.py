@@ -201,12 +201,15 @@ def test_keras_hub_model_is_profiled_whole():
     from tfpar.planner import profile  # noqa: PLC0415
 
     model = hub_models.build("gpt2")
-    p = profile.profile_model(model)
+    p = profile.profile_model(model, sequence_length=hub_models.SEQ_LEN)
     assert p.num_params == model.count_params()
     # 2 layers x (qkv + out + MLP) kernels, at least: 2 * 12 * s * h^2.
     assert p.total_flops >= 2 * 2 * 12 * hub_models.SEQ_LEN * 32 ** 2
-    plan = tfpar.plan(model, 16, cluster=HOST)
+    plan = tfpar.plan(model, 16, cluster=HOST,
+                      sequence_length=hub_models.SEQ_LEN)
     assert plan.estimate.total_memory > 0
+    with pytest.raises(ValueError, match="sequence_length"):
+        tfpar.plan(model, 16, cluster=HOST)
 
 
 def _a100s(gpus):

@@ -47,6 +47,7 @@ recomputation).
 """
 
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -159,6 +160,11 @@ class Layout:
         self._weights = []  # per op: [(tp block shape, spec, itemsize, trainable)]
         fresh = (layout_lib.LayoutRules(dict(rules.items()))
                  if rules is not None else None)
+        # auto_rules' patterns are escaped layer paths: look them up.
+        exact = {re.sub(r"\\(.)", r"\1", p): s for p, s in rules.items()
+                 if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
+        if fresh is not None and len(exact) < len(fresh):
+            exact = None  # hand-written regexes: match them one by one
         sizes = _Sizes(model=t)
         split_layers = self._split_layers(profile, rules)
         c = profile.compute_itemsize
@@ -167,11 +173,7 @@ class Layout:
             internal = op.internal - op.attention_internal
             attention_split = False
             for w in op.weights:
-                spec = None
-                if fresh is not None:
-                    spec = fresh.spec_for(w.path, w.shape,
-                                          layer=_LayerShape(w.owner))
-                spec = spec or (None,) * len(w.shape)
+                spec = _spec(fresh, exact, w) or (None,) * len(w.shape)
                 split = "model" in spec and t > 1
                 block = layout_lib.shard_shape(w.shape, spec, sizes)
                 blocks.append((block, spec, w.itemsize, w.trainable))
@@ -256,6 +258,27 @@ class Layout:
                     out["column_out"].add(id(layer))
         return out
 
+    def prefix(self, d, fsdp):
+        """{array name: its prefix sums}, per-op arrays and state bytes."""
+        key = ("prefix", d, fsdp)
+        if key not in self._state_cache:
+            state = self.state_bytes(d, fsdp)
+            arrays = {name: getattr(self, name) for name in (
+                "flops_split", "flops_repl", "tp_bytes_fwd", "tp_bytes_bwd",
+                "tp_count_fwd", "tp_count_bwd", "kept", "internal")}
+            arrays.update(stored=state[:, 0], trainable=state[:, 1],
+                          gathered=state[:, 2], count=state[:, 3])
+            self._state_cache[key] = {
+                name: np.concatenate([[0.0], np.cumsum(v)])
+                for name, v in arrays.items()}
+        return self._state_cache[key]
+
+    def stage_max(self, name, d, fsdp, lo, hi):
+        """Per stage, the largest single op's value of `name`."""
+        values = (self.state_bytes(d, fsdp)[:, 2] if name == "gathered"
+                  else getattr(self, name))
+        return np.array([values[a:b].max() for a, b in zip(lo, hi)])
+
     def state_bytes(self, d, fsdp):
         """Per op: (stored bytes of all weights, of trainable weights,
         gathered (tp-block) bytes of trainable weights, number of
@@ -267,7 +290,7 @@ class Layout:
             for blocks in self._weights:
                 stored = trainable = gathered = count = 0.0
                 for block, spec, itemsize, is_trainable in blocks:
-                    whole = float(np.prod(block)) * itemsize
+                    whole = float(math.prod(block)) * itemsize
                     part = whole
                     if fsdp and is_trainable and d > 1:
                         fs = layout_lib.fully_sharded_spec(
@@ -283,6 +306,22 @@ class Layout:
                 rows.append((stored, trainable, gathered, count))
             self._state_cache[key] = np.array(rows).reshape(-1, 4)
         return self._state_cache[key]
+
+
+def _spec(rules, exact, weight):
+    """The spec `rules` give `weight` (None: replicated)."""
+    if rules is None:
+        return None
+    if exact is None:
+        return rules.spec_for(weight.path, weight.shape,
+                              layer=_LayerShape(weight.owner))
+    parts = weight.path.split("/")
+    for cut in range(len(parts) - 1, 0, -1):
+        style = exact.get("/".join(parts[:cut]))
+        if style is not None:
+            return style.spec_for(_LayerShape(weight.owner),
+                                  "/".join(parts[cut:]), weight.shape)
+    return None
 
 
 def block_shape_full(block, spec, t):
@@ -326,8 +365,8 @@ def _in_width(layer, shape):
 
 def _collective_time(kind, nbytes, n, link, count=1):
     """α-β seconds of `count` collectives moving `nbytes` in total."""
-    if n <= 1 or count == 0:
-        return 0.0
+    if n <= 1:
+        return np.zeros_like(np.asarray(nbytes, float))
     alpha, beta = link
     steps = 2 * (n - 1) if kind == "all-reduce" else (n - 1)
     return count * steps * alpha + steps / n * nbytes / beta
@@ -336,79 +375,80 @@ def _collective_time(kind, nbytes, n, link, count=1):
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              batch, cluster, slots):
     """The `Estimate` of one candidate; `stages` are the first op index of
-    each of the p stages."""
+    each of the p stages. Vectorised over stages (prefix sums)."""
     t = layout.t
-    edges = list(stages) + [len(layout.flops_split)]
+    lo = np.asarray(stages)
+    hi = np.append(lo[1:], len(layout.flops_split))
+    s = np.arange(p)
     b = batch / d          # samples per device per step
     mb = b / m             # samples per micro-batch per device
-    state = layout.state_bytes(d, fsdp)
+    pre = layout.prefix(d, fsdp)
+
+    def total(name):
+        return pre[name][hi] - pre[name][lo]
+
     links = {"model": cluster.link(t, 1), "pipe": cluster.link(p, t),
              "data": cluster.link(d, t * p)}
     r = 1 if recompute else 0
-    per_stage = []
-    for s in range(p):
-        lo, hi = edges[s], edges[s + 1]
-        sl = slice(lo, hi)
-        flops = (layout.flops_split[sl].sum() / t
-                 + layout.flops_repl[sl].sum()) * (3 + r) * b
-        # Model axis: forward collectives again when recomputing.
-        model_bytes = (layout.tp_bytes_fwd[sl].sum() * (1 + r)
-                       + layout.tp_bytes_bwd[sl].sum()) * b
-        model_count = (layout.tp_count_fwd[sl].sum() * (1 + r)
-                       + layout.tp_count_bwd[sl].sum()) * m
-        stored, trainable, gathered, count = state[sl].sum(axis=0)
-        # Gradients are summed in the compute dtype (bfloat16 under
-        # mixed_bfloat16); fsdp gathers the stored (float32) weights.
-        grads = gathered * layout.grad_ratio
-        if fsdp and d > 1:
-            gathers = m * (1 + r)  # per micro-batch, again when recomputing
-            data_bytes = gathered * gathers + grads
-            data_time = (_collective_time("all-gather", gathered * gathers, d,
-                                          links["data"], count * gathers)
-                         + _collective_time("reduce-scatter", grads, d,
-                                            links["data"], count))
-            workspace = (2 * state[sl][:, 2].max() if recompute
-                         else gathered - trainable)
-        else:
-            data_bytes = grads if d > 1 else 0.0
-            data_time = _collective_time("all-reduce", grads, d,
-                                         links["data"], count)
-            workspace = 0.0
-        # Activations forward and gradients back, per micro-batch, for the
-        # cut before this stage and the one after it.
-        sends = ([layout.carried[lo]] if s > 0 else []) + (
-            [layout.carried[hi]] if s < p - 1 else [])
-        alpha, beta = links["pipe"]
-        pipe_time = sum(2 * m * (alpha + x * mb / beta) for x in sends)
-        # What stage 0 reads is the batch itself, not an activation.
-        kept = layout.kept[sl].sum() + (layout.carried[lo] if s else 0.0)
-        internal = layout.internal[sl]
-        per_sample = kept + (internal.max() if recompute else internal.sum())
-        in_flight = m if schedule == "gpipe" else min(p - s, m)
-        per_stage.append({
-            "time": {"compute": flops / cluster.device_flops,
-                     "model": _collective_time("all-reduce", model_bytes, t,
-                                               links["model"], model_count),
-                     "data": data_time, "pipe": pipe_time},
-            "memory": {"params": float(stored), "gradients": float(trainable),
-                       "optimizer": float(slots * trainable),
-                       "activations": float(per_sample * mb * in_flight),
-                       "workspace": float(max(workspace, 0.0))},
-            "comm": {"model": float(model_bytes) if t > 1 else 0.0,
-                     "data": float(data_bytes),
-                     "pipe": float(sum(sends) * b * 2)}})
-    busy = [x["time"]["compute"] + x["time"]["model"] for x in per_stage]
-    slow = per_stage[int(np.argmax(busy))]["time"]
-    bubble = max(busy) * (p - 1) / m
+    compute = ((total("flops_split") / t + total("flops_repl")) * (3 + r) * b
+               / cluster.device_flops)
+    # Model axis: the forward collectives run again when recomputing.
+    model_bytes = (total("tp_bytes_fwd") * (1 + r) + total("tp_bytes_bwd")) * b
+    model_count = (total("tp_count_fwd") * (1 + r) + total("tp_count_bwd")) * m
+    model_time = _collective_time("all-reduce", model_bytes, t,
+                                  links["model"], model_count)
+    stored, trainable = total("stored"), total("trainable")
+    gathered, count = total("gathered"), total("count")
+    # Gradients are summed in the compute dtype (bfloat16 under
+    # mixed_bfloat16); fsdp gathers the stored (float32) weights.
+    grads = gathered * layout.grad_ratio
+    if fsdp and d > 1:
+        gathers = m * (1 + r)  # per micro-batch, again when recomputing
+        data_bytes = gathered * gathers + grads
+        data_time = (_collective_time("all-gather", gathered * gathers, d,
+                                      links["data"], count * gathers)
+                     + _collective_time("reduce-scatter", grads, d,
+                                        links["data"], count))
+        workspace = (2 * layout.stage_max("gathered", d, fsdp, lo, hi)
+                     if recompute else gathered - trainable)
+    else:
+        data_bytes = grads if d > 1 else np.zeros(p)
+        data_time = _collective_time("all-reduce", grads, d, links["data"],
+                                     count)
+        workspace = np.zeros(p)
+    # Activations forward and gradients back, per micro-batch, over the cut
+    # before a stage (none for stage 0) and the one after it (none last).
+    carried = np.append(layout.carried, 0.0)
+    before = np.where(s > 0, carried[lo], 0.0)
+    after = np.where(s < p - 1, carried[hi], 0.0)
+    sends = (s > 0).astype(float) + (s < p - 1)
+    alpha, beta = links["pipe"]
+    pipe_time = 2 * m * (alpha * sends + (before + after) * mb / beta)
+    # What stage 0 reads is the batch itself, not an activation.
+    kept = total("kept") + before
+    internal = (layout.stage_max("internal", d, fsdp, lo, hi) if recompute
+                else total("internal"))
+    in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
+    memory = {"params": stored, "gradients": trainable,
+              "optimizer": slots * trainable,
+              "activations": (kept + internal) * mb * in_flight,
+              "workspace": np.maximum(workspace, 0.0)}
+    comm = {"model": model_bytes if t > 1 else np.zeros(p),
+            "data": np.asarray(data_bytes, float),
+            "pipe": (before + after) * b * 2}
+    busy = compute + model_time
+    k = int(np.argmax(busy))
+    bubble = busy[k] * (p - 1) / m
     # The data-axis gradient reduction overlaps the backward pass (2/3 of
     # the compute), as DDP and Megatron-LM bucket it; the rest shows.
-    exposed = max(0.0, slow["data"] - slow["compute"] * 2 / (3 + r))
-    step = max(busy) + bubble + exposed + slow["pipe"]
-    worst = max(per_stage, key=lambda x: sum(x["memory"].values()))
+    exposed = max(0.0, data_time[k] - compute[k] * 2 / (3 + r))
+    step = busy[k] + bubble + exposed + pipe_time[k]
+    w = int(np.argmax(sum(memory.values())))
     return Estimate(
-        step_time_s=float(step), memory_per_device=worst["memory"],
-        communication_bytes_per_device=float(sum(worst["comm"].values())),
-        communication_bytes_by_axis=worst["comm"],
-        time_s={"compute": float(slow["compute"]), "bubble": float(bubble),
-                "model": float(slow["model"]), "data": float(exposed),
-                "pipe": float(slow["pipe"])})
+        step_time_s=float(step),
+        memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
+        communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
+        communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
+        time_s={"compute": float(compute[k]), "bubble": float(bubble),
+                "model": float(model_time[k]), "data": float(exposed),
+                "pipe": float(pipe_time[k])})

@@ -34,19 +34,18 @@ def synthetic_batch(model, batch, seed=0):
 def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     """A `Plan` holding just `candidate` (for timing or applying it)."""
     from tfpar.planner import plans as plan_lib  # noqa: PLC0415
-    from tfpar.planner import profile as profile_lib  # noqa: PLC0415
+    from tfpar.pipeline import split  # noqa: PLC0415
     from tfpar import tensor_parallel as tp  # noqa: PLC0415
     from tfpar.layout import LayoutRules  # noqa: PLC0415
 
     shapes = (plan_lib.build_without_weights(source)
               if not isinstance(source, keras.Model) else source)
-    profile = profile_lib.profile_model(shapes)
     t = candidate.axes["model"]
     rules = tp.auto_rules(shapes, axis_size=t) if t > 1 else LayoutRules({})
-    names = [op.name for op in profile.ops]
+    names = [layer.name for layer in split.model_graph(shapes)[1]]
     starts = [0] + [names.index(b) for b in candidate.stage_boundaries or []]
     return plan_lib.Plan(candidate, [candidate], rules, starts,
-                         info={"model": profile.name,
+                         info={"model": shapes.name,
                                "global_batch_size": global_batch_size,
                                "optimizer": str(optimizer)})
 

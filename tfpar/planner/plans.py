@@ -31,7 +31,7 @@ _STYLES = {"ColumnParallel": tp.ColumnParallel, "RowParallel": tp.RowParallel,
 
 
 def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
-         optimizer="adam", measure=0):
+         optimizer="adam", measure=0, sequence_length=None):
     """Chooses data × pipe × model, layouts, micro-batches, fsdp and
     recomputation for training `model` on `cluster`.
 
@@ -48,6 +48,8 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
         optimizer: name or Keras optimizer (its slots count as memory).
         measure: time the `measure` best candidates on this machine's
             devices for a few steps each and choose the fastest measured.
+        sequence_length: the length of dimensions the model leaves unknown
+            besides the batch (keras-hub models), for costing.
 
     Returns:
         A `Plan`. Raises ValueError when no candidate fits (with the
@@ -70,7 +72,7 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
     build = model if callable(model) and not isinstance(model, keras.Model) else None
     if build is not None:
         model = build_without_weights(build)
-    profile = profile_lib.profile_model(model)
+    profile = profile_lib.profile_model(model, sequence_length)
     if cluster is None:
         cluster = Cluster.local()
     if not isinstance(cluster, Cluster):

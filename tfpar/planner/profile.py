@@ -85,9 +85,11 @@ class ModelProfile:
         return sum(w.size for op in self.ops for w in op.weights)
 
 
-def profile_model(model):
+def profile_model(model, sequence_length=None):
     """The `ModelProfile` of a built Keras model; a clear ValueError naming
-    the model for anything it cannot analyse."""
+    the model for anything it cannot analyse. `sequence_length` stands for
+    dimensions the model leaves unknown besides the batch (keras-hub models
+    take sequences of any length)."""
     if not isinstance(model, keras.Model):
         raise TypeError(
             "tfpar.plan needs a Keras model or a zero-argument function "
@@ -107,6 +109,7 @@ def profile_model(model):
             "or a Sequential without keras.Input). Build it with the "
             "functional API or give the Sequential a keras.Input.")
     nodes, inputs, outputs = graph
+    _SEQUENCE[0] = sequence_length
     compute = keras.backend.standardize_dtype(
         getattr(model.dtype_policy, "compute_dtype", "float32"))
     itemsize = np.dtype(compute if compute != "bfloat16" else "float16").itemsize
@@ -114,17 +117,17 @@ def profile_model(model):
     for layer in _compat.all_layers(model):
         for weight in layer.weights:
             owners[id(weight)] = layer
-    ops, index_of = [], {}
+    ops, index_of, seen = [], {}, set()
     for node in nodes:
         layer = node.operation
-        shape = _output_shape(model, layer, node)
+        shape = _output_shape(model, layer, node, sequence_length)
         tokens = _tokens(shape)
         if id(layer) in index_of:  # a shared layer called again
             op = ops[index_of[id(layer)]]
             op.outputs += _float_bytes(node.outputs, itemsize, model)
             continue
         index_of[id(layer)] = len(ops)
-        op = _op(model, layer, node, tokens, owners, itemsize)
+        op = _op(model, layer, node, tokens, owners, itemsize, seen)
         ops.append(op)
     _carried(ops, nodes, inputs, outputs, index_of, itemsize, model)
     seen_weights = False
@@ -136,31 +139,40 @@ def profile_model(model):
     return ModelProfile(model.name, ops, itemsize, True, layers_by_path)
 
 
-def _output_shape(model, layer, node):
+def _output_shape(model, layer, node, sequence_length):
     out = node.outputs[0] if node.outputs else None
     shape = tuple(out.shape) if out is not None else ()
-    if any(d is None for d in shape[1:]):
+    if any(d is None for d in shape[1:]) and sequence_length is None:
         raise ValueError(
             f"tfpar.plan cannot analyse model {model.name!r}: layer "
             f"{layer.name!r} outputs shape {shape} with an unknown dimension "
-            "besides the batch. Give keras.Input a full shape (e.g. the "
-            "sequence length) so costs can be computed.")
+            "besides the batch. Pass tfpar.plan(..., sequence_length=n) or "
+            "give keras.Input a full shape so costs can be computed.")
     return shape
 
 
 def _tokens(shape):
-    return int(np.prod(shape[1:-1])) if len(shape) > 2 else 1
+    return int(np.prod(_known(shape)[1:-1])) if len(shape) > 2 else 1
+
+
+_SEQUENCE = [None]  # the sequence length standing for unknown dimensions
+
+
+def _known(shape):
+    return tuple(_SEQUENCE[0] if d is None else d for d in shape)
 
 
 def _float_bytes(tensors, itemsize, model):
     total = 0
     for t in tensors:
         if "float" in str(t.dtype):
-            total += int(np.prod([d for d in t.shape[1:]])) * itemsize
+            total += int(np.prod(_known(t.shape)[1:])) * itemsize
     return float(total)
 
 
-def _op(model, layer, node, tokens, owners, itemsize):
+def _op(model, layer, node, tokens, owners, itemsize, seen):
+    """The `Op` of a graph layer; weights already in `seen` (a layer shared
+    with an earlier op, e.g. a tied embedding) are counted there."""
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
     composite = bool(sublayers(layer, include_self=False))
     for sub in _leaf_attention(layer):
@@ -170,6 +182,9 @@ def _op(model, layer, node, tokens, owners, itemsize):
         heads = _num_heads(sub)
         attention_internal += 2.0 * heads * s * tokens * itemsize
     for w in getattr(layer, "weights", []):
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
         owner = owners.get(id(w), layer)
         shape = tuple(int(d) for d in w.shape)
         record = Weight(w.path, shape, np.dtype(w.dtype).itemsize,
@@ -257,7 +272,7 @@ def _carried(ops, nodes, inputs, outputs, index_of, itemsize, model):
     read at op i or later (what a pipeline cut before op i sends on)."""
     made = {id(t): -1 for t in inputs}
     size = {id(t): _float_bytes([t], itemsize, model) or
-            float(np.prod(t.shape[1:])) * 4 for t in inputs}
+            float(np.prod(_known(t.shape)[1:])) * 4 for t in inputs}
     last_read = {}
     for node in nodes:
         i = index_of[id(node.operation)]

@@ -291,3 +291,23 @@ def test_example_prints_plan_trains_and_prints_175b(tmp_path):
     assert "Chosen:" in out.stdout
     assert "largest relative loss difference" in out.stdout
     assert "175" in out.stdout and "64 devices" in out.stdout
+
+
+def test_stage_cuts_equal_the_exact_partition():
+    """min_max_cuts' bottleneck = the exact DP's (tfpar.pipeline.split's
+    balanced_cuts) on random costs."""
+    from tfpar.pipeline.split import balanced_cuts  # noqa: PLC0415
+    from tfpar.planner.search import min_max_cuts  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        p = int(rng.integers(1, n + 1))
+        costs = rng.integers(0, 5, n).astype(float) + 1e-9
+
+        def worst(starts):
+            ends = starts[1:] + [n]
+            return max(costs[a:b].sum() for a, b in zip(starts, ends))
+        cuts = min_max_cuts(costs, p)
+        assert len(cuts) == p and cuts == sorted(set(cuts)) and cuts[0] == 0
+        assert worst(cuts) == pytest.approx(worst([0] + balanced_cuts(costs, p)))

@@ -8,8 +8,9 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   — rejects the candidates with its message).
 - Stage cuts (Alpa's inter-op pass, simplified to one objective): for p
   stages, the contiguous cut of the top-level layers minimising the
-  slowest stage's compute, by dynamic programming:
-  best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)).
+  slowest stage's compute — the optimum of the dynamic programme
+  best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)), found by
+  bisection over the bottleneck (`min_max_cuts`).
 - Micro-batches m: the powers of two (and the largest count) that split
   the per-replica batch, from 1 up; schedules 1F1B and GPipe.
 - Deterministic: candidates are built in a fixed order and ranked by
@@ -81,26 +82,44 @@ def _divisors(n):
 
 def min_max_cuts(costs, p):
     """Start indices of stages 0..p-1 (contiguous, non-empty) minimising the
-    largest stage's summed cost (exact DP, vectorised over i and j; the
-    earliest optimal cut wins ties)."""
+    largest stage's summed cost.
+
+    The optimum of the dynamic programme
+    best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)) (Alpa's
+    inter-op pass with one objective), found in O(p log n) per probe: the
+    bottleneck T is bisected over, a greedy pass packing each stage up to T
+    tells whether p stages suffice, and stages left over split the longest
+    runs (which cannot raise the maximum).
+    """
     costs = np.asarray(costs, dtype=float)
     n = len(costs)
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    span = prefix[None, :] - prefix[:, None]        # span[i, j] = cost(i..j)
-    valid = np.triu(np.ones((n + 1, n + 1), bool), k=1)
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    choice = []
-    for _ in range(p):
-        value = np.where(valid, np.maximum(best[:, None], span), np.inf)
-        arg = np.argmin(value, axis=0)                # earliest on ties
-        best = value[arg, np.arange(n + 1)]
-        choice.append(arg)
-    starts, j = [], n
-    for arg in reversed(choice):
-        j = int(arg[j])
-        starts.append(j)
-    return sorted(starts)
+
+    def pack(limit):
+        starts, i = [], 0
+        while i < n and len(starts) <= p:
+            starts.append(i)
+            # the furthest j with prefix[j] - prefix[i] <= limit (>= i + 1)
+            j = int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1
+            i = max(j, i + 1)
+        return starts if i >= n else None
+
+    lo, hi = costs.max(), prefix[-1]
+    for _ in range(60):
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        if (found := pack(mid)) is not None and len(found) <= p:
+            hi = mid
+        else:
+            lo = mid
+    starts = pack(hi)
+    while len(starts) < p:  # split the longest run that has two layers
+        ends = starts[1:] + [n]
+        k = max((e - b, -i) for i, (b, e) in enumerate(zip(starts, ends))
+                if e - b > 1)[1] * -1
+        starts.insert(k + 1, starts[k] + 1)
+    return starts
 
 
 def microbatch_counts(per_replica, p):

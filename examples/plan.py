@@ -33,7 +33,6 @@ def main():
 
     tfpar.use_virtual_cpus(args.devices)
     import keras  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
 
     from gpt import build_gpt, compile_gpt, toy_corpus  # noqa: PLC0415
 
@@ -97,7 +96,6 @@ def main():
         print(tfpar.plan(gpt3, 1536, cluster=gpus).explain(top=8))
     except ValueError as e:  # 175 B may simply not fit 64 GPUs
         print(f"no plan: {e}")
-    _ = np
 
 
 if __name__ == "__main__":

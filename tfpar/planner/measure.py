@@ -38,8 +38,7 @@ def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     from tfpar import tensor_parallel as tp  # noqa: PLC0415
     from tfpar.layout import LayoutRules  # noqa: PLC0415
 
-    shapes = (plan_lib.build_without_weights(source)
-              if not isinstance(source, keras.Model) else source)
+    shapes = _shapes(source)
     t = candidate.axes["model"]
     rules = tp.auto_rules(shapes, axis_size=t) if t > 1 else LayoutRules({})
     names = [layer.name for layer in split.model_graph(shapes)[1]]
@@ -48,6 +47,14 @@ def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
                          info={"model": shapes.name,
                                "global_batch_size": global_batch_size,
                                "optimizer": str(optimizer)})
+
+
+def _shapes(source):
+    """`source` itself, or the model it builds without weights."""
+    from tfpar.planner import plans  # noqa: PLC0415
+
+    return (source if isinstance(source, keras.Model)
+            else plans.build_without_weights(source))
 
 
 def build_and_apply(plan, source):
@@ -66,7 +73,7 @@ def time_candidate(candidate, source, global_batch_size, optimizer="adam",
     model = build_and_apply(plan, source)
     with plan.strategy().scope():
         model.compile(optimizer=optimizer, loss="mse")
-    x, y = synthetic_batch(model, global_batch_size)
+    x, y = synthetic_batch(_shapes(source), global_batch_size)
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()

@@ -150,10 +150,10 @@ def _raise_nothing_fits(profile, candidates, batch, limit, cluster):
     helps.append("a smaller global_batch_size (activations)")
     raise ValueError(
         f"No plan for model {profile.name!r} fits in memory_per_device="
-        f"{search_lib._gb(limit)} on {cluster.num_devices} devices: the "  # noqa: SLF001
+        f"{search_lib.format_bytes(limit)} on {cluster.num_devices} devices: the "
         f"smallest any of the {len(costed)} candidates needs is "
-        f"{search_lib._gb(need)} per device ({smallest.label}: "  # noqa: SLF001
-        + ", ".join(f"{k} {search_lib._gb(v)}"  # noqa: SLF001
+        f"{search_lib.format_bytes(need)} per device ({smallest.label}: "
+        + ", ".join(f"{k} {search_lib.format_bytes(v)}"
                     for k, v in smallest.estimate.memory_per_device.items())
         + "). It would take " + ", or ".join(h for h in helps if h) + ".")
 
@@ -364,7 +364,7 @@ class Plan:
 
 
 def _gb(nbytes):
-    return search_lib._gb(nbytes)  # noqa: SLF001
+    return search_lib.format_bytes(nbytes)
 
 
 def _devices(cluster):

@@ -109,7 +109,6 @@ def profile_model(model, sequence_length=None):
             "or a Sequential without keras.Input). Build it with the "
             "functional API or give the Sequential a keras.Input.")
     nodes, inputs, outputs = graph
-    _SEQUENCE[0] = sequence_length
     compute = keras.backend.standardize_dtype(
         getattr(model.dtype_policy, "compute_dtype", "float32"))
     itemsize = np.dtype(compute if compute != "bfloat16" else "float16").itemsize
@@ -121,15 +120,18 @@ def profile_model(model, sequence_length=None):
     for node in nodes:
         layer = node.operation
         shape = _output_shape(model, layer, node, sequence_length)
-        tokens = _tokens(shape)
+        tokens = _tokens(shape, sequence_length)
         if id(layer) in index_of:  # a shared layer called again
             op = ops[index_of[id(layer)]]
-            op.outputs += _float_bytes(node.outputs, itemsize, model)
+            op.outputs += _float_bytes(node.outputs, itemsize,
+                                       sequence_length)
             continue
         index_of[id(layer)] = len(ops)
-        op = _op(model, layer, node, tokens, owners, itemsize, seen)
+        op = _op(layer, node, tokens, owners, itemsize, seen,
+                 sequence_length)
         ops.append(op)
-    _carried(ops, nodes, inputs, outputs, index_of, itemsize, model)
+    _carried(ops, nodes, inputs, outputs, index_of, itemsize,
+             sequence_length)
     seen_weights = False
     for op in ops:
         op.needs_input_grad = seen_weights
@@ -151,26 +153,24 @@ def _output_shape(model, layer, node, sequence_length):
     return shape
 
 
-def _tokens(shape):
-    return int(np.prod(_known(shape)[1:-1])) if len(shape) > 2 else 1
+def _tokens(shape, seq):
+    return int(np.prod(_known(shape, seq)[1:-1])) if len(shape) > 2 else 1
 
 
-_SEQUENCE = [None]  # the sequence length standing for unknown dimensions
+def _known(shape, seq):
+    """`shape` with `seq` for its unknown dimensions."""
+    return tuple(seq if d is None else d for d in shape)
 
 
-def _known(shape):
-    return tuple(_SEQUENCE[0] if d is None else d for d in shape)
-
-
-def _float_bytes(tensors, itemsize, model):
+def _float_bytes(tensors, itemsize, seq):
     total = 0
     for t in tensors:
         if "float" in str(t.dtype):
-            total += int(np.prod(_known(t.shape)[1:])) * itemsize
+            total += int(np.prod(_known(t.shape, seq)[1:])) * itemsize
     return float(total)
 
 
-def _op(model, layer, node, tokens, owners, itemsize, seen):
+def _op(layer, node, tokens, owners, itemsize, seen, seq):
     """The `Op` of a graph layer; weights already in `seen` (a layer shared
     with an earlier op, e.g. a tied embedding) are counted there."""
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
@@ -201,7 +201,7 @@ def _op(model, layer, node, tokens, owners, itemsize, seen):
         internal += record.activation
         weights.append(record)
     return Op(layer.name, layer, weights, flops + attention, attention,
-              _float_bytes(node.outputs, itemsize, model),
+              _float_bytes(node.outputs, itemsize, seq),
               internal + attention_internal, attention_internal, tokens)
 
 
@@ -267,12 +267,12 @@ def _nonlinear(owner):
         activation, "__name__", "linear") not in ("linear", "relu")
 
 
-def _carried(ops, nodes, inputs, outputs, index_of, itemsize, model):
+def _carried(ops, nodes, inputs, outputs, index_of, itemsize, seq):
     """op.carried_in: bytes per sample of the tensors made before op i and
     read at op i or later (what a pipeline cut before op i sends on)."""
     made = {id(t): -1 for t in inputs}
-    size = {id(t): _float_bytes([t], itemsize, model) or
-            float(np.prod(_known(t.shape)[1:])) * 4 for t in inputs}
+    size = {id(t): _float_bytes([t], itemsize, seq) or
+            float(np.prod(_known(t.shape, seq)[1:])) * 4 for t in inputs}
     last_read = {}
     for node in nodes:
         i = index_of[id(node.operation)]
@@ -282,7 +282,7 @@ def _carried(ops, nodes, inputs, outputs, index_of, itemsize, model):
                 ops[made[id(t)]].consumers.add(i)
         for t in node.outputs:
             made.setdefault(id(t), i)
-            size[id(t)] = _float_bytes([t], itemsize, model)
+            size[id(t)] = _float_bytes([t], itemsize, seq)
     for t in outputs:
         last_read[id(t)] = math.inf
     events = np.zeros(len(ops) + 2)

@@ -186,9 +186,9 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                             slots=slots)
                         need = c.estimate.total_memory
                         if need > memory_limit:
-                            c.rejected = (f"does not fit: needs {_gb(need)} "
+                            c.rejected = (f"does not fit: needs {format_bytes(need)} "
                                           f"per device, limit "
-                                          f"{_gb(memory_limit)}")
+                                          f"{format_bytes(memory_limit)}")
                         candidates.append(c)
     order = {id(c): i for i, c in enumerate(candidates)}
     candidates.sort(key=lambda c: (
@@ -199,7 +199,8 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
     return candidates, time.perf_counter() - start, layouts
 
 
-def _gb(nbytes):
+def format_bytes(nbytes):
+    """1.23 GB / 4.56 MB / 7.8 kB."""
     if nbytes >= 1e9:
         return f"{nbytes / 1e9:.2f} GB"
     if nbytes >= 1e6:

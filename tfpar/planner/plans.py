@@ -25,6 +25,7 @@ from tfpar.planner import cost as cost_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import search as search_lib
 from tfpar.planner.cluster import Cluster
+from tfpar.planner.search import format_bytes as _gb
 
 _STYLES = {"ColumnParallel": tp.ColumnParallel, "RowParallel": tp.RowParallel,
            "Replicated": tp.Replicated, "SequenceParallel": tp.SequenceParallel}
@@ -150,10 +151,10 @@ def _raise_nothing_fits(profile, candidates, batch, limit, cluster):
     helps.append("a smaller global_batch_size (activations)")
     raise ValueError(
         f"No plan for model {profile.name!r} fits in memory_per_device="
-        f"{search_lib.format_bytes(limit)} on {cluster.num_devices} devices: the "
+        f"{_gb(limit)} on {cluster.num_devices} devices: the "
         f"smallest any of the {len(costed)} candidates needs is "
-        f"{search_lib.format_bytes(need)} per device ({smallest.label}: "
-        + ", ".join(f"{k} {search_lib.format_bytes(v)}"
+        f"{_gb(need)} per device ({smallest.label}: "
+        + ", ".join(f"{k} {_gb(v)}"
                     for k, v in smallest.estimate.memory_per_device.items())
         + "). It would take " + ", or ".join(h for h in helps if h) + ".")
 
@@ -361,10 +362,6 @@ class Plan:
         return (f"<Plan {self._chosen.label}: "
                 f"{self.estimate.step_time_s * 1e3:.3g} ms/step, "
                 f"{_gb(self.estimate.total_memory)}/device>")
-
-
-def _gb(nbytes):
-    return search_lib.format_bytes(nbytes)
 
 
 def _devices(cluster):

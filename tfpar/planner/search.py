@@ -186,9 +186,10 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                             slots=slots)
                         need = c.estimate.total_memory
                         if need > memory_limit:
-                            c.rejected = (f"does not fit: needs {format_bytes(need)} "
-                                          f"per device, limit "
-                                          f"{format_bytes(memory_limit)}")
+                            c.rejected = (
+                                f"does not fit: needs {format_bytes(need)} "
+                                f"per device, limit "
+                                f"{format_bytes(memory_limit)}")
                         candidates.append(c)
     order = {id(c): i for i, c in enumerate(candidates)}
     candidates.sort(key=lambda c: (

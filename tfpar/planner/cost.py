@@ -277,7 +277,7 @@ class Layout:
         """Per stage, the largest single op's value of `name`."""
         values = (self.state_bytes(d, fsdp)[:, 2] if name == "gathered"
                   else getattr(self, name))
-        return np.array([values[a:b].max() for a, b in zip(lo, hi)])
+        return np.maximum.reduceat(values, lo)  # over [lo[k], lo[k+1])
 
     def state_bytes(self, d, fsdp):
         """Per op: (stored bytes of all weights, of trainable weights,

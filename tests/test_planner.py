@@ -326,3 +326,35 @@ def test_stage_cuts_equal_the_exact_partition():
         cuts = min_max_cuts(costs, p)
         assert len(cuts) == p and cuts == sorted(set(cuts)) and cuts[0] == 0
         assert worst(cuts) == pytest.approx(worst([0] + balanced_cuts(costs, p)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes,fsdp,recompute,m", [
+    ({"data": 8, "pipe": 1, "model": 1}, True, True, 1),
+    ({"data": 2, "pipe": 2, "model": 2}, False, False, 4)])
+def test_applied_candidates_train_in_parity(axes, fsdp, recompute, m):
+    """Plan.apply's recomputation and pipeline paths, against one device."""
+    plan = tfpar.plan(mlp, 64, cluster=HOST)
+    candidate = next(c for c in plan.candidates if c.axes == axes
+                     and c.fsdp == fsdp and c.recompute == recompute
+                     and c.num_microbatches == m and c.schedule == "1f1b")
+    chosen = measure.candidate_plan(candidate, mlp, 64)
+    keras.utils.set_random_seed(0)
+    reference = mlp()
+    weights = reference.get_weights()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 64)).astype("float32")
+    y = rng.standard_normal((128, 8)).astype("float32")
+    reference.compile(optimizer="adam", loss="mse")
+    expected = reference.fit(x, y, batch_size=64, shuffle=False,
+                             verbose=0).history["loss"]
+    with chosen.strategy().scope():
+        model = mlp()
+        model.set_weights(weights)
+        model = chosen.apply(model)
+        model.compile(optimizer="adam", loss="mse")
+    got = model.fit(x, y, batch_size=64, shuffle=False,
+                    verbose=0).history["loss"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

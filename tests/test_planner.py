@@ -92,18 +92,9 @@ def test_cost_model_matches_compiled_gpt(axes, fsdp):
                             activation_tolerance=0.25)
 
 
-def test_memory_limit_forces_a_split_plan_that_fits_and_trains_in_parity():
-    # Replicated data parallelism needs every weight and Adam slot on each
-    # device; allow 60% of that.
-    free = tfpar.plan(mlp, 64, cluster=HOST)
-    replicated = _candidate(free, {"data": 8}).estimate
-    limit = 0.6 * replicated.total_memory
-    plan = tfpar.plan(mlp, 64, cluster=HOST, memory_per_device=limit)
-    assert plan.estimate.total_memory <= limit
-    assert not (plan.axes.get("data") == 8 and not plan.fsdp)
-    for c in plan.candidates:
-        if c.axes == {"data": 8, "pipe": 1, "model": 1} and not c.fsdp:
-            assert c.rejected and "does not fit" in c.rejected
+def _assert_trains_in_parity(plan):
+    """Trains `plan` on the MLP next to one device from the same weights:
+    same losses and weights within 1e-4."""
     keras.utils.set_random_seed(0)
     reference = mlp()
     weights = reference.get_weights()
@@ -123,6 +114,21 @@ def test_memory_limit_forces_a_split_plan_that_fits_and_trains_in_parity():
     np.testing.assert_allclose(got, expected, rtol=1e-4)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_memory_limit_forces_a_split_plan_that_fits_and_trains_in_parity():
+    # Replicated data parallelism needs every weight and Adam slot on each
+    # device; allow 60% of that.
+    free = tfpar.plan(mlp, 64, cluster=HOST)
+    replicated = _candidate(free, {"data": 8}).estimate
+    limit = 0.6 * replicated.total_memory
+    plan = tfpar.plan(mlp, 64, cluster=HOST, memory_per_device=limit)
+    assert plan.estimate.total_memory <= limit
+    assert not (plan.axes.get("data") == 8 and not plan.fsdp)
+    for c in plan.candidates:
+        if c.axes == {"data": 8, "pipe": 1, "model": 1} and not c.fsdp:
+            assert c.rejected and "does not fit" in c.rejected
+    _assert_trains_in_parity(plan)
     measured = plan.strategy().memory_per_device()
     assert max(sum(v.values()) for v in measured.values()) <= limit
 
@@ -338,23 +344,4 @@ def test_applied_candidates_train_in_parity(axes, fsdp, recompute, m):
     candidate = next(c for c in plan.candidates if c.axes == axes
                      and c.fsdp == fsdp and c.recompute == recompute
                      and c.num_microbatches == m and c.schedule == "1f1b")
-    chosen = measure.candidate_plan(candidate, mlp, 64)
-    keras.utils.set_random_seed(0)
-    reference = mlp()
-    weights = reference.get_weights()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((128, 64)).astype("float32")
-    y = rng.standard_normal((128, 8)).astype("float32")
-    reference.compile(optimizer="adam", loss="mse")
-    expected = reference.fit(x, y, batch_size=64, shuffle=False,
-                             verbose=0).history["loss"]
-    with chosen.strategy().scope():
-        model = mlp()
-        model.set_weights(weights)
-        model = chosen.apply(model)
-        model.compile(optimizer="adam", loss="mse")
-    got = model.fit(x, y, batch_size=64, shuffle=False,
-                    verbose=0).history["loss"]
-    np.testing.assert_allclose(got, expected, rtol=1e-4)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    _assert_trains_in_parity(measure.candidate_plan(candidate, mlp, 64))

@@ -41,14 +41,17 @@ from tfpar.tensor_parallel import (  # noqa: E402
     auto_rules,
 )
 from tfpar.hosts import connect_hosts  # noqa: E402
+from tfpar.planner import Cluster, Plan, plan  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
 from tfpar.visualize import summary, visualize_layout  # noqa: E402
 
 __all__ = [
+    "Cluster",
     "ColumnParallel",
     "LayoutRules",
     "Mesh",
     "ParallelStrategy",
+    "Plan",
     "PipelineModel",
     "Replicated",
     "RowParallel",
@@ -64,6 +67,7 @@ __all__ = [
     "latest_checkpoint",
     "memory_report",
     "pipeline",
+    "plan",
     "plot_schedule",
     "restore_checkpoint",
     "save_checkpoint",

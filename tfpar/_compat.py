@@ -1005,3 +1005,25 @@ def trace_layer_calls(model, layers):
     outputs = [t for t in tf.nest.flatten(traced.structured_outputs)
                if isinstance(t, tf.Tensor)]
     return calls, outputs
+
+def forget_uninitialized_variables(variables):
+    """Drops `variables` from Keras' list of variables that a
+    `StatelessScope(initialize_variables=False)` left uninitialised (the
+    planner's shape-only models), so nothing ever allocates them."""
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    pending = global_state.get_global_attribute("uninitialized_variables")
+    if pending:
+        gone = {id(v) for v in variables}
+        global_state.set_global_attribute(
+            "uninitialized_variables", [v for v in pending if id(v) not in gone])
+
+
+def set_remat_mode(layer, mode):
+    """Makes `layer` recompute in the backward pass as if it had been built
+    inside `keras.RematScope(mode=mode)` (Keras reads `_remat_mode` at call
+    time)."""
+    from keras.src.backend.common import remat  # noqa: PLC0415
+
+    layer._remat_mode = (  # noqa: SLF001
+        remat.RematMode(mode, 1024, None) if mode else None)

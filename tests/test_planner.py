@@ -1,0 +1,351 @@
+"""tfpar.plan: the cost model checked against compiled steps, plans that
+fit and train in parity with one device, clear errors, determinism,
+save/load, and plans on paper for hardware that is not here."""
+
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import tfpar
+from tfpar.planner import measure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gpt import build_gpt  # noqa: E402
+
+# A described 8-device host (the numbers only steer the search; tests that
+# need this machine's speed use Cluster.local()).
+HOST = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
+                     device_flops=1e10, intra_host_bandwidth=1e9,
+                     inter_host_bandwidth=1e9)
+
+
+def mlp():
+    x = keras.Input((64,), name="x")
+    h = x
+    for i in range(2):
+        h = keras.layers.Dense(256, activation="relu", name=f"up{i}")(h)
+        h = keras.layers.Dense(64, name=f"down{i}")(h)
+    return keras.Model(x, keras.layers.Dense(8, name="head")(h), name="mlp")
+
+
+def _candidate(plan, axes, fsdp=False):
+    full = {"data": 1, "pipe": 1, "model": 1, **axes}
+    return next(c for c in plan.candidates if c.axes == full
+                and c.fsdp == fsdp and not c.recompute
+                and c.num_microbatches == 1)
+
+
+def _compiled(candidate, build, batch):
+    plan = measure.candidate_plan(candidate, build, batch)
+    model = measure.build_and_apply(plan, build)
+    with plan.strategy().scope():
+        model.compile(optimizer="adam", loss="mse")
+    x, y = measure.synthetic_batch(model, batch)
+    return plan.strategy(), tfpar.communication_report(model, x, y)
+
+
+def _check_against_compiled(build, batch, axes, fsdp, activation_tolerance):
+    plan = tfpar.plan(build, batch, cluster=HOST)
+    candidate = _candidate(plan, axes, fsdp)
+    strategy, report = _compiled(candidate, build, batch)
+    e = candidate.estimate
+    for axis in ("data", "model"):
+        predicted = e.communication_bytes_by_axis[axis]
+        measured = report.total_bytes(spans=axis)
+        assert predicted == pytest.approx(measured, rel=0.1, abs=64), axis
+    memory = strategy.memory_per_device()[strategy.mesh.devices[0]]
+    assert e.memory_per_device["params"] == pytest.approx(
+        memory["params"] + memory["other"], rel=0.1)
+    assert e.memory_per_device["optimizer"] == pytest.approx(
+        memory["optimizer"], rel=0.1)
+    assert e.memory_per_device["activations"] == pytest.approx(
+        report.saved_activation_bytes, rel=activation_tolerance)
+
+
+@pytest.mark.parametrize("axes,fsdp", [
+    ({"data": 2, "model": 4}, False),
+    pytest.param({"data": 8}, True, marks=pytest.mark.slow)])
+def test_cost_model_matches_compiled_step(axes, fsdp):
+    """Collective bytes per axis and memory by kind as predicted = as read
+    from the compiled step and the strategy (within 10%); the MLP's
+    activations too."""
+    _check_against_compiled(mlp, 64, axes, fsdp, activation_tolerance=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes,fsdp", [
+    ({"data": 8}, False),
+    ({"model": 8}, False),
+    pytest.param({"data": 2, "model": 4}, False, marks=pytest.mark.xfail(
+        strict=True, reason="data-axis bytes predicted 21% low: on a "
+        "data x model mesh DTensor also gathers the embeddings' sparse "
+        "gradients over the data axis, which the cost model leaves out")),
+    ({"data": 8}, True)])
+def test_cost_model_matches_compiled_gpt(axes, fsdp):
+    """The same for the GPT (attention, embeddings); activations within
+    25% (the estimate counts each layer's kernels' outputs and attention's
+    scores, not what TF's gradient of each op keeps)."""
+    _check_against_compiled(lambda: build_gpt(layers=1), 16, axes, fsdp,
+                            activation_tolerance=0.25)
+
+
+def _assert_trains_in_parity(plan):
+    """Trains `plan` on the MLP next to one device from the same weights:
+    same losses and weights within 1e-4."""
+    keras.utils.set_random_seed(0)
+    reference = mlp()
+    weights = reference.get_weights()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 64)).astype("float32")
+    y = rng.standard_normal((128, 8)).astype("float32")
+    reference.compile(optimizer="adam", loss="mse")
+    expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False,
+                             verbose=0).history["loss"]
+    with plan.strategy().scope():
+        model = mlp()
+        model.set_weights(weights)
+        model = plan.apply(model)
+        model.compile(optimizer="adam", loss="mse")
+    got = model.fit(x, y, batch_size=64, epochs=1, shuffle=False,
+                    verbose=0).history["loss"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_memory_limit_forces_a_split_plan_that_fits_and_trains_in_parity():
+    # Replicated data parallelism needs every weight and Adam slot on each
+    # device; allow 60% of that.
+    free = tfpar.plan(mlp, 64, cluster=HOST)
+    replicated = _candidate(free, {"data": 8}).estimate
+    limit = 0.6 * replicated.total_memory
+    plan = tfpar.plan(mlp, 64, cluster=HOST, memory_per_device=limit)
+    assert plan.estimate.total_memory <= limit
+    assert not (plan.axes.get("data") == 8 and not plan.fsdp)
+    for c in plan.candidates:
+        if c.axes == {"data": 8, "pipe": 1, "model": 1} and not c.fsdp:
+            assert c.rejected and "does not fit" in c.rejected
+    _assert_trains_in_parity(plan)
+    measured = plan.strategy().memory_per_device()
+    assert max(sum(v.values()) for v in measured.values()) <= limit
+
+
+@pytest.mark.slow
+def test_measure_times_the_best_candidates_and_picks_the_fastest():
+    plan = tfpar.plan(mlp, 64, measure=2)
+    timed = [c for c in plan.candidates if c.measured_step_time_s]
+    assert len(timed) == 2
+    assert plan.candidates[0] is timed[0]
+    assert timed[0].measured_step_time_s <= timed[1].measured_step_time_s
+    assert "measured" in plan.explain()
+
+
+def test_no_plan_fits_says_the_smallest_need_and_what_helps():
+    with pytest.raises(ValueError) as info:
+        tfpar.plan(mlp, 64, cluster=HOST, memory_per_device=1e4)
+    message = str(info.value)
+    assert "No plan for model 'mlp' fits" in message
+    assert "smallest any of the" in message and "devices" in message
+
+
+@pytest.mark.parametrize("batch", [0, -4, 2.5, "64", True])
+def test_impossible_global_batch_size_is_named(batch):
+    with pytest.raises(ValueError, match="global_batch_size"):
+        tfpar.plan(mlp, batch, cluster=HOST)
+
+
+def test_batch_that_splits_over_no_data_axis_is_rejected_per_candidate():
+    plan = tfpar.plan(mlp, 3, cluster=HOST)
+    assert plan.axes.get("data", 1) == 1
+    rejected = [c for c in plan.candidates if c.axes["data"] > 1]
+    assert rejected and all("global_batch_size 3" in c.rejected
+                            for c in rejected)
+
+
+def test_model_it_cannot_analyse_is_named():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__(name="my_subclassed")
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Sub()
+    model(np.zeros((2, 3), "float32"))
+    with pytest.raises(ValueError, match="cannot analyse model 'my_subclassed'"):
+        tfpar.plan(model, 8, cluster=HOST)
+    with pytest.raises(TypeError, match="Keras model"):
+        tfpar.plan(lambda: "not a model", 8, cluster=HOST)
+    with pytest.raises(ValueError, match="optimizer"):
+        tfpar.plan(mlp, 8, cluster=HOST, optimizer="no-such")
+
+
+def test_heads_not_divisible_reject_with_auto_rules_reason():
+    plan = tfpar.plan(lambda: build_gpt(heads=2, dim=32, layers=1), 16,
+                      cluster=HOST)
+    rejected = [c for c in plan.candidates if c.axes["model"] >= 4]
+    assert rejected and all("num_heads=2" in c.rejected for c in rejected)
+
+
+def test_deterministic_and_save_load_round_trip(tmp_path):
+    model = build_gpt(layers=2)
+    a = tfpar.plan(model, 16, cluster=HOST)
+    b = tfpar.plan(model, 16, cluster=HOST)
+    assert [c.to_dict() for c in a.candidates] == [c.to_dict()
+                                                   for c in b.candidates]
+    assert a.info["search_s"] < 60
+    a.save(tmp_path / "plan.json")
+    c = tfpar.Plan.load(tmp_path / "plan.json")
+    assert (c.axes, c.fsdp, c.recompute, c.num_microbatches, c.schedule,
+            c.stage_boundaries) == (a.axes, a.fsdp, a.recompute,
+                                    a.num_microbatches, a.schedule,
+                                    a.stage_boundaries)
+    assert c.estimate == a.estimate
+    assert [(p, repr(s)) for p, s in c.rules.items()] == [
+        (p, repr(s)) for p, s in a.rules.items()]
+    assert len(c.candidates) == len(a.candidates)
+    text = a.explain()
+    assert "Chosen:" in text and "Binding constraint" in text
+    assert "Runner-up" in text
+
+
+def test_keras_hub_model_is_profiled_whole():
+    import hub_models  # noqa: PLC0415
+    from tfpar.planner import profile  # noqa: PLC0415
+
+    model = hub_models.build("gpt2")
+    p = profile.profile_model(model, sequence_length=hub_models.SEQ_LEN)
+    assert p.num_params == model.count_params()
+    # Per layer: kernels 2·s·(4h² + 2·h·i) and attention scores 4·s²·h
+    # (h = 32, i = 64); the tied output projection is not counted.
+    s, h, i = hub_models.SEQ_LEN, 32, 64
+    kernels_and_scores = 2 * (2 * s * (4 * h * h + 2 * h * i) + 4 * s * s * h)
+    assert p.total_flops == pytest.approx(kernels_and_scores, rel=0.05)
+    plan = tfpar.plan(model, 16, cluster=HOST,
+                      sequence_length=hub_models.SEQ_LEN)
+    assert plan.estimate.total_memory > 0
+    with pytest.raises(ValueError, match="sequence_length"):
+        tfpar.plan(model, 16, cluster=HOST)
+
+
+def _a100s(gpus):
+    """Narayanan et al. 2021's hardware: DGX A100 hosts of 8 GPUs (80 GB,
+    312 TFLOP/s bf16), NVLink 300 GB/s per direction, 8 x 200 Gb/s
+    InfiniBand per host (25 GB/s per GPU)."""
+    return tfpar.Cluster(num_hosts=gpus // 8, devices_per_host=8,
+                         device_memory=80e9, device_flops=312e12,
+                         intra_host_bandwidth=300e9,
+                         inter_host_bandwidth=25e9)
+
+
+def _paper_gpt(dim, heads, layers):
+    def build():
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            return build_gpt(vocab=51200, seq_len=2048, dim=dim, heads=heads,
+                             layers=layers)
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return build
+
+
+def _check_published_practice(plan, gpus):
+    t, p = plan.axes.get("model", 1), plan.axes.get("pipe", 1)
+    assert t <= 8                                  # tensor parallel in a host
+    assert plan.estimate.total_memory <= 80e9
+    if p > 1:
+        bubble = (p - 1) / (plan.num_microbatches + p - 1)
+        assert bubble <= 0.25
+
+
+def test_on_paper_1_7b_gpt_on_32_a100s():
+    """Table 1's smallest row (hidden 2304, 24 heads, 24 layers, batch 512
+    on 32 GPUs) fits, with tensor parallelism (if any) inside a host."""
+    plan = tfpar.plan(_paper_gpt(2304, 24, 24), 512, cluster=_a100s(32))
+    _check_published_practice(plan, 32)
+    assert plan.info["search_s"] < 60
+
+
+@pytest.mark.slow
+def test_on_paper_39b_gpt_on_512_a100s():
+    """Narayanan et al. Table 1's 39.1 B row (hidden 8192, 64 heads, 48
+    layers, batch 1536): tensor parallelism inside a host, a small bubble,
+    fits 80 GB."""
+    start = time.perf_counter()
+    plan = tfpar.plan(_paper_gpt(8192, 64, 48), 1536, cluster=_a100s(512))
+    assert time.perf_counter() - start < 60
+    _check_published_practice(plan, 512)
+
+
+@pytest.mark.slow
+def test_on_paper_trillion_parameter_gpt_in_seconds_and_little_memory():
+    """Table 1's 1 T row is analysed from a builder without allocating a
+    weight, in under a minute and well under 1 GB. No plan fits 80 GB yet:
+    tfpar recomputes per layer (each layer of the functional GPT keeps its
+    input: ~6 (b, s, h) tensors per block instead of Megatron's one) and
+    the search has no sequence parallelism; the error says activations are
+    what does not fit (see README, Planner benchmark)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        tfpar.plan(_paper_gpt(25600, 160, 128), 3072, cluster=_a100s(3072))
+    seconds = time.perf_counter() - start
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert seconds < 60
+    assert growth < 1e9
+    message = str(info.value)
+    assert "No plan for model 'gpt' fits" in message and "activations" in message
+
+
+@pytest.mark.slow
+def test_example_prints_plan_trains_and_prints_175b(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "plan.py"),
+         "--epochs", "1"], env=env, capture_output=True, text=True,
+        timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Chosen:" in out.stdout
+    assert "largest relative loss difference" in out.stdout
+    assert "175" in out.stdout and "64 devices" in out.stdout
+
+
+def test_stage_cuts_equal_the_exact_partition():
+    """min_max_cuts' bottleneck = the exact DP's (tfpar.pipeline.split's
+    balanced_cuts) on random costs."""
+    from tfpar.pipeline.split import balanced_cuts  # noqa: PLC0415
+    from tfpar.planner.search import min_max_cuts  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        p = int(rng.integers(1, n + 1))
+        costs = rng.integers(0, 5, n).astype(float) + 1e-9
+
+        def worst(starts):
+            ends = starts[1:] + [n]
+            return max(costs[a:b].sum() for a, b in zip(starts, ends))
+        cuts = min_max_cuts(costs, p)
+        assert len(cuts) == p and cuts == sorted(set(cuts)) and cuts[0] == 0
+        assert worst(cuts) == pytest.approx(worst([0] + balanced_cuts(costs, p)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes,fsdp,recompute,m", [
+    ({"data": 8, "pipe": 1, "model": 1}, True, True, 1),
+    ({"data": 2, "pipe": 2, "model": 2}, False, False, 4)])
+def test_applied_candidates_train_in_parity(axes, fsdp, recompute, m):
+    """Plan.apply's recomputation and pipeline paths, against one device."""
+    plan = tfpar.plan(mlp, 64, cluster=HOST)
+    candidate = next(c for c in plan.candidates if c.axes == axes
+                     and c.fsdp == fsdp and c.recompute == recompute
+                     and c.num_microbatches == m and c.schedule == "1f1b")
+    _assert_trains_in_parity(measure.candidate_plan(candidate, mlp, 64))

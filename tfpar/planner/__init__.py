@@ -1,0 +1,14 @@
+"""Automatic parallel plans: `tfpar.plan(model, global_batch_size)`.
+
+One module per responsibility: `cluster` (the hardware in numbers),
+`profile` (weights, FLOPs and activations from the model's shapes),
+`cost` (memory by kind, collectives, α-β step time), `search` (mesh
+shapes, layouts, stage cuts, micro-batches, fsdp, recomputation),
+`plans` (`plan` and the `Plan`: explain, save/load, strategy, apply) and `measure`
+(timing candidates on this machine).
+"""
+
+from tfpar.planner.cluster import Cluster
+from tfpar.planner.plans import Plan, plan
+
+__all__ = ["Cluster", "Plan", "plan"]

@@ -1,0 +1,454 @@
+"""The cost model: memory by kind, communication and step time of a plan.
+
+Inputs: a `ModelProfile` (per-layer weights, FLOPs and activations per
+sample, see `profile.py`), the tensor-parallel rules for a model axis of
+size t (`auto_rules`' plan, read through `tfpar.layout`'s specs), a
+candidate's choices and a `Cluster`.
+
+Communication — the collectives each layout implies, with the message
+sizes `tfpar.communication_report` reads from a compiled step (`bytes`,
+per device):
+
+- data axis d: one all-reduce of each trainable weight's gradient (its
+  per-device block, in the compute dtype); with fsdp one all-gather of
+  each weight block per forward pass (per micro-batch in a pipeline, again
+  in the backward pass of a recomputed layer) and one reduce-scatter of
+  its gradient.
+- model axis t (Megatron): a column-parallel layer all-reduces its input
+  gradient in the backward pass (unless nothing before it needs
+  gradients); a row-parallel layer all-reduces its output in the forward
+  pass; attention split by heads does both; a hidden-split embedding
+  gathers its output. Each message is the (batch/d, tokens, width)
+  activation.
+- pipe axis p: each stage sends the tensors a cut carries to the next
+  stage per micro-batch, and their gradients back.
+
+Time (α-β): an all-reduce of B bytes over n devices costs
+2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half
+of that; α and β are the cluster's intra- or inter-host figures,
+depending on whether the axis' groups span hosts (axes are laid out
+data, pipe, model: model groups are neighbours). The data axis'
+gradient reduction overlaps the backward pass (only what exceeds the
+backward compute shows, as in DDP's and Megatron-LM's bucketed
+reduction). Compute costs
+(3 + recompute) × forward FLOPs / device FLOP/s (backward = 2 × forward),
+with the split part of each layer divided by t. A pipeline takes
+(m + p - 1)/m × the slowest stage (the bubble (p-1)/(m+p-1) is the same
+for GPipe and 1F1B); nothing overlaps communication with compute.
+
+Memory per device (the most loaded stage), by kind: params (stored
+blocks), gradients (same blocks), optimizer (slots × trainable blocks),
+activations (kept for the backward pass: per micro-batch of b/(d·m)
+samples, times the micro-batches in flight: m for GPipe, p - s on stage s
+for 1F1B; with recomputation only each layer's inputs, plus one layer's
+internals while it is recomputed) and workspace (fsdp's gathered weights:
+every weight of the stage whole for the step, or two layers' worth with
+recomputation).
+"""
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from tfpar import layout as layout_lib
+from tfpar import tensor_parallel as tp
+from tfpar.planner import profile as profile_lib
+
+KINDS = ("params", "gradients", "optimizer", "activations", "workspace")
+_SLOTS = {"adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "lamb": 2,
+          "lion": 1, "rmsprop": 1, "adagrad": 1, "adadelta": 2, "sgd": 0,
+          "ftrl": 2, "adafactor": 0}
+
+
+def optimizer_slots(optimizer):
+    """Slots per weight of `optimizer` (a name or a Keras optimizer)."""
+    if isinstance(optimizer, str):
+        name = optimizer.lower()
+        if name not in _SLOTS:
+            raise ValueError(
+                f"tfpar.plan does not know optimizer {optimizer!r}. Received: "
+                f"optimizer={optimizer!r}; use one of {sorted(_SLOTS)} or "
+                "pass a Keras optimizer instance.")
+        return _SLOTS[name]
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        return 1 if getattr(optimizer, "momentum", 0) else 0
+    if name in _SLOTS:
+        return _SLOTS[name]
+    raise ValueError(
+        f"tfpar.plan does not know optimizer {type(optimizer).__name__}. "
+        f"Received: optimizer={optimizer!r}; pass one of {sorted(_SLOTS)} "
+        "by name.")
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Predicted cost of one plan (per device, per training step).
+
+    Attributes:
+        step_time_s: seconds per step.
+        memory_per_device: {kind: bytes} for params, gradients, optimizer,
+            activations, workspace (the most loaded stage).
+        communication_bytes_per_device: sum of collective message sizes a
+            device takes part in per step (`CommunicationReport.bytes`).
+        communication_bytes_by_axis: the same per mesh axis.
+        time_s: {compute, bubble, model, data, pipe} parts of the step time.
+    """
+
+    step_time_s: float
+    memory_per_device: dict
+    communication_bytes_per_device: float
+    communication_bytes_by_axis: dict
+    time_s: dict
+
+    @property
+    def total_memory(self):
+        return sum(self.memory_per_device.values())
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(**d)
+
+
+class _Sizes:
+    """Stands in for a tfpar.Mesh where only axis sizes matter."""
+
+    def __init__(self, **sizes):
+        self.shape = sizes
+
+    def axis_size(self, name):
+        return self.shape.get(name, 1)
+
+
+class _LayerShape:
+    """What a style reads of a layer (no hooks are installed on the
+    user's model while planning)."""
+
+    def __init__(self, layer):
+        self.path = getattr(layer, "path", "")
+        self.equation = getattr(layer, "equation", None)
+        self.bias_axes = getattr(layer, "bias_axes", None)
+
+    def call(self, *args, **kwargs):  # what a style's hook would wrap
+        return None
+
+
+class Layout:
+    """Per-layer costs of `profile` under tensor parallelism of size t.
+
+    `rules` are auto_rules' LayoutRules for t (None: t = 1). Arrays hold one
+    entry per top-level op, per sample where sizes scale with the batch.
+    """
+
+    def __init__(self, profile, rules, t):
+        self.t = t
+        self.rules = rules
+        n = len(profile.ops)
+        self.flops_split, self.flops_repl = np.zeros(n), np.zeros(n)
+        self.kept, self.internal = np.zeros(n), np.zeros(n)
+        self.tp_bytes_fwd, self.tp_bytes_bwd = np.zeros(n), np.zeros(n)
+        self.tp_count_fwd, self.tp_count_bwd = np.zeros(n), np.zeros(n)
+        self.carried = np.array([op.carried_in for op in profile.ops])
+        params = [w.itemsize for op in profile.ops for w in op.weights
+                  if w.trainable] or [profile.compute_itemsize]
+        self.grad_ratio = profile.compute_itemsize / max(params)
+        self._weights = []  # per op: [(tp block shape, spec, itemsize, trainable)]
+        fresh = (layout_lib.LayoutRules(dict(rules.items()))
+                 if rules is not None else None)
+        # auto_rules' patterns are escaped layer paths: look them up.
+        exact = {re.sub(r"\\(.)", r"\1", p): s for p, s in rules.items()
+                 if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
+        if fresh is not None and len(exact) < len(fresh):
+            exact = None  # hand-written regexes: match them one by one
+        sizes = _Sizes(model=t)
+        split_layers = self._split_layers(profile, rules)
+        c = profile.compute_itemsize
+        for i, op in enumerate(profile.ops):
+            blocks = []
+            internal = op.internal - op.attention_internal
+            attention_split = False
+            for w in op.weights:
+                spec = _spec(fresh, exact, w) or (None,) * len(w.shape)
+                split = "model" in spec and t > 1
+                block = layout_lib.shard_shape(w.shape, spec, sizes)
+                blocks.append((block, spec, w.itemsize, w.trainable))
+                if split:
+                    self.flops_split[i] += w.flops
+                    internal -= w.activation * (1 - 1 / t)
+                    attention_split = True
+                else:
+                    self.flops_repl[i] += w.flops
+            att = op.attention_flops
+            if attention_split and att:
+                self.flops_split[i] += att
+                internal -= op.attention_internal * (1 - 1 / t)
+            else:
+                self.flops_repl[i] += att
+            self.internal[i] = internal + op.attention_internal
+            out = op.outputs
+            if id(op.layer) in split_layers.get("column_out", set()):
+                out /= t
+            self.kept[i] = out
+            self._weights.append(blocks)
+            for kind, phase, nbytes, top in split_layers.get(i, []):
+                if phase == "backward" and top and not op.needs_input_grad:
+                    continue  # nothing before this layer needs gradients
+                if phase == "forward":
+                    self.tp_bytes_fwd[i] += nbytes * c
+                    self.tp_count_fwd[i] += 1
+                else:
+                    self.tp_bytes_bwd[i] += nbytes * c
+                    self.tp_count_bwd[i] += 1
+        self._state_cache = {}
+
+    @staticmethod
+    def _split_layers(profile, rules):
+        """{op index: [(kind, phase, per-sample elements)]} of the model
+        axis collectives each style implies, plus helper sets."""
+        out = {"column_out": set(), "gathered": set()}
+        if rules is None:
+            return out
+        op_of = {}
+        for i, op in enumerate(profile.ops):
+            op_of[id(op.layer)] = i
+            for sub in profile_lib.sublayers(op.layer, include_self=False):
+                op_of.setdefault(id(sub), i)
+        for pattern, style in rules.items():
+            layer = _layer_for(profile, pattern)
+            if layer is None or id(layer) not in op_of:
+                continue
+            i = op_of[id(layer)]
+            tokens = profile.ops[i].tokens
+            top = profile.ops[i].layer is layer
+            entries = out.setdefault(i, [])
+            if isinstance(style, (tp.SequenceParallel, tp.Replicated)):
+                continue
+            row = isinstance(style, tp.RowParallel)
+            if hasattr(layer, "input_dim") and hasattr(layer, "output_dim"):
+                # DTensor gathers hidden-split embeddings once where their
+                # outputs meet (e.g. token + position embeddings).
+                meet = frozenset(profile.ops[i].consumers) if top else None
+                if row or meet is None or meet not in out["gathered"]:
+                    entries.append(("all-reduce" if row else "all-gather",
+                                    "forward", tokens * layer.output_dim, top))
+                    out["gathered"].add(meet)
+                continue
+            attention = _attention_hidden(layer)
+            if attention:
+                entries.append(("all-reduce", "forward", tokens * attention, top))
+                entries.append(("all-reduce", "backward", tokens * attention,
+                                top))
+                continue
+            kernel = getattr(layer, "kernel", None)
+            if kernel is None:
+                continue
+            shape = tuple(kernel.shape)
+            if row:
+                entries.append(("all-reduce", "forward",
+                                tokens * profile_lib.out_width(layer, shape), top))
+            else:
+                entries.append(("all-reduce", "backward",
+                                tokens * _in_width(layer, shape), top))
+                if top:
+                    out["column_out"].add(id(layer))
+        return out
+
+    def prefix(self, d, fsdp):
+        """{array name: its prefix sums}, per-op arrays and state bytes."""
+        key = ("prefix", d, fsdp)
+        if key not in self._state_cache:
+            state = self.state_bytes(d, fsdp)
+            arrays = {name: getattr(self, name) for name in (
+                "flops_split", "flops_repl", "tp_bytes_fwd", "tp_bytes_bwd",
+                "tp_count_fwd", "tp_count_bwd", "kept", "internal")}
+            arrays.update(stored=state[:, 0], trainable=state[:, 1],
+                          gathered=state[:, 2], count=state[:, 3])
+            self._state_cache[key] = {
+                name: np.concatenate([[0.0], np.cumsum(v)])
+                for name, v in arrays.items()}
+        return self._state_cache[key]
+
+    def stage_max(self, name, d, fsdp, lo, hi):
+        """Per stage, the largest single op's value of `name`."""
+        values = (self.state_bytes(d, fsdp)[:, 2] if name == "gathered"
+                  else getattr(self, name))
+        return np.maximum.reduceat(values, lo)  # over [lo[k], lo[k+1])
+
+    def state_bytes(self, d, fsdp):
+        """Per op: (stored bytes of all weights, of trainable weights,
+        gathered (tp-block) bytes of trainable weights, number of
+        trainable weights) with a data axis of size d."""
+        key = (d, fsdp)
+        if key not in self._state_cache:
+            sizes = _Sizes(model=self.t, data=d)
+            rows = []
+            for blocks in self._weights:
+                stored = trainable = gathered = count = 0.0
+                for block, spec, itemsize, is_trainable in blocks:
+                    whole = float(math.prod(block)) * itemsize
+                    part = whole
+                    if fsdp and is_trainable and d > 1:
+                        fs = layout_lib.fully_sharded_spec(
+                            spec, tuple(block_shape_full(block, spec, self.t)),
+                            "data", sizes)
+                        if "data" in fs:
+                            part = whole / d
+                    stored += part
+                    if is_trainable:
+                        trainable += part
+                        gathered += whole
+                        count += 1
+                rows.append((stored, trainable, gathered, count))
+            self._state_cache[key] = np.array(rows).reshape(-1, 4)
+        return self._state_cache[key]
+
+
+def _spec(rules, exact, weight):
+    """The spec `rules` give `weight` (None: replicated)."""
+    if rules is None:
+        return None
+    if exact is None:
+        return rules.spec_for(weight.path, weight.shape,
+                              layer=_LayerShape(weight.owner))
+    parts = weight.path.split("/")
+    for cut in range(len(parts) - 1, 0, -1):
+        style = exact.get("/".join(parts[:cut]))
+        if style is not None:
+            return style.spec_for(_LayerShape(weight.owner),
+                                  "/".join(parts[cut:]), weight.shape)
+    return None
+
+
+def block_shape_full(block, spec, t):
+    """The full shape back from a model-axis block (for fsdp's choice of
+    dimension, which looks at the whole weight)."""
+    return tuple(b * t if axis == "model" else b for b, axis in zip(block, spec))
+
+
+def _layer_for(profile, pattern):
+    layer = profile.layers_by_path.get(re.sub(r"\\(.)", r"\1", pattern))
+    if layer is not None:
+        return layer
+    regex = re.compile(pattern)
+    for path, candidate in profile.layers_by_path.items():
+        if regex.fullmatch(path):
+            return candidate
+    return None
+
+
+def _attention_hidden(layer):
+    """The model width attention reads and writes (0: not attention)."""
+    import keras  # noqa: PLC0415
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return int(layer.query_dense.kernel.shape[0])
+    if "attention" in type(layer).__name__.lower():
+        for w in layer.weights:
+            if "query" in w.path and w.path.endswith("kernel"):
+                return int(w.shape[0])
+    return 0
+
+
+def _in_width(layer, shape):
+    equation = getattr(layer, "equation", None)
+    if equation and "->" in equation:
+        inputs, output = equation.split("->")
+        letters = inputs.split(",")[-1]
+        return int(np.prod([d for c, d in zip(letters, shape)
+                            if c not in output]))
+    return int(shape[0])
+
+
+def _collective_time(kind, nbytes, n, link, count=1):
+    """α-β seconds of `count` collectives moving `nbytes` in total."""
+    if n <= 1:
+        return np.zeros_like(np.asarray(nbytes, float))
+    alpha, beta = link
+    steps = 2 * (n - 1) if kind == "all-reduce" else (n - 1)
+    return count * steps * alpha + steps / n * nbytes / beta
+
+
+def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
+             batch, cluster, slots):
+    """The `Estimate` of one candidate; `stages` are the first op index of
+    each of the p stages. Vectorised over stages (prefix sums)."""
+    t = layout.t
+    lo = np.asarray(stages)
+    hi = np.append(lo[1:], len(layout.flops_split))
+    s = np.arange(p)
+    b = batch / d          # samples per device per step
+    mb = b / m             # samples per micro-batch per device
+    pre = layout.prefix(d, fsdp)
+
+    def total(name):
+        return pre[name][hi] - pre[name][lo]
+
+    links = {"model": cluster.link(t, 1), "pipe": cluster.link(p, t),
+             "data": cluster.link(d, t * p)}
+    r = 1 if recompute else 0
+    compute = ((total("flops_split") / t + total("flops_repl")) * (3 + r) * b
+               / cluster.device_flops)
+    # Model axis: the forward collectives run again when recomputing.
+    model_bytes = (total("tp_bytes_fwd") * (1 + r) + total("tp_bytes_bwd")) * b
+    model_count = (total("tp_count_fwd") * (1 + r) + total("tp_count_bwd")) * m
+    model_time = _collective_time("all-reduce", model_bytes, t,
+                                  links["model"], model_count)
+    stored, trainable = total("stored"), total("trainable")
+    gathered, count = total("gathered"), total("count")
+    # Gradients are summed in the compute dtype (bfloat16 under
+    # mixed_bfloat16); fsdp gathers the stored (float32) weights.
+    grads = gathered * layout.grad_ratio
+    if fsdp and d > 1:
+        gathers = m * (1 + r)  # per micro-batch, again when recomputing
+        data_bytes = gathered * gathers + grads
+        data_time = (_collective_time("all-gather", gathered * gathers, d,
+                                      links["data"], count * gathers)
+                     + _collective_time("reduce-scatter", grads, d,
+                                        links["data"], count))
+        workspace = (2 * layout.stage_max("gathered", d, fsdp, lo, hi)
+                     if recompute else gathered - trainable)
+    else:
+        data_bytes = grads if d > 1 else np.zeros(p)
+        data_time = _collective_time("all-reduce", grads, d, links["data"],
+                                     count)
+        workspace = np.zeros(p)
+    # Activations forward and gradients back, per micro-batch, over the cut
+    # before a stage (none for stage 0) and the one after it (none last).
+    carried = np.append(layout.carried, 0.0)
+    before = np.where(s > 0, carried[lo], 0.0)
+    after = np.where(s < p - 1, carried[hi], 0.0)
+    sends = (s > 0).astype(float) + (s < p - 1)
+    alpha, beta = links["pipe"]
+    pipe_time = 2 * m * (alpha * sends + (before + after) * mb / beta)
+    # What stage 0 reads is the batch itself, not an activation.
+    kept = total("kept") + before
+    internal = (layout.stage_max("internal", d, fsdp, lo, hi) if recompute
+                else total("internal"))
+    in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
+    memory = {"params": stored, "gradients": trainable,
+              "optimizer": slots * trainable,
+              "activations": (kept + internal) * mb * in_flight,
+              "workspace": np.maximum(workspace, 0.0)}
+    comm = {"model": model_bytes if t > 1 else np.zeros(p),
+            "data": np.asarray(data_bytes, float),
+            "pipe": (before + after) * b * 2}
+    busy = compute + model_time
+    k = int(np.argmax(busy))
+    bubble = busy[k] * (p - 1) / m
+    # The data-axis gradient reduction overlaps the backward pass (2/3 of
+    # the compute), as DDP and Megatron-LM bucket it; the rest shows.
+    exposed = max(0.0, data_time[k] - compute[k] * 2 / (3 + r))
+    step = busy[k] + bubble + exposed + pipe_time[k]
+    w = int(np.argmax(sum(memory.values())))
+    return Estimate(
+        step_time_s=float(step),
+        memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
+        communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
+        communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
+        time_s={"compute": float(compute[k]), "bubble": float(bubble),
+                "model": float(model_time[k]), "data": float(exposed),
+                "pipe": float(pipe_time[k])})

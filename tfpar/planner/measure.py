@@ -1,0 +1,84 @@
+"""Timing candidates on this machine's devices (`tfpar.plan(measure=k)`,
+`benchmarks/planner.py`).
+
+Each candidate's model is built under its strategy (from the builder, or
+as a `keras.models.clone_model` of a built model: same layers, fresh
+weights), laid out by the candidate, compiled with the plan's optimizer
+and a mean-squared-error loss on random data of the model's input and
+output shapes, and trained for `warmup + steps` steps; the median of the
+timed steps is the measurement.
+"""
+
+import time
+
+import keras
+import numpy as np
+
+
+def synthetic_batch(model, batch, seed=0):
+    """Random (x, y) for `model`'s inputs and outputs: floats N(0, 1),
+    integer inputs zeros (valid token ids)."""
+    rng = np.random.default_rng(seed)
+
+    def make(tensor):
+        shape = (batch,) + tuple(tensor.shape[1:])
+        if "int" in str(tensor.dtype):
+            return np.zeros(shape, str(tensor.dtype))
+        return rng.standard_normal(shape).astype("float32")
+
+    xs = [make(t) for t in model.inputs]
+    ys = [make(t) for t in model.outputs]
+    return (xs[0] if len(xs) == 1 else xs), (ys[0] if len(ys) == 1 else ys)
+
+
+def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
+    """A `Plan` holding just `candidate` (for timing or applying it)."""
+    from tfpar.planner import plans as plan_lib  # noqa: PLC0415
+    from tfpar.pipeline import split  # noqa: PLC0415
+    from tfpar import tensor_parallel as tp  # noqa: PLC0415
+    from tfpar.layout import LayoutRules  # noqa: PLC0415
+
+    shapes = _shapes(source)
+    t = candidate.axes["model"]
+    rules = tp.auto_rules(shapes, axis_size=t) if t > 1 else LayoutRules({})
+    names = [layer.name for layer in split.model_graph(shapes)[1]]
+    starts = [0] + [names.index(b) for b in candidate.stage_boundaries or []]
+    return plan_lib.Plan(candidate, [candidate], rules, starts,
+                         info={"model": shapes.name,
+                               "global_batch_size": global_batch_size,
+                               "optimizer": str(optimizer)})
+
+
+def _shapes(source):
+    """`source` itself, or the model it builds without weights."""
+    from tfpar.planner import plans  # noqa: PLC0415
+
+    return (source if isinstance(source, keras.Model)
+            else plans.build_without_weights(source))
+
+
+def build_and_apply(plan, source):
+    """The model from `source` (a builder or a built model) under
+    `plan.strategy()`, laid out by `plan`."""
+    with plan.strategy().scope():
+        model = (keras.models.clone_model(source)
+                 if isinstance(source, keras.Model) else source())
+        return plan.apply(model)
+
+
+def time_candidate(candidate, source, global_batch_size, optimizer="adam",
+                   steps=3, warmup=2, return_model=False):
+    """Median seconds per training step of `candidate` on this machine."""
+    plan = candidate_plan(candidate, source, global_batch_size, optimizer)
+    model = build_and_apply(plan, source)
+    with plan.strategy().scope():
+        model.compile(optimizer=optimizer, loss="mse")
+    x, y = synthetic_batch(_shapes(source), global_batch_size)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    seconds = float(np.median(times))
+    return (seconds, model, plan) if return_model else seconds

@@ -1,0 +1,299 @@
+"""What a model costs, read from its shapes: weights, FLOPs, activations.
+
+`profile_model(model)` walks a built Sequential or functional Keras model
+(nested functional models such as keras-hub backbones included) and
+records, for each top-level graph layer (the units a pipeline cut can
+separate), per *sample*:
+
+- FLOPs of the forward pass: every kernel (a weight of rank >= 2 that is
+  not an embedding table) costs 2 · size · tokens, where tokens is the
+  number of positions the layer maps (the product of its output's
+  dimensions between batch and features: the sequence, or a conv's output
+  pixels); attention adds 4 · s · (heads · key_dim) per token (scores QKᵀ
+  and their product with V). The backward pass costs 2× the forward.
+- activation bytes kept for the backward pass: the layer's outputs, plus,
+  inside a composite layer (attention, a transformer block), each kernel's
+  output and attention's scores and probabilities (2 · heads · s per
+  token); a Dense with a non-linear activation also keeps its
+  pre-activation.
+- its weights (path, shape, bytes per element, trainable, owning layer).
+- the bytes a pipeline cut before it must carry (every tensor made before
+  it and read at or after it).
+
+Example:
+
+>>> profile = profile_model(model)
+>>> profile.total_flops, profile.num_params
+"""
+
+import dataclasses
+import math
+
+import keras
+import numpy as np
+
+from tfpar import _compat
+
+
+@dataclasses.dataclass
+class Weight:
+    path: str
+    shape: tuple
+    itemsize: int
+    trainable: bool
+    owner: object          # the innermost layer owning it
+    flops: float = 0.0     # forward FLOPs per sample of its matmul/conv
+    activation: float = 0.0  # bytes per sample of its output (composites)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+
+@dataclasses.dataclass
+class Op:
+    """One top-level layer of the graph (a possible pipeline stage start)."""
+    name: str
+    layer: object
+    weights: list
+    flops: float            # forward FLOPs per sample (kernels + attention)
+    attention_flops: float  # part of `flops` in attention scores
+    outputs: float          # bytes per sample of its outputs
+    internal: float         # bytes per sample kept inside it
+    attention_internal: float  # part of `internal` in attention scores
+    tokens: int
+    carried_in: float = 0.0  # bytes per sample a cut just before it carries
+    needs_input_grad: bool = True
+    consumers: set = dataclasses.field(default_factory=set)  # op indices
+
+
+@dataclasses.dataclass
+class ModelProfile:
+    name: str
+    ops: list
+    compute_itemsize: int
+    has_graph: bool
+    layers_by_path: dict
+
+    @property
+    def total_flops(self):
+        """Forward FLOPs per sample."""
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def num_params(self):
+        return sum(w.size for op in self.ops for w in op.weights)
+
+
+def profile_model(model, sequence_length=None):
+    """The `ModelProfile` of a built Keras model; a clear ValueError naming
+    the model for anything it cannot analyse. `sequence_length` stands for
+    dimensions the model leaves unknown besides the batch (keras-hub models
+    take sequences of any length)."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "tfpar.plan needs a Keras model or a zero-argument function "
+            f"returning one. Received: {model!r} of type "
+            f"{type(model).__name__}.")
+    if not model.built or not model.weights:
+        raise ValueError(
+            f"tfpar.plan cannot analyse model {model.name!r}: it is not built "
+            "(no weights yet). Build it (call it on data, or give it a "
+            "keras.Input) before planning.")
+    graph = _compat.functional_graph(model)
+    if graph is None:
+        raise ValueError(
+            f"tfpar.plan cannot analyse model {model.name!r} "
+            f"({type(model).__name__}): it has no layer graph to read "
+            "activation shapes and pipeline cuts from (a subclassed model, "
+            "or a Sequential without keras.Input). Build it with the "
+            "functional API or give the Sequential a keras.Input.")
+    nodes, inputs, outputs = graph
+    compute = keras.backend.standardize_dtype(
+        getattr(model.dtype_policy, "compute_dtype", "float32"))
+    itemsize = np.dtype(compute if compute != "bfloat16" else "float16").itemsize
+    owners = {}
+    for layer in _compat.all_layers(model):
+        for weight in layer.weights:
+            owners[id(weight)] = layer
+    ops, index_of, seen = [], {}, set()
+    for node in nodes:
+        layer = node.operation
+        shape = _output_shape(model, layer, node, sequence_length)
+        tokens = _tokens(shape, sequence_length)
+        if id(layer) in index_of:  # a shared layer called again
+            op = ops[index_of[id(layer)]]
+            op.outputs += _float_bytes(node.outputs, itemsize,
+                                       sequence_length)
+            continue
+        index_of[id(layer)] = len(ops)
+        op = _op(layer, node, tokens, owners, itemsize, seen,
+                 sequence_length)
+        ops.append(op)
+    _carried(ops, nodes, inputs, outputs, index_of, itemsize,
+             sequence_length)
+    seen_weights = False
+    for op in ops:
+        op.needs_input_grad = seen_weights
+        seen_weights = seen_weights or any(w.trainable for w in op.weights)
+    layers_by_path = {layer.path: layer
+                      for layer in _compat.all_layers(model, include_self=False)}
+    return ModelProfile(model.name, ops, itemsize, True, layers_by_path)
+
+
+def _output_shape(model, layer, node, sequence_length):
+    out = node.outputs[0] if node.outputs else None
+    shape = tuple(out.shape) if out is not None else ()
+    if any(d is None for d in shape[1:]) and sequence_length is None:
+        raise ValueError(
+            f"tfpar.plan cannot analyse model {model.name!r}: layer "
+            f"{layer.name!r} outputs shape {shape} with an unknown dimension "
+            "besides the batch. Pass tfpar.plan(..., sequence_length=n) or "
+            "give keras.Input a full shape so costs can be computed.")
+    return shape
+
+
+def _tokens(shape, seq):
+    return int(np.prod(_known(shape, seq)[1:-1])) if len(shape) > 2 else 1
+
+
+def _known(shape, seq):
+    """`shape` with `seq` for its unknown dimensions."""
+    return tuple(seq if d is None else d for d in shape)
+
+
+def _float_bytes(tensors, itemsize, seq):
+    total = 0
+    for t in tensors:
+        if "float" in str(t.dtype):
+            total += int(np.prod(_known(t.shape, seq)[1:])) * itemsize
+    return float(total)
+
+
+def _op(layer, node, tokens, owners, itemsize, seen, seq):
+    """The `Op` of a graph layer; weights already in `seen` (a layer shared
+    with an earlier op, e.g. a tied embedding) are counted there."""
+    weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
+    composite = bool(sublayers(layer, include_self=False))
+    for sub in _leaf_attention(layer):
+        s = tokens
+        width = _attention_width(sub)
+        attention += 4.0 * s * width * tokens
+        heads = _num_heads(sub)
+        attention_internal += 2.0 * heads * s * tokens * itemsize
+    for w in getattr(layer, "weights", []):
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        owner = owners.get(id(w), layer)
+        shape = tuple(int(d) for d in w.shape)
+        record = Weight(w.path, shape, np.dtype(w.dtype).itemsize,
+                        bool(w.trainable), owner)
+        if len(shape) >= 2 and w.path.rsplit("/", 1)[-1] != "embeddings":
+            positions = tokens
+            if len(shape) >= 3 and hasattr(owner, "kernel_size"):  # conv
+                positions = max(tokens, 1)
+            record.flops = 2.0 * record.size * positions
+            width = out_width(owner, shape)
+            if composite or _nonlinear(owner):
+                record.activation = float(positions * width * itemsize)
+        flops += record.flops
+        internal += record.activation
+        weights.append(record)
+    return Op(layer.name, layer, weights, flops + attention, attention,
+              _float_bytes(node.outputs, itemsize, seq),
+              internal + attention_internal, attention_internal, tokens)
+
+
+def sublayers(layer, include_self=True):
+    """`layer` and the layers nested in it ([] for a plain Keras op such as
+    `keras.ops.add` in a functional graph)."""
+    if not isinstance(layer, keras.layers.Layer):
+        return []
+    return _compat.all_layers(layer, include_self=include_self)
+
+
+def _leaf_attention(layer):
+    found = []
+    for sub in sublayers(layer):
+        if isinstance(sub, keras.layers.MultiHeadAttention) or (
+                "attention" in type(sub).__name__.lower()
+                and _query_weight(sub) is not None):
+            if not any(sub in sublayers(f) for f in found):
+                found.append(sub)
+    return found
+
+
+def _query_weight(layer):
+    for w in layer.weights:
+        if "query" in w.path and w.path.endswith("kernel"):
+            return w
+    return None
+
+
+def _attention_width(layer):
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return layer.num_heads * layer.key_dim
+    shape = tuple(_query_weight(layer).shape)
+    return int(np.prod(shape[1:]))
+
+
+def _num_heads(layer):
+    for name in ("num_heads", "num_query_heads", "_num_heads",
+                 "_num_query_heads"):
+        value = getattr(layer, name, None)
+        if isinstance(value, int):
+            return value
+    shape = tuple(_query_weight(layer).shape)
+    return int(shape[1]) if len(shape) == 3 else 1
+
+
+def out_width(owner, shape):
+    equation = getattr(owner, "equation", None)
+    if equation and "->" in equation:
+        inputs, output = equation.split("->")
+        letters = inputs.split(",")[-1]
+        if len(letters) == len(shape):
+            return int(np.prod([d for c, d in zip(letters, shape)
+                                if c in output]))
+    return int(shape[-1])
+
+
+def _nonlinear(owner):
+    """Whether the layer's activation needs its input for the gradient
+    (ReLU's gradient reads its output, which is kept anyway)."""
+    activation = getattr(owner, "activation", None)
+    return activation is not None and getattr(
+        activation, "__name__", "linear") not in ("linear", "relu")
+
+
+def _carried(ops, nodes, inputs, outputs, index_of, itemsize, seq):
+    """op.carried_in: bytes per sample of the tensors made before op i and
+    read at op i or later (what a pipeline cut before op i sends on)."""
+    made = {id(t): -1 for t in inputs}
+    size = {id(t): _float_bytes([t], itemsize, seq) or
+            float(np.prod(_known(t.shape, seq)[1:])) * 4 for t in inputs}
+    last_read = {}
+    for node in nodes:
+        i = index_of[id(node.operation)]
+        for t in _compat.node_inputs(node):
+            last_read[id(t)] = max(last_read.get(id(t), -1), i)
+            if made.get(id(t), -1) >= 0:
+                ops[made[id(t)]].consumers.add(i)
+        for t in node.outputs:
+            made.setdefault(id(t), i)
+            size[id(t)] = _float_bytes([t], itemsize, seq)
+    for t in outputs:
+        last_read[id(t)] = math.inf
+    events = np.zeros(len(ops) + 2)
+    for key, i in made.items():
+        end = last_read.get(key, -1)
+        if end > i:  # alive over the cuts i+1 .. min(end, n)
+            start = i + 1
+            stop = len(ops) if end == math.inf else int(end)
+            if stop >= start:
+                events[start] += size[key]
+                events[stop + 1] -= size[key]
+    alive = np.cumsum(events)
+    for i, op in enumerate(ops):
+        op.carried_in = float(alive[i])

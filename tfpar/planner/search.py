@@ -1,0 +1,209 @@
+"""The search: every mesh shape, layout, stage cut, micro-batch count,
+schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
+
+- Mesh shapes: every ordered factorisation data × pipe × model of the
+  device count.
+- Layouts: for each model-axis size t, `tfpar.auto_rules(model,
+  axis_size=t)` (what it cannot split — heads or widths t does not divide
+  — rejects the candidates with its message).
+- Stage cuts (Alpa's inter-op pass, simplified to one objective): for p
+  stages, the contiguous cut of the top-level layers minimising the
+  slowest stage's compute — the optimum of the dynamic programme
+  best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)), found by
+  bisection over the bottleneck (`min_max_cuts`).
+- Micro-batches m: the powers of two (and the largest count) that split
+  the per-replica batch, from 1 up; schedules 1F1B and GPipe.
+- Deterministic: candidates are built in a fixed order and ranked by
+  (predicted step time, memory, that order).
+"""
+
+import dataclasses
+import time
+import warnings
+
+import numpy as np
+
+from tfpar import tensor_parallel as tp
+from tfpar.planner import cost as cost_lib
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One plan considered: its choices, its `Estimate`, `rejected` (None,
+    or why it cannot be used) and, when timed, `measured_step_time_s`."""
+
+    axes: dict
+    fsdp: bool
+    recompute: bool
+    num_microbatches: int
+    schedule: str
+    stage_boundaries: list
+    estimate: object = None
+    rejected: str = None
+    measured_step_time_s: float = None
+
+    @property
+    def label(self):
+        axes = "×".join(f"{k}{v}" for k, v in self.axes.items())
+        extra = []
+        if self.axes.get("pipe", 1) > 1:
+            extra.append(f"m={self.num_microbatches} {self.schedule}")
+        if self.fsdp:
+            extra.append("fsdp")
+        if self.recompute:
+            extra.append("recompute")
+        return " ".join([axes] + extra)
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["estimate"] = self.estimate.to_dict() if self.estimate else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d)
+        if d.get("estimate"):
+            d["estimate"] = cost_lib.Estimate.from_dict(d["estimate"])
+        return cls(**d)
+
+
+def factorisations(n):
+    """(data, pipe, model) with data · pipe · model = n, in a fixed order."""
+    out = []
+    for t in _divisors(n):
+        for p in _divisors(n // t):
+            out.append((n // t // p, p, t))
+    return out
+
+
+def _divisors(n):
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def min_max_cuts(costs, p):
+    """Start indices of stages 0..p-1 (contiguous, non-empty) minimising the
+    largest stage's summed cost.
+
+    The optimum of the dynamic programme
+    best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)) (Alpa's
+    inter-op pass with one objective), found in O(p log n) per probe: the
+    bottleneck T is bisected over, a greedy pass packing each stage up to T
+    tells whether p stages suffice, and stages left over split the longest
+    runs (which cannot raise the maximum).
+    """
+    costs = np.asarray(costs, dtype=float)
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+
+    def pack(limit):
+        starts, i = [], 0
+        while i < n and len(starts) <= p:
+            starts.append(i)
+            # the furthest j with prefix[j] - prefix[i] <= limit (>= i + 1)
+            j = int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1
+            i = max(j, i + 1)
+        return starts if i >= n else None
+
+    lo, hi = costs.max(), prefix[-1]
+    for _ in range(60):
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        if (found := pack(mid)) is not None and len(found) <= p:
+            hi = mid
+        else:
+            lo = mid
+    starts = pack(hi)
+    while len(starts) < p:  # split the longest run that has two layers
+        ends = starts[1:] + [n]
+        k = max((e - b, -i) for i, (b, e) in enumerate(zip(starts, ends))
+                if e - b > 1)[1] * -1
+        starts.insert(k + 1, starts[k] + 1)
+    return starts
+
+
+def microbatch_counts(per_replica, p):
+    if p == 1:
+        return [1]
+    counts = [m for m in (2 ** k for k in range(per_replica.bit_length()))
+              if per_replica % m == 0]
+    if per_replica not in counts:
+        counts.append(per_replica)
+    return counts
+
+
+def search(profile, model, global_batch_size, cluster, memory_limit,
+           slots):
+    """Every candidate (list of `Candidate`) and the search's seconds."""
+    start = time.perf_counter()
+    n_ops = len(profile.ops)
+    layouts, rule_errors = {}, {}
+    candidates = []
+    for d, p, t in factorisations(cluster.num_devices):
+        axes = {"data": d, "pipe": p, "model": t}
+        if t not in layouts and t not in rule_errors:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    rules = tp.auto_rules(model, axis_size=t) if t > 1 else None
+                if t > 1 and not len(rules):
+                    raise ValueError(
+                        "auto_rules found no layer to split over the model "
+                        "axis")
+                layouts[t] = cost_lib.Layout(profile, rules, t)
+            except ValueError as e:
+                rule_errors[t] = str(e)
+        reject = None
+        if t in rule_errors:
+            reject = f"model={t}: {rule_errors[t]}"
+        elif global_batch_size % d:
+            reject = (f"global_batch_size {global_batch_size} does not split "
+                      f"over data={d}")
+        elif p > n_ops:
+            reject = (f"pipe={p} needs at least {p} top-level layers; the "
+                      f"model has {n_ops}")
+        if reject:
+            candidates.append(Candidate(axes, False, False, 1, "1f1b", None,
+                                        rejected=reject))
+            continue
+        layout = layouts[t]
+        stages = [0]
+        if p > 1:
+            stage_cost = layout.flops_split / t + layout.flops_repl + 1e-9
+            stages = min_max_cuts(stage_cost, p)
+        boundaries = ([profile.ops[i].name for i in stages[1:]]
+                      if p > 1 else None)
+        for m in microbatch_counts(global_batch_size // d, p):
+            for schedule in (("1f1b", "gpipe") if p > 1 else ("1f1b",)):
+                for fsdp in ((False, True) if d > 1 else (False,)):
+                    for recompute in (False, True):
+                        c = Candidate(dict(axes), fsdp, recompute, m,
+                                      schedule, boundaries)
+                        c.estimate = cost_lib.estimate(
+                            layout, stages, d=d, p=p, m=m, schedule=schedule,
+                            fsdp=fsdp, recompute=recompute,
+                            batch=global_batch_size, cluster=cluster,
+                            slots=slots)
+                        need = c.estimate.total_memory
+                        if need > memory_limit:
+                            c.rejected = (
+                                f"does not fit: needs {format_bytes(need)} "
+                                f"per device, limit "
+                                f"{format_bytes(memory_limit)}")
+                        candidates.append(c)
+    order = {id(c): i for i, c in enumerate(candidates)}
+    candidates.sort(key=lambda c: (
+        c.rejected is not None,
+        c.estimate.step_time_s if c.estimate else np.inf,
+        c.estimate.total_memory if c.estimate else np.inf,
+        order[id(c)]))
+    return candidates, time.perf_counter() - start, layouts
+
+
+def format_bytes(nbytes):
+    """1.23 GB / 4.56 MB / 7.8 kB."""
+    if nbytes >= 1e9:
+        return f"{nbytes / 1e9:.2f} GB"
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / 1e3:.1f} kB"

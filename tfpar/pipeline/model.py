@@ -18,9 +18,20 @@ One training step is one `tf.function` holding every stage's work:
   Each micro-batch loss is scaled by 1/m, so the summed weight gradients
   are those of the mean loss over the whole batch: the step equals the
   full-batch step (gradient accumulation).
-- each stage's actions run in its schedule's order (GPipe or 1F1B), chained
-  by control dependencies; different stages run concurrently wherever the
-  data flow allows. Then every stage applies its optimizer to its weights.
+- zero-bubble schedules (ZB-H1, ZB-H2) split B(s, i) in two
+  vector-Jacobian products over the one forward (a persistent tape): B
+  gives the gradients of the stage's inputs (what the previous stage waits
+  for) and of the outputs of every layer called once, W(s, i) later the
+  weight gradients of such a layer from its own outputs' gradients alone,
+  dL/dw_l = (dy_l/dw_l)^T dL/dy_l (no backward through the stage again).
+  Weights a stage reads in several calls (a layer called twice, a weight
+  shared by two layers) get theirs in W from the stage's whole
+  vector-Jacobian product (a call's output may depend on the weight through
+  an earlier call, which the per-layer product would count twice).
+- each stage's actions run in its schedule's order (GPipe, 1F1B, ZB-H1,
+  ZB-H2), chained by data dependencies; different stages run concurrently
+  wherever the data flow allows. Then every stage applies its optimizer to
+  its weights.
 - interleaved (`virtual_stages=v`): the model is cut into v × p parts and
   part k runs on stage k mod p (Megatron-LM's virtual pipeline stages);
   everything above holds per part, a micro-batch crossing the stages v
@@ -63,7 +74,13 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
-from tfpar.pipeline.schedules import BACKWARD, FORWARD, TimelineEntry
+from tfpar.pipeline.schedules import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    ZERO_BUBBLE,
+    TimelineEntry,
+)
 
 
 class PipelineModel(keras.Model):
@@ -82,7 +99,10 @@ class PipelineModel(keras.Model):
         schedule: "1f1b" (default: at most p micro-batches' activations
             alive per stage; interleaved, Megatron-LM's warm-up
             (p-s-1)·2 + (v-1)·p plus one part-micro-batch pairs, each 1/v
-            of a stage) or "gpipe" (all m).
+            of a stage), "gpipe" (all m), or the zero-bubble "zb-h1"
+            (m >= p; at most p alive) and "zb-h2" (m >= 2p - 1; at most
+            2p - 1 alive), which split each backward into input and weight
+            gradients (`tfpar.pipeline.zero_bubble`).
         virtual_stages: v, model parts per stage (default 1). With v > 1
             the model is cut into v × p parts, part k on stage k mod p, and
             the schedule is interleaved ("1f1b": Megatron-LM's interleaved
@@ -152,6 +172,8 @@ class PipelineModel(keras.Model):
         if stage_boundaries is None and balance == "time":
             costs = _measured_layer_times(model, extended)
         _check_sequence_parallel(model, extended)
+        if full_schedule.split_backward:
+            _check_separable(model, full_schedule.name)
         stages = split_lib.split_model(model, num_stages * virtual_stages,
                                        stage_boundaries, costs)
         super().__init__(name=name or f"pipeline_{model.name}")
@@ -369,6 +391,8 @@ class PipelineRunner:
         self._model = pipeline
         self._extended = extended = pipeline._extended  # noqa: SLF001
         self._stages = pipeline._stages  # noqa: SLF001  (the model parts)
+        self._layers_by_id = {id(layer): layer for stage in self._stages
+                              for layer in stage.layers}
         # Indexed by part (the model part runs on its stage's mesh).
         self._meshes = [pipeline.part_mesh(k) for k in range(len(self._stages))]
         self._mode = mode
@@ -493,16 +517,28 @@ class PipelineRunner:
             spec[0] = self._data_axis
         return tuple(spec)
 
-    def _run_stage(self, s, values, training):
-        """Runs stage s on its input tensors; (outputs, its own losses)."""
+    def _run_stage(self, s, values, training, layer_outputs=None):
+        """Runs stage s on its input tensors; (outputs, its own losses).
+        With a dict `layer_outputs`, also records there, per layer with
+        trainable weights (by id), the floating outputs of each call."""
         stage = self._stages[s]
         tensors = {id(k): v for k, v in zip(stage.inputs, values)}
         for node in stage.nodes:
             _compat.run_node(node, tensors, training)
+            if layer_outputs is not None and split_lib.weights_of(
+                    node.operation, trainable=True):
+                layer_outputs.setdefault(id(node.operation), []).append(
+                    [v for v in (tensors[id(k)] for k in node.outputs)
+                     if v.dtype.is_floating])
         outputs = [tensors[id(k)] for k in stage.outputs]
         losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
                   for layer in stage.layers
                   for loss in getattr(layer, "losses", [])]
+        if losses and layer_outputs is not None:
+            raise ValueError(_inseparable_message(
+                self._model.schedule.name,
+                [layer.name for layer in stage.layers
+                 if getattr(layer, "losses", [])], "add losses in call()"))
         return outputs, (tf.add_n(losses) if losses else None)
 
     def _last_stage_loss(self, y_pred, y, sample_weight, extra):
@@ -593,6 +629,9 @@ class PipelineRunner:
             # Interleaved 1F1B needs p | m; looped GPipe runs any m and the
             # step's result does not depend on the order.
             return schedules_lib.gpipe(full.num_stages, m, full.virtual_stages)
+        if full.name in ZERO_BUBBLE:  # same order, fewer micro-batches
+            return schedules_lib.zero_bubble(full.name, full.num_stages, m,
+                                             check=False)
         return schedules_lib.get_schedule(full.name, full.num_stages, m,
                                           full.virtual_stages)
 
@@ -606,6 +645,7 @@ class PipelineRunner:
         gradients = {}     # gradients of part k's outputs
         extras = {}        # additional losses so far (stop-grad)
         tapes = {}         # (tape, watched inputs, targets)
+        pending = {}       # W still owed: layers' outputs and their grads
         sums = [[None] * len(w) for w in weights]
         # Per stage (device): zeros computed from its last action.
         tokens = [None] * schedule.num_stages
@@ -618,10 +658,15 @@ class PipelineRunner:
                 if kind == FORWARD:
                     done = self._train_forward(
                         k, i, xs, targets, split, size, scale, activations,
-                        extras, tapes, tokens[action.stage])
-                else:
+                        extras, tapes, tokens[action.stage],
+                        schedule.split_backward)
+                elif kind == BACKWARD:
                     done = self._train_backward(
                         k, i, split, weights[k], sums[k], gradients, tapes,
+                        tokens[action.stage], pending)
+                else:
+                    done = self._train_weights(
+                        weights[k], sums[k], pending.pop((k, i)),
                         tokens[action.stage])
                 tokens[action.stage] = _token(done, size)
         for s, optimizer in enumerate(self._model.stage_optimizers):
@@ -643,7 +688,7 @@ class PipelineRunner:
             yield
 
     def _train_forward(self, s, i, xs, targets, split, size, scale,
-                       activations, extras, tapes, token):
+                       activations, extras, tapes, token, split_backward):
         p = len(self._stages)
         if s == 0:
             values = tf.nest.flatten(self._microbatch(xs, i, 0, split))
@@ -654,9 +699,13 @@ class PipelineRunner:
         values = _after(values, token)
         # Stage 0 reads data (no gradient); integer inputs have none either.
         watched = [v if s and v.dtype.is_floating else None for v in values]
-        with tf.GradientTape(watch_accessed_variables=True) as tape:
+        # Split backwards run two gradient calls on the tape (B, then W).
+        layer_outputs = {} if split_backward else None
+        with tf.GradientTape(watch_accessed_variables=True,
+                             persistent=split_backward) as tape:
             tape.watch([v for v in watched if v is not None])
-            outputs, own_loss = self._run_stage(s, values, training=True)
+            outputs, own_loss = self._run_stage(s, values, training=True,
+                                                layer_outputs=layer_outputs)
             if s == p - 1:
                 y, sample_weight = self._microbatch(targets, i, -1, split)
                 y_pred = self._y_pred(outputs)
@@ -668,7 +717,7 @@ class PipelineRunner:
                 objective = own_loss * scale
             else:
                 objective = None
-        tapes[(s, i)] = (tape, watched, outputs, objective)
+        tapes[(s, i)] = (tape, watched, outputs, objective, layer_outputs)
         if s == p - 1:
             self._update_metrics(size, y_pred, y, sample_weight, loss)
             return [loss]
@@ -680,9 +729,9 @@ class PipelineRunner:
         return outputs
 
     def _train_backward(self, s, i, split, weights, sums, gradients, tapes,
-                        token):
+                        token, pending):
         p = len(self._stages)
-        tape, watched, outputs, objective = tapes.pop((s, i))
+        tape, watched, outputs, objective, layer_outputs = tapes.pop((s, i))
         if s == p - 1:
             targets, seeds = [objective], _after([tf.ones_like(objective)],
                                                  token)
@@ -696,13 +745,41 @@ class PipelineRunner:
                 targets.append(objective)
                 seeds.append(tf.ones_like(objective))
         sources = [v for v in watched if v is not None]
-        # d(targets · seeds)/d(inputs, weights): the vector-Jacobian product.
+        if layer_outputs is None:
+            own = list(weights)  # B and W at once
+        else:
+            # B of a split backward: the outputs of layers called once with
+            # weights of their own stand in for those weights; W
+            # (`_train_weights`) finishes from their gradients.
+            uses = {}
+            for key, calls in layer_outputs.items():
+                for w in split_lib.weights_of(self._layer(key), trainable=True):
+                    uses[id(w)] = uses.get(id(w), 0) + len(calls)
+            layers = [key for key, calls in layer_outputs.items()
+                      if all(uses[id(w)] == 1 for w in split_lib.weights_of(
+                          self._layer(key), trainable=True))]
+            own = [y for key in layers for y in layer_outputs[key][0]]
+            # The rest: W takes them from the stage's whole product.
+            simple = {id(w) for key in layers
+                      for w in split_lib.weights_of(self._layer(key),
+                                                    trainable=True)}
+            tangled = [w for w in weights if id(w) not in simple]
+        # d(targets · seeds)/d(inputs, own): the vector-Jacobian product.
         grads = tape.gradient(
-            targets, sources + list(weights), output_gradients=seeds,
+            targets, sources + own, output_gradients=seeds,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
         input_grads = iter(grads[:len(sources)])
-        for k, g in enumerate(grads[len(sources):]):
-            sums[k] = _accumulate(sums[k], g)
+        if layer_outputs is None:
+            for k, g in enumerate(grads[len(sources):]):
+                sums[k] = _accumulate(sums[k], g)
+        else:
+            owed = iter(grads[len(sources):])
+            pending[(s, i)] = (tape, [
+                (split_lib.weights_of(self._layer(key), trainable=True),
+                 layer_outputs[key][0],
+                 [next(owed) for _ in layer_outputs[key][0]])
+                for key in layers] + ([(tangled, targets, seeds)]
+                                      if tangled else []))
         if s > 0:
             # One gradient per output of stage s-1 (None for integers).
             gradients[(s - 1, i)] = [
@@ -712,8 +789,55 @@ class PipelineRunner:
         return [g.values if isinstance(g, tf.IndexedSlices) else g
                 for g in grads if g is not None]
 
+    def _layer(self, key):
+        return self._layers_by_id[key]
+
+    def _train_weights(self, weights, sums, owed, token):
+        """W of a split backward: each layer's weight gradients, the
+        vector-Jacobian product of its own outputs with their gradients
+        from B (dL/dw = (dy/dw)^T dL/dy); weights read by several calls,
+        the product of the stage's targets with their seeds."""
+        tape, products = owed
+        index = {id(w): k for k, w in enumerate(weights)}
+        done = []
+        for own, outputs, seeds in products:
+            grads = tape.gradient(
+                outputs, own, output_gradients=_after(seeds, token),
+                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            for w, g in zip(own, grads):
+                sums[index[id(w)]] = _accumulate(sums[index[id(w)]], g)
+                done.append(g.values if isinstance(g, tf.IndexedSlices) else g)
+        return done
+
 
 _ACTION_SCOPE = "tfpar_pipeline_action_"
+
+
+def _inseparable_message(schedule, layers, why):
+    return (
+        f"schedule={schedule!r} splits each backward into input and weight "
+        "gradients, the weight gradients of a layer computed from its "
+        f"outputs' gradients alone; layer(s) {layers} {why}, so their "
+        "weight gradients do not flow through their outputs only and cannot "
+        "be separated. Received: schedule="
+        f"{schedule!r}. Use schedule='1f1b' or 'gpipe', or remove those "
+        "losses.")
+
+
+def _check_separable(model, schedule):
+    """Weight regularisers add a loss read from the weights directly (not
+    through the layer's outputs): a split backward would miss it."""
+    owner = {}  # regularised weight -> its innermost layer
+    for layer in _compat.all_layers(model):  # outermost first
+        if getattr(layer, "activity_regularizer", None) is not None:
+            owner[id(layer)] = layer.name
+        for w in layer.trainable_weights:
+            if getattr(w, "regularizer", None) is not None:
+                owner[id(w)] = layer.name
+    regularized = list(dict.fromkeys(owner.values()))
+    if regularized:
+        raise ValueError(_inseparable_message(
+            schedule, regularized, "have weight or activity regularizers"))
 
 
 def _accumulate(total, gradient):
@@ -793,7 +917,7 @@ def _timeline(events, num_stages):
     """
     # Gradient ops are named after their forward op: "gradient_tape/<F>".
     pattern = re.compile(
-        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FB])(\d+)/")
+        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FBW])(\d+)/")
     spans, compute = {}, {}
     for name, start, end in events:
         match = pattern.search(name)

@@ -265,16 +265,20 @@ def test_a_model_without_a_graph_is_rejected():
             tfpar.PipelineModel(model, num_microbatches=2)
 
 
-def test_shared_layer_across_a_boundary_is_rejected():
+def test_shared_layer_across_a_boundary_is_tied():
+    """Issue 18 turned this former error into a tie: the layer lives on
+    stage 0, stage 1 reads its weights (tests/test_pipeline_nested.py
+    checks the parity)."""
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
     with strategy.scope():
         x = keras.Input((8,))
         shared = keras.layers.Dense(8, name="shared")
         h = keras.layers.Dense(8, name="mid")(shared(x))
         model = keras.Model(x, shared(h))
-        with pytest.raises(ValueError, match="shared"):
-            tfpar.PipelineModel(model, num_microbatches=2,
-                                stage_boundaries=["mid"])
+        pipe = tfpar.PipelineModel(model, num_microbatches=2,
+                                   stage_boundaries=["mid"])
+    assert pipe.stages[1].guests == [shared]
+    assert "reads tied weights of ['shared']" in pipe.split_report()
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -213,8 +213,22 @@ class PipelineModel(keras.Model):
                             f"Weight {weight.path!r} is used by layer "
                             f"{first[1].name!r} ({unit} {first[0]}) and by "
                             f"layer {layer.name!r} ({unit} {stage.index}). "
-                            f"Keep layers that share weights in one {unit} "
-                            "(stage_boundaries).")
+                            "A layer called on two stages is tied (its "
+                            "weights read on both), but two different "
+                            "layers holding one weight cannot be: each "
+                            "would update it. Keep layers that share "
+                            f"weights in one {unit} (stage_boundaries).")
+            for guest in stage.guests:
+                state = [v.path for v in getattr(guest, "variables", [])
+                         if not v.trainable]
+                if state:
+                    raise ValueError(
+                        f"Layer {guest.name!r} is called on stage "
+                        f"{stage.index} and on an earlier stage, and has "
+                        f"state {state} that a call updates: a tie cannot "
+                        "keep it in step on two stages (only weights are "
+                        "read on the later stage). Keep its calls in one "
+                        "stage (stage_boundaries).")
         for stage in self._stages:
             mesh = self.part_mesh(stage.index)
             for layer in stage.layers:
@@ -393,6 +407,15 @@ class PipelineRunner:
         self._stages = pipeline._stages  # noqa: SLF001  (the model parts)
         self._layers_by_id = {id(layer): layer for stage in self._stages
                               for layer in stage.layers}
+        # Where each weight is updated: (part, index in its weights).
+        self._home = {id(w): (k, j) for k, weights in enumerate(
+            pipeline._stage_weights) for j, w in enumerate(weights)}  # noqa: SLF001
+        # Layout specs of tied weights (read eagerly: DTensor's rule).
+        self._tied_specs = {
+            id(w): layout_lib.spec_of(dtensor.fetch_layout(
+                _compat.backing_variable(w)))
+            for stage in self._stages for layer in stage.guests
+            for w in split_lib.weights_of(layer, trainable=True)}
         # Indexed by part (the model part runs on its stage's mesh).
         self._meshes = [pipeline.part_mesh(k) for k in range(len(self._stages))]
         self._mode = mode
@@ -517,19 +540,58 @@ class PipelineRunner:
             spec[0] = self._data_axis
         return tuple(spec)
 
-    def _run_stage(self, s, values, training, layer_outputs=None):
+    def _guest_weights(self, s, split, watch=None):
+        """(weight, value on part s) of the layers of earlier parts that
+        part s calls again (tied weights): each read where it is updated and
+        copied here with its layout (`watch`ed for its gradient)."""
+        pairs = []
+        for layer in self._stages[s].guests:
+            for w in split_lib.weights_of(layer, trainable=True):
+                home = self._home[id(w)][0]
+                with self._on_stage(home):
+                    value = tf.convert_to_tensor(w.value)
+                value = self._move_like(value, home, s,
+                                        self._tied_specs[id(w)])
+                if watch is not None:
+                    watch(value)
+                pairs.append((w, value))
+        return pairs
+
+    def _move_like(self, tensor, source, target, spec):
+        """`tensor` from part `source`'s mesh to part `target`'s, laid out
+        there by `spec` (a weight or its gradient, as the weight is)."""
+        if self._meshes[source] is self._meshes[target]:
+            return tensor
+        src, dst = self._meshes[source], self._meshes[target]
+        rank = tensor.shape.rank
+        with tf.name_scope(f"tie_{source}_to_{target}"):
+            whole = dtensor.relayout(tensor, dtensor.Layout.replicated(
+                src.dtensor_mesh, rank))
+            moved = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(
+                dst.dtensor_mesh, rank))
+            return placement.relayout(moved, spec, dst)
+
+    def _run_stage(self, s, values, training, layer_outputs=None,
+                   guests=()):
         """Runs stage s on its input tensors; (outputs, its own losses).
         With a dict `layer_outputs`, also records there, per layer with
-        trainable weights (by id), the floating outputs of each call."""
+        trainable weights (by id), the floating outputs of each call.
+        `guests`: (weight, value) pairs the stage reads instead of those
+        weights of earlier stages (`_guest_weights`)."""
         stage = self._stages[s]
         tensors = {id(k): v for k, v in zip(stage.inputs, values)}
-        for node in stage.nodes:
-            _compat.run_node(node, tensors, training)
-            if layer_outputs is not None and split_lib.weights_of(
-                    node.operation, trainable=True):
-                layer_outputs.setdefault(id(node.operation), []).append(
-                    [v for v in (tensors[id(k)] for k in node.outputs)
-                     if v.dtype.is_floating])
+        guests = list(guests) or self._guest_weights(s, None)
+        with _compat.reading_values(guests, [
+                v for layer in stage.layers
+                for v in getattr(layer, "variables", [])]):
+            for node in stage.nodes:
+                node.run(tensors, training)
+                if layer_outputs is not None and \
+                        node.operation not in stage.guests and \
+                        split_lib.weights_of(node.operation, trainable=True):
+                    layer_outputs.setdefault(id(node.operation), []).append(
+                        [v for v in (tensors[id(k)] for k in node.outputs)
+                         if v.dtype.is_floating])
         outputs = [tensors[id(k)] for k in stage.outputs]
         losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
                   for layer in stage.layers
@@ -662,12 +724,11 @@ class PipelineRunner:
                         schedule.split_backward)
                 elif kind == BACKWARD:
                     done = self._train_backward(
-                        k, i, split, weights[k], sums[k], gradients, tapes,
+                        k, i, split, weights[k], sums, gradients, tapes,
                         tokens[action.stage], pending)
                 else:
                     done = self._train_weights(
-                        weights[k], sums[k], pending.pop((k, i)),
-                        tokens[action.stage])
+                        k, sums, pending.pop((k, i)), tokens[action.stage])
                 tokens[action.stage] = _token(done, size)
         for s, optimizer in enumerate(self._model.stage_optimizers):
             grads = [tf.zeros_like(w) if g is None else g
@@ -704,8 +765,10 @@ class PipelineRunner:
         with tf.GradientTape(watch_accessed_variables=True,
                              persistent=split_backward) as tape:
             tape.watch([v for v in watched if v is not None])
+            guests = self._guest_weights(s, split, watch=tape.watch)
             outputs, own_loss = self._run_stage(s, values, training=True,
-                                                layer_outputs=layer_outputs)
+                                                layer_outputs=layer_outputs,
+                                                guests=guests)
             if s == p - 1:
                 y, sample_weight = self._microbatch(targets, i, -1, split)
                 y_pred = self._y_pred(outputs)
@@ -717,7 +780,8 @@ class PipelineRunner:
                 objective = own_loss * scale
             else:
                 objective = None
-        tapes[(s, i)] = (tape, watched, outputs, objective, layer_outputs)
+        tapes[(s, i)] = (tape, watched, outputs, objective, layer_outputs,
+                         guests)
         if s == p - 1:
             self._update_metrics(size, y_pred, y, sample_weight, loss)
             return [loss]
@@ -731,7 +795,8 @@ class PipelineRunner:
     def _train_backward(self, s, i, split, weights, sums, gradients, tapes,
                         token, pending):
         p = len(self._stages)
-        tape, watched, outputs, objective, layer_outputs = tapes.pop((s, i))
+        (tape, watched, outputs, objective, layer_outputs,
+         guests) = tapes.pop((s, i))
         if s == p - 1:
             targets, seeds = [objective], _after([tf.ones_like(objective)],
                                                  token)
@@ -745,8 +810,9 @@ class PipelineRunner:
                 targets.append(objective)
                 seeds.append(tf.ones_like(objective))
         sources = [v for v in watched if v is not None]
+        tied = [w for w, _ in guests]   # read here, updated on their stage
         if layer_outputs is None:
-            own = list(weights)  # B and W at once
+            own = list(weights) + [value for _, value in guests]  # B and W
         else:
             # B of a split backward: the outputs of layers called once with
             # weights of their own stand in for those weights; W
@@ -764,22 +830,25 @@ class PipelineRunner:
                       for w in split_lib.weights_of(self._layer(key),
                                                     trainable=True)}
             tangled = [w for w in weights if id(w) not in simple]
+            wholes = tangled + [value for _, value in guests]
         # d(targets · seeds)/d(inputs, own): the vector-Jacobian product.
         grads = tape.gradient(
             targets, sources + own, output_gradients=seeds,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
         input_grads = iter(grads[:len(sources)])
         if layer_outputs is None:
-            for k, g in enumerate(grads[len(sources):]):
-                sums[k] = _accumulate(sums[k], g)
+            for w, g in zip(list(weights) + tied, grads[len(sources):]):
+                self._add_gradient(sums, s, w, g)
         else:
             owed = iter(grads[len(sources):])
-            pending[(s, i)] = (tape, [
-                (split_lib.weights_of(self._layer(key), trainable=True),
-                 layer_outputs[key][0],
-                 [next(owed) for _ in layer_outputs[key][0]])
-                for key in layers] + ([(tangled, targets, seeds)]
-                                      if tangled else []))
+            products = []
+            for key in layers:
+                own = split_lib.weights_of(self._layer(key), trainable=True)
+                outs = layer_outputs[key][0]
+                products.append((own, own, outs, [next(owed) for _ in outs]))
+            if wholes:
+                products.append((tangled + tied, wholes, targets, seeds))
+            pending[(s, i)] = (tape, products)
         if s > 0:
             # One gradient per output of stage s-1 (None for integers).
             gradients[(s - 1, i)] = [
@@ -792,25 +861,36 @@ class PipelineRunner:
     def _layer(self, key):
         return self._layers_by_id[key]
 
-    def _train_weights(self, weights, sums, owed, token):
+    def _train_weights(self, s, sums, owed, token):
         """W of a split backward: each layer's weight gradients, the
         vector-Jacobian product of its own outputs with their gradients
-        from B (dL/dw = (dy/dw)^T dL/dy); weights read by several calls,
-        the product of the stage's targets with their seeds."""
+        from B (dL/dw = (dy/dw)^T dL/dy); weights read by several calls
+        and tied weights, the product of the stage's targets with their
+        seeds."""
         tape, products = owed
-        index = {id(w): k for k, w in enumerate(weights)}
         done = []
-        for own, outputs, seeds in products:
+        for weights, sources, outputs, seeds in products:
             grads = tape.gradient(
-                outputs, own, output_gradients=_after(seeds, token),
+                outputs, sources, output_gradients=_after(seeds, token),
                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            for w, g in zip(own, grads):
-                sums[index[id(w)]] = _accumulate(sums[index[id(w)]], g)
+            for w, g in zip(weights, grads):
+                self._add_gradient(sums, s, w, g)
                 done.append(g.values if isinstance(g, tf.IndexedSlices) else g)
         return done
 
+    def _add_gradient(self, sums, s, weight, gradient):
+        """Adds part s's gradient of `weight` to the sum of the part that
+        updates it: a tied weight's gradient goes back to its home part, so
+        one optimizer step sees the sum over every stage that reads it."""
+        k, j = self._home[id(weight)]
+        if k != s:
+            gradient = self._move_like(tf.convert_to_tensor(gradient), s, k,
+                                       self._tied_specs[id(weight)])
+        sums[k][j] = _accumulate(sums[k][j], gradient)
+
 
 _ACTION_SCOPE = "tfpar_pipeline_action_"
+
 
 
 def _inseparable_message(schedule, layers, why):
@@ -978,7 +1058,7 @@ def _device_range(mesh):
 def _measured_layer_times(model, extended, batch_size=32, repeats=3):
     """Seconds per layer of one forward on `batch_size` zeros (the best of
     `repeats` eager runs on the mesh the weights were created on)."""
-    nodes, layers, inputs, _ = split_lib.model_graph(model)
+    nodes, layers, inputs, _, _ = split_lib.model_graph(model)
     mesh = extended.placement_mesh  # None: the weights are on the host
     tensors = {}
     for k in inputs:
@@ -991,7 +1071,7 @@ def _measured_layer_times(model, extended, batch_size=32, repeats=3):
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            _compat.run_node(node, tensors, training=False)  # synchronous
+            node.run(tensors, training=False)  # synchronous
             best = min(best, time.perf_counter() - start)
         seconds[id(node.operation)] += best
     return [seconds[id(layer)] for layer in layers]

@@ -832,10 +832,12 @@ class PipelineRunner:
             tangled = [w for w in weights if id(w) not in simple]
             wholes = tangled + [value for _, value in guests]
         # d(targets · seeds)/d(inputs, own): the vector-Jacobian product.
+        # Unconnected: None (a weight keeps no gradient, so a tied sparse
+        # embedding is not made dense by a zero); inputs' are zeros.
         grads = tape.gradient(
-            targets, sources + own, output_gradients=seeds,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        input_grads = iter(grads[:len(sources)])
+            targets, sources + _tensors(own), output_gradients=seeds)
+        input_grads = iter(tf.zeros_like(v) if g is None else g
+                           for v, g in zip(sources, grads))
         if layer_outputs is None:
             for w, g in zip(list(weights) + tied, grads[len(sources):]):
                 self._add_gradient(sums, s, w, g)
@@ -845,7 +847,10 @@ class PipelineRunner:
             for key in layers:
                 own = split_lib.weights_of(self._layer(key), trainable=True)
                 outs = layer_outputs[key][0]
-                products.append((own, own, outs, [next(owed) for _ in outs]))
+                seeds_of = [next(owed) for _ in outs]
+                products.append((own, own, outs, [
+                    tf.zeros_like(y) if g is None else g
+                    for y, g in zip(outs, seeds_of)]))
             if wholes:
                 products.append((tangled + tied, wholes, targets, seeds))
             pending[(s, i)] = (tape, products)
@@ -871,17 +876,21 @@ class PipelineRunner:
         done = []
         for weights, sources, outputs, seeds in products:
             grads = tape.gradient(
-                outputs, sources, output_gradients=_after(seeds, token),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                outputs, _tensors(sources),
+                output_gradients=_after(seeds, token))
             for w, g in zip(weights, grads):
-                self._add_gradient(sums, s, w, g)
-                done.append(g.values if isinstance(g, tf.IndexedSlices) else g)
+                if g is not None:  # unconnected
+                    self._add_gradient(sums, s, w, g)
+                    done.append(g.values if isinstance(g, tf.IndexedSlices)
+                                else g)
         return done
 
     def _add_gradient(self, sums, s, weight, gradient):
         """Adds part s's gradient of `weight` to the sum of the part that
         updates it: a tied weight's gradient goes back to its home part, so
         one optimizer step sees the sum over every stage that reads it."""
+        if gradient is None:  # unconnected
+            return
         k, j = self._home[id(weight)]
         if k != s:
             gradient = self._move_like(tf.convert_to_tensor(gradient), s, k,
@@ -890,6 +899,14 @@ class PipelineRunner:
 
 
 _ACTION_SCOPE = "tfpar_pipeline_action_"
+
+
+def _tensors(sources):
+    """Gradient sources with TF dtypes: a Keras weight's tf.Variable (the
+    tape's zeros for an unconnected Keras weight fail on its string
+    dtype), tensors as they are."""
+    return [_compat.backing_variable(v) if hasattr(v, "path") else v
+            for v in sources]
 
 
 

@@ -231,5 +231,6 @@ def test_generate_runs_unpipelined_on_the_wrapped_model():
     prompt = {"token_ids": np.ones((1, hub_models.SEQ_LEN), "int32"),
               "padding_mask": np.array([[1, 1] + [0] * (hub_models.SEQ_LEN - 2)],
                                        bool)}
-    out = plain.generate(prompt, max_length=hub_models.SEQ_LEN)
+    out = plain.generate(prompt, max_length=hub_models.SEQ_LEN,
+                         stop_token_ids=None)
     assert out["token_ids"].shape == (1, hub_models.SEQ_LEN)

@@ -3,8 +3,8 @@ split over one forward, in parity with 1F1B and one device.
 
 The model (x -> d0 -> d1 -> add(d1, d0) -> ln -> d2 -> scale -> out) has a
 skip connection, a LayerNormalization, a layer called twice (shared `d1`
-in stage 0: W sums over its calls) and a custom layer; an embedding model
-checks sparse weight gradients split off.
+in stage 0: W sums over its calls) and a custom layer; sparse embedding
+gradients split off are checked in tests/test_pipeline.py (zb-h1 case).
 """
 
 import functools
@@ -94,37 +94,6 @@ def test_zero_bubble_equals_1f1b_with_plain_sgd():
                         schedule="zb-h1"), "sgd")
     assert_same(reference("sgd"), zb)
     assert_same(one, zb)
-
-
-@pytest.mark.slow
-def test_sparse_weight_gradients_split_off():
-    """An embedding's gradient (IndexedSlices) comes out of W."""
-    def lm():
-        tokens = keras.Input((6,), dtype="int32", name="tokens")
-        e = keras.layers.Embedding(20, 8, name="embed")(tokens)
-        h = keras.layers.Dense(8, activation="tanh", name="mix")(e)
-        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-        return keras.Model(tokens, keras.layers.Dense(2, name="head")(h))
-
-    keras.utils.set_random_seed(3)
-    weights = lm().get_weights()
-    rng = np.random.RandomState(1)
-    x = rng.randint(0, 20, size=(32, 6)).astype("int32")
-    y = rng.normal(size=(32, 2)).astype("float32")
-
-    def fit(model):
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights()
-
-    want = fit(lm())
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
-    with strategy.scope():
-        pipe = tfpar.PipelineModel(lm(), num_microbatches=2,
-                                   schedule="zb-h1", stage_boundaries=["pool"])
-    for a, b in zip(want, fit(pipe)):
-        assert models.relative_error(a, b) < RTOL
 
 
 def test_partial_last_batch_runs_the_same_order_with_fewer_microbatches():

@@ -93,7 +93,8 @@ class PipelineModel(keras.Model):
 
     Args:
         model: a built Sequential (with `keras.Input`) or functional model,
-            created in the same scope.
+            created in the same scope; functional models used as its
+            layers (a keras-hub task's backbone) are cut inside.
         num_microbatches: m, micro-batches per global batch. The global
             batch must be divisible by m × the data axis size.
         schedule: "1f1b" (default: at most p micro-batches' activations
@@ -111,7 +112,11 @@ class PipelineModel(keras.Model):
             GPipe: only for m >= p) for v times more stage-to-stage
             transfers.
         stage_boundaries: names of the layers where parts 1..v·p-1 begin
-            (stages 1..p-1 without interleaving); None cuts automatically.
+            (stages 1..p-1 without interleaving); layers of nested models
+            (inlined) by path, e.g. "llama_backbone/transformer_layer_1",
+            or by name when unique; None cuts automatically. A layer called
+            again on a later stage (a tied output head) stays on the stage
+            of its first call; the later stage reads its weights.
         balance: what the automatic cut balances: "params" (parameter
             count, default) or "time" (each layer's measured forward time
             on one batch of zeros; needs `input_shape` known, i.e. a model

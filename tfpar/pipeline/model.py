@@ -545,7 +545,7 @@ class PipelineRunner:
             spec[0] = self._data_axis
         return tuple(spec)
 
-    def _guest_weights(self, s, split, watch=None):
+    def _guest_weights(self, s, watch=None):
         """(weight, value on part s) of the layers of earlier parts that
         part s calls again (tied weights): each read where it is updated and
         copied here with its layout (`watch`ed for its gradient)."""
@@ -585,7 +585,7 @@ class PipelineRunner:
         weights of earlier stages (`_guest_weights`)."""
         stage = self._stages[s]
         tensors = {id(k): v for k, v in zip(stage.inputs, values)}
-        guests = list(guests) or self._guest_weights(s, None)
+        guests = list(guests) or self._guest_weights(s)
         with _compat.reading_values(guests, [
                 v for layer in stage.layers
                 for v in getattr(layer, "variables", [])]):
@@ -770,7 +770,7 @@ class PipelineRunner:
         with tf.GradientTape(watch_accessed_variables=True,
                              persistent=split_backward) as tape:
             tape.watch([v for v in watched if v is not None])
-            guests = self._guest_weights(s, split, watch=tape.watch)
+            guests = self._guest_weights(s, watch=tape.watch)
             outputs, own_loss = self._run_stage(s, values, training=True,
                                                 layer_outputs=layer_outputs,
                                                 guests=guests)

@@ -61,7 +61,8 @@ def mlp_data():
             rng.normal(size=(32, 8)).astype("float32"))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", [
+    "1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_nested_models_are_inlined_and_cut_by_path(schedule):
     keras.utils.set_random_seed(0)
     weights = nested_mlp().get_weights()
@@ -99,7 +100,8 @@ def test_unknown_or_ambiguous_inner_names_are_clear_errors():
         assert pipe.stages[1].layer_names[0] == "middle/b0"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", [
+    "1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_weights_tied_across_stages_train_as_on_one_device(schedule):
     keras.utils.set_random_seed(1)
     weights = tied_mlp().get_weights()
@@ -222,6 +224,7 @@ def test_hub_causal_lms_pipelined(name, axes, schedule):
         assert blocks[0].shape[-1] * 2 == dense.shape[-1]
 
 
+@pytest.mark.slow
 def test_generate_runs_unpipelined_on_the_wrapped_model():
     """`generate` is not pipelined: the wrapped keras-hub model generates
     with the trained weights copied to a plain model (on one device)."""

@@ -71,7 +71,8 @@ def assert_same(want, got):
 
 
 @pytest.mark.parametrize("axes,schedule,m,boundaries", [
-    ({"pipe": 2, "data": 4}, "zb-h1", 4, None),
+    pytest.param({"pipe": 2, "data": 4}, "zb-h1", 4, None,
+                 marks=pytest.mark.slow),
     pytest.param({"pipe": 2, "data": 4}, "zb-h2", 4, None,
                  marks=pytest.mark.slow),
     pytest.param({"pipe": 4, "data": 2}, "zb-h1", 4, ["add", "d2", "out"],
@@ -96,6 +97,7 @@ def test_zero_bubble_equals_1f1b_with_plain_sgd():
     assert_same(one, zb)
 
 
+@pytest.mark.slow
 def test_partial_last_batch_runs_the_same_order_with_fewer_microbatches():
     pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
                     schedule="zb-h2")

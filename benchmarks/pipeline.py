@@ -12,7 +12,8 @@ schedules, on
 - `Mesh({"pipe": p})` over p of the CPUs (pipeline only), and
 - `Mesh({"pipe": p, "data": 8 // p})` (pipeline × data on all 8);
 - plus interleaved 1F1B with v = 2 parts per stage on pipe=2 × data=4
-  (the MLP's 5 layers allow 4 parts, not 8).
+  (the MLP's 5 layers allow 4 parts, not 8), and the zero-bubble ZB-H1
+  and ZB-H2 (backward split into B and W) on pipe × data for p = 2, 4.
 
 It prints, side by side in one process (interleaved rounds, medians):
 
@@ -22,9 +23,13 @@ It prints, side by side in one process (interleaved rounds, medians):
   forward/backward passes in one tf.function, summed, one Adam update):
   the part of the cost that is micro-batching itself;
 - the bubble measured from an executed timeline (`record_timeline=True`,
-  TF's profiler) next to the theory (p - 1) / (v m + p - 1);
+  TF's profiler) next to the theory: (p - 1) / (v m + p - 1), ZB-H1
+  (p - 1) / (3 m + p - 1), ZB-H2 the paper's 0 (no optimizer
+  synchronisation; `bubble/stage` measures that: idle time inside each
+  stage's own span);
 - per stage, the peak number of micro-batches in flight (forward started,
-  backward not finished; interleaved: per part) in the executed timeline,
+  backward — W for zero-bubble — not finished; interleaved: per part) in
+  the executed timeline,
   and the activation bytes that implies: the bytes of the parts' layer
   outputs for one micro-batch, summed over what is in flight (1F1B keeps
   at most p - s, GPipe all m; interleaved 1F1B counts part × micro-batch
@@ -84,15 +89,16 @@ class AccumulatingModel:
         float(value)  # wait for the last step
 
 
-def in_flight_peaks(timeline, num_stages, part_bytes):
-    """Per stage: the most (part, micro-batch) pairs between F start and B
-    end, and the most activation bytes alive (`part_bytes[k]` per pair of
-    part k = chunk * p + stage)."""
+def in_flight_peaks(timeline, num_stages, part_bytes, last="B"):
+    """Per stage: the most (part, micro-batch) pairs between F start and
+    the end of their `last` action (B, or W when backwards are split), and
+    the most activation bytes alive (`part_bytes[k]` per pair of part k =
+    chunk * p + stage)."""
     peaks = []
     for s in range(num_stages):
         events = []
         for e in timeline:
-            if e.stage == s:
+            if e.stage == s and e.kind in ("F", last):
                 sign = 1 if e.kind == "F" else -1
                 events.append((e.start if e.kind == "F" else e.end, sign,
                                sign * part_bytes[e.chunk * num_stages + s]))
@@ -169,6 +175,16 @@ def main():
                                    schedule="1f1b", virtual_stages=2)
         compile_model(pipe, 1)
     configs["pipe=2 x data=4 1f1b v=2"] = pipe
+    for p in (2, 4):
+        for schedule in ("zb-h1", "zb-h2"):
+            strategy = tfpar.ParallelStrategy(
+                tfpar.Mesh({"pipe": p, "data": 8 // p}))
+            with strategy.scope():
+                keras.utils.set_random_seed(0)
+                pipe = tfpar.PipelineModel(build_model(), num_microbatches=m,
+                                           schedule=schedule)
+                compile_model(pipe, 1)
+            configs[f"pipe={p} x data={8 // p} {schedule}"] = pipe
     for model in configs.values():  # warm-up: tracing is not timed
         model.fit(dataset.take(1), epochs=1, verbose=0)
     times = {name: [] for name in configs}
@@ -184,8 +200,8 @@ def main():
           f"median of {args.rounds} rounds x {args.steps} steps; load "
           f"{load:.1f}")
     print(f"{'config':<26}{'ms/step':>9}{'÷ single':>10}{'÷ accum.':>10}"
-          f"{'bubble':>8}{'theory':>8}  peak in flight per stage "
-          "(activation MiB)")
+          f"{'bubble':>8}{'/stage':>8}{'theory':>8}  peak in flight per "
+          "stage (activation MiB)")
     for name, model in configs.items():
         median = float(np.median(times[name])) * 1e3
         line = (f"{name:<26}{median:>9.1f}{median / base / 1e3:>10.2f}"
@@ -198,11 +214,15 @@ def main():
         model.record_timeline = False
         timeline = model.last_timeline
         p, v = model.schedule.num_stages, model.virtual_stages
+        split = model.schedule.split_backward
         peaks = in_flight_peaks(
             timeline, p,
-            [activation_bytes(part, batch // m) for part in model.stages])
+            [activation_bytes(part, batch // m) for part in model.stages],
+            last="W" if split else "B")
+        theory = theoretical_bubble_fraction(p, m, v, model.schedule.name)
         line += (f"{bubble_fraction(timeline):>8.2f}"
-                 f"{theoretical_bubble_fraction(p, m, v):>8.2f}  "
+                 f"{bubble_fraction(timeline, per_stage=True):>8.2f}"
+                 f"{theory:>8.2f}  "
                  + " ".join(f"{k} ({b / 2**20:.1f})" for k, b in peaks))
         print(line)
         if args.gantt and name == "pipe=4 x data=2 1f1b":

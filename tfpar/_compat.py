@@ -9,6 +9,7 @@ import functools
 import threading
 import weakref
 
+import keras
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.dtensor.python import d_variable
@@ -601,6 +602,61 @@ def functional_graph(model):
         if node.operation is not None and not node.is_input
     ]
     return nodes, list(graph.inputs), list(graph.outputs)
+
+
+@contextlib.contextmanager
+def reading_values(pairs, variables=()):
+    """Keras weights read as the given tensors: `pairs` of (weight, value)
+    (a tied weight's copy on another stage). Built on `keras.StatelessScope`,
+    which also holds back the updates of other `variables` made inside it:
+    those are applied when the block ends."""
+    if not pairs:
+        yield
+        return
+    with keras.StatelessScope(state_mapping=list(pairs)) as scope:
+        yield
+    replaced = {id(w) for w, _ in pairs}
+    for variable in variables:
+        value = scope.get_current_value(variable)
+        if id(variable) not in replaced and value is not None:
+            variable.assign(value)
+
+
+def call_count(layer):
+    """How many times `layer` was called on symbolic tensors (graph nodes)."""
+    return len(getattr(layer, "_inbound_nodes", []))
+
+
+def is_model(layer):
+    from keras.src.models import model as model_lib  # noqa: PLC0415
+
+    return isinstance(layer, model_lib.Model)
+
+
+def has_keras_tensor(structure):
+    from keras.src import tree  # noqa: PLC0415
+
+    return any(isinstance(t, keras.KerasTensor) for t in tree.flatten(structure))
+
+
+def flat_model_inputs(model, inputs):
+    """Symbolic `inputs` of a call of functional `model`, flat in the order
+    of `model.inputs` as `Functional._standardize_inputs` orders them (a
+    dict by input name, else by structure); None when they do not map."""
+    from keras.src import tree  # noqa: PLC0415
+    from keras.src.models import sequential  # noqa: PLC0415
+
+    graph = model._functional if isinstance(model, sequential.Sequential) else model  # noqa: SLF001
+    struct = graph._inputs_struct  # noqa: SLF001
+    if isinstance(inputs, dict) and not isinstance(struct, dict):
+        names = [t.name for t in tree.flatten(struct)]
+        if not set(names) <= set(inputs):
+            return None
+        inputs = [inputs[n] for n in names]
+    flat = tree.flatten(inputs)
+    if not all(isinstance(t, keras.KerasTensor) for t in flat):
+        return None
+    return flat
 
 
 def node_inputs(node):

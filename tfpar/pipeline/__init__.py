@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as plain data, the model split, pictures.
 
 Which stage runs which forward/backward, in what order (`gpipe`,
-`one_f_one_b`), a dependency-respecting simulation of the resulting
+`one_f_one_b`, the zero-bubble `zero_bubble` with split backwards), a dependency-respecting simulation of the resulting
 timeline, its bubble fraction, and text/PNG renderings — all device-free —
 plus `split_model` (cutting a Keras graph into stages). The runtime that
 executes them on sub-meshes is `tfpar.PipelineModel`
@@ -26,6 +26,7 @@ from tfpar.pipeline.schedules import (
     gpipe,
     one_f_one_b,
     theoretical_bubble_fraction,
+    zero_bubble,
 )
 from tfpar.pipeline.timeline import format_timeline, plot_schedule
 from tfpar.pipeline.split import Stage, split_model
@@ -44,4 +45,5 @@ __all__ = [
     "plot_schedule",
     "split_model",
     "theoretical_bubble_fraction",
+    "zero_bubble",
 ]

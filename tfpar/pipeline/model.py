@@ -18,9 +18,20 @@ One training step is one `tf.function` holding every stage's work:
   Each micro-batch loss is scaled by 1/m, so the summed weight gradients
   are those of the mean loss over the whole batch: the step equals the
   full-batch step (gradient accumulation).
-- each stage's actions run in its schedule's order (GPipe or 1F1B), chained
-  by control dependencies; different stages run concurrently wherever the
-  data flow allows. Then every stage applies its optimizer to its weights.
+- zero-bubble schedules (ZB-H1, ZB-H2) split B(s, i) in two
+  vector-Jacobian products over the one forward (a persistent tape): B
+  gives the gradients of the stage's inputs (what the previous stage waits
+  for) and of the outputs of every layer called once, W(s, i) later the
+  weight gradients of such a layer from its own outputs' gradients alone,
+  dL/dw_l = (dy_l/dw_l)^T dL/dy_l (no backward through the stage again).
+  Weights a stage reads in several calls (a layer called twice, a weight
+  shared by two layers) get theirs in W from the stage's whole
+  vector-Jacobian product (a call's output may depend on the weight through
+  an earlier call, which the per-layer product would count twice).
+- each stage's actions run in its schedule's order (GPipe, 1F1B, ZB-H1,
+  ZB-H2), chained by data dependencies; different stages run concurrently
+  wherever the data flow allows. Then every stage applies its optimizer to
+  its weights.
 - interleaved (`virtual_stages=v`): the model is cut into v × p parts and
   part k runs on stage k mod p (Megatron-LM's virtual pipeline stages);
   everything above holds per part, a micro-batch crossing the stages v
@@ -63,7 +74,13 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
-from tfpar.pipeline.schedules import BACKWARD, FORWARD, TimelineEntry
+from tfpar.pipeline.schedules import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    ZERO_BUBBLE,
+    TimelineEntry,
+)
 
 
 class PipelineModel(keras.Model):
@@ -76,13 +93,17 @@ class PipelineModel(keras.Model):
 
     Args:
         model: a built Sequential (with `keras.Input`) or functional model,
-            created in the same scope.
+            created in the same scope; functional models used as its
+            layers (a keras-hub task's backbone) are cut inside.
         num_microbatches: m, micro-batches per global batch. The global
             batch must be divisible by m × the data axis size.
         schedule: "1f1b" (default: at most p micro-batches' activations
             alive per stage; interleaved, Megatron-LM's warm-up
             (p-s-1)·2 + (v-1)·p plus one part-micro-batch pairs, each 1/v
-            of a stage) or "gpipe" (all m).
+            of a stage), "gpipe" (all m), or the zero-bubble "zb-h1"
+            (m >= p; at most p alive) and "zb-h2" (m >= 2p - 1; at most
+            2p - 1 alive), which split each backward into input and weight
+            gradients (`tfpar.pipeline.zero_bubble`).
         virtual_stages: v, model parts per stage (default 1). With v > 1
             the model is cut into v × p parts, part k on stage k mod p, and
             the schedule is interleaved ("1f1b": Megatron-LM's interleaved
@@ -91,7 +112,11 @@ class PipelineModel(keras.Model):
             GPipe: only for m >= p) for v times more stage-to-stage
             transfers.
         stage_boundaries: names of the layers where parts 1..v·p-1 begin
-            (stages 1..p-1 without interleaving); None cuts automatically.
+            (stages 1..p-1 without interleaving); layers of nested models
+            (inlined) by path, e.g. "llama_backbone/transformer_layer_1",
+            or by name when unique; None cuts automatically. A layer called
+            again on a later stage (a tied output head) stays on the stage
+            of its first call; the later stage reads its weights.
         balance: what the automatic cut balances: "params" (parameter
             count, default) or "time" (each layer's measured forward time
             on one batch of zeros; needs `input_shape` known, i.e. a model
@@ -152,6 +177,8 @@ class PipelineModel(keras.Model):
         if stage_boundaries is None and balance == "time":
             costs = _measured_layer_times(model, extended)
         _check_sequence_parallel(model, extended)
+        if full_schedule.split_backward:
+            _check_separable(model, full_schedule.name)
         stages = split_lib.split_model(model, num_stages * virtual_stages,
                                        stage_boundaries, costs)
         super().__init__(name=name or f"pipeline_{model.name}")
@@ -191,8 +218,22 @@ class PipelineModel(keras.Model):
                             f"Weight {weight.path!r} is used by layer "
                             f"{first[1].name!r} ({unit} {first[0]}) and by "
                             f"layer {layer.name!r} ({unit} {stage.index}). "
-                            f"Keep layers that share weights in one {unit} "
-                            "(stage_boundaries).")
+                            "A layer called on two stages is tied (its "
+                            "weights read on both), but two different "
+                            "layers holding one weight cannot be: each "
+                            "would update it. Keep layers that share "
+                            f"weights in one {unit} (stage_boundaries).")
+            for guest in stage.guests:
+                state = [v.path for v in getattr(guest, "variables", [])
+                         if not v.trainable]
+                if state:
+                    raise ValueError(
+                        f"Layer {guest.name!r} is called on stage "
+                        f"{stage.index} and on an earlier stage, and has "
+                        f"state {state} that a call updates: a tie cannot "
+                        "keep it in step on two stages (only weights are "
+                        "read on the later stage). Keep its calls in one "
+                        "stage (stage_boundaries).")
         for stage in self._stages:
             mesh = self.part_mesh(stage.index)
             for layer in stage.layers:
@@ -369,6 +410,17 @@ class PipelineRunner:
         self._model = pipeline
         self._extended = extended = pipeline._extended  # noqa: SLF001
         self._stages = pipeline._stages  # noqa: SLF001  (the model parts)
+        self._layers_by_id = {id(layer): layer for stage in self._stages
+                              for layer in stage.layers}
+        # Where each weight is updated: (part, index in its weights).
+        self._home = {id(w): (k, j) for k, weights in enumerate(
+            pipeline._stage_weights) for j, w in enumerate(weights)}  # noqa: SLF001
+        # Layout specs of tied weights (read eagerly: DTensor's rule).
+        self._tied_specs = {
+            id(w): layout_lib.spec_of(dtensor.fetch_layout(
+                _compat.backing_variable(w)))
+            for stage in self._stages for layer in stage.guests
+            for w in split_lib.weights_of(layer, trainable=True)}
         # Indexed by part (the model part runs on its stage's mesh).
         self._meshes = [pipeline.part_mesh(k) for k in range(len(self._stages))]
         self._mode = mode
@@ -493,16 +545,67 @@ class PipelineRunner:
             spec[0] = self._data_axis
         return tuple(spec)
 
-    def _run_stage(self, s, values, training):
-        """Runs stage s on its input tensors; (outputs, its own losses)."""
+    def _guest_weights(self, s, watch=None):
+        """(weight, value on part s) of the layers of earlier parts that
+        part s calls again (tied weights): each read where it is updated and
+        copied here with its layout (`watch`ed for its gradient)."""
+        pairs = []
+        for layer in self._stages[s].guests:
+            for w in split_lib.weights_of(layer, trainable=True):
+                home = self._home[id(w)][0]
+                with self._on_stage(home):
+                    value = tf.convert_to_tensor(w.value)
+                value = self._move_like(value, home, s,
+                                        self._tied_specs[id(w)])
+                if watch is not None:
+                    watch(value)
+                pairs.append((w, value))
+        return pairs
+
+    def _move_like(self, tensor, source, target, spec):
+        """`tensor` from part `source`'s mesh to part `target`'s, laid out
+        there by `spec` (a weight or its gradient, as the weight is)."""
+        if self._meshes[source] is self._meshes[target]:
+            return tensor
+        src, dst = self._meshes[source], self._meshes[target]
+        rank = tensor.shape.rank
+        with tf.name_scope(f"tie_{source}_to_{target}"):
+            whole = dtensor.relayout(tensor, dtensor.Layout.replicated(
+                src.dtensor_mesh, rank))
+            moved = dtensor.copy_to_mesh(whole, dtensor.Layout.replicated(
+                dst.dtensor_mesh, rank))
+            return placement.relayout(moved, spec, dst)
+
+    def _run_stage(self, s, values, training, layer_outputs=None,
+                   guests=()):
+        """Runs stage s on its input tensors; (outputs, its own losses).
+        With a dict `layer_outputs`, also records there, per layer with
+        trainable weights (by id), the floating outputs of each call.
+        `guests`: (weight, value) pairs the stage reads instead of those
+        weights of earlier stages (`_guest_weights`)."""
         stage = self._stages[s]
         tensors = {id(k): v for k, v in zip(stage.inputs, values)}
-        for node in stage.nodes:
-            _compat.run_node(node, tensors, training)
+        guests = list(guests) or self._guest_weights(s)
+        with _compat.reading_values(guests, [
+                v for layer in stage.layers
+                for v in getattr(layer, "variables", [])]):
+            for node in stage.nodes:
+                node.run(tensors, training)
+                if layer_outputs is not None and \
+                        node.operation not in stage.guests and \
+                        split_lib.weights_of(node.operation, trainable=True):
+                    layer_outputs.setdefault(id(node.operation), []).append(
+                        [v for v in (tensors[id(k)] for k in node.outputs)
+                         if v.dtype.is_floating])
         outputs = [tensors[id(k)] for k in stage.outputs]
         losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
                   for layer in stage.layers
                   for loss in getattr(layer, "losses", [])]
+        if losses and layer_outputs is not None:
+            raise ValueError(_inseparable_message(
+                self._model.schedule.name,
+                [layer.name for layer in stage.layers
+                 if getattr(layer, "losses", [])], "add losses in call()"))
         return outputs, (tf.add_n(losses) if losses else None)
 
     def _last_stage_loss(self, y_pred, y, sample_weight, extra):
@@ -593,6 +696,9 @@ class PipelineRunner:
             # Interleaved 1F1B needs p | m; looped GPipe runs any m and the
             # step's result does not depend on the order.
             return schedules_lib.gpipe(full.num_stages, m, full.virtual_stages)
+        if full.name in ZERO_BUBBLE:  # same order, fewer micro-batches
+            return schedules_lib.zero_bubble(full.name, full.num_stages, m,
+                                             check=False)
         return schedules_lib.get_schedule(full.name, full.num_stages, m,
                                           full.virtual_stages)
 
@@ -606,6 +712,7 @@ class PipelineRunner:
         gradients = {}     # gradients of part k's outputs
         extras = {}        # additional losses so far (stop-grad)
         tapes = {}         # (tape, watched inputs, targets)
+        pending = {}       # W still owed: layers' outputs and their grads
         sums = [[None] * len(w) for w in weights]
         # Per stage (device): zeros computed from its last action.
         tokens = [None] * schedule.num_stages
@@ -618,11 +725,15 @@ class PipelineRunner:
                 if kind == FORWARD:
                     done = self._train_forward(
                         k, i, xs, targets, split, size, scale, activations,
-                        extras, tapes, tokens[action.stage])
-                else:
+                        extras, tapes, tokens[action.stage],
+                        schedule.split_backward)
+                elif kind == BACKWARD:
                     done = self._train_backward(
-                        k, i, split, weights[k], sums[k], gradients, tapes,
-                        tokens[action.stage])
+                        k, i, split, weights[k], sums, gradients, tapes,
+                        tokens[action.stage], pending)
+                else:
+                    done = self._train_weights(
+                        k, sums, pending.pop((k, i)), tokens[action.stage])
                 tokens[action.stage] = _token(done, size)
         for s, optimizer in enumerate(self._model.stage_optimizers):
             grads = [tf.zeros_like(w) if g is None else g
@@ -643,7 +754,7 @@ class PipelineRunner:
             yield
 
     def _train_forward(self, s, i, xs, targets, split, size, scale,
-                       activations, extras, tapes, token):
+                       activations, extras, tapes, token, split_backward):
         p = len(self._stages)
         if s == 0:
             values = tf.nest.flatten(self._microbatch(xs, i, 0, split))
@@ -654,9 +765,15 @@ class PipelineRunner:
         values = _after(values, token)
         # Stage 0 reads data (no gradient); integer inputs have none either.
         watched = [v if s and v.dtype.is_floating else None for v in values]
-        with tf.GradientTape(watch_accessed_variables=True) as tape:
+        # Split backwards run two gradient calls on the tape (B, then W).
+        layer_outputs = {} if split_backward else None
+        with tf.GradientTape(watch_accessed_variables=True,
+                             persistent=split_backward) as tape:
             tape.watch([v for v in watched if v is not None])
-            outputs, own_loss = self._run_stage(s, values, training=True)
+            guests = self._guest_weights(s, watch=tape.watch)
+            outputs, own_loss = self._run_stage(s, values, training=True,
+                                                layer_outputs=layer_outputs,
+                                                guests=guests)
             if s == p - 1:
                 y, sample_weight = self._microbatch(targets, i, -1, split)
                 y_pred = self._y_pred(outputs)
@@ -668,7 +785,8 @@ class PipelineRunner:
                 objective = own_loss * scale
             else:
                 objective = None
-        tapes[(s, i)] = (tape, watched, outputs, objective)
+        tapes[(s, i)] = (tape, watched, outputs, objective, layer_outputs,
+                         guests)
         if s == p - 1:
             self._update_metrics(size, y_pred, y, sample_weight, loss)
             return [loss]
@@ -680,9 +798,10 @@ class PipelineRunner:
         return outputs
 
     def _train_backward(self, s, i, split, weights, sums, gradients, tapes,
-                        token):
+                        token, pending):
         p = len(self._stages)
-        tape, watched, outputs, objective = tapes.pop((s, i))
+        (tape, watched, outputs, objective, layer_outputs,
+         guests) = tapes.pop((s, i))
         if s == p - 1:
             targets, seeds = [objective], _after([tf.ones_like(objective)],
                                                  token)
@@ -696,13 +815,50 @@ class PipelineRunner:
                 targets.append(objective)
                 seeds.append(tf.ones_like(objective))
         sources = [v for v in watched if v is not None]
-        # d(targets · seeds)/d(inputs, weights): the vector-Jacobian product.
+        tied = [w for w, _ in guests]   # read here, updated on their stage
+        if layer_outputs is None:
+            own = list(weights) + [value for _, value in guests]  # B and W
+        else:
+            # B of a split backward: the outputs of layers called once with
+            # weights of their own stand in for those weights; W
+            # (`_train_weights`) finishes from their gradients.
+            uses = {}
+            for key, calls in layer_outputs.items():
+                for w in split_lib.weights_of(self._layer(key), trainable=True):
+                    uses[id(w)] = uses.get(id(w), 0) + len(calls)
+            layers = [key for key, calls in layer_outputs.items()
+                      if all(uses[id(w)] == 1 for w in split_lib.weights_of(
+                          self._layer(key), trainable=True))]
+            own = [y for key in layers for y in layer_outputs[key][0]]
+            # The rest: W takes them from the stage's whole product.
+            simple = {id(w) for key in layers
+                      for w in split_lib.weights_of(self._layer(key),
+                                                    trainable=True)}
+            tangled = [w for w in weights if id(w) not in simple]
+            wholes = tangled + [value for _, value in guests]
+        # d(targets · seeds)/d(inputs, own): the vector-Jacobian product.
+        # Unconnected: None (a weight keeps no gradient, so a tied sparse
+        # embedding is not made dense by a zero); inputs' are zeros.
         grads = tape.gradient(
-            targets, sources + list(weights), output_gradients=seeds,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        input_grads = iter(grads[:len(sources)])
-        for k, g in enumerate(grads[len(sources):]):
-            sums[k] = _accumulate(sums[k], g)
+            targets, sources + _tensors(own), output_gradients=seeds)
+        input_grads = iter(tf.zeros_like(v) if g is None else g
+                           for v, g in zip(sources, grads))
+        if layer_outputs is None:
+            for w, g in zip(list(weights) + tied, grads[len(sources):]):
+                self._add_gradient(sums, s, w, g)
+        else:
+            owed = iter(grads[len(sources):])
+            products = []
+            for key in layers:
+                own = split_lib.weights_of(self._layer(key), trainable=True)
+                outs = layer_outputs[key][0]
+                seeds_of = [next(owed) for _ in outs]
+                products.append((own, own, outs, [
+                    tf.zeros_like(y) if g is None else g
+                    for y, g in zip(outs, seeds_of)]))
+            if wholes:
+                products.append((tangled + tied, wholes, targets, seeds))
+            pending[(s, i)] = (tape, products)
         if s > 0:
             # One gradient per output of stage s-1 (None for integers).
             gradients[(s - 1, i)] = [
@@ -712,8 +868,78 @@ class PipelineRunner:
         return [g.values if isinstance(g, tf.IndexedSlices) else g
                 for g in grads if g is not None]
 
+    def _layer(self, key):
+        return self._layers_by_id[key]
+
+    def _train_weights(self, s, sums, owed, token):
+        """W of a split backward: each layer's weight gradients, the
+        vector-Jacobian product of its own outputs with their gradients
+        from B (dL/dw = (dy/dw)^T dL/dy); weights read by several calls
+        and tied weights, the product of the stage's targets with their
+        seeds."""
+        tape, products = owed
+        done = []
+        for weights, sources, outputs, seeds in products:
+            grads = tape.gradient(
+                outputs, _tensors(sources),
+                output_gradients=_after(seeds, token))
+            for w, g in zip(weights, grads):
+                if g is not None:  # unconnected
+                    self._add_gradient(sums, s, w, g)
+                    done.append(g.values if isinstance(g, tf.IndexedSlices)
+                                else g)
+        return done
+
+    def _add_gradient(self, sums, s, weight, gradient):
+        """Adds part s's gradient of `weight` to the sum of the part that
+        updates it: a tied weight's gradient goes back to its home part, so
+        one optimizer step sees the sum over every stage that reads it."""
+        if gradient is None:  # unconnected
+            return
+        k, j = self._home[id(weight)]
+        if k != s:
+            gradient = self._move_like(tf.convert_to_tensor(gradient), s, k,
+                                       self._tied_specs[id(weight)])
+        sums[k][j] = _accumulate(sums[k][j], gradient)
+
 
 _ACTION_SCOPE = "tfpar_pipeline_action_"
+
+
+def _tensors(sources):
+    """Gradient sources with TF dtypes: a Keras weight's tf.Variable (the
+    tape's zeros for an unconnected Keras weight fail on its string
+    dtype), tensors as they are."""
+    return [_compat.backing_variable(v) if hasattr(v, "path") else v
+            for v in sources]
+
+
+
+def _inseparable_message(schedule, layers, why):
+    return (
+        f"schedule={schedule!r} splits each backward into input and weight "
+        "gradients, the weight gradients of a layer computed from its "
+        f"outputs' gradients alone; layer(s) {layers} {why}, so their "
+        "weight gradients do not flow through their outputs only and cannot "
+        "be separated. Received: schedule="
+        f"{schedule!r}. Use schedule='1f1b' or 'gpipe', or remove those "
+        "losses.")
+
+
+def _check_separable(model, schedule):
+    """Weight regularisers add a loss read from the weights directly (not
+    through the layer's outputs): a split backward would miss it."""
+    owner = {}  # regularised weight -> its innermost layer
+    for layer in _compat.all_layers(model):  # outermost first
+        if getattr(layer, "activity_regularizer", None) is not None:
+            owner[id(layer)] = layer.name
+        for w in layer.trainable_weights:
+            if getattr(w, "regularizer", None) is not None:
+                owner[id(w)] = layer.name
+    regularized = list(dict.fromkeys(owner.values()))
+    if regularized:
+        raise ValueError(_inseparable_message(
+            schedule, regularized, "have weight or activity regularizers"))
 
 
 def _accumulate(total, gradient):
@@ -793,7 +1019,7 @@ def _timeline(events, num_stages):
     """
     # Gradient ops are named after their forward op: "gradient_tape/<F>".
     pattern = re.compile(
-        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FB])(\d+)/")
+        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FBW])(\d+)/")
     spans, compute = {}, {}
     for name, start, end in events:
         match = pattern.search(name)
@@ -854,7 +1080,7 @@ def _device_range(mesh):
 def _measured_layer_times(model, extended, batch_size=32, repeats=3):
     """Seconds per layer of one forward on `batch_size` zeros (the best of
     `repeats` eager runs on the mesh the weights were created on)."""
-    nodes, layers, inputs, _ = split_lib.model_graph(model)
+    nodes, layers, inputs, _, _ = split_lib.model_graph(model)
     mesh = extended.placement_mesh  # None: the weights are on the host
     tensors = {}
     for k in inputs:
@@ -867,7 +1093,7 @@ def _measured_layer_times(model, extended, batch_size=32, repeats=3):
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            _compat.run_node(node, tensors, training=False)  # synchronous
+            node.run(tensors, training=False)  # synchronous
             best = min(best, time.perf_counter() - start)
         seconds[id(node.operation)] += best
     return [seconds[id(layer)] for layer in layers]

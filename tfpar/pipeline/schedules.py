@@ -17,6 +17,24 @@ Two classic schedules are provided, modelled on
 With equal forward and backward costs both have the same idle ("bubble")
 fraction, `(p - 1) / (m + p - 1)`: 1F1B saves memory, not time.
 
+Zero-bubble schedules (Qi et al., 2024, arXiv 2401.10241) split every
+backward into "B", the gradient of the stage's inputs (which the previous
+stage waits for), and "W", the gradient of its weights (which nobody waits
+for), and move W's into the idle slots:
+
+* ZB-H1: 1F1B's forwards and B's, each W delayed just enough to fill the
+  cool-down; every stage holds at most `p` micro-batches (1F1B's peak,
+  reached on stage 0). Idle time per stage `(p - 1)(T_F + T_B - T_W)`
+  instead of 1F1B's `(p - 1)(T_F + T_B + T_W)`: a third for equal costs.
+  Needs `m >= p`.
+* ZB-H2: `p - 1` more warm-up forwards (stage `s` runs `2(p - s - 1)`),
+  at most `2p - 1` micro-batches alive: no stage ever idles between its
+  first and its last action (a parallelogram). The paper's zero bubble
+  counts exactly that: it starts the next step on stage 0 while the last
+  stage finishes, "bypassing optimizer synchronisation". With a
+  synchronised optimizer step (as `PipelineModel` runs) the fill time
+  `(p - 1) T_F` stays, the minimum any schedule has. Needs `m >= 2p - 1`.
+
 Both also come *interleaved* (`virtual_stages=v > 1`, Narayanan et al.,
 2021, Megatron-LM's virtual pipeline stages): the model is cut into `v * p`
 chunks and stage `s` holds chunks `s, s + p, s + 2p, ...`, so a micro-batch
@@ -53,10 +71,13 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "theoretical_bubble_fraction",
+    "zero_bubble",
 ]
 
 FORWARD = "F"
 BACKWARD = "B"
+WEIGHT = "W"
+ZERO_BUBBLE = ("zb-h1", "zb-h2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +86,9 @@ class Action:
 
     Args:
         stage: Pipeline stage (device) index, 0 is the first stage.
-        kind: "F" for the forward pass, "B" for the backward pass.
+        kind: "F" for the forward pass, "B" for the backward pass (in a
+            zero-bubble schedule only its input gradient), "W" for the
+            weight gradient of a backward that a zero-bubble schedule split.
         microbatch: Micro-batch index, 0-based.
         chunk: Which of the stage's model chunks runs (interleaved
             schedules; 0 otherwise). With `p` stages, chunk `c` of stage `s`
@@ -85,9 +108,11 @@ class Action:
     chunk: int = 0
 
     def __post_init__(self):
-        if self.kind not in (FORWARD, BACKWARD):
+        if self.kind not in (FORWARD, BACKWARD, WEIGHT):
             raise ValueError(
-                f"Action kind must be 'F' or 'B'. Received: kind={self.kind!r}")
+                "Action kind must be 'F' or 'B' (forward, backward), or 'W' "
+                "(the weight-gradient half of a backward that a zero-bubble "
+                f"schedule splits). Received: kind={self.kind!r}")
         for field in ("stage", "microbatch", "chunk"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -136,7 +161,9 @@ class Schedule:
 
     Every `(stage, kind, microbatch, chunk)` must appear exactly once, on
     its own stage's list, with the forward of a micro-batch before its
-    backward (for each chunk).
+    backward (for each chunk). A schedule with any "W" action splits every
+    backward: each B (input gradient) then needs its W (weight gradient)
+    after it, on the same stage.
 
     Args:
         name: Schedule name, e.g. "gpipe" or "1f1b".
@@ -153,6 +180,7 @@ class Schedule:
         num_microbatches: `m`, the number of micro-batches.
         virtual_stages: `v`, model chunks per stage.
         num_parts: `v * p`, the model parts (chunks) in pipeline order.
+        split_backward: True when backwards are split into B and W.
 
     Example:
 
@@ -178,6 +206,8 @@ class Schedule:
                 (getattr(a, "chunk", 0) for a in everything), default=0)
         self.virtual_stages = _check_count(virtual_stages, "virtual_stages")
         self.num_parts = self.virtual_stages * self.num_stages
+        self.split_backward = any(a.kind == WEIGHT for a in everything
+                                  if isinstance(a, Action))
         self._validate()
 
     def part(self, action):
@@ -210,33 +240,42 @@ class Schedule:
                     raise ValueError(
                         f"Schedule {self.name!r}: {action} appears twice on "
                         f"stage {s}")
-                forward = Action(s, FORWARD, action.microbatch, action.chunk)
-                if action.kind == BACKWARD and forward not in seen:
+                # F before B before W (of one micro-batch and chunk).
+                needs = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(action.kind)
+                before = needs and Action(s, needs, action.microbatch,
+                                          action.chunk)
+                if before and before not in seen:
                     raise ValueError(
                         f"Schedule {self.name!r}: {action} comes before "
-                        f"{forward} on stage {s}")
+                        f"{before} on stage {s}")
                 seen.add(action)
-            if len(seen) != 2 * m * v:
+            kinds = self._kinds()
+            if len(seen) != len(kinds) * m * v:
                 missing = [str(Action(s, k, i, c)) for c in range(v)
-                           for i in range(m) for k in (FORWARD, BACKWARD)
+                           for i in range(m) for k in kinds
                            if Action(s, k, i, c) not in seen]
                 raise ValueError(
                     f"Schedule {self.name!r}: stage {s} misses "
                     f"{', '.join(missing)}")
 
+    def _kinds(self):
+        return ((FORWARD, BACKWARD, WEIGHT) if self.split_backward
+                else (FORWARD, BACKWARD))
+
     def peak_in_flight(self, stage):
         """Max number of micro-batches alive on `stage` at once.
 
         A micro-batch is "in flight" on a stage from the start of its forward
-        until its backward has run: the stage must keep its activations. This
-        is what bounds activation memory.
+        until its backward has run (its W, when backwards are split: the
+        weight gradient still reads the layer inputs): the stage must keep
+        its activations. This is what bounds activation memory.
 
         Args:
             stage: Stage index, `0 <= stage < num_stages`.
 
         Returns:
             The peak count over the stage's action list: GPipe gives `m`,
-            1F1B gives `min(p - stage, m)`. With interleaving a micro-batch
+            1F1B gives `min(p - stage, m)`, ZB-H1 `p`, ZB-H2 `2p - 1`. With interleaving a micro-batch
             counts once per chunk it is alive in (each chunk keeps `1/v` of
             the stage's activations).
 
@@ -249,26 +288,34 @@ class Schedule:
             raise ValueError(
                 f"stage must be in [0, {self.num_stages}). "
                 f"Received: stage={stage!r}")
+        last = WEIGHT if self.split_backward else BACKWARD
         alive = peak = 0
         for action in self.actions[stage]:
-            alive += 1 if action.kind == FORWARD else -1
+            alive += {FORWARD: 1, last: -1}.get(action.kind, 0)
             peak = max(peak, alive)
         return peak
 
-    def simulate(self, forward_time=1.0, backward_time=2.0):
+    def simulate(self, forward_time=1.0, backward_time=2.0,
+                 weight_time=None):
         """Computes when each action runs, as early as its dependencies allow.
 
         Rules: each stage runs its actions one at a time in list order;
         `F(k, i)` of model part `k` needs `F(k - 1, i)` done (activations
         arrive from the previous part); `B(k, i)` needs `B(k + 1, i)` done
-        (gradients arrive from the next part) and `F(k, i)` done. Without
-        interleaving part `k` is stage `k`. Communication is free.
+        (gradients arrive from the next part) and `F(k, i)` done; `W(k, i)`
+        needs `B(k, i)` done. Without interleaving part `k` is stage `k`.
+        Communication is free.
 
         Args:
             forward_time: Duration of one forward on one stage (a chunk's
                 forward takes `forward_time / virtual_stages`).
-            backward_time: Duration of one backward on one stage (about twice
-                the forward in practice, hence the default).
+            backward_time: Duration of one whole backward on one stage
+                (about twice the forward in practice, hence the default).
+                When backwards are split, B takes `backward_time -
+                weight_time` and W `weight_time`.
+            weight_time: Duration of one W (split backwards only); default
+                half the backward. `simulate(1, 2, 1)` is the paper's
+                T_F = T_B = T_W.
 
         Returns:
             A list of `TimelineEntry(stage, kind, microbatch, start, end,
@@ -285,14 +332,25 @@ class Schedule:
 chunk=0), TimelineEntry(stage=1, kind='F', microbatch=0, start=1, end=2, \
 chunk=0)]
         """
+        if weight_time is None:
+            weight_time = backward_time / 2
         for arg, value in (("forward_time", forward_time),
-                           ("backward_time", backward_time)):
+                           ("backward_time", backward_time),
+                           ("weight_time", weight_time)):
             if not value >= 0:
                 raise ValueError(f"{arg} must be >= 0. Received: {arg}={value!r}")
+        if self.split_backward:
+            if weight_time > backward_time:
+                raise ValueError(
+                    "weight_time is the W part of backward_time, so it must "
+                    f"be <= backward_time. Received: weight_time="
+                    f"{weight_time!r}, backward_time={backward_time!r}")
+            backward_time = backward_time - weight_time
         v = self.virtual_stages
         # A chunk is 1/v of a stage (v = 1 keeps the times exact).
-        duration = {FORWARD: forward_time / v if v > 1 else forward_time,
-                    BACKWARD: backward_time / v if v > 1 else backward_time}
+        duration = {kind: time / v if v > 1 else time for kind, time in (
+            (FORWARD, forward_time), (BACKWARD, backward_time),
+            (WEIGHT, weight_time))}
         p, last = self.num_stages, self.num_parts - 1
         end = {}                    # (part, kind, microbatch) -> end time
         next_index = [0] * p        # next action to run, per stage
@@ -307,6 +365,8 @@ chunk=0)]
                     k, i = self.part(a), a.microbatch
                     if a.kind == FORWARD:
                         deps = [(k - 1, FORWARD, i)] if k > 0 else []
+                    elif a.kind == WEIGHT:
+                        deps = [(k, BACKWARD, i)]
                     else:
                         deps = [(k, FORWARD, i)]
                         if k < last:
@@ -338,9 +398,13 @@ chunk=0)]
         return [Action(e.stage, e.kind, e.microbatch, e.chunk)
                 for e in self.simulate(forward_time=1.0, backward_time=2.0)]
 
-    def bubble_fraction(self, forward_time=1.0, backward_time=1.0):
-        """`bubble_fraction(self.simulate(forward_time, backward_time))`."""
-        return bubble_fraction(self.simulate(forward_time, backward_time))
+    def bubble_fraction(self, forward_time=1.0, backward_time=1.0,
+                        weight_time=None, per_stage=False):
+        """`bubble_fraction(self.simulate(forward_time, backward_time,
+        weight_time), per_stage)`."""
+        return bubble_fraction(
+            self.simulate(forward_time, backward_time, weight_time),
+            per_stage)
 
     def __str__(self):
         chunks = (f" x {self.virtual_stages} chunks"
@@ -491,7 +555,81 @@ def _interleaved_one_f_one_b(p, m, v):
     return Schedule("1f1b", actions, m, v)
 
 
-_SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble(name, num_stages, num_microbatches, virtual_stages=1,
+                check=True):
+    """ZB-H1 or ZB-H2 (arXiv 2401.10241, section 3): backwards split into
+    B (input gradient) and W (weight gradient).
+
+    Stage `s` of `p` runs `w` warm-up forwards (ZB-H1: `p - s - 1`, as
+    1F1B; ZB-H2: `2 (p - s - 1)`), then `m - w` rounds of one F and one B,
+    each followed by as many W's (oldest first) as keep at most `c`
+    micro-batches alive before the next F (ZB-H1: `c = p`; ZB-H2: `c = 2p -
+    1`); then the `w` B's still owed, each followed by one W (filling the
+    wait for the next stage's B), then the remaining W's.
+
+    Args:
+        name: "zb-h1" or "zb-h2".
+        num_stages: `p >= 1`.
+        num_microbatches: `m`; ZB-H1 needs `m >= p`, ZB-H2 `m >= 2p - 1`
+            (fewer micro-batches leave the bubble the schedule is for).
+        virtual_stages: must be 1 (no interleaved zero-bubble schedule).
+        check: False builds the same order for any `m >= 1` (a smaller
+            last batch of an epoch: the result does not depend on the
+            order, only the bubble does).
+
+    Returns:
+        A `Schedule` named `name` with F, B and W actions.
+
+    Example:
+
+    >>> print(zero_bubble("zb-h1", 2, 3))
+    zb-h1 schedule, 2 stages x 3 micro-batches
+    stage 0 | 0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2
+    stage 1 | 1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2
+    """
+    p = _check_count(num_stages, "num_stages")
+    m = _check_count(num_microbatches, "num_microbatches")
+    v = _check_count(virtual_stages, "virtual_stages")
+    if v > 1:
+        raise ValueError(
+            f"Schedule {name!r} has no interleaved form here (ZB-V is not "
+            f"implemented). Received: virtual_stages={v}. Use "
+            "virtual_stages=1, or schedule='1f1b' with virtual stages.")
+    h2 = name == "zb-h2"
+    least = 2 * p - 1 if h2 else p
+    if check and m < least:
+        raise ValueError(
+            f"Schedule {name!r} needs num_microbatches >= "
+            f"{'2 × num_stages - 1' if h2 else 'num_stages'} = {least} (with "
+            "fewer there are not enough micro-batches to fill the pipe). "
+            f"Received: num_microbatches={m}, num_stages={p}. Use "
+            f"num_microbatches={least} or more, or schedule='1f1b'.")
+    cap = 2 * p - 1 if h2 else p
+    actions = []
+    for s in range(p):
+        warmup = min(2 * (p - s - 1) if h2 else p - s - 1, m)
+        row = [Action(s, FORWARD, i) for i in range(warmup)]
+        forwards, weights = warmup, 0   # F's and W's run so far
+        for k in range(m - warmup):
+            row += [Action(s, FORWARD, forwards), Action(s, BACKWARD, k)]
+            forwards += 1
+            # W's (their B's ran) until the next F fits under the cap.
+            while forwards - weights >= cap and weights <= k:
+                row.append(Action(s, WEIGHT, weights))
+                weights += 1
+        for i in range(m - warmup, m):
+            row.append(Action(s, BACKWARD, i))
+            if weights <= i:
+                row.append(Action(s, WEIGHT, weights))
+                weights += 1
+        row += [Action(s, WEIGHT, i) for i in range(weights, m)]
+        actions.append(row)
+    return Schedule(name, actions, m)
+
+
+_SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b,
+              "zb-h1": lambda p, m, v: zero_bubble("zb-h1", p, m, v),
+              "zb-h2": lambda p, m, v: zero_bubble("zb-h2", p, m, v)}
 SCHEDULE_NAMES = tuple(_SCHEDULES)
 
 
@@ -499,7 +637,8 @@ def get_schedule(name, num_stages, num_microbatches, virtual_stages=1):
     """Builds a schedule by name.
 
     Args:
-        name: "gpipe" or "1f1b" (case-insensitive).
+        name: "gpipe", "1f1b", "zb-h1" or "zb-h2" (case-insensitive; see
+            `zero_bubble`).
         num_stages: `p >= 1`, the number of pipeline stages.
         num_microbatches: `m >= 1`, the number of micro-batches per batch.
         virtual_stages: `v >= 1`, model chunks per stage (interleaving).
@@ -508,7 +647,8 @@ def get_schedule(name, num_stages, num_microbatches, virtual_stages=1):
         The `Schedule`.
 
     Raises:
-        ValueError: For an unknown name, or a count below 1.
+        ValueError: For an unknown name, a count below 1, or too few
+            micro-batches for a zero-bubble schedule.
         TypeError: For a non-string name or a non-integer count.
 
     Example:
@@ -530,18 +670,22 @@ def get_schedule(name, num_stages, num_microbatches, virtual_stages=1):
     return _SCHEDULES[key](num_stages, num_microbatches, virtual_stages)
 
 
-def bubble_fraction(timeline):
+def bubble_fraction(timeline, per_stage=False):
     """Idle fraction of a simulated timeline.
 
     With `p` stages busy for a total of `busy` time units over a makespan
     `T = max(end) - min(start)`, the pipeline offers `p * T` stage-time and
-    the bubble is `(p * T - busy) / (p * T)`. The number of stages is
-    `1 + max(stage)`; a stage's busy time is the union of its actions'
-    intervals (measured actions may overlap).
+    the bubble is `(p * T - busy) / (p * T)`: every stage waits for the
+    step's optimizer update. The number of stages is `1 + max(stage)`; a
+    stage's busy time is the union of its actions' intervals (measured
+    actions may overlap).
 
     Args:
         timeline: `TimelineEntry` records or `(stage, kind, microbatch,
             start, end)` tuples, e.g. from `Schedule.simulate`.
+        per_stage: count each stage's time only from its first start to
+            its last end (steps overlapping, no optimizer synchronisation:
+            the zero-bubble paper's measure of ZB-H2).
 
     Returns:
         A float in `[0, 1)`; 0.0 for an empty or zero-length timeline.
@@ -558,6 +702,10 @@ def bubble_fraction(timeline):
     makespan = max(e.end for e in entries) - min(e.start for e in entries)
     if makespan <= 0:
         return 0.0
+    if per_stage:
+        spans = [[e for e in entries if e.stage == s] for s in range(p)]
+        makespan = sum(max(e.end for e in row) - min(e.start for e in row)
+                       for row in spans if row) / p
     # Busy time of a stage is the union of its actions' intervals (in a
     # measured timeline a stage's actions may overlap).
     busy = 0.0
@@ -576,13 +724,21 @@ def bubble_fraction(timeline):
 
 
 def theoretical_bubble_fraction(num_stages, num_microbatches,
-                                virtual_stages=1):
-    """`(p - 1) / (v m + p - 1)`: the (interleaved) 1F1B bubble, equal F/B.
+                                virtual_stages=1, schedule="1f1b"):
+    """The papers' bubble fractions for equal costs.
 
-    Each stage idles `p - 1` slots while the pipe fills and `p - 1` while it
-    drains, out of `2 (v m + p - 1)` slots of a step where a slot is one
-    chunk's F or B (`1/v` of a stage's work). With `v = 1` this is also
-    GPipe's bubble.
+    "gpipe", "1f1b": `(p - 1) / (v m + p - 1)`, equal F/B. Each stage
+    idles `p - 1` slots while the pipe fills and `p - 1` while it drains,
+    out of `2 (v m + p - 1)` slots of a step where a slot is one chunk's F
+    or B (`1/v` of a stage's work). With `v = 1` GPipe's bubble too.
+
+    "zb-h1": `(p - 1) / (3 m + p - 1)`, T_F = T_B = T_W: idle `(p - 1)
+    (T_F + T_B - T_W)` per stage beside `m (T_F + T_B + T_W)` of work.
+
+    "zb-h2": 0, the paper's figure: no stage idles between its first and
+    last action (`bubble_fraction(..., per_stage=True)`); with the
+    optimizer step synchronising the stages the fill `(p - 1) T_F` stays,
+    `(p - 1) / (3 m + p - 1)` as ZB-H1.
 
     Example:
 
@@ -590,10 +746,21 @@ def theoretical_bubble_fraction(num_stages, num_microbatches,
     0.2727272727272727
     >>> theoretical_bubble_fraction(4, 8, virtual_stages=2)   # 3 / 19
     0.15789473684210525
+    >>> theoretical_bubble_fraction(4, 8, schedule="zb-h1")   # 3 / 27
+    0.1111111111111111
     """
     p = _check_count(num_stages, "num_stages")
     m = _check_count(num_microbatches, "num_microbatches")
     v = _check_count(virtual_stages, "virtual_stages")
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)
+    if schedule == "zb-h2":
+        return 0.0
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(
+            "theoretical_bubble_fraction(schedule) must be one of "
+            f"{', '.join(map(repr, SCHEDULE_NAMES))}. Received: "
+            f"schedule={schedule!r}")
     return (p - 1) / (v * m + p - 1)
 
 

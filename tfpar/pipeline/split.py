@@ -2,13 +2,21 @@
 
 A model's graph is run in Keras' own order (deepest node first). Its layers,
 in order of first use, are cut into `p` consecutive runs: stage `s` runs
-the nodes of its layers. Any tensor a later stage reads — a skip
-connection, or a model input used deep in the model — is carried forward
-stage by stage, so every cut is valid as long as each layer sits in one
-stage (a shared layer called on both sides of a cut is an error).
+the nodes from the first call of its first layer on. Any tensor a later
+stage reads — a skip connection, or a model input used deep in the model —
+is carried forward stage by stage, so every cut is valid. A layer called
+again on a later stage (a tied output head) stays on its first stage and
+is a guest of the later one, which reads its weights.
 
-Cuts are either named (`boundaries`: the layers where stages 1..p-1 begin)
-or chosen to balance a per-layer cost — by default the parameter count —
+A functional (or Sequential) model used as a layer inside another — a
+keras-hub task holding its backbone, at any depth — is inlined: its layers
+join the graph that is cut, named by their path (`llama_backbone/
+transformer_layer_1`). A nested model called more than once, or with more
+than its inputs, stays one layer.
+
+Cuts are either named (`boundaries`: the layers where stages 1..p-1 begin,
+by path, or by name when that is unique) or chosen to balance a per-layer
+cost — by default the parameter count —
 minimising the largest stage (a contiguous linear partition, solved
 exactly by dynamic programming).
 
@@ -37,12 +45,15 @@ class Stage:
     Attributes:
         index: 0 for the stage that reads the model inputs.
         layers: the Keras layers it owns, in graph order.
-        nodes: the graph nodes it runs, in order.
+        nodes: the `GraphNode`s it runs, in order.
         inputs: KerasTensors it receives (the model inputs for stage 0).
         outputs: KerasTensors it sends on (the model outputs for the last
             stage); tensors a later stage still needs pass through.
         num_params: number of weights' elements of its layers.
         cost: the balancing cost (parameters, or measured seconds).
+        paths: its layers' paths (nested layers "outer/inner").
+        guests: layers of earlier stages it calls again (tied weights: it
+            reads their weights, they are updated on their own stage).
     """
 
     index: int
@@ -52,15 +63,109 @@ class Stage:
     outputs: list
     num_params: int
     cost: float = 0.0
+    paths: list = None
+    guests: list = dataclasses.field(default_factory=list)
 
     @property
     def layer_names(self):
-        return [layer.name for layer in self.layers]
+        """Its layers' paths ("backbone/block_1"; the name at top level)."""
+        return list(self.paths or [layer.name for layer in self.layers])
+
+
+class GraphNode:
+    """One layer call of the graph that is cut, nested models inlined.
+
+    `inputs`/`outputs` are the KerasTensors it reads and makes, where a
+    tensor entering or leaving an inlined model is replaced by the one it
+    stands for (`aliases`: id(KerasTensor) -> the KerasTensor whose value it
+    has). `run` executes the Keras node on concrete tensors keyed by id.
+    """
+
+    def __init__(self, node, path, aliases):
+        self.node = node
+        self.operation = node.operation
+        self.path = path
+        self._aliases = aliases
+        self.inputs = [resolve(t, aliases) for t in _compat.node_inputs(node)]
+        self.outputs = list(node.outputs)
+
+    def run(self, tensors, training):
+        _compat.run_node(self.node, _Aliased(tensors, self._aliases), training)
+
+
+class _Aliased:
+    """`tensors` read through the aliases of inlined models' boundaries."""
+
+    def __init__(self, tensors, aliases):
+        self._tensors, self._aliases = tensors, aliases
+
+    def _key(self, key):
+        while key in self._aliases:
+            key = id(self._aliases[key])
+        return key
+
+    def __getitem__(self, key):
+        return self._tensors[self._key(key)]
+
+    def get(self, key, default=None):
+        return self._tensors.get(self._key(key), default)
+
+    def __setitem__(self, key, value):
+        self._tensors[key] = value
+
+
+def resolve(tensor, aliases):
+    """The KerasTensor whose value `tensor` has (itself if not an alias)."""
+    while id(tensor) in aliases:
+        tensor = aliases[id(tensor)]
+    return tensor
+
+
+def _inlinable(node, calls):
+    """The flat (inner input, outer tensor) pairs when `node` calls a
+    functional model once on its inputs alone, else None."""
+    inner = node.operation
+    graph = _compat.functional_graph(inner) if _compat.is_model(inner) else None
+    if graph is None or calls[id(inner)] > 1:
+        return None
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if len(args) != 1 or any(_compat.has_keras_tensor(v)
+                             for v in kwargs.values()):
+        return None
+    outer = _compat.flat_model_inputs(inner, args[0])
+    if outer is None or len(outer) != len(graph[1]) or any(
+            len(o.shape) != len(i.shape) for o, i in zip(outer, graph[1])):
+        return None
+    return list(zip(graph[1], outer))
+
+
+def _inline(model, prefix, aliases, calls, out):
+    """Appends `model`'s nodes to `out` as GraphNodes, inlining nested
+    functional models (their boundary tensors become aliases)."""
+    nodes, _, outputs = _compat.functional_graph(model)
+    for node in nodes:
+        pairs = _inlinable(node, calls)
+        if pairs is None:
+            out.append(GraphNode(node, prefix + node.operation.name, aliases))
+            continue
+        inner = node.operation
+        for inner_input, outer in pairs:
+            outer = resolve(outer, aliases)
+            if outer is not inner_input:  # a task reuses its backbone's inputs
+                aliases[id(inner_input)] = outer
+        inner_outputs = _inline(inner, f"{prefix}{inner.name}/", aliases,
+                                calls, out)
+        for made, inner_output in zip(node.outputs, inner_outputs):
+            inner_output = resolve(inner_output, aliases)
+            if inner_output is not made:
+                aliases[id(made)] = inner_output
+    return outputs
 
 
 def model_graph(model):
-    """(nodes, layers in order of first use, inputs, outputs); raises a
-    clear error for a model that has no graph to cut."""
+    """(GraphNodes with nested models inlined, layers in order of first
+    use, inputs, outputs, each layer's path); raises a clear error for a
+    model that has no graph to cut."""
     graph = _compat.functional_graph(model)
     if graph is None:
         raise ValueError(
@@ -71,14 +176,20 @@ def model_graph(model):
             "model, or a Sequential without keras.Input). Rebuild it with "
             "the functional API or give the Sequential a keras.Input."
         )
-    nodes, inputs, outputs = graph
-    layers = []
+    calls = {id(layer): _compat.call_count(layer)
+             for layer in _compat.all_layers(model, include_self=False)}
+    aliases = {}
+    nodes = []
+    outputs = [resolve(t, aliases) for t in _inline(model, "", aliases,
+                                                     calls, nodes)]
+    layers, paths = [], []
     seen = set()
     for node in nodes:
         if id(node.operation) not in seen:
             seen.add(id(node.operation))
             layers.append(node.operation)
-    return nodes, layers, inputs, outputs
+            paths.append(node.path)
+    return nodes, layers, list(graph[1]), outputs, paths
 
 
 def weights_of(operation, trainable=False):
@@ -132,8 +243,8 @@ def split_model(model, num_stages, boundaries=None, costs=None):
             (default: parameter counts, plus one so that weightless layers
             spread out too).
     """
-    nodes, layers, inputs, outputs = model_graph(model)
-    names = [layer.name for layer in layers]
+    nodes, layers, inputs, outputs, paths = model_graph(model)
+    names = paths
     if num_stages > len(layers):
         raise ValueError(
             f"PipelineModel needs at least one layer per stage: the mesh has "
@@ -146,33 +257,26 @@ def split_model(model, num_stages, boundaries=None, costs=None):
             costs = [num_params(layer) + 1 for layer in layers]
         starts = balanced_cuts(costs, num_stages)
     else:
-        starts = _boundary_indices(boundaries, names, num_stages)
+        starts = _boundary_indices(boundaries, paths, layers, num_stages)
     if costs is None:
         costs = [num_params(layer) for layer in layers]
-    stage_of_layer = {}
     edges = [0] + list(starts) + [len(layers)]
-    for s in range(num_stages):
-        for layer in layers[edges[s]:edges[s + 1]]:
-            stage_of_layer[id(layer)] = s
-    # Which stage produces each tensor (-1: a model input), checking that
-    # no node reads a tensor a later stage produces.
-    produced_in = {id(t): -1 for t in inputs}
+    # A stage begins at the first call of its first layer; every node runs
+    # on the stage its position falls in. A layer lives on the stage of its
+    # first call (its home); a later call on another stage (a tied output
+    # head reusing the input embedding) reads it there (`Stage.guests`).
+    first_call = {}
+    for n, node in enumerate(nodes):
+        first_call.setdefault(id(node.operation), n)
+    cuts = [first_call[id(layers[i])] for i in starts]
+    produced_in = {id(t): -1 for t in inputs}  # -1: a model input
     stage_nodes = [[] for _ in range(num_stages)]
     last_reader = {}
-    for node in nodes:
-        s = stage_of_layer[id(node.operation)]
-        for tensor in _compat.node_inputs(node):
-            source = produced_in.get(id(tensor), -1)
-            if source > s:
-                producer = tensor._keras_history.operation  # noqa: SLF001
-                raise ValueError(
-                    f"Layer {node.operation.name!r} (stage {s}) reads the "
-                    f"output of layer {producer.name!r} (stage {source}): a "
-                    "layer shared across a stage boundary cannot be cut "
-                    "there. Received: stage_boundaries="
-                    f"{[names[i] for i in starts]}. Choose boundaries that "
-                    "keep every call of a shared layer in one stage."
-                )
+    s = 0
+    for n, node in enumerate(nodes):
+        while s < len(cuts) and n >= cuts[s]:
+            s += 1
+        for tensor in node.inputs:
             last_reader[id(tensor)] = max(last_reader.get(id(tensor), -1), s)
         for tensor in node.outputs:
             produced_in[id(tensor)] = s
@@ -193,15 +297,22 @@ def split_model(model, num_stages, boundaries=None, costs=None):
             sent = [tensors[key] for key in tensors
                     if produced_in[key] <= s and last_reader.get(key, -1) > s]
         owned = layers[edges[s]:edges[s + 1]]
+        home = {id(layer) for layer in owned}
+        guests = list({id(node.operation): node.operation
+                       for node in stage_nodes[s]
+                       if id(node.operation) not in home}.values())
         stages.append(Stage(
             index=s, layers=owned, nodes=stage_nodes[s], inputs=received,
             outputs=sent, num_params=sum(num_params(x) for x in owned),
-            cost=float(sum(costs[edges[s]:edges[s + 1]]))))
+            cost=float(sum(costs[edges[s]:edges[s + 1]])),
+            paths=paths[edges[s]:edges[s + 1]], guests=guests))
         received = sent
     return stages
 
 
-def _boundary_indices(boundaries, names, num_stages):
+def _boundary_indices(boundaries, names, layers, num_stages):
+    """Positions of the named layers: a path ("backbone/block_1"), or a
+    bare layer name that only one layer has."""
     if isinstance(boundaries, str) or not all(
             isinstance(b, str) for b in boundaries):
         raise TypeError(
@@ -216,14 +327,26 @@ def _boundary_indices(boundaries, names, num_stages):
             f"{num_stages - 1} name(s) for {num_stages} stages/parts. "
             f"Received: stage_boundaries={boundaries!r}"
         )
-    missing = [b for b in boundaries if b not in names]
+    by_name = {}
+    for position, layer in enumerate(layers):
+        by_name.setdefault(layer.name, []).append(position)
+    ambiguous = [b for b in boundaries
+                 if b not in names and len(by_name.get(b, [])) > 1]
+    if ambiguous:
+        raise ValueError(
+            f"stage_boundaries names {ambiguous}, which several nested "
+            f"layers are called. Received: stage_boundaries={boundaries!r}. "
+            "Name them by path; the layers in graph order are "
+            f"{names}.")
+    missing = [b for b in boundaries if b not in names and b not in by_name]
     if missing:
         raise ValueError(
             f"stage_boundaries names layer(s) {missing} that the model does "
             f"not have. Received: stage_boundaries={boundaries!r}; the "
-            f"layers in graph order are {names}."
+            f"layers in graph order (nested ones by path) are {names}."
         )
-    starts = [names.index(b) for b in boundaries]
+    starts = [names.index(b) if b in names else by_name[b][0]
+              for b in boundaries]
     if starts[0] == 0 or any(a >= b for a, b in zip(starts, starts[1:])):
         raise ValueError(
             "stage_boundaries must name layers in graph order, after the "
@@ -252,5 +375,7 @@ def format_split(stages, devices=None, num_stages=None):
             f"{stage.layer_names[0]}..{stage.layer_names[-1]}, "
             f"{stage.num_params:,} params, est. {stage.cost / total:.0%} of "
             "the time"
-            + (f", receives {carried}" if carried else ""))
+            + (f", receives {carried}" if carried else "")
+            + (f", reads tied weights of {[g.name for g in stage.guests]}"
+               if stage.guests else ""))
     return "\n".join(lines)

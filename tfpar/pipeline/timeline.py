@@ -20,6 +20,7 @@ __all__ = ["format_timeline", "plot_schedule"]
 
 FORWARD_COLOR = "#4C72B0"   # blue
 BACKWARD_COLOR = "#DD8452"  # orange
+WEIGHT_COLOR = "#55A868"    # green: the W of a split backward
 
 
 def _entries(timeline):
@@ -77,7 +78,9 @@ def format_timeline(timeline):
              for s, row in enumerate(rows)]
     lines.append(
         f"(one column block = {unit:g} time unit"
-        f"{'' if unit == 1 else 's'}; F = forward, B = backward, . = idle; "
+        f"{'' if unit == 1 else 's'}; F = forward, B = backward, "
+        + ("W = weight gradient, " if any(e.kind == "W" for e in entries)
+           else "") + ". = idle; "
         f"bubble {100 * bubble_fraction(entries):.1f}%)")
     return "\n".join(lines)
 
@@ -129,7 +132,7 @@ def plot_schedule(timeline, path, title=None):
     figure = Figure(figsize=(fig_width, 1.0 + 0.6 * p))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    colors = {"F": FORWARD_COLOR, "B": BACKWARD_COLOR}
+    colors = {"F": FORWARD_COLOR, "B": BACKWARD_COLOR, "W": WEIGHT_COLOR}
     for e in entries:
         y = p - 1 - e.stage            # stage 0 is the top row
         axes.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8),
@@ -150,8 +153,11 @@ def plot_schedule(timeline, path, title=None):
     if title is None:
         title = f"pipeline timeline, bubble {100 * bubble_fraction(entries):.1f}%"
     axes.set_title(title)
-    axes.legend(handles=[Patch(facecolor=FORWARD_COLOR, label="forward"),
-                         Patch(facecolor=BACKWARD_COLOR, label="backward")],
+    handles = [Patch(facecolor=FORWARD_COLOR, label="forward"),
+               Patch(facecolor=BACKWARD_COLOR, label="backward")]
+    if any(e.kind == "W" for e in entries):
+        handles.append(Patch(facecolor=WEIGHT_COLOR, label="weight grad"))
+    axes.legend(handles=handles,
                 loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     axes.grid(axis="x", linestyle=":", linewidth=0.5)
     axes.set_axisbelow(True)

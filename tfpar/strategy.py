@@ -463,17 +463,18 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         weakref.finalize(variable, self._variables.pop, key, None)
         return variable
 
-    def adopt_state_variables(self, model):
+    def adopt_state_variables(self, model, extra=()):
         """Moves metric/optimizer state made outside the scope onto the mesh.
 
         Keras metrics passed to `compile` are often constructed before it,
         outside `strategy.scope()`, and so own plain tf.Variables. DTensor
         would silently compute wrong values with those inside the SPMD
         step, so each is replaced (same value, replicated) by a mesh
-        variable. A model weight outside the mesh is an error.
+        variable; so are the Keras variables in `extra` (e.g. a keras-hub
+        sampler's seed). A model weight outside the mesh is an error.
         """
         optimizer = getattr(model, "optimizer", None)
-        state = list(model.metrics_variables)
+        state = list(model.metrics_variables) + list(extra)
         if optimizer is not None:
             state += list(optimizer.variables)
         for variable in model.variables:
@@ -666,6 +667,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     def keras_function(self, model, mode):
         """Builds `model.{mode}_function` (see `tfpar.training`; a
         `tfpar.PipelineModel` brings its own runner)."""
+        if mode == "generate":
+            return training.make_generate_function(model, self)
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)
         if make_runner is not None:
             return training.make_function(model, self, mode,
@@ -922,3 +925,5 @@ def _owning_strategy(model):
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
 _compat.patch_keras_remat(_check_random_recomputation)
+_compat.patch_keras_slice_update(in_spmd_step)
+_compat.patch_tensor_indexing(in_spmd_step)

@@ -179,3 +179,39 @@ def _as_batch(data):
 def _next_host_batch(iterator):
     next_host = getattr(iterator, "next_host_batch", None)
     return next_host() if next_host is not None else _as_batch(next(iterator))
+
+
+def make_generate_function(model, extended):
+    """keras-hub's `model.generate_function` under a ParallelStrategy.
+
+    keras-hub's `CausalLM.generate()` calls it with one batch of host
+    tensors (token ids and padding mask) and the stop token ids. Here the
+    batch is placed on the mesh (split along the data axis when it divides
+    the batch, otherwise whole on every device, as for a partial batch in
+    `fit`), `model.generate_step` (prefill, the KV-cache loop, the sampler)
+    runs as one SPMD `tf.function` in the strategy's replica context, and
+    the generated tokens come back as host tensors. The step is traced even
+    when the model runs eagerly and never XLA-compiled (`jit_compile` is
+    ignored): DTensor runs it.
+
+    >>> with strategy.scope():
+    ...     lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    ...     lm.compile(sampler="greedy")
+    >>> lm.generate({"token_ids": ids, "padding_mask": mask},
+    ...             stop_token_ids=None)  # routed here
+    """
+    sampler = getattr(model, "sampler", None)
+    extended.adopt_state_variables(model, getattr(sampler, "variables", ()))
+
+    @tf.function(reduce_retracing=True)
+    def step(inputs, *args, **kwargs):
+        with extended.replica_scope():
+            return model.generate_step(inputs, *args, **kwargs)
+
+    def generate_function(inputs, *args, **kwargs):
+        placed = extended.input_placer.place(_as_batch(inputs))
+        outputs = step(placed, *args, **kwargs)
+        return tf.nest.map_structure(
+            lambda t: tf.constant(placement.fetch(t)), outputs)
+
+    return generate_function

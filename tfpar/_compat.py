@@ -255,6 +255,50 @@ def index_keeping_dims(tensor, key):
     return tf.squeeze(result, squeeze) if squeeze else result
 
 
+def gumbel_categorical(logits, num_samples, seed, replicate):
+    """`num_samples` draws per row from softmax(`logits`), by Gumbel-max:
+    argmax_j(logits_j - log(-log u_j)) with u uniform in (0, 1) is class j
+    with probability softmax(logits)_j. `seed` is a stateless seed (2,);
+    `replicate(u)` lays the uniform numbers out whole on every device, so
+    they do not depend on how the mesh splits the logits. Ops DTensor
+    lays out, unlike TF's StatelessMultinomial (a different draw from it:
+    the same distribution, not the same numbers).
+    """
+    logits = tf.convert_to_tensor(logits, tf.float32)
+    shape = tf.concat([tf.shape(logits)[:1], [num_samples],
+                       tf.shape(logits)[1:]], 0)
+    u = replicate(tf.random.stateless_uniform(
+        shape, seed, minval=np.finfo(np.float32).tiny, maxval=1.0))
+    return tf.argmax(logits[:, None, :] - tf.math.log(-tf.math.log(u)),
+                     axis=-1)
+
+
+def patch_keras_categorical(replicate_in_step):
+    """Makes `keras.random.categorical` use `gumbel_categorical` inside a
+    strategy's step, once: `replicate_in_step()` returns there the function
+    that replicates a tensor over the step's mesh, None elsewhere (Keras'
+    own op runs). Keras' TF op is StatelessMultinomial, which DTensor 2.21
+    cannot lay out ("'tf.StatelessMultinomial' op does not implement layout
+    propagation"): keras-hub's top-k, top-p and random samplers failed.
+    """
+    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
+
+    original = tf_random.categorical
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        replicate = replicate_in_step()
+        if replicate is None:
+            return original(logits, num_samples, dtype=dtype, seed=seed)
+        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        return tf.cast(gumbel_categorical(logits, num_samples, seed,
+                                          replicate), dtype)
+
+    categorical._tfpar_wrapped = True  # noqa: SLF001
+    tf_random.categorical = categorical
+
+
 _original_getitem = None
 
 

@@ -927,3 +927,6 @@ _compat.route_keras_step_functions(
 _compat.patch_keras_remat(_check_random_recomputation)
 _compat.patch_keras_slice_update(in_spmd_step)
 _compat.patch_tensor_indexing(in_spmd_step)
+_compat.patch_keras_categorical(
+    lambda: tf.distribute.get_strategy().extended.replicate
+    if in_spmd_step() else None)

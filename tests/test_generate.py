@@ -212,3 +212,16 @@ def test_dense_slice_update_equals_keras_slice_update():
     want = keras.ops.slice_update(cache, [1, 0, 3, 0], update[:2])
     np.testing.assert_array_equal(
         _compat.dense_slice_update(cache, [1, 0, 3, 0], update[:2]), want)
+
+
+def test_a_tf_function_of_a_model_method_takes_host_arrays():
+    """Any compiled function of the model's own methods, not only the ones
+    tfpar routes: `tf.function(model.call)` called with numpy arrays."""
+    weights, _, want_logits = one_device("gpt2", "greedy", 8)
+    strategy, model = under_strategy("gpt2", "data_model",
+                                     megatron_rules("gpt2", 4))
+    model.set_weights(weights)
+    logits = tf.function(model.call)(prompts(8))
+    assert dtensor.fetch_layout(logits).sharding_specs[0] == "data"
+    np.testing.assert_allclose(placement.fetch(logits), want_logits,
+                               rtol=1e-4, atol=1e-6)

@@ -139,6 +139,51 @@ def route_generate_function(model, make_function_for):
     cls.make_generate_function = make_generate_function
 
 
+def place_host_inputs_of_methods(strategy_of):
+    """Lets any `tf.function` of a model's own method take host arrays.
+
+    A Keras or keras-hub model may compile its methods itself (e.g.
+    `tf.function(self.generate_step)`); called with host arrays while its
+    weights live on a mesh, DTensor refuses the call ("got a regular tensor
+    for input 0 ... but was expecting a DTensor"). Patches tf.function's
+    call once: when a function of a bound method of `owner` is called
+    eagerly with host arrays (numpy, or tensors that are not DTensors,
+    scalars excepted: DTensor broadcasts those) and `strategy_of(owner)` is
+    a strategy, the arrays are placed on its mesh (split over the data
+    axis when it divides them) and the call runs in its replica context
+    (where tfpar's DTensor-friendly ops apply). Every other call, including
+    every call DTensor accepted before, runs unchanged.
+    """
+    from tensorflow.python.eager.polymorphic_function import (  # noqa: PLC0415
+        polymorphic_function)
+
+    cls = polymorphic_function.Function
+    original = cls.__call__
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def is_host_array(x):
+        return isinstance(x, np.ndarray) and x.ndim > 0 or (
+            isinstance(x, tf.Tensor) and hasattr(x, "numpy")
+            and x.shape.rank and not dtensor.is_dtensor(x))
+
+    def __call__(self, *args, **kwargs):
+        owner = getattr(self._python_function, "__self__", None)  # noqa: SLF001
+        if owner is None or not tf.executing_eagerly() or not any(
+                is_host_array(x) for x in tf.nest.flatten((args, kwargs))):
+            return original(self, *args, **kwargs)
+        strategy = strategy_of(owner)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        extended = strategy.extended
+        args, kwargs = extended.input_placer.place_arrays((args, kwargs))
+        with extended.replica_scope():
+            return original(self, *args, **kwargs)
+
+    __call__._tfpar_wrapped = True  # noqa: SLF001
+    cls.__call__ = __call__
+
+
 def dense_slice_update(inputs, start_indices, updates):
     """`inputs` with `updates` written at `start_indices`, like XLA's
     DynamicUpdateSlice, from ops DTensor lays out (a gather and a select).

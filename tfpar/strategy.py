@@ -922,9 +922,20 @@ def _owning_strategy(model):
     return None
 
 
+def _strategy_of_layer(owner):
+    """The ParallelStrategy that made the weights of Keras layer `owner`,
+    or None (not a layer, or weights not on a mesh)."""
+    import keras  # noqa: PLC0415
+
+    if not isinstance(owner, keras.layers.Layer):
+        return None
+    return _owning_strategy(owner)
+
+
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
 _compat.patch_keras_remat(_check_random_recomputation)
+_compat.place_host_inputs_of_methods(_strategy_of_layer)
 _compat.patch_keras_slice_update(in_spmd_step)
 _compat.patch_tensor_indexing(in_spmd_step)
 _compat.patch_keras_categorical(

@@ -225,3 +225,15 @@ def test_a_tf_function_of_a_model_method_takes_host_arrays():
     assert dtensor.fetch_layout(logits).sharding_specs[0] == "data"
     np.testing.assert_allclose(placement.fetch(logits), want_logits,
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", [
+    1, -1, (slice(None), 0), (slice(None), -2, Ellipsis), (Ellipsis, 2),
+    (0, slice(1, 3), -1), (None, 1), (slice(None), None, 2, Ellipsis),
+    (tf.constant(2),), (slice(None), tf.constant(-1)),
+    (tf.constant(1), 0, tf.constant(3)),
+])
+def test_index_keeping_dims_equals_tf_indexing(key):
+    x = tf.reshape(tf.range(3 * 4 * 5, dtype=tf.float32), (3, 4, 5))
+    got = _compat.index_keeping_dims(x, key)
+    np.testing.assert_array_equal(got, _compat._original_getitem(x, key))

@@ -214,19 +214,6 @@ def test_dense_slice_update_equals_keras_slice_update():
         _compat.dense_slice_update(cache, [1, 0, 3, 0], update[:2]), want)
 
 
-def test_a_tf_function_of_a_model_method_takes_host_arrays():
-    """Any compiled function of the model's own methods, not only the ones
-    tfpar routes: `tf.function(model.call)` called with numpy arrays."""
-    weights, _, want_logits = one_device("gpt2", "greedy", 8)
-    strategy, model = under_strategy("gpt2", "data_model",
-                                     megatron_rules("gpt2", 4))
-    model.set_weights(weights)
-    logits = tf.function(model.call)(prompts(8))
-    assert dtensor.fetch_layout(logits).sharding_specs[0] == "data"
-    np.testing.assert_allclose(placement.fetch(logits), want_logits,
-                               rtol=1e-4, atol=1e-6)
-
-
 @pytest.mark.parametrize("key", [
     1, -1, (slice(None), 0), (slice(None), -2, Ellipsis), (Ellipsis, 2),
     (0, slice(1, 3), -1), (None, 1), (slice(None), None, 2, Ellipsis),
@@ -237,3 +224,20 @@ def test_index_keeping_dims_equals_tf_indexing(key):
     x = tf.reshape(tf.range(3 * 4 * 5, dtype=tf.float32), (3, 4, 5))
     got = _compat.index_keeping_dims(x, key)
     np.testing.assert_array_equal(got, _compat._original_getitem(x, key))
+
+
+def test_eager_call_and_any_tf_function_of_a_model_method():
+    """Compiled functions tfpar does not route: `tf.function(model.call)`
+    called with numpy arrays gets them placed on the mesh. And the eager
+    `model(x)` (how hub_models.build builds a model): keras-hub makes its
+    causal mask from no input, which must be made on the mesh."""
+    weights, _, want_logits = one_device("gpt2", "greedy", 8)
+    strategy, model = under_strategy("gpt2", "data_model",
+                                     megatron_rules("gpt2", 4))
+    model.set_weights(weights)
+    logits = tf.function(model.call)(prompts(8))
+    assert dtensor.fetch_layout(logits).sharding_specs[0] == "data"
+    np.testing.assert_allclose(placement.fetch(logits), want_logits,
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(placement.fetch(model(prompts(8))),
+                               want_logits, rtol=1e-4, atol=1e-6)

@@ -696,7 +696,11 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         if self.placement_mesh is None:  # weights still on the host
             return call(model, *args, **kwargs)
         args, kwargs = self.input_placer.place_arrays((args, kwargs))
-        outputs = call(model, *args, **kwargs)
+        # Tensors the model makes from no input (keras-hub's causal masks
+        # from `ops.arange`) are made on the mesh, replicated, instead of on
+        # the host, where DTensor refuses to mix them with DTensors.
+        with dtensor.default_mesh(self.mesh.dtensor_mesh):
+            outputs = call(model, *args, **kwargs)
         return tf.nest.map_structure(self.replicate, outputs)
 
     def replicate(self, value):

@@ -1,4 +1,5 @@
-"""Keras train/test/predict functions for models under a ParallelStrategy.
+"""Keras train/test/predict (and keras-hub generate) functions for models
+under a ParallelStrategy.
 
 Keras builds its step functions for per-replica strategies. Under a
 `ParallelStrategy` tfpar builds them instead (`_compat` routes
@@ -194,11 +195,20 @@ def make_generate_function(model, extended):
     when the model runs eagerly and never XLA-compiled (`jit_compile` is
     ignored): DTensor runs it.
 
+    >>> import keras_hub, numpy as np, tfpar
+    >>> tfpar.use_virtual_cpus(8)
+    >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
     >>> with strategy.scope():
-    ...     lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    ...     lm = keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(
+    ...         vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=8,
+    ...         intermediate_dim=16, max_sequence_length=8),
+    ...         preprocessor=None)
     ...     lm.compile(sampler="greedy")
-    >>> lm.generate({"token_ids": ids, "padding_mask": mask},
-    ...             stop_token_ids=None)  # routed here
+    >>> mask = np.broadcast_to(np.arange(8) < 3, (8, 8))  # 3-token prompts
+    >>> out = lm.generate({"token_ids": np.ones((8, 8), "int32"),
+    ...                    "padding_mask": mask}, stop_token_ids=None)
+    >>> out["token_ids"].shape
+    (8, 8)
     """
     sampler = getattr(model, "sampler", None)
     extended.adopt_state_variables(model, getattr(sampler, "variables", ()))

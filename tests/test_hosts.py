@@ -21,20 +21,10 @@ import pytest
 
 import models
 import tfpar
-from tfpar import hosts
+from tfpar import hosts, launch
 
 CHILD = Path(__file__).with_name("hosts_child.py")
 RTOL = 1e-4
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +36,7 @@ def cluster(tmp_path_factory):
     x, y = models.mlp_data(n=96)
     np.savez(workdir / "given.npz", x=x, y=y,
              **{f"w{i}": w for i, w in enumerate(weights)})
-    addresses = ",".join(f"localhost:{p}" for p in free_ports(2))
+    addresses = ",".join(f"localhost:{p}" for p in launch.free_ports(2))
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("DTENSOR_")}
     processes = [subprocess.Popen(
@@ -215,7 +205,7 @@ def test_connecting_after_tensorflow_started_is_a_clear_error():
 def test_a_missing_host_times_out_naming_it():
     """Without the handshake, TF's cluster setup on host 0 waits forever
     (and ignores SIGTERM) for a host that never starts."""
-    ports = free_ports(2)
+    ports = launch.free_ports(2)
     addresses = [f"localhost:{p}" for p in ports]
     with pytest.raises(TimeoutError, match=rf"hosts \[1\] \(\['localhost:"
                                            rf"{ports[1]}'\]\)"):

@@ -562,6 +562,64 @@ def patch_keras_remat(check_replay):
                                              check_replay)
 
 
+def static_sparse_division(active):
+    """Makes Keras' TF `ops.divide(sparse, dense)` keep static shapes while
+    `active()`.
+
+    Keras divides an IndexedSlices gradient by a dense tensor (Adagrad,
+    RMSprop, Adadelta: lr * g / sqrt(accumulator + eps)) inside a `tf.cond`
+    whose one branch adds the rows where the divisor is zero or NaN: a
+    dynamic number of rows, which DTensor 2.21 mis-expands when the table
+    is split over a model axis ("SPMD expansion resulted in op output
+    inconsistent with the provided layout"). `_sparse_quotient` gives the
+    same slices without the branch. Installed once; other backends and
+    models outside a strategy are unchanged.
+    """
+    from keras.src.backend.tensorflow import numpy as tf_numpy  # noqa: PLC0415
+
+    original = tf_numpy.divide
+    if getattr(original, "_tfpar_static", False):
+        return
+
+    @functools.wraps(original)
+    def divide(x1, x2):
+        if (isinstance(x1, tf.IndexedSlices) and isinstance(x2, tf.Tensor)
+                and x2.shape.rank and x2.dtype.is_floating and active()):
+            return _sparse_quotient(x1, x2, original)
+        return original(x1, x2)
+
+    divide._tfpar_static = True  # noqa: SLF001
+    tf_numpy.divide = divide
+
+
+def _sparse_quotient(x1, x2, divide):
+    """x1 / x2 for IndexedSlices x1 and dense x2, as Keras computes it.
+
+    Each slice j of x1 (row i_j) becomes v_j / x2[i_j]. Keras also adds the
+    rows no slice touches where x2 has a zero or NaN, with 0 / x2[i] (NaN or
+    +-inf there, 0 elsewhere in the row). Here every row r of x2 gets one
+    extra slice: 0 / x2[r] for those rows, zeros for all others. Zeros add
+    nothing wherever the slices are summed (scatter_add, densifying) and
+    square to zero, so every update equals Keras', with a static number of
+    slices (len(x1.indices) + rows).
+    """
+    rows = x2.shape[0]
+    indices = x1.indices
+    quotient = divide(x1.values, tf.gather(x2, indices))
+    zero_or_nan = tf.reduce_any(
+        tf.logical_or(tf.equal(x2, 0), tf.math.is_nan(x2)),
+        axis=list(range(1, x2.shape.rank)))
+    touched = tf.math.unsorted_segment_sum(  # (DTensor has no segment max)
+        tf.ones_like(indices), indices, rows) > 0
+    extra_rows = tf.logical_and(zero_or_nan, tf.logical_not(touched))
+    mask = tf.reshape(extra_rows, [rows] + [1] * (x2.shape.rank - 1))
+    extra = tf.where(mask, divide(tf.zeros_like(x2), x2), tf.zeros_like(x2))
+    return tf.IndexedSlices(
+        tf.concat([quotient, tf.cast(extra, quotient.dtype)], axis=0),
+        tf.concat([indices, tf.range(rows, dtype=indices.dtype)], axis=0),
+        x1.dense_shape)
+
+
 def _optimizer_under(model, strategy):
     """Makes sure `model.optimizer` was created under `strategy`.
 

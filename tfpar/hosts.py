@@ -1,6 +1,7 @@
 """Several hosts (processes) as one cluster of devices: DTensor multi-client.
 
-Every host runs the same program on the same data. Each calls
+Every host runs the same program on the same data (or, with
+`ParallelStrategy(per_host_input=True)`, on its own share of it). Each calls
 `connect_hosts` first thing (on CPU after `tfpar.use_virtual_cpus`), then
 `tfpar.Mesh(...)` spans the devices of all hosts (global device i is device
 i mod L of host i // L, L devices per host), and `ParallelStrategy`, `fit`,
@@ -37,6 +38,7 @@ devices, hence pipeline stages (`Mesh` refuses them on every host);
 (no IPv6). Tested only with processes on one machine (`tests/test_hosts.py`).
 """
 
+import json
 import os
 import re
 import socket
@@ -47,13 +49,36 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import host_watch
+from tfpar.host_watch import LOST_HOST_EXIT_CODE  # noqa: F401 (public)
 
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-]+:(\d{1,5})$")
 _connected = None  # (addresses, host_id, job_name) once connected
 
 
-def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
+def connect_hosts(addresses=None, host_id=None, job_name="worker",
+                  timeout=300, heartbeat_timeout=None):
     """Joins this process to a cluster of hosts as host `host_id`.
+
+    With no arguments the cluster comes from the environment, so one script
+    runs unchanged under `python -m tfpar.launch`, a scheduler or alone:
+    `TFPAR_HOSTS` ("host:port,host:port,...") and `TFPAR_HOST_ID` (set by
+    `tfpar.launch`, or by your job script), else DTensor's own
+    `DTENSOR_JOBS` and `DTENSOR_CLIENT_ID`, else `TF_CONFIG` (its
+    `cluster` "chief" then "worker" addresses, and `task`); with none of
+    them set, this is the only host and nothing happens (returns 1).
+    `TFPAR_VIRTUAL_CPUS=k` (set by `tfpar.launch --virtual-cpus k`) first
+    calls `tfpar.use_virtual_cpus(k)`.
+
+    A host that dies (killed, or stopped: SIGSTOP) would leave the others
+    waiting forever inside a collective, as in TF itself. So every host
+    also pings every other one each second; one that has not answered for
+    `heartbeat_timeout` seconds is lost: each remaining host prints an
+    error naming it to stderr and exits with status 70
+    (`LOST_HOST_EXIT_CODE`), from inside whatever collective it waits in.
+    A host that leaves normally tells the others first (no error); one
+    that ends with an uncaught exception tells them too, and they exit
+    with the same error naming it.
 
     Sets DTensor's multi-client environment (`DTENSOR_JOBS`,
     `DTENSOR_CLIENT_ID`, `DTENSOR_NUM_CLIENTS`, `DTENSOR_JOB_NAME`) and
@@ -67,10 +92,14 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
 
     Args:
         addresses: "host:port" of every host, the same list on all of
-            them; host i listens on addresses[i].
-        host_id: this host's index in `addresses`.
+            them; host i listens on addresses[i]. None: from the
+            environment (see above).
+        host_id: this host's index in `addresses` (None with
+            `addresses=None`).
         job_name: the TensorFlow job name of the cluster.
         timeout: seconds to wait for all hosts to come up.
+        heartbeat_timeout: seconds of silence after which a host counts as
+            lost (default: `TFPAR_HEARTBEAT_TIMEOUT`, else 60).
 
     Returns:
         The number of hosts.
@@ -83,6 +112,19 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
             could not be set up; or called again with other arguments.
     """
     global _connected
+    if addresses is None and host_id is None:
+        found = cluster_from_environment()
+        if found is None:
+            return 1  # one host: nothing to join
+        addresses, host_id = found
+    if heartbeat_timeout is None:
+        heartbeat_timeout = float(os.environ.get("TFPAR_HEARTBEAT_TIMEOUT",
+                                                 60))
+    if isinstance(heartbeat_timeout, bool) or not isinstance(
+            heartbeat_timeout, (int, float)) or not heartbeat_timeout > 0:
+        raise ValueError(
+            "connect_hosts(heartbeat_timeout) needs a number of seconds > 0. "
+            f"Received: heartbeat_timeout={heartbeat_timeout!r}")
     if isinstance(addresses, (str, bytes)) or not isinstance(
             addresses, (list, tuple)) or not addresses:
         raise TypeError(
@@ -131,8 +173,15 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
             "any op, model, Mesh or device listing; after "
             "tfpar.use_virtual_cpus is fine). Received: a call after "
             "TensorFlow started. Move it to the top of the program.")
+    watch = None
     if len(addresses) > 1:
-        _wait_for_hosts(list(addresses), host_id, timeout)
+        watch = host_watch.Watch(list(addresses), host_id, heartbeat_timeout)
+        try:
+            peers = _wait_for_hosts(list(addresses), host_id, timeout,
+                                    heartbeat_port=watch.port)
+        except BaseException:
+            watch.close()
+            raise
     os.environ["DTENSOR_JOBS"] = ",".join(addresses)
     os.environ["DTENSOR_CLIENT_ID"] = str(host_id)
     os.environ["DTENSOR_NUM_CLIENTS"] = str(len(addresses))
@@ -152,18 +201,69 @@ def connect_hosts(addresses, host_id, job_name="worker", timeout=300):
             "before any TensorFlow op, and check that the addresses are "
             "free and reachable.") from error
     _connected = request
+    if watch is not None:
+        watch.start(peers)
     return len(addresses)
 
 
-def _wait_for_hosts(addresses, host_id, timeout):
+def cluster_from_environment():
+    """(addresses, host_id) from TFPAR_*, DTENSOR_* or TF_CONFIG, else None.
+
+    Also calls `use_virtual_cpus` when `TFPAR_VIRTUAL_CPUS` is set.
+    """
+    environ = os.environ
+    if "TFPAR_VIRTUAL_CPUS" in environ:
+        from tfpar.mesh import use_virtual_cpus  # noqa: PLC0415
+        use_virtual_cpus(_int_setting("TFPAR_VIRTUAL_CPUS"))
+    for hosts_name, id_name in (("TFPAR_HOSTS", "TFPAR_HOST_ID"),
+                                ("DTENSOR_JOBS", "DTENSOR_CLIENT_ID")):
+        if hosts_name in environ:
+            if id_name not in environ:
+                raise ValueError(
+                    f"{hosts_name} is set ({environ[hosts_name]!r}) but "
+                    f"{id_name} is not. Set {id_name} to this host's index "
+                    f"in {hosts_name}.")
+            return environ[hosts_name].split(","), _int_setting(id_name)
+    if "TF_CONFIG" in environ:
+        try:
+            config = json.loads(environ["TF_CONFIG"])
+            cluster = config["cluster"]
+            addresses = list(cluster.get("chief", [])) + list(
+                cluster.get("worker", []))
+            task = config["task"]
+            offset = 0 if task["type"] == "chief" else len(
+                cluster.get("chief", []))
+            return addresses, offset + int(task["index"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                'TF_CONFIG must be JSON like {"cluster": {"worker": '
+                '["host:port", ...]}, "task": {"type": "worker", "index": 0}} '
+                f"({type(error).__name__}: {error}). "
+                f"Received: TF_CONFIG={environ['TF_CONFIG']!r}") from None
+    return None
+
+
+def _int_setting(name):
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"The environment variable {name} needs an integer. Received: "
+            f"{name}={value!r}") from None
+
+
+def _wait_for_hosts(addresses, host_id, timeout, heartbeat_port=0):
     """Returns once this host has reached every other host's port and been
     reached by every other host; raises TimeoutError naming the missing.
 
     Each host listens on its own port (TF's server binds it afterwards; a
-    thread answers) and connects to every other one, sending its id; a host
-    counts as reached when it answers "ok" (else the id is sent again). A
-    host that has both reached and heard everyone is done; every other host
-    has then reached it too, so none waits on a closed port.
+    thread answers) and connects to every other one, sending its id and the
+    port its heartbeat listens on; a host counts as reached when it answers
+    "ok" (else the id is sent again). A host that has both reached and
+    heard everyone is done; every other host has then reached it too, so
+    none waits on a closed port. Returns {other host id: its heartbeat
+    port}.
     """
     n = len(addresses)
     _, port = addresses[host_id].rsplit(":", 1)
@@ -179,6 +279,7 @@ def _wait_for_hosts(addresses, host_id, timeout):
     listener.listen(n)
     listener.settimeout(0.2)
     heard, reached = {host_id}, {host_id}
+    heartbeat_ports = {}
     stop = threading.Event()
 
     def answer():  # records who reached us, answering "ok"
@@ -193,9 +294,11 @@ def _wait_for_hosts(addresses, host_id, timeout):
                 try:
                     while chunk := connection.recv(64):  # to the sender's EOF
                         message += chunk
-                    match = re.fullmatch(rb"tfpar-host (\d+)\n", message)
+                    match = re.fullmatch(rb"tfpar-host (\d+) (\d+)\n",
+                                         message)
                     if match and int(match[1]) < n:
                         connection.sendall(b"ok")
+                        heartbeat_ports[int(match[1])] = int(match[2])
                         heard.add(int(match[1]))
                 except OSError:
                     pass
@@ -217,7 +320,8 @@ def _wait_for_hosts(addresses, host_id, timeout):
                 try:
                     with socket.create_connection((name, int(other_port)),
                                                   timeout=0.5) as connection:
-                        connection.sendall(f"tfpar-host {host_id}\n".encode())
+                        connection.sendall(
+                            f"tfpar-host {host_id} {heartbeat_port}\n".encode())
                         connection.shutdown(socket.SHUT_WR)
                         connection.settimeout(2.0)
                         answer_bytes = b""
@@ -233,6 +337,7 @@ def _wait_for_hosts(addresses, host_id, timeout):
         stop.set()
         answering.join()
         listener.close()
+    return heartbeat_ports
 
 
 def num_hosts():

@@ -16,20 +16,33 @@ from tfpar import placement
 
 
 class InputPlacer:
-    """Places host batches on the mesh, split along the data axis."""
+    """Places host batches on the mesh, split along the data axis.
 
-    def __init__(self, mesh, data_axis):
+    With `per_host=True` (several hosts, `ParallelStrategy(per_host_input=
+    True)`) every batch a host hands over is *its share* of the global
+    batch: the rows of the data coordinates its devices hold. Host h of H
+    then holds coordinates [h D/H, (h+1) D/H) of the data axis (size D),
+    and the global batch is host 0's rows, then host 1's, and so on.
+    """
+
+    def __init__(self, mesh, data_axis, per_host=False):
         self.mesh = mesh
         self._data_axis = data_axis
         self._data_size = mesh.axis_size(data_axis)
+        self.per_host = per_host
+        if per_host:
+            self._first_block, self._local_blocks = _host_blocks(
+                mesh, data_axis)
 
     def splits_evenly(self, batch, batch_dim=0):
-        """Whether the data axis divides every tensor's batch dimension."""
+        """Whether the data axis divides every tensor's batch dimension
+        (per host: this host's share of the data axis divides its rows)."""
+        blocks = self._local_blocks if self.per_host else self._data_size
         return all(
             t is None
             or (
                 t.shape.rank > batch_dim
-                and t.shape[batch_dim] % self._data_size == 0
+                and t.shape[batch_dim] % blocks == 0
             )
             for t in tf.nest.flatten(batch)
         )
@@ -59,6 +72,8 @@ class InputPlacer:
 
     def place(self, batch, batch_dim=0):
         """DTensors for the host tensors in `batch` (None stays None)."""
+        if self.per_host:
+            return self._place_share(batch, batch_dim)
         split = self._data_size > 1 and self.splits_evenly(batch, batch_dim)
 
         def put(tensor):
@@ -78,6 +93,87 @@ class InputPlacer:
             return placement.put(tensor, tuple(spec), self.mesh)
 
         return tf.nest.map_structure(put, batch)
+
+    def _place_share(self, batch, batch_dim):
+        """The global batch whose rows of this host's data coordinates are
+        `batch`: each local device gets its coordinate's block of them."""
+        if not self.splits_evenly(batch, batch_dim):
+            rows = next(t.shape[batch_dim] for t in tf.nest.flatten(batch)
+                        if t is not None and t.shape.rank > batch_dim
+                        and t.shape[batch_dim] % self._local_blocks)
+            raise ValueError(
+                f"With per_host_input=True each host feeds {self._local_blocks}"
+                f" block(s) of the data axis {self._data_axis!r}, so its "
+                f"batch must divide by {self._local_blocks}. Received: a "
+                f"batch of {rows} rows on host {dtensor.client_id()}. Use a "
+                "per-host batch size that is a multiple of "
+                f"{self._local_blocks} (and drop_remainder=True in "
+                "dataset.batch).")
+        dmesh = self.mesh.dtensor_mesh
+
+        def put(tensor):
+            if tensor is None:
+                return None
+            array = np.asarray(tensor)
+            block = array.shape[batch_dim] // self._local_blocks
+            spec = [dtensor.UNSHARDED] * array.ndim
+            spec[batch_dim] = self._data_axis
+            components = []
+            for location in dmesh.local_device_locations():
+                start = (location[self._data_axis] - self._first_block) * block
+                index = [slice(None)] * array.ndim
+                index[batch_dim] = slice(start, start + block)
+                components.append(tf.constant(array[tuple(index)]))
+            return dtensor.pack(components, dtensor.Layout(spec, dmesh))
+
+        return tf.nest.map_structure(put, _host(batch))
+
+    def agree_on_batch_count(self, dataset):
+        """Per host: checks that every host's dataset has as many batches
+        (one collective). Keras stops each host after its own count, so
+        hosts with different counts would wait for each other forever; a
+        count tf.data cannot tell (-2) is left to the per-step check."""
+        if not self.per_host or dtensor.num_clients() == 1:
+            return
+        mine = np.zeros(dtensor.num_clients(), np.int64)
+        mine[dtensor.client_id()] = int(dataset.cardinality())
+        counts = placement.sum_over_hosts(mine)
+        known = {int(c) for c in counts if c >= 0}
+        if len(known) > 1:
+            described = ", ".join(f"host {h}: {n} batches"
+                                  for h, n in enumerate(counts))
+            raise ValueError(
+                "With per_host_input=True every host must feed a batch of "
+                "the same size at every step, but the hosts' datasets have "
+                f"different numbers of batches: {described}. Give every "
+                "host the same number of samples and the same per-host "
+                "batch size.")
+
+    def agree_on_batch(self, batch, step):
+        """Per host: checks that every host has a batch of the same size at
+        this step (a collective each step; a host whose data ended early
+        would otherwise leave the others waiting in the step's all-reduce).
+        Returns `batch`."""
+        if not self.per_host or dtensor.num_clients() == 1:
+            return batch
+        hosts = dtensor.num_clients()
+        mine = np.zeros(hosts, np.int64)
+        leaves = [t for t in tf.nest.flatten(batch) if t is not None]
+        mine[dtensor.client_id()] = (-1 if batch is None else
+                                     np.shape(leaves[0])[0] if leaves else 0)
+        sizes = placement.sum_over_hosts(mine)
+        if len(set(sizes.tolist())) > 1:
+            described = ", ".join(
+                f"host {h}: {'no batch (its data ended)' if n < 0 else n}"
+                for h, n in enumerate(sizes))
+            raise ValueError(
+                "With per_host_input=True every host must feed a batch of "
+                f"the same size at every step. At step {step} the hosts "
+                f"disagree: {described}. Give every host the same number of "
+                "samples and the same per-host batch size (e.g. "
+                "dataset.shard(num_hosts, host_id).batch(b, "
+                "drop_remainder=True) on every host).")
+        return batch
 
     def place_arrays(self, structure):
         """Like `place`, for host arrays only (Python values, symbolic
@@ -117,6 +213,7 @@ class DistributedBatches:
             )
         self._dataset = dataset
         self._placer = placer
+        placer.agree_on_batch_count(dataset)
 
     @property
     def element_spec(self):
@@ -143,6 +240,7 @@ class BatchIterator:
         self._placer = placer
         self._lookahead = None
         self._started = False
+        self._step = 0
 
     def __iter__(self):
         return self
@@ -158,15 +256,27 @@ class BatchIterator:
         stand-ins for missing entries become None)."""
         if not self._started:
             self._started = True
-            batch = _host(next(self._host_iterator))
-            self._lookahead = _host(next(self._host_iterator, None))
+            batch = self._read()
+            if batch is None:
+                raise StopIteration
+            self._lookahead = self._read()
             if self._lookahead is not None:
                 self._placer.check_batch_size(batch)
             return batch
         if self._lookahead is not None:
             batch, self._lookahead = self._lookahead, None
             return batch
-        return _host(next(self._host_iterator))
+        batch = self._read()
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def _read(self):
+        """The next host batch or None at the end (hosts agreeing on it
+        under per-host input)."""
+        batch = _host(next(self._host_iterator, None))
+        self._step += 1
+        return self._placer.agree_on_batch(batch, self._step)
 
 
 def _host(batch):
@@ -175,3 +285,27 @@ def _host(batch):
     return tf.nest.map_structure(
         lambda t: None if isinstance(t, tf.experimental.Optional) else t,
         batch)
+
+
+def _host_blocks(mesh, data_axis):
+    """(first, count): the data coordinates this host's devices hold, which
+    per-host input needs to be the same number on every host, in host
+    order: host h holds [h * count, (h + 1) * count)."""
+    hosts, host = dtensor.num_clients(), dtensor.client_id()
+    size = mesh.axis_size(data_axis)
+    coordinates = sorted({location[data_axis] for location in
+                          mesh.dtensor_mesh.local_device_locations()}) \
+        if data_axis in mesh.shape else [0]
+    count = len(coordinates)
+    if size % hosts or coordinates != list(
+            range(host * count, (host + 1) * count)) or count * hosts != size:
+        raise ValueError(
+            "per_host_input=True needs each host to hold its own range of "
+            f"the data axis {data_axis!r}: {hosts} host(s) and a data axis of "
+            f"size {size}, host h holding coordinates [h*{size}//{hosts}, "
+            f"(h+1)*{size}//{hosts}). Received: mesh {mesh!r}, host {host} "
+            f"holding data coordinates {coordinates}. Make the data axis "
+            "the first axis and a multiple of the number of hosts (e.g. "
+            "Mesh({'data': hosts * k, 'model': m})), or leave "
+            "per_host_input=False (every host reads every global batch).")
+    return coordinates[0], count

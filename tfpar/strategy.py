@@ -68,10 +68,21 @@ class ParallelStrategy(tf.distribute.Strategy):
             pass has used them (no re-gather in the backward pass), so a
             step's peak holds every weight whole. Losses and weights equal
             plain data parallelism's.
+        per_host_input: with several hosts (`tfpar.connect_hosts`), each
+            host feeds only its share of every global batch — the rows of
+            the data coordinates its devices hold (host h of H: blocks
+            [h D/H, (h+1) D/H) of the data axis of size D) — instead of
+            every host reading every global batch. The arrays or dataset a
+            host gives `fit`/`evaluate` are then its own samples, batched
+            with the per-host batch size (global / H);
+            `distribute_datasets_from_function` passes an InputContext with
+            `num_input_pipelines=H` and `input_pipeline_id=h`. Hosts check
+            at every step that they all have a batch of the same size (a
+            clear error otherwise). One host: no effect.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
-                 pipeline_axis="pipe", fsdp=False):
+                 pipeline_axis="pipe", fsdp=False, per_host_input=False):
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
@@ -111,9 +122,14 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r}, data_axis={data_axis!r}. Add a "
                 "data axis of size > 1 or leave fsdp=False."
             )
+        if not isinstance(per_host_input, bool):
+            raise TypeError(
+                "ParallelStrategy(per_host_input) needs True or False. "
+                f"Received: per_host_input={per_host_input!r}"
+            )
         _check_axes(rules, mesh, pipeline_axis)
         super().__init__(ParallelExtended(self, mesh, rules, data_axis,
-                                          pipeline_axis, fsdp))
+                                          pipeline_axis, fsdp, per_host_input))
 
     @property
     def mesh(self):
@@ -308,35 +324,28 @@ class ShardedVariable(_compat.DVariable):
     # scatter ops, which DTensor 2.21 cannot lay out ("'tf.ResourceScatterSub'
     # op does not implement layout propagation"): plain SGD, Adagrad,
     # Adadelta, RMSprop and Adafactor failed on every mesh. Each is the same
-    # update written densely: the slices summed into rows,
-    # D = sum_j onehot(indices_j) values_j (an UnsortedSegmentSum, which
-    # DTensor lays out), then var -= D, var += D; scatter_update replaces the
-    # touched rows: var = where(touched, D_last, var). Repeated indices add,
-    # as ResourceScatterAdd/Sub do; for scatter_update the last slice of a
-    # repeated row wins (TF leaves that order unspecified).
+    # update written with ops DTensor lays out: scatter_add/sub sum the
+    # slices into rows, D_i = sum_{j: idx_j = i} v_j (an UnsortedSegmentSum;
+    # repeated rows add, as ResourceScatterAdd/Sub do), then var += D or
+    # var -= D; scatter_update writes the slices into the value
+    # (TensorScatterUpdate; of repeated rows one wins, as in TF).
 
-    def _dense_delta(self, sparse_delta):
+    def _summed_rows(self, sparse_delta):
         values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
         return tf.math.unsorted_segment_sum(values, sparse_delta.indices,
                                             self.shape[0])
 
     def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_add(self._dense_delta(sparse_delta), name=name)
+        return self.assign_add(self._summed_rows(sparse_delta), name=name)
 
     def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        return self.assign_sub(self._dense_delta(sparse_delta), name=name)
+        return self.assign_sub(self._summed_rows(sparse_delta), name=name)
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        indices = sparse_delta.indices
-        # The last position of each row among the indices: a later slice of
-        # a repeated row overwrites an earlier one.
-        positions = tf.range(tf.shape(indices)[0])
-        last = tf.math.unsorted_segment_max(positions, indices, self.shape[0])
-        touched = last >= 0  # unsorted_segment_max fills absent rows with min
-        rows = tf.gather(tf.convert_to_tensor(sparse_delta.values, self.dtype),
-                         tf.maximum(last, 0))
-        mask = tf.reshape(touched, [-1] + [1] * (self.shape.rank - 1))
-        return self.assign(tf.where(mask, rows, self.read_value()), name=name)
+        values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
+        return self.assign(tf.tensor_scatter_nd_update(
+            self.read_value(), sparse_delta.indices[:, None], values),
+            name=name)
 
     def numpy(self):
         return placement.fetch(self.read_value())
@@ -350,7 +359,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     """The machinery behind `ParallelStrategy` (see the module docstring)."""
 
     def __init__(self, container_strategy, mesh, rules, data_axis,
-                 pipeline_axis, fsdp=False):
+                 pipeline_axis, fsdp=False, per_host_input=False):
         super().__init__(container_strategy)
         self.mesh = mesh
         self.rules = rules
@@ -361,7 +370,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.stage_meshes = ([mesh] if stages == 1 else
                              [mesh.submesh(pipeline_axis, s)
                               for s in range(stages)])
-        self.input_placer = inputs.InputPlacer(mesh, data_axis)
+        self.input_placer = inputs.InputPlacer(
+            mesh, data_axis, per_host=per_host_input and dtensor.num_clients() > 1)
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
         self._placing = []  # stack of meshes new variables go to
@@ -799,8 +809,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return inputs.DistributedBatches(dataset, self.input_placer)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        hosts = dtensor.num_clients() if self.input_placer.per_host else 1
         context = tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0,
+            num_input_pipelines=hosts,
+            input_pipeline_id=dtensor.client_id() if hosts > 1 else 0,
             num_replicas_in_sync=1)
         return inputs.DistributedBatches(dataset_fn(context), self.input_placer)
 
@@ -939,6 +951,9 @@ def _strategy_of_layer(owner):
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
 _compat.patch_keras_remat(_check_random_recomputation)
+_compat.static_sparse_division(
+    lambda: not tf.executing_eagerly()
+    and isinstance(tf.distribute.get_strategy(), ParallelStrategy))
 _compat.place_host_inputs_of_methods(_strategy_of_layer)
 _compat.patch_keras_slice_update(in_spmd_step)
 _compat.patch_tensor_indexing(in_spmd_step)

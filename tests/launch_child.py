@@ -1,0 +1,62 @@
+"""A training script run by `python -m tfpar.launch` (tests/test_launch.py).
+
+    python -m tfpar.launch --hosts 2 --virtual-cpus 4 [--max-restarts R] \
+        launch_child.py MODE WORKDIR
+
+It calls nothing host-specific: `tfpar.connect_hosts()` reads the cluster
+from the environment the launcher sets. It trains `models.host_mlp` on
+data=8 (both hosts) from WORKDIR/given.npz for 4 epochs with plain SGD,
+resuming from `keras.callbacks.BackupAndRestore` (one directory per host),
+and writes every batch's loss of this attempt to
+WORKDIR/losses-host<I>-attempt<R>.json. On the first attempt host 1 then
+misbehaves after epoch 2 as MODE says: "kill" (SIGKILL itself), "stop"
+(SIGSTOP itself), "fail" (raise) or "none".
+"""
+
+import json
+import os
+import signal
+import sys
+
+import tfpar
+
+tfpar.connect_hosts(heartbeat_timeout=float(os.environ.get("HEARTBEAT", 60)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+
+mode, workdir = sys.argv[1], sys.argv[2]
+host, attempt = tfpar.hosts.host_id(), int(os.environ["TFPAR_RESTART"])
+given = np.load(os.path.join(workdir, "given.npz"))
+losses = []
+
+
+class Misbehave(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        losses.append(float(logs["loss"]))
+
+    def on_epoch_end(self, epoch, logs=None):
+        with open(os.path.join(
+                workdir, f"losses-host{host}-attempt{attempt}.json"), "w") as f:
+            json.dump(losses, f)
+        if epoch == 1 and host == 1 and attempt == 0:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif mode == "fail":
+                raise RuntimeError("host 1 fails on purpose")
+
+
+strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+with strategy.scope():
+    model = models.host_mlp()
+    model.set_weights([given[f"w{i}"] for i in range(6)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+backup = keras.callbacks.BackupAndRestore(
+    os.path.join(workdir, f"backup-host{host}"))
+model.fit(given["x"], given["y"], batch_size=32, epochs=4, shuffle=False,
+          verbose=0, callbacks=[backup, Misbehave()])
+print(f"host {host} attempt {attempt} done", flush=True)

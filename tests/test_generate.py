@@ -173,6 +173,7 @@ def test_generate_replicated_weights_odd_batch(mesh):
     check_generation("llama", mesh, "beam", sharded=False, batch=5)
 
 
+@pytest.mark.slow
 def test_top_k_draws_differ_from_keras_stateless_multinomial():
     """Says what the top-k parity above does not: Keras' one-device draws
     (StatelessMultinomial) are other numbers than Gumbel-max's."""

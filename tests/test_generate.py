@@ -55,7 +55,10 @@ def megatron_rules(name, model_size):
         rules = {r".*feedforward_(gate|intermediate)_dense": column,
                  r".*feedforward_output_dense": row}
         attention = r".*self_attention"
-    if KV_HEADS[name] % model_size == 0:
+    # Gemma's attention split by heads does not compile in generate on
+    # data=2 x model=4 (DTensor: "TransposeOp SPMD needs communication is
+    # not supported yet", in the cached attention): not solved, its MLP only.
+    if KV_HEADS[name] % model_size == 0 and name != "gemma":
         rules[attention] = column
     return rules
 
@@ -140,7 +143,7 @@ def check_sharded(name, strategy, model, model_size):
     split = {path: spec for path, spec, _ in strategy.placements("params")
              if "model" in spec}
     assert any("feedforward" in p or "ffw" in p for p in split), split
-    if KV_HEADS[name] % model_size == 0:
+    if KV_HEADS[name] % model_size == 0 and name != "gemma":
         assert any("attention" in p for p in split), split
     for weight in model.weights:
         if weight.path not in split:
@@ -242,3 +245,18 @@ def test_eager_call_and_any_tf_function_of_a_model_method():
                                rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(placement.fetch(model(prompts(8))),
                                want_logits, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_gemma_attention_split_by_heads_does_not_compile_in_generate():
+    """Not solved: why megatron_rules leaves Gemma's attention whole.
+    DTensor 2.21 cannot lay out a transpose in Gemma's cached attention
+    when the heads are split. If this starts passing, split it above."""
+    weights, _, _ = one_device("gemma", "greedy", 8)
+    rules = dict(megatron_rules("gemma", 4))
+    rules[r".*attention"] = tfpar.ColumnParallel()
+    strategy, model = under_strategy("gemma", "data_model", rules)
+    model.set_weights(weights)
+    model.compile(sampler="greedy")
+    with pytest.raises(tf.errors.UnknownError, match="TransposeOp SPMD"):
+        model.generate(prompts(8), stop_token_ids=None)

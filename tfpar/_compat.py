@@ -10,6 +10,8 @@ import threading
 import weakref
 
 import keras
+
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.dtensor.python import d_variable
@@ -34,7 +36,9 @@ def route_keras_step_functions(make_function_for, owns):
     function, `make_{train,test,predict}_function` use that function; for
     every other model Keras' own code runs unchanged. `compile` of a model
     whose strategy `owns(strategy)` enters that strategy's scope, so the
-    optimizer is created under it even when `compile` is called outside.
+    optimizer is created under it even when `compile` is called outside;
+    such a model's keras-hub `generate_function` is routed the same way
+    (mode "generate", see `route_generate_function`).
     """
     from keras.src.backend.tensorflow import trainer  # noqa: PLC0415
     from keras.src.trainers import trainer as base_trainer  # noqa: PLC0415
@@ -51,6 +55,7 @@ def route_keras_step_functions(make_function_for, owns):
         with strategy.scope():
             result = original_compile(self, *args, **kwargs)
             _optimizer_under(self, strategy)
+        route_generate_function(self, make_function_for)
         return result
 
     # Patched on the base class: Keras' `compile_from_config` (what
@@ -103,6 +108,267 @@ def route_keras_step_functions(make_function_for, owns):
 
         setattr(cls, f"make_{attribute}", make)
     cls._tfpar_routed = True  # noqa: SLF001
+
+
+def route_generate_function(model, make_function_for):
+    """Lets a strategy build keras-hub's `generate_function` for `model`.
+
+    keras-hub's `CausalLM` (and `TextToImage`) compile their own generation
+    step: `make_generate_function` wraps `generate_step` in a `tf.function`
+    that `generate()` calls with host tensors. The class defining
+    `make_generate_function` is patched once so that it uses
+    `make_function_for(model, "generate")` when that returns a function
+    (models under a strategy), Keras-hub's own code otherwise. A model
+    without `make_generate_function` is left alone.
+    """
+    cls = next((c for c in type(model).__mro__
+                if "make_generate_function" in c.__dict__), None)
+    if cls is None or getattr(cls.__dict__["make_generate_function"],
+                              "_tfpar_routed", False):
+        return
+    original = cls.__dict__["make_generate_function"]
+
+    def make_generate_function(self):
+        if self.generate_function is not None:
+            return self.generate_function
+        function = make_function_for(self, "generate")
+        if function is None:
+            return original(self)
+        self.generate_function = function
+        return function
+
+    make_generate_function._tfpar_routed = True  # noqa: SLF001
+    cls.make_generate_function = make_generate_function
+
+
+def place_host_inputs_of_methods(strategy_of):
+    """Lets any `tf.function` of a model's own method take host arrays.
+
+    A Keras or keras-hub model may compile its methods itself (e.g.
+    `tf.function(self.generate_step)`); called with host arrays while its
+    weights live on a mesh, DTensor refuses the call ("got a regular tensor
+    for input 0 ... but was expecting a DTensor"). Patches tf.function's
+    call once: when a function of a bound method of `owner` is called
+    eagerly with host arrays (numpy, or tensors that are not DTensors,
+    scalars excepted: DTensor broadcasts those) and `strategy_of(owner)` is
+    a strategy, the arrays are placed on its mesh (split over the data
+    axis when it divides them) and the call runs in its replica context
+    (where tfpar's DTensor-friendly ops apply). Every other call, including
+    every call DTensor accepted before, runs unchanged.
+    """
+    from tensorflow.python.eager.polymorphic_function import (  # noqa: PLC0415
+        polymorphic_function)
+
+    cls = polymorphic_function.Function
+    original = cls.__call__
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def is_host_array(x):
+        return isinstance(x, np.ndarray) and x.ndim > 0 or (
+            isinstance(x, tf.Tensor) and hasattr(x, "numpy")
+            and x.shape.rank and not dtensor.is_dtensor(x))
+
+    def __call__(self, *args, **kwargs):
+        owner = getattr(self._python_function, "__self__", None)  # noqa: SLF001
+        if owner is None or not tf.executing_eagerly() or not any(
+                is_host_array(x) for x in tf.nest.flatten((args, kwargs))):
+            return original(self, *args, **kwargs)
+        strategy = strategy_of(owner)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        extended = strategy.extended
+        args, kwargs = extended.input_placer.place_arrays((args, kwargs))
+        with extended.replica_scope():
+            return original(self, *args, **kwargs)
+
+    __call__._tfpar_wrapped = True  # noqa: SLF001
+    cls.__call__ = __call__
+
+
+def dense_slice_update(inputs, start_indices, updates):
+    """`inputs` with `updates` written at `start_indices`, like XLA's
+    DynamicUpdateSlice, from ops DTensor lays out (a gather and a select).
+
+    Along each dimension d where the update is shorter (m_d < n_d), the
+    start is clamped as XLA does, s_d = clip(start_d, 0, n_d - m_d), and
+    position i takes update row i - s_d when 0 <= i - s_d < m_d:
+    expanded = gather(updates, clip(i - s_d, 0, m_d - 1), axis=d), and the
+    result is where(inside, expanded, inputs). Values are copied, not
+    computed: bit-for-bit the same as DynamicUpdateSlice.
+    """
+    inputs = tf.convert_to_tensor(inputs)
+    updates = tf.convert_to_tensor(updates, inputs.dtype)
+    rank = inputs.shape.rank
+    full, part = tf.shape(inputs), tf.shape(updates)
+    inside = tf.ones([1] * rank, tf.bool)
+    expanded = updates
+    for d in range(rank):
+        n, m = inputs.shape[d], updates.shape[d]
+        if n is not None and n == m:
+            continue  # the whole dimension: XLA clamps its start to 0
+        start = tf.clip_by_value(
+            tf.cast(start_indices[d], tf.int32), 0, full[d] - part[d])
+        offset = tf.range(full[d]) - start
+        expanded = tf.gather(
+            expanded, tf.clip_by_value(offset, 0, part[d] - 1), axis=d)
+        shape = [1] * rank
+        shape[d] = -1
+        inside = tf.logical_and(inside, tf.reshape(
+            tf.logical_and(offset >= 0, offset < part[d]), shape))
+    return tf.where(inside, expanded, inputs)
+
+
+def patch_keras_slice_update(use_dense):
+    """Makes `keras.ops.slice_update` use `dense_slice_update` while
+    `use_dense()` (inside a strategy's step), once.
+
+    Keras' TF backend writes it with XLA's DynamicUpdateSlice, which
+    DTensor 2.21 cannot lay out ("'tf.XlaDynamicUpdateSlice' op does not
+    implement layout propagation"): keras-hub's KV cache updates failed in
+    `generate()` (tests/test_generate.py). Elsewhere Keras' op runs.
+    """
+    from keras.src.backend.tensorflow import core  # noqa: PLC0415
+
+    original = core.slice_update
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def slice_update(inputs, start_indices, updates):
+        if use_dense():
+            return dense_slice_update(inputs, start_indices, updates)
+        return original(inputs, start_indices, updates)
+
+    slice_update._tfpar_wrapped = True  # noqa: SLF001
+    core.slice_update = slice_update
+
+
+def _is_scalar_index(item):
+    """A Python int or a scalar integer tensor: an index that drops its
+    dimension in `tensor[key]`."""
+    if isinstance(item, (bool, np.bool_)):
+        return False
+    if isinstance(item, (int, np.integer)):
+        return True
+    return (isinstance(item, tf.Tensor) and item.shape.rank == 0
+            and item.dtype.is_integer)
+
+
+def index_keeping_dims(tensor, key):
+    """`tensor[key]` with no StridedSlice that drops a dimension: a Python
+    integer index i is taken as the slice i:i+1 and that dimension squeezed
+    after, a tensor index is a `tf.gather` along its dimension. The same
+    values. None when `key` needs the plain path (no integer index,
+    boolean or list indices, unknown rank).
+
+    DTensor 2.21 lays out a StridedSlice that drops a dimension d wrongly
+    when a later dimension is sharded: the output keeps the sharding at the
+    old position (dimension + 1), so `cache[:, i, ...]` of a cache split by
+    heads comes out split by head size, with wrong values or a failed
+    compile (tests/dtensor_shrink_slice_repro.py). This is keras-hub's
+    KV-cache indexing.
+    """
+    items = key if isinstance(key, tuple) else (key,)
+    rank = tensor.shape.rank
+    if rank is None or not any(_is_scalar_index(i) for i in items) or not all(
+            i is None or i is Ellipsis or isinstance(i, slice)
+            or _is_scalar_index(i) for i in items):
+        return None
+    used = sum(i is not None and i is not Ellipsis for i in items)
+    new_key, squeeze, gathers, in_axis, out_axis = [], [], [], 0, 0
+    for item in items:
+        if item is Ellipsis or item is None:
+            skipped = rank - used if item is Ellipsis else 0
+            in_axis += skipped
+            out_axis += skipped if item is Ellipsis else 1
+            new_key.append(item)
+            continue
+        if isinstance(item, tf.Tensor):  # gathered below (negative: from
+            size = tf.shape(tensor, out_type=item.dtype)[in_axis]  # the end)
+            gathers.append((out_axis, tf.where(item < 0, item + size, item)))
+            item = slice(None)
+        elif _is_scalar_index(item):
+            item = int(item)  # -1 is the slice -1: (to the end)
+            item = slice(item, item + 1 if item != -1 else None)
+            squeeze.append(out_axis)
+        new_key.append(item)
+        in_axis += 1
+        out_axis += 1
+    result = _original_getitem(tensor, tuple(new_key))
+    for axis, index in reversed(gathers):  # later axes first: positions hold
+        result = tf.gather(result, index, axis=axis)
+    # A gather at an axis before a squeezed one moved it down by one.
+    squeeze = [a - sum(g < a for g, _ in gathers) for a in squeeze]
+    return tf.squeeze(result, squeeze) if squeeze else result
+
+
+def gumbel_categorical(logits, num_samples, seed, replicate):
+    """`num_samples` draws per row from softmax(`logits`), by Gumbel-max:
+    argmax_j(logits_j - log(-log u_j)) with u uniform in (0, 1) is class j
+    with probability softmax(logits)_j. `seed` is a stateless seed (2,);
+    `replicate(u)` lays the uniform numbers out whole on every device, so
+    they do not depend on how the mesh splits the logits. Ops DTensor
+    lays out, unlike TF's StatelessMultinomial (a different draw from it:
+    the same distribution, not the same numbers).
+    """
+    logits = tf.convert_to_tensor(logits, tf.float32)
+    shape = tf.concat([tf.shape(logits)[:1], [num_samples],
+                       tf.shape(logits)[1:]], 0)
+    u = replicate(tf.random.stateless_uniform(
+        shape, seed, minval=np.finfo(np.float32).tiny, maxval=1.0))
+    return tf.argmax(logits[:, None, :] - tf.math.log(-tf.math.log(u)),
+                     axis=-1)
+
+
+def patch_keras_categorical(replicate_in_step):
+    """Makes `keras.random.categorical` use `gumbel_categorical` inside a
+    strategy's step, once: `replicate_in_step()` returns there the function
+    that replicates a tensor over the step's mesh, None elsewhere (Keras'
+    own op runs). Keras' TF op is StatelessMultinomial, which DTensor 2.21
+    cannot lay out ("'tf.StatelessMultinomial' op does not implement layout
+    propagation"): keras-hub's top-k, top-p and random samplers failed.
+    """
+    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
+
+    original = tf_random.categorical
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        replicate = replicate_in_step()
+        if replicate is None:
+            return original(logits, num_samples, dtype=dtype, seed=seed)
+        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        return tf.cast(gumbel_categorical(logits, num_samples, seed,
+                                          replicate), dtype)
+
+    categorical._tfpar_wrapped = True  # noqa: SLF001
+    tf_random.categorical = categorical
+
+
+_original_getitem = None
+
+
+def patch_tensor_indexing(use_kept_dims):
+    """Makes `tensor[key]` use `index_keeping_dims` while `use_kept_dims()`
+    (inside a strategy's step), once. Elsewhere TF's indexing runs."""
+    global _original_getitem  # noqa: PLW0603 (TF's method, kept once)
+    from tensorflow.python.framework import tensor as tensor_lib  # noqa: PLC0415
+
+    original = tensor_lib.Tensor.__getitem__
+    if getattr(original, "_tfpar_wrapped", False):
+        return
+    _original_getitem = original
+
+    def __getitem__(self, key):
+        if use_kept_dims():
+            result = index_keeping_dims(self, key)
+            if result is not None:
+                return result
+        return original(self, key)
+
+    __getitem__._tfpar_wrapped = True  # noqa: SLF001
+    tensor_lib.Tensor.__getitem__ = __getitem__
 
 
 _RECOMPUTING = threading.local()

@@ -575,17 +575,18 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         weakref.finalize(variable, self._variables.pop, key, None)
         return variable
 
-    def adopt_state_variables(self, model):
+    def adopt_state_variables(self, model, extra=()):
         """Moves metric/optimizer state made outside the scope onto the mesh.
 
         Keras metrics passed to `compile` are often constructed before it,
         outside `strategy.scope()`, and so own plain tf.Variables. DTensor
         would silently compute wrong values with those inside the SPMD
         step, so each is replaced (same value, replicated) by a mesh
-        variable. A model weight outside the mesh is an error.
+        variable; so are the Keras variables in `extra` (e.g. a keras-hub
+        sampler's seed). A model weight outside the mesh is an error.
         """
         optimizer = getattr(model, "optimizer", None)
-        state = list(model.metrics_variables)
+        state = list(model.metrics_variables) + list(extra)
         if optimizer is not None:
             state += list(optimizer.variables)
         for variable in model.variables:
@@ -789,6 +790,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         `tfpar.PipelineModel` brings its own runner). DTensor's compile
         errors in it name the layers (`tfpar.compile_errors`)."""
         self.check_context()
+        if mode == "generate":
+            return training.make_generate_function(model, self)
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)
         if make_runner is not None:
             return compile_errors.explaining(
@@ -820,7 +823,11 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         if self.placement_mesh is None:  # weights still on the host
             return call(model, *args, **kwargs)
         args, kwargs = self.input_placer.place_arrays((args, kwargs))
-        outputs = call(model, *args, **kwargs)
+        # Tensors the model makes from no input (keras-hub's causal masks
+        # from `ops.arange`) are made on the mesh, replicated, instead of on
+        # the host, where DTensor refuses to mix them with DTensors.
+        with dtensor.default_mesh(self.mesh.dtensor_mesh):
+            outputs = call(model, *args, **kwargs)
         return tf.nest.map_structure(self.replicate, outputs)
 
     def replicate(self, value):
@@ -1134,9 +1141,25 @@ def _owning_strategy(model):
     return None
 
 
+def _strategy_of_layer(owner):
+    """The ParallelStrategy that made the weights of Keras layer `owner`,
+    or None (not a layer, or weights not on a mesh)."""
+    import keras  # noqa: PLC0415
+
+    if not isinstance(owner, keras.layers.Layer):
+        return None
+    return _owning_strategy(owner)
+
+
 _compat.route_keras_step_functions(
     _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
 _compat.patch_keras_remat(_check_random_recomputation)
 _compat.static_sparse_division(
     lambda: not tf.executing_eagerly()
     and isinstance(tf.distribute.get_strategy(), ParallelStrategy))
+_compat.place_host_inputs_of_methods(_strategy_of_layer)
+_compat.patch_keras_slice_update(in_spmd_step)
+_compat.patch_tensor_indexing(in_spmd_step)
+_compat.patch_keras_categorical(
+    lambda: tf.distribute.get_strategy().extended.replicate
+    if in_spmd_step() else None)

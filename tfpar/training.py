@@ -1,4 +1,5 @@
-"""Keras train/test/predict functions for models under a ParallelStrategy.
+"""Keras train/test/predict (and keras-hub generate) functions for models
+under a ParallelStrategy.
 
 Keras builds its step functions for per-replica strategies. Under a
 `ParallelStrategy` tfpar builds them instead (`_compat` routes
@@ -179,3 +180,48 @@ def _as_batch(data):
 def _next_host_batch(iterator):
     next_host = getattr(iterator, "next_host_batch", None)
     return next_host() if next_host is not None else _as_batch(next(iterator))
+
+
+def make_generate_function(model, extended):
+    """keras-hub's `model.generate_function` under a ParallelStrategy.
+
+    keras-hub's `CausalLM.generate()` calls it with one batch of host
+    tensors (token ids and padding mask) and the stop token ids. Here the
+    batch is placed on the mesh (split along the data axis when it divides
+    the batch, otherwise whole on every device, as for a partial batch in
+    `fit`), `model.generate_step` (prefill, the KV-cache loop, the sampler)
+    runs as one SPMD `tf.function` in the strategy's replica context, and
+    the generated tokens come back as host tensors. The step is traced even
+    when the model runs eagerly and never XLA-compiled (`jit_compile` is
+    ignored): DTensor runs it.
+
+    >>> import keras_hub, numpy as np, tfpar
+    >>> tfpar.use_virtual_cpus(8)
+    >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    >>> with strategy.scope():
+    ...     lm = keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(
+    ...         vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=8,
+    ...         intermediate_dim=16, max_sequence_length=8),
+    ...         preprocessor=None)
+    ...     lm.compile(sampler="greedy")
+    >>> mask = np.broadcast_to(np.arange(8) < 3, (8, 8))  # 3-token prompts
+    >>> out = lm.generate({"token_ids": np.ones((8, 8), "int32"),
+    ...                    "padding_mask": mask}, stop_token_ids=None)
+    >>> out["token_ids"].shape
+    (8, 8)
+    """
+    sampler = getattr(model, "sampler", None)
+    extended.adopt_state_variables(model, getattr(sampler, "variables", ()))
+
+    @tf.function(reduce_retracing=True)
+    def step(inputs, *args, **kwargs):
+        with extended.replica_scope():
+            return model.generate_step(inputs, *args, **kwargs)
+
+    def generate_function(inputs, *args, **kwargs):
+        placed = extended.input_placer.place(_as_batch(inputs))
+        outputs = step(placed, *args, **kwargs)
+        return tf.nest.map_structure(
+            lambda t: tf.constant(placement.fetch(t)), outputs)
+
+    return generate_function

@@ -10,7 +10,6 @@ import threading
 import weakref
 
 import keras
-
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor

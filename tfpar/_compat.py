@@ -48,8 +48,11 @@ def route_keras_step_functions(make_function_for, owns):
         if not owns(strategy):
             return original_compile(self, *args, **kwargs)
         with strategy.scope():
+            strategy.extended.adopt_model(self)  # a model built outside
             result = original_compile(self, *args, **kwargs)
             _optimizer_under(self, strategy)
+            if self.built:
+                strategy.extended.check_rules_used()
         return result
 
     # Patched on the base class: Keras' `compile_from_config` (what
@@ -328,6 +331,12 @@ def _optimizer_under(model, strategy):
             "strategy's scope and could not be rebuilt from its config "
             f"({error}). Create it inside `with strategy.scope():`."
         ) from error
+
+
+def bind_model_strategy(model, strategy):
+    """Makes `strategy` the one `model` was built under (Keras records it
+    at construction; a model built outside any scope has none)."""
+    model._distribute_strategy = strategy  # noqa: SLF001
 
 
 def all_layers(layer, include_self=True):

@@ -11,7 +11,8 @@ running several steps per call is the main lever on speed:
   dimension 1, and runs the k steps in one `tf.function` call (a
   `tf.while_loop`); Keras only reads the logs of the last step.
 - A batch the data axis does not divide (the last, partial batch of an
-  epoch) runs alone, replicated over the data axis (see `inputs`).
+  epoch; any evaluate/predict batch) runs alone, replicated over the data
+  axis (see `inputs`).
 """
 
 import numpy as np
@@ -159,7 +160,8 @@ def make_function(model, extended, mode, runner=None):
         batches = []
         for _ in range(model.steps_per_execution):
             try:
-                batches.append(_next_host_batch(iterator))
+                batches.append(_next_host_batch(iterator,
+                                                check=mode == "train"))
             except (StopIteration, tf.errors.OutOfRangeError):
                 break
         if not batches:
@@ -176,6 +178,8 @@ def _as_batch(data):
         else tf.convert_to_tensor(t), data)
 
 
-def _next_host_batch(iterator):
+def _next_host_batch(iterator, check):
     next_host = getattr(iterator, "next_host_batch", None)
-    return next_host() if next_host is not None else _as_batch(next(iterator))
+    if next_host is None:
+        return _as_batch(next(iterator))
+    return next_host(check=check)

@@ -15,6 +15,8 @@ running several steps per call is the main lever on speed:
   axis (see `inputs`).
 """
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -42,8 +44,13 @@ class StepRunner:
             "test": model.test_step,
             "predict": model.predict_step,
         }[mode]
+        # tf.function of a functools.partial: TF counts retracings per
+        # Python function (per code object), so the steps of every model and
+        # mode, traced once each, would add up to "triggered tf.function
+        # retracing" warnings; a partial makes each runner's count its own.
         wrap = (lambda f: f) if model.run_eagerly else (
-            lambda f: tf.function(f, reduce_retracing=True))
+            lambda f: tf.function(functools.partial(f),
+                                  reduce_retracing=True))
         self._one_step = wrap(self._in_replica)
         self._many_steps = wrap(self._loop)
         self._compiled = set()  # input signatures already run (see _call)
@@ -152,7 +159,8 @@ def make_function(model, extended, mode, runner=None):
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
-            return runner.run([_as_batch(b) for b in data])
+            with _compat.quiet_cpp_info_logs():
+                return runner.run([_as_batch(b) for b in data])
 
         return predict_function
 
@@ -166,7 +174,8 @@ def make_function(model, extended, mode, runner=None):
                 break
         if not batches:
             raise StopIteration
-        return runner.run(batches)
+        with _compat.quiet_cpp_info_logs():  # DTensor's per-shape INFO lines
+            return runner.run(batches)
 
     return function
 

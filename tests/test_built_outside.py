@@ -13,32 +13,21 @@ from tensorflow.experimental import dtensor
 import tfpar
 from tests import models
 
-RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
-         r".*down/kernel": ("model", None)}
-
-
-def mlp():
-    return keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="relu", name="up"),
-        keras.layers.Dense(3, name="down")], name="mlp")
-
-
 def test_compile_in_scope_moves_weights_built_outside_onto_the_mesh():
     keras.utils.set_random_seed(0)
-    reference = mlp()
+    reference = models.host_mlp()
     weights = reference.get_weights()
     reference.compile(optimizer="sgd", loss="mse")
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
-                                      rules=RULES)
-    model = mlp()  # outside the scope
+                                      rules=models.HOST_RULES)
+    model = models.host_mlp()  # outside the scope
     model.set_weights(weights)
     with strategy.scope():
         model.compile(optimizer="sgd", loss="mse")
-    kernel = model.get_layer("up").kernel.value
+    kernel = model.get_layer("up0").kernel.value
     assert dtensor.is_dtensor(kernel)
     assert [b.shape.as_list() for b in dtensor.unpack(kernel.read_value())] == [[16, 8]] * 8
-    assert ("mlp/up/kernel", (None, "model"), (16, 8)) in strategy.placements()
+    assert ("mlp/up0/kernel", (None, "model"), (16, 8)) in strategy.placements()
 
     x, y = models.mlp_data()
     expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False,
@@ -57,11 +46,11 @@ def test_weights_on_another_strategys_mesh_are_refused_at_compile():
     first = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
     second = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
     with first.scope():
-        inner = mlp()
+        inner = models.host_mlp()
     # Built outside any scope from layers whose weights live on `first`.
     model = keras.Model(inner.inputs, inner.outputs, name="mlp")
     with second.scope(), pytest.raises(
             ValueError, match=r"weights of model 'mlp' were created outside "
-            r"this strategy's scope.*another strategy's mesh.*'mlp/up/kernel'"
+            r"this strategy's scope.*another strategy's mesh.*'mlp/up0/kernel'"
             r".*Build the model inside `with strategy.scope\(\):`"):
         model.compile(optimizer="sgd", loss="mse")

@@ -5,6 +5,7 @@
     python3 dev.py test     # runs the test suite (fast profile: what CI runs)
     python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing)
     python3 dev.py bench    # runs benchmarks/step_time.py
+    python3 dev.py docs     # builds the documentation site into site/ (warnings are errors)
 
 Needs only Python 3.10+: the first run creates .venv/ and installs tfpar with
 its dependencies (TensorFlow, Keras) into it.
@@ -26,6 +27,7 @@ COMMANDS = {
     "test": ["-m", "pytest", "-q"],
     "test-all": ["-m", "pytest", "-q", "-m", "slow or not slow"],
     "bench": ["benchmarks/step_time.py"],
+    "docs": ["-m", "mkdocs", "build", "--strict"],  # mkdocs.yml, docs/
 }
 
 

@@ -60,3 +60,24 @@ def test_training_still_refuses_an_indivisible_batch_size():
     with pytest.raises(ValueError, match=r"global batch size 7 is not "
                        r"divisible by the data axis 'data' of size 2"):
         model.fit(x, x[:, :2], batch_size=7, verbose=0)
+
+
+def test_pipeline_evaluate_and_predict_any_batch_size_equal_one_device():
+    keras.utils.set_random_seed(0)
+    reference = models.host_mlp()
+    weights = reference.get_weights()
+    _compiled(reference, weights)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        model = models.host_mlp()
+        model.set_weights(weights)
+        pipe = tfpar.PipelineModel(model, num_microbatches=2)
+        pipe.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    x, y = models.mlp_data(n=20, seed=1)
+    # Batches of 7, 7, 6: one, one and three micro-batches, none split by 4.
+    np.testing.assert_allclose(pipe.predict(x, batch_size=7, verbose=0),
+                               reference.predict(x, batch_size=7, verbose=0),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        pipe.evaluate(x, y, batch_size=7, verbose=0),
+        reference.evaluate(x, y, batch_size=7, verbose=0), rtol=1e-4)

@@ -8,6 +8,7 @@
                             # the cases tried per property (TFPAR_FUZZ_EXAMPLES,
                             # default 25 per property)
     python3 dev.py bench    # runs benchmarks/step_time.py
+    python3 dev.py docs     # builds the documentation site into site/ (warnings are errors)
 
 Needs only Python 3.10+: the first run creates .venv/ and installs tfpar with
 its dependencies (TensorFlow, Keras) into it.
@@ -31,6 +32,7 @@ COMMANDS = {
     "fuzz": ["-m", "pytest", "-q", "-m", "slow", "-k", "fuzz and long",
              "--hypothesis-show-statistics", "tests"],
     "bench": ["benchmarks/step_time.py"],
+    "docs": ["-m", "mkdocs", "build", "--strict"],  # mkdocs.yml, docs/
 }
 
 

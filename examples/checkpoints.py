@@ -16,10 +16,13 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfpar  # noqa: E402
-
 RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
          r".*down/kernel": ("model", None)}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default and keeps the epilog's lines."""
 
 
 def build(width):
@@ -34,6 +37,7 @@ def build(width):
 
 
 def on_mesh(axes, width):
+    import tfpar  # noqa: PLC0415
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules=RULES)
     with strategy.scope():
         model = build(width)
@@ -44,12 +48,14 @@ def on_mesh(axes, width):
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--directory", default=None,
-                        help="checkpoint directory (default: a temporary one)")
-    parser.add_argument("--width", type=int, default=256)
+                        help="checkpoint directory (None: a temporary one)")
+    parser.add_argument("--width", type=int, default=256,
+                        help="hidden width of the MLP")
     args = parser.parse_args()
+    import tfpar  # noqa: PLC0415  (after argparse: --help is fast)
     tfpar.use_virtual_cpus(8)
     import numpy as np  # noqa: PLC0415
 

@@ -21,9 +21,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfpar  # noqa: E402
-
-
 def build_gpt(vocab=64, seq_len=16, dim=64, heads=8, layers=2, name="gpt",
               recompute=False):
     """The model; call inside `strategy.scope()` to train it in parallel.
@@ -81,6 +78,7 @@ def train(strategy, weights, x, y, batch_size, epochs,
     given, sequence parallel if asked; as a `tfpar.PipelineModel` with
     `num_microbatches` when the mesh has a "pipe" axis) and trains it;
     returns (model, per-batch losses)."""
+    import tfpar  # noqa: PLC0415
     import keras  # noqa: PLC0415
 
     class Losses(keras.callbacks.Callback):
@@ -110,17 +108,22 @@ def train(strategy, weights, x, y, batch_size, epochs,
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=int, default=2)
-    parser.add_argument("--model", type=int, default=4)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", type=int, default=2, help="data axis size")
+    parser.add_argument("--model", type=int, default=4,
+                        help="model (tensor-parallel) axis size")
     parser.add_argument("--pipe", type=int, default=1,
                         help="pipeline stages (data x pipe x model devices); "
                              "> 1 trains a tfpar.PipelineModel")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="micro-batches per batch with --pipe > 1")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2,
+                        help="transformer blocks")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="global batch size")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split norms and the residual stream along the "
                              "sequence over the model axis (Megatron-SP)")
@@ -133,6 +136,7 @@ def main():
                              "(keras.RematScope); with --fsdp their weights "
                              "are gathered again there too")
     args = parser.parse_args()
+    import tfpar  # noqa: PLC0415  (after argparse: --help is fast)
 
     tfpar.use_virtual_cpus(args.data * args.pipe * args.model)
     import keras  # noqa: PLC0415

@@ -22,10 +22,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfpar  # noqa: E402
-
 RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
          r".*down/kernel": ("model", None)}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default and keeps the epilog's lines."""
 
 
 def launch(epochs):
@@ -64,6 +67,7 @@ def build():
 
 
 def host(host_id, addresses, epochs, virtual_cpus):
+    import tfpar  # noqa: PLC0415
     if virtual_cpus:
         tfpar.use_virtual_cpus(virtual_cpus)
     tfpar.connect_hosts(addresses, host_id)
@@ -111,11 +115,11 @@ def host(host_id, addresses, epochs, virtual_cpus):
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs")
     parser.add_argument("--host-id", type=int, default=None,
-                        help="run one host (default: start both here)")
+                        help="run one host (None: start both here)")
     parser.add_argument("--addresses", default=None,
                         help="HOST:PORT of every host, comma-separated")
     parser.add_argument("--virtual-cpus", type=int, default=4,

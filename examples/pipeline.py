@@ -19,7 +19,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tfpar  # noqa: E402
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default and keeps the epilog's lines."""
 
 
 def build_mlp(depth=8, width=128):
@@ -36,21 +38,25 @@ def build_mlp(depth=8, width=128):
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--pipe", type=int, default=4, help="stages")
     parser.add_argument("--data", type=int, default=2,
                         help="data-parallel replicas inside every stage")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="micro-batches per global batch")
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"],
+                        help="pipeline schedule")
     parser.add_argument("--virtual-stages", type=int, default=1,
                         help="model parts per stage (> 1: interleaved)")
     parser.add_argument("--depth", type=int, default=8, help="hidden layers")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="global batch size")
     parser.add_argument("--gantt", default="pipeline.png",
                         help="where to save the executed timeline (PNG)")
     args = parser.parse_args()
+    import tfpar  # noqa: PLC0415  (after argparse: --help is fast)
 
     tfpar.use_virtual_cpus(args.pipe * args.data)
     import numpy as np  # noqa: PLC0415

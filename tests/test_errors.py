@@ -1,5 +1,7 @@
 """Bad input gets a clear Python error before any training step."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -76,16 +78,34 @@ def test_variable_matched_by_two_rules_names_both():
         compiled_under(strategy)
 
 
-def test_rule_that_matched_nothing_is_reported_when_training_starts():
+def test_rule_that_matched_nothing_is_reported_at_compile():
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 4}),
         rules={r".*down/kernel": ("model", None), r".*upp/bias": ("model",)})
-    model = compiled_under(strategy)  # building is fine: more models may come
-    before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match=r"\['.\*upp/bias'\] matched no variable.*'mlp/down/kernel'"):
-        model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)  # no step ran
+    with strategy.scope():
+        model = mlp()  # building is fine: more models may come
+        with pytest.raises(ValueError) as error:
+            model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    message = str(error.value)
+    # Nearest weight paths first; only the model's weights, no optimizer or
+    # metric state.
+    assert re.search(r"\['.\*upp/bias'\] matched no variable.*nearest "
+                     r"first: \['mlp/up/bias', ", message), message
+    assert "mlp/down/kernel" in message
+    assert "iteration" not in message and "total" not in message
+    assert "in user code" not in message  # not from inside a traced step
+
+
+def test_rule_that_matched_nothing_is_reported_when_only_predict_runs():
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}),
+        rules={r".*up/kernel": (None, "model"), r".*dwn/kernel": ("model", None)})
+    with strategy.scope():
+        model = mlp()
+    with pytest.raises(ValueError, match=r"\['.\*dwn/kernel'\] matched no "
+                       r"variable.*nearest first: \['mlp/down/kernel', ") as error:
+        model.predict(X, verbose=0)
+    assert "in user code" not in str(error.value)
 
 
 def test_global_batch_not_divisible_by_data_axis():
@@ -108,9 +128,8 @@ def test_rules_reused_by_a_second_strategy_are_checked_again():
     first = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}), rules=rules)
     second = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}), rules=rules)
     for strategy in (first, second):
-        model = compiled_under(strategy)
         with pytest.raises(ValueError, match=r"'.\*upp/bias'\] matched no variable"):
-            model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+            compiled_under(strategy)
 
 
 def test_apply_rules_changes_nothing_when_a_rule_is_bad():
@@ -118,7 +137,8 @@ def test_apply_rules_changes_nothing_when_a_rule_is_bad():
     with strategy.scope():
         model = mlp()
     before = strategy.placements("params")
-    with pytest.raises(ValueError, match=r"\['nothing'\] matched no weight"):
+    with pytest.raises(ValueError, match=r"\['nothing'\] matched no weight "
+                       r"of model 'mlp' \(its weights, nearest first: \["):
         strategy.apply_rules(model, {r".*up/kernel": (None, "model"),
                                      "nothing": (None,)})
     assert strategy.placements("params") == before

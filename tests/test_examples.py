@@ -30,6 +30,9 @@ def test_quickstart_reports_parity_and_placement():
     difference = float(out.split("largest relative weight difference:")[1].split()[0])
     assert difference < 1e-4
     assert "mlp/up0/kernel" in out and "(None, 'model')" in out
+    assert "parity with one device (losses and weights within 1e-4): OK" in out
+    assert "bytes per device:" in out
+    assert out.count("\n  CPU:") == 8  # one table row per device
 
 
 def test_gpt_example_trains_in_parity():

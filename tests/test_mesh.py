@@ -75,3 +75,11 @@ def test_use_virtual_cpus_after_devices_exist_raises():
 def test_use_virtual_cpus_rejects_non_positive():
     with pytest.raises(ValueError, match="Received: n=0"):
         tfpar.use_virtual_cpus(0)
+
+
+def test_too_few_cpus_points_at_use_virtual_cpus():
+    # What a script that forgot tfpar.use_virtual_cpus sees (here 8 CPUs
+    # exist and 16 are asked for).
+    with pytest.raises(ValueError, match=r"multiply to 16 but 8 device.*"
+                       r"call tfpar.use_virtual_cpus\(16\) first thing"):
+        tfpar.Mesh({"data": 2, "model": 8})

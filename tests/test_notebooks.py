@@ -91,13 +91,61 @@ def test_notebook_is_stored_clean(path):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, (
                 f"{path.name}: outputs not cleared")
-    first_md = next(c for c in nb.cells if c.cell_type == "markdown").source
-    assert (f"https://colab.research.google.com/github/OWNER/tfpar/blob/main/"
-            f"colab/{path.name}") in first_md
-    first_code = next(c for c in nb.cells if c.cell_type == "code").source
-    for needle in ("TFPAR_REPO", "%pip install", "tfpar.connect_tpu()",
-                   "use_virtual_cpus(8)"):
-        assert needle in first_code, (path.name, needle)
+    assert "OWNER" not in path.read_text(), f"{path.name}: a placeholder link"
+    install, hardware = [c.source for c in nb.cells if c.cell_type == "code"][:2]
+    assert install == _install_cell(NOTEBOOKS[0]), (
+        f"{path.name}: its first code cell differs from {NOTEBOOKS[0].name}'s "
+        "install cell; copy that cell")
+    for needle in ("tfpar.connect_tpu()", "use_virtual_cpus(8)"):
+        assert needle in hardware, (path.name, needle)
+
+
+def _install_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    return next(c for c in nb.cells if c.cell_type == "code").source
+
+
+def _run_install_cell(source, monkeypatch, tfpar_source=None):
+    """Runs the install cell in an IPython shell where tfpar is not
+    importable and `%pip` only records its (variable-expanded) line and
+    makes tfpar importable. Returns (the cell's result, the pip lines)."""
+    from IPython.core.interactiveshell import InteractiveShell  # noqa: PLC0415
+
+    if tfpar_source is not None:
+        source = source.replace('TFPAR_SOURCE = ""',
+                                f"TFPAR_SOURCE = {tfpar_source!r}", 1)
+    monkeypatch.setitem(sys.modules, "tfpar", None)  # import tfpar fails
+    pip_lines = []
+
+    def pip(line):
+        pip_lines.append(line)
+        sys.modules["tfpar"] = type(sys)("tfpar")  # "installed"
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.register_magic_function(pip, "line", "pip")
+        return shell.run_cell(source, silent=True), pip_lines
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_install_cell_is_well_formed(monkeypatch):
+    source = _install_cell(NOTEBOOKS[0])
+    # One clearly marked setting, empty as shipped.
+    assert source.startswith("# ==== SETTING: where tfpar comes from")
+    assert source.count("\nTFPAR_SOURCE = ") == 1 and 'TFPAR_SOURCE = ""' in source
+    # Not set and tfpar missing: the cell says exactly what to do.
+    result, pip_lines = _run_install_cell(source, monkeypatch)
+    assert pip_lines == []
+    assert isinstance(result.error_in_exec, RuntimeError)
+    message = str(result.error_in_exec)
+    assert "tfpar is not installed" in message
+    assert "Set TFPAR_SOURCE" in message and "git+https://github.com/" in message
+    # Set: pip installs exactly that requirement, then tfpar imports.
+    result, pip_lines = _run_install_cell(
+        source, monkeypatch, "git+https://github.com/someone/tfpar")
+    assert result.success, result.error_in_exec
+    assert pip_lines == ["install -q git+https://github.com/someone/tfpar"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

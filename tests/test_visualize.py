@@ -205,6 +205,8 @@ def test_summary_rows_bytes_and_totals(built):
     optimizer_paths = [r["path"] for r in rows if r["section"] == "optimizer"]
     assert optimizer_paths == [v.path for v in model.optimizer.variables]
     assert "adam/sequential_up_kernel_momentum" in optimizer_paths
+    assert [r["path"] for r in rows if r["section"] == "metrics"] == [
+        v.path for v in model.metrics_variables]
 
     for row in rows:
         full = int(np.prod(row["shape"])) * np.dtype(row["dtype"]).itemsize
@@ -222,8 +224,9 @@ def test_summary_rows_bytes_and_totals(built):
             4 * (8 * 16 + 16 + 16 * 8) // 4 + 4 * 8)
         assert entry["optimizer"] == expected[device]["optimizer"] == (
             2 * entry["params"])
-        # "other" lists the step counter and learning rate, not metric state.
-        assert entry["other"] == 8 + 4 <= expected[device]["other"]
+        # The step counter, the learning rate and the loss tracker's total
+        # and count: what memory_per_device counts too.
+        assert entry["other"] == expected[device]["other"] == 8 + 4 + 4 + 4
         assert entry["total"] == sum(entry[k] for k in
                                      ("params", "optimizer", "other"))
     assert any(l.startswith("  each of 8 devices (CPU:0-7): params 304 B")
@@ -234,10 +237,64 @@ def test_summary_without_optimizer_and_errors(built):
     strategy, model = built
     rows = visualize.summary(model, strategy=strategy, print_fn=None,
                              include_optimizer=False)
-    assert {r["section"] for r in rows} == {"weights"}
+    assert {r["section"] for r in rows} == {"weights", "metrics"}
     assert rows.totals["CPU:0"]["optimizer"] == 0
     with pytest.raises(TypeError, match=r"Received: model=<numpy.ndarray"):
         visualize.summary(np.zeros(3))
     unbuilt = keras.Sequential([keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="has no weights yet"):
         visualize.summary(unbuilt)
+
+
+def mlp_in(strategy, optimizer):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(16, name="up"),
+                                  keras.layers.Dense(8, name="down")],
+                                 name="sequential")
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return model
+
+
+def test_summary_before_the_first_fit_shows_the_slots_to_come():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
+                                      rules=RULES)
+    model = mlp_in(strategy, keras.optimizers.Adam(0.01, name="adam"))
+    before = visualize.summary(model, print_fn=None)
+    assert "optimizer slots the first step will create (not built yet)" in (
+        before.text)
+    model.fit(np.ones((8, 8), "float32"), np.ones((8, 8), "float32"),
+              batch_size=8, verbose=0)
+    after = visualize.summary(model, print_fn=None)
+
+    def slots(rows, section):
+        return [(r["path"], r["spec"], r["block_shape"], r["devices"])
+                for r in rows if r["section"] == section
+                and r["kind"] == "optimizer"]
+
+    predicted = slots(before, "optimizer, once built")
+    assert len(predicted) == 8  # Adam: 2 slots for each of 4 weights
+    assert sorted(predicted) == sorted(slots(after, "optimizer"))
+    for device, entry in after.totals.items():
+        assert before.totals[device]["optimizer"] == entry["optimizer"]
+        assert entry == {**strategy.memory_per_device()[device],
+                         "total": entry["total"]}
+
+
+class NeedsAnArgument(keras.optimizers.SGD):
+    """An optimizer that cannot be rebuilt from its config."""
+
+    def __init__(self, special, **kwargs):
+        super().__init__(**kwargs)
+        self.special = special
+
+
+def test_summary_says_not_built_yet_when_the_slots_cannot_be_known():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
+                                      rules=RULES)
+    with strategy.scope():
+        optimizer = NeedsAnArgument(1, learning_rate=0.1)
+    model = mlp_in(strategy, optimizer)
+    rows = visualize.summary(model, print_fn=None)
+    assert "(slots: not built yet)" in rows.text
+    assert all(entry["optimizer"] == 0 for entry in rows.totals.values())

@@ -52,8 +52,11 @@ def route_keras_step_functions(make_function_for, owns):
         if not owns(strategy):
             return original_compile(self, *args, **kwargs)
         with strategy.scope():
+            strategy.extended.adopt_model(self)  # a model built outside
             result = original_compile(self, *args, **kwargs)
             _optimizer_under(self, strategy)
+            if self.built:
+                strategy.extended.check_rules_used()
         route_generate_function(self, make_function_for)
         return result
 
@@ -681,6 +684,12 @@ def _optimizer_under(model, strategy):
             "strategy's scope and could not be rebuilt from its config "
             f"({error}). Create it inside `with strategy.scope():`."
         ) from error
+
+
+def bind_model_strategy(model, strategy):
+    """Makes `strategy` the one `model` was built under (Keras records it
+    at construction; a model built outside any scope has none)."""
+    model._distribute_strategy = strategy  # noqa: SLF001
 
 
 def all_layers(layer, include_self=True):
@@ -1348,3 +1357,73 @@ def set_remat_mode(layer, mode):
 
     layer._remat_mode = (  # noqa: SLF001
         remat.RematMode(mode, 1024, None) if mode else None)
+
+# -- log noise -----------------------------------------------------------------
+
+# TF 2.21 logs through absl: each time DTensor SPMD-expands a step for a new
+# input shape or layout it logs two INFO lines ("DTensor cache key lookup
+# missed for __inference__in_replica_... (re-)computing its SPMD
+# transformation") straight to stderr, into Keras' progress bar. Nothing in
+# them is actionable. The level that filters them, TF_CPP_MIN_LOG_LEVEL, is
+# read once when TensorFlow loads (before tfpar, when `import keras` comes
+# first), so tfpar raises absl's minimum level from INFO to WARNING while its
+# steps run, through absl's exported C++ API. Warnings and errors still show.
+_ABSL_SET_MIN = rb"_ZN4absl\d+lts_\d+14SetMinLogLevelENS0_18LogSeverityAtLeastE"
+_ABSL_GET_MIN = rb"_ZN4absl\d+lts_\d+11MinLogLevelEv"
+_absl_log_level = []  # [(get, set)] once looked up; [None] if unavailable
+
+
+def _absl_min_log_level_functions():
+    """absl's (MinLogLevel, SetMinLogLevel) in TensorFlow's C++ library, or
+    None. The absl version is part of the mangled names, so they are read
+    from the library file."""
+    if _absl_log_level:
+        return _absl_log_level[0]
+    import ctypes  # noqa: PLC0415
+    import mmap  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    functions = None
+    path = os.path.join(tf.sysconfig.get_lib(), "libtensorflow_framework.so.2")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                              access=mmap.ACCESS_READ) as m:
+            found = [re.search(p, m) for p in (_ABSL_GET_MIN, _ABSL_SET_MIN)]
+            names = [n.group().decode() for n in found if n is not None]
+        if len(names) == 2:
+            library = ctypes.CDLL(path)  # already loaded: the same handle
+            get, set_ = (getattr(library, name) for name in names)
+            get.restype, get.argtypes = ctypes.c_int, []
+            set_.restype, set_.argtypes = None, [ctypes.c_int]
+            functions = (get, set_)
+    except (OSError, AttributeError):
+        pass  # another TF build: its INFO lines stay
+    _absl_log_level.append(functions)
+    return functions
+
+
+_ABSL_WARNING = 1  # absl::LogSeverityAtLeast::kWarning (kInfo is 0)
+
+
+@contextlib.contextmanager
+def quiet_cpp_info_logs():
+    """TensorFlow's C++ INFO lines are dropped inside the block (WARNING
+    and above still print), unless the user set TF_CPP_MIN_LOG_LEVEL or
+    TF_CPP_MAX_VLOG_LEVEL: then the logging is theirs to choose."""
+    import os  # noqa: PLC0415
+
+    functions = None
+    if not any(v in os.environ
+               for v in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL")):
+        functions = _absl_min_log_level_functions()
+    if functions is None:
+        yield
+        return
+    get, set_ = functions
+    before = get()
+    set_(max(before, _ABSL_WARNING))
+    try:
+        yield
+    finally:
+        set_(before)

@@ -2,10 +2,11 @@
 
 A global batch is cut along its batch dimension into one block per
 coordinate of the data axis; each device receives only its block (a DTensor
-sharded over the data axis). A batch the data axis does not divide — only
-the last, partial batch of an epoch may be one — is handed whole to every
-device instead: the step then computes the same global result, it only does
-not split that one small batch.
+sharded over the data axis). A batch the data axis does not divide is handed
+whole to every device instead: the step then computes the same global
+result, it only does not split that batch. Training accepts one only as the
+last, partial batch of an epoch (the global batch size is the user's
+choice); evaluate and predict accept any batch size, as Keras does.
 """
 
 import numpy as np
@@ -200,9 +201,11 @@ class InputPlacer:
 class DistributedBatches:
     """`strategy.experimental_distribute_dataset(dataset)`: global batches.
 
-    Iterating yields each batch of `dataset` placed on the mesh. The first
-    batch fixes the batch size: the data axis must divide it unless it is
-    the only batch.
+    Iterating yields each batch of `dataset` placed on the mesh: split over
+    the data axis when it divides the batch, else whole on every device.
+    Keras' training loop reads host batches (`next_host_batch(check=True)`),
+    where the first batch fixes the batch size: the data axis must divide
+    it unless it is the only batch.
     """
 
     def __init__(self, dataset, placer):
@@ -251,16 +254,18 @@ class BatchIterator:
     def get_next(self):
         return next(self)
 
-    def next_host_batch(self):
+    def next_host_batch(self, check=False):
         """The next global batch as host tensors (Keras' `Optional`
-        stand-ins for missing entries become None)."""
+        stand-ins for missing entries become None). With `check` (training),
+        a first batch the data axis does not divide is a ValueError unless
+        it is the only one."""
         if not self._started:
             self._started = True
             batch = self._read()
             if batch is None:
                 raise StopIteration
             self._lookahead = self._read()
-            if self._lookahead is not None:
+            if check and self._lookahead is not None:
                 self._placer.check_batch_size(batch)
             return batch
         if self._lookahead is not None:

@@ -200,13 +200,19 @@ class Mesh:
             devices = default_devices()
         else:
             devices = _normalize_devices(devices)
-        if math.prod(self._axes.values()) != len(devices):
+        size = math.prod(self._axes.values())
+        if size != len(devices):
+            hint = ""
+            if size > len(devices) and devices[0].split(":")[-2] == "CPU":
+                hint = (f" On CPU, call tfpar.use_virtual_cpus({size}) first "
+                        "thing in the program to split the host into "
+                        f"{size} devices.")
             raise ValueError(
-                f"Mesh axes multiply to {math.prod(self._axes.values())} but "
+                f"Mesh axes multiply to {size} but "
                 f"{len(devices)} device(s) are given. Received: "
                 f"axes={self._axes!r}, devices={_device_range(devices)}. "
                 "Choose axis sizes whose product is the number of devices, "
-                "or pass `devices=` with that many devices."
+                f"or pass `devices=` with that many devices.{hint}"
             )
         self._devices = tuple(devices)
         self._dtensor_mesh = None

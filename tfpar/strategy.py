@@ -11,6 +11,7 @@ and `extended.update(var, fn)` simply calls `fn(var)`.
 
 import collections
 import contextlib
+import difflib
 import weakref
 
 import numpy as np
@@ -273,6 +274,12 @@ def _check_offload(offload, mesh):
         "fsdp=True splits optimizer state over the data axis.")
 
 
+def _nearest(pattern, paths, count=12):
+    """Up to `count` of `paths`, the most similar to `pattern` first."""
+    return difflib.get_close_matches(pattern, sorted(paths), n=count,
+                                     cutoff=0.0)
+
+
 def _check_axes(rules, mesh, pipeline_axis):
     for axis, pattern in rules.axes_used().items():
         if axis == pipeline_axis and mesh.axis_size(axis) > 1:
@@ -454,6 +461,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             _compat.count_array_batches()
         self._variables = {}  # id(variable) -> _VariableInfo, live ones only
         self._rules_checked = False
+        self._weight_paths = set()  # paths of model weights (for errors)
         self._placing = []  # stack of meshes new variables go to
         self._context = _compat.eager_context_token()
 
@@ -524,6 +532,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             _compat.keras_layer_adding_weight(),
             mesh=mesh or self.stage_meshes[0])
         spec, compute_spec = self._fsdp_specs(spec, kind, shape)
+        if _compat.keras_layer_adding_weight() is not None:
+            self._weight_paths.add(path)  # a layer's weight, not state
         with tf.init_scope():  # also when first built inside a tf.function
             if mesh is None:  # on the host until PipelineModel places it
                 with tf.device("CPU:0"):
@@ -601,6 +611,50 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                  "dtype": backing.dtype})
             _compat.rebind_keras_variable(variable, replacement)
 
+    def adopt_model(self, model):
+        """Moves the weights of a model built outside the scope onto the mesh.
+
+        `compile` inside `strategy.scope()` of a model built outside it
+        calls this: each weight still on the host becomes a mesh variable
+        with the same value, laid out by the rules (as if it had been built
+        in the scope), and the model is bound to this strategy. Weights on
+        another strategy's mesh, or a pipeline mesh (whose stages
+        `PipelineModel` places), are an error.
+        """
+        outside = [v for v in model.weights if not self.owns(v)]
+        foreign = [v.path for v in outside if isinstance(
+            _compat.backing_variable(v), ShardedVariable)]
+        if outside and (foreign or self.placement_mesh is None):
+            why = (f"weights {foreign[:4]} live on another strategy's mesh"
+                   if foreign else "this mesh has pipeline stages")
+            raise ValueError(
+                f"The weights of model {model.name!r} were created outside "
+                f"this strategy's scope and cannot be moved onto it ({why}). "
+                f"Received: weights such as {[v.path for v in outside][:4]}. "
+                "Build the model inside `with strategy.scope():`."
+            )
+        owners = _owning_layers(model)
+        for variable in outside:
+            backing = _compat.backing_variable(variable)
+            shape = backing.shape.as_list()
+            spec, kind = self._spec_for(
+                variable.path, shape, None, backing.trainable,
+                owners.get(id(variable)), mesh=self.mesh)
+            spec, compute_spec = self._fsdp_specs(spec, kind, shape)
+            with tf.init_scope():
+                value = placement.put(
+                    placement.same_on_every_host(tf.convert_to_tensor(backing)),
+                    spec, self.mesh, dtype=backing.dtype)
+                replacement = self._register(
+                    variable.path, spec, kind, value,
+                    {"trainable": backing.trainable,
+                     "name": backing.name.split(":")[0],
+                     "dtype": backing.dtype},
+                    self.mesh, compute_spec)
+            _compat.rebind_keras_variable(variable, replacement)
+        self._weight_paths.update(v.path for v in model.weights)
+        _compat.bind_model_strategy(model, self._container_strategy())
+
     def apply_rules(self, model, rules):
         """Re-lays out the existing weights of `model` by `rules`."""
         if not isinstance(rules, layout_lib.LayoutRules):
@@ -635,8 +689,9 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         if unmatched:
             raise ValueError(
                 f"Layout rule(s) {unmatched} matched no weight of model "
-                f"{model.name!r} (weights such as "
-                f"{[v.path for v in model.weights][:8]}). Fix or remove them."
+                f"{model.name!r} (its weights, nearest first: "
+                f"{_nearest(unmatched[0], [v.path for v in model.weights])}). "
+                "Fix or remove them."
             )
         for variable, backing, info, spec, kind, compute_spec in plan:
             if info.mesh is None:  # on the host: laid out when placed
@@ -756,16 +811,20 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         return memory
 
     def check_rules_used(self):
-        """Raises when a layout rule matched no variable (once per strategy)."""
+        """Raises when a layout rule matched no weight (once per strategy).
+
+        Called when a model is compiled or its train/test/predict function
+        is made (outside any traced function), and when a step starts.
+        """
         if self._rules_checked:
             return
         unmatched = self.rules.unmatched()
         if unmatched:
-            paths = [p for p, _ in self.tracked_variables()][:12]
             raise ValueError(
                 f"Layout rule(s) {unmatched} matched no variable. Rules are "
-                "re.fullmatch'ed against variable paths such as "
-                f"{paths}. Fix or remove those rules."
+                "re.fullmatch'ed against the model's weight paths; nearest "
+                f"first: {_nearest(unmatched[0], self._weight_paths)}. Fix "
+                "or remove those rules."
             )
         self._rules_checked = True
 
@@ -790,6 +849,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         `tfpar.PipelineModel` brings its own runner). DTensor's compile
         errors in it name the layers (`tfpar.compile_errors`)."""
         self.check_context()
+        if model.built:  # else its weights come in the first step
+            self.check_rules_used()
         if mode == "generate":
             return training.make_generate_function(model, self)
         make_runner = getattr(model, "_tfpar_pipeline_runner", None)

@@ -12,8 +12,11 @@ running several steps per call is the main lever on speed:
   dimension 1, and runs the k steps in one `tf.function` call (a
   `tf.while_loop`); Keras only reads the logs of the last step.
 - A batch the data axis does not divide (the last, partial batch of an
-  epoch) runs alone, replicated over the data axis (see `inputs`).
+  epoch; any evaluate/predict batch) runs alone, replicated over the data
+  axis (see `inputs`).
 """
+
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -42,8 +45,13 @@ class StepRunner:
             "test": model.test_step,
             "predict": model.predict_step,
         }[mode]
+        # tf.function of a functools.partial: TF counts retracings per
+        # Python function (per code object), so the steps of every model and
+        # mode, traced once each, would add up to "triggered tf.function
+        # retracing" warnings; a partial makes each runner's count its own.
         wrap = (lambda f: f) if model.run_eagerly else (
-            lambda f: tf.function(f, reduce_retracing=True))
+            lambda f: tf.function(functools.partial(f),
+                                  reduce_retracing=True))
         self._one_step = wrap(self._in_replica)
         self._many_steps = wrap(self._loop)
         self._compiled = set()  # input signatures already run (see _call)
@@ -152,7 +160,8 @@ def make_function(model, extended, mode, runner=None):
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
-            return runner.run([_as_batch(b) for b in data])
+            with _compat.quiet_cpp_info_logs():
+                return runner.run([_as_batch(b) for b in data])
 
         return predict_function
 
@@ -160,12 +169,14 @@ def make_function(model, extended, mode, runner=None):
         batches = []
         for _ in range(model.steps_per_execution):
             try:
-                batches.append(_next_host_batch(iterator))
+                batches.append(_next_host_batch(iterator,
+                                                check=mode == "train"))
             except (StopIteration, tf.errors.OutOfRangeError):
                 break
         if not batches:
             raise StopIteration
-        return runner.run(batches)
+        with _compat.quiet_cpp_info_logs():  # DTensor's per-shape INFO lines
+            return runner.run(batches)
 
     return function
 
@@ -177,9 +188,11 @@ def _as_batch(data):
         else tf.convert_to_tensor(t), data)
 
 
-def _next_host_batch(iterator):
+def _next_host_batch(iterator, check):
     next_host = getattr(iterator, "next_host_batch", None)
-    return next_host() if next_host is not None else _as_batch(next(iterator))
+    if next_host is None:
+        return _as_batch(next(iterator))
+    return next_host(check=check)
 
 
 def make_generate_function(model, extended):

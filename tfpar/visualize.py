@@ -417,14 +417,19 @@ class SummaryRows(list):
 def summary(model, strategy=None, print_fn=print, include_optimizer=True):
     """Prints where every variable of `model` lives and what each device holds.
 
-    One row per variable of `model.weights` (and, in a second section, of
-    `model.optimizer.variables` once the optimizer is built): variable path,
-    global shape, spec (one entry per dimension: the mesh axis it is split
-    over, None = replicated), per-device block shape and per-device bytes.
+    One row per variable of `model.weights`, then of
+    `model.optimizer.variables` and of `model.metrics_variables`: variable
+    path, global shape, spec (one entry per dimension: the mesh axis it is
+    split over, None = replicated), per-device block shape and per-device
+    bytes. Before the optimizer is built (before the first `fit`) the slots
+    it will create are listed too, laid out like their weights, from an
+    equal optimizer built without allocating anything; an optimizer that
+    cannot be rebuilt from its config shows "(slots: not built yet)".
     Then the bytes each device holds: params (trainable weights), optimizer
     (slots such as Adam moments) and other (non-trainable weights, optimizer
-    counters), in bytes and MB. Metric state is not listed, so "other" may be
-    less than `strategy.memory_per_device()` reports.
+    counters, metric state), in bytes and MB: the same kinds and, for a
+    strategy holding one model, the same totals as
+    `strategy.memory_per_device()` (which counts only built slots).
 
     Example:
 
@@ -445,7 +450,8 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
         include_optimizer: also list the optimizer's variables.
 
     Returns:
-        A `SummaryRows`: a list with one dict per variable (keys "section",
+        A `SummaryRows`: a list with one dict per variable (keys "section"
+            ("weights", "optimizer", "optimizer, once built", "metrics"),
         "path", "kind", "shape", "dtype", "spec", "block_shape", "bytes",
         "bytes_per_device", "devices"), with `.totals` ({device: {"params",
         "optimizer", "other", "total"}}) and `.text`.
@@ -481,6 +487,11 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
                 or variable.path.endswith("learning_rate")) else "optimizer"
             rows.append(_row(variable, "optimizer",
                              kinds.get(variable.path, default)))
+        if not optimizer.built:
+            rows.extend(_predicted_slot_rows(optimizer, model, rows))
+    for variable in model.metrics_variables:  # "other", as for the strategy
+        rows.append(_row(variable, "metrics", kinds.get(variable.path,
+                                                        "other")))
 
     totals = {}
     for row in rows:
@@ -495,6 +506,66 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
         for line in rows.text.splitlines():
             print_fn(line)
     return rows
+
+
+def _predicted_slot_rows(optimizer, model, weight_rows):
+    """Rows of the slots an unbuilt Keras `optimizer` will create for
+    `model` (section "optimizer, once built"), each laid out like its
+    weight, as the strategy lays slots out; [] if they cannot be known.
+
+    An equal optimizer is built on the model's trainable weights inside a
+    `keras.StatelessScope`, where its zero-initialised slots stay
+    uninitialised: nothing is allocated.
+    """
+    import keras
+
+    by_path = {row["path"]: row for row in weight_rows
+               if row["section"] == "weights"}
+    made = []  # (reference weight, slot Keras variable)
+    try:
+        clone = type(optimizer).from_config(optimizer.get_config())
+        original = clone.add_variable_from_reference
+
+        def add_variable_from_reference(reference, *args, **kwargs):
+            slot = original(reference, *args, **kwargs)
+            made.append((reference, slot))
+            return slot
+
+        clone.add_variable_from_reference = add_variable_from_reference
+        with keras.StatelessScope():
+            clone.build(model.trainable_variables)
+    except Exception:  # noqa: BLE001 (a custom optimizer: not known)
+        return [_NOT_BUILT]
+    rows = []
+    for reference, slot in made:
+        weight = by_path.get(reference.path)
+        shape = tuple(slot.shape)
+        if weight is None:
+            continue
+        same = shape == weight["shape"]
+        dtype = tf.as_dtype(slot.dtype)
+        block = weight["block_shape"] if same else shape
+        rows.append({
+            "section": "optimizer, once built",
+            "path": f"{optimizer.name}/{slot.path.split('/', 1)[-1]}",
+            "kind": "optimizer",
+            "shape": shape,
+            "dtype": dtype.name,
+            "spec": weight["spec"] if same else (None,) * len(shape),
+            "block_shape": block,
+            "bytes": int(math.prod(shape)) * dtype.size,
+            "bytes_per_device": int(math.prod(block)) * dtype.size,
+            "devices": weight["devices"],
+        })
+    return rows or [_NOT_BUILT]
+
+
+# The row standing for slots that cannot be known before the optimizer is
+# built (it holds no bytes).
+_NOT_BUILT = {"section": "optimizer, once built",
+              "path": "(slots: not built yet)", "kind": "optimizer",
+              "shape": (), "dtype": "float32", "spec": (), "block_shape": (),
+              "bytes": 0, "bytes_per_device": 0, "devices": []}
 
 
 def _render_summary(model, rows, totals):
@@ -520,8 +591,10 @@ def _render_summary(model, rows, totals):
     for row, cells in zip(rows, table):
         if row["section"] != section:
             section = row["section"]
-            title = ("weights" if section == "weights"
-                     else "optimizer variables")
+            title = {"optimizer": "optimizer variables",
+                     "metrics": "metric state",
+                     "optimizer, once built": "optimizer slots the first "
+                     "step will create (not built yet)"}.get(section, section)
             lines += [rule, title]
         lines.append(line(cells))
     lines.append(rule)

@@ -518,8 +518,12 @@ class PipelineRunner:
                 with self._extended.replica_scope():
                     return _body(xs, targets, split)
 
+            # The micro-batch count is the static leading dimension of xs:
+            # evaluate/predict batches of any size give varying counts, so
+            # those steps trace each shape exactly (no relaxation to None).
             self._functions[mode] = (step if self._model.run_eagerly else
-                                     tf.function(step, reduce_retracing=True))
+                                     tf.function(step, reduce_retracing=(
+                                         mode == "train")))
         return self._functions[mode]
 
     # -- traced steps ------------------------------------------------------

@@ -25,6 +25,15 @@ from tfpar import _compat
 from tfpar import placement
 
 
+def _named_partial(method):
+    """`functools.partial(method)` keeping `method`'s name, which names the
+    traced function ("__inference__in_replica_..."; a bare partial would
+    be "function"), as profiles and dumped graphs show it."""
+    partial = functools.partial(method)
+    partial.__name__ = method.__name__
+    return partial
+
+
 class StepRunner:
     """Runs one kind of Keras step (train, test or predict) on the mesh."""
 
@@ -50,8 +59,7 @@ class StepRunner:
         # mode, traced once each, would add up to "triggered tf.function
         # retracing" warnings; a partial makes each runner's count its own.
         wrap = (lambda f: f) if model.run_eagerly else (
-            lambda f: tf.function(functools.partial(f),
-                                  reduce_retracing=True))
+            lambda f: tf.function(_named_partial(f), reduce_retracing=True))
         self._one_step = wrap(self._in_replica)
         self._many_steps = wrap(self._loop)
         self._compiled = set()  # input signatures already run (see _call)

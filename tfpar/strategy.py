@@ -12,6 +12,7 @@ and `extended.update(var, fn)` simply calls `fn(var)`.
 import collections
 import contextlib
 import difflib
+import gc
 import weakref
 
 import numpy as np
@@ -242,7 +243,11 @@ class ParallelStrategy(tf.distribute.Strategy):
         optimizer slots made for them (e.g. Adam moments, laid out like their
         weight), "other" every other variable (non-trainable state such as
         BatchNormalization statistics, optimizer counters, metrics).
+        Only live variables count: garbage is collected first (a Keras
+        model no longer referenced keeps its variables until Python's
+        cycle collector runs, as Keras models hold reference cycles).
         """
+        gc.collect()
         return self.extended.memory_per_device()
 
 

@@ -205,6 +205,7 @@ test_random_model_trains_in_parity_or_is_refused, \
     fuzzing.fast_and_long(check_random_model, CASES, fast_examples=3)
 
 
+@pytest.mark.slow  # a known failure, documented; kept out of the fast run
 @pytest.mark.xfail(strict=True, reason=(
     "Found by the fuzzing, not fixed: Dropout in training draws its mask per "
     "device block on a data mesh, so the mask (and the training) differ "

@@ -139,6 +139,7 @@ def _parity(name, options, axes, fsdp):
     fuzzing.assert_parity(want[0], got[0], want[1], got[1])
 
 
+@pytest.mark.slow  # a known failure, documented; kept out of the fast run
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "Found by the fuzzing, not fixed: ScheduleFreeAdamW (momentum slots "
     "initialised from the weights in build, reads the old momentum before "

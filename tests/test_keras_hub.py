@@ -122,7 +122,7 @@ def check_parity(name, optimizer, mesh_id):
 
 @pytest.mark.parametrize("name,optimizer,mesh_id", [
     ("llama_gqa", "sgd", "2x4"),
-    ("gemma", "adam", "1x8"),
+    pytest.param("gemma", "adam", "1x8", marks=pytest.mark.slow),
 ])
 def test_parity_subset(name, optimizer, mesh_id):
     check_parity(name, optimizer, mesh_id)

@@ -174,7 +174,8 @@ def test_bad_launcher_arguments_are_clear_errors(argv, match):
     assert result.returncode == 2 and match in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("mode", ["arrays", "dataset"])
+@pytest.mark.parametrize("mode", [
+    "arrays", pytest.param("dataset", marks=pytest.mark.slow)])
 def test_each_host_feeds_only_its_share(workdir, mode):
     """per_host_input=True: host h gives fit only rows 16h..16h+15 of each
     32-row global batch; the losses equal one device's on whole batches."""

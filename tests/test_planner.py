@@ -48,13 +48,14 @@ def _compiled(candidate, build, batch):
     with plan.strategy().scope():
         model.compile(optimizer="adam", loss="mse")
     x, y = measure.synthetic_batch(model, batch)
-    return plan.strategy(), tfpar.communication_report(model, x, y)
+    # The model too: memory_per_device counts live variables only.
+    return plan.strategy(), tfpar.communication_report(model, x, y), model
 
 
 def _check_against_compiled(build, batch, axes, fsdp, activation_tolerance):
     plan = tfpar.plan(build, batch, cluster=HOST)
     candidate = _candidate(plan, axes, fsdp)
-    strategy, report = _compiled(candidate, build, batch)
+    strategy, report, _model = _compiled(candidate, build, batch)
     e = candidate.estimate
     for axis in ("data", "model"):
         predicted = e.communication_bytes_by_axis[axis]

@@ -293,7 +293,7 @@ class Plan:
                 "plan.strategy().scope() (its weights are not on the plan's "
                 "mesh). Build it there, then call plan.apply(model).")
         from tfpar.pipeline import split  # noqa: PLC0415
-        _, layers, _, _ = split.model_graph(model)
+        layers = split.model_graph(model)[1]
         if self.recompute:
             for layer in layers:
                 if layer.trainable_weights:

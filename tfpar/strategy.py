@@ -424,12 +424,15 @@ class ShardedVariable(_compat.DVariable):
         return tf.math.unsorted_segment_sum(values, sparse_delta.indices,
                                             self.shape[0])
 
+    @tf.autograph.experimental.do_not_convert  # zero-argument super()
     def scatter_add(self, sparse_delta, use_locking=False, name=None):
         return self.assign_add(self._summed_rows(sparse_delta), name=name)
 
+    @tf.autograph.experimental.do_not_convert  # zero-argument super()
     def scatter_sub(self, sparse_delta, use_locking=False, name=None):
         return self.assign_sub(self._summed_rows(sparse_delta), name=name)
 
+    @tf.autograph.experimental.do_not_convert  # zero-argument super()
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
         values = tf.convert_to_tensor(sparse_delta.values, self.dtype)
         return self.assign(tf.tensor_scatter_nd_update(

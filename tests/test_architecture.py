@@ -1,0 +1,119 @@
+"""The house rules of tfpar's structure, checked on its source.
+
+* no function body over 60 lines and no class body over 300 (docstrings
+  excluded: a runnable example is documentation, not logic);
+* `import tfpar` alone leaves Keras and TF as they were: tfpar's hooks are
+  installed when a strategy is first made, and can be taken out again.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tfpar"
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 300
+
+
+def _body_lines(node):
+    """Lines from the first statement after the docstring to the last one."""
+    body = node.body
+    if (body and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+
+
+def _oversized():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = MAX_FUNCTION_LINES
+            elif isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            else:
+                continue
+            lines = _body_lines(node)
+            if lines > limit:
+                where = path.relative_to(PACKAGE.parent)
+                found.append(f"{where}:{node.lineno} {node.name}: "
+                             f"{lines} lines (limit {limit})")
+    return found
+
+
+def test_no_oversized_function_or_class():
+    assert _oversized() == []
+
+
+def test_size_check_sees_a_long_function(tmp_path, monkeypatch):
+    long_function = "def f():\n    '''doc'''\n" + "    x = 1\n" * 61
+    (tmp_path / "tfpar").mkdir()
+    (tmp_path / "tfpar" / "long.py").write_text(long_function)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "tfpar")
+    assert len(_oversized()) == 1
+
+
+_KERAS_ENTRY_POINTS = """
+import keras, tensorflow as tf
+from keras.src.trainers import trainer
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.backend.tensorflow import core, numpy as knp, random
+from keras.src.layers.layer import Layer
+from keras.src.optimizers import base_optimizer
+from keras.src.ops import operation
+def snapshot():
+    return {
+        "compile": trainer.Trainer.compile,
+        "make_train_function": tf_trainer.TensorFlowTrainer.make_train_function,
+        "make_predict_function":
+            tf_trainer.TensorFlowTrainer.make_predict_function,
+        "symbolic_build": trainer.Trainer._symbolic_build,
+        "model_call": keras.Model.__call__,
+        "operation_call": operation.Operation.__call__,
+        "add_weight": Layer.add_weight,
+        "variable_initialize": core.Variable._initialize,
+        "slice_update": core.slice_update,
+        "categorical": random.categorical,
+        "divide": knp.divide,
+        "tensor_getitem": tf.Tensor.__getitem__,
+        "optimizer_apply": base_optimizer.BaseOptimizer.apply,
+    }
+"""
+
+
+def _run(code):
+    result = subprocess.run(
+        [sys.executable, "-c", _KERAS_ENTRY_POINTS + code],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "KERAS_BACKEND": "tensorflow"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_import_alone_leaves_keras_unpatched():
+    changed = _run(
+        "before = snapshot()\n"
+        "import tfpar\n"
+        "after = snapshot()\n"
+        "print(sorted(k for k in before if before[k] is not after[k]))\n")
+    assert changed == "[]"
+
+
+def test_hooks_install_with_a_strategy_and_uninstall():
+    out = _run(
+        "before = snapshot()\n"
+        "import tfpar\n"
+        "tfpar.use_virtual_cpus(8)\n"
+        "tfpar.ParallelStrategy(tfpar.Mesh({'data': 8}))\n"
+        "during = snapshot()\n"
+        "from tfpar import _compat\n"
+        "_compat.uninstall()\n"
+        "after = snapshot()\n"
+        "print(any(before[k] is not during[k] for k in before),"
+        " sorted(k for k in before if before[k] is not after[k]))\n")
+    assert out == "True []"

@@ -72,6 +72,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar.pipeline import profiler
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
 from tfpar.pipeline.schedules import (
@@ -493,7 +494,7 @@ class PipelineRunner:
         function = self._function(self._mode)
         if not (self._mode == "train" and self._model.record_timeline):
             return function(xs, targets, split)
-        with _compat.OpEvents() as trace:
+        with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)
             tf.nest.map_structure(placement.fetch, logs)  # wait for the step
         self._model.last_timeline = _timeline(

@@ -2,7 +2,9 @@
 
 `PipelineModel(record_timeline=True)` records each training step inside
 `OpEvents` and turns the events into the timeline that
-`tfpar/pipeline/timeline.py` renders (`format_timeline`, `plot_schedule`).
+`tfpar/pipeline/timeline.py` renders (`format_timeline`, `plot_schedule`)
+with `executed_timeline`: each pipeline action's ops run under the name
+scope `ACTION_SCOPE` + "<part><kind><micro-batch>" (e.g. "...3F0").
 
 Example:
 
@@ -14,9 +16,14 @@ Example:
 True
 """
 
+import re
+
 import tensorflow as tf
 
 from tfpar import _compat
+from tfpar.pipeline.schedules import BACKWARD, TimelineEntry
+
+ACTION_SCOPE = "tfpar_pipeline_action_"
 
 
 class OpEvents:
@@ -54,3 +61,56 @@ class OpEvents:
         finally:
             shutil.rmtree(self._directory, ignore_errors=True)
         return False
+
+
+_COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")
+_LAYOUT_OPS = re.compile(r"Relayout|DTensorAll|CopyToMesh")
+
+
+def executed_timeline(events, num_stages):
+    """The executed timeline from profiled op events (TF's profiler names
+    every executed op "<scope>/<name>:<type>"); part k is reported as
+    stage k mod p, chunk k // p.
+
+    An action spans from the start of its first to the end of its last
+    matrix multiply or convolution on its stage's devices (ops that do not
+    wait for the action's inputs, such as weight reads, run whenever the
+    executor gets to them and would blur the picture); an action with no
+    such op spans all of its ops. Seconds from the first action's start.
+
+    Example:
+
+    >>> executed_timeline([
+    ...     ("tfpar_pipeline_action_1F0/d/MatMul:MatMul", 3.0, 4.0),
+    ...     ("gradient_tape/tfpar_pipeline_action_1F0/d/MatMul:MatMul",
+    ...      5.0, 7.0)], num_stages=2)  # doctest: +NORMALIZE_WHITESPACE
+    [TimelineEntry(stage=1, kind='F', microbatch=0, start=0.0, end=1.0,
+                   chunk=0),
+     TimelineEntry(stage=1, kind='B', microbatch=0, start=2.0, end=4.0,
+                   chunk=0)]
+    """
+    # Gradient ops are named after their forward op: "gradient_tape/<F>".
+    pattern = re.compile(f"({re.escape(_compat.GRADIENT_SCOPE)})?"
+                         + ACTION_SCOPE + r"(\d+)([FBW])(\d+)/")
+    spans, compute = {}, {}
+    for name, start, end in events:
+        match = pattern.search(name)
+        if match:
+            kind = BACKWARD if match[1] else match[3]
+            key = (int(match[2]), kind, int(match[4]))
+            op_name, _, op_type = name.rpartition(":")
+            # DTensor's layout changes (named "Relayout"/"DTensorAll...")
+            # include small matmuls on constants that run at any time.
+            is_compute = (_COMPUTE_OPS.search(op_type)
+                          and not _LAYOUT_OPS.search(op_name))
+            target = compute if is_compute else spans
+            low, high = target.get(key, (start, end))
+            target[key] = (min(low, start), max(high, end))
+    spans.update(compute)
+    if not spans:
+        return []
+    origin = min(low for low, _ in spans.values())
+    return sorted((TimelineEntry(k % num_stages, kind, i, low - origin,
+                                 high - origin, k // num_stages)
+                   for (k, kind, i), (low, high) in spans.items()),
+                  key=lambda e: (e.start, e.stage))

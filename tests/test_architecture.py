@@ -142,3 +142,25 @@ def test_hooks_install_with_a_strategy_and_uninstall():
         " ('compile', 'set_global_attribute', 'get_tf_dataset')),"
         " sorted(k for k in before if before[k] is not after[k]))\n")
     assert out == "True []"
+
+
+def test_a_model_built_before_the_first_strategy_is_laid_out_by_its_styles():
+    """Before the first strategy no hook runs (so none notes which layer
+    adds a weight); adoption finds each weight's layer by walking the
+    model, and styles lay it out as if it had been built in the scope."""
+    placements = _run(
+        "import tfpar\n"
+        "tfpar.use_virtual_cpus(8)\n"
+        "model = keras.Sequential([keras.Input((16,)),\n"
+        "    keras.layers.Dense(32, name='up'),\n"
+        "    keras.layers.Dense(16, name='down')], name='m')\n"
+        "strategy = tfpar.ParallelStrategy(\n"
+        "    tfpar.Mesh({'data': 2, 'model': 4}), rules={\n"
+        "        r'.*up': tfpar.ColumnParallel(),\n"
+        "        r'.*down': tfpar.RowParallel()})\n"
+        "with strategy.scope():\n"
+        "    model.compile(optimizer='sgd', loss='mse')\n"
+        "print(sorted((p, s) for p, s, _ in strategy.placements('params')))\n")
+    assert placements == str([
+        ("m/down/bias", (None,)), ("m/down/kernel", ("model", None)),
+        ("m/up/bias", ("model",)), ("m/up/kernel", (None, "model"))])

@@ -110,6 +110,7 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r} of type {type(mesh).__name__}"
             )
         _compat.ensure_dtensor_device()  # also after an eager context reset
+        _compat.install()  # tfpar's Keras/TF hooks, once per process
         if rules is None:
             rules = {}
         elif isinstance(rules, layout_lib.LayoutRules):
@@ -355,7 +356,9 @@ class ShardedVariable(_compat.DVariable):
         # cross-replica context (extended.update's merge_call).
         if (self._tfpar_compute_spec is not None
                 and not tf.executing_eagerly() and in_spmd_step()):
-            again = _compat.recompute_dependency()
+            from tfpar import recompute  # noqa: PLC0415 (its import hooks Keras)
+
+            again = recompute.recompute_dependency()
             extended = self._tfpar_extended()
             reshard = (again is None and extended is not None
                        and extended.reshard_after_forward)
@@ -1219,16 +1222,3 @@ def _strategy_of_layer(owner):
         return None
     return _owning_strategy(owner)
 
-
-_compat.route_keras_step_functions(
-    _keras_function_for, lambda strategy: isinstance(strategy, ParallelStrategy))
-_compat.patch_keras_remat(_check_random_recomputation)
-_compat.static_sparse_division(
-    lambda: not tf.executing_eagerly()
-    and isinstance(tf.distribute.get_strategy(), ParallelStrategy))
-_compat.place_host_inputs_of_methods(_strategy_of_layer)
-_compat.patch_keras_slice_update(in_spmd_step)
-_compat.patch_tensor_indexing(in_spmd_step)
-_compat.patch_keras_categorical(
-    lambda: tf.distribute.get_strategy().extended.replicate
-    if in_spmd_step() else None)

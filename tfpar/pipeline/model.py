@@ -61,7 +61,6 @@ stage 0 on CPU:0..CPU:3: 2 layer(s) d0..d1, ...
 """
 
 import contextlib
-import re
 import time
 
 import keras
@@ -72,6 +71,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar.pipeline import profiler
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
 from tfpar.pipeline.schedules import (
@@ -79,7 +79,6 @@ from tfpar.pipeline.schedules import (
     FORWARD,
     WEIGHT,
     ZERO_BUBBLE,
-    TimelineEntry,
 )
 
 
@@ -493,10 +492,10 @@ class PipelineRunner:
         function = self._function(self._mode)
         if not (self._mode == "train" and self._model.record_timeline):
             return function(xs, targets, split)
-        with _compat.OpEvents() as trace:
+        with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)
             tf.nest.map_structure(placement.fetch, logs)  # wait for the step
-        self._model.last_timeline = _timeline(
+        self._model.last_timeline = profiler.executed_timeline(
             trace.events, len(self._extended.stage_meshes))
         return logs
 
@@ -723,7 +722,7 @@ class PipelineRunner:
         scale = 1.0 / m
         for action in schedule.execution_order():
             k, i, kind = schedule.part(action), action.microbatch, action.kind
-            # The scope names the action's ops (see `_timeline`).
+            # The scope names the action's ops (profiler.executed_timeline).
             with self._on_stage(k), \
                     tf.name_scope(f"{_ACTION_SCOPE}{k}{kind}{i}"):
                 if kind == FORWARD:
@@ -907,7 +906,7 @@ class PipelineRunner:
         sums[k][j] = _accumulate(sums[k][j], gradient)
 
 
-_ACTION_SCOPE = "tfpar_pipeline_action_"
+_ACTION_SCOPE = profiler.ACTION_SCOPE  # names each action's ops
 
 
 def _tensors(sources):
@@ -1004,48 +1003,6 @@ def _after(values, token):
             t = tf.reshape(t, [-1] + [1] * (v.shape.rank - 1))
         out.append(v + tf.cast(t, v.dtype))
     return out
-
-
-_COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")
-_LAYOUT_OPS = re.compile(r"Relayout|DTensorAll|CopyToMesh")
-
-
-def _timeline(events, num_stages):
-    """The executed timeline from profiled op events (TF's profiler names
-    every executed op "<scope>/<name>:<type>"); part k is reported as
-    stage k mod p, chunk k // p.
-
-    An action spans from the start of its first to the end of its last
-    matrix multiply or convolution on its stage's devices (ops that do not
-    wait for the action's inputs, such as weight reads, run whenever the
-    executor gets to them and would blur the picture); an action with no
-    such op spans all of its ops. Seconds from the first action's start.
-    """
-    # Gradient ops are named after their forward op: "gradient_tape/<F>".
-    pattern = re.compile(
-        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FBW])(\d+)/")
-    spans, compute = {}, {}
-    for name, start, end in events:
-        match = pattern.search(name)
-        if match:
-            kind = BACKWARD if match[1] else match[3]
-            key = (int(match[2]), kind, int(match[4]))
-            op_name, _, op_type = name.rpartition(":")
-            # DTensor's layout changes (named "Relayout"/"DTensorAll...")
-            # include small matmuls on constants that run at any time.
-            is_compute = (_COMPUTE_OPS.search(op_type)
-                          and not _LAYOUT_OPS.search(op_name))
-            target = compute if is_compute else spans
-            low, high = target.get(key, (start, end))
-            target[key] = (min(low, start), max(high, end))
-    spans.update(compute)
-    if not spans:
-        return []
-    origin = min(low for low, _ in spans.values())
-    return sorted((TimelineEntry(k % num_stages, kind, i, low - origin,
-                                 high - origin, k // num_stages)
-                   for (k, kind, i), (low, high) in spans.items()),
-                  key=lambda e: (e.start, e.stage))
 
 
 def _check_sequence_parallel(model, extended):

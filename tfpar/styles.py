@@ -138,7 +138,9 @@ class Style:
 
     def apply(self, layer, role, shape):
         """Installs on `layer` the relayouts of its activation layouts for
-        weight `role` (wraps this layer object's `call`, once per layout).
+        weight `role`: wraps this layer object's `call` (not its class),
+        once (applying a style again, e.g. for the layer's next weight,
+        installs nothing more).
 
         The one step of a style that changes a layer; the strategy calls it
         (`apply_styles`) once the whole plan is valid.
@@ -157,8 +159,8 @@ class Style:
                 layer, name, lambda y: _relayout(y, after, layer, "output"))
         installed = vars(layer).setdefault("_tfpar_activation_layouts", {})
         for where, layout in (("input", before), ("output", after)):
-            if layout is not None:
-                installed[where] = layout
+            if layout is not None:  # the first one installed stays
+                installed.setdefault(where, layout)
 
     def _key(self):
         return (type(self), self.axis)

@@ -47,13 +47,13 @@ from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
 from tfpar.strategy import ParallelStrategy  # noqa: E402
-from tfpar.tensor_parallel import (  # noqa: E402
+from tfpar.styles import (  # noqa: E402
     ColumnParallel,
     Replicated,
     RowParallel,
     SequenceParallel,
-    auto_rules,
 )
+from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
 from tfpar.planner import Cluster, Plan, plan  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402

@@ -1034,13 +1034,6 @@ def rewire_input(op, index, tensor):
     op._update_input(index, tensor)  # noqa: SLF001
 
 
-
-def layer_transforms(layer):
-    """Names of the input/output transforms tfpar applied to `layer`."""
-    return (layer.__dict__.get("_tfpar_output_transforms", set())
-            | layer.__dict__.get("_tfpar_input_transforms", set()))
-
-
 # Read by DTensor's MLIR lowering each time it compiles a function: an
 # all-gather then compiles to a CollectiveGatherV2 instead of an all-reduce
 # of zero-padded blocks (sends (n-1)/n of the tensor instead of 2(n-1)/n).

@@ -71,6 +71,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar import styles
 from tfpar.pipeline import profiler
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
@@ -1014,7 +1015,7 @@ def _check_sequence_parallel(model, extended):
             extended.data_axis) > 1:
         return
     for layer in _compat.all_layers(model):
-        if any("sequence" in name for name in _compat.layer_transforms(layer)):
+        if styles.is_sequence_parallel(layer):
             raise ValueError(
                 "Sequence parallelism inside pipeline stages needs a data "
                 "axis in the mesh: without one, DTensor (TF 2.21) crashes "

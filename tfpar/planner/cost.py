@@ -53,7 +53,7 @@ import re
 import numpy as np
 
 from tfpar import layout as layout_lib
-from tfpar import tensor_parallel as tp
+from tfpar import styles as tp
 from tfpar.planner import profile as profile_lib
 
 KINDS = ("params", "gradients", "optimizer", "activations", "workspace")

@@ -24,7 +24,7 @@ import warnings
 
 import numpy as np
 
-from tfpar import tensor_parallel as tp
+from tfpar import auto_plan as tp
 from tfpar.planner import cost as cost_lib
 
 

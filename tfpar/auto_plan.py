@@ -15,6 +15,8 @@ Example:
 import re
 import warnings
 
+import weakref
+
 import keras
 
 from tfpar import _compat
@@ -308,6 +310,12 @@ def _why_whole(layer, flow):
     return f"no plan for {type(layer).__name__} weights {own}"
 
 
+# The last trace of each model (by the identity of its weight-owning
+# layers): tracing a large model symbolically takes most of a plan's time,
+# and the planner asks auto_rules once per model-axis size.
+_TRACES = weakref.WeakKeyDictionary()
+
+
 class _Dataflow:
     """Which weight-owning layer reads which, from one symbolic trace.
 
@@ -331,6 +339,11 @@ class _Dataflow:
 
     @classmethod
     def trace(cls, model, units):
+        key = tuple(map(id, units))
+        cached = _TRACES.get(model)
+        if cached is not None and cached[0] == key:
+            traced = cached[1]
+            return cls(units) if traced is None else cls(units, *traced)
         try:
             traced = _compat.trace_layer_calls(model, units)
         except Exception as error:  # noqa: BLE001 (any failure: say what to do)
@@ -344,6 +357,7 @@ class _Dataflow:
                 "plan by hand: tfpar.LayoutRules({layer regex: "
                 "tfpar.ColumnParallel(), ...})."
             ) from error
+        _TRACES[model] = (key, traced)
         return cls(units) if traced is None else cls(units, *traced)
 
     def input_rank(self, layer):

@@ -29,7 +29,18 @@ OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
 class ParallelDims:
     """How a `tfpar.Mesh` is used (see the module docstring and
     `ParallelStrategy` for each option). Raises the errors
-    `ParallelStrategy(...)` documents for invalid combinations."""
+    `ParallelStrategy(...)` documents for invalid combinations.
+
+    Attributes:
+        mesh: the `tfpar.Mesh`.
+        data_axis: the axis the batch is split over (absent: size 1).
+        pipeline_axis: the axis whose coordinates are pipeline stages.
+        fsdp: whether trainable weights are also split over `data_axis`.
+        reshard_after_forward: whether fsdp gathers again for the
+            backward pass.
+        offload: None (the only value available today).
+        per_host_input: whether each host feeds only its share of a batch.
+    """
 
     mesh: Mesh
     data_axis: str = "data"

@@ -7,6 +7,11 @@ all-reduce after a row-parallel matmul over the model axis). Keras therefore
 sees a single replica holding global values: `num_replicas_in_sync` is 1, a
 replica-context `all_reduce` returns its input (the value is already global)
 and `extended.update(var, fn)` simply calls `fn(var)`.
+
+The options are validated once into a `tfpar.parallel_dims.ParallelDims`
+(`strategy.dims`); every variable made in the scope is planned by
+`tfpar.layout.plan_specs` and tracked, with its `Placement`, by the
+`tfpar.variables.VariableRegistry` (`strategy.extended.registry`).
 """
 
 import gc

@@ -20,7 +20,7 @@ import weakref
 import keras
 
 from tfpar import _compat
-from tfpar import strategy as strategy_lib
+from tfpar import variables as variables_lib
 from tfpar.layout import LayoutRules
 from tfpar.styles import ColumnParallel, RowParallel, SequenceParallel
 
@@ -227,7 +227,7 @@ def _weight_owners(model):
     """The layers that own weights themselves (not only through sublayers),
     outermost first; a MultiHeadAttention counts as one (its projections
     are planned with it)."""
-    owners = strategy_lib._owning_layers(model)  # noqa: SLF001 (one walk rule)
+    owners = variables_lib._owning_layers(model)  # noqa: SLF001 (one walk rule)
     owning = {id(owners[id(w)]) for w in model.weights if id(w) in owners}
     out, inside_attention = [], set()
     for layer in _compat.all_layers(model, include_self=False):

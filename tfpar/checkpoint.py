@@ -127,17 +127,7 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
             variables with the same key.
     """
     entries = _entries(model, optimizer)
-    if step is None:
-        if getattr(model, "optimizer", None) is None:
-            raise ValueError(
-                "save_checkpoint(step=None) takes the step from "
-                "model.optimizer.iterations, but the model has no optimizer. "
-                "Pass step=<int>.")
-        step = int(_host_value(_compat.backing_variable(
-            model.optimizer._iterations)))  # noqa: SLF001 (raw counter)
-    step = int(step)
-    if step < 0:
-        raise ValueError(f"save_checkpoint(step) must be >= 0. Received: {step}")
+    step = _checkpoint_step(model, step)
     directory = os.fspath(directory)
     name = f"ckpt-{step}"
     final = os.path.join(directory, name)
@@ -195,6 +185,22 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
             "checkpoint (see its error); the previous checkpoint is still "
             "the latest.")
     return final
+
+
+def _checkpoint_step(model, step):
+    """`step` as an int >= 0; None: the optimizer's iterations."""
+    if step is None:
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError(
+                "save_checkpoint(step=None) takes the step from "
+                "model.optimizer.iterations, but the model has no optimizer. "
+                "Pass step=<int>.")
+        step = int(_host_value(_compat.backing_variable(
+            model.optimizer._iterations)))  # noqa: SLF001 (raw counter)
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"save_checkpoint(step) must be >= 0. Received: {step}")
+    return step
 
 
 def _agreed(function, failed_elsewhere):
@@ -507,9 +513,8 @@ def _layout_of(backing):
     unsharded block."""
     if isinstance(backing, _compat.DVariable):
         layout = dtensor.fetch_layout(backing)
-        dmesh = layout.mesh
-        return (layout_lib.spec_of(layout),
-                dict(zip(dmesh.dim_names, dmesh.shape())), layout)
+        return (layout_lib.spec_of(layout), layout_lib.axis_sizes_of(layout),
+                layout)
     return (None,) * len(backing.shape), {}, None
 
 
@@ -543,20 +548,16 @@ def _save_variable(n, kind, key, variable, tmp):
         device_ids = layout.mesh.local_device_ids()
         owners = _block_owners(shape, spec, axis_sizes, layout.mesh)
 
-    def ranges_at(location):
+    for component, location, device in zip(components, locations,
+                                           device_ids):
         # Block math: along a dimension of size n split over an axis of size
         # k, the device at coordinate c holds [c*n/k, (c+1)*n/k);
         # replicated dimensions are whole [0, n).
-        index = placement.block_index(shape, spec, axis_sizes, location)
-        return [list(s.indices(size)[:2]) for s, size in zip(index, shape)]
-
-    for component, location, device in zip(components, locations,
-                                           device_ids):
-        ranges = ranges_at(location)
+        box = placement.block_ranges(shape, spec, axis_sizes, location)
+        ranges = [list(r) for r in box]
         # Replicas share one block: the device with the lowest id writes it
         # (on whichever host it is).
-        if owners is not None and owners.get(
-                tuple(map(tuple, ranges))) != device:
+        if owners is not None and owners.get(box) != device:
             continue
         file = f"{stem}.b{device}.npy"
         array = component.numpy()
@@ -579,9 +580,8 @@ def _block_owners(shape, spec, axis_sizes, dmesh):
     for device in range(dmesh.size):
         coords = np.unravel_index(device, tuple(dmesh.shape()))
         location = dict(zip(dmesh.dim_names, (int(c) for c in coords)))
-        index = placement.block_index(shape, spec, axis_sizes, location)
-        key = tuple(tuple(s.indices(size)[:2]) for s, size in zip(index, shape))
-        owners.setdefault(key, device)
+        owners.setdefault(
+            placement.block_ranges(shape, spec, axis_sizes, location), device)
     return owners
 
 
@@ -864,8 +864,7 @@ def _assemble(variable, record, opened):
     for location in layout.mesh.local_device_locations():
         # The target block of this device (same math as on save, with the
         # target's spec and mesh); devices with equal blocks share one read.
-        index = placement.block_index(shape, spec, axis_sizes, location)
-        target = tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape))
+        target = placement.block_ranges(shape, spec, axis_sizes, location)
         if target not in cache:
             cache[target] = tf.constant(_cut(target, opened, record))
         components.append(cache[target])

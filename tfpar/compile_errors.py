@@ -96,7 +96,7 @@ def explain(message, model, extended, mode="train"):
               for w in layer.weights}
     split, involved = [], []
     for weight in model.weights:
-        info = extended._info_of(weight)  # noqa: SLF001
+        info = extended.registry.placement_of(weight)
         if info is None or info.mesh is None:
             continue
         shape = tuple(weight.shape)

@@ -7,6 +7,7 @@ paths to specs (or to tensor-parallel styles). Specs become DTensor layouts
 here (`to_dtensor_layout`).
 """
 
+import collections
 import collections.abc
 import re
 
@@ -276,9 +277,107 @@ def spec_of(dtensor_layout):
     )
 
 
-def shard_shape(shape, spec, mesh):
-    """Shape of one device's block for a variable of `shape` laid out by `spec`."""
+def axis_sizes_of(dtensor_layout):
+    """{axis name: size} of the mesh of a DTensor layout."""
+    dmesh = dtensor_layout.mesh
+    return dict(zip(dmesh.dim_names, dmesh.shape()))
+
+
+def block_shape(shape, spec, axis_sizes):
+    """Shape of one device's block of a value of `shape` laid out by `spec`
+    on a mesh with `axis_sizes` ({axis: size}): a dimension of size n split
+    over an axis of size k has blocks of n / k."""
     return tuple(
-        size if axis is None else size // mesh.axis_size(axis)
+        size if axis is None else size // axis_sizes.get(axis, 1)
         for size, axis in zip(shape, spec)
     )
+
+
+def shard_shape(shape, spec, mesh):
+    """Shape of one device's block for a variable of `shape` laid out by
+    `spec` on the `tfpar.Mesh` `mesh`."""
+    return block_shape(shape, spec, mesh.shape)
+
+
+# -- planning: where a new variable goes ---------------------------------------
+
+SpecPlan = collections.namedtuple("SpecPlan", "kind spec compute_spec")
+SpecPlan.__doc__ = """A variable's planned layout: `kind` ("params",
+"optimizer" or "other"), the `spec` it is stored with and the
+`compute_spec` steps read it with (equal to `spec` unless a step gathers
+it over the data axis)."""
+
+
+def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
+               data_axis="data", fsdp=False, layout=None, slot_of=None):
+    """How a variable is laid out: a pure function of what it is and of the
+    parallel dimensions, called by `ParallelStrategy` for every variable it
+    makes or re-lays out, and callable without a strategy (e.g. to plan a
+    model before building it on a mesh).
+
+    Optimizer slots (`slot_of`: the SpecPlan, or `tfpar.variables.Placement`,
+    of the weight the slot is made for) follow their weight's stored spec
+    when they have its rank, else are replicated. Other variables take
+    `layout` (a `keras.Variable(layout=...)`, which wins as in Keras),
+    else the `rules`' spec (matching `path`, or `layer` for styles), else
+    replicated; every split dimension must divide evenly on `mesh`.
+    Trainable ones are "params", the rest "other".
+
+    In a step the data axis splits the batch, so a variable split over it
+    (by fsdp or a rule) is computed with whole over that axis (its
+    `compute_spec` drops the axis; a gather in the step). With `fsdp`, a
+    "params" variable is also stored split over the data axis on its first
+    dimension the rule leaves whole and the axis divides
+    (`fully_sharded_spec`).
+
+    Example:
+
+    >>> mesh = tfpar.Mesh({"data": 2, "model": 4})
+    >>> rules = tfpar.LayoutRules({r".*up/kernel": (None, "model")})
+    >>> tfpar.layout.plan_specs("up/kernel", (512, 1024), mesh, rules=rules,
+    ...                         fsdp=True)
+    SpecPlan(kind='params', spec=('data', 'model'), compute_spec=(None, 'model'))
+
+    Args:
+        path: the variable's path, e.g. "sequential/up/kernel".
+        shape: its global shape.
+        mesh: the `tfpar.Mesh` (a pipeline stage's sub-mesh) it lives on.
+        rules: a `LayoutRules` (None: replicate).
+        layer: the Keras layer owning it (for style rules), or None.
+        trainable: whether it is a trainable weight.
+        data_axis: the mesh axis the batch is split over.
+        fsdp: whether trainable weights are also split over `data_axis`.
+        layout: an explicit spec for it, or None.
+        slot_of: for an optimizer slot, its weight's plan; else None.
+
+    Returns:
+        A `SpecPlan(kind, spec, compute_spec)`.
+    """
+    if slot_of is not None:
+        if slot_of.kind == "params" and len(shape) == len(slot_of.spec):
+            return SpecPlan("optimizer", slot_of.spec, slot_of.spec)
+        spec = replicated_spec(len(shape))
+        return SpecPlan("optimizer", spec, spec)
+    spec = _explicit_or_ruled_spec(path, shape, rules, layer, layout)
+    check_divisible(path, shape, spec, mesh)
+    kind = "params" if trainable else "other"
+    compute = spec
+    if mesh.axis_size(data_axis) > 1:
+        compute = tuple(None if axis == data_axis else axis for axis in spec)
+    if fsdp and kind == "params":
+        spec = fully_sharded_spec(spec, shape, data_axis, mesh)
+    return SpecPlan(kind, spec, compute)
+
+
+def _explicit_or_ruled_spec(path, shape, rules, layer, layout):
+    """`layout` (checked against the rank), else the rules', else None."""
+    if layout is not None:
+        if len(layout) != len(shape):
+            raise ValueError(
+                f"Variable {path!r} was given layout={layout} with "
+                f"{len(layout)} axes, but has rank {len(shape)} "
+                f"(shape={tuple(shape)}). Give one mesh axis name or None "
+                "per dimension.")
+        return tuple(layout)
+    spec = None if rules is None else rules.spec_for(path, shape, layer)
+    return replicated_spec(len(shape)) if spec is None else spec

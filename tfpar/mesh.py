@@ -137,7 +137,7 @@ def _pick_devices(logical_devices):
                 f"pairs. Received: {device!r} in logical_devices="
                 f"{list(logical_devices)!r}"
             )
-        short = _short_device_name(name)
+        short = short_device_name(name)
         by_type.setdefault(str(device_type).upper(), {})[short] = None
     for device_type in _DEVICE_PREFERENCE:
         if by_type.get(device_type):
@@ -149,7 +149,7 @@ def _device_index(name):
     return int(name.rsplit(":", 1)[-1])
 
 
-def _short_device_name(name):
+def short_device_name(name):
     """'/job:localhost/replica:0/task:0/device:CPU:3' -> 'CPU:3'."""
     return name.rsplit("device:", 1)[-1]
 
@@ -272,7 +272,7 @@ class Mesh:
     @property
     def device_type(self):
         """The kind of device the mesh runs on: "TPU", "GPU" or "CPU"."""
-        return _short_device_name(self._devices[0]).split(":")[0]
+        return short_device_name(self._devices[0]).split(":")[0]
 
     def axis_size(self, name):
         """Size of axis `name`, or 1 when the mesh has no such axis."""
@@ -310,7 +310,7 @@ class Mesh:
             else:
                 self._dtensor_mesh = dtensor.create_mesh(
                     list(self._axes.items()),
-                    devices=[_short_device_name(d) for d in self._devices],
+                    devices=[short_device_name(d) for d in self._devices],
                 )
         return self._dtensor_mesh
 
@@ -359,7 +359,7 @@ def local_device_names(dtensor_mesh):
     if dtensor.num_clients() > 1:
         return [f"{dtensor_mesh.device_type()}:{i}"
                 for i in dtensor_mesh.local_device_ids()]
-    return [_short_device_name(d) for d in dtensor_mesh.local_devices()]
+    return [short_device_name(d) for d in dtensor_mesh.local_devices()]
 
 
 def _normalize_devices(devices):
@@ -393,7 +393,7 @@ def _normalize_devices(devices):
         )
     device_type = device_types.pop()
     logical = tf.config.list_logical_devices()
-    local = sorted({_short_device_name(d.name) for d in logical
+    local = sorted({short_device_name(d.name) for d in logical
                     if d.device_type.upper() == device_type},
                    key=_device_index)
     available = set(_global_names(local)) if local else set()
@@ -421,7 +421,7 @@ def _normalize_devices(devices):
 
 
 def _device_range(devices):
-    short = [_short_device_name(d) for d in devices]
+    short = [short_device_name(d) for d in devices]
     kind = short[0].split(":")[0]
     indices = [_device_index(d) for d in short]
     contiguous = indices == list(range(indices[0], indices[0] + len(indices)))

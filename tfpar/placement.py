@@ -34,6 +34,13 @@ def block_index(shape, spec, axis_sizes, location):
     return tuple(index)
 
 
+def block_ranges(shape, spec, axis_sizes, location):
+    """((start, stop) per dimension) of the block the device at `location`
+    holds: the ranges of `block_index`, with whole dimensions as (0, n)."""
+    index = block_index(shape, spec, axis_sizes, location)
+    return tuple(s.indices(size)[:2] for s, size in zip(index, shape))
+
+
 def put(value, spec, mesh, dtype=None):
     """A DTensor on `mesh` laid out by `spec`, built from a host value.
 

@@ -26,17 +26,12 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpar.mesh import local_device_names
-
-_KINDS = ("params", "optimizer", "other")
+from tfpar import layout as layout_lib
+from tfpar import variables as variables_lib
+from tfpar.mesh import local_device_names, short_device_name
 
 
 # -- layouts -----------------------------------------------------------------
-
-
-def _short_device_name(name):
-    """'/job:localhost/replica:0/task:0/device:CPU:3' -> 'CPU:3'."""
-    return str(name).rsplit("device:", 1)[-1]
 
 
 def _describe(value):
@@ -88,23 +83,6 @@ def _layout_of(value, caller="visualize_layout"):
         )
     name, backing = _resolve(value, caller)
     return name, backing, dtensor.fetch_layout(backing)
-
-
-def _spec(layout):
-    return tuple(
-        None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs
-    )
-
-
-def _axis_sizes(layout):
-    return dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-
-
-def _block_shape(shape, spec, axis_sizes):
-    return tuple(
-        size if axis is None else size // axis_sizes[axis]
-        for size, axis in zip(shape, spec)
-    )
 
 
 def _format_devices(names):
@@ -170,8 +148,8 @@ def layout_grid(value, _caller="layout_grid"):
     """
     name, backing, layout = _layout_of(value, _caller)
     shape = tuple(backing.shape.as_list())
-    spec = _spec(layout)
-    sizes = _axis_sizes(layout)
+    spec = layout_lib.spec_of(layout)
+    sizes = layout_lib.axis_sizes_of(layout)
     dims, note = _grid_dims(spec)
     counts = [sizes[spec[d]] if spec[d] is not None else 1 for d in dims]
     while len(counts) < 2:
@@ -203,7 +181,7 @@ def layout_grid(value, _caller="layout_grid"):
         "shape": shape,
         "spec": spec,
         "mesh": sizes,
-        "block_shape": _block_shape(shape, spec, sizes),
+        "block_shape": layout_lib.block_shape(shape, spec, sizes),
         "dims": tuple(dims),
         "note": note,
         "row_ranges": ranges(0 - offset, n_rows),
@@ -363,16 +341,11 @@ def _human(nbytes):
     return f"{nbytes / 1e6:,.2f} MB"
 
 
-def _kinds_from_strategy(strategy):
-    """{path: kind} from `strategy.placements(kind)` where unambiguous."""
-    if strategy is None or not hasattr(strategy, "placements"):
-        return {}
-    seen = {}
-    for kind in _KINDS:
-        for path, _, _ in strategy.placements(kind):
-            seen.setdefault(path, set()).add(kind)
-    return {path: kinds.pop() for path, kinds in seen.items()
-            if len(kinds) == 1}
+def _kind_of(variable, registry, default):
+    """The kind the strategy's registry gives `variable` (the one
+    `memory_per_device` counts it as), else `default`."""
+    place = None if registry is None else registry.placement_of(variable)
+    return default if place is None else place.kind
 
 
 def _row(variable, section, kind):
@@ -382,13 +355,14 @@ def _row(variable, section, kind):
     dtype = tf.as_dtype(backing.dtype)
     if _is_dtensor(backing):
         layout = dtensor.fetch_layout(backing)
-        spec = _spec(layout)
-        block = _block_shape(shape, spec, _axis_sizes(layout))
+        spec = layout_lib.spec_of(layout)
+        block = layout_lib.block_shape(shape, spec,
+                                       layout_lib.axis_sizes_of(layout))
         devices = local_device_names(layout.mesh)
     else:  # an ordinary variable: one device holds all of it
         spec = (None,) * len(shape)
         block = shape
-        devices = [_short_device_name(backing.device) or "CPU:0"]
+        devices = [short_device_name(backing.device) or "CPU:0"]
     return {
         "section": section,
         "path": path,
@@ -471,13 +445,27 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
         )
     if strategy is None:
         strategy = getattr(model, "distribute_strategy", None)
-    kinds = _kinds_from_strategy(strategy)
+    registry = getattr(getattr(strategy, "extended", None), "registry", None)
+    rows = SummaryRows(_variable_rows(model, registry, include_optimizer))
+    totals = variables_lib.device_bytes(
+        ((row["kind"], row["devices"], row["bytes_per_device"])
+         for row in rows), devices=())
+    for entry in totals.values():
+        entry["total"] = sum(entry.values())
+    rows.totals = totals
+    rows.text = _render_summary(model, rows, totals)
+    if print_fn is not None:
+        for line in rows.text.splitlines():
+            print_fn(line)
+    return rows
 
-    rows = SummaryRows()
-    for variable in model.weights:
-        kind = kinds.get(variable.path,
-                         "params" if variable.trainable else "other")
-        rows.append(_row(variable, "weights", kind))
+
+def _variable_rows(model, registry, include_optimizer):
+    """The rows of `summary`: weights, optimizer variables (and the slots
+    an unbuilt optimizer will make), metric state."""
+    rows = [_row(variable, "weights", _kind_of(
+                variable, registry, "params" if variable.trainable else "other"))
+            for variable in model.weights]
     optimizer = getattr(model, "optimizer", None)
     if include_optimizer and optimizer is not None:
         counters = {id(getattr(optimizer, "iterations", None))}
@@ -486,25 +474,12 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
                 id(variable) in counters
                 or variable.path.endswith("learning_rate")) else "optimizer"
             rows.append(_row(variable, "optimizer",
-                             kinds.get(variable.path, default)))
+                             _kind_of(variable, registry, default)))
         if not optimizer.built:
             rows.extend(_predicted_slot_rows(optimizer, model, rows))
     for variable in model.metrics_variables:  # "other", as for the strategy
-        rows.append(_row(variable, "metrics", kinds.get(variable.path,
-                                                        "other")))
-
-    totals = {}
-    for row in rows:
-        for device in row["devices"]:
-            entry = totals.setdefault(
-                device, {"params": 0, "optimizer": 0, "other": 0, "total": 0})
-            entry[row["kind"]] += row["bytes_per_device"]
-            entry["total"] += row["bytes_per_device"]
-    rows.totals = totals
-    rows.text = _render_summary(model, rows, totals)
-    if print_fn is not None:
-        for line in rows.text.splitlines():
-            print_fn(line)
+        rows.append(_row(variable, "metrics",
+                         _kind_of(variable, registry, "other")))
     return rows
 
 
@@ -602,7 +577,7 @@ def _render_summary(model, rows, totals):
     # Devices holding identical totals share one line.
     groups = {}
     for device, entry in totals.items():
-        key = tuple(entry[k] for k in (*_KINDS, "total"))
+        key = tuple(entry[k] for k in (*variables_lib.KINDS, "total"))
         groups.setdefault(key, []).append(device)
     lines.append("per device:")
     for (params, opt, other, total), devices in groups.items():

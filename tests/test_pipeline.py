@@ -18,7 +18,7 @@ import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
-from tfpar.pipeline.model import PipelineRunner
+from tfpar.pipeline.runner import PipelineRunner
 
 import models
 

@@ -27,7 +27,7 @@ def require_cross_replica_or_default_context(extended):
     distribute_lib._require_cross_replica_or_default_context_extended(extended)  # noqa: SLF001
 
 
-def route_keras_step_functions(make_function_for, owns):
+def route_keras_step_functions(make_function_for, owns, eager_call):
     """Lets a strategy build a Keras model's train/test/predict functions.
 
     Patches Keras' TensorFlow trainer once: for a model whose
@@ -37,7 +37,8 @@ def route_keras_step_functions(make_function_for, owns):
     whose strategy `owns(strategy)` enters that strategy's scope, so the
     optimizer is created under it even when `compile` is called outside;
     such a model's keras-hub `generate_function` is routed the same way
-    (mode "generate", see `route_generate_function`).
+    (mode "generate", see `route_generate_function`). An eager call of such
+    a model runs `eager_call(strategy, call, model, args, kwargs)`.
     """
     from keras.src.backend.tensorflow import trainer  # noqa: PLC0415
     from keras.src.trainers import trainer as base_trainer  # noqa: PLC0415
@@ -89,8 +90,7 @@ def route_keras_step_functions(make_function_for, owns):
         # The strategy the model was built under, not merely the current one.
         strategy = getattr(self, "_distribute_strategy", None)
         if tf.executing_eagerly() and owns(strategy):
-            return strategy.extended.eager_model_call(
-                original_call, self, args, kwargs)
+            return eager_call(strategy, original_call, self, args, kwargs)
         return original_call(self, *args, **kwargs)
 
     cls.__call__ = __call__

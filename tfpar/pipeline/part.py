@@ -60,12 +60,13 @@ class _InFlight:
 
 
 class ModelPart:
-    """Part `layers.index` of a pipeline: its layers (a `split.Part`) on
+    """Part `layers.index` of a pipeline: its `graph` (the `split.Part`:
+    layers, the nodes it runs, the tensors it receives and sends) on
     `mesh`, their trainable `weights`, its `optimizer` (set by the
     `PipelineModel`) and its micro-batches in flight."""
 
     def __init__(self, layers, mesh, extended, model):
-        self.layers_of = layers
+        self.graph = layers
         self.index = layers.index
         self.mesh = mesh
         self.weights = [w for layer in layers.layers
@@ -82,7 +83,7 @@ class ModelPart:
 
     @property
     def layers(self):
-        return self.layers_of.layers
+        return self.graph.layers
 
     @contextlib.contextmanager
     def on_mesh(self):
@@ -130,7 +131,7 @@ class ModelPart:
         trainable weights (by id), the floating outputs of each call.
         `guests`: (weight, value) pairs read instead of those weights of
         earlier parts (`TiedWeights.values_on`)."""
-        graph = self.layers_of
+        graph = self.graph
         tensors = {id(k): v for k, v in zip(graph.inputs, values)}
         guests = list(guests) or self.ties.values_on(self)
         with _compat.reading_values(guests, [
@@ -292,7 +293,7 @@ class TiedWeights:
         self._specs = {
             id(w): layout_lib.spec_of(dtensor.fetch_layout(
                 _compat.backing_variable(w)))
-            for part in parts for layer in part.layers_of.guests
+            for part in parts for layer in part.graph.guests
             for w in split_lib.weights_of(layer, trainable=True)}
         self._meshes = [part.mesh for part in parts]
 
@@ -301,7 +302,7 @@ class TiedWeights:
         its home part and moved here with its layout (`watch`ed for its
         gradient)."""
         pairs = []
-        for layer in part.layers_of.guests:
+        for layer in part.graph.guests:
             for w in split_lib.weights_of(layer, trainable=True):
                 home = self._home[id(w)][0]
                 with home.on_mesh():

@@ -85,6 +85,8 @@ def with_keras_distribution(initial, x, y, args):
     import keras  # noqa: PLC0415
     import keras_hub  # noqa: PLC0415
 
+    import tfpar.keras_distribution  # noqa: F401, PLC0415 (the opt-in hook)
+
     device_mesh = keras.distribution.DeviceMesh(
         (args.data, args.model), ("batch", "model"),
         devices=keras.distribution.list_devices())

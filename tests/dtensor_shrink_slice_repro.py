@@ -7,7 +7,7 @@ sharding at position 2 (now the size-4 dimension). On model=4 the values
 come out wrong without an error; on model=8 the compile fails ("requires
 dimension 2 to be divisible ..."). keras-hub's KV cache is indexed this way
 (`cache[:, i, ...]`), so tfpar's steps index tensors with a one-long slice
-and a squeeze instead (`tfpar._compat.index_keeping_dims`).
+and a squeeze instead (`tfpar.spmd_ops.index_keeping_dims`).
 
 Run: python tests/dtensor_shrink_slice_repro.py
 """
@@ -33,7 +33,7 @@ def main():
     a = np.arange(2 * 3 * 8 * 4, dtype="float32").reshape(2, 3, 8, 4)
     x = placement.put(a, (None, None, "model", None), mesh)
     # TF's own indexing, not tfpar's (which is active only in tfpar steps).
-    plain_getitem = _compat._original_getitem or tensor_lib.Tensor.__getitem__  # noqa: SLF001
+    plain_getitem = _compat.unpatched(tensor_lib.Tensor, "__getitem__")
 
     @tf.function
     def dropped(x):

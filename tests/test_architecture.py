@@ -60,27 +60,49 @@ def test_size_check_sees_a_long_function(tmp_path, monkeypatch):
 
 _KERAS_ENTRY_POINTS = """
 import keras, tensorflow as tf
+import keras_hub
 from keras.src.trainers import trainer
+from keras.src.trainers.data_adapters import array_data_adapter
+from keras.src.backend.common import global_state
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.backend.tensorflow import core, numpy as knp, random
+from keras.src.backend.tensorflow import distribution_lib
 from keras.src.layers.layer import Layer
 from keras.src.optimizers import base_optimizer
 from keras.src.ops import operation
+from keras.src.random import seed_generator
+from tensorflow.python.eager.polymorphic_function import polymorphic_function
+MISSING = object()
 def snapshot():
     return {
         "compile": trainer.Trainer.compile,
         "make_train_function": tf_trainer.TensorFlowTrainer.make_train_function,
+        "make_test_function": tf_trainer.TensorFlowTrainer.make_test_function,
         "make_predict_function":
             tf_trainer.TensorFlowTrainer.make_predict_function,
+        "make_generate_function":
+            keras_hub.models.CausalLM.make_generate_function,
         "symbolic_build": trainer.Trainer._symbolic_build,
+        "maybe_symbolic_build":
+            tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
         "model_call": keras.Model.__call__,
         "operation_call": operation.Operation.__call__,
+        "function_call": polymorphic_function.Function.__call__,
         "add_weight": Layer.add_weight,
         "variable_initialize": core.Variable._initialize,
+        "remat": core.remat,
+        "seed_next": seed_generator.SeedGenerator.next,
         "slice_update": core.slice_update,
         "categorical": random.categorical,
         "divide": knp.divide,
         "tensor_getitem": tf.Tensor.__getitem__,
+        "get_tf_dataset": array_data_adapter.ArrayDataAdapter.get_tf_dataset,
+        "set_global_attribute": global_state.set_global_attribute,
+        "distribute_tensor":
+            getattr(distribution_lib, "distribute_tensor", MISSING),
+        "initialize": getattr(distribution_lib, "initialize", MISSING),
+        "get_device_count":
+            getattr(distribution_lib, "get_device_count", MISSING),
         "optimizer_apply": base_optimizer.BaseOptimizer.apply,
     }
 """
@@ -110,10 +132,35 @@ def test_hooks_install_with_a_strategy_and_uninstall():
         "import tfpar\n"
         "tfpar.use_virtual_cpus(8)\n"
         "tfpar.ParallelStrategy(tfpar.Mesh({'data': 8}))\n"
-        "during = snapshot()\n"
+        "import tfpar.keras_distribution\n"  # its opt-in hook
         "from tfpar import _compat\n"
+        "_compat.count_array_batches()\n"  # a per-host-input strategy's
+        "during = snapshot()\n"
         "_compat.uninstall()\n"
         "after = snapshot()\n"
-        "print(any(before[k] is not during[k] for k in before),"
+        "print(all(before[k] is not during[k] for k in"
+        " ('compile', 'set_global_attribute', 'get_tf_dataset')),"
         " sorted(k for k in before if before[k] is not after[k]))\n")
     assert out == "True []"
+
+
+def test_a_model_built_before_the_first_strategy_is_laid_out_by_its_styles():
+    """Before the first strategy no hook runs (so none notes which layer
+    adds a weight); adoption finds each weight's layer by walking the
+    model, and styles lay it out as if it had been built in the scope."""
+    placements = _run(
+        "import tfpar\n"
+        "tfpar.use_virtual_cpus(8)\n"
+        "model = keras.Sequential([keras.Input((16,)),\n"
+        "    keras.layers.Dense(32, name='up'),\n"
+        "    keras.layers.Dense(16, name='down')], name='m')\n"
+        "strategy = tfpar.ParallelStrategy(\n"
+        "    tfpar.Mesh({'data': 2, 'model': 4}), rules={\n"
+        "        r'.*up': tfpar.ColumnParallel(),\n"
+        "        r'.*down': tfpar.RowParallel()})\n"
+        "with strategy.scope():\n"
+        "    model.compile(optimizer='sgd', loss='mse')\n"
+        "print(sorted((p, s) for p, s, _ in strategy.placements('params')))\n")
+    assert placements == str([
+        ("m/down/bias", (None,)), ("m/down/kernel", ("model", None)),
+        ("m/up/bias", ("model",)), ("m/up/kernel", (None, "model"))])

@@ -9,7 +9,7 @@ and `predict`'s logits (1e-4 relative). Samplers: greedy, beam search (both
 choose from the logits alone) and seeded top-k. Keras draws categorical
 samples with TF's StatelessMultinomial, which DTensor 2.21 cannot lay out;
 under the strategy tfpar draws them by Gumbel-max from replicated uniform
-numbers (`_compat.gumbel_categorical`): the same distribution, but not
+numbers (`spmd_ops.gumbel_categorical`): the same distribution, but not
 the same numbers as StatelessMultinomial. So top-k is compared with one
 device drawing by the same Gumbel-max (same seed, same tokens), not with
 Keras' own one-device draws.
@@ -30,7 +30,7 @@ from tensorflow.experimental import dtensor
 
 import hub_models
 import tfpar
-from tfpar import _compat, placement
+from tfpar import _compat, placement, spmd_ops
 
 MESHES = {
     "data": {"data": 8},
@@ -88,7 +88,7 @@ def gumbel_on_one_device():
 
     def categorical(logits, num_samples, dtype="int64", seed=None):
         seed = tf_random._cast_seed(tf_random.draw_seed(seed))
-        return tf.cast(_compat.gumbel_categorical(
+        return tf.cast(spmd_ops.gumbel_categorical(
             logits, num_samples, seed, replicate=lambda u: u), dtype)
 
     tf_random.categorical = categorical
@@ -189,18 +189,18 @@ def test_top_k_draws_differ_from_keras_stateless_multinomial():
 
 def test_dtensor_still_mislays_out_a_slice_that_drops_a_dimension():
     """Why tfpar indexes with kept dimensions inside its steps
-    (`_compat.index_keeping_dims`; tests/dtensor_shrink_slice_repro.py).
+    (`spmd_ops.index_keeping_dims`; tests/dtensor_shrink_slice_repro.py).
     If this starts failing on a newer TF, that workaround can go."""
     from tensorflow.python.framework import tensor as tensor_lib
 
     mesh = tfpar.Mesh({"model": 4, "data": 2})
     a = np.arange(2 * 3 * 8 * 4, dtype="float32").reshape(2, 3, 8, 4)
     x = placement.put(a, (None, None, "model", None), mesh)
-    plain = _compat._original_getitem or tensor_lib.Tensor.__getitem__
+    plain = _compat.unpatched(tensor_lib.Tensor, "__getitem__")
     dropped = tf.function(lambda t: plain(t, (slice(None), 1)) * 1.0)(x)
     assert not np.array_equal(placement.fetch(dropped), a[:, 1])
     kept = tf.function(
-        lambda t: _compat.index_keeping_dims(t, (slice(None), 1)) * 1.0)(x)
+        lambda t: spmd_ops.index_keeping_dims(t, (slice(None), 1)) * 1.0)(x)
     np.testing.assert_array_equal(placement.fetch(kept), a[:, 1])
 
 
@@ -210,12 +210,12 @@ def test_dense_slice_update_equals_keras_slice_update():
     update = rng.random((3, 2, 1, 4)).astype("float32")
     for start in ([0, 0, 5, 0], [0, 0, 7, 0], [0, 0, 9, 0], [1, 0, -2, 0]):
         want = keras.ops.slice_update(cache, start, update)
-        got = _compat.dense_slice_update(cache, start, update)
+        got = spmd_ops.dense_slice_update(cache, start, update)
         np.testing.assert_array_equal(got, want)
     # An update shorter in two dimensions.
     want = keras.ops.slice_update(cache, [1, 0, 3, 0], update[:2])
     np.testing.assert_array_equal(
-        _compat.dense_slice_update(cache, [1, 0, 3, 0], update[:2]), want)
+        spmd_ops.dense_slice_update(cache, [1, 0, 3, 0], update[:2]), want)
 
 
 @pytest.mark.parametrize("key", [
@@ -226,8 +226,9 @@ def test_dense_slice_update_equals_keras_slice_update():
 ])
 def test_index_keeping_dims_equals_tf_indexing(key):
     x = tf.reshape(tf.range(3 * 4 * 5, dtype=tf.float32), (3, 4, 5))
-    got = _compat.index_keeping_dims(x, key)
-    np.testing.assert_array_equal(got, _compat._original_getitem(x, key))
+    got = spmd_ops.index_keeping_dims(x, key)
+    plain = _compat.unpatched(tf.Tensor, "__getitem__")
+    np.testing.assert_array_equal(got, plain(x, key))
 
 
 def test_eager_call_and_any_tf_function_of_a_model_method():

@@ -35,6 +35,8 @@ EXPECTED = {
     "keras_hub_llama": (["auto_rules parity with one device: OK",
                          "keras.distribution parity with one device: OK",
                          "('batch', 'model')"], True),
+    "plan": (["planned training matches one device: OK",
+              "On paper (not run): GPT-3 (", "Binding constraint: "], False),
     "pipeline_schedules": (
         ["simulated bubbles match (p-1)/(m+p-1): OK",
          "pipeline parity with one device: OK",

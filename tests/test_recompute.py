@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from tfpar import _compat
+from tfpar import recompute
 
 import models
 
@@ -154,7 +154,7 @@ class Noisy(keras.layers.Layer):
 
     def call(self, x):
         Noisy.calls += 1
-        Noisy.recomputed += _compat.recompute_dependency() is not None
+        Noisy.recomputed += recompute.recompute_dependency() is not None
         return self.drop(self.norm(self.dense(x)))
 
 

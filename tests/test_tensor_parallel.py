@@ -264,3 +264,46 @@ def test_auto_rules_says_what_to_do_when_the_trace_fails():
                         name="eager_only")
     with pytest.raises(ValueError, match=r"traces model 'eager_only'.*trace failed.*Received: AttributeError.*LayoutRules"):
         tfpar.auto_rules(model, axis_size=2)
+
+
+def test_styles_are_data_and_apply_is_the_one_step_that_changes_a_layer():
+    """spec_for and activation_layouts answer without touching the layer;
+    `apply` installs the relayouts the activation layouts name."""
+    from tfpar import styles  # noqa: PLC0415
+
+    model = transformer()
+    up, embed = model.get_layer("mlp_up"), model.get_layer("embed")
+    column = tfpar.ColumnParallel(sequence_parallel=True)
+    assert column.spec_for(up, "kernel", (DIM, 4 * DIM)) == (None, "model")
+    assert column.activation_layouts(up, "kernel", (DIM, 4 * DIM)) == (
+        styles.ActivationLayout("sequence", "model", split=False), None)
+    assert str(column.input_layout) == "sequence gathered over 'model'"
+    assert column.activation_layouts(embed, "embeddings", (VOCAB, DIM)) == (
+        None, styles.ActivationLayout("sequence", "model", split=True))
+    assert tfpar.ColumnParallel().activation_layouts(
+        embed, "embeddings", (VOCAB, DIM)) == (
+        None, styles.ActivationLayout("hidden", "model", split=False))
+    assert str(tfpar.RowParallel(sequence_parallel=True).output_layout) == (
+        "sequence split over 'model'")
+    assert tfpar.RowParallel().output_layout is None
+    assert "call" not in vars(up) and not styles.is_sequence_parallel(up)
+    column.apply(up, "kernel", (DIM, 4 * DIM))
+    assert "call" in vars(up) and styles.is_sequence_parallel(up)
+    assert styles.activation_layouts_of(up) == {"input": column.input_layout}
+
+
+def test_apply_rules_with_an_unused_rule_changes_no_layer_and_no_weight():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 4, "model": 2}))
+    with strategy.scope():
+        model = transformer()
+    before = strategy.placements("params")
+    calls = {layer.name: layer.call for layer in model._flatten_layers()}
+    rules = tfpar.auto_rules(model, mesh=strategy.mesh, sequence_parallel=True)
+    rules = tfpar.LayoutRules({**dict(rules.items()),
+                               "nothing": tfpar.RowParallel()})
+    with pytest.raises(ValueError, match=r"\['nothing'\] matched no weight"):
+        strategy.apply_rules(model, rules)
+    assert strategy.placements("params") == before
+    for layer in model._flatten_layers():
+        assert layer.call == calls[layer.name], layer.name
+        assert "call" not in vars(layer), layer.name

@@ -3,10 +3,25 @@
 >>> import tfpar
 >>> tfpar.use_virtual_cpus(8)           # only for CPU tests and demos
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+
+`import tfpar` changes nothing in Keras or TensorFlow: tfpar's hooks into
+them (`tfpar/_compat.py`) are installed when the first `ParallelStrategy` is
+made. Two of them are also opt-ins without a strategy, installed when their
+module is imported (`import tfpar.keras_distribution`, or any use of
+`tfpar.keras_distribution`, which this package imports on first access;
+likewise `tfpar.recompute`): Keras' own distribution API
+(`keras.distribution.set_distribution`) reaching tfpar, and
+`keras.RematScope` working on TensorFlow.
 """
 
+import importlib
 import os
 
+# These are read by TensorFlow itself, not patches of it: each is read once,
+# when the first DTensor function compiles, so they must be set before any
+# DTensor function runs, and the user's first `import tfpar` is the last
+# moment tfpar is sure to come before that.
+#
 # DTensor's all-reduce combiner (DTensorAllReduceCombineOptimization) moves
 # a variable update that follows an all-reduce past later reads of that
 # variable: it tracks data dependencies only. Keras' `metric.result()` then
@@ -21,7 +36,6 @@ os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")
 
 from tfpar.layout import LayoutRules  # noqa: E402
 from tfpar import checkpoint, communication, pipeline, visualize  # noqa: E402
-from tfpar import keras_distribution  # noqa: E402
 from tfpar.checkpoint import (  # noqa: E402
     latest_checkpoint,
     restore_checkpoint,
@@ -33,13 +47,13 @@ from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
 from tfpar.strategy import ParallelStrategy  # noqa: E402
-from tfpar.tensor_parallel import (  # noqa: E402
+from tfpar.styles import (  # noqa: E402
     ColumnParallel,
     Replicated,
     RowParallel,
     SequenceParallel,
-    auto_rules,
 )
+from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
 from tfpar.planner import Cluster, Plan, plan  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
@@ -77,3 +91,13 @@ __all__ = [
     "visualize_layout",
 ]
 __version__ = "0.1.0"
+
+_LAZY_MODULES = ("keras_distribution", "recompute")  # imported on first access: see above
+
+
+def __getattr__(name):
+    """`tfpar.keras_distribution` and `tfpar.recompute`, imported (and
+    their Keras hooks installed) on first access (PEP 562)."""
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"tfpar.{name}")
+    raise AttributeError(f"module 'tfpar' has no attribute {name!r}")

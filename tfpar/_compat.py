@@ -4,6 +4,7 @@ A TensorFlow upgrade that moves one of these touches only this file.
 Checked against tensorflow 2.21.
 """
 
+import collections
 import contextlib
 import functools
 import threading
@@ -27,89 +28,203 @@ def require_cross_replica_or_default_context(extended):
     distribute_lib._require_cross_replica_or_default_context_extended(extended)  # noqa: SLF001
 
 
-def route_keras_step_functions(make_function_for, owns, eager_call):
-    """Lets a strategy build a Keras model's train/test/predict functions.
+# -- tfpar's patches of Keras and TF: data, installed on first use ------------
+#
+# Each patch is a `Patch`: the object to change (a function returning it, so
+# nothing is imported before it is needed), the attribute, and a factory
+# `make(original, hooks)` of the replacement, `hooks` being what the
+# replacement asks tfpar (`_strategy_hooks`). `install()` applies the
+# strategy's patches once, when the first `ParallelStrategy` is made (so
+# `import tfpar` alone changes nothing); `uninstall()` restores every
+# original, in reverse order (for tests).
 
-    Patches Keras' TensorFlow trainer once: for a model whose
-    `distribute_strategy` answers `make_function_for(model, mode)` with a
-    function, `make_{train,test,predict}_function` use that function; for
-    every other model Keras' own code runs unchanged. `compile` of a model
-    whose strategy `owns(strategy)` enters that strategy's scope, so the
-    optimizer is created under it even when `compile` is called outside;
-    such a model's keras-hub `generate_function` is routed the same way
-    (mode "generate", see `route_generate_function`). An eager call of such
-    a model runs `eager_call(strategy, call, model, args, kwargs)`.
-    """
-    from keras.src.backend.tensorflow import trainer  # noqa: PLC0415
-    from keras.src.trainers import trainer as base_trainer  # noqa: PLC0415
 
-    cls = trainer.TensorFlowTrainer
-    if getattr(cls, "_tfpar_routed", False):
+class Patch(collections.namedtuple("Patch", "name owner attribute make")):
+    """`owner().attribute = make(original, hooks)`, undone by `uninstall`."""
+
+
+_ABSENT = object()  # the attribute was inherited, not set on the owner
+_originals = {}  # (id(owner), attribute) -> (owner, attribute, own value)
+_installed = set()  # names of the patch groups installed
+
+
+def _replace(owner, attribute, make):
+    """Sets `owner.attribute = make(current value, None if it has none)`
+    unless tfpar did already, recording the owner's own value (or its
+    absence) for `uninstall`."""
+    key = (id(owner), attribute)
+    if key in _originals:
         return
-    original_compile = base_trainer.Trainer.compile
+    _originals[key] = (owner, attribute, vars(owner).get(attribute, _ABSENT))
+    setattr(owner, attribute, make(getattr(owner, attribute, None)))
+
+
+def unpatched(owner, attribute):
+    """`owner.attribute` as it was before tfpar replaced it (the current
+    value when tfpar did not)."""
+    record = _originals.get((id(owner), attribute))
+    if record is None or record[2] is _ABSENT:
+        return getattr(owner, attribute)
+    return record[2]
+
+
+def _apply(group, patches, hooks):
+    if group in _installed:
+        return
+    _installed.add(group)
+    for patch in patches:
+        _replace(patch.owner(), patch.attribute,
+                 lambda original, p=patch: p.make(original, hooks))
+
+
+def install():
+    """Installs tfpar's Keras/TF hooks (`_STRATEGY_PATCHES`, and
+    `_REMAT_PATCHES`); idempotent. `ParallelStrategy()` calls it."""
+    from tfpar import recompute  # noqa: PLC0415
+
+    _apply("strategy", _STRATEGY_PATCHES, _strategy_hooks())
+    install_remat(recompute.recompute, recompute.next_seed)
+
+
+def uninstall():
+    """Restores every Keras/TF attribute tfpar replaced (all groups, and
+    the keras-hub `make_generate_function`s routed since)."""
+    for owner, attribute, value in reversed(list(_originals.values())):
+        if value is _ABSENT:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, value)
+    _originals.clear()
+    _installed.clear()
+
+
+def _strategy_hooks():
+    """What the strategy's patches ask tfpar, in one place (imported on
+    use: tfpar's modules import this one)."""
+    import types  # noqa: PLC0415
+
+    from tfpar import strategy  # noqa: PLC0415
+    from tfpar import training  # noqa: PLC0415
+
+    def owns(candidate):
+        return isinstance(candidate, strategy.ParallelStrategy)
+
+    def in_step():
+        return strategy.in_spmd_step()
+
+    return types.SimpleNamespace(
+        function_for=training.keras_function_for,
+        eager_call=training.eager_model_call,
+        owns=owns,
+        in_step=in_step,
+        in_graph_step=lambda: not tf.executing_eagerly() and owns(
+            tf.distribute.get_strategy()),
+        strategy_of_layer=training.strategy_of_layer,
+        replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
+        if in_step() else None)
+
+
+def _base_trainer():
+    from keras.src.trainers import trainer  # noqa: PLC0415
+
+    return trainer.Trainer
+
+
+def _tf_trainer():
+    from keras.src.backend.tensorflow import trainer  # noqa: PLC0415
+
+    return trainer.TensorFlowTrainer
+
+
+def _tf_core():
+    from keras.src.backend.tensorflow import core  # noqa: PLC0415
+
+    return core
+
+
+def _routed_compile(original, hooks):
+    """`compile` of a model whose strategy `hooks.owns` enters that
+    strategy's scope, so the optimizer is created under it even when
+    `compile` is called outside; such a model's keras-hub
+    `generate_function` is routed too (`route_generate_function`). Set on
+    the base class: Keras' `compile_from_config` (what `load_model`
+    compiles with) skips compiling, with a warning, any model whose
+    `type(model).compile` is not `Trainer.compile`."""
 
     def compile(self, *args, **kwargs):  # noqa: A001
         strategy = self.distribute_strategy
-        if not owns(strategy):
-            return original_compile(self, *args, **kwargs)
+        if not hooks.owns(strategy):
+            return original(self, *args, **kwargs)
         with strategy.scope():
             strategy.extended.adopt_model(self)  # a model built outside
-            result = original_compile(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
             _optimizer_under(self, strategy)
             if self.built:
                 strategy.extended.check_rules_used()
-        route_generate_function(self, make_function_for)
+        route_generate_function(self, hooks.function_for)
         return result
 
-    # Patched on the base class: Keras' `compile_from_config` (what
-    # `load_model` compiles with) skips compiling, with a warning, any model
-    # whose `type(model).compile` is not `Trainer.compile`.
-    base_trainer.Trainer.compile = compile
-    original_symbolic_build = cls._maybe_symbolic_build  # noqa: SLF001
+    return compile
+
+
+def _symbolic_build_from_spec(original, hooks):
+    """Keras builds a model under a strategy from `next()` of a fresh
+    iterator, which for a one-shot generator silently drops a batch. Only
+    shapes and dtypes are used: under tfpar they come from the dataset
+    spec."""
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras builds a model under a strategy from `next()` of a fresh
-        # iterator, which for a one-shot generator silently drops a batch.
-        # Only shapes and dtypes are used: take them from the dataset spec.
         dataset = getattr(iterator, "_distributed_dataset", None)
-        if owns(self.distribute_strategy) and dataset is not None:
+        if hooks.owns(self.distribute_strategy) and dataset is not None:
             data_batch = tf.nest.map_structure(
                 lambda s: s if isinstance(s, tf.TensorSpec) else None,
                 dataset.element_spec)
             iterator = None
-        return original_symbolic_build(self, iterator=iterator,
-                                       data_batch=data_batch)
+        return original(self, iterator=iterator, data_batch=data_batch)
 
-    cls._maybe_symbolic_build = _maybe_symbolic_build  # noqa: SLF001
+    return _maybe_symbolic_build
+
+
+def _eager_model_call(_, hooks):
+    """An eager call of a model built under a tfpar strategy runs through
+    `tfpar.training.eager_model_call`; other models (and every layer) keep
+    theirs."""
+    cls = _tf_trainer()
 
     def original_call(self, *args, **kwargs):
         # Next in the MRO of keras.Model after the trainer: Layer.__call__.
         return super(cls, self).__call__(*args, **kwargs)
 
-    def __call__(self, *args, **kwargs):  # models only: layers keep theirs
+    def __call__(self, *args, **kwargs):
         # The strategy the model was built under, not merely the current one.
         strategy = getattr(self, "_distribute_strategy", None)
-        if tf.executing_eagerly() and owns(strategy):
-            return eager_call(strategy, original_call, self, args, kwargs)
+        if tf.executing_eagerly() and hooks.owns(strategy):
+            return hooks.eager_call(strategy, original_call, self, args,
+                                    kwargs)
         return original_call(self, *args, **kwargs)
 
-    cls.__call__ = __call__
-    for mode in ("train", "test", "predict"):
-        attribute = f"{mode}_function"
-        original = getattr(cls, f"make_{attribute}")
+    return __call__
 
-        def make(self, force=False, _mode=mode, _attr=attribute,
-                 _original=original):
-            if getattr(self, _attr) is not None and not force:
-                return getattr(self, _attr)
-            function = make_function_for(self, _mode)
+
+def _routed_make_function(mode):
+    """The factory of `make_<mode>_function`: the function
+    `hooks.function_for(model, mode)` returns, when it returns one, else
+    Keras' own."""
+    attribute = f"{mode}_function"
+
+    def make_factory(original, hooks):
+        def make(self, force=False):
+            if getattr(self, attribute) is not None and not force:
+                return getattr(self, attribute)
+            function = hooks.function_for(self, mode)
             if function is None:
-                return _original(self, force=force)
-            setattr(self, _attr, function)
+                return original(self, force=force)
+            setattr(self, attribute, function)
             return function
 
-        setattr(cls, f"make_{attribute}", make)
-    cls._tfpar_routed = True  # noqa: SLF001
+        return make
+
+    return make_factory
 
 
 def route_generate_function(model, make_function_for):
@@ -118,65 +233,60 @@ def route_generate_function(model, make_function_for):
     keras-hub's `CausalLM` (and `TextToImage`) compile their own generation
     step: `make_generate_function` wraps `generate_step` in a `tf.function`
     that `generate()` calls with host tensors. The class defining
-    `make_generate_function` is patched once so that it uses
-    `make_function_for(model, "generate")` when that returns a function
-    (models under a strategy), Keras-hub's own code otherwise. A model
-    without `make_generate_function` is left alone.
+    `make_generate_function` is patched once (undone by `uninstall`) so that
+    it uses `make_function_for(model, "generate")` when that returns a
+    function (models under a strategy), keras-hub's own code otherwise. A
+    model without `make_generate_function` is left alone.
     """
     cls = next((c for c in type(model).__mro__
                 if "make_generate_function" in c.__dict__), None)
-    if cls is None or getattr(cls.__dict__["make_generate_function"],
-                              "_tfpar_routed", False):
+    if cls is None:
         return
-    original = cls.__dict__["make_generate_function"]
 
-    def make_generate_function(self):
-        if self.generate_function is not None:
-            return self.generate_function
-        function = make_function_for(self, "generate")
-        if function is None:
-            return original(self)
-        self.generate_function = function
-        return function
+    def routed(original):
+        def make_generate_function(self):
+            if self.generate_function is not None:
+                return self.generate_function
+            function = make_function_for(self, "generate")
+            if function is None:
+                return original(self)
+            self.generate_function = function
+            return function
 
-    make_generate_function._tfpar_routed = True  # noqa: SLF001
-    cls.make_generate_function = make_generate_function
+        return make_generate_function
+
+    _replace(cls, "make_generate_function", routed)
 
 
-def place_host_inputs_of_methods(strategy_of):
+def _is_host_array(x):
+    """A numpy array or eager tensor that is not a DTensor (scalars
+    excepted: DTensor broadcasts those)."""
+    return isinstance(x, np.ndarray) and x.ndim > 0 or (
+        isinstance(x, tf.Tensor) and hasattr(x, "numpy")
+        and x.shape.rank and not dtensor.is_dtensor(x))
+
+
+def _host_inputs_placed(original, hooks):
     """Lets any `tf.function` of a model's own method take host arrays.
 
     A Keras or keras-hub model may compile its methods itself (e.g.
     `tf.function(self.generate_step)`); called with host arrays while its
     weights live on a mesh, DTensor refuses the call ("got a regular tensor
-    for input 0 ... but was expecting a DTensor"). Patches tf.function's
-    call once: when a function of a bound method of `owner` is called
-    eagerly with host arrays (numpy, or tensors that are not DTensors,
-    scalars excepted: DTensor broadcasts those) and `strategy_of(owner)` is
-    a strategy, the arrays are placed on its mesh (split over the data
-    axis when it divides them) and the call runs in its replica context
-    (where tfpar's DTensor-friendly ops apply). Every other call, including
-    every call DTensor accepted before, runs unchanged.
+    for input 0 ... but was expecting a DTensor"). When a function of a
+    bound method of `owner` is called eagerly with host arrays and
+    `hooks.strategy_of_layer(owner)` is a strategy, the arrays are placed
+    on its mesh (split over the data axis when it divides them) and the
+    call runs in its replica context (where tfpar's DTensor-friendly ops
+    apply). Every other call, including every call DTensor accepted
+    before, runs unchanged.
     """
-    from tensorflow.python.eager.polymorphic_function import (  # noqa: PLC0415
-        polymorphic_function)
-
-    cls = polymorphic_function.Function
-    original = cls.__call__
-    if getattr(original, "_tfpar_wrapped", False):
-        return
-
-    def is_host_array(x):
-        return isinstance(x, np.ndarray) and x.ndim > 0 or (
-            isinstance(x, tf.Tensor) and hasattr(x, "numpy")
-            and x.shape.rank and not dtensor.is_dtensor(x))
 
     def __call__(self, *args, **kwargs):
         owner = getattr(self._python_function, "__self__", None)  # noqa: SLF001
         if owner is None or not tf.executing_eagerly() or not any(
-                is_host_array(x) for x in tf.nest.flatten((args, kwargs))):
+                _is_host_array(x) for x in tf.nest.flatten((args, kwargs))):
             return original(self, *args, **kwargs)
-        strategy = strategy_of(owner)
+        strategy = hooks.strategy_of_layer(owner)
         if strategy is None:
             return original(self, *args, **kwargs)
         extended = strategy.extended
@@ -184,219 +294,219 @@ def place_host_inputs_of_methods(strategy_of):
         with extended.replica_scope():
             return original(self, *args, **kwargs)
 
-    __call__._tfpar_wrapped = True  # noqa: SLF001
-    cls.__call__ = __call__
+    return __call__
 
 
-def dense_slice_update(inputs, start_indices, updates):
-    """`inputs` with `updates` written at `start_indices`, like XLA's
-    DynamicUpdateSlice, from ops DTensor lays out (a gather and a select).
-
-    Along each dimension d where the update is shorter (m_d < n_d), the
-    start is clamped as XLA does, s_d = clip(start_d, 0, n_d - m_d), and
-    position i takes update row i - s_d when 0 <= i - s_d < m_d:
-    expanded = gather(updates, clip(i - s_d, 0, m_d - 1), axis=d), and the
-    result is where(inside, expanded, inputs). Values are copied, not
-    computed: bit-for-bit the same as DynamicUpdateSlice.
-    """
-    inputs = tf.convert_to_tensor(inputs)
-    updates = tf.convert_to_tensor(updates, inputs.dtype)
-    rank = inputs.shape.rank
-    full, part = tf.shape(inputs), tf.shape(updates)
-    inside = tf.ones([1] * rank, tf.bool)
-    expanded = updates
-    for d in range(rank):
-        n, m = inputs.shape[d], updates.shape[d]
-        if n is not None and n == m:
-            continue  # the whole dimension: XLA clamps its start to 0
-        start = tf.clip_by_value(
-            tf.cast(start_indices[d], tf.int32), 0, full[d] - part[d])
-        offset = tf.range(full[d]) - start
-        expanded = tf.gather(
-            expanded, tf.clip_by_value(offset, 0, part[d] - 1), axis=d)
-        shape = [1] * rank
-        shape[d] = -1
-        inside = tf.logical_and(inside, tf.reshape(
-            tf.logical_and(offset >= 0, offset < part[d]), shape))
-    return tf.where(inside, expanded, inputs)
-
-
-def patch_keras_slice_update(use_dense):
-    """Makes `keras.ops.slice_update` use `dense_slice_update` while
-    `use_dense()` (inside a strategy's step), once.
-
+def _dense_slice_update_in_step(original, hooks):
+    """`keras.ops.slice_update` as `spmd_ops.dense_slice_update` in a step:
     Keras' TF backend writes it with XLA's DynamicUpdateSlice, which
     DTensor 2.21 cannot lay out ("'tf.XlaDynamicUpdateSlice' op does not
     implement layout propagation"): keras-hub's KV cache updates failed in
-    `generate()` (tests/test_generate.py). Elsewhere Keras' op runs.
-    """
-    from keras.src.backend.tensorflow import core  # noqa: PLC0415
-
-    original = core.slice_update
-    if getattr(original, "_tfpar_wrapped", False):
-        return
+    `generate()` (tests/test_generate.py). Elsewhere Keras' op runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
 
     def slice_update(inputs, start_indices, updates):
-        if use_dense():
-            return dense_slice_update(inputs, start_indices, updates)
+        if hooks.in_step():
+            return spmd_ops.dense_slice_update(inputs, start_indices, updates)
         return original(inputs, start_indices, updates)
 
-    slice_update._tfpar_wrapped = True  # noqa: SLF001
-    core.slice_update = slice_update
+    return slice_update
 
 
-def _is_scalar_index(item):
-    """A Python int or a scalar integer tensor: an index that drops its
-    dimension in `tensor[key]`."""
-    if isinstance(item, (bool, np.bool_)):
-        return False
-    if isinstance(item, (int, np.integer)):
-        return True
-    return (isinstance(item, tf.Tensor) and item.shape.rank == 0
-            and item.dtype.is_integer)
-
-
-def index_keeping_dims(tensor, key):
-    """`tensor[key]` with no StridedSlice that drops a dimension: a Python
-    integer index i is taken as the slice i:i+1 and that dimension squeezed
-    after, a tensor index is a `tf.gather` along its dimension. The same
-    values. None when `key` needs the plain path (no integer index,
-    boolean or list indices, unknown rank).
-
-    DTensor 2.21 lays out a StridedSlice that drops a dimension d wrongly
-    when a later dimension is sharded: the output keeps the sharding at the
-    old position (dimension + 1), so `cache[:, i, ...]` of a cache split by
-    heads comes out split by head size, with wrong values or a failed
-    compile (tests/dtensor_shrink_slice_repro.py). This is keras-hub's
-    KV-cache indexing.
-    """
-    items = key if isinstance(key, tuple) else (key,)
-    rank = tensor.shape.rank
-    if rank is None or not any(_is_scalar_index(i) for i in items) or not all(
-            i is None or i is Ellipsis or isinstance(i, slice)
-            or _is_scalar_index(i) for i in items):
-        return None
-    used = sum(i is not None and i is not Ellipsis for i in items)
-    new_key, squeeze, gathers, in_axis, out_axis = [], [], [], 0, 0
-    for item in items:
-        if item is Ellipsis or item is None:
-            skipped = rank - used if item is Ellipsis else 0
-            in_axis += skipped
-            out_axis += skipped if item is Ellipsis else 1
-            new_key.append(item)
-            continue
-        if isinstance(item, tf.Tensor):  # gathered below (negative: from
-            size = tf.shape(tensor, out_type=item.dtype)[in_axis]  # the end)
-            gathers.append((out_axis, tf.where(item < 0, item + size, item)))
-            item = slice(None)
-        elif _is_scalar_index(item):
-            item = int(item)  # -1 is the slice -1: (to the end)
-            item = slice(item, item + 1 if item != -1 else None)
-            squeeze.append(out_axis)
-        new_key.append(item)
-        in_axis += 1
-        out_axis += 1
-    result = _original_getitem(tensor, tuple(new_key))
-    for axis, index in reversed(gathers):  # later axes first: positions hold
-        result = tf.gather(result, index, axis=axis)
-    # A gather at an axis before a squeezed one moved it down by one.
-    squeeze = [a - sum(g < a for g, _ in gathers) for a in squeeze]
-    return tf.squeeze(result, squeeze) if squeeze else result
-
-
-def gumbel_categorical(logits, num_samples, seed, replicate):
-    """`num_samples` draws per row from softmax(`logits`), by Gumbel-max:
-    argmax_j(logits_j - log(-log u_j)) with u uniform in (0, 1) is class j
-    with probability softmax(logits)_j. `seed` is a stateless seed (2,);
-    `replicate(u)` lays the uniform numbers out whole on every device, so
-    they do not depend on how the mesh splits the logits. Ops DTensor
-    lays out, unlike TF's StatelessMultinomial (a different draw from it:
-    the same distribution, not the same numbers).
-    """
-    logits = tf.convert_to_tensor(logits, tf.float32)
-    shape = tf.concat([tf.shape(logits)[:1], [num_samples],
-                       tf.shape(logits)[1:]], 0)
-    u = replicate(tf.random.stateless_uniform(
-        shape, seed, minval=np.finfo(np.float32).tiny, maxval=1.0))
-    return tf.argmax(logits[:, None, :] - tf.math.log(-tf.math.log(u)),
-                     axis=-1)
-
-
-def patch_keras_categorical(replicate_in_step):
-    """Makes `keras.random.categorical` use `gumbel_categorical` inside a
-    strategy's step, once: `replicate_in_step()` returns there the function
-    that replicates a tensor over the step's mesh, None elsewhere (Keras'
-    own op runs). Keras' TF op is StatelessMultinomial, which DTensor 2.21
-    cannot lay out ("'tf.StatelessMultinomial' op does not implement layout
-    propagation"): keras-hub's top-k, top-p and random samplers failed.
-    """
-    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
-
-    original = tf_random.categorical
-    if getattr(original, "_tfpar_wrapped", False):
-        return
-
-    def categorical(logits, num_samples, dtype="int64", seed=None):
-        replicate = replicate_in_step()
-        if replicate is None:
-            return original(logits, num_samples, dtype=dtype, seed=seed)
-        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
-        return tf.cast(gumbel_categorical(logits, num_samples, seed,
-                                          replicate), dtype)
-
-    categorical._tfpar_wrapped = True  # noqa: SLF001
-    tf_random.categorical = categorical
-
-
-_original_getitem = None
-
-
-def patch_tensor_indexing(use_kept_dims):
-    """Makes `tensor[key]` use `index_keeping_dims` while `use_kept_dims()`
-    (inside a strategy's step), once. Elsewhere TF's indexing runs."""
-    global _original_getitem  # noqa: PLW0603 (TF's method, kept once)
-    from tensorflow.python.framework import tensor as tensor_lib  # noqa: PLC0415
-
-    original = tensor_lib.Tensor.__getitem__
-    if getattr(original, "_tfpar_wrapped", False):
-        return
-    _original_getitem = original
+def _indexing_keeping_dims_in_step(original, hooks):
+    """`tensor[key]` as `spmd_ops.index_keeping_dims` in a step (when it
+    applies); elsewhere TF's indexing runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
 
     def __getitem__(self, key):
-        if use_kept_dims():
-            result = index_keeping_dims(self, key)
+        if hooks.in_step():
+            result = spmd_ops.index_keeping_dims(self, key)
             if result is not None:
                 return result
         return original(self, key)
 
-    __getitem__._tfpar_wrapped = True  # noqa: SLF001
-    tensor_lib.Tensor.__getitem__ = __getitem__
+    return __getitem__
 
 
-_RECOMPUTING = threading.local()
+def _gumbel_categorical_in_step(original, hooks):
+    """`keras.random.categorical` as `spmd_ops.gumbel_categorical` in a
+    step: Keras' TF op is StatelessMultinomial, which DTensor 2.21 cannot
+    lay out ("'tf.StatelessMultinomial' op does not implement layout
+    propagation"): keras-hub's top-k, top-p and random samplers failed.
+    Elsewhere Keras' op runs."""
+    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
+
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        replicate = hooks.replicate_in_step()
+        if replicate is None:
+            return original(logits, num_samples, dtype=dtype, seed=seed)
+        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        return tf.cast(spmd_ops.gumbel_categorical(
+            logits, num_samples, seed, replicate), dtype)
+
+    return categorical
 
 
-def _stack(name):
-    return _RECOMPUTING.__dict__.setdefault(name, [])
+def _static_sparse_division(original, hooks):
+    """Keras' TF `ops.divide(sparse, dense)` with static shapes in a graph
+    step.
+
+    Keras divides an IndexedSlices gradient by a dense tensor (Adagrad,
+    RMSprop, Adadelta: lr * g / sqrt(accumulator + eps)) inside a `tf.cond`
+    whose one branch adds the rows where the divisor is zero or NaN: a
+    dynamic number of rows, which DTensor 2.21 mis-expands when the table
+    is split over a model axis ("SPMD expansion resulted in op output
+    inconsistent with the provided layout"). `spmd_ops.sparse_quotient`
+    gives the same slices without the branch.
+    """
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def divide(x1, x2):
+        if (isinstance(x1, tf.IndexedSlices) and isinstance(x2, tf.Tensor)
+                and x2.shape.rank and x2.dtype.is_floating
+                and hooks.in_graph_step()):
+            return spmd_ops.sparse_quotient(x1, x2, original)
+        return original(x1, x2)
+
+    return divide
+
+
+def _seed_generator():
+    from keras.src.random import seed_generator  # noqa: PLC0415
+
+    return seed_generator.SeedGenerator
+
+
+def _function_class():
+    from tensorflow.python.eager.polymorphic_function import (  # noqa: PLC0415
+        polymorphic_function)
+
+    return polymorphic_function.Function
+
+
+def _keras_numpy():
+    from keras.src.backend.tensorflow import numpy as tf_numpy  # noqa: PLC0415
+
+    return tf_numpy
+
+
+def _keras_random():
+    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
+
+    return tf_random
+
+
+def _keras_layer():
+    from keras.src.layers import layer  # noqa: PLC0415
+
+    return layer.Layer
+
+
+_STRATEGY_PATCHES = (
+    Patch("compile", _base_trainer, "compile", _routed_compile),
+    Patch("symbolic_build", _tf_trainer, "_maybe_symbolic_build",
+          _symbolic_build_from_spec),
+    Patch("model_call", _tf_trainer, "__call__", _eager_model_call),
+    *(Patch(f"make_{mode}_function", _tf_trainer, f"make_{mode}_function",
+            _routed_make_function(mode))
+      for mode in ("train", "test", "predict")),
+    Patch("divide", _keras_numpy, "divide", _static_sparse_division),
+    Patch("function_call", _function_class, "__call__", _host_inputs_placed),
+    Patch("slice_update", _tf_core, "slice_update",
+          _dense_slice_update_in_step),
+    Patch("tensor_getitem", lambda: tf.Tensor, "__getitem__",
+          _indexing_keeping_dims_in_step),
+    Patch("categorical", _keras_random, "categorical",
+          _gumbel_categorical_in_step),
+    Patch("add_weight", _keras_layer, "add_weight",
+          lambda original, _: _publishing_adding_layer(original)),
+    Patch("variable_initialize", lambda: _tf_core().Variable, "_initialize",
+          lambda original, _: _publishing_variable(original)),
+)
+
+
+# Keras 3.15 rematerializes (`keras.RematScope`, `keras.remat`) with
+# `tf.recompute_grad(call)` called with the layer's keyword arguments, which
+# `tf.custom_gradient` refuses in graph mode: `RematScope(mode="full")` fails
+# in any `fit`, even on one device (tests/test_recompute.py), and new Dropout
+# masks would be drawn. `tfpar.recompute.recompute` replaces Keras' TF
+# `remat`, and `SeedGenerator.next` replays seeds inside a recomputation.
+_REMAT_PATCHES = (
+    Patch("remat", _tf_core, "remat", lambda _, hooks: hooks.recompute),
+    Patch("seed_next", _seed_generator, "next",
+          lambda original, hooks: functools.partialmethod(
+              hooks.next_seed, original, hooks.check_replay)),
+)
+
+
+def install_remat(recompute, next_seed):
+    """Installs `_REMAT_PATCHES` (Keras' TF `remat` is `recompute`, seeds
+    replayed by `next_seed`); idempotent. `import tfpar.recompute` calls it,
+    so that `keras.RematScope` works on TensorFlow without a strategy too;
+    `install` (a strategy) does as well."""
+    import types  # noqa: PLC0415
+
+    def check_replay(generator):
+        from tfpar import strategy  # noqa: PLC0415
+
+        strategy._check_random_recomputation(generator)  # noqa: SLF001
+
+    _apply("remat", _REMAT_PATCHES, types.SimpleNamespace(
+        recompute=recompute, next_seed=next_seed, check_replay=check_replay))
+
+
+def _counted_array_dataset(original, _):
+    """The tf.data dataset Keras builds from arrays, stating its batch
+    count (Keras knows it, `ArrayDataAdapter.num_batches`; its flat_map
+    pipeline hides it from `dataset.cardinality()`)."""
+
+    @functools.wraps(original)
+    def get_tf_dataset(self):
+        dataset = original(self)
+        if self.num_batches is None:
+            return dataset
+        return dataset.apply(
+            tf.data.experimental.assert_cardinality(self.num_batches))
+
+    return get_tf_dataset
+
+
+def _array_adapter():
+    from keras.src.trainers.data_adapters import array_data_adapter  # noqa: PLC0415
+
+    return array_data_adapter.ArrayDataAdapter
+
+
+def count_array_batches():
+    """Makes the tf.data datasets Keras builds from arrays state their
+    batch count (`_counted_array_dataset`).
+
+    Per-host input needs it: Keras stops each host after its own count, so
+    hosts must compare counts before the first step (`inputs`). Installed
+    once, by the first strategy with per-host input; the datasets are
+    unchanged but for their stated cardinality.
+    """
+    _apply("per_host_input", (Patch("get_tf_dataset", _array_adapter,
+                                    "get_tf_dataset", _counted_array_dataset),),
+           None)
+
+
+# -- recomputation (tfpar/recompute.py): Keras' per-thread state, TF's tape --
+
+
+def keras_global(name):
+    """Keras' per-thread global attribute `name` (e.g. "current_call_ctx")."""
+    return _global_state().get_global_attribute(name)
 
 
 @contextlib.contextmanager
-def _pushed(name, value):
-    """`value` on top of this thread's stack `name` inside the block."""
-    stack = _stack(name)
-    stack.append(value)
-    try:
-        yield value
-    finally:
-        stack.pop()
-
-
-@contextlib.contextmanager
-def _keras_globals(values):
+def keras_globals(values):
     """Keras' per-thread global attributes set to `values` ({name: value})
     inside the block, restored after it."""
-    from keras.src.backend.common import global_state  # noqa: PLC0415
-
+    global_state = _global_state()
     saved = {name: global_state.get_global_attribute(name) for name in values}
     for name, value in values.items():
         global_state.set_global_attribute(name, value)
@@ -407,250 +517,14 @@ def _keras_globals(values):
             global_state.set_global_attribute(name, value)
 
 
-def recompute_dependency():
-    """While a layer is recomputed in the backward pass (see `recompute`):
-    a scalar 0.0 computed from the upstream gradient. A variable read that
-    must run again there adds it to its value. None at any other time."""
-    stack = _stack("dependencies")
-    return stack[-1] if stack else None
+def could_record():
+    """Whether a gradient tape may record the ops run now."""
+    return record.could_possibly_record()
 
 
-class _Seeds:
-    """The Keras random seeds a checkpointed call drew in its forward pass,
-    handed out again in the same order when it is recomputed (`replaying`),
-    so Dropout applies the same mask twice."""
-
-    def __init__(self, values=(), replaying=False):
-        self.values = list(values)
-        self.replaying = replaying
-
-
-def _next_seed(generator, original, check_replay, ordered=True):
-    """`keras.random.SeedGenerator.next`, replaying inside a recomputation
-    (after `check_replay(generator)`, which may refuse)."""
-    frames = _stack("seeds")
-    if frames and frames[-1].replaying:
-        check_replay(generator)
-        if not frames[-1].values:
-            raise RuntimeError(
-                "A recomputed layer drew more random seeds in the backward "
-                "pass than in its forward pass (e.g. a random op inside "
-                "keras.ops.cond/while_loop, or a branch on a Python value "
-                "that changed), so its recomputation cannot reproduce the "
-                f"forward pass. Received: seed generator {generator.name!r}. "
-                "Leave this layer out of keras.RematScope.")
-        return frames[-1].values.pop(0)
-    value = original(generator, ordered)
-    if frames:
-        frames[-1].values.append(value)
-    return value
-
-
-def recompute(f):
-    """`f` whose gradient recomputes `f` from its inputs instead of keeping
-    its intermediate results (activation checkpointing).
-
-    Like `tf.recompute_grad`, except that: keyword arguments are accepted
-    (tensor ones get gradients); the recomputation runs in the Keras
-    context of the forward pass (its `training` value and mixed-precision
-    autocast) with state updates discarded (BatchNormalization's moving
-    statistics, seed generators, losses: the forward pass made them) and
-    the Keras random seeds of the forward pass replayed (the same Dropout
-    mask); it waits for the upstream gradient through one all-reduced
-    scalar, 0.0 (NaN if that gradient is NaN), where `tf.recompute_grad`
-    takes the upstream gradient's first element, which DTensor turns into
-    an all-gather of the whole tensor; and `recompute_dependency()` hands
-    that scalar to variable reads, so an fsdp weight is gathered again in
-    the backward pass instead of the forward gather being kept (the
-    compiler merges identical reads). A checkpointed call inside another
-    (a recomputed layer's sublayers) runs plainly: the outer checkpoint
-    recomputes it once. Without a gradient tape (predict, evaluate) `f`
-    just runs.
-    """
-    from keras.src.backend import StatelessScope  # noqa: PLC0415
-    from keras.src.backend.common import global_state  # noqa: PLC0415
-
-    keras_context = ("current_call_ctx", "autocast_scope")
-
-    def call(*args, **kwargs):
-        if not record.could_possibly_record() or _stack("checkpoints"):
-            return f(*args, **kwargs)
-        layer = getattr(f, "__self__", None)  # a Layer's call (or an op's)
-        if not hasattr(layer, "losses"):
-            layer = None
-        losses_before = len(layer.losses) if layer is not None else 0
-        context = [global_state.get_global_attribute(name)
-                   for name in keras_context]
-        leaves = tf.nest.flatten((args, kwargs))
-        at = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
-
-        def run(*tensors):
-            filled = list(leaves)
-            for i, tensor in zip(at, tensors):
-                filled[i] = tensor
-            args_, kwargs_ = tf.nest.pack_sequence_as((args, kwargs), filled)
-            with _pushed("checkpoints", f):
-                return f(*args_, **kwargs_)
-
-        @tf.custom_gradient
-        def checkpointed(*tensors):
-            # Keep no intermediate results; note the seeds drawn.
-            with record.stop_recording(), _pushed("seeds", _Seeds()) as seeds:
-                result = run(*tensors)
-
-            def grad(*upstream, variables=None):
-                first = upstream[0]
-                if isinstance(first, tf.IndexedSlices):
-                    first = first.values
-                first = tf.reduce_sum(tf.cast(first, tf.float32))
-                zero = tf.where(tf.equal(first, first), 0.0, float("nan"))
-                again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating
-                         else t for t in tensors]
-                variables = list(variables or ())
-                with _keras_globals(dict(zip(keras_context, context))), \
-                        tf.GradientTape() as tape:
-                    tape.watch([t for t in again if t.dtype.is_floating])
-                    tape.watch(variables)
-                    with _pushed("dependencies", zero), \
-                            _pushed("seeds", _Seeds(seeds.values, True)) \
-                            as replay, StatelessScope():
-                        recomputed = run(*again)
-                if replay.values:
-                    raise RuntimeError(
-                        "A recomputed layer drew fewer random seeds in the "
-                        "backward pass than in its forward pass, so its "
-                        "recomputation does not reproduce it. Leave it out "
-                        "of keras.RematScope.")
-                grads = tape.gradient(
-                    recomputed, again + variables, output_gradients=upstream,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                return grads[:len(again)], grads[len(again):]
-
-            return result, grad
-
-        result = checkpointed(*(leaves[i] for i in at))
-        if layer is not None and len(layer.losses) > losses_before:
-            raise ValueError(
-                f"Layer {layer.name!r} adds a loss in call() (add_loss) and "
-                "is recomputed (keras.RematScope): its forward pass runs "
-                "without recording gradients, so that loss would get none. "
-                "Leave this layer out of the RematScope (e.g. mode="
-                "'list_of_layers' with the other layers' names).")
-        return result
-
-    return call
-
-
-def patch_keras_remat(check_replay):
-    """Makes Keras' rematerialization (`keras.RematScope`, `keras.remat`)
-    work on the TF backend.
-
-    Keras 3.15 rematerializes with `tf.recompute_grad(call)` called with the
-    layer's keyword arguments (every layer gets `training=`), which
-    `tf.custom_gradient` refuses in graph mode ("supports keywords arguments
-    only when eager execution is enabled"): `RematScope(mode="full")` fails
-    in any `fit`, even on one device (tests/test_recompute.py). And
-    `tf.recompute_grad` would draw new Dropout masks in the recomputation.
-    This replaces Keras' TF `remat` with `recompute` and lets
-    `SeedGenerator.next` replay seeds inside a recomputation (calling
-    `check_replay(generator)` first), once.
-    """
-    from keras.src.backend.tensorflow import core  # noqa: PLC0415
-    from keras.src.random import seed_generator  # noqa: PLC0415
-
-    if core.remat is recompute:
-        return
-    core.remat = recompute
-    generator = seed_generator.SeedGenerator
-    generator.next = functools.partialmethod(_next_seed, generator.next,
-                                             check_replay)
-
-
-def static_sparse_division(active):
-    """Makes Keras' TF `ops.divide(sparse, dense)` keep static shapes while
-    `active()`.
-
-    Keras divides an IndexedSlices gradient by a dense tensor (Adagrad,
-    RMSprop, Adadelta: lr * g / sqrt(accumulator + eps)) inside a `tf.cond`
-    whose one branch adds the rows where the divisor is zero or NaN: a
-    dynamic number of rows, which DTensor 2.21 mis-expands when the table
-    is split over a model axis ("SPMD expansion resulted in op output
-    inconsistent with the provided layout"). `_sparse_quotient` gives the
-    same slices without the branch. Installed once; other backends and
-    models outside a strategy are unchanged.
-    """
-    from keras.src.backend.tensorflow import numpy as tf_numpy  # noqa: PLC0415
-
-    original = tf_numpy.divide
-    if getattr(original, "_tfpar_static", False):
-        return
-
-    @functools.wraps(original)
-    def divide(x1, x2):
-        if (isinstance(x1, tf.IndexedSlices) and isinstance(x2, tf.Tensor)
-                and x2.shape.rank and x2.dtype.is_floating and active()):
-            return _sparse_quotient(x1, x2, original)
-        return original(x1, x2)
-
-    divide._tfpar_static = True  # noqa: SLF001
-    tf_numpy.divide = divide
-
-
-def _sparse_quotient(x1, x2, divide):
-    """x1 / x2 for IndexedSlices x1 and dense x2, as Keras computes it.
-
-    Each slice j of x1 (row i_j) becomes v_j / x2[i_j]. Keras also adds the
-    rows no slice touches where x2 has a zero or NaN, with 0 / x2[i] (NaN or
-    +-inf there, 0 elsewhere in the row). Here every row r of x2 gets one
-    extra slice: 0 / x2[r] for those rows, zeros for all others. Zeros add
-    nothing wherever the slices are summed (scatter_add, densifying) and
-    square to zero, so every update equals Keras', with a static number of
-    slices (len(x1.indices) + rows).
-    """
-    rows = x2.shape[0]
-    indices = x1.indices
-    quotient = divide(x1.values, tf.gather(x2, indices))
-    zero_or_nan = tf.reduce_any(
-        tf.logical_or(tf.equal(x2, 0), tf.math.is_nan(x2)),
-        axis=list(range(1, x2.shape.rank)))
-    touched = tf.math.unsorted_segment_sum(  # (DTensor has no segment max)
-        tf.ones_like(indices), indices, rows) > 0
-    extra_rows = tf.logical_and(zero_or_nan, tf.logical_not(touched))
-    mask = tf.reshape(extra_rows, [rows] + [1] * (x2.shape.rank - 1))
-    extra = tf.where(mask, divide(tf.zeros_like(x2), x2), tf.zeros_like(x2))
-    return tf.IndexedSlices(
-        tf.concat([quotient, tf.cast(extra, quotient.dtype)], axis=0),
-        tf.concat([indices, tf.range(rows, dtype=indices.dtype)], axis=0),
-        x1.dense_shape)
-
-
-def count_array_batches():
-    """Makes the tf.data datasets Keras builds from arrays state their
-    batch count (Keras knows it: `ArrayDataAdapter.num_batches`; its
-    flat_map pipeline hides it from `dataset.cardinality()`).
-
-    Per-host input needs it: Keras stops each host after its own count, so
-    hosts must compare counts before the first step (`inputs`). Installed
-    once, by the first strategy with per-host input; the datasets are
-    unchanged but for their stated cardinality.
-    """
-    from keras.src.trainers.data_adapters import array_data_adapter  # noqa: PLC0415
-
-    adapter = array_data_adapter.ArrayDataAdapter
-    original = adapter.get_tf_dataset
-    if getattr(original, "_tfpar_counted", False):
-        return
-
-    @functools.wraps(original)
-    def get_tf_dataset(self):
-        dataset = original(self)
-        if self.num_batches is None:
-            return dataset
-        return dataset.apply(
-            tf.data.experimental.assert_cardinality(self.num_batches))
-
-    get_tf_dataset._tfpar_counted = True  # noqa: SLF001
-    adapter.get_tf_dataset = get_tf_dataset
+def stop_recording():
+    """A block in which no gradient tape records."""
+    return record.stop_recording()
 
 
 def _optimizer_under(model, strategy):
@@ -736,7 +610,8 @@ def keras_variable_being_created():
     A strategy's variable creator sees only tf.Variable kwargs; the Keras
     path (`variable.path`, e.g. "model/dense/kernel") lives on the Keras
     Variable, which Keras' TensorFlow backend wraps around the tf.Variable in
-    `Variable._initialize`. That method is wrapped once to publish `self`.
+    `Variable._initialize`. That method is wrapped (`install`) to publish
+    `self`.
     """
     stack = getattr(_initializing, "stack", None)
     return stack[-1] if stack else None
@@ -767,12 +642,9 @@ def keras_layer_adding_weight():
     return owner() if owner is not None else None
 
 
-def _publish_adding_layers():
-    from keras.src.layers import layer as layer_module  # noqa: PLC0415
-
-    original = layer_module.Layer.add_weight
-    if getattr(original, "_tfpar_wrapped", False):
-        return
+def _publishing_adding_layer(original):
+    """`Layer.add_weight` that publishes the layer adding the weight
+    (`keras_layer_adding_weight`) and notes it on the variable."""
 
     def add_weight(self, *args, **kwargs):
         stack = _initializing.__dict__.setdefault("layers", [])
@@ -784,16 +656,12 @@ def _publish_adding_layers():
         variable._tfpar_owner = weakref.ref(self)  # noqa: SLF001
         return variable
 
-    add_weight._tfpar_wrapped = True  # noqa: SLF001
-    layer_module.Layer.add_weight = add_weight
+    return add_weight
 
 
-def _publish_keras_variables():
-    from keras.src.backend.tensorflow import core  # noqa: PLC0415
-
-    original = core.Variable._initialize  # noqa: SLF001
-    if getattr(original, "_tfpar_wrapped", False):
-        return
+def _publishing_variable(original):
+    """Keras' TF `Variable._initialize` that publishes the Keras Variable
+    whose tf.Variable is being created (`keras_variable_being_created`)."""
 
     def _initialize(self, value):
         stack = _initializing.__dict__.setdefault("stack", [])
@@ -803,12 +671,7 @@ def _publish_keras_variables():
         finally:
             stack.pop()
 
-    _initialize._tfpar_wrapped = True  # noqa: SLF001
-    core.Variable._initialize = _initialize  # noqa: SLF001
-
-
-_publish_keras_variables()
-_publish_adding_layers()
+    return _initialize
 
 
 def tf_initialized():
@@ -1088,57 +951,27 @@ def op_output_dtypes(node):
     return [tf.as_dtype(t) for t in types]
 
 
-class OpEvents:
-    """Records the TF ops executed in its `with` block (TF's profiler, host
-    tracer level 3: every op kernel, named by its name scope).
+def profiled_op_events(directory):
+    """[(op name, start seconds, end seconds)] of every event TF's profiler
+    wrote under `directory` (its xplane protobufs, TF-private)."""
+    import glob  # noqa: PLC0415
 
-    After the block, `events` holds (op name, start seconds, end seconds)
-    of every executed op. The xplane protobuf it reads is TF-private.
-    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
 
-    def __init__(self):
-        self.events = []
-        self._directory = None
-
-    def __enter__(self):
-        import tempfile  # noqa: PLC0415
-
-        self._directory = tempfile.mkdtemp(prefix="tfpar_trace_")
-        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=3)
-        try:
-            tf.profiler.experimental.start(self._directory, options=options)
-        except Exception as error:  # noqa: BLE001 (already profiling, ...)
-            raise RuntimeError(
-                "record_timeline needs TF's profiler, which would not start "
-                f"({error}). Stop any other profiler session first."
-            ) from error
-        return self
-
-    def __exit__(self, *exc):
-        import glob  # noqa: PLC0415
-        import shutil  # noqa: PLC0415
-
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
-
-        tf.profiler.experimental.stop()
-        try:
-            for path in glob.glob(f"{self._directory}/**/*.xplane.pb",
-                                  recursive=True):
-                space = xplane_pb2.XSpace()
-                with open(path, "rb") as f:
-                    space.ParseFromString(f.read())
-                for plane in space.planes:
-                    names = plane.event_metadata
-                    for line in plane.lines:
-                        base = line.timestamp_ns * 1e-9
-                        for event in line.events:
-                            start = base + event.offset_ps * 1e-12
-                            self.events.append((
-                                names[event.metadata_id].name, start,
-                                start + event.duration_ps * 1e-12))
-        finally:
-            shutil.rmtree(self._directory, ignore_errors=True)
-        return False
+    events = []
+    for path in glob.glob(f"{directory}/**/*.xplane.pb", recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            names = plane.event_metadata
+            for line in plane.lines:
+                base = line.timestamp_ns * 1e-9
+                for event in line.events:
+                    start = base + event.offset_ps * 1e-12
+                    events.append((names[event.metadata_id].name, start,
+                                   start + event.duration_ps * 1e-12))
+    return events
 
 
 # Names in TF 2.21's DTensor-expanded programs (tfpar/communication.py):
@@ -1204,13 +1037,6 @@ def rewire_input(op, index, tensor):
     op._update_input(index, tensor)  # noqa: SLF001
 
 
-
-def layer_transforms(layer):
-    """Names of the input/output transforms tfpar applied to `layer`."""
-    return (layer.__dict__.get("_tfpar_output_transforms", set())
-            | layer.__dict__.get("_tfpar_input_transforms", set()))
-
-
 # Read by DTensor's MLIR lowering each time it compiles a function: an
 # all-gather then compiles to a CollectiveGatherV2 instead of an all-reduce
 # of zero-padded blocks (sends (n-1)/n of the tensor instead of 2(n-1)/n).
@@ -1244,8 +1070,30 @@ def collective_all_gathers(enabled):
 # -- Keras' distribution API (keras.distribution) on TensorFlow --------------
 
 
+def _global_state():
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    return global_state
+
+
+def _tf_distribution_lib():
+    from keras.src.backend.tensorflow import distribution_lib  # noqa: PLC0415
+
+    return distribution_lib
+
+
+def _announcing_distribution(original, hooks):
+    def set_global_attribute(name, value):
+        if name == "distribution":
+            hooks.on_set(value)
+        original(name, value)
+
+    return set_global_attribute
+
+
 def hook_keras_distribution(on_set, distribute_tensor, initialize):
-    """Makes Keras' distribution API reach tfpar on the TF backend; once.
+    """Makes Keras' distribution API reach tfpar on the TF backend; once
+    (`import tfpar.keras_distribution` calls it; `uninstall` undoes it).
 
     Keras keeps the current distribution in its global attribute
     "distribution", written only by `keras.distribution.set_distribution`
@@ -1258,25 +1106,23 @@ def hook_keras_distribution(on_set, distribute_tensor, initialize):
     they are supplied. A distribution set before this hook is installed is
     handed to `on_set` now.
     """
-    from keras.src.backend.common import global_state  # noqa: PLC0415
-    from keras.src.backend.tensorflow import distribution_lib  # noqa: PLC0415
+    import types  # noqa: PLC0415
 
-    original = global_state.set_global_attribute
-    if getattr(original, "_tfpar_wrapped", False):
+    if "keras_distribution" in _installed:
         return
-
-    def set_global_attribute(name, value):
-        if name == "distribution":
-            on_set(value)
-        original(name, value)
-
-    set_global_attribute._tfpar_wrapped = True  # noqa: SLF001
-    global_state.set_global_attribute = set_global_attribute
-    distribution_lib.distribute_tensor = distribute_tensor
-    distribution_lib.initialize = initialize
-    distribution_lib.get_device_count = (
-        lambda device_type=None: len(distribution_lib.list_devices(device_type)))
-    current = global_state.get_global_attribute("distribution")
+    library = _tf_distribution_lib()
+    _apply("keras_distribution", (
+        Patch("set_global_attribute", _global_state, "set_global_attribute",
+              _announcing_distribution),
+        Patch("distribute_tensor", _tf_distribution_lib, "distribute_tensor",
+              lambda *_: distribute_tensor),
+        Patch("initialize", _tf_distribution_lib, "initialize",
+              lambda *_: initialize),
+        Patch("get_device_count", _tf_distribution_lib, "get_device_count",
+              lambda *_: lambda device_type=None: len(
+                  library.list_devices(device_type))),
+    ), types.SimpleNamespace(on_set=on_set))
+    current = _global_state().get_global_attribute("distribution")
     if current is not None:
         on_set(current)
 

@@ -1,14 +1,292 @@
-"""Named collectives: each relayout between meshes or layouts in one place.
+"""Named collectives: every relayout tfpar makes with its gradient.
 
-(The `styles` branch writes the top of this module: fsdp gathers, sequence-
-parallel gathers/scatters, hidden gathers. The pipeline's stage-to-stage
-moves are the section at the end.)
+Each function here is one forward/backward pair (Megatron's
+`tensor_parallel/mappings.py` is the model), written as a DTensor relayout
+with a custom gradient: DTensor inserts the collective a relayout needs.
+A relayout only moves data, so values are unchanged.
+
+| function                  | forward                 | backward              |
+|---------------------------|-------------------------|-----------------------|
+| `gather_from_fsdp_shards` | all-gather (data axis)  | reduce-scatter        |
+| `reshard_after_forward`   | frees the forward gather: the backward reads gathers of its own |
+| `gather_hidden`           | all-gather (hidden)     | slice (DTensor's)     |
+| `gather_sequence`         | all-gather (sequence)   | reduce-scatter        |
+| `scatter_sequence`        | reduce-scatter / slice  | all-gather            |
+| `move_to_mesh` (pipeline) | copy to another stage's mesh; its backward is an explicit move back |
+
+The styles (`tfpar.styles`) install the activation ones on layers; the
+strategy's fsdp variables read their weights through the first two.
+
+Self-attention feeds one tensor to the query, key and value projections;
+each asks for the same sequence gather. `gather_sequence` makes it once per
+traced graph (a relayout is a pure function of its input: reusing it is
+exact), so the backward pass sums the three partial gradients before one
+collective.
 """
+
+import weakref
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import _compat
 from tfpar import placement
+
+
+# -- fsdp: weights stored split over the data axis -----------------------------
+
+
+def gather_from_fsdp_shards(stored, spec, mesh, reshard=False):
+    """`stored` (a weight's blocks) all-gathered over the data axis into
+    `spec`. The gradient is the reverse relayout (a reduce-scatter), except
+    that a sparse gradient (IndexedSlices: rows looked up with tf.gather, as
+    in Keras' Embedding) stays sparse, as on one device: Keras' Adam treats
+    sparse gradients differently (it squares each looked-up row before
+    summing repeated rows).
+
+    With `reshard` (`ParallelStrategy(reshard_after_forward=True)`), once
+    the gather's gradient is built (so every op that reads the gathered
+    weight exists): see `reshard_after_forward`.
+    """
+    gathered = []  # the custom gradient's output, which the consumers read
+
+    @tf.custom_gradient
+    def gather(value):
+        def grad(upstream):
+            if reshard:
+                reshard_after_forward(gathered[0], value, spec, mesh, upstream)
+            if isinstance(upstream, tf.IndexedSlices):
+                return upstream
+            return dtensor.relayout_like(upstream, value)
+
+        return placement.relayout(value, spec, mesh), grad
+
+    gathered.append(gather(stored))
+    return gathered[0]
+
+
+def reshard_after_forward(forward, stored, spec, mesh, gradient):
+    """Orders the gather of `stored` that made `forward` after its forward
+    reader's other input, and points the gradient ops reading `forward`
+    (or a view of it) at new gathers, one per other input they read.
+    `gradient` is the gradient arriving at the gather.
+
+    The gather then waits for the other input of the forward op that reads
+    it (e.g. x of x @ W), instead of running at the start of the step with
+    every other gather, and every gradient op that reads it (e.g.
+    dx = dy @ W^T) reads a gather of its own, made once its other input
+    (dy) exists. The forward gather is freed after its forward use and only
+    the stored blocks are kept between the passes.
+
+    Waiting for a tensor t is adding 0 computed from it to `stored`: a sum
+    of t, all-reduced (a scalar per gather), then 0 (NaN if t holds NaN,
+    as the matmul would give). The compiler cannot fold it nor merge the
+    new gathers with the forward one; DTensor keeps data dependencies (not
+    control ones), hence a 0. A gradient op with no other input (e.g. a
+    transpose of W in an einsum's gradient) waits for `gradient` instead,
+    unless that is computed from it.
+    """
+    def after(tensor):
+        total = tf.reduce_sum(tf.cast(tensor, tf.float32))
+        zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
+        return stored + tf.cast(zero, stored.dtype)
+
+    views, readers = _views_and_readers(forward)
+    _wait_for_forward_input(forward, readers, after)
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = gradient.values
+    regathered = {}  # (id(upstream), id(view)) -> the view of its gather
+    for tensor, rebuild in views:
+        for op, index in _compat.backward_uses(tensor):
+            upstream = _other_input(op, tensor)
+            if upstream is None and not _compat.depends_on(gradient, op):
+                upstream = gradient
+            if upstream is None:
+                continue  # nothing to wait for: keep the forward gather
+            key = (id(upstream), id(tensor))
+            if key not in regathered:
+                regathered[key] = rebuild(placement.relayout(
+                    after(upstream), spec, mesh))
+            _compat.rewire_input(op, index, regathered[key])
+
+
+def _other_input(op, tensor):
+    """The first float input of `op` other than `tensor`, or None."""
+    return next((t for t in op.inputs if t is not tensor
+                 and t.dtype.is_floating), None)
+
+
+def _views_and_readers(forward):
+    """([(view, how to make it from a new gather)], [(reader op, the view
+    it reads)]) of the gathered weight `forward` in the forward pass (e.g.
+    LayerNormalization's reshaped gamma, a mixed-precision cast)."""
+    views = [(forward, lambda t: t)]
+    readers = []
+    for op in _compat.forward_readers(forward):
+        rebuild = _view(op)
+        if rebuild is None:
+            readers.append((op, forward))
+        else:
+            views.append((op.outputs[0], rebuild))
+            readers += [(r, op.outputs[0])
+                        for r in _compat.forward_readers(op.outputs[0])]
+    return views, readers
+
+
+def _wait_for_forward_input(forward, readers, after):
+    """Makes the gather of `forward` wait for its readers' other input when
+    they all read one (and waiting makes no cycle)."""
+    forward_inputs = {id(t): t for op, tensor in readers
+                      if (t := _other_input(op, tensor)) is not None}
+    relayout = _compat.relayout_op(forward)
+    if len(forward_inputs) == 1:  # one reader (or several of one input)
+        (before,) = forward_inputs.values()
+        if not _compat.depends_on(before, relayout):  # else: a cycle
+            _compat.rewire_input(relayout, 0, after(before))
+
+
+def _view(op):
+    """For an op that only re-views its one float input (Reshape, Cast,
+    Identity): a function making the same view of another tensor."""
+    if op.type == "Reshape":
+        return lambda t: tf.reshape(t, op.inputs[1])
+    if op.type == "Cast":
+        return lambda t: tf.cast(t, op.outputs[0].dtype)
+    if op.type == "Identity":
+        return tf.identity
+    return None
+
+
+# -- tensor parallelism: activations -------------------------------------------
+
+
+def step_mesh(tensor):
+    """The DTensor mesh `tensor` lives on inside a tfpar step, or None when
+    it is not on a mesh (e.g. Keras' symbolic build, a single device)."""
+    from tfpar import strategy as strategy_lib  # noqa: PLC0415 (a cycle)
+
+    if tf.executing_eagerly():
+        return dtensor.fetch_layout(tensor).mesh if dtensor.is_dtensor(tensor) else None
+    if strategy_lib.in_spmd_step():
+        # The whole mesh, or the pipeline stage being traced.
+        return tf.distribute.get_strategy().extended.placement_mesh.dtensor_mesh
+    return None
+
+
+def gather_hidden(outputs):
+    """`outputs` (batch, ..., hidden) made whole along every dimension but
+    the batch, which keeps its layout (split over data or not).
+
+    Forward: an all-gather over the model axis of a hidden-wise split
+    Embedding's lookup (which itself needs no communication), as in
+    Megatron. Backward: DTensor's relayout gradient (each device keeps its
+    hidden block: a slice). Left to itself, DTensor 2.21 propagates the
+    hidden split into the following LayerNormalization and then fails to
+    expand the backward pass (EmitAllScatter).
+    """
+    mesh = step_mesh(outputs)
+    if mesh is None:
+        return outputs
+    specs = [dtensor.MATCH] + [dtensor.UNSHARDED] * (outputs.shape.rank - 1)
+    return dtensor.relayout(outputs, dtensor.Layout(specs, mesh))
+
+
+def gather_sequence(tensor, axis, layer, where):
+    """`tensor` (batch, sequence, ...) whole along the sequence (Megatron-SP's
+    g before a column-parallel layer).
+
+    Forward: all-gather of the sequence blocks over `axis`. Backward: the
+    gradient is a sum of partial gradients (query, key and value of
+    self-attention, each partial over the heads), made whole once (one
+    all-reduce of the sum), then each device keeps its sequence block: a
+    reduce-scatter. `layer` and `where` ("input"/"output") name it in
+    errors.
+    """
+    return _sequence_relayout(tensor, axis, layer, where, split=False)
+
+
+def scatter_sequence(tensor, axis, layer, where):
+    """`tensor` (batch, sequence, ...) split along the sequence over `axis`
+    (Megatron-SP's g-bar after a row-parallel layer, and the input and
+    output of a norm).
+
+    Forward: after a row-parallel layer (a partial sum on every device)
+    a reduce-scatter, Y_i = (sum_j Y^(j))[sequence block i]; from a whole
+    tensor a slice; from a hidden-wise split one (an Embedding's lookup) an
+    all-to-all. Backward: the gradient is pinned to the sequence split, so
+    it stays in the sequence-parallel region (no gather in the backward
+    pass of a norm); DTensor relayouts it to the input's layout (an
+    all-gather where that is whole).
+    """
+    return _sequence_relayout(tensor, axis, layer, where, split=True)
+
+
+def _sequence_relayout(tensor, axis, layer, where, split):
+    """`tensor` split along the sequence over `axis` (`split`) or whole
+    along it; the batch keeps its layout (split over the data axis or not),
+    every other dimension is whole. The gradient is pinned to the
+    sequence-split layout. Made once per traced graph for one input."""
+    mesh = step_mesh(tensor)
+    if mesh is None or axis not in mesh.dim_names or mesh.dim_size(axis) == 1:
+        return tensor
+    _check_sequence_shape(tensor, axis, mesh.dim_size(axis), layer, where)
+    whole = [dtensor.MATCH] + [dtensor.UNSHARDED] * (tensor.shape.rank - 1)
+    split_specs = list(whole)
+    split_specs[1] = axis
+    target = dtensor.Layout(split_specs if split else whole, mesh)
+    sequence = dtensor.Layout(split_specs, mesh)
+    made = _relayouts_of_this_graph()
+    key = (tensor.ref(), target.to_string())
+    if key in made:
+        return made[key]
+
+    @tf.custom_gradient
+    def relayout(x):
+        def grad(dy):
+            if not split:  # the sum of the partial gradients, made whole
+                dy = dtensor.relayout(dy, dtensor.Layout(whole, mesh))
+            return dtensor.relayout(dy, sequence)
+        return dtensor.relayout(x, target), grad
+
+    result = relayout(tensor)
+    made[key] = result
+    return result
+
+
+# The sequence relayouts made in each graph being traced:
+# {graph: {(input tensor ref, target layout): output}}. An entry lives as
+# long as its graph; eagerly (no graph being traced) nothing is reused.
+_RELAYOUTS_BY_GRAPH = weakref.WeakKeyDictionary()
+
+
+def _relayouts_of_this_graph():
+    if tf.executing_eagerly():
+        return {}
+    graph = tf.compat.v1.get_default_graph()
+    return _RELAYOUTS_BY_GRAPH.setdefault(graph, {})
+
+
+def _check_sequence_shape(tensor, axis, size, layer, where):
+    """Refuses activations with no sequence, or one `size` does not divide."""
+    path = getattr(layer, "path", None) or getattr(layer, "name", layer)
+    rank = tensor.shape.rank
+    if rank is None or rank < 3:
+        raise ValueError(
+            f"Sequence parallelism needs (batch, sequence, features) "
+            f"activations, but the {where} of layer {path!r} has shape "
+            f"{tensor.shape}. Received: rank={rank}. Turn sequence_parallel "
+            "off for this layer (plain ColumnParallel/RowParallel, or no "
+            "SequenceParallel rule)."
+        )
+    length = tensor.shape[1]
+    if length is not None and length % size:
+        raise ValueError(
+            f"Sequence parallelism splits the sequence (dimension 1) of the "
+            f"{where} of layer {path!r} over mesh axis {axis!r} of size "
+            f"{size}, which does not divide it. Received: shape="
+            f"{tensor.shape}. Use a sequence length that is a multiple of "
+            f"{size}, or sequence_parallel=False."
+        )
 
 
 # --- stage-to-stage moves (pipeline) ---

@@ -57,7 +57,14 @@ def report():
     tfpar: 0.1.0
     ...
     """
-    lines = [
+    sections = (_versions, _devices, _runtime, _environment_variables,
+                _default_mesh)
+    return "\n".join(line for section in sections for line in section())
+
+
+def _versions():
+    build = tf.sysconfig.get_build_info()
+    return [
         f"tfpar: {tfpar.__version__}",
         f"tensorflow: {tf.__version__}",
         f"keras: {keras.__version__} (backend: {keras.backend.backend()})",
@@ -65,27 +72,28 @@ def report():
         f"python: {platform.python_version()} ({sys.executable})",
         f"platform: {platform.platform()} ({platform.machine()})",
         f"host cpu count: {os.cpu_count()}",
-    ]
-    build = tf.sysconfig.get_build_info()
-    lines.append(
-        "tensorflow build: "
-        + ", ".join(
+        "tensorflow build: " + ", ".join(
             f"{key}={build.get(key)}"
             for key in ("is_cuda_build", "cuda_version", "cudnn_version")
-            if key in build
-        )
-    )
+            if key in build),
+    ]
 
+
+def _devices():
     physical = tf.config.list_physical_devices()
-    lines.append(f"physical devices: {_count_by_type(physical)}")
     logical = tf.config.list_logical_devices()
-    lines.append(f"logical devices: {_count_by_type(logical)}")
+    lines = [f"physical devices: {_count_by_type(physical)}",
+             f"logical devices: {_count_by_type(logical)}"]
     for device_type in sorted({d.device_type for d in logical}):
         names = _mesh._pick_devices(
             [d for d in logical if d.device_type == device_type]
         )
         lines.append(f"  {device_type}: {_mesh._device_range(names)}")
+    return lines
 
+
+def _runtime():
+    lines = []
     try:
         from tensorflow.experimental import dtensor  # noqa: F401
 
@@ -96,7 +104,6 @@ def report():
     except Exception as e:  # pragma: no cover - tfpar imports it too
         lines.append(f"dtensor: NOT importable ({type(e).__name__}: {e})")
     lines.append(f"tfpar.connect_tpu: {_tpu.connected_tpu_cores()} TPU core(s)")
-
     threading = tf.config.threading
     lines.append(
         "tf.config.threading: "
@@ -104,23 +111,27 @@ def report():
         f"intra_op={threading.get_intra_op_parallelism_threads()} "
         "(0 = TensorFlow picks)"
     )
+    return lines
 
+
+def _environment_variables():
     env = {
         k: "<redacted>" if any(w in k.upper() for w in _SECRET_WORDS) else v
         for k, v in os.environ.items()
         if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES)
         and not k.startswith(_ENV_SKIP_PREFIXES)
     }
-    lines.append("environment variables:" + ("" if env else " (none set)"))
-    lines.extend(f"  {k}={env[k]}" for k in sorted(env))
+    return (["environment variables:" + ("" if env else " (none set)")]
+            + [f"  {k}={env[k]}" for k in sorted(env)])
 
+
+def _default_mesh():
     try:
         devices = _mesh.default_devices()
         default = tfpar.Mesh({"data": len(devices)}, devices=devices)
-        lines.append(f"default mesh: {default!r} (device type: {default.device_type})")
+        return [f"default mesh: {default!r} (device type: {default.device_type})"]
     except Exception as e:
-        lines.append(f"default mesh: cannot be built ({type(e).__name__}: {e})")
-    return "\n".join(lines)
+        return [f"default mesh: cannot be built ({type(e).__name__}: {e})"]
 
 
 def _count_by_type(devices):

@@ -120,8 +120,47 @@ def connect_hosts(addresses=None, host_id=None, job_name="worker",
     if heartbeat_timeout is None:
         heartbeat_timeout = float(os.environ.get("TFPAR_HEARTBEAT_TIMEOUT",
                                                  60))
-    if isinstance(heartbeat_timeout, bool) or not isinstance(
-            heartbeat_timeout, (int, float)) or not heartbeat_timeout > 0:
+    _check_cluster(addresses, host_id, job_name, timeout, heartbeat_timeout)
+    request = (tuple(addresses), host_id, job_name)
+    if _connected is not None:
+        if _connected == request:
+            return len(addresses)
+        raise RuntimeError(
+            f"connect_hosts() already joined the cluster {list(_connected[0])} "
+            f"as host {_connected[1]}; a process joins one cluster once. "
+            f"Received: addresses={list(addresses)!r}, host_id={host_id}")
+    if _compat.tf_initialized():
+        # Before the handshake: once it passes, the other hosts wait in
+        # TF's cluster setup for this one.
+        raise RuntimeError(
+            "connect_hosts() must run before TensorFlow initialises (before "
+            "any op, model, Mesh or device listing; after "
+            "tfpar.use_virtual_cpus is fine). Received: a call after "
+            "TensorFlow started. Move it to the top of the program.")
+    watch = None
+    if len(addresses) > 1:
+        watch = host_watch.Watch(list(addresses), host_id, heartbeat_timeout)
+        try:
+            peers = _wait_for_hosts(list(addresses), host_id, timeout,
+                                    heartbeat_port=watch.port)
+        except BaseException:
+            watch.close()
+            raise
+    _initialize_dtensor_cluster(addresses, host_id, job_name)
+    _connected = request
+    if watch is not None:
+        watch.start(peers)
+    return len(addresses)
+
+
+def _is_positive_seconds(value):
+    return not isinstance(value, bool) and isinstance(
+        value, (int, float)) and value > 0
+
+
+def _check_cluster(addresses, host_id, job_name, timeout, heartbeat_timeout):
+    """Raises on a malformed argument of `connect_hosts`."""
+    if not _is_positive_seconds(heartbeat_timeout):
         raise ValueError(
             "connect_hosts(heartbeat_timeout) needs a number of seconds > 0. "
             f"Received: heartbeat_timeout={heartbeat_timeout!r}")
@@ -148,8 +187,7 @@ def connect_hosts(addresses=None, host_id=None, job_name="worker",
         raise ValueError(
             f"connect_hosts(host_id) needs an int in [0, {len(addresses)}) "
             f"(this host's index in addresses). Received: host_id={host_id!r}")
-    if isinstance(timeout, bool) or not isinstance(
-            timeout, (int, float)) or not timeout > 0:
+    if not _is_positive_seconds(timeout):
         raise ValueError(
             "connect_hosts(timeout) needs a number of seconds > 0. "
             f"Received: timeout={timeout!r}")
@@ -157,42 +195,24 @@ def connect_hosts(addresses=None, host_id=None, job_name="worker",
         raise ValueError(
             "connect_hosts(job_name) needs an identifier like 'worker'. "
             f"Received: job_name={job_name!r}")
-    request = (tuple(addresses), host_id, job_name)
-    if _connected is not None:
-        if _connected == request:
-            return len(addresses)
-        raise RuntimeError(
-            f"connect_hosts() already joined the cluster {list(_connected[0])} "
-            f"as host {_connected[1]}; a process joins one cluster once. "
-            f"Received: addresses={list(addresses)!r}, host_id={host_id}")
-    if _compat.tf_initialized():
-        # Before the handshake: once it passes, the other hosts wait in
-        # TF's cluster setup for this one.
-        raise RuntimeError(
-            "connect_hosts() must run before TensorFlow initialises (before "
-            "any op, model, Mesh or device listing; after "
-            "tfpar.use_virtual_cpus is fine). Received: a call after "
-            "TensorFlow started. Move it to the top of the program.")
-    watch = None
-    if len(addresses) > 1:
-        watch = host_watch.Watch(list(addresses), host_id, heartbeat_timeout)
-        try:
-            peers = _wait_for_hosts(list(addresses), host_id, timeout,
-                                    heartbeat_port=watch.port)
-        except BaseException:
-            watch.close()
-            raise
-    os.environ["DTENSOR_JOBS"] = ",".join(addresses)
-    os.environ["DTENSOR_CLIENT_ID"] = str(host_id)
-    os.environ["DTENSOR_NUM_CLIENTS"] = str(len(addresses))
-    os.environ["DTENSOR_JOB_NAME"] = job_name
+
+
+_DTENSOR_CLUSTER_VARIABLES = ("DTENSOR_JOBS", "DTENSOR_CLIENT_ID",
+                              "DTENSOR_NUM_CLIENTS", "DTENSOR_JOB_NAME")
+
+
+def _initialize_dtensor_cluster(addresses, host_id, job_name):
+    """Sets DTensor's multi-client environment and initialises it on this
+    host's GPUs, else its CPUs (the variables are unset again on failure)."""
+    values = (",".join(addresses), str(host_id), str(len(addresses)),
+              job_name)
+    os.environ.update(zip(_DTENSOR_CLUSTER_VARIABLES, values))
     # Physical devices only: listing logical ones would initialise TF.
     device_type = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
     try:
         dtensor.initialize_accelerator_system(device_type)
     except Exception as error:  # noqa: BLE001 (re-raised with a hint)
-        for name in ("DTENSOR_JOBS", "DTENSOR_CLIENT_ID",
-                     "DTENSOR_NUM_CLIENTS", "DTENSOR_JOB_NAME"):
+        for name in _DTENSOR_CLUSTER_VARIABLES:
             os.environ.pop(name, None)
         raise RuntimeError(
             f"connect_hosts() could not set up the cluster {list(addresses)} "
@@ -200,10 +220,6 @@ def connect_hosts(addresses=None, host_id=None, job_name="worker",
             "first thing in the program (after tfpar.use_virtual_cpus), "
             "before any TensorFlow op, and check that the addresses are "
             "free and reachable.") from error
-    _connected = request
-    if watch is not None:
-        watch.start(peers)
-    return len(addresses)
 
 
 def cluster_from_environment():
@@ -266,44 +282,13 @@ def _wait_for_hosts(addresses, host_id, timeout, heartbeat_port=0):
     port}.
     """
     n = len(addresses)
-    _, port = addresses[host_id].rsplit(":", 1)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind(("", int(port)))
-    except OSError as error:
-        listener.close()
-        raise RuntimeError(
-            f"connect_hosts(): host {host_id} cannot listen on "
-            f"{addresses[host_id]} ({error}). Choose a free port.") from None
-    listener.listen(n)
-    listener.settimeout(0.2)
+    listener = _listen(addresses, host_id)
     heard, reached = {host_id}, {host_id}
     heartbeat_ports = {}
     stop = threading.Event()
-
-    def answer():  # records who reached us, answering "ok"
-        while not stop.is_set():
-            try:
-                connection, _ = listener.accept()
-            except OSError:  # timeout, or closed
-                continue
-            with connection:
-                connection.settimeout(2.0)
-                message = b""
-                try:
-                    while chunk := connection.recv(64):  # to the sender's EOF
-                        message += chunk
-                    match = re.fullmatch(rb"tfpar-host (\d+) (\d+)\n",
-                                         message)
-                    if match and int(match[1]) < n:
-                        connection.sendall(b"ok")
-                        heartbeat_ports[int(match[1])] = int(match[2])
-                        heard.add(int(match[1]))
-                except OSError:
-                    pass
-
-    answering = threading.Thread(target=answer, daemon=True)
+    answering = threading.Thread(
+        target=_answer_hosts, args=(listener, n, heard, heartbeat_ports, stop),
+        daemon=True)
     answering.start()
     deadline = time.monotonic() + timeout
     try:
@@ -315,29 +300,74 @@ def _wait_for_hosts(addresses, host_id, timeout, heartbeat_port=0):
                     f"hosts {missing} ({[addresses[i] for i in missing]}). "
                     "Start the same program on every host, with its own "
                     "host_id and the same addresses.")
-            for i in sorted(set(range(n)) - reached):
-                name, other_port = addresses[i].rsplit(":", 1)
-                try:
-                    with socket.create_connection((name, int(other_port)),
-                                                  timeout=0.5) as connection:
-                        connection.sendall(
-                            f"tfpar-host {host_id} {heartbeat_port}\n".encode())
-                        connection.shutdown(socket.SHUT_WR)
-                        connection.settimeout(2.0)
-                        answer_bytes = b""
-                        while len(answer_bytes) < 2 and (
-                                chunk := connection.recv(2)):
-                            answer_bytes += chunk
-                        if answer_bytes == b"ok":
-                            reached.add(i)
-                except OSError:
-                    pass
+            reached.update(
+                i for i in sorted(set(range(n)) - reached)
+                if _reach(addresses[i], host_id, heartbeat_port))
             time.sleep(0.05)
     finally:
         stop.set()
         answering.join()
         listener.close()
     return heartbeat_ports
+
+
+def _listen(addresses, host_id):
+    """A socket listening on this host's port (0.2 s accept timeout)."""
+    _, port = addresses[host_id].rsplit(":", 1)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(("", int(port)))
+    except OSError as error:
+        listener.close()
+        raise RuntimeError(
+            f"connect_hosts(): host {host_id} cannot listen on "
+            f"{addresses[host_id]} ({error}). Choose a free port.") from None
+    listener.listen(len(addresses))
+    listener.settimeout(0.2)
+    return listener
+
+
+def _answer_hosts(listener, n, heard, heartbeat_ports, stop):
+    """Until `stop`: records in `heard` (and their heartbeat ports in
+    `heartbeat_ports`) the hosts that reach `listener`, answering "ok"."""
+    while not stop.is_set():
+        try:
+            connection, _ = listener.accept()
+        except OSError:  # timeout, or closed
+            continue
+        with connection:
+            connection.settimeout(2.0)
+            message = b""
+            try:
+                while chunk := connection.recv(64):  # to the sender's EOF
+                    message += chunk
+                match = re.fullmatch(rb"tfpar-host (\d+) (\d+)\n", message)
+                if match and int(match[1]) < n:
+                    connection.sendall(b"ok")
+                    heartbeat_ports[int(match[1])] = int(match[2])
+                    heard.add(int(match[1]))
+            except OSError:
+                pass
+
+
+def _reach(address, host_id, heartbeat_port):
+    """Whether the host at `address` answered "ok" to this host's id and
+    heartbeat port."""
+    name, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((name, int(port)),
+                                      timeout=0.5) as connection:
+            connection.sendall(
+                f"tfpar-host {host_id} {heartbeat_port}\n".encode())
+            connection.shutdown(socket.SHUT_WR)
+            connection.settimeout(2.0)
+            answer = b""
+            while len(answer) < 2 and (chunk := connection.recv(2)):
+                answer += chunk
+            return answer == b"ok"
+    except OSError:
+        return False
 
 
 def num_hosts():

@@ -4,7 +4,10 @@ On JAX, `keras.distribution.set_distribution(d)` (or `with d.scope():`)
 makes Keras lay out every new variable by `d.get_variable_layout` and split
 every batch over `d.batch_dim_name`. Keras 3.15's TensorFlow backend does
 neither: its `distribution_lib` is a "DO NOT USE" prototype and the
-distribution is silently ignored. After `import tfpar` the same code trains
+distribution is silently ignored. After `import tfpar.keras_distribution`
+(an opt-in: `import tfpar` alone leaves Keras unchanged; importing this
+module installs the hook, `_compat.hook_keras_distribution`, and
+`tfpar.keras_distribution` imports it on first access) the same code trains
 sharded on TensorFlow: setting a distribution makes the
 `tfpar.ParallelStrategy` it stands for (`strategy_for(d)`) current, as
 `tf.distribute.experimental_set_strategy` does, so models built while it is

@@ -20,10 +20,11 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import collectives
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import placement
-from tfpar import training
+from tfpar import styles
 from tfpar.mesh import Mesh
 
 
@@ -109,6 +110,7 @@ class ParallelStrategy(tf.distribute.Strategy):
                 f"Received: mesh={mesh!r} of type {type(mesh).__name__}"
             )
         _compat.ensure_dtensor_device()  # also after an eager context reset
+        _compat.install()  # tfpar's Keras/TF hooks, once per process
         if rules is None:
             rules = {}
         elif isinstance(rules, layout_lib.LayoutRules):
@@ -354,14 +356,16 @@ class ShardedVariable(_compat.DVariable):
         # cross-replica context (extended.update's merge_call).
         if (self._tfpar_compute_spec is not None
                 and not tf.executing_eagerly() and in_spmd_step()):
-            again = _compat.recompute_dependency()
+            from tfpar import recompute  # noqa: PLC0415 (its import hooks Keras)
+
+            again = recompute.recompute_dependency()
             extended = self._tfpar_extended()
             reshard = (again is None and extended is not None
                        and extended.reshard_after_forward)
             if again is not None:  # recomputing: a new gather, not the old
                 value = value + tf.cast(again, value.dtype)
-            value = _gathered(value, self._tfpar_compute_spec,
-                              self._tfpar_mesh, reshard)
+            value = collectives.gather_from_fsdp_shards(
+                value, self._tfpar_compute_spec, self._tfpar_mesh, reshard)
         return value
 
     def _stored_value(self):
@@ -710,6 +714,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                                            info.mesh)
                 self._replace(variable, backing, info, spec, kind, value,
                               info.mesh, compute_spec)
+        styles.apply_styles(rules, [(v.path, v.shape, owners.get(id(v)))
+                                    for v in model.weights])
 
     def move_to(self, variable, mesh):
         """Moves a Keras weight (made in this scope) onto `mesh`, keeping its
@@ -764,7 +770,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 if reference.kind == "params" and len(shape) == len(reference.spec):
                     return reference.spec, "optimizer"
                 return layout_lib.replicated_spec(len(shape)), "optimizer"
-        rules = self.rules if rules is None else rules
+        own_rules = rules is None
+        rules = self.rules if own_rules else rules
         # keras.Variable(layout=...) wins over the rules, as in Keras.
         spec = _compat.keras_variable_layout(path)
         if spec is not None and len(spec) != len(shape):
@@ -772,11 +779,14 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 f"Variable {path!r} was given layout={spec} with {len(spec)} "
                 f"axes, but has rank {len(shape)} (shape={tuple(shape)}). "
                 "Give one mesh axis name or None per dimension.")
-        if spec is None:
+        by_rules = spec is None
+        if by_rules:
             spec = rules.spec_for(path, shape, layer)
         if spec is None:
             spec = layout_lib.replicated_spec(len(shape))
         layout_lib.check_divisible(path, shape, spec, mesh or self.mesh)
+        if by_rules and own_rules:  # a new weight, laid out once it is valid
+            styles.apply_styles(rules, [(path, shape, layer)])
         return spec, ("params" if trainable else "other")
 
     def _info_of(self, variable):
@@ -970,112 +980,6 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         )
 
 
-def _gathered(stored, spec, mesh, reshard=False):
-    """`stored` (a weight's blocks) all-gathered over the data axis into
-    `spec`. The gradient is the reverse relayout (a reduce-scatter), except
-    that a sparse gradient (IndexedSlices: rows looked up with tf.gather, as
-    in Keras' Embedding) stays sparse, as on one device: Keras' Adam treats
-    sparse gradients differently (it squares each looked-up row before
-    summing repeated rows).
-
-    With `reshard` (`ParallelStrategy(reshard_after_forward=True)`), once
-    the gather's gradient is built (so every op that reads the gathered
-    weight exists): the gather waits for the other input of the forward op
-    that reads it (e.g. x of x @ W), instead of running at the start of
-    the step with every other gather, and every gradient op that reads it
-    (e.g. dx = dy @ W^T) reads a gather of its own, made once its other
-    input (dy) exists. The forward gather is then freed after its forward
-    use and only the stored blocks are kept between the passes.
-    """
-    gathered = []  # the custom gradient's output, which the consumers read
-
-    @tf.custom_gradient
-    def gather(value):
-        def grad(upstream):
-            if reshard:
-                _reshard(gathered[0], value, spec, mesh, upstream)
-            if isinstance(upstream, tf.IndexedSlices):
-                return upstream
-            return dtensor.relayout_like(upstream, value)
-
-        return placement.relayout(value, spec, mesh), grad
-
-    gathered.append(gather(stored))
-    return gathered[0]
-
-
-def _reshard(forward, stored, spec, mesh, gradient):
-    """Orders the gather of `stored` that made `forward` after its forward
-    reader's other input, and points the gradient ops reading `forward`
-    (or a view of it) at new gathers, one per other input they read (see
-    `_gathered`). `gradient` is the gradient arriving at the gather.
-
-    Waiting for a tensor t is adding 0 computed from it to `stored`: a sum
-    of t, all-reduced (a scalar per gather), then 0 (NaN if t holds NaN,
-    as the matmul would give). The compiler cannot fold it nor merge the
-    new gathers with the forward one; DTensor keeps data dependencies (not
-    control ones), hence a 0. A gradient op with no other input (e.g. a
-    transpose of W in an einsum's gradient) waits for `gradient` instead,
-    unless that is computed from it.
-    """
-    def after(tensor):
-        total = tf.reduce_sum(tf.cast(tensor, tf.float32))
-        zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
-        return stored + tf.cast(zero, stored.dtype)
-
-    def other_input(op, tensor):
-        return next((t for t in op.inputs if t is not tensor
-                     and t.dtype.is_floating), None)
-
-    # The gathered weight and its views in the forward pass (e.g.
-    # LayerNormalization's reshaped gamma, a mixed-precision cast), each
-    # with how to make the same view of a new gather.
-    views = [(forward, lambda t: t)]
-    readers = []
-    for op in _compat.forward_readers(forward):
-        rebuild = _view(op)
-        if rebuild is None:
-            readers.append((op, forward))
-        else:
-            views.append((op.outputs[0], rebuild))
-            readers += [(r, op.outputs[0])
-                        for r in _compat.forward_readers(op.outputs[0])]
-    forward_inputs = {id(t): t for op, tensor in readers
-                      if (t := other_input(op, tensor)) is not None}
-    relayout = _compat.relayout_op(forward)
-    if len(forward_inputs) == 1:  # one reader (or several of one input)
-        (before,) = forward_inputs.values()
-        if not _compat.depends_on(before, relayout):  # else: a cycle
-            _compat.rewire_input(relayout, 0, after(before))
-    if isinstance(gradient, tf.IndexedSlices):
-        gradient = gradient.values
-    regathered = {}  # (id(upstream), id(view)) -> the view of its gather
-    for tensor, rebuild in views:
-        for op, index in _compat.backward_uses(tensor):
-            upstream = other_input(op, tensor)
-            if upstream is None and not _compat.depends_on(gradient, op):
-                upstream = gradient
-            if upstream is None:
-                continue  # nothing to wait for: keep the forward gather
-            key = (id(upstream), id(tensor))
-            if key not in regathered:
-                regathered[key] = rebuild(placement.relayout(
-                    after(upstream), spec, mesh))
-            _compat.rewire_input(op, index, regathered[key])
-
-
-def _view(op):
-    """For an op that only re-views its one float input (Reshape, Cast,
-    Identity): a function making the same view of another tensor."""
-    if op.type == "Reshape":
-        return lambda t: tf.reshape(t, op.inputs[1])
-    if op.type == "Cast":
-        return lambda t: tf.cast(t, op.outputs[0].dtype)
-    if op.type == "Identity":
-        return tf.identity
-    return None
-
-
 def _check_random_recomputation(generator):
     """Refuses to recompute a random op on a mesh that splits tensors over
     more than the data (and pipeline) axis.
@@ -1140,18 +1044,3 @@ class _ReplicaScope:
         self._context.__exit__(*exc)
         self._scope.__exit__(*exc)
 
-
-_compat.route_keras_step_functions(
-    training.keras_function_for,
-    lambda strategy: isinstance(strategy, ParallelStrategy),
-    training.eager_model_call)
-_compat.patch_keras_remat(_check_random_recomputation)
-_compat.static_sparse_division(
-    lambda: not tf.executing_eagerly()
-    and isinstance(tf.distribute.get_strategy(), ParallelStrategy))
-_compat.place_host_inputs_of_methods(training.strategy_of_layer)
-_compat.patch_keras_slice_update(in_spmd_step)
-_compat.patch_tensor_indexing(in_spmd_step)
-_compat.patch_keras_categorical(
-    lambda: tf.distribute.get_strategy().extended.replicate
-    if in_spmd_step() else None)

@@ -59,6 +59,7 @@ import tensorflow as tf
 from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar import styles
 from tfpar import training
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
@@ -430,7 +431,7 @@ def _check_sequence_parallel(model, extended):
             extended.data_axis) > 1:
         return
     for layer in _compat.all_layers(model):
-        if any("sequence" in name for name in _compat.layer_transforms(layer)):
+        if styles.is_sequence_parallel(layer):
             raise ValueError(
                 "Sequence parallelism inside pipeline stages needs a data "
                 "axis in the mesh: without one, DTensor (TF 2.21) crashes "

@@ -29,8 +29,6 @@ Example (what `fit` builds; see `tfpar.PipelineModel`):
 >>> runner.run([(x, y)])                     # doctest: +SKIP
 """
 
-import re
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -41,16 +39,12 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import training
 from tfpar.pipeline import ordering
+from tfpar.pipeline import profiler
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline.part import TiedWeights
-from tfpar.pipeline.schedules import (
-    BACKWARD,
-    FORWARD,
-    ZERO_BUBBLE,
-    TimelineEntry,
-)
+from tfpar.pipeline.schedules import BACKWARD, FORWARD, ZERO_BUBBLE
 
-_ACTION_SCOPE = "tfpar_pipeline_action_"
+_ACTION_SCOPE = profiler.ACTION_SCOPE  # names each action's ops
 
 
 class Microbatching:
@@ -153,10 +147,10 @@ class PipelineRunner(training.Runner):
         function = self._function(self._mode)
         if not (training_step and self._model.record_timeline):
             return function(xs, targets, split)
-        with _compat.OpEvents() as trace:
+        with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)
             tf.nest.map_structure(placement.fetch, logs)  # wait for the step
-        self._model.last_timeline = executed_timeline(
+        self._model.last_timeline = profiler.executed_timeline(
             trace.events, len(self._extended.stage_meshes))
         return logs
 
@@ -321,7 +315,7 @@ class PipelineRunner(training.Runner):
             run = (self._forward if action.kind == FORWARD else
                    self._backward if action.kind == BACKWARD else
                    self._weight_backward)
-            # The scope names the action's ops (see `executed_timeline`).
+            # The scope names the action's ops (profiler.executed_timeline).
             with part.on_mesh(), tf.name_scope(
                     f"{_ACTION_SCOPE}{part.index}{action.kind}"
                     f"{action.microbatch}"):
@@ -398,45 +392,3 @@ def _x_of(batch):
     over batches its iterator already placed on the whole mesh)."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     return tf.nest.map_structure(placement.fetch, x)
-
-
-_COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")
-_LAYOUT_OPS = re.compile(r"Relayout|DTensorAll|CopyToMesh")
-
-
-def executed_timeline(events, num_stages):
-    """The executed timeline from profiled op events (TF's profiler names
-    every executed op "<scope>/<name>:<type>"); part k is reported as
-    stage k mod p, chunk k // p.
-
-    An action spans from the start of its first to the end of its last
-    matrix multiply or convolution on its stage's devices (ops that do not
-    wait for the action's inputs, such as weight reads, run whenever the
-    executor gets to them and would blur the picture); an action with no
-    such op spans all of its ops. Seconds from the first action's start.
-    """
-    # Gradient ops are named after their forward op: "gradient_tape/<F>".
-    pattern = re.compile(
-        r"(gradient_tape/)?" + _ACTION_SCOPE + r"(\d+)([FBW])(\d+)/")
-    spans, compute = {}, {}
-    for name, start, end in events:
-        match = pattern.search(name)
-        if match:
-            kind = BACKWARD if match[1] else match[3]
-            key = (int(match[2]), kind, int(match[4]))
-            op_name, _, op_type = name.rpartition(":")
-            # DTensor's layout changes (named "Relayout"/"DTensorAll...")
-            # include small matmuls on constants that run at any time.
-            is_compute = (_COMPUTE_OPS.search(op_type)
-                          and not _LAYOUT_OPS.search(op_name))
-            target = compute if is_compute else spans
-            low, high = target.get(key, (start, end))
-            target[key] = (min(low, start), max(high, end))
-    spans.update(compute)
-    if not spans:
-        return []
-    origin = min(low for low, _ in spans.values())
-    return sorted((TimelineEntry(k % num_stages, kind, i, low - origin,
-                                 high - origin, k // num_stages)
-                   for (k, kind, i), (low, high) in spans.items()),
-                  key=lambda e: (e.start, e.stage))

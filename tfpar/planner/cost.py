@@ -53,7 +53,7 @@ import re
 import numpy as np
 
 from tfpar import layout as layout_lib
-from tfpar import tensor_parallel as tp
+from tfpar import styles as tp
 from tfpar.planner import profile as profile_lib
 
 KINDS = ("params", "gradients", "optimizer", "activations", "workspace")
@@ -372,6 +372,44 @@ def _collective_time(kind, nbytes, n, link, count=1):
     return count * steps * alpha + steps / n * nbytes / beta
 
 
+def _data_axis(layout, total, *, d, m, r, fsdp, link, span):
+    """(bytes, α-β seconds, gathered-weight workspace) per stage on the data
+    axis: an all-reduce of the gradients, or with fsdp an all-gather of the
+    stored weights per micro-batch (again when recomputing) plus a
+    reduce-scatter of the gradients."""
+    gathered, count = total("gathered"), total("count")
+    p = len(gathered)
+    # Gradients are summed in the compute dtype (bfloat16 under
+    # mixed_bfloat16); fsdp gathers the stored (float32) weights.
+    grads = gathered * layout.grad_ratio
+    if not (fsdp and d > 1):
+        data_bytes = grads if d > 1 else np.zeros(p)
+        return (data_bytes,
+                _collective_time("all-reduce", grads, d, link, count),
+                np.zeros(p))
+    gathers = m * (1 + r)
+    time = (_collective_time("all-gather", gathered * gathers, d, link,
+                             count * gathers)
+            + _collective_time("reduce-scatter", grads, d, link, count))
+    workspace = (2 * layout.stage_max("gathered", d, fsdp, *span) if r
+                 else gathered - total("trainable"))
+    return gathered * gathers + grads, time, workspace
+
+
+def _pipe_axis(layout, lo, hi, *, m, mb, link):
+    """Activations forward and gradients back, per micro-batch, over the cut
+    before a stage (none for stage 0) and the one after it (none for the
+    last): (bytes carried in before, after, α-β seconds) per stage."""
+    p = len(lo)
+    s = np.arange(p)
+    carried = np.append(layout.carried, 0.0)
+    before = np.where(s > 0, carried[lo], 0.0)
+    after = np.where(s < p - 1, carried[hi], 0.0)
+    sends = (s > 0).astype(float) + (s < p - 1)
+    alpha, beta = link
+    return before, after, 2 * m * (alpha * sends + (before + after) * mb / beta)
+
+
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              batch, cluster, slots):
     """The `Estimate` of one candidate; `stages` are the first op index of
@@ -398,32 +436,11 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     model_time = _collective_time("all-reduce", model_bytes, t,
                                   links["model"], model_count)
     stored, trainable = total("stored"), total("trainable")
-    gathered, count = total("gathered"), total("count")
-    # Gradients are summed in the compute dtype (bfloat16 under
-    # mixed_bfloat16); fsdp gathers the stored (float32) weights.
-    grads = gathered * layout.grad_ratio
-    if fsdp and d > 1:
-        gathers = m * (1 + r)  # per micro-batch, again when recomputing
-        data_bytes = gathered * gathers + grads
-        data_time = (_collective_time("all-gather", gathered * gathers, d,
-                                      links["data"], count * gathers)
-                     + _collective_time("reduce-scatter", grads, d,
-                                        links["data"], count))
-        workspace = (2 * layout.stage_max("gathered", d, fsdp, lo, hi)
-                     if recompute else gathered - trainable)
-    else:
-        data_bytes = grads if d > 1 else np.zeros(p)
-        data_time = _collective_time("all-reduce", grads, d, links["data"],
-                                     count)
-        workspace = np.zeros(p)
-    # Activations forward and gradients back, per micro-batch, over the cut
-    # before a stage (none for stage 0) and the one after it (none last).
-    carried = np.append(layout.carried, 0.0)
-    before = np.where(s > 0, carried[lo], 0.0)
-    after = np.where(s < p - 1, carried[hi], 0.0)
-    sends = (s > 0).astype(float) + (s < p - 1)
-    alpha, beta = links["pipe"]
-    pipe_time = 2 * m * (alpha * sends + (before + after) * mb / beta)
+    data_bytes, data_time, workspace = _data_axis(
+        layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],
+        span=(lo, hi))
+    before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
+                                          link=links["pipe"])
     # What stage 0 reads is the batch itself, not an activation.
     kept = total("kept") + before
     internal = (layout.stage_max("internal", d, fsdp, lo, hi) if recompute

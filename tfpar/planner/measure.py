@@ -35,7 +35,7 @@ def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     """A `Plan` holding just `candidate` (for timing or applying it)."""
     from tfpar.planner import plans as plan_lib  # noqa: PLC0415
     from tfpar.pipeline import split  # noqa: PLC0415
-    from tfpar import tensor_parallel as tp  # noqa: PLC0415
+    from tfpar import auto_plan as tp  # noqa: PLC0415
     from tfpar.layout import LayoutRules  # noqa: PLC0415
 
     shapes = _shapes(source)

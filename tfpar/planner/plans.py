@@ -20,7 +20,8 @@ import numpy as np
 
 from tfpar import _compat
 from tfpar import layout as layout_lib
-from tfpar import tensor_parallel as tp
+from tfpar import styles as tp
+from tfpar.auto_plan import auto_rules
 from tfpar.planner import cost as cost_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import search as search_lib
@@ -299,7 +300,7 @@ class Plan:
                 if layer.trainable_weights:
                     _compat.set_remat_mode(layer, "full")
         if "model" in self.axes:
-            rules = tp.auto_rules(model, mesh=strategy.mesh)
+            rules = auto_rules(model, mesh=strategy.mesh)
             planned = [type(s).__name__ for _, s in self.rules.items()]
             if [type(s).__name__ for _, s in rules.items()] != planned:
                 raise ValueError(

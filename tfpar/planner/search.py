@@ -18,12 +18,13 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
 """
 
 import dataclasses
+import itertools
 import time
 import warnings
 
 import numpy as np
 
-from tfpar import tensor_parallel as tp
+from tfpar import auto_plan as tp
 from tfpar.planner import cost as cost_lib
 
 
@@ -136,61 +137,24 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
            slots):
     """Every candidate (list of `Candidate`) and the search's seconds."""
     start = time.perf_counter()
-    n_ops = len(profile.ops)
     layouts, rule_errors = {}, {}
     candidates = []
     for d, p, t in factorisations(cluster.num_devices):
         axes = {"data": d, "pipe": p, "model": t}
         if t not in layouts and t not in rule_errors:
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    rules = tp.auto_rules(model, axis_size=t) if t > 1 else None
-                if t > 1 and not len(rules):
-                    raise ValueError(
-                        "auto_rules found no layer to split over the model "
-                        "axis")
-                layouts[t] = cost_lib.Layout(profile, rules, t)
+                layouts[t] = _layout(profile, model, t)
             except ValueError as e:
                 rule_errors[t] = str(e)
-        reject = None
-        if t in rule_errors:
-            reject = f"model={t}: {rule_errors[t]}"
-        elif global_batch_size % d:
-            reject = (f"global_batch_size {global_batch_size} does not split "
-                      f"over data={d}")
-        elif p > n_ops:
-            reject = (f"pipe={p} needs at least {p} top-level layers; the "
-                      f"model has {n_ops}")
+        reject = _reject_reason(axes, rule_errors, global_batch_size,
+                                len(profile.ops))
         if reject:
             candidates.append(Candidate(axes, False, False, 1, "1f1b", None,
                                         rejected=reject))
             continue
-        layout = layouts[t]
-        stages = [0]
-        if p > 1:
-            stage_cost = layout.flops_split / t + layout.flops_repl + 1e-9
-            stages = min_max_cuts(stage_cost, p)
-        boundaries = ([profile.ops[i].name for i in stages[1:]]
-                      if p > 1 else None)
-        for m in microbatch_counts(global_batch_size // d, p):
-            for schedule in (("1f1b", "gpipe") if p > 1 else ("1f1b",)):
-                for fsdp in ((False, True) if d > 1 else (False,)):
-                    for recompute in (False, True):
-                        c = Candidate(dict(axes), fsdp, recompute, m,
-                                      schedule, boundaries)
-                        c.estimate = cost_lib.estimate(
-                            layout, stages, d=d, p=p, m=m, schedule=schedule,
-                            fsdp=fsdp, recompute=recompute,
-                            batch=global_batch_size, cluster=cluster,
-                            slots=slots)
-                        need = c.estimate.total_memory
-                        if need > memory_limit:
-                            c.rejected = (
-                                f"does not fit: needs {format_bytes(need)} "
-                                f"per device, limit "
-                                f"{format_bytes(memory_limit)}")
-                        candidates.append(c)
+        candidates += _candidates(profile, layouts[t], axes,
+                                  global_batch_size, cluster, memory_limit,
+                                  slots)
     order = {id(c): i for i, c in enumerate(candidates)}
     candidates.sort(key=lambda c: (
         c.rejected is not None,
@@ -198,6 +162,59 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
         c.estimate.total_memory if c.estimate else np.inf,
         order[id(c)]))
     return candidates, time.perf_counter() - start, layouts
+
+
+def _layout(profile, model, t):
+    """The cost `Layout` of `auto_rules` over a model axis of size t."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rules = tp.auto_rules(model, axis_size=t) if t > 1 else None
+    if t > 1 and not len(rules):
+        raise ValueError("auto_rules found no layer to split over the model "
+                         "axis")
+    return cost_lib.Layout(profile, rules, t)
+
+
+def _reject_reason(axes, rule_errors, global_batch_size, n_ops):
+    """Why a mesh shape cannot run at all, or None."""
+    d, p, t = axes["data"], axes["pipe"], axes["model"]
+    if t in rule_errors:
+        return f"model={t}: {rule_errors[t]}"
+    if global_batch_size % d:
+        return (f"global_batch_size {global_batch_size} does not split over "
+                f"data={d}")
+    if p > n_ops:
+        return (f"pipe={p} needs at least {p} top-level layers; the model "
+                f"has {n_ops}")
+    return None
+
+
+def _candidates(profile, layout, axes, global_batch_size, cluster,
+                memory_limit, slots):
+    """Every (micro-batches, schedule, fsdp, recompute) choice on one mesh
+    shape, estimated; those over `memory_limit` marked rejected."""
+    d, p, t = axes["data"], axes["pipe"], axes["model"]
+    stages = [0]
+    if p > 1:
+        stage_cost = layout.flops_split / t + layout.flops_repl + 1e-9
+        stages = min_max_cuts(stage_cost, p)
+    boundaries = [profile.ops[i].name for i in stages[1:]] if p > 1 else None
+    found = []
+    for m, schedule, fsdp, recompute in itertools.product(
+            microbatch_counts(global_batch_size // d, p),
+            ("1f1b", "gpipe") if p > 1 else ("1f1b",),
+            (False, True) if d > 1 else (False,), (False, True)):
+        c = Candidate(dict(axes), fsdp, recompute, m, schedule, boundaries)
+        c.estimate = cost_lib.estimate(
+            layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
+            recompute=recompute, batch=global_batch_size, cluster=cluster,
+            slots=slots)
+        need = c.estimate.total_memory
+        if need > memory_limit:
+            c.rejected = (f"does not fit: needs {format_bytes(need)} per "
+                          f"device, limit {format_bytes(memory_limit)}")
+        found.append(c)
+    return found
 
 
 def format_bytes(nbytes):

@@ -1,0 +1,482 @@
+"""Automatic tensor-parallel plans: `auto_rules(model)`.
+
+The model is traced once on symbolic inputs (`_Dataflow`: which
+weight-owning layer reads which); the Megatron patterns found in that
+dataflow (attention by heads, MLP column/row pairs, embeddings, norms)
+become one `tfpar.styles` rule per layer, with every layer left whole named
+in a warning. Pure planning: the model is not changed (the strategy's
+`apply_rules` lays the plan out).
+
+Example:
+
+>>> rules = tfpar.auto_rules(model, mesh=tfpar.Mesh({"model": 4}))
+"""
+
+import re
+import warnings
+
+import keras
+
+from tfpar import _compat
+from tfpar import strategy as strategy_lib
+from tfpar.layout import LayoutRules
+from tfpar.styles import ColumnParallel, RowParallel, SequenceParallel
+
+# Ops a value passes through unchanged in layout: each output element depends
+# only on the same element of its inputs (and on constants). A Megatron MLP
+# may have only these between its column- and row-parallel layers.
+_ELEMENTWISE_OPS = frozenset({
+    "Identity", "IdentityN", "Cast", "StopGradient", "Neg", "Abs", "Square",
+    "Sqrt", "Rsqrt", "Exp", "Log", "Log1p", "Erf", "Erfc", "Tanh", "Sigmoid",
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus", "Softsign",
+    "Gelu", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "Pow",
+    "Maximum", "Minimum", "Select", "SelectV2",
+})
+# Ops that read only a tensor's shape: no value flows through them.
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+_KERAS_NORMS = (
+    keras.layers.LayerNormalization, keras.layers.BatchNormalization,
+    keras.layers.GroupNormalization, keras.layers.UnitNormalization,
+    keras.layers.RMSNormalization,
+)
+# Norm classes of other libraries (keras-hub's RMSNormalization,
+# LlamaLayerNorm, MistralLayerNormalization, ...), known by name: they
+# normalize each token over its last axis with 1-D weights.
+_NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
+
+
+def auto_rules(model, axis="model", axis_size=None, mesh=None,
+               sequence_parallel=False):
+    """LayoutRules for the standard tensor-parallel patterns of `model`.
+
+    Plans every layer that owns weights, however deeply it is nested in
+    subclassed blocks (keras-hub's decoders, attention classes, MLPs). To
+    see which layer feeds which, the model is traced once on symbolic inputs
+    of its input signature (inference mode, nothing computed), recording
+    the graph tensors each layer reads and returns; a layer *reads* another
+    when a path of ops of no weight-owning layer leads from the other's
+    output to its input. Then:
+
+    - **Attention by heads.** An EinsumDense that contracts two dimensions
+      of its input (heads, head_dim: an output projection) and the
+      EinsumDense layers it reads that make two new dimensions (heads,
+      head_dim: query, key, value) are RowParallel and ColumnParallel: each
+      device computes whole heads (the first kernel letter the projection
+      makes is the heads dimension, as in Keras and keras-hub); one
+      all-reduce follows. Grouped-query attention: key/value projections
+      with fewer heads are split where the axis divides their heads, else
+      kept whole (DTensor gives every device the whole key/value; named in
+      the warning with the reason). Keras' `MultiHeadAttention` (and
+      subclasses such as keras-hub's CachedMultiHeadAttention) get one
+      ColumnParallel rule for the layer.
+    - **MLPs.** A Dense/EinsumDense with one contracted dimension that reads
+      only Dense/EinsumDense outputs through elementwise ops (activations,
+      dropout, the product of a gated MLP: `down(silu(gate(x)) * up(x))`)
+      is RowParallel and what it reads ColumnParallel: Megatron's
+      Y = sum_i f(X W1_i) W2_i, one all-reduce per MLP.
+    - **Embeddings** (a layer whose weights are `embeddings` tables, e.g.
+      Embedding, keras-hub's PositionEmbedding and ReversibleEmbedding with
+      its `reverse_embeddings`) split along the hidden dimension
+      (ColumnParallel): the lookup needs no communication and is gathered
+      whole after it; a tied or reverse projection to logits then sums
+      partial products over the hidden dimension, so logits are whole.
+    - **Output heads** (a Dense/EinsumDense whose output reaches a model
+      output through elementwise ops) and other unpaired Dense layers stay
+      whole, so logits are computed whole.
+    - **Norms** (Keras' and other libraries' LayerNormalization /
+      RMSNormalization, known by class) stay whole, or `SequenceParallel`
+      with `sequence_parallel=True`.
+
+    A subclassed *model* has no input signature to trace: there, consecutive
+    Dense layers whose widths chain are paired, in attribute order.
+
+    With `sequence_parallel=True` (Megatron-SP) the column/row styles get
+    `sequence_parallel=True` and norms that normalize each token get
+    `SequenceParallel`: the residual stream, norms and dropout hold
+    (batch, sequence/k, hidden) per device; the sequence is all-gathered
+    before each column-parallel layer and reduce-scattered after each
+    row-parallel one; embedding outputs are re-split from hidden-wise to
+    sequence-wise (an all-to-all). The head stays whole; DTensor gathers its
+    input, so the logits are computed whole as without it.
+
+    Every layer with weights left whole, other than norms, is named by its
+    own path in one warning, with the reason. Head counts or widths the axis
+    does not divide raise ValueError naming the layer.
+
+    Example:
+
+    >>> mesh = tfpar.Mesh({"data": 2, "model": 4})
+    >>> strategy = tfpar.ParallelStrategy(mesh)
+    >>> with strategy.scope():
+    ...     model = build_model()
+    ...     rules = tfpar.auto_rules(model, mesh=mesh, sequence_parallel=True)
+    ...     strategy.apply_rules(model, rules)
+    ...     model.compile(optimizer="adam", loss="mse")
+
+    Args:
+        model: a built Keras model.
+        axis: the mesh axis to split over.
+        axis_size: its size (or give `mesh`); used to check divisibility.
+        mesh: a `tfpar.Mesh` to read `axis_size` from.
+        sequence_parallel: also split the activations between the
+            tensor-parallel layers along the sequence (dimension 1).
+
+    Returns:
+        `tfpar.LayoutRules` with one exact-path rule per sharded layer.
+    """
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(
+            "auto_rules(sequence_parallel) must be True or False. Received: "
+            f"sequence_parallel={sequence_parallel!r}"
+        )
+    if mesh is not None:
+        axis_size = mesh.axis_size(axis)
+    if axis_size is None:
+        raise ValueError(
+            "auto_rules needs the size of the model axis to check that "
+            "widths divide. Received: axis_size=None, mesh=None. Pass "
+            "mesh=tfpar.Mesh(...) or axis_size=n."
+        )
+    if not model.built:
+        raise ValueError(
+            f"auto_rules needs a built model; {model.name!r} is not built. "
+            "Call it on data or build it with keras.Input first."
+        )
+    plan, whole = _plan(model, axis, axis_size, sequence_parallel)
+    if whole:
+        listed = "".join(f"\n  {path} ({type(layer).__name__}): {reason}"
+                         for path, (layer, reason) in whole.items())
+        warnings.warn(
+            "tfpar.auto_rules keeps these layers' weights whole on every "
+            f"device:{listed}",
+            stacklevel=2,
+        )
+    return LayoutRules({re.escape(path): style for path, style in plan.items()})
+
+
+def _plan(model, axis, axis_size, sequence_parallel):
+    """({path: style}, {path: (layer, why it stays whole)}) of `model`."""
+    column = ColumnParallel(axis, sequence_parallel=sequence_parallel)
+    row = RowParallel(axis, sequence_parallel=sequence_parallel)
+    units = _weight_owners(model)
+    flow = _Dataflow.trace(model, units)
+    plan, whole = {}, {}
+    for projection, sources in flow.attention():
+        _plan_attention(projection, sources, column, row, axis_size, plan,
+                        whole)
+    for sources, target in flow.mlps(exclude=set(plan)):
+        for source in sources:
+            _check_divides(source, _split_size(source, row=False), axis,
+                           axis_size, "units")
+            plan[source.path] = column
+        plan[target.path] = row
+    for layer in units:
+        if layer.path not in plan and layer.path not in whole:
+            _plan_unpaired(layer, flow, column, axis_size, plan, whole)
+    if sequence_parallel:
+        for layer in units:
+            if layer.path in plan:
+                _check_sequence_divides(layer, axis, axis_size)
+    return plan, whole
+
+
+def _plan_attention(projection, sources, column, row, axis_size, plan, whole):
+    """Attention by heads: the output `projection` row-parallel, the
+    query/key/value `sources` column-parallel (grouped-query key/value
+    heads the axis does not divide: whole)."""
+    axis = row.axis
+    heads = _split_size(projection, row=True)
+    _check_divides(projection, heads, axis, axis_size, "heads")
+    plan[projection.path] = row
+    for source in sources:
+        size = _split_size(source, row=False)
+        if size % axis_size == 0:
+            plan[source.path] = column
+        elif size < heads:  # grouped-query key/value heads
+            whole[source.path] = (source, (
+                f"{size} key/value heads, which mesh axis {axis!r} of "
+                f"size {axis_size} does not divide (grouped-query "
+                "attention): every device uses them whole"))
+        else:
+            _check_divides(source, size, axis, axis_size, "heads")
+
+
+def _plan_unpaired(layer, flow, column, axis_size, plan, whole):
+    """A layer in no attention or MLP pattern: MultiHeadAttention and
+    embeddings column-parallel, norms SequenceParallel (with sequence
+    parallelism) or whole, anything else whole with the reason."""
+    axis = column.axis
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        _check_divides(layer, layer.num_heads, axis, axis_size, "num_heads")
+        plan[layer.path] = column
+    elif _embedding_table(layer) is not None:
+        _check_divides(layer, _embedding_table(layer).shape[1], axis,
+                       axis_size, "output_dim")
+        plan[layer.path] = column
+    elif _is_norm(layer):
+        if column.sequence_parallel and _normalizes_each_token(
+                layer, flow.input_rank(layer)):
+            plan[layer.path] = SequenceParallel(axis)
+    else:
+        whole[layer.path] = (layer, _why_whole(layer, flow))
+
+
+def _weight_owners(model):
+    """The layers that own weights themselves (not only through sublayers),
+    outermost first; a MultiHeadAttention counts as one (its projections
+    are planned with it)."""
+    owners = strategy_lib._owning_layers(model)  # noqa: SLF001 (one walk rule)
+    owning = {id(owners[id(w)]) for w in model.weights if id(w) in owners}
+    out, inside_attention = [], set()
+    for layer in _compat.all_layers(model, include_self=False):
+        if id(layer) in inside_attention:
+            continue
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            inside_attention.update(
+                id(sub) for sub in _compat.all_layers(layer, include_self=False))
+            out.append(layer)
+        elif id(layer) in owning:
+            out.append(layer)
+    return out
+
+
+def _einsum_letters(layer):
+    """(kernel letters, letters it contracts, letters it makes) of an
+    EinsumDense, e.g. "bqm,muh->bquh": ("muh", "m", "uh")."""
+    inputs, output = layer.equation.split("->")
+    data, kernel = inputs.split(",")
+    return (kernel, [c for c in kernel if c not in output],
+            [c for c in kernel if c in output and c not in data])
+
+
+def _is_projection(layer):
+    return isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+
+
+def _contracts(layer):
+    """How many input dimensions a Dense/EinsumDense kernel contracts."""
+    if isinstance(layer, keras.layers.Dense):
+        return 1
+    return len(_einsum_letters(layer)[1])
+
+
+def _makes(layer):
+    """How many dimensions a Dense/EinsumDense kernel adds to its input's."""
+    if isinstance(layer, keras.layers.Dense):
+        return 1
+    return len(_einsum_letters(layer)[2])
+
+
+def _split_size(layer, row):
+    """The length of the kernel dimension RowParallel (`row`) or
+    ColumnParallel splits (see `tfpar.styles._split`)."""
+    if isinstance(layer, keras.layers.Dense):
+        return layer.kernel.shape[0 if row else 1]
+    kernel, contracted, _ = _einsum_letters(layer)
+    output = layer.equation.split("->")[1]
+    letter = contracted[0] if row else next(c for c in kernel if c in output)
+    return layer.kernel.shape[kernel.index(letter)]
+
+
+def _embedding_table(layer):
+    """The (vocab, hidden) `embeddings` weight of a layer whose weights are
+    embedding tables (and a reverse one), or None."""
+    tables = {w.path.rsplit("/", 1)[-1]: w for w in layer.weights}
+    table = tables.get("embeddings")
+    if (table is None or len(table.shape) != 2
+            or not set(tables) <= {"embeddings", "reverse_embeddings"}):
+        return None
+    return table
+
+
+def _is_norm(layer):
+    return isinstance(layer, _KERAS_NORMS) or (
+        _NORM_NAME.fullmatch(type(layer).__name__) is not None
+        and all(len(w.shape) == 1 for w in layer.weights))
+
+
+def _why_whole(layer, flow):
+    if _is_projection(layer):
+        if id(layer) in flow.heads:
+            return "an output head, kept whole so the logits are whole"
+        return ("in no MLP or attention pattern (no Dense/EinsumDense pairs "
+                "with it through elementwise ops)")
+    own = sorted({w.path.rsplit("/", 1)[-1] for w in layer.weights}
+                 - {w.path.rsplit("/", 1)[-1]
+                    for sub in _compat.all_layers(layer, include_self=False)
+                    for w in sub.weights})
+    return f"no plan for {type(layer).__name__} weights {own}"
+
+
+class _Dataflow:
+    """Which weight-owning layer reads which, from one symbolic trace.
+
+    `producer` maps each graph tensor a layer returned to that layer;
+    `_reads` walks back from a layer's input through ops of no layer.
+    """
+
+    def __init__(self, units, calls=None, outputs=()):
+        self.units = units
+        self.calls = calls
+        self.producer = {}
+        for layer in units:
+            for _, made in (calls or {}).get(id(layer), []):
+                for tensor in made:
+                    self.producer.setdefault(tensor.name, layer)
+        if calls is None:  # no graph: the last Dense is the head
+            dense = [l for l in units if isinstance(l, keras.layers.Dense)]
+            self.heads = {id(dense[-1])} if dense else set()
+        else:
+            self.heads = {id(l) for l in self._reads(outputs, True)[0]}
+
+    @classmethod
+    def trace(cls, model, units):
+        try:
+            traced = _compat.trace_layer_calls(model, units)
+        except Exception as error:  # noqa: BLE001 (any failure: say what to do)
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"auto_rules traces model {model.name!r} once on symbolic "
+                "inputs of its input signature (inference mode) to see which "
+                "layer feeds which, and that trace failed. Received: "
+                f"{type(error).__name__}: {first}. Make the model callable "
+                "on symbolic inputs (e.g. keras.Input shapes), or write the "
+                "plan by hand: tfpar.LayoutRules({layer regex: "
+                "tfpar.ColumnParallel(), ...})."
+            ) from error
+        return cls(units) if traced is None else cls(units, *traced)
+
+    def input_rank(self, layer):
+        calls = (self.calls or {}).get(id(layer))
+        return calls[0][0][0].shape.rank if calls and calls[0][0] else None
+
+    def _reads(self, tensors, elementwise):
+        """(layers whose outputs reach `tensors`, whether only elementwise
+        ops on them and constants lie between)."""
+        found, pure, seen = {}, True, set()
+        stack = list(tensors)
+        while stack:
+            tensor = stack.pop()
+            if tensor.name in seen:
+                continue
+            seen.add(tensor.name)
+            layer = self.producer.get(tensor.name)
+            if layer is not None:
+                found[id(layer)] = layer
+                continue
+            op = tensor.op
+            if op.type in _SHAPE_OPS or op.type == "Const":
+                continue
+            if op.type not in _ELEMENTWISE_OPS:
+                pure = False  # a model input, a weight, or mixing values
+                if elementwise:
+                    continue
+            stack.extend(op.inputs)
+        return list(found.values()), pure
+
+    def _first_input(self, layer):
+        calls = (self.calls or {}).get(id(layer))
+        return calls[0][0][:1] if calls else []
+
+    def attention(self):
+        """[(output projection, [query/key/value projections])]."""
+        if self.calls is None:
+            return []
+        found = []
+        for layer in self.units:
+            if not (isinstance(layer, keras.layers.EinsumDense)
+                    and _contracts(layer) >= 2):
+                continue
+            sources, _ = self._reads(self._first_input(layer),
+                                     elementwise=False)
+            if sources and all(isinstance(s, keras.layers.EinsumDense)
+                               and _makes(s) >= 2 for s in sources):
+                found.append((layer, sources))
+        return found
+
+    def mlps(self, exclude):
+        """[([column layers], row layer)]: Megatron MLPs, plain or gated."""
+        if self.calls is None:
+            return _chained_dense_pairs(self.units)
+        found, used = [], set(exclude)
+        for layer in self.units:
+            if (not _is_projection(layer) or _contracts(layer) != 1
+                    or id(layer) in self.heads or layer.path in used):
+                continue
+            sources, pure = self._reads(self._first_input(layer),
+                                        elementwise=True)
+            if (pure and sources
+                    and all(_is_projection(s) and _makes(s) == 1
+                            and id(s) not in self.heads
+                            and s.path not in used for s in sources)):
+                found.append((sources, layer))
+                used.update([layer.path] + [s.path for s in sources])
+        return found
+
+
+def _chained_dense_pairs(units):
+    """For subclassed models (no graph): consecutive Dense layers (a, b)
+    whose widths chain (a.units == b's input width), the last Dense being
+    the head."""
+    dense = [l for l in units if isinstance(l, keras.layers.Dense)][:-1]
+    pairs, used = [], set()
+    for a, b in zip(dense, dense[1:]):
+        if id(a) in used or id(b) in used:
+            continue
+        if b.kernel.shape[0] == a.units:
+            pairs.append(([a], b))
+            used.update({id(a), id(b)})
+    return pairs
+
+
+def _normalizes_each_token(layer, rank):
+    """A norm over feature axes only (not batch or sequence) of a rank
+    `rank` input (None: unknown), so each token is normalized alone and
+    sequence parallelism applies. Norms of other libraries normalize the
+    last axis."""
+    if isinstance(layer, _KERAS_NORMS) and not isinstance(
+            layer, (keras.layers.LayerNormalization,
+                    keras.layers.RMSNormalization)):
+        return False  # batch, group and unit norms mix tokens or channels
+    axes = getattr(layer, "axis", -1)
+    axes = list(axes) if isinstance(axes, (list, tuple)) else [axes]
+    if rank is None:  # no trace: only the last axis is sure
+        return axes == [-1]
+    return rank >= 3 and all(a % rank >= 2 for a in axes)
+
+
+def _check_sequence_divides(layer, axis, axis_size):
+    """For functional models: the sequence (dimension 1) of the layer's
+    output must split over the axis. (Subclassed models are checked when
+    the step is traced.)"""
+    try:
+        shape = layer.output.shape
+    except (AttributeError, ValueError):
+        return
+    if len(shape) < 3:
+        raise ValueError(
+            f"Sequence parallelism needs (batch, sequence, features) "
+            f"activations, but layer {layer.path!r} "
+            f"({type(layer).__name__}) outputs shape {tuple(shape)}. "
+            f"Received: rank={len(shape)}. Use sequence_parallel=False for "
+            "models without a sequence dimension."
+        )
+    if shape[1] is not None and shape[1] % axis_size:
+        raise ValueError(
+            f"Layer {layer.path!r} ({type(layer).__name__}) outputs shape "
+            f"{tuple(shape)}: sequence parallelism splits dimension 1 "
+            f"(length {shape[1]}) over mesh axis {axis!r} of size "
+            f"{axis_size}, which does not divide it. Received: "
+            f"sequence length {shape[1]}. Use a multiple of {axis_size} or "
+            "sequence_parallel=False."
+        )
+
+
+def _check_divides(layer, size, axis, axis_size, what):
+    if size % axis_size:
+        raise ValueError(
+            f"Layer {layer.path!r} ({type(layer).__name__}) has {what}={size}, "
+            f"which mesh axis {axis!r} of size {axis_size} does not divide. "
+            f"Received: {what}={size}. Choose a multiple of {axis_size} or "
+            "a smaller axis."
+        )

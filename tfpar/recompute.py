@@ -1,0 +1,214 @@
+"""Activation checkpointing for Keras on TensorFlow: `keras.RematScope`.
+
+Keras 3.15 rematerializes a layer on the TF backend with
+`tf.recompute_grad`, which refuses keyword arguments in graph mode and draws
+new Dropout masks in the recomputation. `recompute` takes its place, with
+the seed replay of `next_seed`: importing this module installs that hook
+(`_compat.install_remat`), and so does making a `ParallelStrategy`. Without
+a strategy, `import tfpar.recompute` (or any use of `tfpar.recompute`) is
+what makes `keras.RematScope` work on TensorFlow.
+
+Example (a layer recomputed in the backward pass, the same gradients):
+
+>>> import keras, numpy as np, tensorflow as tf
+>>> from tfpar.recompute import recompute
+>>> layer = keras.layers.Dense(4)
+>>> x = tf.constant(np.ones((2, 3), "float32"))
+>>> with tf.GradientTape() as tape:
+...     y = recompute(layer)(x)
+>>> [g.shape for g in tape.gradient(y, layer.trainable_weights)]
+[TensorShape([3, 4]), TensorShape([4])]
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from tfpar import _compat
+
+_RECOMPUTING = threading.local()
+# Keras' per-thread attributes a layer's call reads: its `training` value
+# and mixed-precision autocast. The recomputation runs with the forward's.
+_KERAS_CALL_CONTEXT = ("current_call_ctx", "autocast_scope")
+
+
+def _stack(name):
+    return _RECOMPUTING.__dict__.setdefault(name, [])
+
+
+@contextlib.contextmanager
+def _pushed(name, value):
+    """`value` on top of this thread's stack `name` inside the block."""
+    stack = _stack(name)
+    stack.append(value)
+    try:
+        yield value
+    finally:
+        stack.pop()
+
+
+def recompute_dependency():
+    """While a layer is recomputed in the backward pass (see `recompute`):
+    a scalar 0.0 computed from the upstream gradient. A variable read that
+    must run again there adds it to its value. None at any other time."""
+    stack = _stack("dependencies")
+    return stack[-1] if stack else None
+
+
+class _Seeds:
+    """The Keras random seeds a checkpointed call drew in its forward pass,
+    handed out again in the same order when it is recomputed (`replaying`),
+    so Dropout applies the same mask twice."""
+
+    def __init__(self, values=(), replaying=False):
+        self.values = list(values)
+        self.replaying = replaying
+
+
+def next_seed(generator, original, check_replay, ordered=True):
+    """`keras.random.SeedGenerator.next`, replaying inside a recomputation
+    (after `check_replay(generator)`, which may refuse)."""
+    frames = _stack("seeds")
+    if frames and frames[-1].replaying:
+        check_replay(generator)
+        if not frames[-1].values:
+            raise RuntimeError(
+                "A recomputed layer drew more random seeds in the backward "
+                "pass than in its forward pass (e.g. a random op inside "
+                "keras.ops.cond/while_loop, or a branch on a Python value "
+                "that changed), so its recomputation cannot reproduce the "
+                f"forward pass. Received: seed generator {generator.name!r}. "
+                "Leave this layer out of keras.RematScope.")
+        return frames[-1].values.pop(0)
+    value = original(generator, ordered)
+    if frames:
+        frames[-1].values.append(value)
+    return value
+
+
+class _Call:
+    """One call of `f` split into its tensors (which get gradients) and
+    everything else (kept as passed)."""
+
+    def __init__(self, f, args, kwargs):
+        self.f = f
+        self.structure = (args, kwargs)
+        self.leaves = tf.nest.flatten(self.structure)
+        self.at = [i for i, leaf in enumerate(self.leaves) if tf.is_tensor(leaf)]
+
+    def tensors(self):
+        return [self.leaves[i] for i in self.at]
+
+    def run(self, *tensors):
+        """`f` called with `tensors` in place of the call's tensors, as a
+        checkpointed call (its own checkpointed sublayers run plainly)."""
+        filled = list(self.leaves)
+        for i, tensor in zip(self.at, tensors):
+            filled[i] = tensor
+        args, kwargs = tf.nest.pack_sequence_as(self.structure, filled)
+        with _pushed("checkpoints", self.f):
+            return self.f(*args, **kwargs)
+
+
+def _upstream_zero(upstream):
+    """0.0 computed from the first upstream gradient (NaN if it is NaN):
+    the sum of its elements, one all-reduced scalar, not a gather of it."""
+    first = upstream[0]
+    if isinstance(first, tf.IndexedSlices):
+        first = first.values
+    first = tf.reduce_sum(tf.cast(first, tf.float32))
+    return tf.where(tf.equal(first, first), 0.0, float("nan"))
+
+
+def _recomputed_gradients(call, tensors, seeds, context, upstream, variables):
+    """The gradients of `call` at `tensors` (and `variables`), from running
+    it again in the forward pass's Keras `context` with its `seeds`,
+    state updates discarded."""
+    zero = _upstream_zero(upstream)
+    again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t
+             for t in tensors]
+    variables = list(variables or ())
+    with _compat.keras_globals(dict(zip(_KERAS_CALL_CONTEXT, context))), \
+            tf.GradientTape() as tape:
+        tape.watch([t for t in again if t.dtype.is_floating])
+        tape.watch(variables)
+        with _pushed("dependencies", zero), \
+                _pushed("seeds", _Seeds(seeds.values, True)) as replay, \
+                keras.StatelessScope():
+            recomputed = call.run(*again)
+    if replay.values:
+        raise RuntimeError(
+            "A recomputed layer drew fewer random seeds in the backward pass "
+            "than in its forward pass, so its recomputation does not "
+            "reproduce it. Leave it out of keras.RematScope.")
+    grads = tape.gradient(
+        recomputed, again + variables, output_gradients=upstream,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return grads[:len(again)], grads[len(again):]
+
+
+def _checkpointed(call):
+    """`call` run without keeping intermediate results; its gradient
+    recomputes it (`_recomputed_gradients`)."""
+    context = [_compat.keras_global(name) for name in _KERAS_CALL_CONTEXT]
+
+    @tf.custom_gradient
+    def checkpointed(*tensors):
+        # Keep no intermediate results; note the seeds drawn.
+        with _compat.stop_recording(), _pushed("seeds", _Seeds()) as seeds:
+            result = call.run(*tensors)
+
+        def grad(*upstream, variables=None):
+            return _recomputed_gradients(call, tensors, seeds, context,
+                                         upstream, variables)
+
+        return result, grad
+
+    return checkpointed(*call.tensors())
+
+
+def recompute(f):
+    """`f` whose gradient recomputes `f` from its inputs instead of keeping
+    its intermediate results (activation checkpointing).
+
+    Like `tf.recompute_grad`, except that: keyword arguments are accepted
+    (tensor ones get gradients); the recomputation runs in the Keras
+    context of the forward pass (its `training` value and mixed-precision
+    autocast) with state updates discarded (BatchNormalization's moving
+    statistics, seed generators, losses: the forward pass made them) and
+    the Keras random seeds of the forward pass replayed (the same Dropout
+    mask); it waits for the upstream gradient through one all-reduced
+    scalar, 0.0 (NaN if that gradient is NaN), where `tf.recompute_grad`
+    takes the upstream gradient's first element, which DTensor turns into
+    an all-gather of the whole tensor; and `recompute_dependency()` hands
+    that scalar to variable reads, so an fsdp weight is gathered again in
+    the backward pass instead of the forward gather being kept (the
+    compiler merges identical reads). A checkpointed call inside another
+    (a recomputed layer's sublayers) runs plainly: the outer checkpoint
+    recomputes it once. Without a gradient tape (predict, evaluate) `f`
+    just runs.
+    """
+
+    def call(*args, **kwargs):
+        if not _compat.could_record() or _stack("checkpoints"):
+            return f(*args, **kwargs)
+        layer = getattr(f, "__self__", None)  # a Layer's call (or an op's)
+        if not hasattr(layer, "losses"):
+            layer = None
+        losses_before = len(layer.losses) if layer is not None else 0
+        result = _checkpointed(_Call(f, args, kwargs))
+        if layer is not None and len(layer.losses) > losses_before:
+            raise ValueError(
+                f"Layer {layer.name!r} adds a loss in call() (add_loss) and "
+                "is recomputed (keras.RematScope): its forward pass runs "
+                "without recording gradients, so that loss would get none. "
+                "Leave this layer out of the RematScope (e.g. mode="
+                "'list_of_layers' with the other layers' names).")
+        return result
+
+    return call
+
+
+_compat.install_remat(recompute, next_seed)  # this module's opt-in

@@ -1,0 +1,161 @@
+"""Ops DTensor 2.21 can lay out, standing in for Keras/TF ones in a step.
+
+Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
+`ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
+`ops.divide(sparse, dense)` and TF's `tensor[key]` use these instead of
+ops DTensor cannot lay out or lays out wrongly. Each gives the same values
+as the op it replaces (the sampler: the same distribution).
+
+Example:
+
+>>> import numpy as np
+>>> from tfpar.spmd_ops import dense_slice_update
+>>> dense_slice_update(np.zeros((2, 4), "float32"), [0, 1],
+...                    np.ones((2, 2), "float32")).numpy()
+array([[0., 1., 1., 0.],
+       [0., 1., 1., 0.]], dtype=float32)
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar import _compat
+
+
+def dense_slice_update(inputs, start_indices, updates):
+    """`inputs` with `updates` written at `start_indices`, like XLA's
+    DynamicUpdateSlice, from ops DTensor lays out (a gather and a select).
+
+    Along each dimension d where the update is shorter (m_d < n_d), the
+    start is clamped as XLA does, s_d = clip(start_d, 0, n_d - m_d), and
+    position i takes update row i - s_d when 0 <= i - s_d < m_d:
+    expanded = gather(updates, clip(i - s_d, 0, m_d - 1), axis=d), and the
+    result is where(inside, expanded, inputs). Values are copied, not
+    computed: bit-for-bit the same as DynamicUpdateSlice.
+    """
+    inputs = tf.convert_to_tensor(inputs)
+    updates = tf.convert_to_tensor(updates, inputs.dtype)
+    rank = inputs.shape.rank
+    full, part = tf.shape(inputs), tf.shape(updates)
+    inside = tf.ones([1] * rank, tf.bool)
+    expanded = updates
+    for d in range(rank):
+        n, m = inputs.shape[d], updates.shape[d]
+        if n is not None and n == m:
+            continue  # the whole dimension: XLA clamps its start to 0
+        start = tf.clip_by_value(
+            tf.cast(start_indices[d], tf.int32), 0, full[d] - part[d])
+        offset = tf.range(full[d]) - start
+        expanded = tf.gather(
+            expanded, tf.clip_by_value(offset, 0, part[d] - 1), axis=d)
+        shape = [1] * rank
+        shape[d] = -1
+        inside = tf.logical_and(inside, tf.reshape(
+            tf.logical_and(offset >= 0, offset < part[d]), shape))
+    return tf.where(inside, expanded, inputs)
+
+
+def _is_scalar_index(item):
+    """A Python int or a scalar integer tensor: an index that drops its
+    dimension in `tensor[key]`."""
+    if isinstance(item, (bool, np.bool_)):
+        return False
+    if isinstance(item, (int, np.integer)):
+        return True
+    return (isinstance(item, tf.Tensor) and item.shape.rank == 0
+            and item.dtype.is_integer)
+
+
+def index_keeping_dims(tensor, key):
+    """`tensor[key]` with no StridedSlice that drops a dimension: a Python
+    integer index i is taken as the slice i:i+1 and that dimension squeezed
+    after, a tensor index is a `tf.gather` along its dimension. The same
+    values. None when `key` needs the plain path (no integer index,
+    boolean or list indices, unknown rank).
+
+    DTensor 2.21 lays out a StridedSlice that drops a dimension d wrongly
+    when a later dimension is sharded: the output keeps the sharding at the
+    old position (dimension + 1), so `cache[:, i, ...]` of a cache split by
+    heads comes out split by head size, with wrong values or a failed
+    compile (tests/dtensor_shrink_slice_repro.py). This is keras-hub's
+    KV-cache indexing.
+    """
+    items = key if isinstance(key, tuple) else (key,)
+    rank = tensor.shape.rank
+    if rank is None or not any(_is_scalar_index(i) for i in items) or not all(
+            i is None or i is Ellipsis or isinstance(i, slice)
+            or _is_scalar_index(i) for i in items):
+        return None
+    used = sum(i is not None and i is not Ellipsis for i in items)
+    new_key, squeeze, gathers, in_axis, out_axis = [], [], [], 0, 0
+    for item in items:
+        if item is Ellipsis or item is None:
+            skipped = rank - used if item is Ellipsis else 0
+            in_axis += skipped
+            out_axis += skipped if item is Ellipsis else 1
+            new_key.append(item)
+            continue
+        if isinstance(item, tf.Tensor):  # gathered below (negative: from
+            size = tf.shape(tensor, out_type=item.dtype)[in_axis]  # the end)
+            gathers.append((out_axis, tf.where(item < 0, item + size, item)))
+            item = slice(None)
+        elif _is_scalar_index(item):
+            item = int(item)  # -1 is the slice -1: (to the end)
+            item = slice(item, item + 1 if item != -1 else None)
+            squeeze.append(out_axis)
+        new_key.append(item)
+        in_axis += 1
+        out_axis += 1
+    result = _compat.unpatched(tf.Tensor, "__getitem__")(
+        tensor, tuple(new_key))
+    for axis, index in reversed(gathers):  # later axes first: positions hold
+        result = tf.gather(result, index, axis=axis)
+    # A gather at an axis before a squeezed one moved it down by one.
+    squeeze = [a - sum(g < a for g, _ in gathers) for a in squeeze]
+    return tf.squeeze(result, squeeze) if squeeze else result
+
+
+def gumbel_categorical(logits, num_samples, seed, replicate):
+    """`num_samples` draws per row from softmax(`logits`), by Gumbel-max:
+    argmax_j(logits_j - log(-log u_j)) with u uniform in (0, 1) is class j
+    with probability softmax(logits)_j. `seed` is a stateless seed (2,);
+    `replicate(u)` lays the uniform numbers out whole on every device, so
+    they do not depend on how the mesh splits the logits. Ops DTensor
+    lays out, unlike TF's StatelessMultinomial (a different draw from it:
+    the same distribution, not the same numbers).
+    """
+    logits = tf.convert_to_tensor(logits, tf.float32)
+    shape = tf.concat([tf.shape(logits)[:1], [num_samples],
+                       tf.shape(logits)[1:]], 0)
+    u = replicate(tf.random.stateless_uniform(
+        shape, seed, minval=np.finfo(np.float32).tiny, maxval=1.0))
+    return tf.argmax(logits[:, None, :] - tf.math.log(-tf.math.log(u)),
+                     axis=-1)
+
+
+def sparse_quotient(x1, x2, divide):
+    """x1 / x2 for IndexedSlices x1 and dense x2, as Keras computes it.
+
+    Each slice j of x1 (row i_j) becomes v_j / x2[i_j]. Keras also adds the
+    rows no slice touches where x2 has a zero or NaN, with 0 / x2[i] (NaN or
+    +-inf there, 0 elsewhere in the row). Here every row r of x2 gets one
+    extra slice: 0 / x2[r] for those rows, zeros for all others. Zeros add
+    nothing wherever the slices are summed (scatter_add, densifying) and
+    square to zero, so every update equals Keras', with a static number of
+    slices (len(x1.indices) + rows).
+    """
+    rows = x2.shape[0]
+    indices = x1.indices
+    quotient = divide(x1.values, tf.gather(x2, indices))
+    zero_or_nan = tf.reduce_any(
+        tf.logical_or(tf.equal(x2, 0), tf.math.is_nan(x2)),
+        axis=list(range(1, x2.shape.rank)))
+    touched = tf.math.unsorted_segment_sum(  # (DTensor has no segment max)
+        tf.ones_like(indices), indices, rows) > 0
+    extra_rows = tf.logical_and(zero_or_nan, tf.logical_not(touched))
+    mask = tf.reshape(extra_rows, [rows] + [1] * (x2.shape.rank - 1))
+    extra = tf.where(mask, divide(tf.zeros_like(x2), x2), tf.zeros_like(x2))
+    return tf.IndexedSlices(
+        tf.concat([quotient, tf.cast(extra, quotient.dtype)], axis=0),
+        tf.concat([indices, tf.range(rows, dtype=indices.dtype)], axis=0),
+        x1.dense_shape)

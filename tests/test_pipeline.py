@@ -18,7 +18,8 @@ import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
-from tfpar.pipeline.model import PipelineRunner
+from tfpar.pipeline.runner import PipelineRunner
+from tfpar.training import StagedModel
 
 import models
 
@@ -166,6 +167,20 @@ def test_activations_and_gradients_cross_stages():
     forward = [k for k in sends if "send_0_to_1" in k]
     backward = [k for k in sends if "send_1_to_0" in k]
     assert len(forward) == len(backward) == 4   # one per micro-batch
+
+
+def test_pipeline_model_is_a_staged_model_of_parts():
+    """The strategy, checkpoints and reports find the pipeline by its
+    protocol; each part owns its mesh, weights and optimizer."""
+    strategy, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2)
+    assert isinstance(pipe, StagedModel)
+    assert [part.mesh for part in pipe.parts] == strategy.stage_meshes
+    assert sum(len(part.weights) for part in pipe.parts) == len(
+        pipe.trainable_weights)
+    pipe.compile(optimizer="adam", loss="mse")
+    optimizers = pipe.stage_optimizers  # made on first use
+    assert [part.optimizer for part in pipe.parts] == optimizers
+    assert optimizers[-1] is pipe.optimizer
 
 
 def test_skip_connection_is_carried_across_stages():

@@ -104,6 +104,7 @@ def _strategy_hooks():
     import types  # noqa: PLC0415
 
     from tfpar import strategy  # noqa: PLC0415
+    from tfpar import training  # noqa: PLC0415
 
     def owns(candidate):
         return isinstance(candidate, strategy.ParallelStrategy)
@@ -112,12 +113,13 @@ def _strategy_hooks():
         return strategy.in_spmd_step()
 
     return types.SimpleNamespace(
-        function_for=strategy._keras_function_for,  # noqa: SLF001
+        function_for=training.keras_function_for,
+        eager_call=training.eager_model_call,
         owns=owns,
         in_step=in_step,
         in_graph_step=lambda: not tf.executing_eagerly() and owns(
             tf.distribute.get_strategy()),
-        strategy_of_layer=strategy._strategy_of_layer,  # noqa: SLF001
+        strategy_of_layer=training.strategy_of_layer,
         replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
         if in_step() else None)
 
@@ -185,7 +187,8 @@ def _symbolic_build_from_spec(original, hooks):
 
 def _eager_model_call(_, hooks):
     """An eager call of a model built under a tfpar strategy runs through
-    its `eager_model_call`; other models (and every layer) keep theirs."""
+    `tfpar.training.eager_model_call`; other models (and every layer) keep
+    theirs."""
     cls = _tf_trainer()
 
     def original_call(self, *args, **kwargs):
@@ -196,8 +199,8 @@ def _eager_model_call(_, hooks):
         # The strategy the model was built under, not merely the current one.
         strategy = getattr(self, "_distribute_strategy", None)
         if tf.executing_eagerly() and hooks.owns(strategy):
-            return strategy.extended.eager_model_call(
-                original_call, self, args, kwargs)
+            return hooks.eager_call(strategy, original_call, self, args,
+                                    kwargs)
         return original_call(self, *args, **kwargs)
 
     return __call__

@@ -78,6 +78,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar import training
 
 FORMAT = "tfpar-checkpoint"
 # Version 2 added the per-file "crc32"; version 1 checkpoints (no checksums)
@@ -422,9 +423,9 @@ def _assign_all(path, saved, targets, model, optimizer):
             _compat.backing_variable(variable).assign(value)
             del value
             done += 1
-        sync = getattr(model, "sync_stage_optimizers", None)
-        if optimizer and sync is not None:
-            sync(iterations=True)  # PipelineModel: counters of every stage
+        if optimizer and isinstance(model, training.StagedModel):
+            # PipelineModel: counters of every part's optimizer.
+            model.sync_stage_optimizers(iterations=True)
     except Exception as error:
         if done == 0:
             raise
@@ -463,7 +464,8 @@ def _entries(model, optimizer):
         # A tfpar.PipelineModel has one optimizer per stage: the slots of
         # all of them, the counters of the main one (the others mirror it),
         # so its checkpoints are those of the plain model.
-        for stage_opt in getattr(model, "stage_optimizers", None) or [opt]:
+        staged = isinstance(model, training.StagedModel)
+        for stage_opt in (model.stage_optimizers if staged else None) or [opt]:
             for variable in stage_opt.variables:
                 key = _optimizer_key(variable, trainable)
                 if stage_opt is opt or ":" in key:
@@ -496,7 +498,7 @@ def _optimizer_key(variable, trainable):
 
 
 def _build_optimizer(model):
-    if hasattr(model, "stage_optimizers"):
+    if isinstance(model, training.StagedModel):
         model.stage_optimizers  # noqa: B018 (builds each stage's optimizer)
         return
     opt = getattr(model, "optimizer", None)

@@ -63,6 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import _compat
+from tfpar import training
 
 _KINDS = {
     "CollectiveReduceV2": "all-reduce",
@@ -223,7 +224,8 @@ def communication_report(target, *args, **kwargs):
         concrete = target.get_concrete_function(*args, **kwargs)
         return report_for_traced(_compat.traced_function_name(concrete))
     if _is_keras_model(target):
-        return _keras_report(target, *args, **kwargs)
+        return keras_program(target, *args, caller="communication_report",
+                             **kwargs).report()
     raise TypeError(
         "communication_report needs a Keras model compiled under a "
         "tfpar.ParallelStrategy, or a tf.function. Received: "
@@ -637,11 +639,6 @@ def _is_keras_model(target):
     return isinstance(target, keras.Model)
 
 
-def _keras_report(model, x, y=None, sample_weight=None):
-    return keras_program(model, x, y, sample_weight, "communication_report"
-                         ).report()
-
-
 def keras_program(model, x, y=None, sample_weight=None,
                   caller="communication_report"):
     """The expanded program (a `_Program`) of one training step of `model`
@@ -671,22 +668,14 @@ def keras_program(model, x, y=None, sample_weight=None,
     if not model.optimizer.built:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
+    # The step `fit` runs, built by the runner `fit` uses.
+    runner = training.make_runner(model, extended, "train")
     state = _state_variables(model)
     saved = [tf.identity(_compat.backing_variable(v).read_value())
              for v in state]
     known = {id(v) for v in state}
-
-    @tf.function
-    def train_step(batch):
-        with extended.replica_scope():
-            outputs = model.train_step(batch)
-        return tf.nest.map_structure(extended.replicate, outputs)
-
-    placed = extended.input_placer.place(host)
     try:
-        with _compat.collective_all_gathers(extended.real_all_gathers):
-            train_step(placed)
-        concrete = train_step.get_concrete_function(placed)
+        concrete = runner.traced_step(host)
         return program_for_traced(_compat.traced_function_name(concrete))
     finally:
         for variable, value in zip(state, saved):

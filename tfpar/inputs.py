@@ -127,7 +127,7 @@ class InputPlacer:
                 components.append(tf.constant(array[tuple(index)]))
             return dtensor.pack(components, dtensor.Layout(spec, dmesh))
 
-        return tf.nest.map_structure(put, _host(batch))
+        return tf.nest.map_structure(put, host_batch(batch))
 
     def agree_on_batch_count(self, dataset):
         """Per host: checks that every host's dataset has as many batches
@@ -279,17 +279,23 @@ class BatchIterator:
     def _read(self):
         """The next host batch or None at the end (hosts agreeing on it
         under per-host input)."""
-        batch = _host(next(self._host_iterator, None))
+        batch = host_batch(next(self._host_iterator, None))
         self._step += 1
         return self._placer.agree_on_batch(batch, self._step)
 
 
-def _host(batch):
-    if batch is None:
-        return None
+def host_batch(batch):
+    """A batch as host tensors: Keras' `Optional` stand-ins for missing
+    entries become None, arrays become tensors (tensors, sparse or ragged
+    ones included, stay as they are).
+
+    >>> import numpy as np
+    >>> host_batch((np.ones(2), None))[0].dtype.name
+    'float64'
+    """
     return tf.nest.map_structure(
-        lambda t: None if isinstance(t, tf.experimental.Optional) else t,
-        batch)
+        lambda t: None if t is None or isinstance(t, tf.experimental.Optional)
+        else t if tf.is_tensor(t) else tf.convert_to_tensor(t), batch)
 
 
 def _host_blocks(mesh, data_axis):

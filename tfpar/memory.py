@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import communication
+from tfpar import training
 
 KINDS = ("params", "gradients", "optimizer", "other", "activations",
          "gathered", "peak")
@@ -141,7 +142,7 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
         A `MemoryReport`: {device name: {"params", "gradients",
         "optimizer", "other", "activations", "gathered", "peak": bytes}}.
     """
-    if getattr(model, "_tfpar_pipeline_runner", None) is not None:
+    if isinstance(model, training.StagedModel):
         raise ValueError(
             f"memory_report reads one SPMD program, and {model.name!r} is a "
             "tfpar.PipelineModel, whose step spans one program per stage. "

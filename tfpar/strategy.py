@@ -21,12 +21,10 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import collectives
-from tfpar import compile_errors
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import styles
-from tfpar import training
 from tfpar import variables as variables_lib
 from tfpar import parallel_dims
 from tfpar.parallel_dims import ParallelDims
@@ -301,52 +299,6 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.check_rules_used()
         return _ReplicaScope(self._container_strategy())
 
-    def keras_function(self, model, mode):
-        """Builds `model.{mode}_function` (see `tfpar.training`; a
-        `tfpar.PipelineModel` brings its own runner). DTensor's compile
-        errors in it name the layers (`tfpar.compile_errors`)."""
-        self.check_context()
-        if model.built:  # else its weights come in the first step
-            self.check_rules_used()
-        if mode == "generate":
-            return training.make_generate_function(model, self)
-        make_runner = getattr(model, "_tfpar_pipeline_runner", None)
-        if make_runner is not None:
-            return compile_errors.explaining(
-                training.make_function(model, self, mode,
-                                       runner=make_runner(mode)),
-                model, self, mode)
-        if len(self.stage_meshes) > 1:
-            raise ValueError(
-                f"The mesh has a pipeline axis {self.pipeline_axis!r} of size "
-                f"{len(self.stage_meshes)}, so a model needs stages to run "
-                f"on it. Received: model {model.name!r} of type "
-                f"{type(model).__name__}. Wrap it in the scope: "
-                "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
-                "or drop the pipeline axis from the mesh."
-            )
-        return compile_errors.explaining(
-            training.make_function(model, self, mode), model, self, mode)
-
-    def eager_model_call(self, call, model, args, kwargs):
-        """`model(x)` run eagerly: host arrays go to the mesh (split over the
-        data axis when it divides them) and outputs come back replicated, so
-        `.numpy()` works on them. (Eager gradients through DTensor ops are
-        not supported by DTensor itself; train with `fit` or `strategy.run`
-        inside a `tf.function`.)"""
-        self.check_context()
-        pipeline_call = getattr(model, "_tfpar_eager_call", None)
-        if pipeline_call is not None:
-            return pipeline_call(args, kwargs)
-        if self.placement_mesh is None:  # weights still on the host
-            return call(model, *args, **kwargs)
-        args, kwargs = self.input_placer.place_arrays((args, kwargs))
-        # Tensors the model makes from no input (keras-hub's causal masks
-        # from `ops.arange`) are made on the mesh, replicated, instead of on
-        # the host, where DTensor refuses to mix them with DTensors.
-        with dtensor.default_mesh(self.mesh.dtensor_mesh):
-            outputs = call(model, *args, **kwargs)
-        return tf.nest.map_structure(self.replicate, outputs)
 
     def replicate(self, value):
         """`value` relaid out so that every device holds all of it."""
@@ -530,35 +482,4 @@ class _ReplicaScope:
     def __exit__(self, *exc):
         self._context.__exit__(*exc)
         self._scope.__exit__(*exc)
-
-
-def _keras_function_for(model, mode):
-    strategy = model.distribute_strategy
-    if not isinstance(strategy, ParallelStrategy):
-        # e.g. keras.Model(model.inputs, model.get_layer(...).output) made
-        # outside the scope from layers whose weights live on a mesh.
-        strategy = _owning_strategy(model)
-    if strategy is None:
-        return None
-    return strategy.extended.keras_function(model, mode)
-
-
-def _owning_strategy(model):
-    """The ParallelStrategy that made `model`'s weights, or None."""
-    for weight in model.weights:
-        backing = _compat.backing_variable(weight)
-        if isinstance(backing, ShardedVariable):
-            extended = backing._tfpar_extended()  # noqa: SLF001
-            return None if extended is None else extended._container_strategy()  # noqa: SLF001
-    return None
-
-
-def _strategy_of_layer(owner):
-    """The ParallelStrategy that made the weights of Keras layer `owner`,
-    or None (not a layer, or weights not on a mesh)."""
-    import keras  # noqa: PLC0415
-
-    if not isinstance(owner, keras.layers.Layer):
-        return None
-    return _owning_strategy(owner)
 

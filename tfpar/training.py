@@ -1,27 +1,42 @@
 """Keras train/test/predict (and keras-hub generate) functions for models
-under a ParallelStrategy.
+under a ParallelStrategy: the step runners and the routing to them.
 
 Keras builds its step functions for per-replica strategies. Under a
 `ParallelStrategy` tfpar builds them instead (`_compat` routes
-`make_train_function` and friends here), because one SPMD program needs its
-inputs placed on the mesh before the `tf.function` is entered, and because
-running several steps per call is the main lever on speed:
+`make_train_function` and friends to `keras_function_for` here), because
+one SPMD program needs its inputs placed on the mesh before the
+`tf.function` is entered, and because running several steps per call is the
+main lever on speed. One `Runner` base compiles the step (`tf.function`, or
+eagerly under `run_eagerly`), and assembles predictions on the host; its two
+cases are
 
-- `steps_per_execution = k` stacks k equal global batches on the host into
-  one (k, batch, ...) tensor, places it split along the data axis on
-  dimension 1, and runs the k steps in one `tf.function` call (a
-  `tf.while_loop`); Keras only reads the logs of the last step.
-- A batch the data axis does not divide (the last, partial batch of an
-  epoch; any evaluate/predict batch) runs alone, replicated over the data
-  axis (see `inputs`).
+- `StepRunner`, the plain SPMD step (`model.train_step` in the strategy's
+  replica context on the whole mesh): `steps_per_execution = k` stacks k
+  equal global batches on the host into one (k, batch, ...) tensor, places
+  it split along the data axis on dimension 1, and runs the k steps in one
+  `tf.function` call (a `tf.while_loop`); Keras only reads the logs of the
+  last step. A batch the data axis does not divide (the last, partial batch
+  of an epoch; any evaluate/predict batch) runs alone, replicated over the
+  data axis (see `inputs`).
+- the pipeline step of a `StagedModel` (`tfpar.PipelineModel`), which
+  brings its own runner (`tfpar.pipeline.runner.PipelineRunner`).
+
+Example (what `model.fit` calls under a strategy):
+
+>>> runner = make_runner(model, strategy.extended, "train")  # doctest: +SKIP
+>>> logs = runner.run([(x, y)])                              # doctest: +SKIP
 """
 
+import abc
 import functools
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import compile_errors
+from tfpar import inputs as inputs_lib
 from tfpar import placement
 
 
@@ -34,34 +49,103 @@ def _named_partial(method):
     return partial
 
 
-class StepRunner:
-    """Runs one kind of Keras step (train, test or predict) on the mesh."""
+class StagedModel(abc.ABC):
+    """A Keras model whose steps run over pipeline stages (the protocol
+    `tfpar.PipelineModel` implements): it brings its own step runner, runs
+    eager calls itself, and keeps one optimizer per model part. The strategy
+    (step routing) and checkpoints (optimizer state) check for it with
+    `isinstance`.
+
+    >>> issubclass(tfpar.PipelineModel, StagedModel)  # doctest: +SKIP
+    True
+    """
+
+    @abc.abstractmethod
+    def make_runner(self, mode):
+        """The `Runner` of Keras step `mode` ("train", "test", "predict")."""
+
+    @abc.abstractmethod
+    def eager_call(self, args, kwargs):
+        """`model(*args, **kwargs)` on concrete inputs, outside any step."""
+
+    @property
+    @abc.abstractmethod
+    def stage_optimizers(self):
+        """One built optimizer per model part, `model.optimizer` last."""
+
+    @abc.abstractmethod
+    def sync_stage_optimizers(self, iterations=False):
+        """Copies `model.optimizer`'s learning rate (and, with
+        `iterations`, its step counter) into the other parts' optimizers."""
+
+
+class Runner(abc.ABC):
+    """Runs one kind of Keras step (train, test or predict) on the mesh:
+    compiles it (`compiled`) and assembles predictions (`run`); the two
+    cases say how a batch runs (`run_steps`, `predict_batch`)."""
+
+    eager_training_error = (
+        "compile(run_eagerly=True) cannot train under "
+        "ParallelStrategy: DTensor does not support eager gradients. "
+        "Received: run_eagerly=True. Compile with run_eagerly=False "
+        "(the default) to train; evaluate/predict may run eagerly.")
 
     def __init__(self, model, extended, mode):
         if model.run_eagerly and mode == "train":
-            raise ValueError(
-                "compile(run_eagerly=True) cannot train under "
-                "ParallelStrategy: DTensor does not support eager gradients. "
-                "Received: run_eagerly=True. Compile with run_eagerly=False "
-                "(the default) to train; evaluate/predict may run eagerly."
-            )
-        extended.adopt_state_variables(model)
+            raise ValueError(self.eager_training_error)
+        self._model = model
         self._extended = extended
-        self._placer = extended.input_placer
         self._mode = mode
+
+    def compiled(self, step, reduce_retracing=True):
+        """`step` as the function to call: itself under `run_eagerly`, else
+        a `tf.function`. (Of a `functools.partial`: TF counts retracings per
+        Python function (per code object), so the steps of every model and
+        mode, traced once each, would add up to "triggered tf.function
+        retracing" warnings; a partial makes each runner's count its own.)"""
+        if self._model.run_eagerly:
+            return step
+        return tf.function(_named_partial(step),
+                           reduce_retracing=reduce_retracing)
+
+    def run(self, host_batches):
+        """Runs the step over `host_batches` (a list).
+
+        Train and test return the logs of the last step (replicated
+        DTensors); predict returns every batch's outputs concatenated, as
+        host tensors.
+        """
+        batches = list(host_batches)
+        if self._mode == "predict":
+            outputs = [self.predict_batch(b) for b in batches]
+            return tf.nest.map_structure(
+                lambda *xs: tf.constant(np.concatenate(xs)), *outputs)
+        return self.run_steps(batches)
+
+    @abc.abstractmethod
+    def run_steps(self, host_batches):
+        """Train or test steps over the batches; the last step's logs."""
+
+    @abc.abstractmethod
+    def predict_batch(self, host_batch):
+        """The model's outputs on one batch, as host arrays."""
+
+
+class StepRunner(Runner):
+    """The plain SPMD step: `model.{train,test,predict}_step` on the whole
+    mesh (see module doc)."""
+
+    def __init__(self, model, extended, mode):
+        super().__init__(model, extended, mode)
+        extended.adopt_state_variables(model)
+        self._placer = extended.input_placer
         self._step_fn = {
             "train": model.train_step,
             "test": model.test_step,
             "predict": model.predict_step,
         }[mode]
-        # tf.function of a functools.partial: TF counts retracings per
-        # Python function (per code object), so the steps of every model and
-        # mode, traced once each, would add up to "triggered tf.function
-        # retracing" warnings; a partial makes each runner's count its own.
-        wrap = (lambda f: f) if model.run_eagerly else (
-            lambda f: tf.function(_named_partial(f), reduce_retracing=True))
-        self._one_step = wrap(self._in_replica)
-        self._many_steps = wrap(self._loop)
+        self._one_step = self.compiled(self._in_replica)
+        self._many_steps = self.compiled(self._loop)
         self._compiled = set()  # input signatures already run (see _call)
 
     def _in_replica(self, batch):
@@ -94,23 +178,13 @@ class StepRunner:
         )
         return outputs
 
-    def run(self, host_batches):
-        """Runs the step over `host_batches` (a list).
+    def predict_batch(self, host_batch):
+        return _fetch_all(self._call(self._one_step,
+                                     self._placer.place(host_batch)))
 
-        Train and test return the logs of the last step (replicated
-        DTensors); predict returns every batch's outputs concatenated, as
-        host tensors.
-        """
-        batches = list(host_batches)
-        if self._mode == "predict":
-            outputs = [
-                _fetch_all(self._call(self._one_step, self._placer.place(b)))
-                for b in batches
-            ]
-            return tf.nest.map_structure(
-                lambda *xs: tf.constant(np.concatenate(xs)), *outputs)
+    def run_steps(self, host_batches):
         outputs = None
-        for group in self._stackable_runs(batches):
+        for group in self._stackable_runs(host_batches):
             if len(group) == 1:
                 outputs = self._call(self._one_step,
                                      self._placer.place(group[0]))
@@ -121,6 +195,14 @@ class StepRunner:
                 outputs = self._call(self._many_steps,
                                      self._placer.place(stacked, batch_dim=1))
         return outputs
+
+    def traced_step(self, host_batch):
+        """Runs one step on `host_batch` (as `fit` does) and returns its
+        concrete function, whose compiled program `tfpar.communication`
+        reads."""
+        placed = self._placer.place(host_batch)
+        self._call(self._one_step, placed)
+        return self._one_step.get_concrete_function(placed)
 
     def _call(self, function, placed):
         """`function(placed)`; a call with inputs of a new signature (one
@@ -160,16 +242,16 @@ def _fetch_all(outputs):
 def make_function(model, extended, mode, runner=None):
     """The function Keras calls as `model.{train,test,predict}_function`.
 
-    `runner` (default: a `StepRunner`) has `run(host_batches)`.
+    `runner` (default: `make_runner`'s) is a `Runner`.
     """
-    runner = runner or StepRunner(model, extended, mode)
+    runner = runner or make_runner(model, extended, mode)
 
     if mode == "predict":
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
             with _compat.quiet_cpp_info_logs():
-                return runner.run([_as_batch(b) for b in data])
+                return runner.run([inputs_lib.host_batch(b) for b in data])
 
         return predict_function
 
@@ -189,18 +271,101 @@ def make_function(model, extended, mode, runner=None):
     return function
 
 
-def _as_batch(data):
-    """Host tensors for a batch; Keras' `Optional` stand-ins become None."""
-    return tf.nest.map_structure(
-        lambda t: None if t is None or isinstance(t, tf.experimental.Optional)
-        else tf.convert_to_tensor(t), data)
-
-
 def _next_host_batch(iterator, check):
     next_host = getattr(iterator, "next_host_batch", None)
     if next_host is None:
-        return _as_batch(next(iterator))
+        return inputs_lib.host_batch(next(iterator))
     return next_host(check=check)
+
+
+def make_runner(model, extended, mode):
+    """The `Runner` of `model`'s Keras step `mode`: a `StagedModel`'s own,
+    else the plain SPMD `StepRunner` (which a mesh with a pipeline axis
+    cannot run)."""
+    if isinstance(model, StagedModel):
+        return model.make_runner(mode)
+    if len(extended.stage_meshes) > 1:
+        raise ValueError(
+            f"The mesh has a pipeline axis {extended.pipeline_axis!r} of size "
+            f"{len(extended.stage_meshes)}, so a model needs stages to run "
+            f"on it. Received: model {model.name!r} of type "
+            f"{type(model).__name__}. Wrap it in the scope: "
+            "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
+            "or drop the pipeline axis from the mesh."
+        )
+    return StepRunner(model, extended, mode)
+
+
+def keras_function(extended, model, mode):
+    """Builds `model.{mode}_function` under the strategy of `extended` (see
+    module doc). DTensor's compile errors in it name the layers
+    (`tfpar.compile_errors`)."""
+    extended.check_context()
+    if model.built:  # else its weights come in the first step
+        extended.check_rules_used()
+    if mode == "generate":
+        return make_generate_function(model, extended)
+    return compile_errors.explaining(
+        make_function(model, extended, mode), model, extended, mode)
+
+
+def keras_function_for(model, mode):
+    """`keras_function` under the strategy `model` belongs to; None (Keras'
+    own function) for a model of no ParallelStrategy."""
+    from tfpar import strategy as strategy_lib  # noqa: PLC0415 (a cycle)
+
+    strategy = model.distribute_strategy
+    if not isinstance(strategy, strategy_lib.ParallelStrategy):
+        # e.g. keras.Model(model.inputs, model.get_layer(...).output) made
+        # outside the scope from layers whose weights live on a mesh.
+        strategy = owning_strategy(model)
+    if strategy is None:
+        return None
+    return keras_function(strategy.extended, model, mode)
+
+
+def owning_strategy(model):
+    """The ParallelStrategy that made `model`'s weights, or None."""
+    from tfpar import strategy as strategy_lib  # noqa: PLC0415 (a cycle)
+
+    for weight in model.weights:
+        backing = _compat.backing_variable(weight)
+        if isinstance(backing, strategy_lib.ShardedVariable):
+            extended = backing._tfpar_extended()  # noqa: SLF001
+            return None if extended is None else extended._container_strategy()  # noqa: SLF001
+    return None
+
+
+def strategy_of_layer(owner):
+    """The ParallelStrategy that made the weights of Keras layer `owner`,
+    or None (not a layer, or weights not on a mesh)."""
+    import keras  # noqa: PLC0415
+
+    if not isinstance(owner, keras.layers.Layer):
+        return None
+    return owning_strategy(owner)
+
+
+def eager_model_call(strategy, call, model, args, kwargs):
+    """`model(x)` run eagerly under `strategy`: host arrays go to the mesh
+    (split over the data axis when it divides them) and outputs come back
+    replicated, so `.numpy()` works on them. (Eager gradients through
+    DTensor ops are not supported by DTensor itself; train with `fit` or
+    `strategy.run` inside a `tf.function`.) A `StagedModel` runs the call
+    itself."""
+    extended = strategy.extended
+    extended.check_context()
+    if isinstance(model, StagedModel):
+        return model.eager_call(args, kwargs)
+    if extended.placement_mesh is None:  # weights still on the host
+        return call(model, *args, **kwargs)
+    args, kwargs = extended.input_placer.place_arrays((args, kwargs))
+    # Tensors the model makes from no input (keras-hub's causal masks
+    # from `ops.arange`) are made on the mesh, replicated, instead of on
+    # the host, where DTensor refuses to mix them with DTensors.
+    with dtensor.default_mesh(extended.mesh.dtensor_mesh):
+        outputs = call(model, *args, **kwargs)
+    return tf.nest.map_structure(extended.replicate, outputs)
 
 
 def make_generate_function(model, extended):
@@ -240,7 +405,7 @@ def make_generate_function(model, extended):
             return model.generate_step(inputs, *args, **kwargs)
 
     def generate_function(inputs, *args, **kwargs):
-        placed = extended.input_placer.place(_as_batch(inputs))
+        placed = extended.input_placer.place(inputs_lib.host_batch(inputs))
         outputs = step(placed, *args, **kwargs)
         return tf.nest.map_structure(
             lambda t: tf.constant(placement.fetch(t)), outputs)

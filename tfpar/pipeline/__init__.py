@@ -3,9 +3,12 @@
 Which stage runs which forward/backward, in what order (`gpipe`,
 `one_f_one_b`, the zero-bubble `zero_bubble` with split backwards), a dependency-respecting simulation of the resulting
 timeline, its bubble fraction, and text/PNG renderings — all device-free —
-plus `split_model` (cutting a Keras graph into stages). The runtime that
+plus `split_model` (cutting a Keras graph into parts). The runtime that
 executes them on sub-meshes is `tfpar.PipelineModel`
-(`tfpar/pipeline/model.py`).
+(`tfpar/pipeline/model.py`: the Keras face; `part.py`: a model part with
+its forward and backward; `runner.py`: the step, a loop over the
+schedule's actions; `ordering.py`: the tokens that keep a stage's actions
+in order).
 
 Example:
 
@@ -29,11 +32,12 @@ from tfpar.pipeline.schedules import (
     zero_bubble,
 )
 from tfpar.pipeline.timeline import format_timeline, plot_schedule
-from tfpar.pipeline.split import Stage, split_model
+from tfpar.pipeline.split import Part, Stage, split_model
 
 __all__ = [
     "SCHEDULE_NAMES",
     "Action",
+    "Part",
     "Schedule",
     "Stage",
     "TimelineEntry",

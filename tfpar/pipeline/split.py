@@ -1,4 +1,7 @@
-"""Cutting a Keras Sequential or functional model into pipeline stages.
+"""Cutting a Keras Sequential or functional model into pipeline parts.
+
+(A part is one run of layers on one stage's mesh; a stage holds v parts
+when interleaved, one otherwise. Below, "stage" is a part of the cut.)
 
 A model's graph is run in Keras' own order (deepest node first). Its layers,
 in order of first use, are cut into `p` consecutive runs: stage `s` runs
@@ -39,8 +42,9 @@ BALANCE_MODES = ("params", "time")
 
 
 @dataclasses.dataclass
-class Stage:
-    """One pipeline stage of a split model.
+class Part:
+    """The layers of one model part of a split model (a pipeline stage's
+    without interleaving; `tfpar.pipeline.part.ModelPart` runs them).
 
     Attributes:
         index: 0 for the stage that reads the model inputs.
@@ -70,6 +74,9 @@ class Stage:
     def layer_names(self):
         """Its layers' paths ("backbone/block_1"; the name at top level)."""
         return list(self.paths or [layer.name for layer in self.layers])
+
+
+Stage = Part  # its name before parts and stages were told apart
 
 
 class GraphNode:
@@ -232,7 +239,7 @@ def balanced_cuts(costs, num_stages):
 
 
 def split_model(model, num_stages, boundaries=None, costs=None):
-    """Cuts `model` into `num_stages` stages (a list of `Stage`).
+    """Cuts `model` into `num_stages` parts (a list of `Part`).
 
     Args:
         model: a built Sequential or functional Keras model.
@@ -261,28 +268,9 @@ def split_model(model, num_stages, boundaries=None, costs=None):
     if costs is None:
         costs = [num_params(layer) for layer in layers]
     edges = [0] + list(starts) + [len(layers)]
-    # A stage begins at the first call of its first layer; every node runs
-    # on the stage its position falls in. A layer lives on the stage of its
-    # first call (its home); a later call on another stage (a tied output
-    # head reusing the input embedding) reads it there (`Stage.guests`).
-    first_call = {}
-    for n, node in enumerate(nodes):
-        first_call.setdefault(id(node.operation), n)
-    cuts = [first_call[id(layers[i])] for i in starts]
-    produced_in = {id(t): -1 for t in inputs}  # -1: a model input
-    stage_nodes = [[] for _ in range(num_stages)]
-    last_reader = {}
-    s = 0
-    for n, node in enumerate(nodes):
-        while s < len(cuts) and n >= cuts[s]:
-            s += 1
-        for tensor in node.inputs:
-            last_reader[id(tensor)] = max(last_reader.get(id(tensor), -1), s)
-        for tensor in node.outputs:
-            produced_in[id(tensor)] = s
-        stage_nodes[s].append(node)
-    for tensor in outputs:
-        last_reader[id(tensor)] = num_stages  # read after the last stage
+    stage_nodes, produced_in, last_reader = _assign_nodes(
+        nodes, [_first_call(nodes, layers[i]) for i in starts], inputs,
+        outputs, num_stages)
     tensors = {id(t): t for t in inputs}
     for node in nodes:
         tensors.update((id(t), t) for t in node.outputs)
@@ -301,13 +289,44 @@ def split_model(model, num_stages, boundaries=None, costs=None):
         guests = list({id(node.operation): node.operation
                        for node in stage_nodes[s]
                        if id(node.operation) not in home}.values())
-        stages.append(Stage(
+        stages.append(Part(
             index=s, layers=owned, nodes=stage_nodes[s], inputs=received,
             outputs=sent, num_params=sum(num_params(x) for x in owned),
             cost=float(sum(costs[edges[s]:edges[s + 1]])),
             paths=paths[edges[s]:edges[s + 1]], guests=guests))
         received = sent
     return stages
+
+
+def _first_call(nodes, layer):
+    """The position of `layer`'s first call among `nodes`."""
+    return next(n for n, node in enumerate(nodes) if node.operation is layer)
+
+
+def _assign_nodes(nodes, cuts, inputs, outputs, num_stages):
+    """Which stage runs each node, and for each tensor (by id) the stage
+    that makes it (-1: a model input) and the last stage that reads it.
+
+    A stage begins at the first call of its first layer (`cuts`); every
+    node runs on the stage its position falls in. A layer lives on the
+    stage of its first call (its home); a later call on another stage (a
+    tied output head reusing the input embedding) reads it there
+    (`Part.guests`)."""
+    produced_in = {id(t): -1 for t in inputs}  # -1: a model input
+    stage_nodes = [[] for _ in range(num_stages)]
+    last_reader = {}
+    s = 0
+    for n, node in enumerate(nodes):
+        while s < len(cuts) and n >= cuts[s]:
+            s += 1
+        for tensor in node.inputs:
+            last_reader[id(tensor)] = max(last_reader.get(id(tensor), -1), s)
+        for tensor in node.outputs:
+            produced_in[id(tensor)] = s
+        stage_nodes[s].append(node)
+    for tensor in outputs:
+        last_reader[id(tensor)] = num_stages  # read after the last stage
+    return stage_nodes, produced_in, last_reader
 
 
 def _boundary_indices(boundaries, names, layers, num_stages):

@@ -42,6 +42,7 @@ def test_gpt_example_trains_in_parity():
     assert "b0_attn/query/kernel" in out
 
 
+@pytest.mark.slow  # the same flow is parity-tested in tests/test_gpt_example.py / test_pipeline.py
 def test_gpt_example_in_three_dimensions_with_fsdp_and_recompute():
     out = run("gpt.py", "--epochs", "1", "--layers", "1", "--data", "2",
               "--pipe", "2", "--model", "2", "--fsdp", "--recompute")
@@ -60,6 +61,7 @@ def test_pipeline_example_trains_in_parity_and_draws_the_timeline(tmp_path):
     assert "stage 3 on" in out and gantt.stat().st_size > 0
 
 
+@pytest.mark.slow  # the same flow is parity-tested in tests/test_gpt_example.py / test_pipeline.py
 def test_pipeline_example_interleaved(tmp_path):
     out = run("pipeline.py", "--epochs", "1", "--depth", "3", "--pipe", "2",
               "--data", "4", "--microbatches", "4", "--virtual-stages", "2",

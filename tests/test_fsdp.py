@@ -34,9 +34,17 @@ def fsdp_strategy(data, model, kind="functional"):
         rules=models.tp_rules(kind) if model > 1 else None, fsdp=True)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("data,model", MESHES,
-                         ids=[f"{d}x{m}" for d, m in MESHES])
+# Default profile: each model kind and each mesh at least once; all six
+# with `dev.py test-all`.
+_DEFAULT_ADAM_CASES = {("sequential", 8, 1), ("subclassed", 2, 4),
+                       ("functional", 2, 4)}
+
+
+@pytest.mark.parametrize("kind,data,model", [
+    pytest.param(kind, d, m, id=f"{d}x{m}-{kind}",
+                 marks=() if (kind, d, m) in _DEFAULT_ADAM_CASES
+                 else pytest.mark.slow)
+    for kind in KINDS for d, m in MESHES])
 def test_adam_parity(kind, data, model):
     parity.assert_same(parity.single_device(kind, "adam"),
                        parity.train(kind, "adam", fsdp_strategy(data, model,

@@ -150,7 +150,16 @@ def test_install_cell_is_well_formed(monkeypatch):
     assert pip_lines == ["install -q git+https://github.com/someone/tfpar"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# The default profile runs the notebooks whose flow no default example
+# test runs too; the others (each mirrors an example the default profile
+# runs: examples/gpt.py, pipeline.py, checkpoints.py, plan.py) run with
+# `dev.py test-all`.
+MIRRORED_BY_AN_EXAMPLE = {"gpt", "pipeline_schedules", "checkpoints", "plan"}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem in MIRRORED_BY_AN_EXAMPLE
+    else p for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs(path, kernel_path, tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_path))
     nb = nbformat.read(path, as_version=4)

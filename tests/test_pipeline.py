@@ -10,6 +10,7 @@ relative, alone (pipe × data) and with data and model axes together.
 
 import collections
 import functools
+import itertools
 import re
 
 import keras
@@ -85,9 +86,16 @@ def assert_parity(result):
         assert models.relative_error(want, got) < RTOL
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("microbatches", [1, 4, 8])
-@pytest.mark.parametrize("stages", [2, 4])
+# The default profile runs 4 of the 12 cases (each stage count, micro-batch
+# count and schedule at least once); `dev.py test-all` runs them all.
+_DEFAULT_PIPE_CASES = {(2, 4, "1f1b"), (4, 8, "1f1b"), (2, 8, "gpipe"),
+                       (4, 1, "gpipe")}
+
+
+@pytest.mark.parametrize("stages,microbatches,schedule", [
+    pytest.param(*case, marks=() if case in _DEFAULT_PIPE_CASES
+                 else pytest.mark.slow)
+    for case in itertools.product([2, 4], [1, 4, 8], ["gpipe", "1f1b"])])
 def test_parity_pipe_by_data(stages, microbatches, schedule):
     _, pipe = pipeline({"pipe": stages, "data": 8 // stages},
                        num_microbatches=microbatches, schedule=schedule)

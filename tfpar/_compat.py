@@ -156,11 +156,12 @@ def _routed_compile(original, hooks):
         if not hooks.owns(strategy):
             return original(self, *args, **kwargs)
         with strategy.scope():
-            strategy.extended.adopt_model(self)  # a model built outside
+            strategy.extended.registry.adopt_model(self)  # built outside
+            bind_model_strategy(self, strategy)
             result = original(self, *args, **kwargs)
             _optimizer_under(self, strategy)
             if self.built:
-                strategy.extended.check_rules_used()
+                strategy.extended.registry.check_rules_used()
         route_generate_function(self, hooks.function_for)
         return result
 

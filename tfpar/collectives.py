@@ -169,7 +169,7 @@ def step_mesh(tensor):
         return dtensor.fetch_layout(tensor).mesh if dtensor.is_dtensor(tensor) else None
     if strategy_lib.in_spmd_step():
         # The whole mesh, or the pipeline stage being traced.
-        return tf.distribute.get_strategy().extended.placement_mesh.dtensor_mesh
+        return tf.distribute.get_strategy().extended.registry.placement_mesh.dtensor_mesh
     return None
 
 

@@ -238,34 +238,6 @@ class ParallelExtended(_compat.StrategyExtendedV2):
                 "Create a new ParallelStrategy, and the model in its scope, "
                 "after the reset.")
 
-    # The registry's operations other modules call on the extended object
-    # (pipeline, training, Keras hooks); `registry` is their owner.
-
-    def placing_on(self, mesh):
-        return self.registry.placing_on(mesh)
-
-    @property
-    def placement_mesh(self):
-        return self.registry.placement_mesh
-
-    def owns(self, variable):
-        return self.registry.owns(variable)
-
-    def move_to(self, variable, mesh):
-        self.registry.move_to(variable, mesh)
-
-    def adopt_state_variables(self, model, extra=()):
-        self.registry.adopt_state_variables(model, extra)
-
-    def adopt_model(self, model):
-        """`VariableRegistry.adopt_model`, then binds `model` to this
-        strategy."""
-        self.registry.adopt_model(model)
-        _compat.bind_model_strategy(model, self._container_strategy())
-
-    def check_rules_used(self):
-        self.registry.check_rules_used()
-
     # -- variables -----------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
@@ -296,7 +268,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
     def replica_scope(self):
         """Enters the strategy scope and its single SPMD replica context."""
         self.check_context()
-        self.check_rules_used()
+        self.registry.check_rules_used()
         return _ReplicaScope(self._container_strategy())
 
 

@@ -137,7 +137,7 @@ class StepRunner(Runner):
 
     def __init__(self, model, extended, mode):
         super().__init__(model, extended, mode)
-        extended.adopt_state_variables(model)
+        extended.registry.adopt_state_variables(model)
         self._placer = extended.input_placer
         self._step_fn = {
             "train": model.train_step,
@@ -302,7 +302,7 @@ def keras_function(extended, model, mode):
     (`tfpar.compile_errors`)."""
     extended.check_context()
     if model.built:  # else its weights come in the first step
-        extended.check_rules_used()
+        extended.registry.check_rules_used()
     if mode == "generate":
         return make_generate_function(model, extended)
     return compile_errors.explaining(
@@ -357,7 +357,7 @@ def eager_model_call(strategy, call, model, args, kwargs):
     extended.check_context()
     if isinstance(model, StagedModel):
         return model.eager_call(args, kwargs)
-    if extended.placement_mesh is None:  # weights still on the host
+    if extended.registry.placement_mesh is None:  # weights still on the host
         return call(model, *args, **kwargs)
     args, kwargs = extended.input_placer.place_arrays((args, kwargs))
     # Tensors the model makes from no input (keras-hub's causal masks
@@ -397,7 +397,7 @@ def make_generate_function(model, extended):
     (8, 8)
     """
     sampler = getattr(model, "sampler", None)
-    extended.adopt_state_variables(model, getattr(sampler, "variables", ()))
+    extended.registry.adopt_state_variables(model, getattr(sampler, "variables", ()))
 
     @tf.function(reduce_retracing=True)
     def step(inputs, *args, **kwargs):

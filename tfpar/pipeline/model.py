@@ -191,7 +191,7 @@ class PipelineModel(keras.Model, training.StagedModel):
                 # All state: weights and random seed generators (Dropout's
                 # seed drawn elsewhere would put its mask on another mesh).
                 for variable in getattr(layer, "variables", []):
-                    self._extended.move_to(variable, mesh)
+                    self._extended.registry.move_to(variable, mesh)
 
     @property
     def stages(self):
@@ -249,7 +249,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         """Keras `compile`; loss, metrics and this optimizer live on the
         last stage (the other stages get copies of the optimizer)."""
         last = self._extended.stage_meshes[-1]
-        with self._extended.placing_on(last):
+        with self._extended.registry.placing_on(last):
             super().compile(*args, **kwargs)
         # An optimizer or metrics made before compile (in the scope) have
         # their counters on the first stage: the last stage updates them.
@@ -260,8 +260,8 @@ class PipelineModel(keras.Model, training.StagedModel):
             if rate is not None:
                 state.append(rate)
         for variable in state:
-            if self._extended.owns(variable):
-                self._extended.move_to(variable, last)
+            if self._extended.registry.owns(variable):
+                self._extended.registry.move_to(variable, last)
         if getattr(self.optimizer, "global_clipnorm", None):
             raise ValueError(
                 "PipelineModel cannot clip by global norm: the norm would "
@@ -275,7 +275,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         # its own weights instead (slots then exist once, on their stage).
         last = self._extended.stage_meshes[-1]
         with self.distribute_strategy.scope(), \
-                self._extended.placing_on(last):
+                self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:
                 self.optimizer.build(self._parts[-1].weights)
             return super()._symbolic_build(*args, **kwargs)
@@ -293,11 +293,11 @@ class PipelineModel(keras.Model, training.StagedModel):
             meshes = [part.mesh for part in self._parts]
             with self.distribute_strategy.scope():
                 if not optimizer.built:
-                    with self._extended.placing_on(meshes[-1]):
+                    with self._extended.registry.placing_on(meshes[-1]):
                         optimizer.build(self._parts[-1].weights)
                 copies = []
                 for s, mesh in enumerate(meshes[:-1]):
-                    with self._extended.placing_on(mesh):
+                    with self._extended.registry.placing_on(mesh):
                         copy = type(optimizer).from_config(
                             optimizer.get_config())
                         copy.build(self._parts[s].weights)
@@ -452,7 +452,7 @@ def _measured_layer_times(model, extended, batch_size=32, repeats=3):
     """Seconds per layer of one forward on `batch_size` zeros (the best of
     `repeats` eager runs on the mesh the weights were created on)."""
     nodes, layers, inputs, _, _ = split_lib.model_graph(model)
-    mesh = extended.placement_mesh  # None: the weights are on the host
+    mesh = extended.registry.placement_mesh  # None: the weights are on the host
     tensors = {}
     for k in inputs:
         shape = [batch_size if d is None else d for d in k.shape]

@@ -89,9 +89,9 @@ class ModelPart:
     def on_mesh(self):
         """Code traced in this context runs on the part's mesh: ops with no
         DTensor input (constants) are placed there, and so are tfpar's own
-        relayouts inside layers (`extended.placement_mesh`)."""
+        relayouts inside layers (`extended.registry.placement_mesh`)."""
         with dtensor.default_mesh(self.mesh.dtensor_mesh), \
-                self._extended.placing_on(self.mesh):
+                self._extended.registry.placing_on(self.mesh):
             yield
 
     # -- per step ------------------------------------------------------------

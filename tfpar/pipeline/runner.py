@@ -102,8 +102,8 @@ class PipelineRunner(training.Runner):
             part.ties = ties
         self._meshes = [part.mesh for part in self._parts]
         self._data_axis = extended.data_axis
-        with extended.placing_on(self._meshes[-1]):
-            extended.adopt_state_variables(pipeline)
+        with extended.registry.placing_on(self._meshes[-1]):
+            extended.registry.adopt_state_variables(pipeline)
         self._functions = {}
 
     # -- host side ---------------------------------------------------------

@@ -288,7 +288,7 @@ class Plan:
         compile; returns the model to compile."""
         strategy = self.strategy()
         weights = model.weights
-        if not weights or not all(strategy.extended.owns(w) for w in weights):
+        if not weights or not all(strategy.extended.registry.owns(w) for w in weights):
             raise ValueError(
                 f"Plan.apply needs model {model.name!r} built inside "
                 "plan.strategy().scope() (its weights are not on the plan's "

@@ -136,9 +136,7 @@ class InputPlacer:
         count tf.data cannot tell (-2) is left to the per-step check."""
         if not self.per_host or dtensor.num_clients() == 1:
             return
-        mine = np.zeros(dtensor.num_clients(), np.int64)
-        mine[dtensor.client_id()] = int(dataset.cardinality())
-        counts = placement.sum_over_hosts(mine)
+        counts = _value_of_every_host(int(dataset.cardinality()))
         known = {int(c) for c in counts if c >= 0}
         if len(known) > 1:
             described = ", ".join(f"host {h}: {n} batches"
@@ -157,12 +155,9 @@ class InputPlacer:
         Returns `batch`."""
         if not self.per_host or dtensor.num_clients() == 1:
             return batch
-        hosts = dtensor.num_clients()
-        mine = np.zeros(hosts, np.int64)
         leaves = [t for t in tf.nest.flatten(batch) if t is not None]
-        mine[dtensor.client_id()] = (-1 if batch is None else
+        sizes = _value_of_every_host(-1 if batch is None else
                                      np.shape(leaves[0])[0] if leaves else 0)
-        sizes = placement.sum_over_hosts(mine)
         if len(set(sizes.tolist())) > 1:
             described = ", ".join(
                 f"host {h}: {'no batch (its data ended)' if n < 0 else n}"
@@ -320,3 +315,12 @@ def _host_blocks(mesh, data_axis):
             "Mesh({'data': hosts * k, 'model': m})), or leave "
             "per_host_input=False (every host reads every global batch).")
     return coordinates[0], count
+
+
+def _value_of_every_host(value):
+    """[host 0's value, host 1's, ...] of an integer each host has: a
+    one-hot vector per host (its value at its index), summed over hosts
+    (one collective)."""
+    mine = np.zeros(dtensor.num_clients(), np.int64)
+    mine[dtensor.client_id()] = value
+    return placement.sum_over_hosts(mine)

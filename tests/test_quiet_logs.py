@@ -3,6 +3,7 @@ tf.function retracing warnings about tfpar's step functions; the user's own
 warnings and errors still print."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,50 @@ def test_the_users_log_level_wins():
     # TF_CPP_MIN_LOG_LEVEL=0 set by the user: DTensor's INFO lines show
     # (they exist, so the check above can fail).
     assert DTENSOR_INFO in run_child(1, TF_CPP_MIN_LOG_LEVEL="0")
+
+
+IMPORT_SCRIPT = """
+import os, sys, warnings
+import tfpar
+tfpar.use_virtual_cpus(2)
+warnings.warn("the user's own warning")
+os.write(2, b"I0000 00:00:1.5   7 user.cc:1] a C++ INFO line after the import\\n")
+print("DONE", file=sys.stderr)
+"""
+
+
+def run_import(**env):
+    environment = {k: v for k, v in os.environ.items()
+                   if not k.startswith("TF_CPP_")}
+    environment.update(env)
+    result = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], env=environment,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def test_import_and_virtual_cpus_print_only_the_users_lines():
+    # TF's import-time INFO lines (printed before absl's logging starts, so
+    # TF_CPP_MIN_LOG_LEVEL cannot drop them) and the no-GPU cuInit error are
+    # filtered; lines printed after the import, the user's included, are not.
+    lines = run_import().splitlines()
+    assert lines[-1] == "DONE"
+    assert "the user's own warning" in lines[0]
+    assert lines[-2].startswith("I0000") and "after the import" in lines[-2]
+    assert not any("absl::InitializeLog" in line or "cuInit" in line
+                   or "port.cc" in line for line in lines), lines
+
+
+def test_import_lines_print_when_the_user_sets_a_log_level():
+    # The lines the test above filters exist: with TF_CPP_MIN_LOG_LEVEL set
+    # by the user, TF's logging is theirs and nothing is filtered.
+    assert "absl::InitializeLog" in run_import(TF_CPP_MIN_LOG_LEVEL="0")
+
+
+def test_filtered_stderr_drops_only_matching_lines(capfd, monkeypatch):
+    from tfpar import logs
+    for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    with logs.filtered_stderr((re.compile(rb"^drop"),)):
+        os.write(2, b"drop me\nkeep me\ndrop too\nkeep, no newline")
+    assert capfd.readouterr().err == "keep me\nkeep, no newline"

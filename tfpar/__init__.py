@@ -34,6 +34,16 @@ os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 # user's own setting wins. (Not yet run on a GPU: see README.)
 os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")
 
+import sys  # noqa: E402
+
+from tfpar import logs as _logs  # noqa: E402
+
+# TensorFlow's import prints C++ INFO lines before its logging starts (so
+# TF_CPP_MIN_LOG_LEVEL cannot silence them): dropped here (tfpar/logs.py).
+if "tensorflow" not in sys.modules:
+    with _logs.filtered_stderr(_logs.TENSORFLOW_IMPORT_LINES):
+        import tensorflow  # noqa: E402, F401
+
 from tfpar.layout import LayoutRules  # noqa: E402
 from tfpar import checkpoint, communication, pipeline, visualize  # noqa: E402
 from tfpar.checkpoint import (  # noqa: E402

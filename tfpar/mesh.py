@@ -13,6 +13,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import logs
+
 _DEVICE_PREFERENCE = ("TPU", "GPU", "CPU")
 
 
@@ -41,7 +43,8 @@ def use_virtual_cpus(n):
         raise ValueError(
             f"use_virtual_cpus(n) needs a positive int. Received: n={n!r}"
         )
-    cpu = tf.config.list_physical_devices("CPU")[0]
+    with logs.filtered_stderr(logs.NO_GPU_DRIVER_LINES):  # CPUs need no GPU
+        cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if current is not None and len(current) == n:
         return

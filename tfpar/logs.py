@@ -1,0 +1,90 @@
+"""Lines TensorFlow prints that a tfpar user cannot act on, filtered out.
+
+Importing TensorFlow prints C++ INFO lines before absl's logging starts
+(so `TF_CPP_MIN_LOG_LEVEL` does not reach them): "All log messages before
+absl::InitializeLog() is called are written to STDERR", oneDNN's and the
+CPU feature guard's notices, "Could not find cuda drivers" — each twice, as
+two of TF's libraries start. On a machine with no GPU, the first device
+query adds "failed call to cuInit". `filtered_stderr` reads the process's
+stderr (file descriptor 2, where C++ and Python both write) through a pipe
+for the duration of a block and forwards every line except those matching
+the given patterns, as they arrive (nothing is held back: a crash inside
+the block loses at most a partial line). A user who set
+`TF_CPP_MIN_LOG_LEVEL` or `TF_CPP_MAX_VLOG_LEVEL` chose TF's logging: then
+nothing is filtered.
+
+>>> from tfpar import logs
+>>> with logs.filtered_stderr(logs.TENSORFLOW_IMPORT_LINES):
+...     import tensorflow
+"""
+
+import contextlib
+import os
+import re
+import sys
+import threading
+
+# An absl/TF C++ INFO line ("I0000 00:00:1796137006.143502   20382 port.cc:153]
+# ..."), the CPU feature guard's second line, and absl's pre-init notice.
+TENSORFLOW_IMPORT_LINES = (
+    re.compile(rb"^I\d{4} [\d:.]+ +\d+ \S+:\d+\] "),
+    re.compile(rb"^To enable the following instructions: "),
+    re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) "
+               rb"is called are written to STDERR"),
+)
+# TF's CUDA platform probing on a host with no usable GPU driver: said when
+# the user asked for virtual CPU devices, which need none.
+NO_GPU_DRIVER_LINES = (
+    re.compile(rb"^E\d{4} [\d:.]+ +\d+ cuda_(platform|executor)\.cc:\d+\] "
+               rb"failed call to cuInit"),
+)
+
+
+def _user_chose_tf_logging():
+    return any(v in os.environ
+               for v in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL"))
+
+
+def _forward(read_end, out, patterns):
+    """Copies lines from `read_end` to file descriptor `out`, dropping
+    those a pattern matches (a final line without newline is kept)."""
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        pending = b""
+        while chunk := pipe.read(65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            kept = [line + b"\n" for line in lines
+                    if not any(p.match(line) for p in patterns)]
+            if kept:
+                os.write(out, b"".join(kept))
+        if pending and not any(p.match(pending) for p in patterns):
+            os.write(out, pending)
+
+
+@contextlib.contextmanager
+def filtered_stderr(patterns):
+    """Inside the block, lines of stderr that a pattern (bytes regexes,
+    `re.match`ed) matches are dropped; everything else passes through."""
+    if _user_chose_tf_logging():
+        yield
+        return
+    try:
+        stderr_fd = sys.__stderr__.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (embedded)
+        yield
+        return
+    sys.stderr.flush()
+    original = os.dup(stderr_fd)
+    read_end, write_end = os.pipe()
+    reader = threading.Thread(target=_forward, args=(read_end, original, patterns),
+                              name="tfpar-stderr-filter", daemon=True)
+    reader.start()
+    os.dup2(write_end, stderr_fd)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(original, stderr_fd)  # closes the pipe's last write end
+        reader.join()
+        os.close(original)

@@ -17,7 +17,10 @@ from tfpar.planner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
 from gpt import build_gpt  # noqa: E402
+from planner_paper import a100_cluster as _a100s  # noqa: E402
+from planner_paper import paper_gpt as _paper_gpt  # noqa: E402
 
 # A described 8-device host (the numbers only steer the search; tests that
 # need this machine's speed use Cluster.local()).
@@ -35,11 +38,12 @@ def mlp():
     return keras.Model(x, keras.layers.Dense(8, name="head")(h), name="mlp")
 
 
-def _candidate(plan, axes, fsdp=False):
+def _candidate(plan, axes, fsdp=False, sequence_parallel=False):
     full = {"data": 1, "pipe": 1, "model": 1, **axes}
     return next(c for c in plan.candidates if c.axes == full
                 and c.fsdp == fsdp and not c.recompute
-                and c.num_microbatches == 1)
+                and c.num_microbatches == 1
+                and c.sequence_parallel == sequence_parallel)
 
 
 def _compiled(candidate, build, batch):
@@ -52,9 +56,10 @@ def _compiled(candidate, build, batch):
     return plan.strategy(), tfpar.communication_report(model, x, y), model
 
 
-def _check_against_compiled(build, batch, axes, fsdp, activation_tolerance):
+def _check_against_compiled(build, batch, axes, fsdp, activation_tolerance,
+                            sequence_parallel=False):
     plan = tfpar.plan(build, batch, cluster=HOST)
-    candidate = _candidate(plan, axes, fsdp)
+    candidate = _candidate(plan, axes, fsdp, sequence_parallel)
     strategy, report, _model = _compiled(candidate, build, batch)
     e = candidate.estimate
     for axis in ("data", "model"):
@@ -95,6 +100,18 @@ def test_cost_model_matches_compiled_gpt(axes, fsdp):
     scores, not what TF's gradient of each op keeps)."""
     _check_against_compiled(lambda: build_gpt(layers=1), 16, axes, fsdp,
                             activation_tolerance=0.25)
+
+
+def test_cost_model_matches_compiled_gpt_with_sequence_parallelism():
+    """A sequence-parallel candidate (auto_rules(sequence_parallel=True)):
+    the model axis' reduce-scatters and all-gathers (twice the messages of
+    the all-reduces they replace) and the kept activations (split over the
+    stack's tokens, plus the gathered inputs of column-parallel layers) as
+    predicted = as read from the compiled step (bytes within 10%,
+    activations within 25%; measured here: 3% low and 18% high)."""
+    _check_against_compiled(lambda: build_gpt(layers=1), 16, {"model": 8},
+                            False, activation_tolerance=0.25,
+                            sequence_parallel=True)
 
 
 def _assert_trains_in_parity(plan):
@@ -237,27 +254,6 @@ def test_keras_hub_model_is_profiled_whole():
         tfpar.plan(model, 16, cluster=HOST)
 
 
-def _a100s(gpus):
-    """Narayanan et al. 2021's hardware: DGX A100 hosts of 8 GPUs (80 GB,
-    312 TFLOP/s bf16), NVLink 300 GB/s per direction, 8 x 200 Gb/s
-    InfiniBand per host (25 GB/s per GPU)."""
-    return tfpar.Cluster(num_hosts=gpus // 8, devices_per_host=8,
-                         device_memory=80e9, device_flops=312e12,
-                         intra_host_bandwidth=300e9,
-                         inter_host_bandwidth=25e9)
-
-
-def _paper_gpt(dim, heads, layers):
-    def build():
-        keras.config.set_dtype_policy("mixed_bfloat16")
-        try:
-            return build_gpt(vocab=51200, seq_len=2048, dim=dim, heads=heads,
-                             layers=layers)
-        finally:
-            keras.config.set_dtype_policy("float32")
-    return build
-
-
 def _check_published_practice(plan, gpus):
     t, p = plan.axes.get("model", 1), plan.axes.get("pipe", 1)
     assert t <= 8                                  # tensor parallel in a host
@@ -287,23 +283,33 @@ def test_on_paper_39b_gpt_on_512_a100s():
 
 
 @pytest.mark.slow
-def test_on_paper_trillion_parameter_gpt_in_seconds_and_little_memory():
-    """Table 1's 1 T row is analysed from a builder without allocating a
-    weight, in under a minute and well under 1 GB. No plan fits 80 GB yet:
-    tfpar recomputes per layer (each layer of the functional GPT keeps its
-    input: ~6 (b, s, h) tensors per block instead of Megatron's one) and
-    the search has no sequence parallelism; the error says activations are
-    what does not fit (see README, Planner benchmark)."""
+def test_on_paper_trillion_parameter_gpt_fits_as_published():
+    """Narayanan et al. 2021, Table 1's 1 T row (hidden 25600, 160 heads,
+    128 layers, batch 3072 on 3072 A100s; published: tensor 8 × pipeline 64
+    × data 6, with recomputation) is analysed from a builder without
+    allocating a weight (well under 1 GB of host memory) and gets a plan
+    that fits 80 GB the way practitioners publish: tensor parallelism inside
+    a host with sequence parallelism and recomputation, the pipeline across
+    hosts, a small bubble. Sequence parallelism is what makes it fit (each
+    block keeps ~7 token × width tensors under tfpar's per-layer
+    recomputation, 1/8 as large split over the sequence). The search takes
+    minutes, not seconds: the symbolic trace of 903 layers is most of it
+    (6 min on this 2-core host under load)."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    with pytest.raises(ValueError) as info:
-        tfpar.plan(_paper_gpt(25600, 160, 128), 3072, cluster=_a100s(3072))
+    plan = tfpar.plan(_paper_gpt(25600, 160, 128), 3072, cluster=_a100s(3072))
     seconds = time.perf_counter() - start
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    assert seconds < 60
     assert growth < 1e9
-    message = str(info.value)
-    assert "No plan for model 'gpt' fits" in message and "activations" in message
+    assert seconds < 900
+    _check_published_practice(plan, 3072)
+    assert plan.axes["model"] == 8 and plan.sequence_parallel and plan.recompute
+    assert plan.axes["pipe"] >= 16
+    published = {"data": 6, "pipe": 64, "model": 8}
+    runner = next(c for c in plan.candidates if c.rejected is None
+                  and c.axes == published and c.sequence_parallel)
+    # The published mesh is feasible and predicted within 15% of the chosen.
+    assert runner.estimate.step_time_s <= 1.15 * plan.estimate.step_time_s
 
 
 @pytest.mark.slow
@@ -350,3 +356,39 @@ def test_applied_candidates_train_in_parity(axes, fsdp, recompute, m):
                      and c.fsdp == fsdp and c.recompute == recompute
                      and c.num_microbatches == m and c.schedule == "1f1b")
     _assert_trains_in_parity(measure.candidate_plan(candidate, mlp, 64))
+
+
+def test_sequence_parallel_candidate_applies_and_trains_in_parity():
+    """Plan.apply of a sequence-parallel candidate lays the GPT's norms out
+    SequenceParallel and trains in parity with one device."""
+    def build():
+        return build_gpt(layers=1)
+
+    plan = tfpar.plan(build, 16, cluster=HOST)
+    candidate = _candidate(plan, {"data": 2, "model": 4},
+                           sequence_parallel=True)
+    applied = measure.candidate_plan(candidate, build, 16)
+    assert applied.sequence_parallel
+    assert any(isinstance(s, tfpar.SequenceParallel)
+               for _, s in applied.rules.items())
+    keras.utils.set_random_seed(0)
+    reference = build()
+    weights = reference.get_weights()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, (32, 16)).astype("int32")
+    y = rng.integers(0, 64, (32, 16)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference.compile(optimizer="sgd", loss=loss)
+    expected = reference.fit(x, y, batch_size=16, shuffle=False,
+                             verbose=0).history["loss"]
+    with applied.strategy().scope():
+        model = build()
+        model.set_weights(weights)
+        model = applied.apply(model)
+        model.compile(optimizer="sgd", loss=loss)
+    got = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    for a, b in zip(model.weights, reference.weights):
+        assert a.path == b.path
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6,
+                                   err_msg=a.path)

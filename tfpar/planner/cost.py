@@ -40,10 +40,12 @@ Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
 activations (kept for the backward pass: per micro-batch of b/(d·m)
 samples, times the micro-batches in flight: m for GPipe, p - s on stage s
-for 1F1B; with recomputation only each layer's inputs, plus one layer's
-internals while it is recomputed) and workspace (fsdp's gathered weights:
-every weight of the stage whole for the step, or two layers' worth with
-recomputation).
+for 1F1B; with recomputation only each layer's inputs; with sequence
+parallelism every kept activation 1/t as large, plus the gathered inputs of
+column-parallel layers when not recomputing) and workspace (transient:
+fsdp's gathered weights — every weight of the stage whole for the step, or
+two layers' worth with recomputation — and the internals of the one layer
+being recomputed, for one micro-batch).
 """
 
 import dataclasses
@@ -145,9 +147,10 @@ class Layout:
     entry per top-level op, per sample where sizes scale with the batch.
     """
 
-    def __init__(self, profile, rules, t):
+    def __init__(self, profile, rules, t, sequence_parallel=False):
         self.t = t
         self.rules = rules
+        self.sequence_parallel = sequence_parallel
         n = len(profile.ops)
         self.flops_split, self.flops_repl = np.zeros(n), np.zeros(n)
         self.kept, self.internal = np.zeros(n), np.zeros(n)
@@ -167,6 +170,12 @@ class Layout:
             exact = None  # hand-written regexes: match them one by one
         sizes = _Sizes(model=t)
         split_layers = self._split_layers(profile, rules)
+        # Sequence parallelism splits the tokens of every activation from the
+        # first SequenceParallel norm to the last (the transformer stack;
+        # embeddings before it and the head after it stay whole).
+        norms = split_layers.get("sequence_split") or [n, -1]
+        sequence_lo, sequence_hi = ((min(norms), max(norms))
+                                    if sequence_parallel else (n, -1))
         c = profile.compute_itemsize
         for i, op in enumerate(profile.ops):
             blocks = []
@@ -191,8 +200,9 @@ class Layout:
                 self.flops_repl[i] += att
             self.internal[i] = internal + op.attention_internal
             out = op.outputs
-            if id(op.layer) in split_layers.get("column_out", set()):
-                out /= t
+            if id(op.layer) in split_layers.get("column_out", set()) or (
+                    sequence_lo <= i <= sequence_hi):
+                out /= t  # split by features, or (sequence parallel) by tokens
             self.kept[i] = out
             self._weights.append(blocks)
             for kind, phase, nbytes, top in split_layers.get(i, []):
@@ -204,6 +214,11 @@ class Layout:
                 else:
                     self.tp_bytes_bwd[i] += nbytes * c
                     self.tp_count_bwd[i] += 1
+        # Sequence parallelism gathers the split tokens before a column-
+        # parallel layer (the input its backward all-reduce had): without
+        # recomputation that layer keeps the gathered input whole.
+        self.gathered_inputs = (self.tp_bytes_bwd.copy() if sequence_parallel
+                                else np.zeros(n))
         self._state_cache = {}
 
     @staticmethod
@@ -226,6 +241,8 @@ class Layout:
             tokens = profile.ops[i].tokens
             top = profile.ops[i].layer is layer
             entries = out.setdefault(i, [])
+            if isinstance(style, tp.SequenceParallel):
+                out.setdefault("sequence_split", []).append(i)
             if isinstance(style, (tp.SequenceParallel, tp.Replicated)):
                 continue
             row = isinstance(style, tp.RowParallel)
@@ -265,7 +282,8 @@ class Layout:
             state = self.state_bytes(d, fsdp)
             arrays = {name: getattr(self, name) for name in (
                 "flops_split", "flops_repl", "tp_bytes_fwd", "tp_bytes_bwd",
-                "tp_count_fwd", "tp_count_bwd", "kept", "internal")}
+                "tp_count_fwd", "tp_count_bwd", "kept", "internal",
+                "gathered_inputs")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3])
             self._state_cache[key] = {
@@ -433,7 +451,15 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     # Model axis: the forward collectives run again when recomputing.
     model_bytes = (total("tp_bytes_fwd") * (1 + r) + total("tp_bytes_bwd")) * b
     model_count = (total("tp_count_fwd") * (1 + r) + total("tp_count_bwd")) * m
-    model_time = _collective_time("all-reduce", model_bytes, t,
+    model_kind = "all-reduce"
+    if layout.sequence_parallel:
+        # Each all-reduce becomes a reduce-scatter and an all-gather of the
+        # same message (Megatron-LM's sequence parallelism): twice the
+        # messages and the bytes communication_report counts, the same
+        # ring time (each moves (t-1)/t of the message).
+        model_kind, model_bytes, model_count = (
+            "all-gather", 2 * model_bytes, 2 * model_count)
+    model_time = _collective_time(model_kind, model_bytes, t,
                                   links["model"], model_count)
     stored, trainable = total("stored"), total("trainable")
     data_bytes, data_time, workspace = _data_axis(
@@ -444,12 +470,18 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     # What stage 0 reads is the batch itself, not an activation.
     kept = total("kept") + before
     internal = (layout.stage_max("internal", d, fsdp, lo, hi) if recompute
-                else total("internal"))
+                else total("internal") + total("gathered_inputs"))
     in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
+    # Every micro-batch in flight keeps its layers' outputs (the next
+    # layers' inputs) and, without recomputation, their internals. With it
+    # the internals are transient: only the one layer being recomputed holds
+    # them, for one micro-batch at a time (workspace, as fsdp's gathers).
+    saved_internal = 0.0 if recompute else internal * in_flight
+    recomputing = internal if recompute else 0.0
     memory = {"params": stored, "gradients": trainable,
               "optimizer": slots * trainable,
-              "activations": (kept + internal) * mb * in_flight,
-              "workspace": np.maximum(workspace, 0.0)}
+              "activations": (kept * in_flight + saved_internal) * mb,
+              "workspace": np.maximum(workspace, 0.0) + recomputing * mb}
     comm = {"model": model_bytes if t > 1 else np.zeros(p),
             "data": np.asarray(data_bytes, float),
             "pipe": (before + after) * b * 2}

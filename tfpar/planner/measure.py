@@ -40,7 +40,9 @@ def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
 
     shapes = _shapes(source)
     t = candidate.axes["model"]
-    rules = tp.auto_rules(shapes, axis_size=t) if t > 1 else LayoutRules({})
+    rules = (tp.auto_rules(shapes, axis_size=t,
+                           sequence_parallel=candidate.sequence_parallel)
+             if t > 1 else LayoutRules({}))
     names = [layer.name for layer in split.model_graph(shapes)[1]]
     starts = [0] + [names.index(b) for b in candidate.stage_boundaries or []]
     return plan_lib.Plan(candidate, [candidate], rules, starts,

@@ -105,7 +105,8 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
             c for c in candidates if c not in feasible[:measure]]
     chosen = candidates[0]
     t = chosen.axes["model"]
-    rules = layouts[t].rules if t > 1 else layout_lib.LayoutRules({})
+    rules = (layouts[t, chosen.sequence_parallel].rules if t > 1
+             else layout_lib.LayoutRules({}))
     stage_starts = [0]
     if chosen.stage_boundaries:
         names = [op.name for op in profile.ops]
@@ -167,7 +168,8 @@ class Plan:
         axes: ordered mesh axes of size > 1, e.g. {"data": 2, "pipe": 2,
             "model": 2} ({"data": 1} for one device).
         rules: `tfpar.LayoutRules` for the model axis (auto_rules' plan).
-        fsdp, recompute: bools.
+        fsdp, recompute, sequence_parallel: bools (sequence parallelism:
+            the rules hold `SequenceParallel` norms).
         num_microbatches, schedule, stage_boundaries: the pipeline's
             (m = 1 and boundaries None without a pipe axis).
         estimate: the chosen candidate's `Estimate`.
@@ -187,6 +189,7 @@ class Plan:
                                   if v > 1} or {"data": 1})
     fsdp = property(lambda self: self._chosen.fsdp)
     recompute = property(lambda self: self._chosen.recompute)
+    sequence_parallel = property(lambda self: self._chosen.sequence_parallel)
     num_microbatches = property(lambda self: self._chosen.num_microbatches)
     schedule = property(lambda self: self._chosen.schedule)
     stage_boundaries = property(lambda self: self._chosen.stage_boundaries)
@@ -296,11 +299,12 @@ class Plan:
         from tfpar.pipeline import split  # noqa: PLC0415
         layers = split.model_graph(model)[1]
         if self.recompute:
-            for layer in layers:
-                if layer.trainable_weights:
+            for layer in layers:  # Keras ops in the graph have no weights
+                if getattr(layer, "trainable_weights", None):
                     _compat.set_remat_mode(layer, "full")
         if "model" in self.axes:
-            rules = auto_rules(model, mesh=strategy.mesh)
+            rules = auto_rules(model, mesh=strategy.mesh,
+                               sequence_parallel=self.sequence_parallel)
             planned = [type(s).__name__ for _, s in self.rules.items()]
             if [type(s).__name__ for _, s in rules.items()] != planned:
                 raise ValueError(

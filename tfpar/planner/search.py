@@ -5,7 +5,10 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   device count.
 - Layouts: for each model-axis size t, `tfpar.auto_rules(model,
   axis_size=t)` (what it cannot split — heads or widths t does not divide
-  — rejects the candidates with its message).
+  — rejects the candidates with its message), and the same with
+  `sequence_parallel=True` (norms and the residual stream split over the
+  sequence: every kept activation 1/t as large, Megatron-LM's sequence
+  parallelism).
 - Stage cuts (Alpa's inter-op pass, simplified to one objective): for p
   stages, the contiguous cut of the top-level layers minimising the
   slowest stage's compute — the optimum of the dynamic programme
@@ -42,6 +45,7 @@ class Candidate:
     estimate: object = None
     rejected: str = None
     measured_step_time_s: float = None
+    sequence_parallel: bool = False
 
     @property
     def label(self):
@@ -49,6 +53,8 @@ class Candidate:
         extra = []
         if self.axes.get("pipe", 1) > 1:
             extra.append(f"m={self.num_microbatches} {self.schedule}")
+        if self.sequence_parallel:
+            extra.append("sp")
         if self.fsdp:
             extra.append("fsdp")
         if self.recompute:
@@ -135,26 +141,32 @@ def microbatch_counts(per_replica, p):
 
 def search(profile, model, global_batch_size, cluster, memory_limit,
            slots):
-    """Every candidate (list of `Candidate`) and the search's seconds."""
+    """Every candidate (list of `Candidate`), the search's seconds and the
+    cost `Layout` of each (model-axis size, sequence parallel)."""
     start = time.perf_counter()
     layouts, rule_errors = {}, {}
     candidates = []
+    # Sequence parallelism needs a token dimension (not an MLP's features).
+    sequences = any(op.tokens > 1 for op in profile.ops)
     for d, p, t in factorisations(cluster.num_devices):
         axes = {"data": d, "pipe": p, "model": t}
-        if t not in layouts and t not in rule_errors:
-            try:
-                layouts[t] = _layout(profile, model, t)
-            except ValueError as e:
-                rule_errors[t] = str(e)
-        reject = _reject_reason(axes, rule_errors, global_batch_size,
-                                len(profile.ops))
-        if reject:
-            candidates.append(Candidate(axes, False, False, 1, "1f1b", None,
-                                        rejected=reject))
-            continue
-        candidates += _candidates(profile, layouts[t], axes,
-                                  global_batch_size, cluster, memory_limit,
-                                  slots)
+        for sp in (False, True) if t > 1 and sequences else (False,):
+            key = (t, sp)
+            if key not in layouts and key not in rule_errors:
+                try:
+                    layouts[key] = _layout(profile, model, t, sp)
+                except ValueError as e:
+                    rule_errors[key] = str(e)
+            reject = _reject_reason(axes, rule_errors.get(key),
+                                    global_batch_size, len(profile.ops))
+            if reject:
+                candidates.append(Candidate(
+                    axes, False, False, 1, "1f1b", None, rejected=reject,
+                    sequence_parallel=sp))
+                continue
+            candidates += _candidates(profile, layouts[key], axes,
+                                      global_batch_size, cluster,
+                                      memory_limit, slots)
     order = {id(c): i for i, c in enumerate(candidates)}
     candidates.sort(key=lambda c: (
         c.rejected is not None,
@@ -164,22 +176,23 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
     return candidates, time.perf_counter() - start, layouts
 
 
-def _layout(profile, model, t):
+def _layout(profile, model, t, sequence_parallel=False):
     """The cost `Layout` of `auto_rules` over a model axis of size t."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rules = tp.auto_rules(model, axis_size=t) if t > 1 else None
+        rules = tp.auto_rules(model, axis_size=t,
+                              sequence_parallel=sequence_parallel) if t > 1 else None
     if t > 1 and not len(rules):
         raise ValueError("auto_rules found no layer to split over the model "
                          "axis")
-    return cost_lib.Layout(profile, rules, t)
+    return cost_lib.Layout(profile, rules, t, sequence_parallel)
 
 
-def _reject_reason(axes, rule_errors, global_batch_size, n_ops):
+def _reject_reason(axes, rule_error, global_batch_size, n_ops):
     """Why a mesh shape cannot run at all, or None."""
     d, p, t = axes["data"], axes["pipe"], axes["model"]
-    if t in rule_errors:
-        return f"model={t}: {rule_errors[t]}"
+    if rule_error:
+        return f"model={t}: {rule_error}"
     if global_batch_size % d:
         return (f"global_batch_size {global_batch_size} does not split over "
                 f"data={d}")
@@ -204,7 +217,8 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
             microbatch_counts(global_batch_size // d, p),
             ("1f1b", "gpipe") if p > 1 else ("1f1b",),
             (False, True) if d > 1 else (False,), (False, True)):
-        c = Candidate(dict(axes), fsdp, recompute, m, schedule, boundaries)
+        c = Candidate(dict(axes), fsdp, recompute, m, schedule, boundaries,
+                      sequence_parallel=layout.sequence_parallel)
         c.estimate = cost_lib.estimate(
             layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
             recompute=recompute, batch=global_batch_size, cluster=cluster,

@@ -168,7 +168,6 @@ class Layout:
                  if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
         if fresh is not None and len(exact) < len(fresh):
             exact = None  # hand-written regexes: match them one by one
-        sizes = _Sizes(model=t)
         split_layers = self._split_layers(profile, rules)
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
@@ -176,50 +175,58 @@ class Layout:
         norms = split_layers.get("sequence_split") or [n, -1]
         sequence_lo, sequence_hi = ((min(norms), max(norms))
                                     if sequence_parallel else (n, -1))
-        c = profile.compute_itemsize
         for i, op in enumerate(profile.ops):
-            blocks = []
-            internal = op.internal - op.attention_internal
-            attention_split = False
-            for w in op.weights:
-                spec = _spec(fresh, exact, w) or (None,) * len(w.shape)
-                split = "model" in spec and t > 1
-                block = layout_lib.shard_shape(w.shape, spec, sizes)
-                blocks.append((block, spec, w.itemsize, w.trainable))
-                if split:
-                    self.flops_split[i] += w.flops
-                    internal -= w.activation * (1 - 1 / t)
-                    attention_split = True
-                else:
-                    self.flops_repl[i] += w.flops
-            att = op.attention_flops
-            if attention_split and att:
-                self.flops_split[i] += att
-                internal -= op.attention_internal * (1 - 1 / t)
-            else:
-                self.flops_repl[i] += att
-            self.internal[i] = internal + op.attention_internal
+            self._weights.append(self._add_compute(i, op, fresh, exact))
             out = op.outputs
             if id(op.layer) in split_layers.get("column_out", set()) or (
                     sequence_lo <= i <= sequence_hi):
                 out /= t  # split by features, or (sequence parallel) by tokens
             self.kept[i] = out
-            self._weights.append(blocks)
-            for kind, phase, nbytes, top in split_layers.get(i, []):
-                if phase == "backward" and top and not op.needs_input_grad:
-                    continue  # nothing before this layer needs gradients
-                if phase == "forward":
-                    self.tp_bytes_fwd[i] += nbytes * c
-                    self.tp_count_fwd[i] += 1
-                else:
-                    self.tp_bytes_bwd[i] += nbytes * c
-                    self.tp_count_bwd[i] += 1
+            self._add_collectives(i, op, split_layers.get(i, []),
+                                  profile.compute_itemsize)
         # Sequence parallelism gathers the split tokens before a column-
         # parallel layer (the input its backward all-reduce had): without
         # recomputation that layer keeps the gathered input whole.
         self.gathered_inputs = (self.tp_bytes_bwd.copy() if sequence_parallel
                                 else np.zeros(n))
         self._state_cache = {}
+
+    def _add_compute(self, i, op, fresh, exact):
+        """FLOPs split over the model axis or not, and the internals kept,
+        of op i; returns its weights' (block, spec, itemsize, trainable)."""
+        t, blocks = self.t, []
+        internal = op.internal - op.attention_internal
+        attention_split = False
+        for w in op.weights:
+            spec = _spec(fresh, exact, w) or (None,) * len(w.shape)
+            block = layout_lib.shard_shape(w.shape, spec, _Sizes(model=t))
+            blocks.append((block, spec, w.itemsize, w.trainable))
+            if "model" in spec and t > 1:
+                self.flops_split[i] += w.flops
+                internal -= w.activation * (1 - 1 / t)
+                attention_split = True
+            else:
+                self.flops_repl[i] += w.flops
+        att = op.attention_flops
+        if attention_split and att:
+            self.flops_split[i] += att
+            internal -= op.attention_internal * (1 - 1 / t)
+        else:
+            self.flops_repl[i] += att
+        self.internal[i] = internal + op.attention_internal
+        return blocks
+
+    def _add_collectives(self, i, op, entries, itemsize):
+        """The model-axis message bytes and counts of op i, per sample."""
+        for _kind, phase, nbytes, top in entries:
+            if phase == "backward" and top and not op.needs_input_grad:
+                continue  # nothing before this layer needs gradients
+            if phase == "forward":
+                self.tp_bytes_fwd[i] += nbytes * itemsize
+                self.tp_count_fwd[i] += 1
+            else:
+                self.tp_bytes_bwd[i] += nbytes * itemsize
+                self.tp_count_bwd[i] += 1
 
     @staticmethod
     def _split_layers(profile, rules):
@@ -390,6 +397,22 @@ def _collective_time(kind, nbytes, n, link, count=1):
     return count * steps * alpha + steps / n * nbytes / beta
 
 
+def _model_axis(layout, total, *, r, b, m, link):
+    """(bytes, α-β seconds) per stage on the model axis. The forward
+    collectives run again when recomputing."""
+    model_bytes = (total("tp_bytes_fwd") * (1 + r) + total("tp_bytes_bwd")) * b
+    count = (total("tp_count_fwd") * (1 + r) + total("tp_count_bwd")) * m
+    kind = "all-reduce"
+    if layout.sequence_parallel:
+        # Each all-reduce becomes a reduce-scatter and an all-gather of the
+        # same message (Megatron-LM's sequence parallelism): twice the
+        # messages and the bytes communication_report counts, the same
+        # ring time (each moves (t-1)/t of the message).
+        kind, model_bytes, count = "all-gather", 2 * model_bytes, 2 * count
+    return model_bytes, _collective_time(kind, model_bytes, layout.t, link,
+                                         count)
+
+
 def _data_axis(layout, total, *, d, m, r, fsdp, link, span):
     """(bytes, α-β seconds, gathered-weight workspace) per stage on the data
     axis: an all-reduce of the gradients, or with fsdp an all-gather of the
@@ -448,19 +471,8 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     r = 1 if recompute else 0
     compute = ((total("flops_split") / t + total("flops_repl")) * (3 + r) * b
                / cluster.device_flops)
-    # Model axis: the forward collectives run again when recomputing.
-    model_bytes = (total("tp_bytes_fwd") * (1 + r) + total("tp_bytes_bwd")) * b
-    model_count = (total("tp_count_fwd") * (1 + r) + total("tp_count_bwd")) * m
-    model_kind = "all-reduce"
-    if layout.sequence_parallel:
-        # Each all-reduce becomes a reduce-scatter and an all-gather of the
-        # same message (Megatron-LM's sequence parallelism): twice the
-        # messages and the bytes communication_report counts, the same
-        # ring time (each moves (t-1)/t of the message).
-        model_kind, model_bytes, model_count = (
-            "all-gather", 2 * model_bytes, 2 * model_count)
-    model_time = _collective_time(model_kind, model_bytes, t,
-                                  links["model"], model_count)
+    model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
+                                          link=links["model"])
     stored, trainable = total("stored"), total("trainable")
     data_bytes, data_time, workspace = _data_axis(
         layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],

@@ -106,23 +106,32 @@ class ParallelStrategy(tf.distribute.Strategy):
             `num_input_pipelines=H` and `input_pipeline_id=h`. Hosts check
             at every step that they all have a batch of the same size (a
             clear error otherwise). One host: no effect.
+        model_axis: the mesh axis tensor parallelism splits weights over:
+            the default axis of the styles (`tfpar.ColumnParallel()`, ...)
+            in `rules` and `apply_rules`, and of `tfpar.auto_rules` in this
+            scope. A style or `auto_rules` naming another axis is an error
+            naming both. A mesh without it: no tensor parallelism by styles.
+        virtual_stages: v, model parts per pipeline stage of every
+            `tfpar.PipelineModel` made in this scope (see its argument of
+            the same name), declared once here; None (default): each
+            PipelineModel's own argument (default 1). A PipelineModel
+            passing another v is an error naming both.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
                  pipeline_axis="pipe", fsdp=False,
                  reshard_after_forward=False, offload=None,
-                 per_host_input=False):
+                 per_host_input=False, model_axis="model",
+                 virtual_stages=None):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
         _compat.install()  # tfpar's Keras/TF hooks, once per process
-        if rules is None:
-            rules = {}
-        elif isinstance(rules, layout_lib.LayoutRules):
-            rules = dict(rules.items())  # this strategy's own usage record
-        rules = layout_lib.LayoutRules(rules)
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
-                            reshard_after_forward, offload, per_host_input)
-        dims.check_rules(rules)
+                            reshard_after_forward, offload, per_host_input,
+                            model_axis, virtual_stages)
+        # This strategy's own copy (its own usage record), styles bound to
+        # the model axis.
+        rules = dims.bind_rules({} if rules is None else rules)
         super().__init__(ParallelExtended(self, dims, rules))
 
     def scope(self):
@@ -146,6 +155,11 @@ class ParallelStrategy(tf.distribute.Strategy):
         "reshard_after_forward", "Whether fsdp's gathered weights are "
         "gathered again for the backward pass instead of being kept from "
         "the forward pass.")
+    model_axis = _from_dims(
+        "model_axis", "The mesh axis tensor-parallel styles split over.")
+    virtual_stages = _from_dims(
+        "virtual_stages", "Model parts per pipeline stage as declared, or "
+        "None (each PipelineModel's own argument).")
     num_stages = _from_dims(
         "num_stages",
         "Pipeline stages: the size of the pipeline axis (1 without one).")

@@ -12,6 +12,10 @@ named collectives of `tfpar.collectives`) by wrapping the layer object's
 weights' plan is valid: nothing changes unless the whole plan is valid.
 The automatic plans are in `tfpar.auto_plan`.
 
+Every style's `axis` defaults to the strategy's model axis
+(`tfpar.parallel_dims.ParallelDims.model_axis`, "model" unless
+`ParallelStrategy(model_axis=...)` declares another).
+
 - `ColumnParallel(axis)` splits a layer's *outputs* over `axis`. For a Dense
   kernel (in, out) that is axis 1, plus the bias; for an EinsumDense the
   first kernel dimension that appears in the output; for an Embedding the
@@ -62,12 +66,14 @@ Example:
 ... })
 """
 
+import copy
 import dataclasses
 import re
 
 from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
+from tfpar import parallel_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +103,28 @@ class ActivationLayout:
 
 class Style:
     """Base class: how one layer's weights and activations are laid out
-    over a mesh axis."""
+    over a mesh axis.
 
-    def __init__(self, axis="model"):
-        if not isinstance(axis, str):
+    `axis=None` (the default) means the strategy's model axis
+    (`ParallelStrategy(model_axis=...)`, "model" unless declared): the
+    strategy binds the style to it (`on_axis`) when it takes the rules; an
+    explicit axis other than the strategy's is an error naming both.
+    """
+
+    def __init__(self, axis=None):
+        if axis is not None and not isinstance(axis, str):
             raise TypeError(
                 f"{type(self).__name__}(axis) needs a mesh axis name. "
                 f"Received: axis={axis!r}"
             )
-        self.axis = axis
+        self.given_axis = axis
+        self.axis = parallel_dims.DEFAULT_MODEL_AXIS if axis is None else axis
+
+    def on_axis(self, axis):
+        """This style splitting over mesh axis `axis` (a copy)."""
+        bound = copy.copy(self)
+        bound.given_axis = bound.axis = axis
+        return bound
 
     def axes(self):
         return (self.axis,)
@@ -188,7 +207,7 @@ def _relayout(tensor, target, layer, where):
 class _TensorParallel(Style):
     """Column/row styles: an axis, and whether sequence parallelism is on."""
 
-    def __init__(self, axis="model", sequence_parallel=False):
+    def __init__(self, axis=None, sequence_parallel=False):
         super().__init__(axis)
         if not isinstance(sequence_parallel, bool):
             raise TypeError(
@@ -216,7 +235,7 @@ class Replicated(Style):
     """Every weight of the layer whole on every device."""
 
     def __init__(self):
-        super().__init__("model")
+        super().__init__(None)
 
     def axes(self):
         return ()

@@ -88,7 +88,9 @@ class PipelineModel(keras.Model, training.StagedModel):
             (m >= p; at most p alive) and "zb-h2" (m >= 2p - 1; at most
             2p - 1 alive), which split each backward into input and weight
             gradients (`tfpar.pipeline.zero_bubble`).
-        virtual_stages: v, model parts per stage (default 1). With v > 1
+        virtual_stages: v, model parts per stage (default: the strategy's
+            `ParallelStrategy(virtual_stages=...)` when declared, else 1; a
+            different v than the strategy declares is an error). With v > 1
             the model is cut into v × p parts, part k on stage k mod p, and
             the schedule is interleaved ("1f1b": Megatron-LM's interleaved
             1F1B, num_microbatches a multiple of p; "gpipe": looped GPipe):
@@ -113,9 +115,10 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def __init__(self, model, num_microbatches, schedule="1f1b",
                  stage_boundaries=None, balance="params",
-                 record_timeline=False, name=None, virtual_stages=1):
+                 record_timeline=False, name=None, virtual_stages=None):
         extended = _pipeline_extended()
-        _check_arguments(model, num_microbatches, virtual_stages)
+        _check_arguments(model, num_microbatches)
+        virtual_stages = extended.dims.resolve_virtual_stages(virtual_stages)
         num_stages = len(extended.stage_meshes)
         # Validates the name (and m for interleaving) before anything changes.
         full_schedule = schedules_lib.get_schedule(
@@ -367,7 +370,7 @@ def _pipeline_extended():
     return extended
 
 
-def _check_arguments(model, num_microbatches, virtual_stages):
+def _check_arguments(model, num_microbatches):
     if not isinstance(model, keras.Model):
         raise TypeError(
             "PipelineModel(model) needs a Keras Model. Received: "
@@ -377,11 +380,6 @@ def _check_arguments(model, num_microbatches, virtual_stages):
         raise ValueError(
             "PipelineModel(num_microbatches) needs an int >= 1. "
             f"Received: num_microbatches={num_microbatches!r}")
-    if isinstance(virtual_stages, bool) or not isinstance(
-            virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(
-            "PipelineModel(virtual_stages) needs an int >= 1 (model "
-            f"parts per stage). Received: virtual_stages={virtual_stages!r}")
 
 
 def _check_parts(model, num_stages, virtual_stages, balance):

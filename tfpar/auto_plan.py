@@ -20,6 +20,7 @@ import weakref
 import keras
 
 from tfpar import _compat
+from tfpar import keras_graph
 from tfpar import parallel_dims
 from tfpar import variables as variables_lib
 from tfpar.layout import LayoutRules
@@ -364,7 +365,7 @@ class _Dataflow:
             traced = cached[1]
             return cls(units) if traced is None else cls(units, *traced)
         try:
-            traced = _compat.trace_layer_calls(model, units)
+            traced = keras_graph.trace_layer_calls(model, units)
         except Exception as error:  # noqa: BLE001 (any failure: say what to do)
             first = (str(error).strip().splitlines() or [""])[0]
             raise ValueError(

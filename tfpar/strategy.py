@@ -15,6 +15,7 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 """
 
 import gc
+import types
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -405,6 +406,62 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         )
 
 
+def adopt_optimizer(model, strategy):
+    """Makes sure `model.optimizer` was created under `strategy` (its
+    `compile` calls this).
+
+    Keras' TF optimizer remembers the strategy current at construction and
+    creates its `iterations` and `learning_rate` variables right away. One
+    built outside `strategy.scope()` therefore cannot train under it (Keras
+    fails with "Mixing different tf.distribute.Strategy objects"). While it
+    has no slots yet, an equal optimizer is rebuilt from its config under the
+    scope and becomes `model.optimizer`.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or _compat.optimizer_strategy(optimizer) in (
+            None, strategy):
+        return
+    if optimizer.built:
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} was created and built outside "
+            "the strategy's scope. Received: an optimizer bound to "
+            f"{type(_compat.optimizer_strategy(optimizer)).__name__}. Create "
+            "it inside `with strategy.scope():` or pass its name to compile()."
+        )
+    try:
+        config = optimizer.get_config()
+        with strategy.scope():
+            model.optimizer = type(optimizer).from_config(config)
+    except Exception as error:  # noqa: BLE001 (any failure: explain how to fix)
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} was created outside the "
+            "strategy's scope and could not be rebuilt from its config "
+            f"({error}). Create it inside `with strategy.scope():`."
+        ) from error
+
+
+def compat_hooks():
+    """What `tfpar._compat`'s patches of Keras ask tfpar (their `hooks`),
+    in one place: whether a strategy is tfpar's, whether a step is being
+    traced, and the functions the routed Keras entry points call."""
+    from tfpar import training  # noqa: PLC0415 (training imports this module)
+
+    def owns(candidate):
+        return isinstance(candidate, ParallelStrategy)
+
+    return types.SimpleNamespace(
+        function_for=training.keras_function_for,
+        eager_call=training.eager_model_call,
+        owns=owns,
+        in_step=in_spmd_step,
+        in_graph_step=lambda: not tf.executing_eagerly() and owns(
+            tf.distribute.get_strategy()),
+        strategy_of_layer=training.strategy_of_layer,
+        adopt_optimizer=adopt_optimizer,
+        replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
+        if in_spmd_step() else None)
+
+
 def _check_random_recomputation(generator):
     """Refuses to recompute a random op on a mesh that splits tensors over
     more than the data (and pipeline) axis.
@@ -420,10 +477,7 @@ def _check_random_recomputation(generator):
     if not isinstance(context, _SPMDReplicaContext):
         return
     extended = context.strategy.extended
-    other = {axis: extended.mesh.axis_size(axis)
-             for axis in extended.mesh.axis_names
-             if axis not in (extended.data_axis, extended.pipeline_axis)
-             and extended.mesh.axis_size(axis) > 1}
+    other = extended.dims.model_axes
     if other:
         raise ValueError(
             "A recomputed layer (keras.RematScope) draws random numbers "

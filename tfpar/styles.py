@@ -68,9 +68,10 @@ Example:
 
 import copy
 import dataclasses
+import functools
+import inspect
 import re
 
-from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import parallel_dims
@@ -168,13 +169,13 @@ class Style:
             return
         before, after = self.activation_layouts(layer, role, shape)
         if before is not None:
-            _compat.transform_layer_inputs(
+            _transform_inputs(
                 layer, "tfpar_sequence_input",
                 lambda x: _relayout(x, before, layer, "input"))
         if after is not None:
             name = ("tfpar_sequence_output" if after.dimension == "sequence"
                     else "tfpar_gather_hidden")
-            _compat.transform_layer_outputs(
+            _transform_outputs(
                 layer, name, lambda y: _relayout(y, after, layer, "output"))
         installed = vars(layer).setdefault("_tfpar_activation_layouts", {})
         for where, layout in (("input", before), ("output", after)):
@@ -192,6 +193,51 @@ class Style:
 
     def __hash__(self):
         return hash(self._key())
+
+
+def _transform_outputs(layer, name, transform):
+    """Makes `layer` return `transform(outputs)`; once per `name`.
+
+    Wraps this one layer object's `call` (not its class), keeping its
+    signature for Keras' argument inspection.
+    """
+    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        return transform(original_call(*args, **kwargs))
+
+    layer.call = call
+    applied.add(name)
+
+
+def _transform_inputs(layer, name, transform):
+    """Makes `layer` call its `call` on `transform(first input)`; once per
+    `name`.
+
+    Like `_transform_outputs`, wraps this one layer object's `call`
+    (keeping its signature); the first input is the first positional
+    argument, or the first parameter of `call` when passed by keyword.
+    """
+    applied = layer.__dict__.setdefault("_tfpar_input_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+    first = next(iter(inspect.signature(original_call).parameters), None)
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        if args:
+            args = (transform(args[0]),) + tuple(args[1:])
+        elif first in kwargs:
+            kwargs[first] = transform(kwargs[first])
+        return original_call(*args, **kwargs)
+
+    layer.call = call
+    applied.add(name)
 
 
 def _relayout(tensor, target, layer, where):

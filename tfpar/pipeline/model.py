@@ -88,15 +88,16 @@ class PipelineModel(keras.Model, training.StagedModel):
             (m >= p; at most p alive) and "zb-h2" (m >= 2p - 1; at most
             2p - 1 alive), which split each backward into input and weight
             gradients (`tfpar.pipeline.zero_bubble`).
-        virtual_stages: v, model parts per stage (default: the strategy's
-            `ParallelStrategy(virtual_stages=...)` when declared, else 1; a
-            different v than the strategy declares is an error). With v > 1
+        virtual_stages: v, model parts per stage (default 1). With v > 1
             the model is cut into v × p parts, part k on stage k mod p, and
             the schedule is interleaved ("1f1b": Megatron-LM's interleaved
             1F1B, num_microbatches a multiple of p; "gpipe": looped GPipe):
             the bubble shrinks from (p-1)/(m+p-1) to (p-1)/(v·m+p-1) (looped
             GPipe: only for m >= p) for v times more stage-to-stage
-            transfers.
+            transfers. None (the default) takes the strategy's
+            `ParallelStrategy(virtual_stages=...)` when it declares one (else
+            1); a different v than the strategy declares is an error naming
+            both.
         stage_boundaries: names of the layers where parts 1..v·p-1 begin
             (stages 1..p-1 without interleaving); layers of nested models
             (inlined) by path, e.g. "llama_backbone/transformer_layer_1",

@@ -3,7 +3,10 @@
 * no function body over 60 lines and no class body over 300 (docstrings
   excluded: a runnable example is documentation, not logic);
 * `import tfpar` alone leaves Keras and TF as they were: tfpar's hooks are
-  installed when a strategy is first made, and can be taken out again.
+  installed when a strategy is first made, and can be taken out again;
+* `_compat.py` holds shims and the patch registry, not features: no
+  function there over 15 lines but the patch factories (the functions a
+  `Patch(...)` of the registry names).
 """
 
 import ast
@@ -56,6 +59,47 @@ def test_size_check_sees_a_long_function(tmp_path, monkeypatch):
     (tmp_path / "tfpar" / "long.py").write_text(long_function)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "tfpar")
     assert len(_oversized()) == 1
+
+
+MAX_COMPAT_FUNCTION_LINES = 15
+
+
+def _patch_factories(tree):
+    """Names of the functions a `Patch(...)` call of the module names (the
+    factories of the registry's replacements)."""
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "Patch"):
+            names.update(n.id for arg in node.args for n in ast.walk(arg)
+                         if isinstance(n, ast.Name))
+    return names
+
+
+def _features_in_compat(path):
+    """'name: n lines' of each top-level function of `path` longer than
+    MAX_COMPAT_FUNCTION_LINES that is no patch factory."""
+    tree = ast.parse(path.read_text())
+    factories = _patch_factories(tree)
+    return [f"{node.name}: {_body_lines(node)} lines"
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name not in factories
+            and _body_lines(node) > MAX_COMPAT_FUNCTION_LINES]
+
+
+def test_compat_holds_only_shims_and_the_patch_registry():
+    assert _features_in_compat(PACKAGE / "_compat.py") == []
+
+
+def test_compat_check_sees_a_feature_but_not_a_patch_factory(tmp_path):
+    long_body = '    """doc"""\n' + "    x = 1\n" * 16
+    source = tmp_path / "_compat.py"
+    source.write_text(
+        f"def factory(original, hooks):\n{long_body}"
+        f"def feature():\n{long_body}"
+        "PATCHES = (Patch('f', owner, 'f', factory),)\n")
+    assert _features_in_compat(source) == ["feature: 16 lines"]
 
 
 _KERAS_ENTRY_POINTS = """

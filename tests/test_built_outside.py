@@ -54,3 +54,37 @@ def test_weights_on_another_strategys_mesh_are_refused_at_compile():
             r"this strategy's scope.*another strategy's mesh.*'mlp/up0/kernel'"
             r".*Build the model inside `with strategy.scope\(\):`"):
         model.compile(optimizer="sgd", loss="mse")
+
+
+def test_an_optimizer_made_outside_the_scope_is_rebuilt_under_it():
+    """`compile` in the scope rebuilds an unbuilt optimizer made outside it
+    from its config (`tfpar.strategy.adopt_optimizer`): the same training
+    as one device; a built one is refused, naming the fix."""
+    keras.utils.set_random_seed(0)
+    reference = models.host_mlp()
+    weights = reference.get_weights()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
+                                      rules=models.HOST_RULES)
+    outside = keras.optimizers.Adam(0.01)
+    with strategy.scope():
+        model = models.host_mlp()
+        model.set_weights(weights)
+        model.compile(optimizer=outside, loss="mse")
+    assert model.optimizer is not outside
+    assert model.optimizer.get_config() == outside.get_config()
+    x, y = models.mlp_data()
+    expected = reference.fit(x, y, batch_size=16, epochs=1, shuffle=False,
+                             verbose=0).history["loss"]
+    got = model.fit(x, y, batch_size=16, epochs=1, shuffle=False,
+                    verbose=0).history["loss"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        assert models.relative_error(a, b) < 1e-4
+    built = keras.optimizers.Adam(0.01)
+    built.build([keras.Variable(np.ones(3, "float32"))])
+    with strategy.scope(), pytest.raises(ValueError, match=(
+            r"The optimizer 'adam\w*' was created and built outside the "
+            r"strategy's scope\. Received: an optimizer bound to "
+            r"_DefaultDistributionStrategy\. Create it inside")):
+        models.host_mlp().compile(optimizer=built, loss="mse")

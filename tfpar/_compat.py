@@ -1,13 +1,22 @@
 """Every private TensorFlow or Keras hook tfpar uses, in one place.
 
 A TensorFlow upgrade that moves one of these touches only this file.
-Checked against tensorflow 2.21.
+Checked against tensorflow 2.21. What is here: one-line shims named for the
+private attribute or module they reach (e.g. `functional_of`,
+`inbound_nodes`, `optimizer_strategy`), short helpers that encode a TF 2.21
+internal (the names DTensor gives its ops, absl's log level), and the patch
+registry (`Patch`, `install_group`, `install`, `uninstall`) with its
+factories. The features built on them live in the modules that own them
+(`keras_graph`, `styles`, `strategy`, `recompute`, `pipeline.profiler`);
+`tests/test_architecture.py` checks that no function here but a patch
+factory is over 15 lines.
 """
 
 import collections
 import contextlib
 import functools
 import threading
+import types
 import weakref
 
 import keras
@@ -68,7 +77,9 @@ def unpatched(owner, attribute):
     return record[2]
 
 
-def _apply(group, patches, hooks):
+def install_group(group, patches, hooks):
+    """Applies `patches` (Patch tuples) as the group named `group`, their
+    factories given `hooks`; once per group (undone by `uninstall`)."""
     if group in _installed:
         return
     _installed.add(group)
@@ -78,12 +89,14 @@ def _apply(group, patches, hooks):
 
 
 def install():
-    """Installs tfpar's Keras/TF hooks (`_STRATEGY_PATCHES`, and
-    `_REMAT_PATCHES`); idempotent. `ParallelStrategy()` calls it."""
-    from tfpar import recompute  # noqa: PLC0415
+    """Installs tfpar's Keras/TF hooks (`_STRATEGY_PATCHES`, asking
+    `tfpar.strategy.compat_hooks`, and `REMAT_PATCHES`, by `tfpar.recompute.install`); idempotent.
+    `ParallelStrategy()` calls it."""
+    from tfpar import recompute  # noqa: PLC0415 (tfpar's modules import this one)
+    from tfpar import strategy  # noqa: PLC0415
 
-    _apply("strategy", _STRATEGY_PATCHES, _strategy_hooks())
-    install_remat(recompute.recompute, recompute.next_seed)
+    install_group("strategy", _STRATEGY_PATCHES, strategy.compat_hooks())
+    recompute.install()
 
 
 def uninstall():
@@ -96,32 +109,6 @@ def uninstall():
             setattr(owner, attribute, value)
     _originals.clear()
     _installed.clear()
-
-
-def _strategy_hooks():
-    """What the strategy's patches ask tfpar, in one place (imported on
-    use: tfpar's modules import this one)."""
-    import types  # noqa: PLC0415
-
-    from tfpar import strategy  # noqa: PLC0415
-    from tfpar import training  # noqa: PLC0415
-
-    def owns(candidate):
-        return isinstance(candidate, strategy.ParallelStrategy)
-
-    def in_step():
-        return strategy.in_spmd_step()
-
-    return types.SimpleNamespace(
-        function_for=training.keras_function_for,
-        eager_call=training.eager_model_call,
-        owns=owns,
-        in_step=in_step,
-        in_graph_step=lambda: not tf.executing_eagerly() and owns(
-            tf.distribute.get_strategy()),
-        strategy_of_layer=training.strategy_of_layer,
-        replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
-        if in_step() else None)
 
 
 def _base_trainer():
@@ -159,7 +146,7 @@ def _routed_compile(original, hooks):
             strategy.extended.registry.adopt_model(self)  # built outside
             bind_model_strategy(self, strategy)
             result = original(self, *args, **kwargs)
-            _optimizer_under(self, strategy)
+            hooks.adopt_optimizer(self, strategy)
             if self.built:
                 strategy.extended.registry.check_rules_used()
         route_generate_function(self, hooks.function_for)
@@ -228,35 +215,40 @@ def _routed_make_function(mode):
     return make_factory
 
 
+def _routed_generate_function(original, hooks):
+    """keras-hub's `make_generate_function` using
+    `hooks.function_for(model, "generate")` when that returns a function
+    (models under a strategy), keras-hub's own code otherwise."""
+
+    def make_generate_function(self):
+        if self.generate_function is not None:
+            return self.generate_function
+        function = hooks.function_for(self, "generate")
+        if function is None:
+            return original(self)
+        self.generate_function = function
+        return function
+
+    return make_generate_function
+
+
 def route_generate_function(model, make_function_for):
     """Lets a strategy build keras-hub's `generate_function` for `model`.
 
     keras-hub's `CausalLM` (and `TextToImage`) compile their own generation
     step: `make_generate_function` wraps `generate_step` in a `tf.function`
     that `generate()` calls with host tensors. The class defining
-    `make_generate_function` is patched once (undone by `uninstall`) so that
-    it uses `make_function_for(model, "generate")` when that returns a
-    function (models under a strategy), keras-hub's own code otherwise. A
-    model without `make_generate_function` is left alone.
+    `make_generate_function` is patched once (`_routed_generate_function`,
+    undone by `uninstall`). A model without `make_generate_function` is
+    left alone.
     """
     cls = next((c for c in type(model).__mro__
                 if "make_generate_function" in c.__dict__), None)
-    if cls is None:
-        return
-
-    def routed(original):
-        def make_generate_function(self):
-            if self.generate_function is not None:
-                return self.generate_function
-            function = make_function_for(self, "generate")
-            if function is None:
-                return original(self)
-            self.generate_function = function
-            return function
-
-        return make_generate_function
-
-    _replace(cls, "make_generate_function", routed)
+    if cls is not None:
+        install_group(f"generate:{cls.__module__}.{cls.__qualname__}", (Patch(
+            "make_generate_function", lambda: cls, "make_generate_function",
+            _routed_generate_function),), types.SimpleNamespace(
+                function_for=make_function_for))
 
 
 def _is_host_array(x):
@@ -434,29 +426,14 @@ _STRATEGY_PATCHES = (
 # `tf.custom_gradient` refuses in graph mode: `RematScope(mode="full")` fails
 # in any `fit`, even on one device (tests/test_recompute.py), and new Dropout
 # masks would be drawn. `tfpar.recompute.recompute` replaces Keras' TF
-# `remat`, and `SeedGenerator.next` replays seeds inside a recomputation.
-_REMAT_PATCHES = (
+# `remat`, and `SeedGenerator.next` replays seeds inside a recomputation
+# (installed by `tfpar.recompute.install`, with its hooks).
+REMAT_PATCHES = (
     Patch("remat", _tf_core, "remat", lambda _, hooks: hooks.recompute),
     Patch("seed_next", _seed_generator, "next",
           lambda original, hooks: functools.partialmethod(
               hooks.next_seed, original, hooks.check_replay)),
 )
-
-
-def install_remat(recompute, next_seed):
-    """Installs `_REMAT_PATCHES` (Keras' TF `remat` is `recompute`, seeds
-    replayed by `next_seed`); idempotent. `import tfpar.recompute` calls it,
-    so that `keras.RematScope` works on TensorFlow without a strategy too;
-    `install` (a strategy) does as well."""
-    import types  # noqa: PLC0415
-
-    def check_replay(generator):
-        from tfpar import strategy  # noqa: PLC0415
-
-        strategy._check_random_recomputation(generator)  # noqa: SLF001
-
-    _apply("remat", _REMAT_PATCHES, types.SimpleNamespace(
-        recompute=recompute, next_seed=next_seed, check_replay=check_replay))
 
 
 def _counted_array_dataset(original, _):
@@ -490,7 +467,7 @@ def count_array_batches():
     once, by the first strategy with per-host input; the datasets are
     unchanged but for their stated cardinality.
     """
-    _apply("per_host_input", (Patch("get_tf_dataset", _array_adapter,
+    install_group("per_host_input", (Patch("get_tf_dataset", _array_adapter,
                                     "get_tf_dataset", _counted_array_dataset),),
            None)
 
@@ -528,39 +505,6 @@ def stop_recording():
     return record.stop_recording()
 
 
-def _optimizer_under(model, strategy):
-    """Makes sure `model.optimizer` was created under `strategy`.
-
-    Keras' TF optimizer remembers the strategy current at construction and
-    creates its `iterations` and `learning_rate` variables right away. One
-    built outside `strategy.scope()` therefore cannot train under it (Keras
-    fails with "Mixing different tf.distribute.Strategy objects"). While it
-    has no slots yet, an equal optimizer is rebuilt from its config under the
-    scope and becomes `model.optimizer`.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or getattr(optimizer, "_distribution_strategy",
-                                    strategy) is strategy:
-        return
-    if optimizer.built:
-        raise ValueError(
-            f"The optimizer {optimizer.name!r} was created and built outside "
-            "the strategy's scope. Received: an optimizer bound to "
-            f"{type(optimizer._distribution_strategy).__name__}. Create it "  # noqa: SLF001
-            "inside `with strategy.scope():` or pass its name to compile()."
-        )
-    try:
-        config = optimizer.get_config()
-        with strategy.scope():
-            model.optimizer = type(optimizer).from_config(config)
-    except Exception as error:  # noqa: BLE001 (any failure: explain how to fix)
-        raise ValueError(
-            f"The optimizer {optimizer.name!r} was created outside the "
-            "strategy's scope and could not be rebuilt from its config "
-            f"({error}). Create it inside `with strategy.scope():`."
-        ) from error
-
-
 def bind_model_strategy(model, strategy):
     """Makes `strategy` the one `model` was built under (Keras records it
     at construction; a model built outside any scope has none)."""
@@ -571,25 +515,6 @@ def all_layers(layer, include_self=True):
     """`layer` and every layer nested in it, outermost first."""
     return list(layer._flatten_layers(include_self=include_self,  # noqa: SLF001
                                       recursive=True))
-
-
-def transform_layer_outputs(layer, name, transform):
-    """Makes `layer` return `transform(outputs)`; once per `name`.
-
-    Wraps this one layer object's `call` (not its class), keeping its
-    signature for Keras' argument inspection.
-    """
-    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
-    if name in applied:
-        return
-    original_call = layer.call
-
-    @functools.wraps(original_call)
-    def call(*args, **kwargs):
-        return transform(original_call(*args, **kwargs))
-
-    layer.call = call
-    applied.add(name)
 
 
 def backing_variable(variable):
@@ -717,133 +642,48 @@ def ensure_dtensor_device():
         api._reset()  # noqa: SLF001
 
 
-def functional_graph(model):
-    """(nodes, inputs, outputs) of a functional or Sequential model.
-
-    `nodes` are the graph's call nodes (input nodes excluded) in an order
-    Keras itself executes them (deepest first); `inputs`/`outputs` are the
-    model's flat lists of KerasTensors. Returns None for a model without a
-    graph (subclassed, or a Sequential that was never given an input shape).
-    """
-    from keras.src.models import sequential  # noqa: PLC0415
-
-    graph = model
-    if isinstance(model, sequential.Sequential):
-        graph = getattr(model, "_functional", None)
-    nodes_by_depth = getattr(graph, "_nodes_by_depth", None)
-    if graph is None or nodes_by_depth is None:
-        return None
-    nodes = [
-        node
-        for depth in sorted(nodes_by_depth, reverse=True)
-        for node in nodes_by_depth[depth]
-        if node.operation is not None and not node.is_input
-    ]
-    return nodes, list(graph.inputs), list(graph.outputs)
+# -- Keras' layer graph (tfpar/keras_graph.py) ---------------------------------
 
 
-@contextlib.contextmanager
-def reading_values(pairs, variables=()):
-    """Keras weights read as the given tensors: `pairs` of (weight, value)
-    (a tied weight's copy on another stage). Built on `keras.StatelessScope`,
-    which also holds back the updates of other `variables` made inside it:
-    those are applied when the block ends."""
-    if not pairs:
-        yield
-        return
-    with keras.StatelessScope(state_mapping=list(pairs)) as scope:
-        yield
-    replaced = {id(w) for w, _ in pairs}
-    for variable in variables:
-        value = scope.get_current_value(variable)
-        if id(variable) not in replaced and value is not None:
-            variable.assign(value)
+def functional_of(model):
+    """The functional graph of `model`: itself, or a Sequential's inner
+    Functional (None when the Sequential was never given an input shape)."""
+    return getattr(model, "_functional", None) if isinstance(
+        model, keras.Sequential) else model
 
 
-def call_count(layer):
-    """How many times `layer` was called on symbolic tensors (graph nodes)."""
-    return len(getattr(layer, "_inbound_nodes", []))
+def nodes_by_depth(graph):
+    """{depth: [Node]} of a functional graph (None for a subclassed model)."""
+    return getattr(graph, "_nodes_by_depth", None)
 
 
-def is_model(layer):
-    from keras.src.models import model as model_lib  # noqa: PLC0415
-
-    return isinstance(layer, model_lib.Model)
-
-
-def has_keras_tensor(structure):
-    from keras.src import tree  # noqa: PLC0415
-
-    return any(isinstance(t, keras.KerasTensor) for t in tree.flatten(structure))
+def inputs_struct(graph):
+    """The nested structure of a functional graph's inputs, or None."""
+    return getattr(graph, "_inputs_struct", None)
 
 
-def flat_model_inputs(model, inputs):
-    """Symbolic `inputs` of a call of functional `model`, flat in the order
-    of `model.inputs` as `Functional._standardize_inputs` orders them (a
-    dict by input name, else by structure); None when they do not map."""
-    from keras.src import tree  # noqa: PLC0415
-    from keras.src.models import sequential  # noqa: PLC0415
-
-    graph = model._functional if isinstance(model, sequential.Sequential) else model  # noqa: SLF001
-    struct = graph._inputs_struct  # noqa: SLF001
-    if isinstance(inputs, dict) and not isinstance(struct, dict):
-        names = [t.name for t in tree.flatten(struct)]
-        if not set(names) <= set(inputs):
-            return None
-        inputs = [inputs[n] for n in names]
-    flat = tree.flatten(inputs)
-    if not all(isinstance(t, keras.KerasTensor) for t in flat):
-        return None
-    return flat
+def outputs_struct(graph):
+    """The nested structure of a functional graph's outputs."""
+    return graph._outputs_struct  # noqa: SLF001
 
 
-def node_inputs(node):
-    """The KerasTensors a graph node reads."""
-    return list(node.input_tensors)
+def inbound_nodes(layer):
+    """The graph nodes of `layer`'s symbolic calls."""
+    return getattr(layer, "_inbound_nodes", [])
 
 
-def run_node(node, tensors, training):
-    """Runs one functional graph node on concrete tensors.
-
-    `tensors` maps id(KerasTensor) to a value; the node's outputs are added
-    to it. `training` is passed to layers that take it, as Keras'
-    Functional.call does.
-    """
+def operation_fn(operation, training):
+    """`operation` as Keras' Functional.call calls it (`training` passed
+    to layers that take it)."""
     from keras.src.models import functional  # noqa: PLC0415
-    from keras.src import tree  # noqa: PLC0415
 
-    args, kwargs = node.arguments.fill_in(tensors)
-    if not tf.executing_eagerly():
-        # A model built with an eager constant (e.g. `keras.ops.arange(n)`
-        # added to a symbolic tensor) keeps that tensor in its graph; traced
-        # into a DTensor function it would be captured and placed on
-        # whatever mesh DTensor last defaulted to. Re-created in the graph,
-        # it follows the mesh of the code being traced (a pipeline stage).
-        args, kwargs = tree.map_structure(_as_graph_constant, (args, kwargs))
-    outputs = functional.operation_fn(node.operation, training=training)(
-        *args, **kwargs)
-    for symbolic, value in zip(node.outputs, tree.flatten(outputs)):
-        tensors[id(symbolic)] = value
+    return functional.operation_fn(operation, training=training)
 
 
-def _as_graph_constant(value):
-    """An eager, non-DTensor tensor as a constant of the graph being traced."""
-    if not (isinstance(value, tf.Tensor) and hasattr(value, "numpy")):
-        return value  # symbolic tensors and other values
-    with tf.init_scope():
-        if dtensor.is_dtensor(value):
-            return value
-        array = value.numpy()
-    return tf.constant(array)
-
-
-def model_output_structure(model, flat_outputs):
-    """`flat_outputs` packed like a functional model's outputs."""
-    from keras.src import tree  # noqa: PLC0415
-    from keras.src.models import sequential  # noqa: PLC0415
-
-    graph = model._functional if isinstance(model, sequential.Sequential) else model  # noqa: SLF001
-    return tree.pack_sequence_as(graph._outputs_struct, flat_outputs)  # noqa: SLF001
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras TF optimizer was created under
+    (None when it records none)."""
+    return getattr(optimizer, "_distribution_strategy", None)
 
 
 def optimizer_learning_rate_variable(optimizer):
@@ -853,35 +693,7 @@ def optimizer_learning_rate_variable(optimizer):
     return value if hasattr(value, "assign") else None
 
 
-# -- tensor parallelism: layer inputs; DTensor's compiled programs -----------
-
-
-def transform_layer_inputs(layer, name, transform):
-    """Makes `layer` call its `call` on `transform(first input)`; once per
-    `name`.
-
-    Like `transform_layer_outputs`, wraps this one layer object's `call`
-    (keeping its signature); the first input is the first positional
-    argument, or the first parameter of `call` when passed by keyword.
-    """
-    import inspect  # noqa: PLC0415
-
-    applied = layer.__dict__.setdefault("_tfpar_input_transforms", set())
-    if name in applied:
-        return
-    original_call = layer.call
-    first = next(iter(inspect.signature(original_call).parameters), None)
-
-    @functools.wraps(original_call)
-    def call(*args, **kwargs):
-        if args:
-            args = (transform(args[0]),) + tuple(args[1:])
-        elif first in kwargs:
-            kwargs[first] = transform(kwargs[first])
-        return original_call(*args, **kwargs)
-
-    layer.call = call
-    applied.add(name)
+# -- DTensor's compiled programs (tfpar/communication.py) -----------------
 
 
 def runtime_function_names():
@@ -952,27 +764,19 @@ def op_output_dtypes(node):
     return [tf.as_dtype(t) for t in types]
 
 
-def profiled_op_events(directory):
-    """[(op name, start seconds, end seconds)] of every event TF's profiler
-    wrote under `directory` (its xplane protobufs, TF-private)."""
+def profiler_xspaces(directory):
+    """The XSpace protobufs (TF-private `xplane_pb2`) TF's profiler wrote
+    under `directory`, parsed (`tfpar.pipeline.profiler` reads their
+    events)."""
     import glob  # noqa: PLC0415
 
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: PLC0415
 
-    events = []
+    spaces = []
     for path in glob.glob(f"{directory}/**/*.xplane.pb", recursive=True):
-        space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            names = plane.event_metadata
-            for line in plane.lines:
-                base = line.timestamp_ns * 1e-9
-                for event in line.events:
-                    start = base + event.offset_ps * 1e-12
-                    events.append((names[event.metadata_id].name, start,
-                                   start + event.duration_ps * 1e-12))
-    return events
+            spaces.append(xplane_pb2.XSpace.FromString(f.read()))
+    return spaces
 
 
 # Names in TF 2.21's DTensor-expanded programs (tfpar/communication.py):
@@ -1092,6 +896,25 @@ def _announcing_distribution(original, hooks):
     return set_global_attribute
 
 
+def _device_count(_, hooks):
+    """Keras' `distribution_lib.get_device_count`, which Keras 3.15's TF
+    backend lacks: the devices its `list_devices` finds."""
+    library = _tf_distribution_lib()
+    return lambda device_type=None: len(library.list_devices(device_type))
+
+
+_KERAS_DISTRIBUTION_PATCHES = (
+    Patch("set_global_attribute", _global_state, "set_global_attribute",
+          _announcing_distribution),
+    Patch("distribute_tensor", _tf_distribution_lib, "distribute_tensor",
+          lambda _, hooks: hooks.distribute_tensor),
+    Patch("initialize", _tf_distribution_lib, "initialize",
+          lambda _, hooks: hooks.initialize),
+    Patch("get_device_count", _tf_distribution_lib, "get_device_count",
+          _device_count),
+)
+
+
 def hook_keras_distribution(on_set, distribute_tensor, initialize):
     """Makes Keras' distribution API reach tfpar on the TF backend; once
     (`import tfpar.keras_distribution` calls it; `uninstall` undoes it).
@@ -1104,84 +927,18 @@ def hook_keras_distribution(on_set, distribute_tensor, initialize):
     binding of `set_distribution` the user imported. Keras 3.15's TF
     `distribution_lib` (a "DO NOT USE" prototype) lacks `distribute_tensor`,
     `get_device_count` and `initialize`, which `keras.distribution` calls:
-    they are supplied. A distribution set before this hook is installed is
-    handed to `on_set` now.
+    they are supplied (`_KERAS_DISTRIBUTION_PATCHES`). A distribution set
+    before this hook is installed is handed to `on_set` now.
     """
-    import types  # noqa: PLC0415
-
     if "keras_distribution" in _installed:
         return
-    library = _tf_distribution_lib()
-    _apply("keras_distribution", (
-        Patch("set_global_attribute", _global_state, "set_global_attribute",
-              _announcing_distribution),
-        Patch("distribute_tensor", _tf_distribution_lib, "distribute_tensor",
-              lambda *_: distribute_tensor),
-        Patch("initialize", _tf_distribution_lib, "initialize",
-              lambda *_: initialize),
-        Patch("get_device_count", _tf_distribution_lib, "get_device_count",
-              lambda *_: lambda device_type=None: len(
-                  library.list_devices(device_type))),
-    ), types.SimpleNamespace(on_set=on_set))
+    install_group("keras_distribution", _KERAS_DISTRIBUTION_PATCHES,
+                  types.SimpleNamespace(on_set=on_set, initialize=initialize,
+                                        distribute_tensor=distribute_tensor))
     current = _global_state().get_global_attribute("distribution")
     if current is not None:
         on_set(current)
 
-
-# -- auto_rules: what each layer reads and returns in one symbolic trace ------
-
-
-def trace_layer_calls(model, layers):
-    """Traces `model` once and returns what each of `layers` read and made.
-
-    The model is called on symbolic inputs of its own input signature in a
-    `tf.function` graph (traced, never run: no values are computed or
-    changed). Returns `({id(layer): [(inputs, outputs), ...]}, outputs)`:
-    per call of each layer the flat graph tensors of its arguments and of
-    its results, and the flat outputs of the model. Returns None for a model
-    without an input signature (subclassed, or never given an input shape).
-    """
-    from keras.src.models import sequential  # noqa: PLC0415
-
-    graph = model
-    if isinstance(model, sequential.Sequential):
-        graph = getattr(model, "_functional", None)
-    struct = getattr(graph, "_inputs_struct", None)
-    if struct is None:
-        return None
-    specs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(t.shape, t.dtype), struct)
-    calls = {id(layer): [] for layer in layers}
-
-    def recording(layer):
-        original = layer.call
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            outputs = original(*args, **kwargs)
-            flat_in = [t for t in tf.nest.flatten((args, kwargs))
-                       if isinstance(t, tf.Tensor)]
-            flat_out = [t for t in tf.nest.flatten(outputs)
-                        if isinstance(t, tf.Tensor)]
-            calls[id(layer)].append((flat_in, flat_out))
-            return outputs
-        return call
-
-    saved = [(layer, layer.__dict__.get("call")) for layer in layers]
-    for layer in layers:
-        layer.call = recording(layer)
-    try:
-        traced = tf.function(lambda x: model(x, training=False),
-                             autograph=False).get_concrete_function(specs)
-    finally:
-        for layer, previous in saved:
-            if previous is None:
-                del layer.__dict__["call"]
-            else:
-                layer.call = previous
-    outputs = [t for t in tf.nest.flatten(traced.structured_outputs)
-               if isinstance(t, tf.Tensor)]
-    return calls, outputs
 
 def forget_uninitialized_variables(variables):
     """Drops `variables` from Keras' list of variables that a
@@ -1220,34 +977,47 @@ _ABSL_GET_MIN = rb"_ZN4absl\d+lts_\d+11MinLogLevelEv"
 _absl_log_level = []  # [(get, set)] once looked up; [None] if unavailable
 
 
+def _absl_symbol_names(path):
+    """The mangled names of absl's (MinLogLevel, SetMinLogLevel) in the
+    library file at `path` (the absl version is part of them), or None."""
+    import mmap  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                          access=mmap.ACCESS_READ) as m:
+        found = [re.search(p, m) for p in (_ABSL_GET_MIN, _ABSL_SET_MIN)]
+        names = [n.group().decode() for n in found if n is not None]
+    return names if len(names) == 2 else None
+
+
 def _absl_min_log_level_functions():
     """absl's (MinLogLevel, SetMinLogLevel) in TensorFlow's C++ library, or
-    None. The absl version is part of the mangled names, so they are read
-    from the library file."""
+    None (looked up once)."""
     if _absl_log_level:
         return _absl_log_level[0]
-    import ctypes  # noqa: PLC0415
-    import mmap  # noqa: PLC0415
     import os  # noqa: PLC0415
-    import re  # noqa: PLC0415
 
     functions = None
     path = os.path.join(tf.sysconfig.get_lib(), "libtensorflow_framework.so.2")
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
-                                              access=mmap.ACCESS_READ) as m:
-            found = [re.search(p, m) for p in (_ABSL_GET_MIN, _ABSL_SET_MIN)]
-            names = [n.group().decode() for n in found if n is not None]
-        if len(names) == 2:
-            library = ctypes.CDLL(path)  # already loaded: the same handle
-            get, set_ = (getattr(library, name) for name in names)
-            get.restype, get.argtypes = ctypes.c_int, []
-            set_.restype, set_.argtypes = None, [ctypes.c_int]
-            functions = (get, set_)
+        names = _absl_symbol_names(path)
+        functions = _absl_functions(path, names) if names else None
     except (OSError, AttributeError):
         pass  # another TF build: its INFO lines stay
     _absl_log_level.append(functions)
     return functions
+
+
+def _absl_functions(path, names):
+    """(get, set) of the C functions `names` (getter, setter of an int) in
+    the library at `path`, through ctypes."""
+    import ctypes  # noqa: PLC0415
+
+    library = ctypes.CDLL(path)  # already loaded: the same handle
+    get, set_ = (getattr(library, name) for name in names)
+    get.restype, get.argtypes = ctypes.c_int, []
+    set_.restype, set_.argtypes = None, [ctypes.c_int]
+    return get, set_
 
 
 _ABSL_WARNING = 1  # absl::LogSeverityAtLeast::kWarning (kInfo is 0)
@@ -1260,10 +1030,9 @@ def quiet_cpp_info_logs():
     TF_CPP_MAX_VLOG_LEVEL: then the logging is theirs to choose."""
     import os  # noqa: PLC0415
 
-    functions = None
-    if not any(v in os.environ
-               for v in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL")):
-        functions = _absl_min_log_level_functions()
+    user_chose = any(v in os.environ for v in ("TF_CPP_MIN_LOG_LEVEL",
+                                               "TF_CPP_MAX_VLOG_LEVEL"))
+    functions = None if user_chose else _absl_min_log_level_functions()
     if functions is None:
         yield
         return

@@ -20,6 +20,8 @@ import weakref
 import keras
 
 from tfpar import _compat
+from tfpar import keras_graph
+from tfpar import parallel_dims
 from tfpar import variables as variables_lib
 from tfpar.layout import LayoutRules
 from tfpar.styles import ColumnParallel, RowParallel, SequenceParallel
@@ -47,7 +49,7 @@ _KERAS_NORMS = (
 _NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
 
 
-def auto_rules(model, axis="model", axis_size=None, mesh=None,
+def auto_rules(model, axis=None, axis_size=None, mesh=None,
                sequence_parallel=False):
     """LayoutRules for the standard tensor-parallel patterns of `model`.
 
@@ -117,8 +119,12 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None,
 
     Args:
         model: a built Keras model.
-        axis: the mesh axis to split over.
+        axis: the mesh axis to split over; None: the current strategy's
+            model axis (`ParallelStrategy(model_axis=...)`), "model"
+            outside a strategy. Another axis than the strategy's is an
+            error naming both.
         axis_size: its size (or give `mesh`); used to check divisibility.
+            Without either, inside a strategy's scope: its mesh's.
         mesh: a `tfpar.Mesh` to read `axis_size` from.
         sequence_parallel: also split the activations between the
             tensor-parallel layers along the sequence (dimension 1).
@@ -131,8 +137,7 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None,
             "auto_rules(sequence_parallel) must be True or False. Received: "
             f"sequence_parallel={sequence_parallel!r}"
         )
-    if mesh is not None:
-        axis_size = mesh.axis_size(axis)
+    axis, axis_size = _axis_and_size(axis, axis_size, mesh)
     if axis_size is None:
         raise ValueError(
             "auto_rules needs the size of the model axis to check that "
@@ -154,6 +159,21 @@ def auto_rules(model, axis="model", axis_size=None, mesh=None,
             stacklevel=2,
         )
     return LayoutRules({re.escape(path): style for path, style in plan.items()})
+
+
+def _axis_and_size(axis, axis_size, mesh):
+    """(axis, size) of `auto_rules`' arguments, the current strategy's
+    dims filling in what is not given (`ParallelDims.resolve_model_axis`)."""
+    dims = parallel_dims.current()
+    if dims is not None:
+        axis = dims.resolve_model_axis(axis, "auto_rules")
+        if mesh is None and axis_size is None:
+            mesh = dims.mesh
+    elif axis is None:
+        axis = parallel_dims.DEFAULT_MODEL_AXIS
+    if mesh is not None:
+        axis_size = mesh.axis_size(axis)
+    return axis, axis_size
 
 
 def _plan(model, axis, axis_size, sequence_parallel):
@@ -345,7 +365,7 @@ class _Dataflow:
             traced = cached[1]
             return cls(units) if traced is None else cls(units, *traced)
         try:
-            traced = _compat.trace_layer_calls(model, units)
+            traced = keras_graph.trace_layer_calls(model, units)
         except Exception as error:  # noqa: BLE001 (any failure: say what to do)
             first = (str(error).strip().splitlines() or [""])[0]
             raise ValueError(

@@ -1,11 +1,16 @@
 """The parallel dimensions of a `ParallelStrategy`, validated in one place.
 
 `ParallelDims` is the frozen record of how a mesh is used: which axis
-splits the batch (data), which one holds pipeline stages (pipe), the
-remaining axes (tensor/model parallelism), and the data-parallel options
-(fsdp, reshard_after_forward, offload, per_host_input). Every check runs
-when it is made, with the error messages `ParallelStrategy` raises; the
-sizes the rest of tfpar needs are derived from it.
+splits the batch (data), which one holds pipeline stages (pipe), which
+one the tensor-parallel styles split weights over (model), how many model
+parts each pipeline stage holds (virtual stages), and the data-parallel
+options (fsdp, reshard_after_forward, offload, per_host_input). Every check
+runs when it is made, with the error messages `ParallelStrategy` raises; the
+sizes the rest of tfpar needs are derived from it. What is declared here
+need not be repeated: `tfpar.PipelineModel`'s `virtual_stages`, the styles'
+axis (`ColumnParallel()` etc.) and `tfpar.auto_rules`' axis default to the
+current strategy's dims, and an explicit value contradicting them is an
+error naming both (`resolve_virtual_stages`, `resolve_model_axis`).
 
 Example:
 
@@ -15,14 +20,21 @@ Example:
 >>> dims = ParallelDims(tfpar.Mesh({"data": 2, "model": 4}), fsdp=True)
 >>> dims.data_parallel_size, dims.num_stages, dims.model_parallel_size
 (2, 1, 4)
+>>> dims = ParallelDims(tfpar.Mesh({"pipe": 2, "data": 4}), virtual_stages=2)
+>>> dims.model_axis, dims.parts_per_stage, dims.num_parts
+('model', 2, 4)
 """
 
 import dataclasses
 import functools
 
+import tensorflow as tf
+
+from tfpar import layout as layout_lib
 from tfpar.mesh import Mesh
 
 OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
+DEFAULT_MODEL_AXIS = "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +52,12 @@ class ParallelDims:
             backward pass.
         offload: None (the only value available today).
         per_host_input: whether each host feeds only its share of a batch.
+        model_axis: the axis tensor-parallel styles split weights over
+            (the default axis of `ColumnParallel()`, `RowParallel()`,
+            `SequenceParallel()` and `auto_rules`; absent: size 1).
+        virtual_stages: model parts per pipeline stage of a
+            `tfpar.PipelineModel` (an int >= 1), or None: not declared
+            (the PipelineModel's own argument, default 1).
     """
 
     mesh: Mesh
@@ -49,17 +67,14 @@ class ParallelDims:
     reshard_after_forward: bool = False
     offload: object = None
     per_host_input: bool = False
+    model_axis: str = DEFAULT_MODEL_AXIS
+    virtual_stages: object = None
 
     def __post_init__(self):
         check_mesh(self.mesh)
-        _check_axis_name("data_axis", self.data_axis)
-        _check_axis_name("pipeline_axis", self.pipeline_axis)
-        if self.pipeline_axis == self.data_axis:
-            raise ValueError(
-                "ParallelStrategy needs different data and pipeline axes. "
-                f"Received: data_axis={self.data_axis!r}, "
-                f"pipeline_axis={self.pipeline_axis!r}"
-            )
+        self._check_axes()
+        if self.virtual_stages is not None:
+            check_virtual_stages(self.virtual_stages, "ParallelStrategy")
         _check_bool("fsdp", self.fsdp)
         if self.fsdp and self.data_parallel_size == 1:
             raise ValueError(
@@ -79,6 +94,19 @@ class ParallelDims:
             )
         _check_bool("per_host_input", self.per_host_input)
         _check_offload(self.offload, self.mesh)
+
+    def _check_axes(self):
+        """Axis names are strings; data, pipeline and model axes differ."""
+        named = {}
+        for option in ("data_axis", "pipeline_axis", "model_axis"):
+            value = getattr(self, option)
+            _check_axis_name(option, value)
+            if value in named:
+                raise ValueError(
+                    f"ParallelStrategy needs different {named[value]} and "
+                    f"{option.replace('_axis', '')} axes. Received: "
+                    f"{named[value]}_axis={value!r}, {option}={value!r}")
+            named[value] = option.replace("_axis", "")
 
     @property
     def data_parallel_size(self):
@@ -107,6 +135,64 @@ class ParallelDims:
         for axis_size in self.model_axes.values():
             size *= axis_size
         return size
+
+    @property
+    def tensor_parallel_size(self):
+        """How many ways the styles split a weight: the model axis size
+        (1 when the mesh lacks it)."""
+        return self.mesh.axis_size(self.model_axis)
+
+    @property
+    def parts_per_stage(self):
+        """v, model parts per pipeline stage: `virtual_stages`, 1 when not
+        declared."""
+        return self.virtual_stages or 1
+
+    @property
+    def num_parts(self):
+        """v × p, the model parts of a `PipelineModel` on this mesh."""
+        return self.parts_per_stage * self.num_stages
+
+    def resolve_virtual_stages(self, given, owner="PipelineModel"):
+        """The v an `owner` (e.g. `PipelineModel(virtual_stages=given)`)
+        uses: `given` when the dims declare none, the declared one when
+        `given` is None; a ValueError naming both when they differ."""
+        if given is None:
+            return self.parts_per_stage
+        check_virtual_stages(given, owner)
+        if self.virtual_stages is not None and given != self.virtual_stages:
+            raise ValueError(
+                f"{owner}(virtual_stages={given}) contradicts the strategy's "
+                f"ParallelStrategy(virtual_stages={self.virtual_stages}). "
+                f"Received: virtual_stages={given}. Declare it once: leave "
+                f"{owner}'s virtual_stages out, or pass the same value.")
+        return given
+
+    def resolve_model_axis(self, given, owner):
+        """The model axis an `owner` (a style, `auto_rules`) uses: the dims'
+        when `given` is None; a ValueError naming both when they differ."""
+        if given is None or given == self.model_axis:
+            return self.model_axis
+        raise ValueError(
+            f"{owner}(axis={given!r}) contradicts the strategy's model axis "
+            f"ParallelStrategy(model_axis={self.model_axis!r}). Received: "
+            f"axis={given!r}. Declare it once: leave the axis out (it "
+            f"defaults to {self.model_axis!r}), or pass "
+            f"ParallelStrategy(model_axis={given!r}).")
+
+    def bind_rules(self, rules):
+        """A fresh `LayoutRules` of `rules` (its own record of used rules)
+        whose styles split over this model axis (`Style.on_axis`); raises
+        unless every axis it names is usable (`check_rules`)."""
+        if not isinstance(rules, layout_lib.LayoutRules):
+            rules = layout_lib.LayoutRules(rules)
+        bound = layout_lib.LayoutRules({
+            pattern: (spec.on_axis(self.resolve_model_axis(
+                spec.given_axis, type(spec).__name__))
+                if callable(getattr(spec, "on_axis", None)) else spec)
+            for pattern, spec in rules.items()})
+        self.check_rules(bound)
+        return bound
 
     @functools.cached_property
     def stage_meshes(self):
@@ -144,6 +230,21 @@ class ParallelDims:
                     f"{self.mesh.axis_names}. Use one of the mesh's axis "
                     "names or add that axis."
                 )
+
+
+def current():
+    """The `ParallelDims` of the current `tf.distribute` strategy when it is
+    a `tfpar.ParallelStrategy` (inside its scope), else None."""
+    dims = getattr(tf.distribute.get_strategy(), "dims", None)
+    return dims if isinstance(dims, ParallelDims) else None
+
+
+def check_virtual_stages(value, owner):
+    """Raises unless `value` (`owner`'s virtual_stages) is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{owner}(virtual_stages) needs an int >= 1 (model "
+            f"parts per stage). Received: virtual_stages={value!r}")
 
 
 def check_mesh(mesh):

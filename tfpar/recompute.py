@@ -4,7 +4,7 @@ Keras 3.15 rematerializes a layer on the TF backend with
 `tf.recompute_grad`, which refuses keyword arguments in graph mode and draws
 new Dropout masks in the recomputation. `recompute` takes its place, with
 the seed replay of `next_seed`: importing this module installs that hook
-(`_compat.install_remat`), and so does making a `ParallelStrategy`. Without
+(`install`), and so does making a `ParallelStrategy`. Without
 a strategy, `import tfpar.recompute` (or any use of `tfpar.recompute`) is
 what makes `keras.RematScope` work on TensorFlow.
 
@@ -22,6 +22,7 @@ Example (a layer recomputed in the backward pass, the same gradients):
 
 import contextlib
 import threading
+import types
 
 import keras
 import tensorflow as tf
@@ -211,4 +212,21 @@ def recompute(f):
     return call
 
 
-_compat.install_remat(recompute, next_seed)  # this module's opt-in
+def _check_replay(generator):
+    """Refuses a replayed random op where DTensor could draw another mask
+    (`tfpar.strategy._check_random_recomputation`)."""
+    from tfpar import strategy  # noqa: PLC0415 (strategy installs this module)
+
+    strategy._check_random_recomputation(generator)  # noqa: SLF001
+
+
+def install():
+    """Installs `_compat.REMAT_PATCHES`: Keras' TF `remat` is `recompute`,
+    seeds replayed by `next_seed`; idempotent. Importing this module calls
+    it, so that `keras.RematScope` works on TensorFlow without a strategy
+    too; `_compat.install` (a strategy) does as well."""
+    _compat.install_group("remat", _compat.REMAT_PATCHES, types.SimpleNamespace(
+        recompute=recompute, next_seed=next_seed, check_replay=_check_replay))
+
+
+install()  # this module's opt-in

@@ -15,6 +15,7 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 """
 
 import gc
+import types
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -106,23 +107,32 @@ class ParallelStrategy(tf.distribute.Strategy):
             `num_input_pipelines=H` and `input_pipeline_id=h`. Hosts check
             at every step that they all have a batch of the same size (a
             clear error otherwise). One host: no effect.
+        model_axis: the mesh axis tensor parallelism splits weights over:
+            the default axis of the styles (`tfpar.ColumnParallel()`, ...)
+            in `rules` and `apply_rules`, and of `tfpar.auto_rules` in this
+            scope. A style or `auto_rules` naming another axis is an error
+            naming both. A mesh without it: no tensor parallelism by styles.
+        virtual_stages: v, model parts per pipeline stage of every
+            `tfpar.PipelineModel` made in this scope (see its argument of
+            the same name), declared once here; None (default): each
+            PipelineModel's own argument (default 1). A PipelineModel
+            passing another v is an error naming both.
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
                  pipeline_axis="pipe", fsdp=False,
                  reshard_after_forward=False, offload=None,
-                 per_host_input=False):
+                 per_host_input=False, model_axis="model",
+                 virtual_stages=None):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
         _compat.install()  # tfpar's Keras/TF hooks, once per process
-        if rules is None:
-            rules = {}
-        elif isinstance(rules, layout_lib.LayoutRules):
-            rules = dict(rules.items())  # this strategy's own usage record
-        rules = layout_lib.LayoutRules(rules)
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
-                            reshard_after_forward, offload, per_host_input)
-        dims.check_rules(rules)
+                            reshard_after_forward, offload, per_host_input,
+                            model_axis, virtual_stages)
+        # This strategy's own copy (its own usage record), styles bound to
+        # the model axis.
+        rules = dims.bind_rules({} if rules is None else rules)
         super().__init__(ParallelExtended(self, dims, rules))
 
     def scope(self):
@@ -146,6 +156,11 @@ class ParallelStrategy(tf.distribute.Strategy):
         "reshard_after_forward", "Whether fsdp's gathered weights are "
         "gathered again for the backward pass instead of being kept from "
         "the forward pass.")
+    model_axis = _from_dims(
+        "model_axis", "The mesh axis tensor-parallel styles split over.")
+    virtual_stages = _from_dims(
+        "virtual_stages", "Model parts per pipeline stage as declared, or "
+        "None (each PipelineModel's own argument).")
     num_stages = _from_dims(
         "num_stages",
         "Pipeline stages: the size of the pipeline axis (1 without one).")
@@ -391,6 +406,62 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         )
 
 
+def adopt_optimizer(model, strategy):
+    """Makes sure `model.optimizer` was created under `strategy` (its
+    `compile` calls this).
+
+    Keras' TF optimizer remembers the strategy current at construction and
+    creates its `iterations` and `learning_rate` variables right away. One
+    built outside `strategy.scope()` therefore cannot train under it (Keras
+    fails with "Mixing different tf.distribute.Strategy objects"). While it
+    has no slots yet, an equal optimizer is rebuilt from its config under the
+    scope and becomes `model.optimizer`.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or _compat.optimizer_strategy(optimizer) in (
+            None, strategy):
+        return
+    if optimizer.built:
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} was created and built outside "
+            "the strategy's scope. Received: an optimizer bound to "
+            f"{type(_compat.optimizer_strategy(optimizer)).__name__}. Create "
+            "it inside `with strategy.scope():` or pass its name to compile()."
+        )
+    try:
+        config = optimizer.get_config()
+        with strategy.scope():
+            model.optimizer = type(optimizer).from_config(config)
+    except Exception as error:  # noqa: BLE001 (any failure: explain how to fix)
+        raise ValueError(
+            f"The optimizer {optimizer.name!r} was created outside the "
+            "strategy's scope and could not be rebuilt from its config "
+            f"({error}). Create it inside `with strategy.scope():`."
+        ) from error
+
+
+def compat_hooks():
+    """What `tfpar._compat`'s patches of Keras ask tfpar (their `hooks`),
+    in one place: whether a strategy is tfpar's, whether a step is being
+    traced, and the functions the routed Keras entry points call."""
+    from tfpar import training  # noqa: PLC0415 (training imports this module)
+
+    def owns(candidate):
+        return isinstance(candidate, ParallelStrategy)
+
+    return types.SimpleNamespace(
+        function_for=training.keras_function_for,
+        eager_call=training.eager_model_call,
+        owns=owns,
+        in_step=in_spmd_step,
+        in_graph_step=lambda: not tf.executing_eagerly() and owns(
+            tf.distribute.get_strategy()),
+        strategy_of_layer=training.strategy_of_layer,
+        adopt_optimizer=adopt_optimizer,
+        replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
+        if in_spmd_step() else None)
+
+
 def _check_random_recomputation(generator):
     """Refuses to recompute a random op on a mesh that splits tensors over
     more than the data (and pipeline) axis.
@@ -406,10 +477,7 @@ def _check_random_recomputation(generator):
     if not isinstance(context, _SPMDReplicaContext):
         return
     extended = context.strategy.extended
-    other = {axis: extended.mesh.axis_size(axis)
-             for axis in extended.mesh.axis_names
-             if axis not in (extended.data_axis, extended.pipeline_axis)
-             and extended.mesh.axis_size(axis) > 1}
+    other = extended.dims.model_axes
     if other:
         raise ValueError(
             "A recomputed layer (keras.RematScope) draws random numbers "

@@ -12,6 +12,10 @@ named collectives of `tfpar.collectives`) by wrapping the layer object's
 weights' plan is valid: nothing changes unless the whole plan is valid.
 The automatic plans are in `tfpar.auto_plan`.
 
+Every style's `axis` defaults to the strategy's model axis
+(`tfpar.parallel_dims.ParallelDims.model_axis`, "model" unless
+`ParallelStrategy(model_axis=...)` declares another).
+
 - `ColumnParallel(axis)` splits a layer's *outputs* over `axis`. For a Dense
   kernel (in, out) that is axis 1, plus the bias; for an EinsumDense the
   first kernel dimension that appears in the output; for an Embedding the
@@ -62,12 +66,15 @@ Example:
 ... })
 """
 
+import copy
 import dataclasses
+import functools
+import inspect
 import re
 
-from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
+from tfpar import parallel_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +104,28 @@ class ActivationLayout:
 
 class Style:
     """Base class: how one layer's weights and activations are laid out
-    over a mesh axis."""
+    over a mesh axis.
 
-    def __init__(self, axis="model"):
-        if not isinstance(axis, str):
+    `axis=None` (the default) means the strategy's model axis
+    (`ParallelStrategy(model_axis=...)`, "model" unless declared): the
+    strategy binds the style to it (`on_axis`) when it takes the rules; an
+    explicit axis other than the strategy's is an error naming both.
+    """
+
+    def __init__(self, axis=None):
+        if axis is not None and not isinstance(axis, str):
             raise TypeError(
                 f"{type(self).__name__}(axis) needs a mesh axis name. "
                 f"Received: axis={axis!r}"
             )
-        self.axis = axis
+        self.given_axis = axis
+        self.axis = parallel_dims.DEFAULT_MODEL_AXIS if axis is None else axis
+
+    def on_axis(self, axis):
+        """This style splitting over mesh axis `axis` (a copy)."""
+        bound = copy.copy(self)
+        bound.given_axis = bound.axis = axis
+        return bound
 
     def axes(self):
         return (self.axis,)
@@ -149,13 +169,13 @@ class Style:
             return
         before, after = self.activation_layouts(layer, role, shape)
         if before is not None:
-            _compat.transform_layer_inputs(
+            _transform_inputs(
                 layer, "tfpar_sequence_input",
                 lambda x: _relayout(x, before, layer, "input"))
         if after is not None:
             name = ("tfpar_sequence_output" if after.dimension == "sequence"
                     else "tfpar_gather_hidden")
-            _compat.transform_layer_outputs(
+            _transform_outputs(
                 layer, name, lambda y: _relayout(y, after, layer, "output"))
         installed = vars(layer).setdefault("_tfpar_activation_layouts", {})
         for where, layout in (("input", before), ("output", after)):
@@ -175,6 +195,51 @@ class Style:
         return hash(self._key())
 
 
+def _transform_outputs(layer, name, transform):
+    """Makes `layer` return `transform(outputs)`; once per `name`.
+
+    Wraps this one layer object's `call` (not its class), keeping its
+    signature for Keras' argument inspection.
+    """
+    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        return transform(original_call(*args, **kwargs))
+
+    layer.call = call
+    applied.add(name)
+
+
+def _transform_inputs(layer, name, transform):
+    """Makes `layer` call its `call` on `transform(first input)`; once per
+    `name`.
+
+    Like `_transform_outputs`, wraps this one layer object's `call`
+    (keeping its signature); the first input is the first positional
+    argument, or the first parameter of `call` when passed by keyword.
+    """
+    applied = layer.__dict__.setdefault("_tfpar_input_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+    first = next(iter(inspect.signature(original_call).parameters), None)
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        if args:
+            args = (transform(args[0]),) + tuple(args[1:])
+        elif first in kwargs:
+            kwargs[first] = transform(kwargs[first])
+        return original_call(*args, **kwargs)
+
+    layer.call = call
+    applied.add(name)
+
+
 def _relayout(tensor, target, layer, where):
     """`tensor` relaid out to the `ActivationLayout` `target` by its named
     collective (see `tfpar.collectives`)."""
@@ -188,7 +253,7 @@ def _relayout(tensor, target, layer, where):
 class _TensorParallel(Style):
     """Column/row styles: an axis, and whether sequence parallelism is on."""
 
-    def __init__(self, axis="model", sequence_parallel=False):
+    def __init__(self, axis=None, sequence_parallel=False):
         super().__init__(axis)
         if not isinstance(sequence_parallel, bool):
             raise TypeError(
@@ -216,7 +281,7 @@ class Replicated(Style):
     """Every weight of the layer whole on every device."""
 
     def __init__(self):
-        super().__init__("model")
+        super().__init__(None)
 
     def axes(self):
         return ()

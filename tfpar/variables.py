@@ -481,8 +481,7 @@ class VariableRegistry:
                 "built already. Call strategy.apply_rules(model, rules) right "
                 "after building the model, before compile/fit."
             )
-        rules = layout_lib.LayoutRules(dict(rules.items()))  # fresh usage
-        self._dims.check_rules(rules)
+        rules = self._dims.bind_rules(rules)  # fresh usage, model axis
         changes = self._relayout_plan(model, rules)
         unmatched = rules.unmatched()
         if unmatched:

@@ -94,7 +94,10 @@ class PipelineModel(keras.Model, training.StagedModel):
             1F1B, num_microbatches a multiple of p; "gpipe": looped GPipe):
             the bubble shrinks from (p-1)/(m+p-1) to (p-1)/(v·m+p-1) (looped
             GPipe: only for m >= p) for v times more stage-to-stage
-            transfers.
+            transfers. None (the default) takes the strategy's
+            `ParallelStrategy(virtual_stages=...)` when it declares one (else
+            1); a different v than the strategy declares is an error naming
+            both.
         stage_boundaries: names of the layers where parts 1..v·p-1 begin
             (stages 1..p-1 without interleaving); layers of nested models
             (inlined) by path, e.g. "llama_backbone/transformer_layer_1",
@@ -113,9 +116,10 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def __init__(self, model, num_microbatches, schedule="1f1b",
                  stage_boundaries=None, balance="params",
-                 record_timeline=False, name=None, virtual_stages=1):
+                 record_timeline=False, name=None, virtual_stages=None):
         extended = _pipeline_extended()
-        _check_arguments(model, num_microbatches, virtual_stages)
+        _check_arguments(model, num_microbatches)
+        virtual_stages = extended.dims.resolve_virtual_stages(virtual_stages)
         num_stages = len(extended.stage_meshes)
         # Validates the name (and m for interleaving) before anything changes.
         full_schedule = schedules_lib.get_schedule(
@@ -367,7 +371,7 @@ def _pipeline_extended():
     return extended
 
 
-def _check_arguments(model, num_microbatches, virtual_stages):
+def _check_arguments(model, num_microbatches):
     if not isinstance(model, keras.Model):
         raise TypeError(
             "PipelineModel(model) needs a Keras Model. Received: "
@@ -377,11 +381,6 @@ def _check_arguments(model, num_microbatches, virtual_stages):
         raise ValueError(
             "PipelineModel(num_microbatches) needs an int >= 1. "
             f"Received: num_microbatches={num_microbatches!r}")
-    if isinstance(virtual_stages, bool) or not isinstance(
-            virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(
-            "PipelineModel(virtual_stages) needs an int >= 1 (model "
-            f"parts per stage). Received: virtual_stages={virtual_stages!r}")
 
 
 def _check_parts(model, num_stages, virtual_stages, balance):

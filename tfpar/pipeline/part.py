@@ -42,6 +42,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import collectives
+from tfpar import keras_graph
 from tfpar import layout as layout_lib
 from tfpar.pipeline import ordering
 from tfpar.pipeline import split as split_lib
@@ -134,7 +135,7 @@ class ModelPart:
         graph = self.graph
         tensors = {id(k): v for k, v in zip(graph.inputs, values)}
         guests = list(guests) or self.ties.values_on(self)
-        with _compat.reading_values(guests, [
+        with keras_graph.reading_values(guests, [
                 v for layer in graph.layers
                 for v in getattr(layer, "variables", [])]):
             for node in graph.nodes:

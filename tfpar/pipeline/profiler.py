@@ -31,7 +31,7 @@ class OpEvents:
     tracer level 3: every op kernel, named by its name scope).
 
     After the block, `events` holds (op name, start seconds, end seconds)
-    of every executed op (read by `_compat.profiled_op_events`).
+    of every executed op (read by `op_events`).
     """
 
     def __init__(self):
@@ -57,10 +57,27 @@ class OpEvents:
 
         tf.profiler.experimental.stop()
         try:
-            self.events.extend(_compat.profiled_op_events(self._directory))
+            self.events.extend(op_events(self._directory))
         finally:
             shutil.rmtree(self._directory, ignore_errors=True)
         return False
+
+
+def op_events(directory):
+    """[(op name, start seconds, end seconds)] of every event TF's profiler
+    wrote under `directory`: each plane's lines hold events at picosecond
+    offsets from the line's nanosecond timestamp."""
+    events = []
+    for space in _compat.profiler_xspaces(directory):
+        for plane in space.planes:
+            names = plane.event_metadata
+            for line in plane.lines:
+                base = line.timestamp_ns * 1e-9
+                for event in line.events:
+                    start = base + event.offset_ps * 1e-12
+                    events.append((names[event.metadata_id].name, start,
+                                   start + event.duration_ps * 1e-12))
+    return events
 
 
 _COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")

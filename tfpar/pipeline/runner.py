@@ -33,8 +33,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar import _compat
 from tfpar import collectives
+from tfpar import keras_graph
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import training
@@ -234,7 +234,7 @@ class PipelineRunner(training.Runner):
         return tf.add_n(losses) if len(losses) > 1 else losses[0]
 
     def _y_pred(self, values):
-        return _compat.model_output_structure(self._model.wrapped, values)
+        return keras_graph.model_output_structure(self._model.wrapped, values)
 
     def _update_metrics(self, rows, y_pred, y, sample_weight, loss):
         model = self._model

@@ -37,6 +37,7 @@ import dataclasses
 import numpy as np
 
 from tfpar import _compat
+from tfpar import keras_graph
 
 BALANCE_MODES = ("params", "time")
 
@@ -93,11 +94,13 @@ class GraphNode:
         self.operation = node.operation
         self.path = path
         self._aliases = aliases
-        self.inputs = [resolve(t, aliases) for t in _compat.node_inputs(node)]
+        self.inputs = [resolve(t, aliases)
+                       for t in keras_graph.node_inputs(node)]
         self.outputs = list(node.outputs)
 
     def run(self, tensors, training):
-        _compat.run_node(self.node, _Aliased(tensors, self._aliases), training)
+        keras_graph.run_node(self.node, _Aliased(tensors, self._aliases),
+                             training)
 
 
 class _Aliased:
@@ -132,14 +135,15 @@ def _inlinable(node, calls):
     """The flat (inner input, outer tensor) pairs when `node` calls a
     functional model once on its inputs alone, else None."""
     inner = node.operation
-    graph = _compat.functional_graph(inner) if _compat.is_model(inner) else None
+    graph = (keras_graph.functional_graph(inner)
+             if keras_graph.is_model(inner) else None)
     if graph is None or calls[id(inner)] > 1:
         return None
     args, kwargs = node.arguments.args, node.arguments.kwargs
-    if len(args) != 1 or any(_compat.has_keras_tensor(v)
+    if len(args) != 1 or any(keras_graph.has_keras_tensor(v)
                              for v in kwargs.values()):
         return None
-    outer = _compat.flat_model_inputs(inner, args[0])
+    outer = keras_graph.flat_model_inputs(inner, args[0])
     if outer is None or len(outer) != len(graph[1]) or any(
             len(o.shape) != len(i.shape) for o, i in zip(outer, graph[1])):
         return None
@@ -149,7 +153,7 @@ def _inlinable(node, calls):
 def _inline(model, prefix, aliases, calls, out):
     """Appends `model`'s nodes to `out` as GraphNodes, inlining nested
     functional models (their boundary tensors become aliases)."""
-    nodes, _, outputs = _compat.functional_graph(model)
+    nodes, _, outputs = keras_graph.functional_graph(model)
     for node in nodes:
         pairs = _inlinable(node, calls)
         if pairs is None:
@@ -173,7 +177,7 @@ def model_graph(model):
     """(GraphNodes with nested models inlined, layers in order of first
     use, inputs, outputs, each layer's path); raises a clear error for a
     model that has no graph to cut."""
-    graph = _compat.functional_graph(model)
+    graph = keras_graph.functional_graph(model)
     if graph is None:
         raise ValueError(
             "PipelineModel can only cut a Sequential or functional Keras "
@@ -183,7 +187,7 @@ def model_graph(model):
             "model, or a Sequential without keras.Input). Rebuild it with "
             "the functional API or give the Sequential a keras.Input."
         )
-    calls = {id(layer): _compat.call_count(layer)
+    calls = {id(layer): keras_graph.call_count(layer)
              for layer in _compat.all_layers(model, include_self=False)}
     aliases = {}
     nodes = []

@@ -33,6 +33,7 @@ import keras
 import numpy as np
 
 from tfpar import _compat
+from tfpar import keras_graph
 
 
 @dataclasses.dataclass
@@ -100,7 +101,7 @@ def profile_model(model, sequence_length=None):
             f"tfpar.plan cannot analyse model {model.name!r}: it is not built "
             "(no weights yet). Build it (call it on data, or give it a "
             "keras.Input) before planning.")
-    graph = _compat.functional_graph(model)
+    graph = keras_graph.functional_graph(model)
     if graph is None:
         raise ValueError(
             f"tfpar.plan cannot analyse model {model.name!r} "
@@ -276,7 +277,7 @@ def _carried(ops, nodes, inputs, outputs, index_of, itemsize, seq):
     last_read = {}
     for node in nodes:
         i = index_of[id(node.operation)]
-        for t in _compat.node_inputs(node):
+        for t in keras_graph.node_inputs(node):
             last_read[id(t)] = max(last_read.get(id(t), -1), i)
             if made.get(id(t), -1) >= 0:
                 ops[made[id(t)]].consumers.add(i)

@@ -1,5 +1,6 @@
 """Zero-bubble schedules run: B (input gradients) and W (weight gradients)
-split over one forward, in parity with 1F1B and one device.
+split over one forward, in parity with 1F1B and one device (ZB-H1, ZB-H2,
+and ZB-V with two parts per stage in a V).
 
 The model (x -> d0 -> d1 -> add(d1, d0) -> ln -> d2 -> scale -> out) has a
 skip connection, a LayerNormalization, a layer called twice (shared `d1`
@@ -12,6 +13,7 @@ import functools
 import keras
 import numpy as np
 import pytest
+from tensorflow.experimental import dtensor
 
 import tfpar
 
@@ -85,6 +87,45 @@ def test_zero_bubble_parity_with_one_device_and_1f1b(axes, schedule, m,
                     stage_boundaries=boundaries)
     assert pipe.schedule.split_backward
     assert_same(reference(), train(pipe))
+
+
+def test_zbv_parity_with_one_device_and_its_v():
+    """ZB-V: the model cut into 4 parts, stage 0 holding parts 0 and 3 (the
+    first and the last: loss, metrics and the compiled optimizer live on
+    stage 0), stage 1 parts 1 and 2 (the turn of the V, no transfer)."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(build(), num_microbatches=4,
+                                   schedule="zbv")
+    assert pipe.schedule.name == "zbv" and pipe.virtual_stages == 2
+    stages = [strategy.stage_meshes.index(part.mesh) for part in pipe.parts]
+    assert stages == [0, 1, 1, 0]
+    assert "part 3 (stage 0, chunk 1)" in pipe.split_report()
+    assert_same(reference(), train(pipe))
+    out = pipe.get_layer("out").kernel
+    assert dtensor.fetch_layout(out.value).mesh == \
+        strategy.stage_meshes[0].dtensor_mesh
+
+
+@pytest.mark.slow
+def test_zbv_equals_1f1b_with_plain_sgd_and_a_smaller_last_batch():
+    one = train(pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                         schedule="1f1b"), "sgd")
+    zbv = train(pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                         schedule="zbv"), "sgd")
+    assert_same(reference("sgd"), zbv)
+    assert_same(one, zbv)
+    pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=4,
+                    schedule="zbv")
+    x, y = models.mlp_data()
+    x, y = x[:34], y[:34]  # last batch of 2: m = 2 < 2p - 1, same V
+    plain = build()
+    for model in (pipe, plain):
+        model.set_weights(list(initial_weights()))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), pipe.get_weights()):
+        assert models.relative_error(a, b) < RTOL
 
 
 @pytest.mark.slow

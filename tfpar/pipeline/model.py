@@ -85,9 +85,12 @@ class PipelineModel(keras.Model, training.StagedModel):
             alive per stage; interleaved, Megatron-LM's warm-up
             (p-s-1)·2 + (v-1)·p plus one part-micro-batch pairs, each 1/v
             of a stage), "gpipe" (all m), or the zero-bubble "zb-h1"
-            (m >= p; at most p alive) and "zb-h2" (m >= 2p - 1; at most
-            2p - 1 alive), which split each backward into input and weight
-            gradients (`tfpar.pipeline.zero_bubble`).
+            (m >= p; at most p alive), "zb-h2" (m >= 2p - 1; at most
+            2p - 1 alive) and "zbv" (m >= 2p - 1; two parts per stage in
+            a V, stage s holding parts s and 2p - 1 - s: the model is cut
+            into 2p parts; at most 2p half-stage parts alive), which split
+            each backward into input and weight gradients
+            (`tfpar.pipeline.zero_bubble`, `zero_bubble_v`).
         virtual_stages: v, model parts per stage (default 1). With v > 1
             the model is cut into v × p parts, part k on stage k mod p, and
             the schedule is interleaved ("1f1b": Megatron-LM's interleaved
@@ -120,6 +123,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         # Validates the name (and m for interleaving) before anything changes.
         full_schedule = schedules_lib.get_schedule(
             schedule, num_stages, num_microbatches, virtual_stages)
+        virtual_stages = full_schedule.virtual_stages  # "zbv": always 2
         _check_parts(model, num_stages, virtual_stages, balance)
         costs = None
         if stage_boundaries is None and balance == "time":
@@ -142,6 +146,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         self._optimizers = None
         self._learning_rate = None
         self._eager_runner = None
+        self._generator = None  # the unpipelined copy `generate` runs
         self._place_parts()
         self._parts = [ModelPart(part, self.part_mesh(part.index), extended,
                                  self) for part in layers]
@@ -150,9 +155,10 @@ class PipelineModel(keras.Model, training.StagedModel):
     # -- structure -----------------------------------------------------------
 
     def part_mesh(self, part):
-        """The `tfpar.Mesh` of model part `part`: stage `part mod p`'s."""
-        meshes = self._extended.stage_meshes
-        return meshes[part % len(meshes)]
+        """The `tfpar.Mesh` of model part `part`: its stage's (`part mod
+        p`, or in ZB-V's V part `2p - 1 - part` past the turn)."""
+        stage, _ = self._schedule.stage_and_chunk(part)
+        return self._extended.stage_meshes[stage]
 
     def _place_parts(self):
         """Moves every part's weights and other state onto its stage's
@@ -193,6 +199,11 @@ class PipelineModel(keras.Model, training.StagedModel):
                 for variable in getattr(layer, "variables", []):
                     self._extended.registry.move_to(variable, mesh)
 
+    def _last_mesh(self):
+        """The mesh of the last part (loss, metrics, the compiled
+        optimizer): the last stage's, or stage 0's in ZB-V's V."""
+        return self.part_mesh(self._schedule.num_parts - 1)
+
     @property
     def stages(self):
         """The layers of each model part (`tfpar.pipeline.split.Part`s) in
@@ -224,7 +235,8 @@ class PipelineModel(keras.Model, training.StagedModel):
         devices = [_device_range(self.part_mesh(stage.index))
                    for stage in self._layers_of_parts]
         return split_lib.format_split(self._layers_of_parts, devices,
-                                      len(self._extended.stage_meshes))
+                                      len(self._extended.stage_meshes),
+                                      self._schedule.stage_and_chunk)
 
     def call(self, inputs, training=None):
         # Symbolic use only (Keras builds output specs with it); concrete
@@ -233,6 +245,37 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def get_layer(self, name=None, index=None):
         return self.wrapped.get_layer(name=name, index=index)
+
+    def generate(self, *args, **kwargs):
+        """The wrapped model's `generate` (keras-hub `CausalLM`), run
+        unpipelined: an unpipelined copy of the wrapped model (built once
+        from its config, outside any strategy: on one device) receives the current
+        weights (`get_weights`, through the host) and generates; the
+        pipeline's stages are not used. Fine for evaluation-sized
+        generation; for a model too large for one device's copy, save it
+        and generate under a tensor-parallel strategy instead.
+
+        >>> pipe.generate({"token_ids": ids, "padding_mask": mask},
+        ...               max_length=8)  # doctest: +SKIP
+        """
+        if not hasattr(self.wrapped, "generate"):
+            raise AttributeError(
+                f"PipelineModel.generate calls the wrapped model's "
+                f"generate(), but model {self.wrapped.name!r} "
+                f"({type(self.wrapped).__name__}) has none. Received: a "
+                "model without generate (use predict).")
+        if tf.distribute.has_strategy():
+            raise RuntimeError(
+                "PipelineModel.generate builds an unpipelined copy of the "
+                "wrapped model, which must not be created on the pipeline's "
+                "mesh. Received: a call inside `strategy.scope()` "
+                f"({type(tf.distribute.get_strategy()).__name__}). Call "
+                "generate outside the scope.")
+        if self._generator is None:
+            self._generator = type(self.wrapped).from_config(
+                self.wrapped.get_config())
+        self._generator.set_weights(self.get_weights())
+        return self._generator.generate(*args, **kwargs)
 
     def summary(self, *args, **kwargs):
         print(self.split_report())
@@ -247,8 +290,8 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def compile(self, *args, **kwargs):
         """Keras `compile`; loss, metrics and this optimizer live on the
-        last stage (the other stages get copies of the optimizer)."""
-        last = self._extended.stage_meshes[-1]
+        last part's stage (the other parts get copies of the optimizer)."""
+        last = self._last_mesh()
         with self._extended.registry.placing_on(last):
             super().compile(*args, **kwargs)
         # An optimizer or metrics made before compile (in the scope) have
@@ -273,7 +316,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         # Keras builds metrics here (they belong on the last stage) and the
         # optimizer for *all* weights; each stage's optimizer is built for
         # its own weights instead (slots then exist once, on their stage).
-        last = self._extended.stage_meshes[-1]
+        last = self._last_mesh()
         with self.distribute_strategy.scope(), \
                 self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:

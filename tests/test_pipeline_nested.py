@@ -155,7 +155,7 @@ HUB_BATCH = 8
 ZERO_GRADIENT = re.compile(r".*/key/bias")
 
 
-def hub_pipeline(name, axes, schedule):
+def hub_pipeline(name, axes, schedule, m=2):
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes))
     with strategy.scope():
         model = hub_models.build(name)
@@ -164,13 +164,16 @@ def hub_pipeline(name, axes, schedule):
                 warnings.simplefilter("ignore")  # layers kept whole
                 strategy.apply_rules(
                     model, tfpar.auto_rules(model, mesh=strategy.mesh))
-        pipe = tfpar.PipelineModel(model, num_microbatches=2,
+        pipe = tfpar.PipelineModel(model, num_microbatches=m,
                                    schedule=schedule)
     return strategy, pipe
 
 
-def hub_parity(name, axes, schedule):
-    x, y = hub_models.data(name, batch=2 * HUB_BATCH)
+def hub_parity(name, axes, schedule, m=2):
+    """Trains `name` as a pipeline of m micro-batches (global batches of
+    HUB_BATCH·m/2, two steps) and on one device; checks they agree."""
+    batch = HUB_BATCH * m // 2
+    x, y = hub_models.data(name, batch=2 * batch)
     weights = hub_models.build(name).get_weights()
 
     def run(model):
@@ -178,11 +181,11 @@ def hub_parity(name, axes, schedule):
         # micro-batch rounding (1e-7) of near-zero gradients into 1e-4 of
         # a weight at 1e-2.
         return fit(model, weights, x, y, keras.optimizers.Adam(1e-3),
-                   hub_models.loss(name), HUB_BATCH)
+                   hub_models.loss(name), batch)
 
     plain = hub_models.build(name)
     want = run(plain)  # the one-device run, kept for generate
-    strategy, pipe = hub_pipeline(name, axes, schedule)
+    strategy, pipe = hub_pipeline(name, axes, schedule, m)
     got = run(pipe)
     assert len(want[0]) == len(got[0]) >= 2
     assert models.relative_error(want[0], got[0]) < RTOL, (want[0], got[0])
@@ -193,21 +196,21 @@ def hub_parity(name, axes, schedule):
             assert np.abs(a - b).max() < RTOL, path  # noise (see above)
         else:
             assert models.relative_error(a, b) < RTOL, path
-    # The backbone is inlined and cut inside; the output head reads the
-    # token embedding's weights from stage 0.
-    assert len(pipe.stages) == 2 and all(
+    # The backbone is inlined and cut inside; the output head (the last
+    # part) reads the token embedding's weights from stage 0.
+    assert len(pipe.stages) == pipe.schedule.num_parts and all(
         "backbone" in path.split("/")[0] for s in pipe.stages
         for path in s.layer_names)
     embedding = pipe.get_layer("token_embedding")
-    assert pipe.stages[1].guests == [embedding]
+    assert pipe.stages[-1].guests == [embedding]
     assert dtensor.fetch_layout(embedding.embeddings.value).mesh == \
         strategy.stage_meshes[0].dtensor_mesh
     # predict runs through the pipeline and matches one device.
     copy = hub_models.build(name)
     copy.set_weights(pipe.get_weights())
     np.testing.assert_allclose(
-        pipe.predict(x, batch_size=HUB_BATCH, verbose=0),
-        copy.predict(x, batch_size=HUB_BATCH, verbose=0), rtol=1e-4,
+        pipe.predict(x, batch_size=batch, verbose=0),
+        copy.predict(x, batch_size=batch, verbose=0), rtol=1e-4,
         atol=1e-5)
     return pipe, plain
 
@@ -217,6 +220,14 @@ def test_llama_gqa_causal_lm_pipelined_with_zero_bubble():
     key/value heads) on pipe=2 × data=4 with ZB-H1 (nested backbone, the
     output head tied to the input embedding's stage, split backwards)."""
     hub_parity("llama_gqa", {"pipe": 2, "data": 4}, "zb-h1")
+
+
+@pytest.mark.slow
+def test_llama_gqa_causal_lm_pipelined_with_zbv():
+    """ZB-V on a real model: 4 parts in a V, the embedding (part 0) and
+    its tied output head (part 3) both on stage 0; m = 4 >= 2p - 1."""
+    pipe, _ = hub_parity("llama_gqa", {"pipe": 2, "data": 4}, "zbv", m=4)
+    assert pipe.parts[0].mesh is pipe.parts[3].mesh
 
 
 HUB_MESHES = {"2x4": {"pipe": 2, "data": 4},

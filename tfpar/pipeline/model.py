@@ -124,7 +124,8 @@ class PipelineModel(keras.Model, training.StagedModel):
         full_schedule = schedules_lib.get_schedule(
             schedule, num_stages, num_microbatches, virtual_stages)
         virtual_stages = full_schedule.virtual_stages  # "zbv": always 2
-        _check_parts(model, num_stages, virtual_stages, balance)
+        _check_parts(model, num_stages, virtual_stages, balance,
+                     full_schedule.name)
         costs = None
         if stage_boundaries is None and balance == "time":
             costs = _measured_layer_times(model, extended)
@@ -427,7 +428,7 @@ def _check_arguments(model, num_microbatches, virtual_stages):
             f"parts per stage). Received: virtual_stages={virtual_stages!r}")
 
 
-def _check_parts(model, num_stages, virtual_stages, balance):
+def _check_parts(model, num_stages, virtual_stages, balance, schedule):
     """A known balance, and a built model with a layer for each of the
     v × p parts."""
     if balance not in split_lib.BALANCE_MODES:
@@ -440,6 +441,13 @@ def _check_parts(model, num_stages, virtual_stages, balance):
             "not built. Give it a keras.Input (Sequential) or build it.")
     num_layers = len(split_lib.model_graph(model)[1])
     if virtual_stages > 1 and num_stages * virtual_stages > num_layers:
+        if schedule == "zbv":
+            raise ValueError(
+                f"schedule='zbv' cuts the model into 2 × stages = "
+                f"{2 * num_stages} parts (two per stage, in a V), but model "
+                f"{model.name!r} has only {num_layers} layer(s). Received: "
+                f"schedule='zbv' on {num_stages} stages. Use schedule="
+                "'zb-h1' or 'zb-h2' (one part per stage), or fewer stages.")
         raise ValueError(
             f"PipelineModel cuts the model into virtual_stages × stages "
             f"= {virtual_stages} × {num_stages} = "

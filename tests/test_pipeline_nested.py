@@ -277,10 +277,12 @@ def test_generate_runs_unpipelined_on_the_wrapped_model():
     mask[:, :3] = True
     prompt = {"token_ids": ids, "padding_mask": mask}
     got = pipe.generate(prompt, max_length=hub_models.SEQ_LEN,
-                        stop_token_ids=None)
+                        stop_token_ids=None, sampler="greedy")
+    plain.compile(sampler="greedy")  # keras-hub's default draws (top-k)
     want = plain.generate(prompt, max_length=hub_models.SEQ_LEN,
                           stop_token_ids=None)
     assert got["token_ids"].shape == (2, hub_models.SEQ_LEN)
+    assert len(pipe.weights) == len(plain.weights)  # the copy is not tracked
     np.testing.assert_array_equal(got["token_ids"], want["token_ids"])
     np.testing.assert_array_equal(got["token_ids"][:, :3], ids[:, :3])
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))

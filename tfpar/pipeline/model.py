@@ -15,8 +15,8 @@ Where each piece lives:
   `forward(i)`, `backward(i)` and the zero-bubble halves
   `backward_input(i)` / `backward_weight(i)`;
 - `tfpar.pipeline.runner.PipelineRunner`: the step, one `tf.function`
-  looping over the schedule's actions (GPipe, 1F1B, ZB-H1, ZB-H2, their
-  interleaved forms), each dispatched to its part; activations and
+  looping over the schedule's actions (GPipe, 1F1B, ZB-H1, ZB-H2, ZB-V,
+  the interleaved forms), each dispatched to its part; activations and
   gradients cross between parts by the stage-to-stage moves of
   `tfpar.collectives`, and a stage's actions are chained in the schedule's
   order by data (ordering tokens, `tfpar.pipeline.ordering`: DTensor drops
@@ -51,6 +51,7 @@ stage 0 on CPU:0..CPU:3: 2 layer(s) d0..d1, ...
 """
 
 import time
+import types
 
 import keras
 import numpy as np
@@ -147,7 +148,9 @@ class PipelineModel(keras.Model, training.StagedModel):
         self._optimizers = None
         self._learning_rate = None
         self._eager_runner = None
-        self._generator = None  # the unpipelined copy `generate` runs
+        # The unpipelined copy `generate` runs, in a holder Keras does not
+        # track (its weights are not the pipeline's).
+        self._generator = types.SimpleNamespace(model=None)
         self._place_parts()
         self._parts = [ModelPart(part, self.part_mesh(part.index), extended,
                                  self) for part in layers]
@@ -247,17 +250,19 @@ class PipelineModel(keras.Model, training.StagedModel):
     def get_layer(self, name=None, index=None):
         return self.wrapped.get_layer(name=name, index=index)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, sampler=None, **kwargs):
         """The wrapped model's `generate` (keras-hub `CausalLM`), run
         unpipelined: an unpipelined copy of the wrapped model (built once
         from its config, outside any strategy: on one device) receives the current
         weights (`get_weights`, through the host) and generates; the
         pipeline's stages are not used. Fine for evaluation-sized
         generation; for a model too large for one device's copy, save it
-        and generate under a tensor-parallel strategy instead.
+        and generate under a tensor-parallel strategy instead. `sampler`
+        (e.g. "greedy"; keras-hub's `compile(sampler=...)`) is the copy's;
+        default the wrapped model's.
 
         >>> pipe.generate({"token_ids": ids, "padding_mask": mask},
-        ...               max_length=8)  # doctest: +SKIP
+        ...               max_length=8, sampler="greedy")  # doctest: +SKIP
         """
         if not hasattr(self.wrapped, "generate"):
             raise AttributeError(
@@ -272,11 +277,14 @@ class PipelineModel(keras.Model, training.StagedModel):
                 "mesh. Received: a call inside `strategy.scope()` "
                 f"({type(tf.distribute.get_strategy()).__name__}). Call "
                 "generate outside the scope.")
-        if self._generator is None:
-            self._generator = type(self.wrapped).from_config(
+        if self._generator.model is None:
+            self._generator.model = type(self.wrapped).from_config(
                 self.wrapped.get_config())
-        self._generator.set_weights(self.get_weights())
-        return self._generator.generate(*args, **kwargs)
+        sampler = sampler or getattr(self.wrapped, "sampler", None)
+        if sampler is not None:
+            self._generator.model.compile(sampler=sampler)
+        self._generator.model.set_weights(self.get_weights())
+        return self._generator.model.generate(*args, **kwargs)
 
     def summary(self, *args, **kwargs):
         print(self.split_report())

@@ -44,14 +44,15 @@ for), and move W's into the idle slots:
   `p - 1` chunk forwards, `(p - 1) / (6m + p - 1)`, remains with a
   synchronised optimizer step. Needs `m >= 2p - 1`.
 
-The non-zero-bubble schedules also come *interleaved* (`virtual_stages=v > 1`, Narayanan et al.,
-2021, Megatron-LM's virtual pipeline stages): the model is cut into `v * p`
-chunks and stage `s` holds chunks `s, s + p, s + 2p, ...`, so a micro-batch
-crosses every stage `v` times, each time doing `1/v` of the stage's work.
-The pipe fills and drains `v` times faster: interleaved 1F1B's bubble is
-`(p - 1) / (v * m + p - 1)`, at the price of `v` times more stage-to-stage
-transfers. Interleaved 1F1B needs `m` to be a multiple of `p` (Megatron-LM's
-rule: micro-batches go through the chunks in groups of `p`).
+The non-zero-bubble schedules also come *interleaved*
+(`virtual_stages=v > 1`, Narayanan et al., 2021, Megatron-LM's virtual
+pipeline stages): the model is cut into `v * p` chunks and stage `s` holds
+chunks `s, s + p, s + 2p, ...`, so a micro-batch crosses every stage `v` times, each time doing
+`1/v` of the stage's work. The pipe fills and drains `v` times faster:
+interleaved 1F1B's bubble is `(p - 1) / (v * m + p - 1)`, at the price of
+`v` times more stage-to-stage transfers. Interleaved 1F1B needs `m` to be a
+multiple of `p` (Megatron-LM's rule: micro-batches go through the chunks in
+groups of `p`).
 
 Example:
 

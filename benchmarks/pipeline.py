@@ -12,8 +12,9 @@ schedules, on
 - `Mesh({"pipe": p})` over p of the CPUs (pipeline only), and
 - `Mesh({"pipe": p, "data": 8 // p})` (pipeline × data on all 8);
 - plus interleaved 1F1B with v = 2 parts per stage on pipe=2 × data=4
-  (the MLP's 5 layers allow 4 parts, not 8), and the zero-bubble ZB-H1
-  and ZB-H2 (backward split into B and W) on pipe × data for p = 2, 4.
+  (the MLP's 5 layers allow 4 parts, not 8), the zero-bubble ZB-H1
+  and ZB-H2 (backward split into B and W) on pipe × data for p = 2, 4,
+  and ZB-V (two parts per stage in a V) on pipe=2 × data=4.
 
 It prints, side by side in one process (interleaved rounds, medians):
 
@@ -24,7 +25,8 @@ It prints, side by side in one process (interleaved rounds, medians):
   the part of the cost that is micro-batching itself;
 - the bubble measured from an executed timeline (`record_timeline=True`,
   TF's profiler) next to the theory: (p - 1) / (v m + p - 1), ZB-H1
-  (p - 1) / (3 m + p - 1), ZB-H2 the paper's 0 (no optimizer
+  (p - 1) / (3 m + p - 1), ZB-V (p - 1) / (6 m + p - 1), ZB-H2 the
+  paper's 0 (no optimizer
   synchronisation; `bubble/stage` measures that: idle time inside each
   stage's own span);
 - per stage, the peak number of micro-batches in flight (forward started,
@@ -89,19 +91,22 @@ class AccumulatingModel:
         float(value)  # wait for the last step
 
 
-def in_flight_peaks(timeline, num_stages, part_bytes, last="B"):
+def in_flight_peaks(timeline, schedule, part_bytes, last="B"):
     """Per stage: the most (part, micro-batch) pairs between F start and
     the end of their `last` action (B, or W when backwards are split), and
     the most activation bytes alive (`part_bytes[k]` per pair of part k =
-    chunk * p + stage)."""
+    `schedule.part(action)`)."""
+    from tfpar.pipeline import Action  # noqa: PLC0415
+
     peaks = []
-    for s in range(num_stages):
+    for s in range(schedule.num_stages):
         events = []
         for e in timeline:
             if e.stage == s and e.kind in ("F", last):
                 sign = 1 if e.kind == "F" else -1
+                part = schedule.part(Action(s, e.kind, e.microbatch, e.chunk))
                 events.append((e.start if e.kind == "F" else e.end, sign,
-                               sign * part_bytes[e.chunk * num_stages + s]))
+                               sign * part_bytes[part]))
         alive = peak = alive_bytes = peak_bytes = 0
         for _, delta, size in sorted(events, key=lambda t: (t[0], t[1])):
             alive += delta
@@ -185,6 +190,14 @@ def main():
                                            schedule=schedule)
                 compile_model(pipe, 1)
             configs[f"pipe={p} x data={8 // p} {schedule}"] = pipe
+    # ZB-V cuts 2p parts: the MLP's 5 layers allow p = 2 only.
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        pipe = tfpar.PipelineModel(build_model(), num_microbatches=m,
+                                   schedule="zbv")
+        compile_model(pipe, 1)
+    configs["pipe=2 x data=4 zbv"] = pipe
     for model in configs.values():  # warm-up: tracing is not timed
         model.fit(dataset.take(1), epochs=1, verbose=0)
     times = {name: [] for name in configs}
@@ -216,7 +229,7 @@ def main():
         p, v = model.schedule.num_stages, model.virtual_stages
         split = model.schedule.split_backward
         peaks = in_flight_peaks(
-            timeline, p,
+            timeline, model.schedule,
             [activation_bytes(part, batch // m) for part in model.stages],
             last="W" if split else "B")
         theory = theoretical_bubble_fraction(p, m, v, model.schedule.name)

@@ -1,4 +1,5 @@
-"""Zero-bubble schedules (ZB-H1, ZB-H2) as data: no devices, no TF ops."""
+"""Zero-bubble schedules (ZB-H1, ZB-H2, ZB-V) as data: no devices, no TF
+ops."""
 
 import itertools
 from collections import defaultdict
@@ -13,6 +14,7 @@ from tfpar.pipeline import (
     one_f_one_b,
     theoretical_bubble_fraction,
     zero_bubble,
+    zero_bubble_v,
 )
 
 # (name, p, m) with m at least what each schedule needs.
@@ -140,3 +142,85 @@ def test_bad_split_schedules_are_rejected():
                           Action(0, "B", 1)]])
     with pytest.raises(ValueError, match=r"'W' \(the weight-gradient half"):
         Action(0, "X", 0)
+
+
+# -- ZB-V: two chunks per stage in a V ---------------------------------------
+
+ZBV = pytest.mark.parametrize("p,m", [(p, m) for p in (1, 2, 3, 4)
+                                      for m in (2 * p - 1, 2 * p, 9)])
+
+
+@ZBV
+def test_zbv_runs_every_part_once_in_a_v(p, m):
+    """2p parts, stage s holding part s (chunk 0) and 2p - 1 - s (chunk 1);
+    every F, B, W of both chunks once, F before B before W, micro-batches
+    in order per chunk and kind."""
+    zbv = get_schedule("zbv", p, m)
+    assert (zbv.name, zbv.virtual_stages, zbv.placement) == ("zbv", 2, "v")
+    assert zbv.split_backward and zbv.num_parts == 2 * p
+    for s, row in enumerate(zbv.actions):
+        assert sorted(row, key=str) == sorted(
+            (Action(s, k, i, c) for k in "FBW" for i in range(m)
+             for c in (0, 1)), key=str)
+        assert {zbv.part(a) for a in row} == {s, 2 * p - 1 - s}
+        for c, kind in itertools.product((0, 1), "FBW"):
+            assert [a.microbatch for a in row if a.kind == kind
+                    and a.chunk == c] == list(range(m))
+    assert [zbv.stage_and_chunk(k) for k in range(2 * p)] == [
+        (s, 0) for s in range(p)] + [(s, 1) for s in reversed(range(p))]
+
+
+@ZBV
+def test_zbv_simulation_follows_the_v(p, m):
+    """Activations go down chunk 0 and back up chunk 1 (part k feeds part
+    k + 1, the turn on the last stage), input gradients the other way."""
+    zbv = get_schedule("zbv", p, m)
+    timeline = zbv.simulate(1.0, 2.0, 1.0)
+    assert len(timeline) == 2 * 3 * p * m
+    at = {(zbv.part(Action(e.stage, e.kind, e.microbatch, e.chunk)),
+           e.kind, e.microbatch): e for e in timeline}
+    for k, i in itertools.product(range(2 * p), range(m)):
+        f, b, w = at[(k, "F", i)], at[(k, "B", i)], at[(k, "W", i)]
+        assert f.end - f.start == 0.5  # a chunk is half a stage
+        assert f.end <= b.start and b.end <= w.start
+        if k + 1 < 2 * p:
+            assert f.end <= at[(k + 1, "F", i)].start
+            assert at[(k + 1, "B", i)].end <= b.start
+
+
+@ZBV
+def test_zbv_bubble_and_memory(p, m):
+    """T_F = T_B = T_W: no stage idles inside its span (the paper's zero),
+    and with the optimizer step synchronising the stages only the fill of
+    p - 1 chunk forwards remains: (p-1)/(6m+p-1), half of ZB-H1's and
+    ZB-H2's. Memory: at most 2p chunk-micro-batches per stage, each half a
+    stage's activations: 1F1B's and ZB-H1's p micro-batches."""
+    zbv = get_schedule("zbv", p, m)
+    assert zbv.bubble_fraction(1.0, 2.0, 1.0, per_stage=True) == 0.0
+    assert zbv.bubble_fraction(1.0, 2.0, 1.0) == pytest.approx(
+        theoretical_bubble_fraction(p, m, schedule="zbv"))
+    assert theoretical_bubble_fraction(p, m, schedule="zbv") == (
+        pytest.approx((p - 1) / (6 * m + p - 1)))
+    assert zbv.bubble_fraction(1.0, 2.0, 1.0) <= get_schedule(
+        "zb-h2", p, m).bubble_fraction(1.0, 2.0, 1.0)
+    assert max(zbv.peak_in_flight(s) for s in range(p)) == 2 * p
+    # Measured (unequal) costs: a bubble to print, below 1F1B's.
+    assert zbv.bubble_fraction(0.7, 1.9, 0.6) < one_f_one_b(
+        p, m).bubble_fraction(0.7, 1.9) or p == 1
+
+
+def test_zbv_clear_errors_and_a_smaller_last_batch():
+    with pytest.raises(ValueError, match=r"'zbv' needs num_microbatches >= "
+                       r"2 × num_stages - 1 = 5.*num_microbatches=4"):
+        get_schedule("zbv", 3, 4)
+    with pytest.raises(ValueError, match=r"exactly two model parts per "
+                       r"stage.*virtual_stages=3"):
+        get_schedule("zbv", 2, 4, virtual_stages=3)
+    assert get_schedule("ZBV", 2, 4, virtual_stages=2).placement == "v"
+    with pytest.raises(ValueError, match=r"placement must be one of"):
+        Schedule("bad", one_f_one_b(2, 2).actions, placement="v")
+    # Unchecked (an epoch's smaller last batch): still a valid V.
+    for m in (1, 2, 3):
+        small = zero_bubble_v(3, m, check=False)
+        assert small.num_microbatches == m
+        small.simulate(1.0, 2.0, 1.0)  # no deadlock

@@ -297,8 +297,9 @@ def _check_sequence_shape(tensor, axis, size, layer, where):
 # source's devices send, the target's receive), relaid out there to the
 # layout the target reads (a local slice, no communication). Forward moves
 # carry activations (and the losses added so far), backward moves their
-# gradients; a tied weight (read on a later part) and its gradient move the
-# same way, laid out as the weight is. Each move is one name scope
+# gradients; a tied weight moves the same way to a later part that reads it
+# (whole there: `pipeline.part.TiedWeights`), its gradient back laid out as
+# the weight is. Each move is one name scope
 # ("send_k_to_k'", "tie_k_to_k'"), which tests and profiles read.
 
 

@@ -1,7 +1,8 @@
 """Pipeline parallelism: schedules as plain data, the model split, pictures.
 
 Which stage runs which forward/backward, in what order (`gpipe`,
-`one_f_one_b`, the zero-bubble `zero_bubble` with split backwards), a dependency-respecting simulation of the resulting
+`one_f_one_b`, the zero-bubble `zero_bubble` and `zero_bubble_v` with
+split backwards), a dependency-respecting simulation of the resulting
 timeline, its bubble fraction, and text/PNG renderings — all device-free —
 plus `split_model` (cutting a Keras graph into parts). The runtime that
 executes them on sub-meshes is `tfpar.PipelineModel`
@@ -30,6 +31,7 @@ from tfpar.pipeline.schedules import (
     one_f_one_b,
     theoretical_bubble_fraction,
     zero_bubble,
+    zero_bubble_v,
 )
 from tfpar.pipeline.timeline import format_timeline, plot_schedule
 from tfpar.pipeline.split import Part, Stage, split_model
@@ -50,4 +52,5 @@ __all__ = [
     "split_model",
     "theoretical_bubble_fraction",
     "zero_bubble",
+    "zero_bubble_v",
 ]

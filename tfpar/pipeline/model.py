@@ -15,8 +15,8 @@ Where each piece lives:
   `forward(i)`, `backward(i)` and the zero-bubble halves
   `backward_input(i)` / `backward_weight(i)`;
 - `tfpar.pipeline.runner.PipelineRunner`: the step, one `tf.function`
-  looping over the schedule's actions (GPipe, 1F1B, ZB-H1, ZB-H2, their
-  interleaved forms), each dispatched to its part; activations and
+  looping over the schedule's actions (GPipe, 1F1B, ZB-H1, ZB-H2, ZB-V,
+  the interleaved forms), each dispatched to its part; activations and
   gradients cross between parts by the stage-to-stage moves of
   `tfpar.collectives`, and a stage's actions are chained in the schedule's
   order by data (ordering tokens, `tfpar.pipeline.ordering`: DTensor drops
@@ -51,6 +51,7 @@ stage 0 on CPU:0..CPU:3: 2 layer(s) d0..d1, ...
 """
 
 import time
+import types
 
 import keras
 import numpy as np
@@ -85,9 +86,12 @@ class PipelineModel(keras.Model, training.StagedModel):
             alive per stage; interleaved, Megatron-LM's warm-up
             (p-s-1)·2 + (v-1)·p plus one part-micro-batch pairs, each 1/v
             of a stage), "gpipe" (all m), or the zero-bubble "zb-h1"
-            (m >= p; at most p alive) and "zb-h2" (m >= 2p - 1; at most
-            2p - 1 alive), which split each backward into input and weight
-            gradients (`tfpar.pipeline.zero_bubble`).
+            (m >= p; at most p alive), "zb-h2" (m >= 2p - 1; at most
+            2p - 1 alive) and "zbv" (m >= 2p - 1; two parts per stage in
+            a V, stage s holding parts s and 2p - 1 - s: the model is cut
+            into 2p parts; at most 2p half-stage parts alive), which split
+            each backward into input and weight gradients
+            (`tfpar.pipeline.zero_bubble`, `zero_bubble_v`).
         virtual_stages: v, model parts per stage (default 1). With v > 1
             the model is cut into v × p parts, part k on stage k mod p, and
             the schedule is interleaved ("1f1b": Megatron-LM's interleaved
@@ -124,7 +128,9 @@ class PipelineModel(keras.Model, training.StagedModel):
         # Validates the name (and m for interleaving) before anything changes.
         full_schedule = schedules_lib.get_schedule(
             schedule, num_stages, num_microbatches, virtual_stages)
-        _check_parts(model, num_stages, virtual_stages, balance)
+        virtual_stages = full_schedule.virtual_stages  # "zbv": always 2
+        _check_parts(model, num_stages, virtual_stages, balance,
+                     full_schedule.name)
         costs = None
         if stage_boundaries is None and balance == "time":
             costs = _measured_layer_times(model, extended)
@@ -146,6 +152,9 @@ class PipelineModel(keras.Model, training.StagedModel):
         self._optimizers = None
         self._learning_rate = None
         self._eager_runner = None
+        # The unpipelined copy `generate` runs, in a holder Keras does not
+        # track (its weights are not the pipeline's).
+        self._generator = types.SimpleNamespace(model=None)
         self._place_parts()
         self._parts = [ModelPart(part, self.part_mesh(part.index), extended,
                                  self) for part in layers]
@@ -154,9 +163,10 @@ class PipelineModel(keras.Model, training.StagedModel):
     # -- structure -----------------------------------------------------------
 
     def part_mesh(self, part):
-        """The `tfpar.Mesh` of model part `part`: stage `part mod p`'s."""
-        meshes = self._extended.stage_meshes
-        return meshes[part % len(meshes)]
+        """The `tfpar.Mesh` of model part `part`: its stage's (`part mod
+        p`, or in ZB-V's V part `2p - 1 - part` past the turn)."""
+        stage, _ = self._schedule.stage_and_chunk(part)
+        return self._extended.stage_meshes[stage]
 
     def _place_parts(self):
         """Moves every part's weights and other state onto its stage's
@@ -197,6 +207,11 @@ class PipelineModel(keras.Model, training.StagedModel):
                 for variable in getattr(layer, "variables", []):
                     self._extended.registry.move_to(variable, mesh)
 
+    def _last_mesh(self):
+        """The mesh of the last part (loss, metrics, the compiled
+        optimizer): the last stage's, or stage 0's in ZB-V's V."""
+        return self.part_mesh(self._schedule.num_parts - 1)
+
     @property
     def stages(self):
         """The layers of each model part (`tfpar.pipeline.split.Part`s) in
@@ -228,7 +243,8 @@ class PipelineModel(keras.Model, training.StagedModel):
         devices = [_device_range(self.part_mesh(stage.index))
                    for stage in self._layers_of_parts]
         return split_lib.format_split(self._layers_of_parts, devices,
-                                      len(self._extended.stage_meshes))
+                                      len(self._extended.stage_meshes),
+                                      self._schedule.stage_and_chunk)
 
     def call(self, inputs, training=None):
         # Symbolic use only (Keras builds output specs with it); concrete
@@ -237,6 +253,42 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def get_layer(self, name=None, index=None):
         return self.wrapped.get_layer(name=name, index=index)
+
+    def generate(self, *args, sampler=None, **kwargs):
+        """The wrapped model's `generate` (keras-hub `CausalLM`), run
+        unpipelined: an unpipelined copy of the wrapped model (built once
+        from its config, outside any strategy: on one device) receives the current
+        weights (`get_weights`, through the host) and generates; the
+        pipeline's stages are not used. Fine for evaluation-sized
+        generation; for a model too large for one device's copy, save it
+        and generate under a tensor-parallel strategy instead. `sampler`
+        (e.g. "greedy"; keras-hub's `compile(sampler=...)`) is the copy's;
+        default the wrapped model's.
+
+        >>> pipe.generate({"token_ids": ids, "padding_mask": mask},
+        ...               max_length=8, sampler="greedy")  # doctest: +SKIP
+        """
+        if not hasattr(self.wrapped, "generate"):
+            raise AttributeError(
+                f"PipelineModel.generate calls the wrapped model's "
+                f"generate(), but model {self.wrapped.name!r} "
+                f"({type(self.wrapped).__name__}) has none. Received: a "
+                "model without generate (use predict).")
+        if tf.distribute.has_strategy():
+            raise RuntimeError(
+                "PipelineModel.generate builds an unpipelined copy of the "
+                "wrapped model, which must not be created on the pipeline's "
+                "mesh. Received: a call inside `strategy.scope()` "
+                f"({type(tf.distribute.get_strategy()).__name__}). Call "
+                "generate outside the scope.")
+        if self._generator.model is None:
+            self._generator.model = type(self.wrapped).from_config(
+                self.wrapped.get_config())
+        sampler = sampler or getattr(self.wrapped, "sampler", None)
+        if sampler is not None:
+            self._generator.model.compile(sampler=sampler)
+        self._generator.model.set_weights(self.get_weights())
+        return self._generator.model.generate(*args, **kwargs)
 
     def summary(self, *args, **kwargs):
         print(self.split_report())
@@ -251,8 +303,8 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def compile(self, *args, **kwargs):
         """Keras `compile`; loss, metrics and this optimizer live on the
-        last stage (the other stages get copies of the optimizer)."""
-        last = self._extended.stage_meshes[-1]
+        last part's stage (the other parts get copies of the optimizer)."""
+        last = self._last_mesh()
         with self._extended.registry.placing_on(last):
             super().compile(*args, **kwargs)
         # An optimizer or metrics made before compile (in the scope) have
@@ -277,7 +329,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         # Keras builds metrics here (they belong on the last stage) and the
         # optimizer for *all* weights; each stage's optimizer is built for
         # its own weights instead (slots then exist once, on their stage).
-        last = self._extended.stage_meshes[-1]
+        last = self._last_mesh()
         with self.distribute_strategy.scope(), \
                 self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:
@@ -383,7 +435,7 @@ def _check_arguments(model, num_microbatches):
             f"Received: num_microbatches={num_microbatches!r}")
 
 
-def _check_parts(model, num_stages, virtual_stages, balance):
+def _check_parts(model, num_stages, virtual_stages, balance, schedule):
     """A known balance, and a built model with a layer for each of the
     v × p parts."""
     if balance not in split_lib.BALANCE_MODES:
@@ -396,6 +448,13 @@ def _check_parts(model, num_stages, virtual_stages, balance):
             "not built. Give it a keras.Input (Sequential) or build it.")
     num_layers = len(split_lib.model_graph(model)[1])
     if virtual_stages > 1 and num_stages * virtual_stages > num_layers:
+        if schedule == "zbv":
+            raise ValueError(
+                f"schedule='zbv' cuts the model into 2 × stages = "
+                f"{2 * num_stages} parts (two per stage, in a V), but model "
+                f"{model.name!r} has only {num_layers} layer(s). Received: "
+                f"schedule='zbv' on {num_stages} stages. Use schedule="
+                "'zb-h1' or 'zb-h2' (one part per stage), or fewer stages.")
         raise ValueError(
             f"PipelineModel cuts the model into virtual_stages × stages "
             f"= {virtual_stages} × {num_stages} = "

@@ -283,7 +283,22 @@ class ModelPart:
 
 class TiedWeights:
     """The weights of layers that a later part calls again (guests): each
-    is updated on its home part and read on the others."""
+    is updated on its home part and read on the others.
+
+    A guest reads its tied weights whole (replicated over the target's
+    axes): the move carries the whole weight to every device of the
+    target anyway (`collectives.move_to_mesh` copies the replicated value),
+    so this costs no communication, only the layer's compute on every
+    model-axis device. Read with the weight's own split instead, DTensor
+    (TF 2.21) cannot compile every head: Llama's untied output head
+    `h @ reverse_embeddings` with the kernel split over hidden (('model',
+    None), auto_rules' plan) has its kernel gradient, a batch sum of
+    h^T dy, laid out split over vocab, which it then cannot re-split over
+    hidden ("EmitAllScatter was passed a desired_layout ... not more
+    sharded", tests/test_pipeline_nested.py, llama_gqa on pipe × data ×
+    model with Adam). The gradient returns to the home part laid out as
+    the weight there.
+    """
 
     def __init__(self, parts):
         self._parts = parts
@@ -300,8 +315,7 @@ class TiedWeights:
 
     def values_on(self, part, watch=None):
         """(weight, value on `part`) of its guests' weights: each read on
-        its home part and moved here with its layout (`watch`ed for its
-        gradient)."""
+        its home part and moved here whole (`watch`ed for its gradient)."""
         pairs = []
         for layer in part.graph.guests:
             for w in split_lib.weights_of(layer, trainable=True):
@@ -310,7 +324,7 @@ class TiedWeights:
                     value = tf.convert_to_tensor(w.value)
                 value = collectives.send_tied(value, home.index, part.index,
                                               self._meshes,
-                                              self._specs[id(w)])
+                                              (None,) * len(w.shape))
                 if watch is not None:
                     watch(value)
                 pairs.append((w, value))

@@ -84,10 +84,11 @@ _COMPUTE_OPS = re.compile(r"MatMul|Conv|Einsum")
 _LAYOUT_OPS = re.compile(r"Relayout|DTensorAll|CopyToMesh")
 
 
-def executed_timeline(events, num_stages):
+def executed_timeline(events, num_stages, stage_and_chunk=None):
     """The executed timeline from profiled op events (TF's profiler names
     every executed op "<scope>/<name>:<type>"); part k is reported as
-    stage k mod p, chunk k // p.
+    `stage_and_chunk(k)` (`Schedule.stage_and_chunk`), by default stage
+    k mod p, chunk k // p.
 
     An action spans from the start of its first to the end of its last
     matrix multiply or convolution on its stage's devices (ops that do not
@@ -127,7 +128,9 @@ def executed_timeline(events, num_stages):
     if not spans:
         return []
     origin = min(low for low, _ in spans.values())
-    return sorted((TimelineEntry(k % num_stages, kind, i, low - origin,
-                                 high - origin, k // num_stages)
+    where_is = stage_and_chunk or (lambda k: (k % num_stages,
+                                              k // num_stages))
+    return sorted((TimelineEntry(where_is(k)[0], kind, i, low - origin,
+                                 high - origin, where_is(k)[1])
                    for (k, kind, i), (low, high) in spans.items()),
                   key=lambda e: (e.start, e.stage))

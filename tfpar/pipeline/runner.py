@@ -151,7 +151,8 @@ class PipelineRunner(training.Runner):
             logs = function(xs, targets, split)
             tf.nest.map_structure(placement.fetch, logs)  # wait for the step
         self._model.last_timeline = profiler.executed_timeline(
-            trace.events, len(self._extended.stage_meshes))
+            trace.events, len(self._extended.stage_meshes),
+            self._model.schedule.stage_and_chunk)
         return logs
 
     def predict_inputs(self, x):
@@ -291,6 +292,9 @@ class PipelineRunner(training.Runner):
         full = self._model.schedule
         if m == full.num_microbatches:
             return full
+        if full.name == "zbv":  # same V, fewer micro-batches
+            return schedules_lib.zero_bubble_v(full.num_stages, m,
+                                               check=False)
         if full.virtual_stages > 1 and m % full.num_stages:
             # Interleaved 1F1B needs p | m; looped GPipe runs any m and the
             # step's result does not depend on the order.

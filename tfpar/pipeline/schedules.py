@@ -35,14 +35,24 @@ for), and move W's into the idle slots:
   synchronised optimizer step (as `PipelineModel` runs) the fill time
   `(p - 1) T_F` stays, the minimum any schedule has. Needs `m >= 2p - 1`.
 
-Both also come *interleaved* (`virtual_stages=v > 1`, Narayanan et al.,
-2021, Megatron-LM's virtual pipeline stages): the model is cut into `v * p`
-chunks and stage `s` holds chunks `s, s + p, s + 2p, ...`, so a micro-batch
-crosses every stage `v` times, each time doing `1/v` of the stage's work.
-The pipe fills and drains `v` times faster: interleaved 1F1B's bubble is
-`(p - 1) / (v * m + p - 1)`, at the price of `v` times more stage-to-stage
-transfers. Interleaved 1F1B needs `m` to be a multiple of `p` (Megatron-LM's
-rule: micro-batches go through the chunks in groups of `p`).
+* ZB-V (the paper's section 6; PyTorch's `ScheduleZBVZeroBubble`): two
+  model chunks per stage in a V: stage `s` holds part `s` and part
+  `2p - 1 - s`, so the first and last parts share stage 0 and the turn of
+  the V needs no transfer. At most `2p` chunk-micro-batches alive per
+  stage (each chunk half a stage: 1F1B's activation memory); with T_F =
+  T_B = T_W no stage idles inside its own span, and only the fill of
+  `p - 1` chunk forwards, `(p - 1) / (6m + p - 1)`, remains with a
+  synchronised optimizer step. Needs `m >= 2p - 1`.
+
+The non-zero-bubble schedules also come *interleaved*
+(`virtual_stages=v > 1`, Narayanan et al., 2021, Megatron-LM's virtual
+pipeline stages): the model is cut into `v * p` chunks and stage `s` holds
+chunks `s, s + p, s + 2p, ...`, so a micro-batch crosses every stage `v` times, each time doing
+`1/v` of the stage's work. The pipe fills and drains `v` times faster:
+interleaved 1F1B's bubble is `(p - 1) / (v * m + p - 1)`, at the price of
+`v` times more stage-to-stage transfers. Interleaved 1F1B needs `m` to be a
+multiple of `p` (Megatron-LM's rule: micro-batches go through the chunks in
+groups of `p`).
 
 Example:
 
@@ -72,12 +82,16 @@ __all__ = [
     "one_f_one_b",
     "theoretical_bubble_fraction",
     "zero_bubble",
+    "zero_bubble_v",
 ]
 
 FORWARD = "F"
 BACKWARD = "B"
 WEIGHT = "W"
-ZERO_BUBBLE = ("zb-h1", "zb-h2")
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv")
+# Where model part k runs: "loop" puts chunk c of stage s at part c·p + s
+# (interleaving), "v" chunk 0 at part s and chunk 1 at part 2p - 1 - s.
+PLACEMENTS = ("loop", "v")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +186,9 @@ class Schedule:
         num_microbatches: Number of micro-batches `m`; inferred when omitted.
         virtual_stages: Model chunks per stage `v` (1: not interleaved);
             inferred when omitted.
+        placement: "loop" (default: chunk `c` of stage `s` is model part
+            `c * p + s`) or "v" (two chunks: chunk 0 is part `s`, chunk 1
+            part `2p - 1 - s`; ZB-V).
 
     Attributes:
         name: The schedule name.
@@ -181,6 +198,7 @@ class Schedule:
         virtual_stages: `v`, model chunks per stage.
         num_parts: `v * p`, the model parts (chunks) in pipeline order.
         split_backward: True when backwards are split into B and W.
+        placement: "loop" or "v" (see `part`).
 
     Example:
 
@@ -192,7 +210,7 @@ class Schedule:
     """
 
     def __init__(self, name, actions, num_microbatches=None,
-                 virtual_stages=None):
+                 virtual_stages=None, placement="loop"):
         self.name = str(name)
         self.actions = tuple(tuple(stage_actions) for stage_actions in actions)
         self.num_stages = _check_count(len(self.actions), "num_stages")
@@ -206,18 +224,43 @@ class Schedule:
                 (getattr(a, "chunk", 0) for a in everything), default=0)
         self.virtual_stages = _check_count(virtual_stages, "virtual_stages")
         self.num_parts = self.virtual_stages * self.num_stages
+        if placement not in PLACEMENTS or (
+                placement == "v" and self.virtual_stages != 2):
+            raise ValueError(
+                f"Schedule {self.name!r}: placement must be one of "
+                f"{PLACEMENTS} ('v' with exactly 2 chunks per stage). "
+                f"Received: placement={placement!r}, virtual_stages="
+                f"{self.virtual_stages}")
+        self.placement = placement
         self.split_backward = any(a.kind == WEIGHT for a in everything
                                   if isinstance(a, Action))
         self._validate()
 
     def part(self, action):
         """The model part (0 .. num_parts - 1, in pipeline order) that
-        `action` runs: chunk `c` of stage `s` is part `c * p + s`.
+        `action` runs: chunk `c` of stage `s` is part `c * p + s` ("loop"
+        placement), or part `s` / `2p - 1 - s` for chunk 0 / 1 ("v").
 
         >>> one_f_one_b(2, 2, virtual_stages=2).part(Action(1, "F", 0, 1))
         3
+        >>> zero_bubble_v(2, 3).part(Action(1, "F", 0, 1))
+        2
         """
-        return action.chunk * self.num_stages + action.stage
+        p = self.num_stages
+        if self.placement == "v" and action.chunk:
+            return 2 * p - 1 - action.stage
+        return action.chunk * p + action.stage
+
+    def stage_and_chunk(self, part):
+        """(stage, chunk) of model part `part`: the inverse of `part`.
+
+        >>> zero_bubble_v(2, 3).stage_and_chunk(3)
+        (0, 1)
+        """
+        p = self.num_stages
+        if self.placement == "v" and part >= p:
+            return 2 * p - 1 - part, 1
+        return part % p, part // p
 
     def _validate(self):
         m, v = self.num_microbatches, self.virtual_stages
@@ -592,9 +635,10 @@ def zero_bubble(name, num_stages, num_microbatches, virtual_stages=1,
     v = _check_count(virtual_stages, "virtual_stages")
     if v > 1:
         raise ValueError(
-            f"Schedule {name!r} has no interleaved form here (ZB-V is not "
-            f"implemented). Received: virtual_stages={v}. Use "
-            "virtual_stages=1, or schedule='1f1b' with virtual stages.")
+            f"Schedule {name!r} has no interleaved form. Received: "
+            f"virtual_stages={v}. Use virtual_stages=1, schedule='zbv' (two "
+            "parts per stage in a V), or schedule='1f1b' with virtual "
+            "stages.")
     h2 = name == "zb-h2"
     least = 2 * p - 1 if h2 else p
     if check and m < least:
@@ -627,18 +671,122 @@ def zero_bubble(name, num_stages, num_microbatches, virtual_stages=1,
     return Schedule(name, actions, m)
 
 
+def zero_bubble_v(num_stages, num_microbatches, check=True):
+    """ZB-V (arXiv 2401.10241, section 6; the order of PyTorch's
+    `ScheduleZBVZeroBubble`): 2p model parts in a V, stage `s` holding
+    chunk 0 = part `s` and chunk 1 = part `2p - 1 - s`; backwards split
+    into B and W.
+
+    Stage `s` runs, in chunk-sized slots (each half a stage's work):
+
+    1. warm-up: `2(p - s) - 1` forwards of chunk 0, then `s` pairs (chunk 1
+       F, chunk 0 F), then `p - s` triples (chunk 1 F, B, W): the V fills
+       down chunk 0 and turns on the last stage into chunk 1;
+    2. steady state, until every forward ran: chunk 0 F (while any is
+       left), B, W, then chunk 1 F, B, W;
+    3. cool-down: `s` pairs of B (chunk 0, chunk 1), then `p - s` pairs of
+       chunk 0 B and W (filling the wait for the next stage's B), then the
+       W's still owed (chunk 1 first).
+
+    With n = max(m, 2p - 1) micro-batches built and those >= m dropped,
+    any m >= 1 gives a valid order.
+
+    Args:
+        num_stages: `p >= 1`.
+        num_microbatches: `m`; needs `m >= 2p - 1` (fewer leave the V
+            unfilled: the bubble the schedule is for).
+        check: False allows any `m >= 1` (an epoch's smaller last batch).
+
+    Returns:
+        A `Schedule` named "zbv" with 2 chunks per stage, placement "v".
+
+    Example:
+
+    >>> print(zero_bubble_v(2, 3))
+    zbv schedule, 2 stages x 2 chunks x 3 micro-batches
+    stage 0 | 0F0 0F1 0F2 0F0.1 0B0.1 0W0.1 0F1.1 0B1.1 0W1.1 0B0 0W0 \
+0F2.1 0B2.1 0W2.1 0B1 0W1 0B2 0W2
+    stage 1 | 1F0 1F0.1 1F1 1F1.1 1B0.1 1W0.1 1F2 1B0 1W0 1F2.1 1B1.1 \
+1W1.1 1B1 1B2.1 1B2 1W1 1W2.1 1W2
+    """
+    p = _check_count(num_stages, "num_stages")
+    m = _check_count(num_microbatches, "num_microbatches")
+    least = 2 * p - 1
+    if check and m < least:
+        raise ValueError(
+            f"Schedule 'zbv' needs num_microbatches >= 2 × num_stages - 1 "
+            f"= {least} (with fewer the V is never full). Received: "
+            f"num_microbatches={m}, num_stages={p}. Use num_microbatches="
+            f"{least} or more, or schedule='zb-h1'.")
+    n = max(m, least)
+    actions = [[a for a in _zbv_row(s, p, n) if a.microbatch < m]
+               for s in range(p)]
+    return Schedule("zbv", actions, m, 2, placement="v")
+
+
+def _zbv_row(s, p, n):
+    """Stage s's ZB-V actions for n >= 2p - 1 micro-batches (see
+    `zero_bubble_v`)."""
+    row = []
+    done = {(c, k): 0 for c in (0, 1) for k in (FORWARD, BACKWARD, WEIGHT)}
+
+    def run(chunk, *kinds):
+        for kind in kinds:
+            row.append(Action(s, kind, done[chunk, kind], chunk))
+            done[chunk, kind] += 1
+
+    for _ in range(2 * (p - s) - 1):
+        run(0, FORWARD)
+    for _ in range(s):
+        run(1, FORWARD)
+        run(0, FORWARD)
+    for _ in range(p - s):
+        run(1, FORWARD, BACKWARD, WEIGHT)
+    while done[1, FORWARD] < done[0, FORWARD] or done[0, FORWARD] < n:
+        if done[0, FORWARD] < n:
+            run(0, FORWARD)
+        run(0, BACKWARD, WEIGHT)
+        run(1, FORWARD, BACKWARD, WEIGHT)
+    # Cool-down: W's lag their B's from here on.
+    weights = {c: done[c, BACKWARD] for c in (0, 1)}
+    for _ in range(s):
+        run(0, BACKWARD)
+        run(1, BACKWARD)
+    for _ in range(p - s):
+        run(0, BACKWARD)
+        row.append(Action(s, WEIGHT, weights[0], 0))
+        weights[0] += 1
+    for c in (1, 0):
+        row += [Action(s, WEIGHT, i, c)
+                for i in range(weights[c], done[c, BACKWARD])]
+    return row
+
+
 _SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b,
               "zb-h1": lambda p, m, v: zero_bubble("zb-h1", p, m, v),
-              "zb-h2": lambda p, m, v: zero_bubble("zb-h2", p, m, v)}
+              "zb-h2": lambda p, m, v: zero_bubble("zb-h2", p, m, v),
+              "zbv": lambda p, m, v: _zbv_for(p, m, v)}
 SCHEDULE_NAMES = tuple(_SCHEDULES)
+
+
+def _zbv_for(p, m, v):
+    """ZB-V always runs 2 chunks per stage: `virtual_stages` 1 (the
+    default) or 2 asks for it."""
+    if v not in (1, 2):
+        raise ValueError(
+            "Schedule 'zbv' runs exactly two model parts per stage (a V). "
+            f"Received: virtual_stages={v}. Use virtual_stages=2 (or leave "
+            "it at 1: 'zbv' cuts 2 × num_stages parts by itself).")
+    return zero_bubble_v(p, m)
 
 
 def get_schedule(name, num_stages, num_microbatches, virtual_stages=1):
     """Builds a schedule by name.
 
     Args:
-        name: "gpipe", "1f1b", "zb-h1" or "zb-h2" (case-insensitive; see
-            `zero_bubble`).
+        name: "gpipe", "1f1b", "zb-h1", "zb-h2" (see `zero_bubble`) or
+            "zbv" (`zero_bubble_v`: always 2 chunks per stage);
+            case-insensitive.
         num_stages: `p >= 1`, the number of pipeline stages.
         num_microbatches: `m >= 1`, the number of micro-batches per batch.
         virtual_stages: `v >= 1`, model chunks per stage (interleaving).
@@ -740,6 +888,10 @@ def theoretical_bubble_fraction(num_stages, num_microbatches,
     optimizer step synchronising the stages the fill `(p - 1) T_F` stays,
     `(p - 1) / (3 m + p - 1)` as ZB-H1.
 
+    "zbv": `(p - 1) / (6 m + p - 1)`, T_F = T_B = T_W: no stage idles
+    inside its own span; the synchronised step keeps the fill of `p - 1`
+    chunk forwards, `(p - 1) T_F / 2`, beside `3 m T_F` of work per stage.
+
     Example:
 
     >>> theoretical_bubble_fraction(4, 8)
@@ -748,6 +900,8 @@ def theoretical_bubble_fraction(num_stages, num_microbatches,
     0.15789473684210525
     >>> theoretical_bubble_fraction(4, 8, schedule="zb-h1")   # 3 / 27
     0.1111111111111111
+    >>> theoretical_bubble_fraction(4, 8, schedule="zbv")     # 3 / 51
+    0.058823529411764705
     """
     p = _check_count(num_stages, "num_stages")
     m = _check_count(num_microbatches, "num_microbatches")
@@ -756,6 +910,8 @@ def theoretical_bubble_fraction(num_stages, num_microbatches,
         return (p - 1) / (3 * m + p - 1)
     if schedule == "zb-h2":
         return 0.0
+    if schedule == "zbv":
+        return (p - 1) / (6 * m + p - 1)
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(
             "theoretical_bubble_fraction(schedule) must be one of "

@@ -379,20 +379,23 @@ def _boundary_indices(boundaries, names, layers, num_stages):
     return starts
 
 
-def format_split(stages, devices=None, num_stages=None):
+def format_split(stages, devices=None, num_stages=None,
+                 stage_and_chunk=None):
     """A table: stage, devices, layers, parameters, cost share, carried.
 
     With `num_stages` p smaller than the number of parts (interleaving),
-    part k is labelled with its stage k mod p and chunk k // p."""
+    part k is labelled with its stage and chunk: `stage_and_chunk(k)`
+    (`Schedule.stage_and_chunk`), by default (k mod p, k // p)."""
     total = sum(s.cost for s in stages) or 1.0
     p = num_stages or len(stages)
+    where_is = stage_and_chunk or (lambda k: (k % p, k // p))
     lines = []
     for stage in stages:
         where = f" on {devices[stage.index]}" if devices else ""
         carried = [t.name for t in stage.inputs] if stage.index else []
         label = (f"stage {stage.index}" if p == len(stages) else
-                 f"part {stage.index} (stage {stage.index % p}, chunk "
-                 f"{stage.index // p})")
+                 "part {} (stage {}, chunk {})".format(
+                     stage.index, *where_is(stage.index)))
         lines.append(
             f"{label}{where}: {len(stage.layers)} layer(s) "
             f"{stage.layer_names[0]}..{stage.layer_names[-1]}, "

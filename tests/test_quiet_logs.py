@@ -74,16 +74,18 @@ def test_import_and_virtual_cpus_print_only_the_users_lines():
                    or "port.cc" in line for line in lines), lines
 
 
-def test_import_lines_print_when_the_user_sets_a_log_level():
-    # The lines the test above filters exist: with TF_CPP_MIN_LOG_LEVEL set
-    # by the user, TF's logging is theirs and nothing is filtered.
+def test_import_lines_print_when_the_user_asks_for_info_lines():
+    # The lines the test above filters exist: a user asking TF for INFO
+    # lines (TF_CPP_MIN_LOG_LEVEL=0) gets them; TF_CPP_MIN_LOG_LEVEL=2 (the
+    # usual way to quiet TF, which does not reach them) is honoured.
     assert "absl::InitializeLog" in run_import(TF_CPP_MIN_LOG_LEVEL="0")
+    assert "absl::InitializeLog" not in run_import(TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def test_filtered_stderr_drops_only_matching_lines(capfd, monkeypatch):
     from tfpar import logs
-    for name in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TF_CPP_MAX_VLOG_LEVEL", raising=False)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     with logs.filtered_stderr((re.compile(rb"^drop"),)):
         os.write(2, b"drop me\nkeep me\ndrop too\nkeep, no newline")
     assert capfd.readouterr().err == "keep me\nkeep, no newline"

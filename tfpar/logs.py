@@ -9,9 +9,10 @@ query adds "failed call to cuInit". `filtered_stderr` reads the process's
 stderr (file descriptor 2, where C++ and Python both write) through a pipe
 for the duration of a block and forwards every line except those matching
 the given patterns, as they arrive (nothing is held back: a crash inside
-the block loses at most a partial line). A user who set
-`TF_CPP_MIN_LOG_LEVEL` or `TF_CPP_MAX_VLOG_LEVEL` chose TF's logging: then
-nothing is filtered.
+the block loses at most a partial line). A user who asked TF for its INFO
+lines (`TF_CPP_MIN_LOG_LEVEL=0`, or any `TF_CPP_MAX_VLOG_LEVEL`) gets them:
+then nothing is filtered. (`TF_CPP_MIN_LOG_LEVEL=2`, the usual way to
+quiet TF, does not reach these lines by itself; here it is honoured.)
 
 >>> from tfpar import logs
 >>> with logs.filtered_stderr(logs.TENSORFLOW_IMPORT_LINES):
@@ -40,9 +41,9 @@ NO_GPU_DRIVER_LINES = (
 )
 
 
-def _user_chose_tf_logging():
-    return any(v in os.environ
-               for v in ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL"))
+def _user_wants_tf_info_lines():
+    return (os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip() == "0"
+            or "TF_CPP_MAX_VLOG_LEVEL" in os.environ)
 
 
 def _forward(read_end, out, patterns):
@@ -65,7 +66,7 @@ def _forward(read_end, out, patterns):
 def filtered_stderr(patterns):
     """Inside the block, lines of stderr that a pattern (bytes regexes,
     `re.match`ed) matches are dropped; everything else passes through."""
-    if _user_chose_tf_logging():
+    if _user_wants_tf_info_lines():
         yield
         return
     try:

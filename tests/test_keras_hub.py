@@ -269,6 +269,49 @@ def test_parity_matrix(name, optimizer, mesh_id):
     check_parity(name, optimizer, mesh_id)
 
 
+def auto_sequence_parallel(model, mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers kept whole: checked below
+        return tfpar.auto_rules(model, mesh=mesh, sequence_parallel=True)
+
+
+# The norms of each model, which sequence parallelism computes on s/model
+# tokens per device.
+NORMS = {"gpt2": r"(layer_norm|_layer_norm)", "llama": r"layernorm",
+         "mistral": r"layernorm", "gemma": r"(layer_norm|_norm)"}
+
+
+@pytest.mark.parametrize("name", [
+    "llama", *(pytest.param(n, marks=pytest.mark.slow)
+               for n in ("gpt2", "mistral", "gemma"))])
+def test_sequence_parallel_parity(name):
+    """auto_rules(sequence_parallel=True) on data=2 x model=4, plain SGD:
+    the losses and weights of one device (key biases, whose true gradient
+    is zero, absolutely), the kernels split as without it, and every norm
+    computes on its device's s/model tokens (its forward ops are
+    (batch/data, seq/model, ...) per device)."""
+    reference, ref_losses, _ = train(name, "sgd")
+    with tfpar.communication.capture() as programs:
+        model, losses, strategy = train(name, "sgd", MESHES["2x4"],
+                                        auto_sequence_parallel)
+    assert models.relative_error(ref_losses, losses) < 1e-4, (ref_losses, losses)
+    for a, b in zip(reference.weights, model.weights):
+        if ZERO_GRADIENT.fullmatch(a.path):
+            assert np.abs(a.numpy() - b.numpy()).max() < 1e-4, a.path
+            continue
+        assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
+    check_split(name, model, strategy)
+    norms = [layer for layer in model._flatten_layers()  # noqa: SLF001
+             if re.search(NORMS[name] + "$", layer.name) and layer.weights]
+    assert norms and all(tfpar.styles.is_sequence_parallel(n) for n in norms)
+    shapes = {shape[:2] for norm in norms for shape in programs.train_report()
+              .forward_shapes(rf"(^|/){norm.name}(_\d+)?/").values()
+              if len(shape) == 3}  # (b, s, hidden), (b, s, 1) of the mean
+    assert shapes == {(BATCH // 2, hub_models.SEQ_LEN // 4)}, shapes
+    print(f"\n{name} 2x4 sgd, sequence parallel: "
+          f"{sharded_fraction(strategy):.1%} of parameter bytes split")
+
+
 WARNED = re.compile(r"^  (\S+) \((\w+)\): (.*)$", re.M)
 
 

@@ -199,7 +199,11 @@ def check_adam(name, reference, model):
     coordinate with g = -1.689e-6 / -1.709e-6 at step 2 gets Adam steps
     2.591e-3 / 2.610e-3, off by 1.9e-5 = 3.4e-4 of the largest weight).
     There the weights may differ by 1e-4 relative plus `adam_bound` of
-    the measured gradient differences (2.6e-4 at that coordinate)."""
+    the measured gradient differences (2.6e-4 at that coordinate). Key
+    biases (true gradient zero, ZERO_GRADIENT) get only rounding noise
+    (|g| < 1e-5, checked), which Adam turns into steps of up to lr: their
+    weights are compared absolutely, 1e-4 plus `adam_bound` of the noise
+    (ViT 2x4 differs by 1.1e-4 there)."""
     initial = dict(zip([w.path for w in reference.weights],
                        hub_models.build(name).get_weights()))
     ref_g, got_g = step_gradients(reference), step_gradients(model)
@@ -216,12 +220,15 @@ def check_adam(name, reference, model):
                    for grads in (ref_g[a.path], got_g[b.path])]
         for run, (replay, _) in zip((a, b), replays):
             assert models.relative_error(replay, run.numpy()) < 1e-5, a.path
-        if zero:
-            continue  # compared absolutely in check_parity
-        sensitive = eps_sensitive(ref_g[a.path])
         wa, wb = a.numpy().astype("float64"), b.numpy().astype("float64")
-        tolerance = 1e-4 * max(np.abs(wa).max(), 1e-12)
         diff = np.abs(wa - wb)
+        if zero:  # noise in, noise out: absolutely, 1e-4 + what Adam makes
+            assert max(np.abs(g).max() for g, _ in ref_g[a.path]) < 1e-5
+            bound = 1e-4 + adam_bound(replays[0][1], replays[1][1])
+            assert np.all(diff <= bound), (a.path, diff.max())
+            continue
+        sensitive = eps_sensitive(ref_g[a.path])
+        tolerance = 1e-4 * max(np.abs(wa).max(), 1e-12)
         assert diff[~sensitive].max(initial=0) < tolerance, a.path
         bound = tolerance + adam_bound(replays[0][1], replays[1][1])
         assert np.all(diff[sensitive] <= bound[sensitive]), a.path
@@ -238,11 +245,11 @@ def check_parity(name, optimizer, mesh_id):
     assert models.relative_error(ref_losses, losses) < 1e-4, (ref_losses, losses)
     for a, b in zip(reference.weights, model.weights):
         assert a.path == b.path
+        if optimizer == "adam" and a.trainable:
+            continue  # check_adam below
         if ZERO_GRADIENT.fullmatch(a.path):
             assert np.abs(a.numpy() - b.numpy()).max() < 1e-4, a.path
             continue
-        if optimizer == "adam" and a.trainable:
-            continue  # check_adam below
         assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
     if optimizer == "adam":
         check_adam(name, reference, model)

@@ -5,10 +5,13 @@ and ViT models (tests/hub_models.py) are planned by `auto_rules` with no
 hand-written rule, laid out by `strategy.apply_rules` and trained with `fit`
 on data=2 x model=4, model=8 and data=8: the per-step losses and the final
 weights equal one device's within 1e-4 (relative), and the attention and
-MLP kernels are really split (each device holds a block). The default run
-trains two cases (grouped-query Llama with plain SGD on 2x4, Gemma with
-Adam on model=8) and checks every model's plan on 2x4; the full matrix
-(7 models x 3 meshes x 3 optimizers) is `slow`.
+MLP kernels are really split (each device holds a block). Adam is checked
+link by link (`check_adam`: gradients, Keras' Adam replayed, Adam's bound
+where it amplifies float32 rounding). The default run trains grouped-query
+Llama with plain SGD on 2x4 and Llama with sequence parallelism on 2x4,
+and checks every model's plan on 2x4; the full matrix (7 models x 3
+meshes x 3 optimizers), Gemma with Adam on model=8 and sequence
+parallelism on GPT-2, Mistral and Gemma are `slow`.
 """
 
 import re

@@ -55,10 +55,7 @@ def megatron_rules(name, model_size):
         rules = {r".*feedforward_(gate|intermediate)_dense": column,
                  r".*feedforward_output_dense": row}
         attention = r".*self_attention"
-    # Gemma's attention split by heads does not compile in generate on
-    # data=2 x model=4 (DTensor: "TransposeOp SPMD needs communication is
-    # not supported yet", in the cached attention): not solved, its MLP only.
-    if KV_HEADS[name] % model_size == 0 and name != "gemma":
+    if KV_HEADS[name] % model_size == 0:
         rules[attention] = column
     return rules
 
@@ -135,6 +132,7 @@ def check_generation(name, mesh, kind, sharded, batch=8):
                                rtol=1e-4, atol=1e-6)
     if sharded:
         check_sharded(name, strategy, model, model_size)
+    return strategy
 
 
 def check_sharded(name, strategy, model, model_size):
@@ -143,7 +141,7 @@ def check_sharded(name, strategy, model, model_size):
     split = {path: spec for path, spec, _ in strategy.placements("params")
              if "model" in spec}
     assert any("feedforward" in p or "ffw" in p for p in split), split
-    if KV_HEADS[name] % model_size == 0 and name != "gemma":
+    if KV_HEADS[name] % model_size == 0:
         assert any("attention" in p for p in split), split
     for weight in model.weights:
         if weight.path not in split:
@@ -218,6 +216,22 @@ def test_dense_slice_update_equals_keras_slice_update():
         spmd_ops.dense_slice_update(cache, [1, 0, 3, 0], update[:2]), want)
 
 
+def test_activation_einsum_equals_keras_einsum():
+    """Gemma's and Llama's attention contractions as one Einsum op give
+    Keras' values; a weight (rank < 4) is left to Keras."""
+    rng = np.random.default_rng(0)
+    q = rng.random((2, 3, 4, 2, 5)).astype("float32")  # b t k g h
+    k = rng.random((2, 6, 4, 5)).astype("float32")  # b s k h
+    s = rng.random((2, 4, 2, 3, 6)).astype("float32")  # b k g t s
+    for equation, x, y in (("btkgh,bskh->bkgts", q, k),
+                           ("bkgts,bskh->btkgh", s, k),
+                           ("bquh,bkuh->buqk", q[:, :, :, 0], k)):
+        np.testing.assert_allclose(
+            spmd_ops.activation_einsum(equation, x, y),
+            keras.ops.einsum(equation, x, y), rtol=1e-6)
+    assert spmd_ops.activation_einsum("btd,dnh->btnh", k[0], k[0, :, :3]) is None
+
+
 @pytest.mark.parametrize("key", [
     1, -1, (slice(None), 0), (slice(None), -2, Ellipsis), (Ellipsis, 2),
     (0, slice(1, 3), -1), (None, 1), (slice(None), None, 2, Ellipsis),
@@ -248,16 +262,18 @@ def test_eager_call_and_any_tf_function_of_a_model_method():
                                want_logits, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_gemma_attention_split_by_heads_does_not_compile_in_generate():
-    """Not solved: why megatron_rules leaves Gemma's attention whole.
-    DTensor 2.21 cannot lay out a transpose in Gemma's cached attention
-    when the heads are split. If this starts passing, split it above."""
-    weights, _, _ = one_device("gemma", "greedy", 8)
-    rules = dict(megatron_rules("gemma", 4))
-    rules[r".*attention"] = tfpar.ColumnParallel()
-    strategy, model = under_strategy("gemma", "data_model", rules)
-    model.set_weights(weights)
-    model.compile(sampler="greedy")
-    with pytest.raises(tf.errors.UnknownError, match="TransposeOp SPMD"):
-        model.generate(prompts(8), stop_token_ids=None)
+@pytest.mark.parametrize("mesh", [
+    "data_model", pytest.param("model", marks=pytest.mark.slow)])
+def test_gemma_attention_split_by_heads(mesh):
+    """Gemma's cached attention split by heads: Keras' TF einsum writes its
+    attention as transposes DTensor 2.21 cannot lay out when the key comes
+    from the KV cache ("TransposeOp SPMD needs communication is not
+    supported yet", tests/dtensor_transpose_repro.py); tfpar's steps
+    contract two activations as one Einsum op instead
+    (`spmd_ops.activation_einsum`). The same tokens as one device, and the
+    query/key/value/output kernels are split by heads."""
+    strategy = check_generation("gemma", mesh, "greedy", sharded=True)
+    split = {p for p, spec, _ in strategy.placements("params")
+             if "model" in spec}
+    for part in ("query", "key", "value", "attention_output"):
+        assert any(f"attention/{part}/kernel" in p for p in split), split

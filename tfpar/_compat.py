@@ -342,6 +342,25 @@ def _gumbel_categorical_in_step(original, hooks):
     return categorical
 
 
+def _activation_einsum_in_step(original, hooks):
+    """Keras' TF `ops.einsum` of two activations (rank >= 4) as
+    `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
+    failed in keras-hub's cached Gemma attention split by heads ("TransposeOp
+    SPMD needs communication is not supported yet", tests/test_generate.py).
+    Elsewhere, and for weights (EinsumDense), Keras' einsum runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def einsum(subscripts, *operands, **kwargs):
+        if hooks.in_step() and len(operands) == 2 and not kwargs:
+            result = spmd_ops.activation_einsum(subscripts, *operands)
+            if result is not None:
+                return result
+        return original(subscripts, *operands, **kwargs)
+
+    return einsum
+
+
 def _static_sparse_division(original, hooks):
     """Keras' TF `ops.divide(sparse, dense)` with static shapes in a graph
     step.
@@ -407,6 +426,7 @@ _STRATEGY_PATCHES = (
             _routed_make_function(mode))
       for mode in ("train", "test", "predict")),
     Patch("divide", _keras_numpy, "divide", _static_sparse_division),
+    Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
     Patch("function_call", _function_class, "__call__", _host_inputs_placed),
     Patch("slice_update", _tf_core, "slice_update",
           _dense_slice_update_in_step),

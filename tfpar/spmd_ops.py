@@ -2,7 +2,8 @@
 
 Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
-`ops.divide(sparse, dense)` and TF's `tensor[key]` use these instead of
+`ops.divide(sparse, dense)`, `ops.einsum` of two activations and TF's
+`tensor[key]` use these instead of
 ops DTensor cannot lay out or lays out wrongly. Each gives the same values
 as the op it replaces (the sampler: the same distribution).
 
@@ -53,6 +54,29 @@ def dense_slice_update(inputs, start_indices, updates):
         inside = tf.logical_and(inside, tf.reshape(
             tf.logical_and(offset >= 0, offset < part[d]), shape))
     return tf.where(inside, expanded, inputs)
+
+
+def activation_einsum(subscripts, x, y):
+    """`einsum(subscripts, x, y)` of two activations of rank >= 4 (attention
+    scores and context) as one TF Einsum op, or None for other operands
+    (Keras' own path then runs).
+
+    Keras' TF backend writes such equations as transposes and a matmul
+    (e.g. "btkgh,bskh->bkgts": k transposed bskh -> bkhs). DTensor 2.21
+    cannot lay out a transpose whose consumer wants a layout the permuted
+    operand does not have ("TransposeOp SPMD needs communication is not
+    supported yet"): in keras-hub's cached Gemma attention the key and
+    value read from the KV cache are split over the batch only, the
+    queries by heads too (tests/dtensor_transpose_repro.py). DTensor's
+    Einsum expander relayouts its operands itself. The same contraction,
+    sum_contracted x * y: equal values up to float rounding.
+    """
+    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+    if (x.shape.rank is None or y.shape.rank is None
+            or min(x.shape.rank, y.shape.rank) < 4 or x.dtype != y.dtype
+            or not x.dtype.is_floating):
+        return None
+    return tf.einsum(subscripts, x, y)
 
 
 def _is_scalar_index(item):

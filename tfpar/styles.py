@@ -327,6 +327,12 @@ class ColumnParallel(_TensorParallel):
             if _is_embedding_table(role, shape):
                 return None, ActivationLayout("hidden", self.axis, False)
             return None, None
+        if role == "reverse_embeddings":
+            # A ReversibleEmbedding's own logits table: its layer's call is
+            # also the lookup of token ids (batch, sequence), which has no
+            # sequence to gather; DTensor contracts the split hidden
+            # dimension of the projection itself, as for a tied table.
+            return None, None
         if "/" in role:  # the attention output projection: partial sums
             row = role.split("/", 1)[0] in _ATTENTION_OUTPUT
         else:  # an embedding lookup: re-split along the sequence

@@ -90,8 +90,10 @@ def executed_timeline(events, num_stages, stage_and_chunk=None):
     `stage_and_chunk(k)` (`Schedule.stage_and_chunk`), by default stage
     k mod p, chunk k // p.
 
-    An action spans from the start of its first to the end of its last
-    matrix multiply or convolution on its stage's devices (ops that do not
+    Only ops run by the step's function call count (their names start with
+    the call's, e.g. "tf.StatefulPartitionedCall/"), not ops TF evaluates
+    while compiling it. An action spans from the start of its first to the
+    end of its last matrix multiply or convolution on its stage's devices (ops that do not
     wait for the action's inputs, such as weight reads, run whenever the
     executor gets to them and would blur the picture); an action with no
     such op spans all of its ops. Seconds from the first action's start.
@@ -99,8 +101,8 @@ def executed_timeline(events, num_stages, stage_and_chunk=None):
     Example:
 
     >>> executed_timeline([
-    ...     ("tfpar_pipeline_action_1F0/d/MatMul:MatMul", 3.0, 4.0),
-    ...     ("gradient_tape/tfpar_pipeline_action_1F0/d/MatMul:MatMul",
+    ...     ("call/tfpar_pipeline_action_1F0/d/MatMul:MatMul", 3.0, 4.0),
+    ...     ("call/gradient_tape/tfpar_pipeline_action_1F0/d/MatMul:MatMul",
     ...      5.0, 7.0)], num_stages=2)  # doctest: +NORMALIZE_WHITESPACE
     [TimelineEntry(stage=1, kind='F', microbatch=0, start=0.0, end=1.0,
                    chunk=0),
@@ -108,7 +110,11 @@ def executed_timeline(events, num_stages, stage_and_chunk=None):
                    chunk=0)]
     """
     # Gradient ops are named after their forward op: "gradient_tape/<F>".
-    pattern = re.compile(f"({re.escape(_compat.GRADIENT_SCOPE)})?"
+    # Executed ops carry the name of the function call running them
+    # ("tf.StatefulPartitionedCall.../"); ops TF evaluates while it compiles
+    # the step (constant folding on the calling thread, e.g. a Range or a
+    # shape's FloorDiv) carry the bare name and are left out.
+    pattern = re.compile("/(" + re.escape(_compat.GRADIENT_SCOPE) + ")?"
                          + ACTION_SCOPE + r"(\d+)([FBW])(\d+)/")
     spans, compute = {}, {}
     for name, start, end in events:
@@ -118,10 +124,11 @@ def executed_timeline(events, num_stages, stage_and_chunk=None):
             key = (int(match[2]), kind, int(match[4]))
             op_name, _, op_type = name.rpartition(":")
             # DTensor's layout changes (named "Relayout"/"DTensorAll...")
-            # include small matmuls on constants that run at any time.
-            is_compute = (_COMPUTE_OPS.search(op_type)
-                          and not _LAYOUT_OPS.search(op_name))
-            target = compute if is_compute else spans
+            # include small ops on constants that run at any time (even
+            # before the step's first forward): never part of a span.
+            if _LAYOUT_OPS.search(op_name):
+                continue
+            target = compute if _COMPUTE_OPS.search(op_type) else spans
             low, high = target.get(key, (start, end))
             target[key] = (min(low, start), max(high, end))
     spans.update(compute)

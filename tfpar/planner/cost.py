@@ -172,9 +172,8 @@ class Layout:
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
         # embeddings before it and the head after it stay whole).
-        norms = split_layers.get("sequence_split") or [n, -1]
-        sequence_lo, sequence_hi = ((min(norms), max(norms))
-                                    if sequence_parallel else (n, -1))
+        norms = split_layers.get("sequence_split", []) if sequence_parallel else []
+        sequence_lo, sequence_hi = (min(norms), max(norms)) if norms else (n, -1)
         for i, op in enumerate(profile.ops):
             self._weights.append(self._add_compute(i, op, fresh, exact))
             out = op.outputs
@@ -184,11 +183,6 @@ class Layout:
             self.kept[i] = out
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
-        # Sequence parallelism gathers the split tokens before a column-
-        # parallel layer (the input its backward all-reduce had): without
-        # recomputation that layer keeps the gathered input whole.
-        self.gathered_inputs = (self.tp_bytes_bwd.copy() if sequence_parallel
-                                else np.zeros(n))
         self._state_cache = {}
 
     def _add_compute(self, i, op, fresh, exact):
@@ -289,8 +283,7 @@ class Layout:
             state = self.state_bytes(d, fsdp)
             arrays = {name: getattr(self, name) for name in (
                 "flops_split", "flops_repl", "tp_bytes_fwd", "tp_bytes_bwd",
-                "tp_count_fwd", "tp_count_bwd", "kept", "internal",
-                "gathered_inputs")}
+                "tp_count_fwd", "tp_count_bwd", "kept", "internal")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3])
             self._state_cache[key] = {
@@ -413,6 +406,19 @@ def _model_axis(layout, total, *, r, b, m, link):
                                          count)
 
 
+def _internals(layout, total, *, recompute, d, fsdp, span):
+    """Bytes per sample kept inside a stage's layers: all of them, or with
+    recomputation the largest one layer's (recomputed one at a time)."""
+    if recompute:
+        return layout.stage_max("internal", d, fsdp, *span)
+    if layout.sequence_parallel:
+        # Sequence parallelism gathers the split tokens before a column-
+        # parallel layer (the input its backward all-reduce has): that layer
+        # keeps the gathered input whole.
+        return total("internal") + total("tp_bytes_bwd")
+    return total("internal")
+
+
 def _data_axis(layout, total, *, d, m, r, fsdp, link, span):
     """(bytes, α-β seconds, gathered-weight workspace) per stage on the data
     axis: an all-reduce of the gradients, or with fsdp an all-gather of the
@@ -481,8 +487,8 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
                                           link=links["pipe"])
     # What stage 0 reads is the batch itself, not an activation.
     kept = total("kept") + before
-    internal = (layout.stage_max("internal", d, fsdp, lo, hi) if recompute
-                else total("internal") + total("gathered_inputs"))
+    internal = _internals(layout, total, recompute=recompute, d=d, fsdp=fsdp,
+                          span=(lo, hi))
     in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
     # Every micro-batch in flight keeps its layers' outputs (the next
     # layers' inputs) and, without recomputation, their internals. With it

@@ -25,10 +25,16 @@ VENV = ROOT / ".venv"
 PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 STAMP = VENV / ".tfpar-installed"
 
+# The tests run in one pytest worker per core (pytest-xdist, at most 4: each
+# worker holds its own 8 virtual CPUs and compiled programs), a test file per
+# worker at a time so that module fixtures are built once. A single test
+# process uses about one core (tracing and DTensor's compiler are serial).
+WORKERS = ["-n", str(max(1, min(4, os.cpu_count() or 1))), "--dist", "loadfile"]
+
 COMMANDS = {
     "demo": ["examples/quickstart.py"],
-    "test": ["-m", "pytest", "-q"],
-    "test-all": ["-m", "pytest", "-q", "-m", "slow or not slow"],
+    "test": ["-m", "pytest", "-q", *WORKERS],
+    "test-all": ["-m", "pytest", "-q", *WORKERS, "-m", "slow or not slow"],
     "fuzz": ["-m", "pytest", "-q", "-m", "slow", "-k", "fuzz and long",
              "--hypothesis-show-statistics", "tests"],
     "bench": ["benchmarks/step_time.py"],

@@ -64,6 +64,7 @@ MODELS = {
     "gpt_mixed_bfloat16": _mixed_gpt,
     "gpt2_keras_hub": lambda: _hub("gpt2"),
     "llama_gqa_keras_hub": lambda: _hub("llama_gqa"),
+    "mistral_keras_hub": lambda: _hub("mistral"),
 }
 
 
@@ -114,6 +115,29 @@ def test_repeated_blocks_are_traced_once(monkeypatch):
     two = keras.Model(x, b)
     keras_graph.trace_layer_calls(two, auto_plan._weight_owners(two))  # noqa: SLF001
     assert traced == ["causal", "full"]
+
+
+def test_keras_hub_backbone_is_traced_by_node_inside_its_task_model(
+        monkeypatch):
+    """keras-hub's GPT-2: the backbone (a functional model nested in the
+    task model) is run node by node in place, so its second transformer
+    layer reuses the first's trace; Llama's decoder has no working
+    get_config (keras-hub 0.32: AttributeError 'rope_scaling_factor'), so
+    each of its layers is traced on its own."""
+    traced = []
+    original = keras_graph._NodeTracer._trace  # noqa: SLF001
+
+    def counting(self, node, distinct):
+        traced.append(node.operation.name)
+        return original(self, node, distinct)
+
+    monkeypatch.setattr(keras_graph._NodeTracer, "_trace", counting)  # noqa: SLF001
+    for name, expected in (("gpt2", ["transformer_layer_0"]),
+                           ("llama", ["transformer_layer_0",
+                                      "transformer_layer_1"])):
+        model, traced[:] = _hub(name), []
+        keras_graph.trace_layer_calls(model, auto_plan._weight_owners(model))  # noqa: SLF001
+        assert [n for n in traced if n.startswith("transformer")] == expected
 
 
 def test_plans_from_the_by_node_trace_equal_the_whole_model_trace(

@@ -301,16 +301,46 @@ class _NodeTracer:
         self.nodes, self.inputs, self.outputs = functional_graph(model)
         self.calls = {id(layer): [] for layer in layers}
         self.log = log
-        self.made = {}    # id(KerasTensor) -> NodeTensor
         self.traces = {}  # node key -> _Trace
+        self.count = 0    # node calls so far (each names its tensors)
 
     def run(self):
-        for index, node in enumerate(self.nodes):
-            self._add(index, node)
-        return self.calls, [self.made[id(t)] for t in self.outputs
-                            if id(t) in self.made]
+        made = {}  # id(KerasTensor) -> NodeTensor
+        self._run(self.nodes, made)
+        return self.calls, [made[id(t)] for t in self.outputs
+                            if id(t) in made]
 
-    def _add(self, index, node):
+    def _run(self, nodes, made):
+        for node in nodes:
+            if not self._inline(node, made):
+                self._add(node, made)
+
+    def _inline(self, node, made):
+        """Runs the nodes of a nested functional model called on its inputs
+        alone (a keras-hub backbone inside its task model) in place, so its
+        repeated blocks are traced once too; False for any other node."""
+        operation, args = node.operation, node.arguments.args
+        graph = functional_graph(operation) if is_model(operation) else None
+        if (graph is None or len(args) != 1
+                or has_keras_tensor(node.arguments.kwargs)):
+            return False
+        nodes, inputs, outputs = graph
+        flat = flat_model_inputs(operation, args[0])
+        if (flat is None or len(flat) != len(inputs)
+                or len(node.outputs) != len(outputs)):
+            return False
+        inner = {id(i): made[id(t)] for i, t in zip(inputs, flat)
+                 if id(t) in made}
+        self._run(nodes, inner)
+        for i, t in zip(inputs, flat):  # model inputs first read inside
+            if id(i) in inner:
+                made.setdefault(id(t), inner[id(i)])
+        for symbolic, t in zip(node.outputs, outputs):
+            if id(t) in inner:
+                made[id(symbolic)] = inner[id(t)]
+        return True
+
+    def _add(self, node, made):
         distinct = list({id(t): t for t in node_inputs(node)}.values())
         key = _node_key(node, distinct)
         trace = self.traces.get(key) if key is not None else None
@@ -320,19 +350,20 @@ class _NodeTracer:
             mapping = trace.layers_of(node.operation)
             if key is not None and mapping is not None:
                 self.traces[key] = trace
-        upstream = {p.name: self.made[id(t)]
+        upstream = {p.name: made[id(t)]
                     for p, t in zip(trace.placeholders, distinct)
-                    if id(t) in self.made}
-        call = _NodeCall(index, upstream)
+                    if id(t) in made}
+        self.count += 1
+        call = _NodeCall(self.count, upstream)
         for p, t in zip(trace.placeholders, distinct):
-            self.made.setdefault(id(t), call.tensor(p))  # a model input
+            made.setdefault(id(t), call.tensor(p))  # a model input
         for layer, inputs, outputs in trace.calls:
             target = mapping[id(layer)] if mapping else layer
             self.calls[id(target)].append(
                 ([call.tensor(t) for t in inputs],
                  [call.tensor(t) for t in outputs]))
         for symbolic, t in zip(node.outputs, trace.outputs):
-            self.made[id(symbolic)] = call.tensor(t)
+            made[id(symbolic)] = call.tensor(t)
 
     def _trace(self, node, distinct):
         """Traces one node on placeholders of its distinct inputs' specs,

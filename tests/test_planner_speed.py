@@ -87,19 +87,26 @@ def test_trace_by_node_gives_the_rules_of_the_whole_model_trace(
         assert found[True][0]  # something was split
 
 
-def test_repeated_blocks_are_traced_once(monkeypatch):
+@pytest.fixture
+def traced(monkeypatch):
+    """The names of the nodes the by-node trace traces (not reuses), as
+    they are traced."""
+    names = []
+    original = keras_graph._NodeTracer._trace  # noqa: SLF001
+
+    def counting(self, node, distinct):
+        names.append(node.operation.name)
+        return original(self, node, distinct)
+
+    monkeypatch.setattr(keras_graph._NodeTracer, "_trace", counting)  # noqa: SLF001
+    return names
+
+
+def test_repeated_blocks_are_traced_once(traced):
     """A GPT of 6 blocks: each kind of node is traced once (the first
     block's), not once per node, and a block called differently (without
     the causal mask) is traced on its own."""
     model = build_gpt(layers=6)
-    traced = []
-    original = keras_graph._NodeTracer._trace  # noqa: SLF001
-
-    def counting(self, node, distinct):
-        traced.append(node.operation.name)
-        return original(self, node, distinct)
-
-    monkeypatch.setattr(keras_graph._NodeTracer, "_trace", counting)  # noqa: SLF001
     nodes, _, _ = keras_graph.functional_graph(model)
     keras_graph.trace_layer_calls(model, auto_plan._weight_owners(model))  # noqa: SLF001
     assert len(nodes) == 6 * 7 + 7
@@ -117,21 +124,12 @@ def test_repeated_blocks_are_traced_once(monkeypatch):
     assert traced == ["causal", "full"]
 
 
-def test_keras_hub_backbone_is_traced_by_node_inside_its_task_model(
-        monkeypatch):
+def test_keras_hub_backbone_is_traced_by_node_inside_its_task_model(traced):
     """keras-hub's GPT-2: the backbone (a functional model nested in the
     task model) is run node by node in place, so its second transformer
     layer reuses the first's trace; Llama's decoder has no working
     get_config (keras-hub 0.32: AttributeError 'rope_scaling_factor'), so
     each of its layers is traced on its own."""
-    traced = []
-    original = keras_graph._NodeTracer._trace  # noqa: SLF001
-
-    def counting(self, node, distinct):
-        traced.append(node.operation.name)
-        return original(self, node, distinct)
-
-    monkeypatch.setattr(keras_graph._NodeTracer, "_trace", counting)  # noqa: SLF001
     for name, expected in (("gpt2", ["transformer_layer_0"]),
                            ("llama", ["transformer_layer_0",
                                       "transformer_layer_1"])):

@@ -124,6 +124,19 @@ def test_repeated_blocks_are_traced_once(traced):
     assert traced == ["causal", "full"]
 
 
+def test_a_block_whose_call_is_hooked_is_traced_on_its_own(traced):
+    """A layer whose `call` an instance attribute replaces (as a hook
+    does) may compute something else than its twins: its node is traced
+    on its own, the others still reuse the first block's trace."""
+    model = build_gpt(layers=3)
+    hooked = model.get_layer("b1_up")
+    plain_call = hooked.call
+    hook = hooked.call = lambda *args, **kwargs: plain_call(*args, **kwargs)
+    keras_graph.trace_layer_calls(model, auto_plan._weight_owners(model))  # noqa: SLF001
+    assert [n for n in traced if n.endswith("_up")] == ["b0_up", "b1_up"]
+    assert hooked.__dict__["call"] is hook  # put back after the trace
+
+
 def test_keras_hub_backbone_is_traced_by_node_inside_its_task_model(traced):
     """keras-hub's GPT-2: the backbone (a functional model nested in the
     task model) is run node by node in place, so its second transformer

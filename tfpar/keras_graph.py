@@ -178,7 +178,9 @@ def trace_layer_calls(model, layers, by_node=True):
         layer.call = _recording(layer, log)
     try:
         if by_node:
-            calls, outputs = _NodeTracer(model, layers, log).run()
+            hooked = {id(layer) for layer, previous in saved
+                      if previous is not None}
+            calls, outputs = _NodeTracer(model, layers, log, hooked).run()
         else:
             outputs = _trace_whole(model, struct)
             calls = {id(layer): [] for layer in layers}
@@ -297,9 +299,14 @@ def _layers_of(operation):
 class _NodeTracer:
     """Traces a functional model node by node (see `trace_layer_calls`)."""
 
-    def __init__(self, model, layers, log):
+    def __init__(self, model, layers, log, hooked=()):
         self.nodes, self.inputs, self.outputs = functional_graph(model)
         self.calls = {id(layer): [] for layer in layers}
+        # Layers whose `call` an instance attribute replaces (a hook, e.g.
+        # a style's): their nodes are traced on their own.
+        self.hooked = set(hooked) | {
+            id(layer) for layer in _compat.all_layers(model)
+            if id(layer) not in self.calls and "call" in layer.__dict__}
         self.log = log
         self.traces = {}  # node key -> _Trace
         self.count = 0    # node calls so far (each names its tensors)
@@ -342,7 +349,7 @@ class _NodeTracer:
 
     def _add(self, node, made):
         distinct = list({id(t): t for t in node_inputs(node)}.values())
-        key = _node_key(node, distinct)
+        key = _node_key(node, distinct, self.hooked)
         trace = self.traces.get(key) if key is not None else None
         mapping = trace.layers_of(node.operation) if trace else None
         if mapping is None:
@@ -386,12 +393,13 @@ class _NodeTracer:
                       calls)
 
 
-def _node_key(node, distinct):
+def _node_key(node, distinct, hooked=()):
     """What a node's trace depends on — its operation's class and config
     (name aside), each sublayer's class, config, weight shapes and
     recomputation mode, its arguments with tensors by spec — as a string;
-    None when some part is not plain data (a tensor constant, an object):
-    such a node is traced on its own."""
+    None when some part is not plain data (a tensor constant, an object)
+    or a layer of it is in `hooked` (ids): such a node is traced on its own.
+    """
     position = {id(t): i for i, t in enumerate(distinct)}
     arguments = keras.tree.map_structure(
         lambda v: ("input", position[id(v)])
@@ -400,6 +408,8 @@ def _node_key(node, distinct):
     parts = [arguments, [(tuple(t.shape), str(t.dtype)) for t in distinct]]
     try:
         for layer in _layers_of(node.operation) or [node.operation]:
+            if id(layer) in hooked:
+                return None
             config = dict(layer.get_config())
             config.pop("name", None)
             parts.append((type(layer).__module__, type(layer).__qualname__,

@@ -292,16 +292,15 @@ def test_on_paper_trillion_parameter_gpt_fits_as_published():
     a host with sequence parallelism and recomputation, the pipeline across
     hosts, a small bubble. Sequence parallelism is what makes it fit (each
     block keeps ~7 token × width tensors under tfpar's per-layer
-    recomputation, 1/8 as large split over the sequence). The search takes
-    minutes, not seconds: the symbolic trace of 903 layers is most of it
-    (6 min on this 2-core host under load)."""
+    recomputation, 1/8 as large split over the sequence). Planning takes
+    seconds (tests/test_planner_speed.py times it)."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
     plan = tfpar.plan(_paper_gpt(25600, 160, 128), 3072, cluster=_a100s(3072))
     seconds = time.perf_counter() - start
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     assert growth < 1e9
-    assert seconds < 900
+    assert seconds < 60
     _check_published_practice(plan, 3072)
     assert plan.axes["model"] == 8 and plan.sequence_parallel and plan.recompute
     assert plan.axes["pipe"] >= 16

@@ -982,6 +982,11 @@ def set_remat_mode(layer, mode):
     layer._remat_mode = (  # noqa: SLF001
         remat.RematMode(mode, 1024, None) if mode else None)
 
+def remat_mode(layer):
+    """The `keras.RematScope` mode `layer` was built in (a RematMode
+    namedtuple: mode, output size threshold, layer names), or None."""
+    return getattr(layer, "_remat_mode", None)
+
 # -- log noise -----------------------------------------------------------------
 
 # TF 2.21 logs through absl: each time DTensor SPMD-expands a step for a new

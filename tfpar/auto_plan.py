@@ -12,9 +12,9 @@ Example:
 >>> rules = tfpar.auto_rules(model, mesh=tfpar.Mesh({"model": 4}))
 """
 
+import contextlib
 import re
 import warnings
-
 import weakref
 
 import keras
@@ -243,10 +243,40 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole):
         whole[layer.path] = (layer, _why_whole(layer, flow))
 
 
+# Models whose weight-owning layers are read once while a caller asks for
+# several plans of the unchanged model (`unchanged_model`).
+_OWNERS = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def unchanged_model(model):
+    """Inside this block, `auto_rules(model, ...)` reads which layers of
+    `model` own weights once (the walk takes seconds for a model of 900
+    layers), for a caller that asks for plans of the same, unchanged model
+    at several axis sizes (`tfpar.plan`).
+
+    >>> with unchanged_model(model):
+    ...     plans = [auto_rules(model, axis_size=t) for t in (2, 4, 8)]
+    """
+    _OWNERS[model] = None
+    try:
+        yield
+    finally:
+        _OWNERS.pop(model, None)
+
+
 def _weight_owners(model):
     """The layers that own weights themselves (not only through sublayers),
     outermost first; a MultiHeadAttention counts as one (its projections
     are planned with it)."""
+    if model in _OWNERS:
+        if _OWNERS[model] is None:
+            _OWNERS[model] = _find_weight_owners(model)
+        return _OWNERS[model]
+    return _find_weight_owners(model)
+
+
+def _find_weight_owners(model):
     owners = variables_lib._owning_layers(model)  # noqa: SLF001 (one walk rule)
     owning = {id(owners[id(w)]) for w in model.weights if id(w) in owners}
     out, inside_attention = [], set()

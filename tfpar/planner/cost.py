@@ -303,27 +303,38 @@ class Layout:
         trainable weights) with a data axis of size d."""
         key = (d, fsdp)
         if key not in self._state_cache:
+            # Each distinct (block, spec, itemsize, trainable) once (a
+            # transformer's blocks repeat a few kinds), then counts · bytes.
+            kinds, counts = self._weight_kinds()
             sizes = _Sizes(model=self.t, data=d)
-            rows = []
-            for blocks in self._weights:
-                stored = trainable = gathered = count = 0.0
-                for block, spec, itemsize, is_trainable in blocks:
-                    whole = float(math.prod(block)) * itemsize
-                    part = whole
-                    if fsdp and is_trainable and d > 1:
-                        fs = layout_lib.fully_sharded_spec(
-                            spec, tuple(block_shape_full(block, spec, self.t)),
-                            "data", sizes)
-                        if "data" in fs:
-                            part = whole / d
-                    stored += part
-                    if is_trainable:
-                        trainable += part
-                        gathered += whole
-                        count += 1
-                rows.append((stored, trainable, gathered, count))
-            self._state_cache[key] = np.array(rows).reshape(-1, 4)
+            rows = np.zeros((len(kinds), 4))
+            for k, (block, spec, itemsize, is_trainable) in enumerate(kinds):
+                whole = float(math.prod(block)) * itemsize
+                part = whole
+                if fsdp and is_trainable and d > 1:
+                    fs = layout_lib.fully_sharded_spec(
+                        spec, tuple(block_shape_full(block, spec, self.t)),
+                        "data", sizes)
+                    if "data" in fs:
+                        part = whole / d
+                rows[k] = (part, part * is_trainable, whole * is_trainable,
+                           float(is_trainable))
+            self._state_cache[key] = counts @ rows
         return self._state_cache[key]
+
+    def _weight_kinds(self):
+        """(distinct weight kinds, {op: count of each kind} as an array)."""
+        if "kinds" not in self._state_cache:
+            index = {}
+            for blocks in self._weights:
+                for kind in blocks:
+                    index.setdefault(kind, len(index))
+            counts = np.zeros((len(self._weights), len(index)))
+            for i, blocks in enumerate(self._weights):
+                for kind in blocks:
+                    counts[i, index[kind]] += 1
+            self._state_cache["kinds"] = (list(index), counts)
+        return self._state_cache["kinds"]
 
 
 def _spec(rules, exact, weight):

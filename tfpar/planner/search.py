@@ -20,7 +20,9 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   (predicted step time, memory, that order).
 """
 
+import bisect
 import dataclasses
+import functools
 import itertools
 import time
 import warnings
@@ -100,18 +102,19 @@ def min_max_cuts(costs, p):
     """
     costs = np.asarray(costs, dtype=float)
     n = len(costs)
-    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    # Python floats: bisect on a list is ~10x numpy's searchsorted per call.
+    prefix = np.concatenate([[0.0], np.cumsum(costs)]).tolist()
 
     def pack(limit):
         starts, i = [], 0
         while i < n and len(starts) <= p:
             starts.append(i)
             # the furthest j with prefix[j] - prefix[i] <= limit (>= i + 1)
-            j = int(np.searchsorted(prefix, prefix[i] + limit, side="right")) - 1
+            j = bisect.bisect_right(prefix, prefix[i] + limit) - 1
             i = max(j, i + 1)
         return starts if i >= n else None
 
-    lo, hi = costs.max(), prefix[-1]
+    lo, hi = float(costs.max()), prefix[-1]
     for _ in range(60):
         if hi - lo <= 1e-12 * max(hi, 1e-30):
             break
@@ -127,6 +130,13 @@ def min_max_cuts(costs, p):
                 if e - b > 1)[1] * -1
         starts.insert(k + 1, starts[k] + 1)
     return starts
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(costs, p):
+    """`min_max_cuts` of float64 `costs` bytes, once per (costs, p): the
+    layouts with and without sequence parallelism cost the same FLOPs."""
+    return tuple(min_max_cuts(np.frombuffer(costs), p))
 
 
 def microbatch_counts(per_replica, p):
@@ -148,25 +158,26 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
     candidates = []
     # Sequence parallelism needs a token dimension (not an MLP's features).
     sequences = any(op.tokens > 1 for op in profile.ops)
-    for d, p, t in factorisations(cluster.num_devices):
-        axes = {"data": d, "pipe": p, "model": t}
-        for sp in (False, True) if t > 1 and sequences else (False,):
-            key = (t, sp)
-            if key not in layouts and key not in rule_errors:
-                try:
-                    layouts[key] = _layout(profile, model, t, sp)
-                except ValueError as e:
-                    rule_errors[key] = str(e)
-            reject = _reject_reason(axes, rule_errors.get(key),
-                                    global_batch_size, len(profile.ops))
-            if reject:
-                candidates.append(Candidate(
-                    axes, False, False, 1, "1f1b", None, rejected=reject,
-                    sequence_parallel=sp))
-                continue
-            candidates += _candidates(profile, layouts[key], axes,
-                                      global_batch_size, cluster,
-                                      memory_limit, slots)
+    with tp.unchanged_model(model):
+        for d, p, t in factorisations(cluster.num_devices):
+            axes = {"data": d, "pipe": p, "model": t}
+            for sp in (False, True) if t > 1 and sequences else (False,):
+                key = (t, sp)
+                if key not in layouts and key not in rule_errors:
+                    try:
+                        layouts[key] = _layout(profile, model, t, sp)
+                    except ValueError as e:
+                        rule_errors[key] = str(e)
+                reject = _reject_reason(axes, rule_errors.get(key),
+                                        global_batch_size, len(profile.ops))
+                if reject:
+                    candidates.append(Candidate(
+                        axes, False, False, 1, "1f1b", None, rejected=reject,
+                        sequence_parallel=sp))
+                    continue
+                candidates += _candidates(profile, layouts[key], axes,
+                                          global_batch_size, cluster,
+                                          memory_limit, slots)
     order = {id(c): i for i, c in enumerate(candidates)}
     candidates.sort(key=lambda c: (
         c.rejected is not None,
@@ -210,7 +221,7 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
     stages = [0]
     if p > 1:
         stage_cost = layout.flops_split / t + layout.flops_repl + 1e-9
-        stages = min_max_cuts(stage_cost, p)
+        stages = _cuts(stage_cost.tobytes(), p)
     boundaries = [profile.ops[i].name for i in stages[1:]] if p > 1 else None
     found = []
     for m, schedule, fsdp, recompute in itertools.product(

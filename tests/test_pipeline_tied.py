@@ -54,6 +54,7 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-2),
 }
 MESHES = {"2x4": {"pipe": 2, "data": 4},
+          "2x4-fsdp": {"pipe": 2, "data": 4},   # with fsdp=True
           "2x2x2": {"pipe": 2, "data": 2, "model": 2}}
 
 
@@ -98,9 +99,10 @@ def fit(model, weights, optimizer, callbacks=(), batch_size=16):
 
 def pipeline(mesh, m=2, **kwargs):
     # On the model axis the embedding is split over the vocabulary, so the
-    # copy (laid out as the weight) holds half the rows per device.
+    # copy (laid out as the weight) holds half the rows per device; under
+    # fsdp a quarter (split over data, gathered where it is read).
     strategy = tfpar.ParallelStrategy(
-        tfpar.Mesh(MESHES[mesh]),
+        tfpar.Mesh(MESHES[mesh]), fsdp=mesh.endswith("fsdp"),
         rules={EMBEDDING: ("model", None)} if "model" in MESHES[mesh] else
         None)
     with strategy.scope():
@@ -126,7 +128,8 @@ def initial_weights():
     ("2x2x2", "adam"),
     pytest.param("2x4", "sgd-momentum", marks=pytest.mark.slow),
     pytest.param("2x4", "adam", marks=pytest.mark.slow),
-    pytest.param("2x2x2", "sgd-momentum", marks=pytest.mark.slow)])
+    pytest.param("2x2x2", "sgd-momentum", marks=pytest.mark.slow),
+    pytest.param("2x4-fsdp", "adam", marks=pytest.mark.slow)])
 def test_tied_copies_train_as_on_one_device_and_stay_bit_equal(mesh,
                                                                  optimizer):
     weights = initial_weights()
@@ -147,7 +150,7 @@ def test_tied_copies_train_as_on_one_device_and_stay_bit_equal(mesh,
     assert home_layout.mesh == strategy.stage_meshes[0].dtensor_mesh
     assert copy_layout.mesh == strategy.stage_meshes[1].dtensor_mesh
     assert copy_layout.sharding_specs == home_layout.sharding_specs
-    rows = VOCAB // 2 if "model" in MESHES[mesh] else VOCAB
+    rows = {"2x4": VOCAB, "2x4-fsdp": VOCAB // 4, "2x2x2": VOCAB // 2}[mesh]
     assert [b.shape for b in blocks(copy.variable)] == [(rows, DIM)] * 4
     # Its optimizer slots live on stage 1 (the holder's optimizer), the
     # weight's on stage 0.
@@ -168,9 +171,22 @@ def test_per_step_tied_weights_hold_no_copy_and_train_alike():
     every forward instead of holding a copy; same results."""
     weights = initial_weights()
     want = fit(tiny_lm(), weights, "adam")
-    _, pipe = pipeline("2x4", tied_weights="per_step")
+    strategy, pipe = pipeline("2x4", tied_weights="per_step")
     assert pipe.ties.copies == [] and pipe.parts[1].copies == []
     assert_same(want, fit(pipe, weights, "adam"))
+    # The copy's memory: a stage-1 device holds the whole (VOCAB, DIM)
+    # copy (replicated on pipe=2 × data=4) with persistent copies, and
+    # Adam's two slots of it; stage 0's devices hold the same either way.
+    persistent, other = pipeline("2x4")
+    fit(other, weights, "adam")
+    held = [s.memory_per_device() for s in (strategy, persistent)]
+    stage0, stage1 = (s.devices[0] for s in strategy.stage_meshes)
+    copy = VOCAB * DIM * 4
+    assert held[1][stage1]["params"] - held[0][stage1]["params"] == copy
+    assert held[1][stage0] == held[0][stage0]
+    slots = {k: held[1][stage1][k] - held[0][stage1].get(k, 0)
+             for k in held[1][stage1] if k != "params"}
+    assert sum(slots.values()) == 2 * copy, held
 
 
 def test_bad_tied_weights_mode_is_a_clear_error():
@@ -183,8 +199,9 @@ def test_bad_tied_weights_mode_is_a_clear_error():
 
 
 def tied_sends(pipe, m):
-    """{scope kind: number of moves} of the compiled training step: each
-    tied move is one name scope "tied_<what>_<k>_to_<k'>"."""
+    """{scope kind: (number of moves, bytes moved)} of the compiled
+    training step: each tied move is one name scope
+    "tied_<what>_<k>_to_<k'>"."""
     x, y = lm_data(n=16 * m // 2)
     runner = PipelineRunner(pipe, "train")
     graph = runner._function("train").get_concrete_function(
@@ -198,19 +215,27 @@ def tied_sends(pipe, m):
         if match and op.type == "Relayout" and all(
                 d in op.get_attr("layout").decode()
                 for d in pipe.parts[int(match[3])].mesh.devices):
-            scopes[op.name[:match.end()]] = f"tied_{match[1]}"
-    return collections.Counter(scopes.values())
+            scopes[op.name[:match.end()]] = (
+                f"tied_{match[1]}", 4 * int(np.prod(op.outputs[0].shape)))
+    moves = collections.defaultdict(lambda: [0, 0])
+    for kind, size in scopes.values():
+        moves[kind][0] += 1
+        moves[kind][1] += size
+    return {kind: tuple(v) for kind, v in moves.items()}
 
 
 @pytest.mark.parametrize("m", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_tied_weight_is_not_sent_forward_every_step(m):
     """Persistent copies: per step, one move of the copy's summed gradient
     to stage 0 and one of the total back, whatever m; per_step: the weight
-    forward and its gradient back in every micro-batch."""
+    forward and its gradient back in every micro-batch. Each move carries
+    the whole (VOCAB, DIM) float32 embedding or its gradient."""
     weights = initial_weights()
+    size = VOCAB * DIM * 4
     for mode, want in (
-            ("persistent", {"tied_grad": 1, "tied_sum": 1}),
-            ("per_step", {"tied_weight": m, "tied_grad": m})):
+            ("persistent", {"tied_grad": (1, size), "tied_sum": (1, size)}),
+            ("per_step", {"tied_weight": (m, m * size),
+                          "tied_grad": (m, m * size)})):
         _, pipe = pipeline("2x4", m=m, tied_weights=mode)
         fit(pipe, weights, "sgd-momentum")  # builds optimizers, metrics
         assert tied_sends(pipe, m) == want, mode

@@ -293,3 +293,85 @@ def test_checkpoints_and_weights_see_one_weight_and_fill_every_copy(
     assert_bit_equal(fresh)
     np.testing.assert_array_equal(
         np.asarray(fresh.ties.copies[0].variable), weights[0])
+
+
+# -- one weight held by two different layers (PyTorch-style tying) -----------
+
+
+class TiedHead(keras.layers.Layer):
+    """Logits h @ E^T where E is another layer's weight, as PyTorch ties
+    `lm_head.weight = embed.weight`: this layer holds E too."""
+
+    def __init__(self, embeddings, **kwargs):
+        super().__init__(**kwargs)
+        self.embeddings = embeddings  # tracked: one of this layer's weights
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embeddings))
+
+
+def shared_lm():
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    embedding = keras.layers.Embedding(VOCAB, DIM, name="token_embedding")
+    h = keras.layers.Dense(DIM, activation="tanh", name="mid")(
+        embedding(tokens))
+    h = keras.layers.Dense(DIM, activation="tanh", name="top")(h)
+    return keras.Model(tokens, TiedHead(embedding.embeddings, name="head")(h),
+                       name="shared_lm")
+
+
+@pytest.mark.parametrize("schedule", [
+    "1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
+def test_a_weight_held_by_layers_of_two_stages_is_tied(schedule):
+    """The embedding's weight, also held by the head on stage 1: held and
+    updated on stage 0 (its first holder), a persistent copy on stage 1,
+    as for a layer called twice."""
+    keras.utils.set_random_seed(2)
+    weights = shared_lm().get_weights()
+    assert len(weights) == 5  # the shared weight once
+    want = fit(shared_lm(), weights, "adam")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESHES["2x2x2"]),
+                                      rules={EMBEDDING: ("model", None)})
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(shared_lm(), num_microbatches=2,
+                                   schedule=schedule,
+                                   stage_boundaries=["top"])
+    embedding = pipe.get_layer("token_embedding").embeddings
+    assert pipe.stages[1].shared == [embedding]
+    assert "reads tied weights ['token_embedding/embeddings']" in \
+        pipe.split_report()
+    assert all(w is not embedding for w in pipe.parts[1].weights)
+    check = CopiesBitEqual(pipe)
+    assert_same(want, fit(pipe, weights, "adam", [check]))
+    assert check.checked == 4
+    [copy] = pipe.ties.copies
+    assert copy.weight is embedding and copy.holder is pipe.parts[1]
+    assert dtensor.fetch_layout(embedding.value).mesh == \
+        strategy.stage_meshes[0].dtensor_mesh
+    assert dtensor.fetch_layout(copy.variable.value).mesh == \
+        strategy.stage_meshes[1].dtensor_mesh
+
+
+class Counting(keras.layers.Dense):
+    """A Dense layer also holding a given non-trainable variable."""
+
+    def __init__(self, counter, **kwargs):
+        super().__init__(8, **kwargs)
+        self.counter = counter
+
+
+def test_state_held_by_layers_of_two_stages_cannot_be_tied():
+    """A non-trainable variable (state that calls update) held by layers
+    of two stages: a clear error."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESHES["2x4"]))
+    with strategy.scope():
+        counter = keras.Variable(0.0, trainable=False, name="counter")
+        x = keras.Input((8,))
+        h = keras.layers.Dense(8, name="mid")(Counting(counter,
+                                                       name="first")(x))
+        model = keras.Model(x, Counting(counter, name="second")(h))
+        with pytest.raises(ValueError, match=r"\['counter'\] are held by "
+                           r"layer\(s\) \['second'\] of stage 1 and by a "
+                           r"layer of an earlier stage, and are state"):
+            tfpar.PipelineModel(model, num_microbatches=2,
+                                stage_boundaries=["mid"])

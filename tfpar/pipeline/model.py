@@ -190,17 +190,20 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def _place_parts(self):
         """Moves every part's weights and other state onto its stage's
-        sub-mesh (after checking that no weight is used by two parts)."""
+        sub-mesh (a weight held by layers of two parts: the first's), after
+        checking that every tie can be honoured."""
         tied_lib.check_ties(self._layers_of_parts, "part" if len(
             self._layers_of_parts) > len(self._extended.stage_meshes)
             else "stage")
         for stage in self._layers_of_parts:
             mesh = self.part_mesh(stage.index)
+            tied = {id(w) for w in stage.shared}  # held by an earlier part
             for layer in stage.layers:
                 # All state: weights and random seed generators (Dropout's
                 # seed drawn elsewhere would put its mask on another mesh).
                 for variable in getattr(layer, "variables", []):
-                    self._extended.registry.move_to(variable, mesh)
+                    if id(variable) not in tied:
+                        self._extended.registry.move_to(variable, mesh)
 
     def _last_mesh(self):
         """The mesh of the last part (loss, metrics, the compiled

@@ -71,8 +71,13 @@ class ModelPart:
         self.graph = layers
         self.index = layers.index
         self.mesh = mesh
-        self.weights = [w for layer in layers.layers
-                        for w in split_lib.weights_of(layer, trainable=True)]
+        # Its layers' trainable weights, each once, but those an earlier
+        # part holds (tied: read here, updated there).
+        tied = {id(w) for w in layers.shared}
+        self.weights = list({
+            id(w): w for layer in layers.layers
+            for w in split_lib.weights_of(layer, trainable=True)
+            if id(w) not in tied}.values())
         self.copies = []        # persistent copies of tied weights held here
         self.optimizer = None
         self.ties = None        # TiedWeights, set when all parts exist
@@ -239,8 +244,12 @@ class ModelPart:
                 if all(uses[id(w)] == 1 for w in self._weights_of(key))]
 
     def _weights_of(self, key):
+        """The weights of layer `key` that this part updates (not the tied
+        weights it shares with an earlier part)."""
         layer = next(x for x in self.layers if id(x) == key)
-        return split_lib.weights_of(layer, trainable=True)
+        mine = {id(w) for w in self.weights}
+        return [w for w in split_lib.weights_of(layer, trainable=True)
+                if id(w) in mine]
 
     def backward_input(self, i, token):
         """B(k, i) of a split backward: the gradients of the inputs and of

@@ -93,35 +93,32 @@ def check_mode(mode):
 
 
 def check_ties(parts, unit):
-    """Raises where a tie cannot be honoured: one weight held by two
-    different layers of two parts (`unit`: "stage" or "part"), or a layer
-    called on two parts with state its calls update."""
-    owner = {}
+    """Raises where a tie cannot be honoured: state (a non-trainable
+    variable, which calls update) read on two parts (`unit`: "stage" or
+    "part"), through a layer called on both or held by layers of both."""
     for part in parts:
-        for layer in part.layers:
-            for weight in split_lib.weights_of(layer):
-                first = owner.setdefault(id(weight), (part.index, layer))
-                if first[0] != part.index:
-                    raise ValueError(
-                        f"Weight {weight.path!r} is used by layer "
-                        f"{first[1].name!r} ({unit} {first[0]}) and by "
-                        f"layer {layer.name!r} ({unit} {part.index}). "
-                        "A layer called on two stages is tied (its "
-                        "weights read on both), but two different "
-                        "layers holding one weight cannot be: each "
-                        "would update it. Keep layers that share "
-                        f"weights in one {unit} (stage_boundaries).")
+        state = [w for w in part.shared if not w.trainable]
+        if state:
+            holders = [layer.name for layer in part.layers if any(
+                w is v for w in state for v in split_lib.weights_of(layer))]
+            raise ValueError(
+                f"Variable(s) {[w.path for w in state]} are held by "
+                f"layer(s) {holders} of {unit} {part.index} and by a layer "
+                f"of an earlier {unit}, and are state that calls update: a "
+                "tie cannot keep state in step on two stages (only "
+                f"trainable weights are tied). Keep those layers in one "
+                f"{unit} (stage_boundaries).")
         for guest in part.guests:
             state = [v.path for v in getattr(guest, "variables", [])
                      if not v.trainable]
             if state:
                 raise ValueError(
-                    f"Layer {guest.name!r} is called on stage "
-                    f"{part.index} and on an earlier stage, and has "
+                    f"Layer {guest.name!r} is called on {unit} "
+                    f"{part.index} and on an earlier {unit}, and has "
                     f"state {state} that a call updates: a tie cannot "
                     "keep it in step on two stages (only weights are "
-                    "read on the later stage). Keep its calls in one "
-                    "stage (stage_boundaries).")
+                    f"read on the later stage). Keep its calls in one "
+                    f"{unit} (stage_boundaries).")
 
 
 class TiedWeights:
@@ -284,9 +281,12 @@ def accumulate(total, gradient):
 
 
 def _guest_weights(part):
-    """The trainable weights of the layers `part` calls as a guest."""
-    return [w for layer in part.graph.guests
-            for w in split_lib.weights_of(layer, trainable=True)]
+    """The tied weights `part` reads: the trainable weights of the layers it
+    calls as a guest, and those its layers share with an earlier part."""
+    weights = [w for layer in part.graph.guests
+               for w in split_lib.weights_of(layer, trainable=True)]
+    return list({id(w): w for w in weights + [
+        w for w in part.graph.shared if w.trainable]}.values())
 
 
 def _new_copy(registry, weight, part):

@@ -2,8 +2,10 @@
 
 A layer of an earlier part that a later part calls again (the output head
 of a causal LM reusing the input embedding; any shared layer) is a guest
-of the later part; its weights are tied. The home part (that of its first
-call) holds and updates each tied weight. With `mode="persistent"`
+of the later part; its weights are tied, and so is a weight held by
+different layers of two parts (`split.Part.shared`, PyTorch-style tying).
+The home part (that of its first call, or its first holder) holds and
+updates each tied weight. With `mode="persistent"`
 (`PipelineModel(tied_weights=...)`'s default), every other stage that
 reads it holds a **copy**: a variable on that stage's mesh, laid out as
 the weight at home (same spec, so each device holds its block), updated

@@ -116,13 +116,21 @@ def test_weights_tied_across_stages_train_as_on_one_device(schedule):
                                    schedule=schedule, stage_boundaries=["mid"])
     got = fit(pipe, weights, x, y, keras.optimizers.Adam(1e-3))
     assert_same(want, got)
-    # One weight (get_weights, checkpoints): held and updated on stage 0,
-    # stage 1 reads a fresh copy of it in every step.
+    # One weight (get_weights, checkpoints): held and updated on stage 0;
+    # stage 1 holds a persistent copy (tests/test_pipeline_tied.py), equal
+    # to it bit for bit after training.
     assert len(pipe.weights) == len(tied_mlp().weights) == 4
     shared = pipe.get_layer("shared")
     assert pipe.stages[1].guests == [shared]
     assert dtensor.fetch_layout(shared.kernel.value).mesh == \
         strategy.stage_meshes[0].dtensor_mesh
+    assert [c.weight for c in pipe.ties.copies] == [shared.kernel,
+                                                    shared.bias]
+    for copy in pipe.ties.copies:
+        assert dtensor.fetch_layout(copy.variable.value).mesh == \
+            strategy.stage_meshes[1].dtensor_mesh
+        np.testing.assert_array_equal(np.asarray(copy.weight),
+                                      np.asarray(copy.variable))
     assert "reads tied weights of ['shared']" in pipe.split_report()
 
 
@@ -197,7 +205,9 @@ def hub_parity(name, axes, schedule, m=2):
         else:
             assert models.relative_error(a, b) < RTOL, path
     # The backbone is inlined and cut inside; the output head (the last
-    # part) reads the token embedding's weights from stage 0.
+    # part) reads the token embedding's weights, held on stage 0 and, when
+    # the last part is on another stage, as a persistent copy there, equal
+    # bit for bit to the weight after training.
     assert len(pipe.stages) == pipe.schedule.num_parts and all(
         "backbone" in path.split("/")[0] for s in pipe.stages
         for path in s.layer_names)
@@ -205,6 +215,17 @@ def hub_parity(name, axes, schedule, m=2):
     assert pipe.stages[-1].guests == [embedding]
     assert dtensor.fetch_layout(embedding.embeddings.value).mesh == \
         strategy.stage_meshes[0].dtensor_mesh
+    last = pipe.parts[-1]
+    copies = pipe.ties.copies
+    assert [c.weight for c in copies] == (
+        [] if last.mesh is pipe.parts[0].mesh else
+        embedding.trainable_weights)
+    for copy in copies:
+        assert copy.holder is last and dtensor.fetch_layout(
+            copy.variable.value).mesh == last.mesh.dtensor_mesh
+        for a, b in zip(dtensor.unpack(copy.weight.value.read_value()),
+                        dtensor.unpack(copy.variable.value.read_value())):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
     # predict runs through the pipeline and matches one device.
     copy = hub_models.build(name)
     copy.set_weights(pipe.get_weights())

@@ -423,9 +423,12 @@ def _assign_all(path, saved, targets, model, optimizer):
             _compat.backing_variable(variable).assign(value)
             del value
             done += 1
-        if optimizer and isinstance(model, training.StagedModel):
-            # PipelineModel: counters of every part's optimizer.
-            model.sync_stage_optimizers(iterations=True)
+        if isinstance(model, training.StagedModel):
+            # PipelineModel: counters of every part's optimizer, and the
+            # persistent copies of tied weights (and their slots).
+            if optimizer:
+                model.sync_stage_optimizers(iterations=True)
+            model.sync_tied_copies(optimizer=optimizer)
     except Exception as error:
         if done == 0:
             raise
@@ -465,9 +468,13 @@ def _entries(model, optimizer):
         # all of them, the counters of the main one (the others mirror it),
         # so its checkpoints are those of the plain model.
         staged = isinstance(model, training.StagedModel)
+        # The slots of tied weights' copies mirror the weights' own.
+        mirrors = {id(v) for v in model.tied_copy_state()} if staged else ()
         for stage_opt in (model.stage_optimizers if staged else None) or [opt]:
             for variable in stage_opt.variables:
                 key = _optimizer_key(variable, trainable)
+                if id(variable) in mirrors:
+                    continue
                 if stage_opt is opt or ":" in key:
                     entries.append(("optimizer", key, variable))
     seen, duplicates = set(), []

@@ -297,10 +297,12 @@ def _check_sequence_shape(tensor, axis, size, layer, where):
 # source's devices send, the target's receive), relaid out there to the
 # layout the target reads (a local slice, no communication). Forward moves
 # carry activations (and the losses added so far), backward moves their
-# gradients; a tied weight moves the same way to a later part that reads it
-# (whole there: `pipeline.part.TiedWeights`), its gradient back laid out as
-# the weight is. Each move is one name scope
-# ("send_k_to_k'", "tie_k_to_k'"), which tests and profiles read.
+# gradients. A weight tied across stages (`pipeline.tied.TiedWeights`) moves
+# the same way: with persistent copies, each copy's summed gradient to the
+# weight's home part and the total back, once per step; per step, the weight
+# to the later part in every forward and its gradient back, laid out as the
+# weight is. Each move is one name scope ("send_k_to_k'",
+# "tied_<what>_k_to_k'"), which tests and profiles read.
 
 
 def move_to_mesh(tensor, source, target, spec, scope):
@@ -338,8 +340,10 @@ def send_activation(tensor, source_part, target_part, meshes, split,
         f"send_{source_part}_to_{target_part}")
 
 
-def send_tied(tensor, source_part, target_part, meshes, spec):
-    """A tied weight's value (or its gradient) moved between parts, laid
-    out by the weight's own `spec` on the target."""
+def send_tied(tensor, source_part, target_part, meshes, spec, what):
+    """A tied weight's value (`what`="weight"), a part's gradient of it
+    ("grad") or the gradient summed over the parts that read it ("sum")
+    moved between parts, laid out by the weight's own `spec` on the target
+    (name scope "tied_<what>_<source>_to_<target>")."""
     return move_to_mesh(tensor, meshes[source_part], meshes[target_part],
-                        spec, f"tie_{source_part}_to_{target_part}")
+                        spec, f"tied_{what}_{source_part}_to_{target_part}")

@@ -78,6 +78,15 @@ class StagedModel(abc.ABC):
         """Copies `model.optimizer`'s learning rate (and, with
         `iterations`, its step counter) into the other parts' optimizers."""
 
+    def tied_copy_state(self):
+        """Variables that mirror the model's own (persistent copies of
+        weights tied across stages, their optimizer slots): checkpoints
+        skip them."""
+        return []
+
+    def sync_tied_copies(self, optimizer=True):
+        """Refills those mirrors from what they mirror (after a restore)."""
+
 
 class Runner(abc.ABC):
     """Runs one kind of Keras step (train, test or predict) on the mesh:

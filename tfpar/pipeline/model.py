@@ -64,6 +64,7 @@ from tfpar import styles
 from tfpar import training
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
+from tfpar.pipeline import tied as tied_lib
 from tfpar.pipeline.part import ModelPart, inseparable_message
 from tfpar.pipeline.runner import Microbatching, PipelineRunner
 
@@ -107,7 +108,19 @@ class PipelineModel(keras.Model, training.StagedModel):
             (inlined) by path, e.g. "llama_backbone/transformer_layer_1",
             or by name when unique; None cuts automatically. A layer called
             again on a later stage (a tied output head) stays on the stage
-            of its first call; the later stage reads its weights.
+            of its first call; the later stage reads its weights (see
+            `tied_weights`).
+        tied_weights: how a later stage reads the weights of a layer it
+            calls again (tied weights, `tfpar.pipeline.tied`):
+            "persistent" (default, Megatron-LM's): each stage that reads
+            them holds a copy, updated by its own optimizer; per step each
+            copy's summed gradient goes to the weight's home stage and the
+            total back (two weight-sized moves per step), so the copies
+            stay bit-equal and one optimizer step applies the sum, as on
+            one device. "per_step": the later stage holds no copy and
+            receives the weight in every micro-batch forward, sending its
+            gradient back (2m moves per step, no copy or slots in memory).
+            Either way `get_weights` and checkpoints see one weight.
         balance: what the automatic cut balances: "params" (parameter
             count, default) or "time" (each layer's measured forward time
             on one batch of zeros; needs `input_shape` known, i.e. a model
@@ -120,9 +133,11 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def __init__(self, model, num_microbatches, schedule="1f1b",
                  stage_boundaries=None, balance="params",
-                 record_timeline=False, name=None, virtual_stages=None):
+                 record_timeline=False, name=None, virtual_stages=None,
+                 tied_weights="persistent"):
         extended = _pipeline_extended()
         _check_arguments(model, num_microbatches)
+        tied_lib.check_mode(tied_weights)
         virtual_stages = extended.dims.resolve_virtual_stages(virtual_stages)
         num_stages = len(extended.stage_meshes)
         # Validates the name (and m for interleaving) before anything changes.
@@ -158,6 +173,11 @@ class PipelineModel(keras.Model, training.StagedModel):
         self._place_parts()
         self._parts = [ModelPart(part, self.part_mesh(part.index), extended,
                                  self) for part in layers]
+        # Keras does not track it: the copies are not the model's weights.
+        self._tied = types.SimpleNamespace(weights=tied_lib.TiedWeights(
+            self._parts, extended.registry, tied_weights))
+        for part in self._parts:
+            part.ties = self._tied.weights
         self.built = True
 
     # -- structure -----------------------------------------------------------
@@ -170,42 +190,20 @@ class PipelineModel(keras.Model, training.StagedModel):
 
     def _place_parts(self):
         """Moves every part's weights and other state onto its stage's
-        sub-mesh (after checking that no weight is used by two parts)."""
-        owner = {}
-        for stage in self._layers_of_parts:
-            for layer in stage.layers:
-                for weight in split_lib.weights_of(layer):
-                    first = owner.setdefault(id(weight), (stage.index, layer))
-                    if first[0] != stage.index:
-                        unit = "part" if len(self._layers_of_parts) > len(
-                            self._extended.stage_meshes) else "stage"
-                        raise ValueError(
-                            f"Weight {weight.path!r} is used by layer "
-                            f"{first[1].name!r} ({unit} {first[0]}) and by "
-                            f"layer {layer.name!r} ({unit} {stage.index}). "
-                            "A layer called on two stages is tied (its "
-                            "weights read on both), but two different "
-                            "layers holding one weight cannot be: each "
-                            "would update it. Keep layers that share "
-                            f"weights in one {unit} (stage_boundaries).")
-            for guest in stage.guests:
-                state = [v.path for v in getattr(guest, "variables", [])
-                         if not v.trainable]
-                if state:
-                    raise ValueError(
-                        f"Layer {guest.name!r} is called on stage "
-                        f"{stage.index} and on an earlier stage, and has "
-                        f"state {state} that a call updates: a tie cannot "
-                        "keep it in step on two stages (only weights are "
-                        "read on the later stage). Keep its calls in one "
-                        "stage (stage_boundaries).")
+        sub-mesh (a weight held by layers of two parts: the first's), after
+        checking that every tie can be honoured."""
+        tied_lib.check_ties(self._layers_of_parts, "part" if len(
+            self._layers_of_parts) > len(self._extended.stage_meshes)
+            else "stage")
         for stage in self._layers_of_parts:
             mesh = self.part_mesh(stage.index)
+            tied = {id(w) for w in stage.shared}  # held by an earlier part
             for layer in stage.layers:
                 # All state: weights and random seed generators (Dropout's
                 # seed drawn elsewhere would put its mask on another mesh).
                 for variable in getattr(layer, "variables", []):
-                    self._extended.registry.move_to(variable, mesh)
+                    if id(variable) not in tied:
+                        self._extended.registry.move_to(variable, mesh)
 
     def _last_mesh(self):
         """The mesh of the last part (loss, metrics, the compiled
@@ -223,6 +221,41 @@ class PipelineModel(keras.Model, training.StagedModel):
         """The model parts (`tfpar.pipeline.part.ModelPart`s: layers, mesh,
         optimizer, micro-batches in flight) in pipeline order."""
         return list(self._parts)
+
+    @property
+    def ties(self):
+        """The `tfpar.pipeline.tied.TiedWeights`: weights read on several
+        stages, their persistent copies (`ties.copies`) and how their
+        gradients are summed."""
+        return self._tied.weights
+
+    def tied_copy_state(self):
+        """The persistent copies of tied weights and their optimizer slots
+        (they mirror the model's weights; checkpoints skip them)."""
+        return self.ties.copy_state()
+
+    def sync_tied_copies(self, optimizer=True):
+        """Refills every persistent copy of a tied weight (and, with
+        `optimizer`, its optimizer slots) from the weight it mirrors.
+        `set_weights`, `load_weights` and `tfpar.restore_checkpoint` call
+        it; call it after assigning a tied weight yourself."""
+        self.ties.sync(optimizer)
+
+    def set_weights(self, weights):
+        super().set_weights(weights)
+        self.sync_tied_copies(optimizer=False)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Saves the wrapped model's weights (one per weight, no copy): the
+        file loads into the plain model, on any strategy or none."""
+        return self.wrapped.save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Loads a weights file of the wrapped model (`save_weights`) and
+        refills the persistent copies of tied weights."""
+        result = self.wrapped.load_weights(filepath, *args, **kwargs)
+        self.sync_tied_copies(optimizer=False)
+        return result
 
     @property
     def virtual_stages(self):
@@ -268,19 +301,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         >>> pipe.generate({"token_ids": ids, "padding_mask": mask},
         ...               max_length=8, sampler="greedy")  # doctest: +SKIP
         """
-        if not hasattr(self.wrapped, "generate"):
-            raise AttributeError(
-                f"PipelineModel.generate calls the wrapped model's "
-                f"generate(), but model {self.wrapped.name!r} "
-                f"({type(self.wrapped).__name__}) has none. Received: a "
-                "model without generate (use predict).")
-        if tf.distribute.has_strategy():
-            raise RuntimeError(
-                "PipelineModel.generate builds an unpipelined copy of the "
-                "wrapped model, which must not be created on the pipeline's "
-                "mesh. Received: a call inside `strategy.scope()` "
-                f"({type(tf.distribute.get_strategy()).__name__}). Call "
-                "generate outside the scope.")
+        _check_can_generate(self.wrapped)
         if self._generator.model is None:
             self._generator.model = type(self.wrapped).from_config(
                 self.wrapped.get_config())
@@ -333,7 +354,7 @@ class PipelineModel(keras.Model, training.StagedModel):
         with self.distribute_strategy.scope(), \
                 self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:
-                self.optimizer.build(self._parts[-1].weights)
+                self.optimizer.build(self._parts[-1].updated)
             return super()._symbolic_build(*args, **kwargs)
 
     @property
@@ -350,13 +371,13 @@ class PipelineModel(keras.Model, training.StagedModel):
             with self.distribute_strategy.scope():
                 if not optimizer.built:
                     with self._extended.registry.placing_on(meshes[-1]):
-                        optimizer.build(self._parts[-1].weights)
+                        optimizer.build(self._parts[-1].updated)
                 copies = []
                 for s, mesh in enumerate(meshes[:-1]):
                     with self._extended.registry.placing_on(mesh):
                         copy = type(optimizer).from_config(
                             optimizer.get_config())
-                        copy.build(self._parts[s].weights)
+                        copy.build(self._parts[s].updated)
                     copies.append(copy)
             self._optimizers = copies + [optimizer]
             for part, part_optimizer in zip(self._parts, self._optimizers):
@@ -408,6 +429,24 @@ class PipelineModel(keras.Model, training.StagedModel):
             self._eager_runner = PipelineRunner(self, "predict")
         return tf.nest.map_structure(
             tf.constant, self._eager_runner.predict_inputs(x))
+
+
+def _check_can_generate(wrapped):
+    """The wrapped model generates, and no strategy is in scope (the copy
+    that generates must be made on one device)."""
+    if not hasattr(wrapped, "generate"):
+        raise AttributeError(
+            f"PipelineModel.generate calls the wrapped model's "
+            f"generate(), but model {wrapped.name!r} "
+            f"({type(wrapped).__name__}) has none. Received: a "
+            "model without generate (use predict).")
+    if tf.distribute.has_strategy():
+        raise RuntimeError(
+            "PipelineModel.generate builds an unpipelined copy of the "
+            "wrapped model, which must not be created on the pipeline's "
+            "mesh. Received: a call inside `strategy.scope()` "
+            f"({type(tf.distribute.get_strategy()).__name__}). Call "
+            "generate outside the scope.")
 
 
 def _pipeline_extended():

@@ -23,9 +23,10 @@ forward's tape and the values the backward needs. It runs
   call, which the per-layer product would count twice).
 
 A layer of an earlier part that this part calls again (a tied output head)
-is a guest: `TiedWeights` reads its weights where they are updated, moves
-them here, and sends their gradients back to the home part's sums, so one
-optimizer step sees the sum over every part that reads them.
+is a guest: `tfpar.pipeline.tied.TiedWeights` says where its weights are
+read (a persistent copy on this part's stage, held in `copies` and updated
+by this part's optimizer) and where their gradients go, so every copy
+applies the one gradient summed over every part that reads them.
 
 Example (the parts of a pipeline, see `tfpar.PipelineModel`):
 
@@ -43,9 +44,9 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import collectives
 from tfpar import keras_graph
-from tfpar import layout as layout_lib
 from tfpar.pipeline import ordering
 from tfpar.pipeline import split as split_lib
+from tfpar.pipeline.tied import accumulate
 
 
 @dataclasses.dataclass
@@ -70,8 +71,14 @@ class ModelPart:
         self.graph = layers
         self.index = layers.index
         self.mesh = mesh
-        self.weights = [w for layer in layers.layers
-                        for w in split_lib.weights_of(layer, trainable=True)]
+        # Its layers' trainable weights, each once, but those an earlier
+        # part holds (tied: read here, updated there).
+        tied = {id(w) for w in layers.shared}
+        self.weights = list({
+            id(w): w for layer in layers.layers
+            for w in split_lib.weights_of(layer, trainable=True)
+            if id(w) not in tied}.values())
+        self.copies = []        # persistent copies of tied weights held here
         self.optimizer = None
         self.ties = None        # TiedWeights, set when all parts exist
         self._extended = extended
@@ -86,6 +93,12 @@ class ModelPart:
     def layers(self):
         return self.graph.layers
 
+    @property
+    def updated(self):
+        """What the part's optimizer updates: its weights, then the
+        persistent copies of tied weights it holds."""
+        return self.weights + self.copies
+
     @contextlib.contextmanager
     def on_mesh(self):
         """Code traced in this context runs on the part's mesh: ops with no
@@ -98,8 +111,9 @@ class ModelPart:
     # -- per step ------------------------------------------------------------
 
     def start_step(self):
-        """Empties the weight-gradient sums (one per weight, None: none)."""
-        self.gradient_sums = [None] * len(self.weights)
+        """Empties the gradient sums (one per `updated` variable, None:
+        none)."""
+        self.gradient_sums = [None] * len(self.updated)
 
     def receive(self, i, activations, losses):
         """Micro-batch i's inputs from the previous part, and the losses of
@@ -120,9 +134,9 @@ class ModelPart:
         """One optimizer step on the summed gradients (zeros for a weight
         no micro-batch reached)."""
         grads = [tf.zeros_like(w) if g is None else g
-                 for g, w in zip(self.gradient_sums, self.weights)]
+                 for g, w in zip(self.gradient_sums, self.updated)]
         with self.on_mesh():
-            self.optimizer.apply(grads, self.weights)
+            self.optimizer.apply(grads, self.updated)
 
     # -- running the layers ----------------------------------------------------
 
@@ -230,8 +244,12 @@ class ModelPart:
                 if all(uses[id(w)] == 1 for w in self._weights_of(key))]
 
     def _weights_of(self, key):
+        """The weights of layer `key` that this part updates (not the tied
+        weights it shares with an earlier part)."""
         layer = next(x for x in self.layers if id(x) == key)
-        return split_lib.weights_of(layer, trainable=True)
+        mine = {id(w) for w in self.weights}
+        return [w for w in split_lib.weights_of(layer, trainable=True)
+                if id(w) in mine]
 
     def backward_input(self, i, token):
         """B(k, i) of a split backward: the gradients of the inputs and of
@@ -279,84 +297,6 @@ class ModelPart:
                 self.ties.add_gradient(self, w, g)
             done += _computed(grads)
         return done
-
-
-class TiedWeights:
-    """The weights of layers that a later part calls again (guests): each
-    is updated on its home part and read on the others.
-
-    A guest reads its tied weights whole (replicated over the target's
-    axes): the move carries the whole weight to every device of the
-    target anyway (`collectives.move_to_mesh` copies the replicated value),
-    so this costs no communication, only the layer's compute on every
-    model-axis device. Read with the weight's own split instead, DTensor
-    (TF 2.21) cannot compile every head: Llama's untied output head
-    `h @ reverse_embeddings` with the kernel split over hidden (('model',
-    None), auto_rules' plan) has its kernel gradient, a batch sum of
-    h^T dy, laid out split over vocab, which it then cannot re-split over
-    hidden ("EmitAllScatter was passed a desired_layout ... not more
-    sharded", tests/test_pipeline_nested.py, llama_gqa on pipe × data ×
-    model with Adam). The gradient returns to the home part laid out as
-    the weight there.
-    """
-
-    def __init__(self, parts):
-        self._parts = parts
-        # Where each weight is updated: (part, index in its weights).
-        self._home = {id(w): (part, j) for part in parts
-                      for j, w in enumerate(part.weights)}
-        # Layout specs of tied weights (read eagerly: DTensor's rule).
-        self._specs = {
-            id(w): layout_lib.spec_of(dtensor.fetch_layout(
-                _compat.backing_variable(w)))
-            for part in parts for layer in part.graph.guests
-            for w in split_lib.weights_of(layer, trainable=True)}
-        self._meshes = [part.mesh for part in parts]
-
-    def values_on(self, part, watch=None):
-        """(weight, value on `part`) of its guests' weights: each read on
-        its home part and moved here whole (`watch`ed for its gradient)."""
-        pairs = []
-        for layer in part.graph.guests:
-            for w in split_lib.weights_of(layer, trainable=True):
-                home = self._home[id(w)][0]
-                with home.on_mesh():
-                    value = tf.convert_to_tensor(w.value)
-                value = collectives.send_tied(value, home.index, part.index,
-                                              self._meshes,
-                                              (None,) * len(w.shape))
-                if watch is not None:
-                    watch(value)
-                pairs.append((w, value))
-        return pairs
-
-    def add_gradient(self, part, weight, gradient):
-        """Adds `part`'s gradient of `weight` to the sum of the part that
-        updates it (moved there when tied)."""
-        if gradient is None:  # unconnected
-            return
-        home, j = self._home[id(weight)]
-        if home is not part:
-            gradient = collectives.send_tied(
-                tf.convert_to_tensor(gradient), part.index, home.index,
-                self._meshes, self._specs[id(weight)])
-        home.add_gradient(j, gradient)
-
-
-def accumulate(total, gradient):
-    """Sum of micro-batch gradients. Sparse ones (embedding lookups) stay
-    sparse: their rows are concatenated in micro-batch order, which is
-    exactly the IndexedSlices the whole batch gives on one device (Keras'
-    optimizers treat sparse and dense gradients differently)."""
-    if total is None:
-        return gradient
-    if isinstance(total, tf.IndexedSlices) and isinstance(
-            gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([total.values, gradient.values], 0),
-            tf.concat([total.indices, gradient.indices], 0),
-            total.dense_shape)
-    return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
 
 
 def _tensors(sources):

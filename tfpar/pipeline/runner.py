@@ -18,8 +18,10 @@ and places them on the first part's mesh (inputs) and the last part's
   order, different stages concurrently wherever the data flow allows;
 - each micro-batch loss is scaled by 1/m, so the summed weight gradients
   are those of the mean loss over the whole batch: the step equals the
-  full-batch step (gradient accumulation). Then every part applies its
-  optimizer to its weights.
+  full-batch step (gradient accumulation). Then the gradients of weights
+  tied across stages are summed between the stages holding them
+  (`tfpar.pipeline.tied`), and every part applies its optimizer to its
+  weights (and its copies of tied weights).
 
 Evaluate and predict run the parts forward, micro-batch by micro-batch.
 
@@ -41,7 +43,6 @@ from tfpar import training
 from tfpar.pipeline import ordering
 from tfpar.pipeline import profiler
 from tfpar.pipeline import schedules as schedules_lib
-from tfpar.pipeline.part import TiedWeights
 from tfpar.pipeline.schedules import BACKWARD, FORWARD, ZERO_BUBBLE
 
 _ACTION_SCOPE = profiler.ACTION_SCOPE  # names each action's ops
@@ -97,9 +98,7 @@ class PipelineRunner(training.Runner):
         extended = pipeline.distribute_strategy.extended
         super().__init__(pipeline, extended, mode)
         self._parts = pipeline.parts
-        ties = TiedWeights(self._parts)
-        for part in self._parts:
-            part.ties = ties
+        self._ties = pipeline.ties
         self._meshes = [part.mesh for part in self._parts]
         self._data_axis = extended.data_axis
         with extended.registry.placing_on(self._meshes[-1]):
@@ -327,6 +326,7 @@ class PipelineRunner(training.Runner):
                            tokens[action.stage])
             tokens[action.stage] = ordering.token_of(done, rows)
         self._model.stage_optimizers  # noqa: B018 (each part's, built)
+        self._ties.exchange()  # tied weights' gradients summed between stages
         for part in self._parts:
             part.apply_gradients()
         with self._parts[-1].on_mesh():

@@ -9,7 +9,9 @@ the nodes from the first call of its first layer on. Any tensor a later
 stage reads — a skip connection, or a model input used deep in the model —
 is carried forward stage by stage, so every cut is valid. A layer called
 again on a later stage (a tied output head) stays on its first stage and
-is a guest of the later one, which reads its weights.
+is a guest of the later one, which reads its weights; a weight that layers
+of two stages hold (PyTorch-style tying, `head.kernel = embedding.
+embeddings`) lives on the first and is read on the later one (`shared`).
 
 A functional (or Sequential) model used as a layer inside another — a
 keras-hub task holding its backbone, at any depth — is inlined: its layers
@@ -59,6 +61,9 @@ class Part:
         paths: its layers' paths (nested layers "outer/inner").
         guests: layers of earlier stages it calls again (tied weights: it
             reads their weights, they are updated on their own stage).
+        shared: weights its own layers hold that a layer of an earlier
+            stage holds too (tied weights as well: read here, updated
+            there).
     """
 
     index: int
@@ -70,6 +75,7 @@ class Part:
     cost: float = 0.0
     paths: list = None
     guests: list = dataclasses.field(default_factory=list)
+    shared: list = dataclasses.field(default_factory=list)
 
     @property
     def layer_names(self):
@@ -299,7 +305,20 @@ def split_model(model, num_stages, boundaries=None, costs=None):
             cost=float(sum(costs[edges[s]:edges[s + 1]])),
             paths=paths[edges[s]:edges[s + 1]], guests=guests))
         received = sent
+    _find_shared(stages)
     return stages
+
+
+def _find_shared(parts):
+    """Sets each part's `shared`: the weights of its layers that a layer of
+    an earlier part holds (its first holder's part is their home)."""
+    home = {}
+    for part in parts:
+        for layer in part.layers:
+            for w in weights_of(layer):
+                if home.setdefault(id(w), part.index) != part.index and \
+                        all(w is not x for x in part.shared):
+                    part.shared.append(w)
 
 
 def _first_call(nodes, layer):
@@ -403,5 +422,7 @@ def format_split(stages, devices=None, num_stages=None,
             "the time"
             + (f", receives {carried}" if carried else "")
             + (f", reads tied weights of {[g.name for g in stage.guests]}"
-               if stage.guests else ""))
+               if stage.guests else "")
+            + (f", reads tied weights {[w.path for w in stage.shared]}"
+               if stage.shared else ""))
     return "\n".join(lines)

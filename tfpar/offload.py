@@ -213,6 +213,15 @@ class Offload:
         finally:
             self._captured = None
 
+    def pull_weights(self):
+        """Copies every device weight into its host copy, block by block:
+        what changed the weights outside a step (a checkpoint restore,
+        `set_weights`, a callback) reaches the host before its update."""
+        for weight, copy in self._mirrors.values():
+            _compat.backing_variable(copy).assign(move_blocks(
+                _compat.backing_variable(weight).read_value(),
+                _layout_of(copy)))
+
     def step_gradients(self, captured):
         """In a traced step: the gradients it gave the optimizer (one
         `apply` call, `captured` by `capturing`), dense and each laid out
@@ -260,7 +269,8 @@ class OffloadRunner(training.StepRunner):
     """`fit`'s step under offload (see the module): the device step
     returns its logs and gradients, then `Offload.apply_on_host` updates
     the weights; one step per call (`steps_per_execution` batches run one
-    after another: the host round trip sits between steps)."""
+    after another: the host round trip sits between steps). Each call
+    first copies the device weights to the host (`pull_weights`)."""
 
     def __init__(self, model, extended, offload):
         super().__init__(model, extended, "train")
@@ -272,6 +282,7 @@ class OffloadRunner(training.StepRunner):
         return logs, self._offload.step_gradients(captured)
 
     def run_steps(self, host_batches):
+        self._offload.pull_weights()  # weights may have changed since
         logs = None
         for batch in host_batches:
             logs = self._one(self._placer.place(batch))
@@ -286,6 +297,7 @@ class OffloadRunner(training.StepRunner):
         """Runs one step (device step and host update, as `fit`) and returns
         the device step's concrete function (`tfpar.communication`)."""
         placed = self._placer.place(host_batch)
+        self._offload.pull_weights()
         self._one(placed)
         return self._one_step.get_concrete_function(placed)
 

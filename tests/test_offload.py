@@ -313,6 +313,36 @@ def test_memory_per_device_drops_by_the_slots_bytes(axes, rules, fsdp):
     assert set(after) == set(DEVICES) | set(HOST)
 
 
+def test_memory_report_moves_the_state_to_the_host_rows():
+    """`tfpar.memory_report` on data=4 fsdp: each device's row has no
+    optimizer state and a peak lower by at least the slots (the step has
+    no update); each host row holds the weights' copy, the gradients and
+    the slots, with no activations."""
+    import keras  # noqa: PLC0415
+
+    weights = _mlp(keras).get_weights()
+    x, y = _data(16)
+    reports = {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        _, model, _ = _trained(keras, weights, {"data": 4}, DEVICES, host,
+                               fsdp=True, epochs=0)
+        reports[name] = tfpar.memory_report(model, x, y)
+    plain, offloaded = reports["plain"], reports["offload"]
+    assert set(offloaded) == set(DEVICES) | set(HOST)
+    for device, host in zip(DEVICES, HOST):
+        slots = plain[device]["optimizer"]
+        assert slots == 2 * plain[device]["params"] > 0
+        assert offloaded[device]["optimizer"] == 0
+        assert offloaded[device]["activations"] == plain[device][
+            "activations"] > 0
+        assert offloaded[device]["peak"] <= plain[device]["peak"] - slots
+        assert offloaded[host] == {
+            "params": plain[device]["params"],
+            "gradients": plain[device]["params"], "optimizer": slots,
+            "other": 12, "activations": 0, "gathered": 0,
+            "peak": 2 * plain[device]["params"] + slots + 12}
+
+
 def _slot_values(model):
     return {v.path.split("/", 1)[-1]: np.asarray(v)
             for v in model.optimizer.variables}

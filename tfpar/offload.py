@@ -198,10 +198,16 @@ class Offload:
         if self._captured is not None:
             self._captured.append((list(grads), trainable_variables))
             return None
-        return self._apply(list(grads), [
-            self._mirrors[id(_compat.backing_variable(v))][1]
-            if id(_compat.backing_variable(v)) in self._mirrors else v
-            for v in trainable_variables])
+        return self._apply(list(grads),
+                           [self._host_copy(v) for v in trainable_variables])
+
+    def _host_copy(self, variable):
+        """`variable` if it is a host copy already, else its `mirror`."""
+        backing = _compat.backing_variable(variable)
+        if any(backing is _compat.backing_variable(copy)
+               for _, copy in self._mirrors.values()):
+            return variable
+        return self.mirror(variable)
 
     @contextlib.contextmanager
     def capturing(self):
@@ -278,7 +284,9 @@ class OffloadRunner(training.StepRunner):
 
     def _in_replica(self, batch):
         with self._offload.capturing() as captured:
-            logs = super()._in_replica(batch)
+            # (The base class named: AutoGraph converts this method, and
+            # a zero-argument super() is a closure it cannot convert.)
+            logs = training.StepRunner._in_replica(self, batch)
         return logs, self._offload.step_gradients(captured)
 
     def run_steps(self, host_batches):

@@ -295,22 +295,7 @@ def _check_offload(offload, devices, mesh, num_stages):
                 f"offload_devices={devices!r}. Pass offload=\"optimizer\" "
                 "too, or drop offload_devices.")
         return
-    if devices is None:
-        if mesh.device_type == "CPU":
-            raise ValueError(
-                f"ParallelStrategy(offload={offload!r}) moves optimizer "
-                "state from the devices to the host, but this mesh's "
-                "devices are the host's CPUs (DTensor's host mesh of a CPU "
-                "mesh is the mesh itself), so there is nothing to offload "
-                f"to. Received: mesh={mesh!r}. Name {mesh.size} other "
-                "devices to hold it (offload_devices=[...], e.g. after "
-                f"tfpar.use_virtual_cpus({2 * mesh.size}) a mesh on CPU:0-"
-                f"{mesh.size - 1} and offload_devices=[f'CPU:{{i}}' for i in "
-                f"range({mesh.size}, {2 * mesh.size})]), or use "
-                "offload=None; fsdp=True splits optimizer state over the "
-                "data axis instead.")
-    if devices is not None:
-        _check_offload_devices(devices, mesh)
+    _check_offload_host(offload, devices, mesh)
     if offload == "optimizer+master":
         raise NotImplementedError(
             "ParallelStrategy(offload='optimizer+master') is not "
@@ -330,6 +315,37 @@ def _check_offload(offload, devices, mesh, num_stages):
             f"ParallelStrategy(offload={offload!r}) runs on one host so far "
             f"(this cluster has {dtensor.num_clients()}). Received: "
             f"mesh={mesh!r}. Use offload=None across hosts.")
+
+
+def _check_offload_host(offload, devices, mesh):
+    """Offload needs a host: `devices` (checked), or DTensor's host mesh of
+    an accelerator mesh (one logical CPU per device)."""
+    if devices is not None:
+        _check_offload_devices(devices, mesh)
+        return
+    if mesh.device_type == "CPU":
+        raise ValueError(
+            f"ParallelStrategy(offload={offload!r}) moves optimizer "
+            "state from the devices to the host, but this mesh's "
+            "devices are the host's CPUs (DTensor's host mesh of a CPU "
+            "mesh is the mesh itself), so there is nothing to offload "
+            f"to. Received: mesh={mesh!r}. Name {mesh.size} other "
+            "devices to hold it (offload_devices=[...], e.g. after "
+            f"tfpar.use_virtual_cpus({2 * mesh.size}) a mesh on CPU:0-"
+            f"{mesh.size - 1} and offload_devices=[f'CPU:{{i}}' for i in "
+            f"range({mesh.size}, {2 * mesh.size})]), or use "
+            "offload=None; fsdp=True splits optimizer state over the "
+            "data axis instead.")
+    cpus = len(tf.config.list_logical_devices("CPU"))
+    if cpus < mesh.size:
+        raise ValueError(
+            f"ParallelStrategy(offload={offload!r}) keeps the state on "
+            f"DTensor's host mesh of this {mesh.device_type} mesh: one "
+            f"logical CPU per device, {mesh.size}, but this host has "
+            f"{cpus}. Received: mesh={mesh!r}. Split the CPU before TF "
+            "starts (tf.config.set_logical_device_configuration(cpu, "
+            f"[tf.config.LogicalDeviceConfiguration()] * {mesh.size})), "
+            "or name the devices: offload_devices=[...].")
 
 
 def _check_offload_devices(devices, mesh):

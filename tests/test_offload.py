@@ -343,6 +343,33 @@ def test_memory_report_moves_the_state_to_the_host_rows():
             "peak": 2 * plain[device]["params"] + slots + 12}
 
 
+def test_steps_per_execution_and_a_partial_batch_match_no_offload():
+    """steps_per_execution=3 (its steps run one by one under offload) and
+    a last batch of 18 rows that data=4 does not divide (run replicated):
+    the same losses and weights as without offload."""
+    import keras  # noqa: PLC0415
+
+    weights = _mlp(keras).get_weights()
+    x, y = _data(66)
+    found = {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        options = {} if host is None else {"offload": "optimizer",
+                                           "offload_devices": host}
+        strategy = tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 4}, devices=DEVICES), fsdp=True, **options)
+        with strategy.scope():
+            model = _mlp(keras)
+            model.set_weights(weights)
+            model.compile(optimizer="adam", loss="mse",
+                          steps_per_execution=3)
+        losses = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                           verbose=0).history["loss"]
+        found[name] = (losses, model.get_weights())
+    assert _relative(found["offload"][0], found["plain"][0]) <= 1e-4
+    for a, b in zip(found["offload"][1], found["plain"][1]):
+        assert _relative(a, b) <= 1e-4
+
+
 def _slot_values(model):
     return {v.path.split("/", 1)[-1]: np.asarray(v)
             for v in model.optimizer.variables}

@@ -91,8 +91,11 @@ def move_blocks(value, layout):
 
 
 def _layout_of(variable):
-    """The DTensor layout of a (Keras) variable on a mesh."""
-    return dtensor.fetch_layout(_compat.backing_variable(variable))
+    """The DTensor layout of a (Keras) variable a strategy made, from its
+    Placement (`dtensor.fetch_layout` of a variable reads its value: a
+    copy of every block)."""
+    place = _compat.backing_variable(variable).placement
+    return layout_lib.to_dtensor_layout(place.spec, place.mesh)
 
 
 def attach(model, strategy):
@@ -163,7 +166,9 @@ class Offload:
             return self._mirrors[id(backing)][1]
         place = self._registry.require_on_mesh(weight)
         host_place = place.replace(mesh=self.mesh, compute_spec=place.spec)
-        value = move_blocks(backing.read_value(), self.layout(host_place))
+        value = move_blocks(backing.read_value(),
+                            layout_lib.to_dtensor_layout(host_place.spec,
+                                                         self.mesh))
         *scopes, name = weight.path.split("/")
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._strategy.scope())
@@ -176,11 +181,6 @@ class Offload:
         copy.overwrite_with_gradient = weight.overwrite_with_gradient
         self._mirrors[id(backing)] = (weight, copy)
         return copy
-
-    @staticmethod
-    def layout(place):
-        """The DTensor layout of Placement `place`."""
-        return layout_lib.to_dtensor_layout(place.spec, place.mesh)
 
     def build(self, variables):
         """`optimizer.build` over the host copies of `variables`: the

@@ -2,7 +2,7 @@
 
     python benchmarks/memory.py [--layers 2 --dim 64 --rounds 2 --steps 4]
 
-On 8 virtual CPUs, for each configuration — one device (a mesh of one),
+On 8 virtual CPUs (of 16: CPU:8-15 are the offload row's "host"), for each configuration — one device (a mesh of one),
 replicated data parallelism (data=8), fsdp with and without freeing the
 gathered weights (`reshard_after_forward`), fsdp + recomputation (GPT:
 every block under `keras.RematScope`), fsdp + offload, data=2 × model=4
@@ -19,10 +19,15 @@ parameter, Ψ parameters): replicated 16Ψ per device; fsdp (ZeRO-3) 16Ψ/d;
 tensor parallel 16(Ψ_split/m + Ψ_whole); pipeline the same per stage.
 Megatron's mixed-precision table (2 + 4 + 12 = 18 bytes per parameter; its
 distributed optimizer 6 + 12/d) and ZeRO-Offload's device share (the
-weights alone, 2Ψ in fp16 / 4Ψ here) are printed for reference: offload
-is refused on this host (its devices are the host's CPUs; see
-tests/dtensor_offload_repro.py), so its row states what a GPU run would
-show. `memory_report` reads one SPMD program, so the pipeline row gives
+weights alone, 2Ψ in fp16 / 4Ψ here) are printed for reference. The
+offload row (`offload="optimizer"`, `tfpar.offload`) keeps the slots on
+CPU:8-15, so a device holds weights + gradients, 8Ψ/d under fsdp; its step
+time is also given ÷ fsdp without offload (the eager block copies to the
+"host" and back and the host update, not overlapped). Here that "host" is
+other virtual CPUs of the same process, the same memory and the same two
+cores: the row shows placement and the round trip's cost, not saved RAM;
+a GPU run would show the device bytes drop and a PCIe round trip.
+`memory_report` reads one SPMD program, so the pipeline row gives
 the variables (`strategy.memory_per_device()`) of the first stage's
 devices and no activations or peak.
 """
@@ -61,15 +66,19 @@ CONFIGS = [  # name, mesh axes, strategy options, recompute
      {"fsdp": True, "reshard_after_forward": True}, False),
     ("data=8 fsdp recompute", {"data": 8}, {"fsdp": True}, True),
     ("data=8 fsdp offload", {"data": 8},
-     {"fsdp": True, "offload": "optimizer"}, False),
+     {"fsdp": True, "offload": "optimizer",
+      "offload_devices": [f"CPU:{i}" for i in range(8, 16)]}, False),
     ("data=2 x model=4", {"data": 2, "model": 4}, {}, False),
     ("data=2 x pipe=2 x model=2", {"data": 2, "pipe": 2, "model": 2}, {},
      False),
 ]
 
 
+DEVICES = [f"CPU:{i}" for i in range(8)]  # the mesh; CPU:8-15 the host
+
+
 def main(args):
-    tfpar.use_virtual_cpus(8)
+    tfpar.use_virtual_cpus(16)
     import gpt  # noqa: PLC0415
     import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -122,8 +131,8 @@ def run_case(title, build, compile_model, x, y, batch, args, keras, np, tf,
     runs, notes = {}, {}
     for name, axes, options_, recompute in CONFIGS:
         try:
-            mesh = (tfpar.Mesh(axes, devices=tfpar.Mesh({"data": 8}).devices[:1])
-                    if axes == {"data": 1} else tfpar.Mesh(axes))
+            mesh = tfpar.Mesh(axes, devices=DEVICES[:1] if axes == {
+                "data": 1} else DEVICES)
             use_rules = rules if "model" in axes else None
             strategy = tfpar.ParallelStrategy(mesh, rules=use_rules,
                                               **options_)
@@ -178,16 +187,32 @@ def run_case(title, build, compile_model, x, y, batch, args, keras, np, tf,
           f"replicated, distributed optimizer 6Ψ + 12Ψ/d = "
           f"{kib(6 * psi + 12 * psi / 8).strip()} KiB at d=8. ZeRO-Offload "
           f"device share: the weights, 2Ψ fp16 = {kib(2 * psi).strip()} KiB "
-          f"(4Ψ = {kib(4 * psi).strip()} KiB in fp32; /d with fsdp): not "
-          "measurable here, the devices are the host's CPUs.")
+          f"(4Ψ = {kib(4 * psi).strip()} KiB in fp32; /d with fsdp).")
+    _offload_line(runs, times, reports, kib, np)
+
+
+def _offload_line(runs, times, reports, kib, np):
+    """The offload row's host side and its step time ÷ fsdp."""
+    name = "data=8 fsdp offload"
+    if name not in runs or "data=8 fsdp" not in times:
+        return
+    ratio = (float(np.median(times[name]))
+             / float(np.median(times["data=8 fsdp"])))
+    host = runs[name][0].dims.offload_devices[0]
+    held = reports[name][host]
+    print(f"offload: step time ÷ data=8 fsdp = {ratio:.2f}; host device "
+          f"{host} holds weights' copy {kib(held['params']).strip()} + "
+          f"slots {kib(held['optimizer']).strip()} KiB (the same physical "
+          "memory as the devices on this machine).")
 
 
 def _formula(strategy, psi, np):
     """16 bytes per parameter a device holds by the formula: Ψ, Ψ/d under
-    fsdp, Ψ_split/m + Ψ_whole under tensor parallelism, divided by p for a
+    fsdp (8 with offload), Ψ_split/m + Ψ_whole under tensor parallelism, divided by p for a
     pipeline (even stages assumed)."""
-    if strategy.fsdp:
-        return 16 * psi / strategy.data_parallel_size
+    if strategy.fsdp:  # offload: no slots (8 of the 16 bytes) on a device
+        per_param = 8 if strategy.offload else 16
+        return per_param * psi / strategy.data_parallel_size
     m = strategy.mesh.axis_size("model")
     split = sum(int(np.prod(shape)) * (m if "model" in spec else 1)
                 for _, spec, shape in strategy.placements("params")

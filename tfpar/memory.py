@@ -22,6 +22,12 @@ DTensor expanded it into and, per device, adds up (bytes):
   variable reads share the variable's), each op run as soon as its inputs
   are ready, as TF's executor does (first ready, first run).
 
+Under `offload="optimizer"` (`tfpar.offload`) the devices' rows hold no
+optimizer state and their step no update; the host devices that hold the
+state have rows too: the weights' copy, the gradients moved there and the
+state, `peak` their sum (the update's temporaries not counted), no
+activations.
+
 The peak is what the program needs if no kernel reuses an input's buffer
 for its output (constants not counted) and ops run in that order; TF's
 executor runs ready ops on several threads, so its order, and its peak,
@@ -171,7 +177,11 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
     batch = sum(tf.convert_to_tensor(t).dtype.size * int(np.prod(np.shape(t)))
                 for t in tf.nest.flatten(data)) // strategy.data_parallel_size
     per_device = {}
+    mesh_devices = set(strategy.mesh.devices)
     for device, held in strategy.memory_per_device().items():
+        if device not in mesh_devices:  # offload's host devices
+            per_device[device] = _host_update_memory(held)
+            continue
         resident = (held["params"] + held["optimizer"] + held["other"]
                     + batch)
         per_device[device] = {
@@ -184,6 +194,17 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
     if path is not None:
         report.plot(path)
     return report
+
+
+def _host_update_memory(held):
+    """A host device of `offload="optimizer"` (`tfpar.offload`): the
+    weights' copy, the gradients moved there (laid out like the weights)
+    and the optimizer state, all live in its update (whose temporaries are
+    not counted); no activations, no gathered weights."""
+    return {"params": held["params"], "gradients": held["params"],
+            "optimizer": held["optimizer"], "other": held["other"],
+            "activations": 0, "gathered": 0,
+            "peak": 2 * held["params"] + held["optimizer"] + held["other"]}
 
 
 def _layer_scope(tensor_name):

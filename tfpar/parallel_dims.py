@@ -29,9 +29,10 @@ import dataclasses
 import functools
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import layout as layout_lib
-from tfpar.mesh import Mesh
+from tfpar.mesh import Mesh, short_device_name
 
 OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
 DEFAULT_MODEL_AXIS = "model"
@@ -50,7 +51,11 @@ class ParallelDims:
         fsdp: whether trainable weights are also split over `data_axis`.
         reshard_after_forward: whether fsdp gathers again for the
             backward pass.
-        offload: None (the only value available today).
+        offload: None or "optimizer" (optimizer state and its update on
+            the host devices, `tfpar.offload`).
+        offload_devices: the host devices offload moves each mesh device's
+            blocks to (one per mesh device, in mesh order), or None: the
+            DTensor host mesh of an accelerator mesh.
         per_host_input: whether each host feeds only its share of a batch.
         model_axis: the axis tensor-parallel styles split weights over
             (the default axis of `ColumnParallel()`, `RowParallel()`,
@@ -69,6 +74,7 @@ class ParallelDims:
     per_host_input: bool = False
     model_axis: str = DEFAULT_MODEL_AXIS
     virtual_stages: object = None
+    offload_devices: object = None
 
     def __post_init__(self):
         check_mesh(self.mesh)
@@ -93,7 +99,8 @@ class ParallelDims:
                 "reshard_after_forward."
             )
         _check_bool("per_host_input", self.per_host_input)
-        _check_offload(self.offload, self.mesh)
+        _check_offload(self.offload, self.offload_devices, self.mesh,
+                       self.num_stages)
 
     def _check_axes(self):
         """Axis names are strings; data, pipeline and model axes differ."""
@@ -273,26 +280,91 @@ def _check_bool(option, value):
         )
 
 
-def _check_offload(offload, mesh):
-    """Refuses `offload` values, and offload where it cannot be done."""
+def _check_offload(offload, devices, mesh, num_stages):
+    """Refuses `offload` values, and offload where it cannot be done (see
+    `tfpar.offload`): before any variable is made."""
     if offload not in OFFLOAD_OPTIONS:
         raise ValueError(
             "ParallelStrategy(offload) is one of "
             f"{list(OFFLOAD_OPTIONS)}. Received: offload={offload!r}")
     if offload is None:
+        if devices is not None:
+            raise ValueError(
+                "ParallelStrategy(offload_devices) names the host devices of "
+                "offload=\"optimizer\". Received: offload=None, "
+                f"offload_devices={devices!r}. Pass offload=\"optimizer\" "
+                "too, or drop offload_devices.")
+        return
+    _check_offload_host(offload, devices, mesh)
+    if offload == "optimizer+master":
+        raise NotImplementedError(
+            "ParallelStrategy(offload='optimizer+master') is not "
+            "implemented: Keras 3 keeps the fp32 weights as the model's own "
+            "variables under mixed precision (it casts them in each layer "
+            "call), so moving them off the devices would change the model's "
+            "variables. Received: offload='optimizer+master'. Use "
+            "offload='optimizer' (slots and the update on the host).")
+    if num_stages > 1:
+        raise NotImplementedError(
+            f"ParallelStrategy(offload={offload!r}) is not implemented for "
+            f"pipelines yet (a pipe axis of size {num_stages}). Received: "
+            f"mesh={mesh!r}. Use offload=None with a PipelineModel, or "
+            "drop the pipe axis.")
+    if dtensor.num_clients() > 1:
+        raise NotImplementedError(
+            f"ParallelStrategy(offload={offload!r}) runs on one host so far "
+            f"(this cluster has {dtensor.num_clients()}). Received: "
+            f"mesh={mesh!r}. Use offload=None across hosts.")
+
+
+def _check_offload_host(offload, devices, mesh):
+    """Offload needs a host: `devices` (checked), or DTensor's host mesh of
+    an accelerator mesh (one logical CPU per device)."""
+    if devices is not None:
+        _check_offload_devices(devices, mesh)
         return
     if mesh.device_type == "CPU":
         raise ValueError(
-            f"ParallelStrategy(offload={offload!r}) moves optimizer state "
-            "from the devices to the host, but this mesh's devices are "
-            "the host's CPUs (DTensor's host mesh of a CPU mesh is the mesh "
-            f"itself), so there is nothing to offload to. Received: "
-            f"mesh={mesh!r}. Use offload=None on CPU meshes; fsdp=True "
-            "splits optimizer state over the data axis instead.")
-    raise NotImplementedError(
-        f"ParallelStrategy(offload={offload!r}) is not implemented: DTensor "
-        "2.21 cannot copy a sharded value to the host mesh inside a step "
-        "(copy_to_mesh needs a replicated value, i.e. every device holding "
-        "the whole optimizer state; tests/dtensor_offload_repro.py). "
-        f"Received: a {mesh.device_type} mesh {mesh!r}. Use offload=None; "
-        "fsdp=True splits optimizer state over the data axis.")
+            f"ParallelStrategy(offload={offload!r}) moves optimizer "
+            "state from the devices to the host, but this mesh's "
+            "devices are the host's CPUs (DTensor's host mesh of a CPU "
+            "mesh is the mesh itself), so there is nothing to offload "
+            f"to. Received: mesh={mesh!r}. Name {mesh.size} other "
+            "devices to hold it (offload_devices=[...], e.g. after "
+            f"tfpar.use_virtual_cpus({2 * mesh.size}) a mesh on CPU:0-"
+            f"{mesh.size - 1} and offload_devices=[f'CPU:{{i}}' for i in "
+            f"range({mesh.size}, {2 * mesh.size})]), or use "
+            "offload=None; fsdp=True splits optimizer state over the "
+            "data axis instead.")
+    cpus = len(tf.config.list_logical_devices("CPU"))
+    if cpus < mesh.size:
+        raise ValueError(
+            f"ParallelStrategy(offload={offload!r}) keeps the state on "
+            f"DTensor's host mesh of this {mesh.device_type} mesh: one "
+            f"logical CPU per device, {mesh.size}, but this host has "
+            f"{cpus}. Received: mesh={mesh!r}. Split the CPU before TF "
+            "starts (tf.config.set_logical_device_configuration(cpu, "
+            f"[tf.config.LogicalDeviceConfiguration()] * {mesh.size})), "
+            "or name the devices: offload_devices=[...].")
+
+
+def _check_offload_devices(devices, mesh):
+    """`devices`: one existing device per mesh device, none of the mesh's."""
+    names = [short_device_name(str(d)) for d in devices] if isinstance(
+        devices, (list, tuple)) else None
+    problem = None
+    known = {short_device_name(d.name) for d in tf.config.list_logical_devices()}
+    if names is None or len(names) != mesh.size:
+        problem = f"a list of {mesh.size} device names (one per mesh device)"
+    elif len(set(names)) != len(names):
+        problem = "distinct devices"
+    elif set(names) & {short_device_name(d) for d in mesh.devices}:
+        problem = "devices outside the mesh (the host to offload to)"
+    elif not set(names) <= known:
+        problem = (f"existing devices (unknown: "
+                   f"{sorted(set(names) - known)[:4]})")
+    if problem:
+        raise ValueError(
+            f"ParallelStrategy(offload_devices) needs {problem}. Received: "
+            f"offload_devices={devices!r} for mesh={mesh!r}. Name one host "
+            "device per mesh device, in mesh order.")

@@ -89,13 +89,22 @@ class ParallelStrategy(tf.distribute.Strategy):
             blocks, for one more all-gather per weight read in the backward
             pass (plus a scalar all-reduce that orders it). Default False:
             the gathers of today's fsdp, fewest collectives.
-        offload: None, or "optimizer" (optimizer slots and their update in
-            host memory) / "optimizer+master" (also the fp32 master weights
-            of mixed precision). Not available yet: on a mesh of CPU
-            devices there is no separate host (DTensor's host mesh of a CPU
-            mesh is the mesh itself), and on TF 2.21 DTensor cannot move a
-            sharded value to another mesh inside a step
-            (tests/dtensor_offload_repro.py); both raise before training.
+        offload: None, or "optimizer": optimizer slots (and the optimizer's
+            counters) live on host devices and the update runs there
+            (ZeRO-Offload's split, `tfpar.offload`): each step computes
+            the gradients on the mesh, moves each device's gradient block
+            to its host device, runs the optimizer there (a compiled
+            function on the host mesh, over the host's copy of the
+            weights) and moves each updated block back; a device holds no
+            optimizer state. Plain (non-pipeline) models on one host;
+            "optimizer+master" (the fp32 weights of mixed precision too)
+            is refused, as are pipelines, before training.
+        offload_devices: the devices offload keeps the state on, one per
+            mesh device in mesh order (device i's blocks go to
+            offload_devices[i]), e.g. `[f"CPU:{i}" for i in range(8, 16)]`
+            for a mesh on CPU:0-7. None (default): DTensor's host mesh of
+            a GPU/TPU mesh; on a CPU mesh, where the devices are the host,
+            offload needs them named (an error otherwise).
         per_host_input: with several hosts (`tfpar.connect_hosts`), each
             host feeds only its share of every global batch — the rows of
             the data coordinates its devices hold (host h of H: blocks
@@ -123,13 +132,13 @@ class ParallelStrategy(tf.distribute.Strategy):
                  pipeline_axis="pipe", fsdp=False,
                  reshard_after_forward=False, offload=None,
                  per_host_input=False, model_axis="model",
-                 virtual_stages=None):
+                 virtual_stages=None, offload_devices=None):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
         _compat.install()  # tfpar's Keras/TF hooks, once per process
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
                             reshard_after_forward, offload, per_host_input,
-                            model_axis, virtual_stages)
+                            model_axis, virtual_stages, offload_devices)
         # This strategy's own copy (its own usage record), styles bound to
         # the model axis.
         rules = dims.bind_rules({} if rules is None else rules)
@@ -158,6 +167,8 @@ class ParallelStrategy(tf.distribute.Strategy):
         "the forward pass.")
     model_axis = _from_dims(
         "model_axis", "The mesh axis tensor-parallel styles split over.")
+    offload = _from_dims(
+        "offload", "None, or \"optimizer\": optimizer state on the host.")
     virtual_stages = _from_dims(
         "virtual_stages", "Model parts per pipeline stage as declared, or "
         "None (each PipelineModel's own argument).")
@@ -440,6 +451,16 @@ def adopt_optimizer(model, strategy):
         ) from error
 
 
+def _adopt_and_offload(model, strategy):
+    """`adopt_optimizer`, then (offload="optimizer") hands the optimizer's
+    state to the host devices before anything builds it (`tfpar.offload`)."""
+    adopt_optimizer(model, strategy)
+    if strategy.dims.offload is not None:
+        from tfpar import offload  # noqa: PLC0415 (offload imports training)
+
+        offload.attach(model, strategy)
+
+
 def compat_hooks():
     """What `tfpar._compat`'s patches of Keras ask tfpar (their `hooks`),
     in one place: whether a strategy is tfpar's, whether a step is being
@@ -457,7 +478,7 @@ def compat_hooks():
         in_graph_step=lambda: not tf.executing_eagerly() and owns(
             tf.distribute.get_strategy()),
         strategy_of_layer=training.strategy_of_layer,
-        adopt_optimizer=adopt_optimizer,
+        adopt_optimizer=_adopt_and_offload,
         replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
         if in_spmd_step() else None)
 

@@ -290,7 +290,7 @@ def _next_host_batch(iterator, check):
 def make_runner(model, extended, mode):
     """The `Runner` of `model`'s Keras step `mode`: a `StagedModel`'s own,
     else the plain SPMD `StepRunner` (which a mesh with a pipeline axis
-    cannot run)."""
+    cannot run), or for training under offload `tfpar.offload`'s."""
     if isinstance(model, StagedModel):
         return model.make_runner(mode)
     if len(extended.stage_meshes) > 1:
@@ -302,6 +302,10 @@ def make_runner(model, extended, mode):
             "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
             "or drop the pipeline axis from the mesh."
         )
+    if mode == "train" and extended.dims.offload is not None:
+        from tfpar import offload  # noqa: PLC0415 (offload imports us)
+
+        return offload.make_runner(model, extended)
     return StepRunner(model, extended, mode)
 
 

@@ -272,7 +272,9 @@ class VariableRegistry:
     @contextlib.contextmanager
     def placing_on(self, mesh):
         """New variables (other than optimizer slots, which follow their
-        weight) are created on `mesh`, a pipeline stage's sub-mesh."""
+        weight) are created on `mesh`, a pipeline stage's sub-mesh; or, a
+        `Placement`, laid out by it as given (its path replaced by theirs),
+        e.g. `tfpar.offload`'s host copy of a weight, on another mesh."""
         self._placing.append(mesh)
         try:
             yield mesh
@@ -285,14 +287,17 @@ class VariableRegistry:
         the whole mesh; None (the host) on a pipeline mesh, where a model's
         weights wait for `PipelineModel` to put each on its stage."""
         if self._placing:
-            return self._placing[-1]
+            return getattr(self._placing[-1], "mesh", self._placing[-1])
         return self._dims.mesh if self._dims.num_stages == 1 else None
 
     def _plan(self, path, shape, mesh, trainable, layer=None, rules=None,
               layout=None, slot_of=None):
         """`layout.plan_specs` with this strategy's dimensions; a weight
         laid out by the strategy's own rules also gets its layer's style
-        applied (its activation relayouts), once its spec is valid."""
+        applied (its activation relayouts), once its spec is valid. Under
+        `placing_on(placement)`: that Placement (kind, spec, compute spec)."""
+        if self._placing and isinstance(self._placing[-1], Placement):
+            return self._placing[-1]
         plan = layout_lib.plan_specs(
             path, shape, mesh or self._dims.stage_meshes[0],
             rules=self._rules if rules is None else rules, layer=layer,
@@ -357,9 +362,7 @@ class VariableRegistry:
         """The Placement of a live variable made here, else None."""
         backing = _compat.backing_variable(variable)
         ref = self._live.get(id(backing))
-        if ref is None or ref() is not backing:
-            return None
-        return backing.placement
+        return backing.placement if ref and ref() is backing else None
 
     def owns(self, variable):
         """Whether `variable` was made (and still lives) in this scope."""

@@ -1,0 +1,316 @@
+"""Optimizer offload (`ParallelStrategy(offload="optimizer")`): the
+optimizer's state and its update on host devices, ZeRO-Offload's split.
+
+A step runs in three parts:
+
+1. the compiled step on the device mesh: Keras' `train_step` (or the
+   model's own) computes the loss, metrics and gradients; its call to the
+   optimizer only records the gradients (each laid out like its stored
+   weight: fsdp's reduce-scattered blocks), which the step returns;
+2. each gradient moves to the host mesh block by block (`move_blocks`):
+   the component a mesh device holds is copied to its host device
+   (`offload_devices[i]` for mesh device i) and the components are packed
+   into a DTensor of the same layout on the host mesh — no device and no
+   host ever holds more than its own block;
+3. a compiled function on the host mesh runs the optimizer's `apply` over
+   the host's copy of the weights (`mirror`s, one per trainable weight,
+   laid out like it), whose slots were made next to them (a slot follows
+   its weight's mesh); each updated weight moves back block by block and
+   is assigned to the device weight.
+
+So the devices hold the weights, the gradients and the step's tensors, and
+no optimizer slot: per device, `strategy.memory_per_device()` drops by the
+slots' bytes (and the optimizer's two scalars, iterations and learning
+rate, which live with the slots). The host devices appear in the same
+report holding the weights' copy and the slots.
+
+Why not inside one step: DTensor 2.21 cannot `copy_to_mesh` a sharded
+value to another mesh (tests/dtensor_offload_repro.py, "copy_sharded");
+the route that compiles goes through a replicated value (every device
+holding the whole tensor). The eager per-device route above works
+("per_device_route" there), so the moves are eager, between compiled
+functions, and the host round trip is not overlapped with compute.
+
+On a CPU mesh the devices are the host: DTensor's host mesh is the mesh
+itself, and offload needs `offload_devices` naming other (virtual) CPUs.
+On this machine those share the devices' physical memory: the tests show
+placement and parity, not saved RAM. On GPU/TPU the default host is
+DTensor's host mesh (`Mesh.host_mesh()`, CPUs of the mesh's shape).
+
+Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
+
+>>> import keras, numpy as np, tfpar
+>>> tfpar.use_virtual_cpus(8)
+>>> strategy = tfpar.ParallelStrategy(
+...     tfpar.Mesh({"data": 4}, devices=[f"CPU:{i}" for i in range(4)]),
+...     offload="optimizer",
+...     offload_devices=[f"CPU:{i}" for i in range(4, 8)])
+>>> with strategy.scope():
+...     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
+...     model.compile(optimizer="adam", loss="mse")
+>>> x = np.ones((64, 16), "float32")
+>>> history = model.fit(x, x, batch_size=16, verbose=0)
+>>> memory = strategy.memory_per_device()
+>>> memory["CPU:0"]["optimizer"], memory["CPU:4"]["optimizer"]  # Adam's m, v
+(0, 2176)
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import _compat
+from tfpar import layout as layout_lib
+from tfpar import placement as placement_lib
+from tfpar import training
+from tfpar.mesh import Mesh, short_device_name
+
+
+def host_mesh(dims):
+    """The `tfpar.Mesh` offload keeps state on: `dims.offload_devices` in
+    the mesh's shape, else DTensor's host mesh of the (GPU/TPU) mesh."""
+    devices = dims.offload_devices
+    if devices is None:
+        devices = [short_device_name(d) for d in
+                   dims.mesh.dtensor_mesh.host_mesh().local_devices()]
+    return Mesh(dims.mesh.shape, devices=list(devices))
+
+
+def move_blocks(value, layout):
+    """DTensor `value` on another mesh of `layout`'s shape, laid out by
+    `layout`: the block mesh device i holds is copied to device i of
+    `layout`'s mesh (eager; an identity under `tf.device` per block)."""
+    moved = []
+    for block, device in zip(dtensor.unpack(value),
+                             layout.mesh.local_devices()):
+        with tf.device(device):
+            moved.append(tf.identity(block))
+    return dtensor.pack(moved, layout)
+
+
+def _layout_of(variable):
+    """The DTensor layout of a (Keras) variable a strategy made, from its
+    Placement (`dtensor.fetch_layout` of a variable reads its value: a
+    copy of every block)."""
+    place = _compat.backing_variable(variable).placement
+    return layout_lib.to_dtensor_layout(place.spec, place.mesh)
+
+
+def attach(model, strategy):
+    """Makes `model.optimizer` keep its state on the host mesh (called by
+    `compile` under an offloading strategy); the optimizer must not be
+    built yet. Returns the `Offload`."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    existing = getattr(optimizer, "_tfpar_offload", None)
+    if existing is not None:
+        return existing
+    _check_optimizer(optimizer)
+    offload = Offload(model, strategy)
+    optimizer._tfpar_offload = offload  # noqa: SLF001 (tfpar's own)
+    return offload
+
+
+def _check_optimizer(optimizer):
+    """Refuses an optimizer whose update cannot run on the host mesh."""
+    reason = None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        reason = ("a LossScaleOptimizer (mixed_float16) checks the "
+                  "gradients for overflow on the devices before the update")
+    elif optimizer.built:
+        reason = "it is built already (its slots are on the devices)"
+    elif not isinstance(optimizer, keras.optimizers.Optimizer):
+        reason = "it is not a Keras optimizer"
+    if reason:
+        raise ValueError(
+            f"ParallelStrategy(offload='optimizer') cannot run optimizer "
+            f"{optimizer.name!r} on the host: {reason}. Received: "
+            f"{type(optimizer).__name__}. Compile with an unbuilt Keras "
+            "optimizer (e.g. 'adam') and a float32 or bfloat16 policy, or "
+            "use offload=None.")
+
+
+class Offload:
+    """One model's offloaded optimizer (see the module): its host mesh,
+    the host copy (`mirror`) of each trainable weight, the optimizer's
+    `build` and `apply` routed to those copies, and the host update.
+
+    Args:
+        model: a compiled Keras model whose optimizer is not built yet.
+        strategy: its offloading `ParallelStrategy`.
+    """
+
+    def __init__(self, model, strategy):
+        self._strategy = strategy
+        self._registry = strategy.extended.registry
+        self.mesh = host_mesh(strategy.dims)
+        self.optimizer = model.optimizer
+        self._mirrors = {}  # id(device weight's backing) -> (weight, mirror)
+        self._captured = None  # gradients recorded while tracing a step
+        self._build = self.optimizer.build
+        self._apply = self.optimizer.apply
+        self.optimizer.build = self.build
+        self.optimizer.apply = self.apply
+        for variable in self.optimizer.variables:  # iterations, rate
+            self._registry.move_to(variable, self.mesh)
+        self._update = tf.function(self._host_update)
+
+    def mirror(self, weight):
+        """The host copy of trainable Keras `weight` (made on first use,
+        from its value block by block): same path, spec, constraint."""
+        backing = _compat.backing_variable(weight)
+        if id(backing) in self._mirrors:
+            return self._mirrors[id(backing)][1]
+        place = self._registry.require_on_mesh(weight)
+        host_place = place.replace(mesh=self.mesh, compute_spec=place.spec)
+        value = move_blocks(backing.read_value(),
+                            layout_lib.to_dtensor_layout(host_place.spec,
+                                                         self.mesh))
+        *scopes, name = weight.path.split("/")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._strategy.scope())
+            stack.enter_context(self._registry.placing_on(host_place))
+            for scope in scopes:
+                stack.enter_context(keras.name_scope(scope))
+            copy = keras.Variable(value, dtype=weight.dtype, trainable=True,
+                                  name=name)
+        copy.constraint = weight.constraint
+        copy.overwrite_with_gradient = weight.overwrite_with_gradient
+        self._mirrors[id(backing)] = (weight, copy)
+        return copy
+
+    def build(self, variables):
+        """`optimizer.build` over the host copies of `variables`: the
+        slots are made on the host mesh, each laid out like its weight."""
+        with self._strategy.scope():
+            self._build([self.mirror(v) for v in variables])
+
+    def apply(self, grads, trainable_variables=None):
+        """`optimizer.apply`: inside a device step only records the
+        gradients (`capturing`); elsewhere applies them to the host copies
+        (host gradients, e.g. from `apply_on_host`)."""
+        if trainable_variables is None:
+            trainable_variables = [w for w, _ in self._mirrors.values()]
+        trainable_variables = list(trainable_variables)
+        if self._captured is not None:
+            self._captured.append((list(grads), trainable_variables))
+            return None
+        return self._apply(list(grads),
+                           [self._host_copy(v) for v in trainable_variables])
+
+    def _host_copy(self, variable):
+        """`variable` if it is a host copy already, else its `mirror`."""
+        backing = _compat.backing_variable(variable)
+        if any(backing is _compat.backing_variable(copy)
+               for _, copy in self._mirrors.values()):
+            return variable
+        return self.mirror(variable)
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Records the optimizer calls of a step being traced: yields the
+        list of (gradients, weights) the step passed to `apply`."""
+        self._captured = captured = []
+        try:
+            yield captured
+        finally:
+            self._captured = None
+
+    def pull_weights(self):
+        """Copies every device weight into its host copy, block by block:
+        what changed the weights outside a step (a checkpoint restore,
+        `set_weights`, a callback) reaches the host before its update."""
+        for weight, copy in self._mirrors.values():
+            _compat.backing_variable(copy).assign(move_blocks(
+                _compat.backing_variable(weight).read_value(),
+                _layout_of(copy)))
+
+    def step_gradients(self, captured):
+        """In a traced step: the gradients it gave the optimizer (one
+        `apply` call, `captured` by `capturing`), dense and each laid out
+        like its stored weight, in the order of `self.weights`."""
+        if len(captured) != 1:
+            raise ValueError(
+                "ParallelStrategy(offload='optimizer') runs one optimizer "
+                "update per step on the host; this train_step called "
+                f"optimizer.apply {len(captured)} times. Received: "
+                f"{len(captured)} calls. Call it once per step (Keras' own "
+                "train_step does), or use offload=None.")
+        grads, self.weights = captured[0]
+        placed = []
+        for grad, weight in zip(grads, self.weights):
+            if grad is not None:
+                place = self._registry.require_on_mesh(weight)
+                grad = placement_lib.relayout(
+                    tf.convert_to_tensor(grad), place.spec, place.mesh)
+            placed.append(grad)
+        return placed
+
+    def apply_on_host(self, grads):
+        """Moves `grads` (a step's `step_gradients`) to the host block by
+        block, runs the optimizer there and moves the updated weights
+        back into the device weights, block by block."""
+        host = [None if g is None else move_blocks(
+                    g, _layout_of(self.mirror(w)))
+                for w, g in zip(self.weights, grads)]
+        self._update(host)
+        for weight, grad in zip(self.weights, grads):
+            if grad is not None:
+                backing = _compat.backing_variable(weight)
+                backing.assign(move_blocks(self.mirror(weight).value.read_value(),
+                                           _layout_of(backing)))
+
+    def _host_update(self, grads):
+        """The compiled update on the host mesh: `optimizer.apply` to the
+        host copies of the step's weights (slots, counters, weight decay;
+        Keras skips the None gradients)."""
+        with self._strategy.extended.replica_scope():
+            self.apply(grads, self.weights)
+
+
+class OffloadRunner(training.StepRunner):
+    """`fit`'s step under offload (see the module): the device step
+    returns its logs and gradients, then `Offload.apply_on_host` updates
+    the weights; one step per call (`steps_per_execution` batches run one
+    after another: the host round trip sits between steps). Each call
+    first copies the device weights to the host (`pull_weights`)."""
+
+    def __init__(self, model, extended, offload):
+        super().__init__(model, extended, "train")
+        self._offload = offload
+
+    def _in_replica(self, batch):
+        with self._offload.capturing() as captured:
+            # (The base class named: AutoGraph converts this method, and
+            # a zero-argument super() is a closure it cannot convert.)
+            logs = training.StepRunner._in_replica(self, batch)
+        return logs, self._offload.step_gradients(captured)
+
+    def run_steps(self, host_batches):
+        self._offload.pull_weights()  # weights may have changed since
+        logs = None
+        for batch in host_batches:
+            logs = self._one(self._placer.place(batch))
+        return logs
+
+    def _one(self, placed):
+        logs, grads = self._call(self._one_step, placed)
+        self._offload.apply_on_host(grads)
+        return logs
+
+    def traced_step(self, host_batch):
+        """Runs one step (device step and host update, as `fit`) and returns
+        the device step's concrete function (`tfpar.communication`)."""
+        placed = self._placer.place(host_batch)
+        self._offload.pull_weights()
+        self._one(placed)
+        return self._one_step.get_concrete_function(placed)
+
+
+def make_runner(model, extended):
+    """The train `Runner` of `model` under an offloading strategy."""
+    offload = attach(model, extended._container_strategy())  # noqa: SLF001
+    return OffloadRunner(model, extended, offload)

@@ -40,19 +40,17 @@ import tfpar  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import memory  # noqa: E402
 
 VOCAB, TOKENS, HEADS, BATCH = 64, 16, 8, 16
 FIT_SIZES = [(2, 64), (4, 64), (2, 128), (4, 128), (2, 192), (4, 192)]  # (L, d)
-CONFIGS = [  # name, mesh axes, strategy options, recompute
-    ("1 device", {"data": 1}, {}, False),
-    ("data=8", {"data": 8}, {}, False),
-    ("data=8 fsdp", {"data": 8}, {"fsdp": True}, False),
-    ("data=8 fsdp freed", {"data": 8},
-     {"fsdp": True, "reshard_after_forward": True}, False),
-    ("data=8 fsdp recompute", {"data": 8}, {"fsdp": True}, True),
-    ("data=2 x model=4", {"data": 2, "model": 4}, {}, False),
-    ("model=8", {"model": 8}, {}, False),
-]
+# benchmarks/memory.py's configurations whose step is one program (no
+# pipeline; offload's host rows are not the devices' peak), and model=8.
+CONFIGS = [config for config in memory.CONFIGS
+           if "pipe" not in config[1] and "offload" not in config[2]] + [
+    ("model=8", {"model": 8}, {}, False)]
 
 
 def parse_args(argv=None):

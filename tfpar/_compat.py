@@ -982,6 +982,21 @@ def set_remat_mode(layer, mode):
     layer._remat_mode = (  # noqa: SLF001
         remat.RematMode(mode, 1024, None) if mode else None)
 
+
+@contextlib.contextmanager
+def remat_off():
+    """Keras' rematerialization off for the block: its TF `remat(f)` (what
+    `keras.RematScope` layers and `keras.remat` call, at call time) is `f`
+    itself; restored after, whichever `remat` (TF's or tfpar's) it was."""
+    core = _tf_core()
+    current = core.remat
+    core.remat = lambda f: f
+    try:
+        yield
+    finally:
+        core.remat = current
+
+
 def remat_mode(layer):
     """The `keras.RematScope` mode `layer` was built in (a RematMode
     namedtuple: mode, output size threshold, layer names), or None."""

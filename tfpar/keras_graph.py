@@ -166,7 +166,10 @@ def trace_layer_calls(model, layers, by_node=True):
     (`by_node=False`; tests/test_planner_speed.py checks both give the same
     plans). Tracing costs about a millisecond per TF op, and more per op as
     one graph grows: a trillion-parameter GPT's 903 layers took a minute
-    traced whole, well under a second by node.
+    traced whole, well under a second by node. Layers built under
+    `keras.RematScope` (or calling `keras.remat`) are traced with
+    recomputation off (`_compat.remat_off`); they still recompute when
+    trained.
     """
     graph = _compat.functional_of(model)
     struct = None if graph is None else _compat.inputs_struct(graph)
@@ -177,15 +180,20 @@ def trace_layer_calls(model, layers, by_node=True):
     for layer in layers:
         layer.call = _recording(layer, log)
     try:
-        if by_node:
-            hooked = {id(layer) for layer, previous in saved
-                      if previous is not None}
-            calls, outputs = _NodeTracer(model, layers, log, hooked).run()
-        else:
-            outputs = _trace_whole(model, struct)
-            calls = {id(layer): [] for layer in layers}
-            for layer, inputs, made in log:
-                calls[id(layer)].append((inputs, made))
+        # Recomputation changes no weight read and no shape, and TF's
+        # `tf.recompute_grad` refuses keyword arguments (`training=`) in a
+        # graph: traced with it off, the model still recomputes after.
+        with _compat.remat_off():
+            if by_node:
+                hooked = {id(layer) for layer, previous in saved
+                          if previous is not None}
+                calls, outputs = _NodeTracer(model, layers, log,
+                                             hooked).run()
+            else:
+                outputs = _trace_whole(model, struct)
+                calls = {id(layer): [] for layer in layers}
+                for layer, inputs, made in log:
+                    calls[id(layer)].append((inputs, made))
     finally:
         for layer, previous in saved:
             if previous is None:

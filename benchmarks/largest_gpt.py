@@ -75,7 +75,6 @@ def parameters(layers, dim):
 def measure(config, layers, dim):
     """Peak bytes (largest device) of one step, and Keras' parameter count."""
     import gpt  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
 
     _, axes, options, recompute = config
     mesh = (tfpar.Mesh(axes, devices=tfpar.Mesh({"data": 8}).devices[:1])
@@ -90,12 +89,13 @@ def measure(config, layers, dim):
     x, y = gpt.toy_corpus(BATCH, vocab=VOCAB, seq_len=TOKENS)
     report = tfpar.memory_report(model, x, y)
     peak = max(kinds["peak"] for kinds in report.values())
-    return peak, model.count_params(), np
+    return peak, model.count_params()
 
 
-def fit(points, np):
+def fit(points):
     """Least squares of peak = a psi + b L d + e L + f d^2 + c; returns
     the coefficients and the largest relative residual."""
+    import numpy as np  # noqa: PLC0415
     rows = [[parameters(L, d), L * d, L, d * d, 1.0] for L, d, _ in points]
     peaks = np.array([p for *_, p in points], dtype="float64")
     coefficients, *_ = np.linalg.lstsq(np.array(rows, "float64"), peaks,
@@ -144,10 +144,10 @@ def main(args):
             continue
         points = []
         for layers, dim in FIT_SIZES:
-            peak, counted, np = measure(config, layers, dim)
+            peak, counted = measure(config, layers, dim)
             assert counted == parameters(layers, dim), (counted, layers, dim)
             points.append((layers, dim, peak))
-        coefficients, error = fit(points, np)
+        coefficients, error = fit(points)
         predicted = widest(coefficients, args.layers, budget)
         dim, fits, over = measured_widest(config, args.layers, predicted,
                                           budget)

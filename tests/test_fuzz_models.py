@@ -4,15 +4,19 @@ device, or are refused with a clear error before the first step.
 A case draws a mesh (1-3 axes named from data/model/extra in any order,
 sizes whose product divides 8, on the first that many devices), fsdp on or
 off, a model from a small grammar of Keras layers (Dense, EinsumDense,
-Embedding, Conv1D, LayerNormalization, BatchNormalization, Dropout,
+Embedding, Conv1D, LayerNormalization, BatchNormalization, Dropout (in training),
 MultiHeadAttention, a custom `add_weight` layer) with random widths, and
 one random spec per weight (each dimension None or a mesh axis other than
-data, divisible or not; sometimes a wrong rank or an unknown axis). Two steps of plain SGD
-must then give the one-device losses and weights within 1e-4, every device
+data, divisible or not; sometimes a wrong rank or an unknown axis), and
+Keras recomputation (none, every layer, some layers) for the parallel
+model. Two steps of plain SGD must then give the one-device losses and
+weights within 1e-4 (or, for a value that is float32 rounding noise, within
+10x float32's own distance from float64: `fuzzing.assert_parity`), every device
 holding only its block of every weight; or the case raises a clear Python
 error with no step run and no weight changed.
 """
 
+import contextlib
 import math
 import re
 
@@ -65,7 +69,19 @@ CASES = st.tuples(
     st.lists(LAYERS, min_size=1, max_size=4),   # the trunk
     st.one_of(st.none(), WIDTHS),               # an Embedding branch (dim)
     st.lists(st.integers(0, 2**16), min_size=96, max_size=96),  # rule picks
+    st.sampled_from([None, "full", "odd layers"]),  # recomputation
 )
+
+
+def remat_scope(recompute, trunk):
+    """Keras' recomputation for the parallel model: none, every layer
+    (`RematScope(mode="full")`), or the trunk's odd layers by name."""
+    if recompute is None:
+        return contextlib.nullcontext()
+    if recompute == "full":
+        return keras.RematScope(mode="full")
+    names = [f"{kind}{i}" for i, (kind, _) in enumerate(trunk) if i % 2]
+    return keras.RematScope(mode="list_of_layers", layer_names=names)
 
 
 def build(trunk, embed_dim):
@@ -90,10 +106,9 @@ def build(trunk, embed_dim):
         elif kind == "batchnorm":
             h = keras.layers.BatchNormalization(name=name)(h)
         elif kind == "dropout":
-            # Inference-mode Dropout: in training its masks differ from one
-            # device's on a data mesh (test_dropout_in_training_matches_
-            # one_device_on_a_data_mesh below, a known failure).
-            h = models.InferenceDropout(arg, seed=i, name=name)(h)
+            # In training: the masks are one device's on every mesh
+            # (tests/test_dropout_parity.py); float32's in float64.
+            h = fuzzing.Dropout(arg, seed=i, name=name)(h)
         elif kind == "scale":
             h = models.Scale(name=name)(h)
         elif kind in ("conv", "attention"):
@@ -168,7 +183,7 @@ def expected_blocks(model, rules, axes, fsdp):
 
 
 def check_random_model(case):
-    (axes, fsdp), trunk, embed_dim, picks = case
+    (axes, fsdp), trunk, embed_dim, picks, recompute = case
     keras.utils.set_random_seed(0)
     single = build(trunk, embed_dim)
     weights = single.get_weights()
@@ -177,22 +192,25 @@ def check_random_model(case):
     hypothesis.note(f"rules={rules!r}")
     want_losses, want_weights = fuzzing.train(single, x, y, weights,
                                               models.BatchLosses())
+    exact = fuzzing.train_in_float64(lambda: build(trunk, embed_dim), x, y,
+                                     weights)
 
     devices = [f"CPU:{i}" for i in range(math.prod(axes.values()))]
 
     def build_and_train(losses, built):
         strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
                                           rules=rules, fsdp=fsdp)
-        with strategy.scope():
+        with strategy.scope(), remat_scope(recompute, trunk):
             model = build(trunk, embed_dim)
         built(model)
         return fuzzing.train(model, x, y, weights, losses)
 
     model = fuzzing.parity_or_refused(build_and_train, weights, want_losses,
-                                      want_weights)
+                                      want_weights, exact)
     if model is None:
         return
     hypothesis.event("trained in parity")
+    hypothesis.event(f"trained in parity, recompute={recompute}")
     blocks = expected_blocks(single, rules, axes, fsdp)
     for weight in model.weights:
         held = {tuple(c.shape) for c in dtensor.unpack(
@@ -205,27 +223,38 @@ test_random_model_trains_in_parity_or_is_refused, \
     fuzzing.fast_and_long(check_random_model, CASES, fast_examples=3)
 
 
-@pytest.mark.slow  # a known failure, documented; kept out of the fast run
-@pytest.mark.xfail(strict=True, reason=(
-    "Found by the fuzzing, not fixed: Dropout in training draws its mask per "
-    "device block on a data mesh, so the mask (and the training) differ "
-    "from one device's. A fix makes this pass; then remove the marker."))
-def test_dropout_in_training_matches_one_device_on_a_data_mesh():
-    def with_dropout():
-        x = keras.Input((FEATURES,))
-        h = keras.layers.Dense(16, activation="tanh", name="dense0")(x)
-        h = keras.layers.Dropout(0.5, seed=1, name="drop")(h)
-        return keras.Model(x, keras.layers.Dense(3, name="out")(h))
-
+def test_a_bias_a_layernorm_removes_is_compared_to_float32_noise():
+    """Found by the long profile: on data=2, trunk [conv(1), conv(1),
+    layernorm, layernorm] left both conv biases 1.1% and 11% (relative)
+    from one device's. Not a bug: each conv's output has one channel, its
+    bias shifts every feature alike and the LayerNorm subtracts the mean,
+    so the biases' true gradient is zero and they hold only rounding
+    noise (float32 on one device is farther still from float64); so does
+    the common part of the first LayerNorm's beta, which the second one
+    removes (1.3e-4 apart; float32 1.9e-4 from float64). Every other
+    weight and the losses stay within 1e-4."""
+    trunk = [("conv", 1), ("conv", 1), ("layernorm", 0), ("layernorm", 0)]
     keras.utils.set_random_seed(0)
-    single = with_dropout()
+    single = build(trunk, None)
     weights = single.get_weights()
     x, y = data(None)
-    want_losses, want_weights = fuzzing.train(single, x, y, weights,
-                                              models.BatchLosses())
+    want = fuzzing.train(single, x, y, weights, models.BatchLosses())
+    exact = fuzzing.train_in_float64(lambda: build(trunk, None), x, y,
+                                     weights)
     mesh = tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"])
     with tfpar.ParallelStrategy(mesh).scope():
-        model = with_dropout()
-    got_losses, got_weights = fuzzing.train(model, x, y, weights,
-                                            models.BatchLosses())
-    fuzzing.assert_parity(want_losses, got_losses, want_weights, got_weights)
+        model = build(trunk, None)
+    got = fuzzing.train(model, x, y, weights, models.BatchLosses())
+    paths = [w.path for w in single.weights]
+    noisy = {paths[i] for i, (a, b) in enumerate(zip(want[1], got[1]))
+             if fuzzing.relative_error(a, b) > fuzzing.RTOL}
+    assert noisy <= {"conv0/bias", "conv1/bias", "layernorm2/beta"}, noisy
+    for i, path in enumerate(paths):
+        if path in noisy:   # float32 itself is as far from float64 there
+            assert fuzzing.relative_error(exact[1][i], want[1][i]) > (
+                fuzzing.relative_error(want[1][i], got[1][i])), path
+    fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
+    # The noise bound is per value: a real 1e-3 error elsewhere still fails.
+    got[1][paths.index("out/kernel")] *= 1.001
+    with pytest.raises(AssertionError):
+        fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)

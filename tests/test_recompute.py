@@ -181,8 +181,8 @@ def test_recomputation_reproduces_the_forward_pass(axes, policy):
     new ones and advance the seed twice), Dropout and BatchNormalization
     read `training` from the forward pass's Keras context, the moving
     statistics are updated once, mixed precision computes in its dtype.
-    Compared on the same mesh with and without recomputation (DTensor
-    draws other Dropout masks than one device)."""
+    Compared on the same mesh with and without recomputation (one-device
+    parity of Dropout's masks: tests/test_dropout_parity.py)."""
     keras.utils.set_random_seed(0)
     weights = build_noisy(False, policy).get_weights()
     results, calls = [], []

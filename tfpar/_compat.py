@@ -342,6 +342,39 @@ def _gumbel_categorical_in_step(original, hooks):
     return categorical
 
 
+def _one_device_dropout_in_step(original, hooks):
+    """Keras' TF `random.dropout` in a step, with the mask one device draws.
+
+    DTensor draws a split tensor's random numbers block by block, from the
+    seed and the device's place in the mesh, so on a data mesh Dropout
+    kept other elements than one device (tests/test_fuzz_models.py). Here
+    the uniform numbers u are laid out whole on every device (`replicate`)
+    and the mask is cut to the input's blocks where it is used, so element
+    i is kept iff u_i >= rate as on one device, and the kept ones are
+    scaled by 1 / (1 - rate) (TF's `stateless_dropout`, the same op Keras
+    calls). Each device draws every number of the tensor (not only its
+    block's): the cost of the parity. Outside a step Keras' op runs."""
+    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        replicate = hooks.replicate_in_step()
+        if replicate is None or rate in (0.0, 1.0):
+            return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        noise_shape = tf_random._get_concrete_noise_shape(  # noqa: SLF001
+            inputs, noise_shape)
+
+        def whole_uniform(shape, dtype):
+            return replicate(tf.random.stateless_uniform(shape, seed=seed,
+                                                         dtype=dtype))
+
+        return tf.nn.experimental.general_dropout(
+            inputs, rate, whole_uniform, noise_shape=noise_shape)
+
+    return dropout
+
+
 def _activation_einsum_in_step(original, hooks):
     """Keras' TF `ops.einsum` of two activations (rank >= 4) as
     `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
@@ -434,6 +467,7 @@ _STRATEGY_PATCHES = (
           _indexing_keeping_dims_in_step),
     Patch("categorical", _keras_random, "categorical",
           _gumbel_categorical_in_step),
+    Patch("dropout", _keras_random, "dropout", _one_device_dropout_in_step),
     Patch("add_weight", _keras_layer, "add_weight",
           lambda original, _: _publishing_adding_layer(original)),
     Patch("variable_initialize", lambda: _tf_core().Variable, "_initialize",

@@ -299,13 +299,14 @@ class ParallelExtended(_compat.StrategyExtendedV2):
 
 
     def replicate(self, value):
-        """`value` relaid out so that every device holds all of it."""
+        """`value` relaid out so that every device holds all of it (every
+        device of the pipeline stage whose step is being traced)."""
         if not isinstance(value, tf.Tensor) or (
                 tf.executing_eagerly() and not dtensor.is_dtensor(value)):
             return value
         rank = value.shape.rank
         return placement.relayout(value, layout_lib.replicated_spec(rank),
-                                  self.mesh)
+                                  self.registry.placement_mesh or self.mesh)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if tf.executing_eagerly():

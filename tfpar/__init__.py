@@ -29,6 +29,16 @@ import os
 # when the first DTensor function compiles, and only the exact string "0"
 # turns the pass off. See tests/test_dtensor_ordering.py.
 os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
+# DTensor moves a split from one dimension to another (a relayout such as
+# [-, "model", -, -] -> [-, -, "model", -]) by an all-to-all; on a rank-4
+# tensor that all-to-all returns wrong values, silently, for every move
+# between dimensions 1-3 (36 of 618 relayouts of a 4x4x4x4 tensor on a 2x2
+# mesh; ranks 2 and 3 are right): tests/dtensor_all_to_all_repro.py. Found
+# by the fuzzing: a BatchNormalization and a MultiHeadAttention whose
+# weights were split over one axis trained far from one device. With "0"
+# DTensor gathers and slices instead (right, and more bytes moved). Only
+# the exact string "0" turns it off; tfpar insists on it.
+os.environ["DTENSOR_USE_ALL_TO_ALL_RELAYOUT"] = "0"
 # On GPU meshes DTensor lowers collectives to NCCL when this is set (it needs
 # one logical device per physical GPU); CPU and TPU meshes ignore it. A
 # user's own setting wins. (Not yet run on a GPU: see README.)

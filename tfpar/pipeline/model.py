@@ -62,6 +62,7 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import styles
 from tfpar import training
+from tfpar.pipeline import cross_host
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
 from tfpar.pipeline import tied as tied_lib
@@ -154,6 +155,7 @@ class PipelineModel(keras.Model, training.StagedModel):
             _check_separable(model, full_schedule.name)
         layers = split_lib.split_model(model, num_stages * virtual_stages,
                                        stage_boundaries, costs)
+        cross_host.check_supported(layers, full_schedule, extended)
         super().__init__(name=name or f"pipeline_{model.name}")
         self.wrapped = model
         self._extended = extended
@@ -418,15 +420,27 @@ class PipelineModel(keras.Model, training.StagedModel):
     # -- the protocol of `tfpar.training.StagedModel` ---------------------------
 
     def make_runner(self, mode):
-        """The `PipelineRunner` of Keras step `mode`."""
+        """The `PipelineRunner` of Keras step `mode` (its host-driven form,
+        `cross_host.CrossHostRunner`, when stages live on different
+        hosts)."""
+        if cross_host.spans_hosts(self._extended):
+            return cross_host.CrossHostRunner(self, mode)
         return PipelineRunner(self, mode)
+
+    def get_metrics_result(self):
+        # Across hosts the metrics live on the last stage's host: every
+        # host gets its values (a collective each).
+        results = super().get_metrics_result()
+        if tf.executing_eagerly() and cross_host.spans_hosts(self._extended):
+            return cross_host.on_every_host(results)
+        return results
 
     def eager_call(self, args, kwargs):
         """`model(x)` on concrete inputs: the pipeline's forward pass."""
         x = args[0] if args else kwargs.pop("inputs")
         x = tf.nest.map_structure(tf.convert_to_tensor, x)
         if self._eager_runner is None:
-            self._eager_runner = PipelineRunner(self, "predict")
+            self._eager_runner = self.make_runner("predict")
         return tf.nest.map_structure(
             tf.constant, self._eager_runner.predict_inputs(x))
 

@@ -1,0 +1,81 @@
+"""One host of a pipeline across two hosts (run by tests/test_hosts_pipeline.py).
+
+    python -m tfpar.launch --hosts 2 --virtual-cpus 4 \
+        hosts_pipeline_child.py WORKDIR CASE...
+
+Each CASE is "AXES:SCHEDULE:OPTIMIZER", e.g. "pipe2-data2-model2:gpipe:adam"
+(axes of the 8-device mesh, pipe first; a `tfpar.PipelineModel` schedule;
+"adam" = Adam(0.01), "sgd" = plain SGD, Keras' defaults). For each case the
+script (nothing host-specific: `tfpar.connect_hosts()` reads the launcher's
+environment) trains `models.host_mlp` (Megatron rules on "model") as a
+PipelineModel with 2 micro-batches from WORKDIR/given.npz, batch 16, one
+epoch in order, and writes to WORKDIR/CASE-host<I>.npz: per-batch losses,
+final weights (`get_weights`), evaluate and predict results, and, per
+weight and optimizer slot, the global ids of the devices this host holds
+blocks of.
+"""
+
+import re
+import sys
+
+import tfpar
+
+tfpar.connect_hosts(timeout=120)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
+
+import models  # noqa: E402
+
+
+def local_ids(variable):
+    """Global ids of this host's devices holding blocks of `variable`."""
+    mesh = dtensor.fetch_layout(variable.value).mesh
+    return [int(i) for i in mesh.local_device_ids()]
+
+
+def run(workdir, case):
+    axes, schedule, optimizer = case.split(":")
+    shape = {name: int(size) for name, size in
+             re.findall(r"([a-z]+)(\d+)", axes)}
+    given = np.load(f"{workdir}/given.npz")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape),
+                                      rules=tfpar.LayoutRules(
+                                          models.HOST_RULES))
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(models.host_mlp(), num_microbatches=2,
+                                   schedule=schedule)
+        pipe.set_weights([given[f"w{i}"] for i in range(6)])
+        pipe.compile(optimizer=keras.optimizers.Adam(0.01)
+                     if optimizer == "adam" else keras.optimizers.SGD(),
+                     loss="mse", metrics=["mae"])
+    losses = models.BatchLosses()
+    pipe.fit(given["x"], given["y"], batch_size=16, epochs=1, shuffle=False,
+             verbose=0, callbacks=[losses])
+    out = {"losses": np.array(losses.losses),
+           "evaluate": np.array(pipe.evaluate(given["x"], given["y"],
+                                              batch_size=16, verbose=0)),
+           "predict": pipe.predict(given["x"], batch_size=16, verbose=0)}
+    out.update({f"w{i}": w for i, w in enumerate(pipe.get_weights())})
+    held = {w.path: local_ids(w) for w in pipe.weights}
+    for optimizer_ in pipe.stage_optimizers:
+        held.update({v.path: local_ids(v) for v in optimizer_.variables
+                     if "iteration" not in v.path
+                     and "learning_rate" not in v.path})
+    out["held"] = repr(held)
+    out["split"] = pipe.split_report()
+    host = tfpar.hosts.host_id()
+    np.savez(f"{workdir}/{case}-host{host}.npz",
+             **{k: np.asarray(v) for k, v in out.items()})
+
+
+def main():
+    workdir, cases = sys.argv[1], sys.argv[2:]
+    for case in cases:
+        run(workdir, case)
+    print(f"host {tfpar.hosts.host_id()} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,8 @@ PipelineModel with 2 micro-batches from WORKDIR/given.npz, batch 16, one
 epoch in order, and writes to WORKDIR/CASE-host<I>.npz: per-batch losses,
 final weights (`get_weights`), evaluate and predict results, and, per
 weight and optimizer slot, the global ids of the devices this host holds
-blocks of.
+blocks of. CASE "refusals" writes WORKDIR/refusals-host<I>.npz: the errors
+of what stays refused across hosts.
 """
 
 import re
@@ -40,9 +41,8 @@ def run(workdir, case):
     shape = {name: int(size) for name, size in
              re.findall(r"([a-z]+)(\d+)", axes)}
     given = np.load(f"{workdir}/given.npz")
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape),
-                                      rules=tfpar.LayoutRules(
-                                          models.HOST_RULES))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape), rules=(
+        tfpar.LayoutRules(models.HOST_RULES) if "model" in shape else None))
     with strategy.scope():
         pipe = tfpar.PipelineModel(models.host_mlp(), num_microbatches=2,
                                    schedule=schedule)
@@ -70,10 +70,36 @@ def run(workdir, case):
              **{k: np.asarray(v) for k, v in out.items()})
 
 
+def refusals(workdir):
+    """What stays refused across hosts, as each host's error message: a
+    zero-bubble schedule, and a mesh whose stages would straddle the hosts
+    (pipe not first)."""
+    out = {}
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        try:
+            tfpar.PipelineModel(models.host_mlp(), num_microbatches=2,
+                                schedule="zb-h1")
+            out["zero_bubble"] = ""
+        except ValueError as error:
+            out["zero_bubble"] = str(error)
+    try:
+        tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "pipe": 2,
+                                           "model": 2})).stage_meshes[
+            0].dtensor_mesh  # noqa: B018
+        out["straddling"] = ""
+    except ValueError as error:
+        out["straddling"] = str(error)
+    np.savez(f"{workdir}/refusals-host{tfpar.hosts.host_id()}.npz", **out)
+
+
 def main():
     workdir, cases = sys.argv[1], sys.argv[2:]
     for case in cases:
-        run(workdir, case)
+        if case == "refusals":
+            refusals(workdir)
+        else:
+            run(workdir, case)
     print(f"host {tfpar.hosts.host_id()} done", flush=True)
 
 

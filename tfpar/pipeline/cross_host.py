@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import placement
@@ -59,11 +60,15 @@ def spans_hosts(extended):
     return dtensor.num_clients() > 1 and len(extended.stage_meshes) > 1
 
 
-def check_supported(pipeline, schedule, extended):
+def check_supported(model, parts, schedule, extended):
     """Raises (on every host alike, before any step) for what the
-    host-driven step does not run."""
+    host-driven step does not run: split backwards, interleaving, weights
+    tied across stages, and random layers (each backward recomputes its
+    forward, which would draw other random numbers)."""
     if not spans_hosts(extended):
         return
+    random = [layer.name for layer in _compat.all_layers(model)
+              if getattr(layer, "seed_generator", None) is not None]
     problem = None
     if schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
@@ -71,8 +76,11 @@ def check_supported(pipeline, schedule, extended):
     elif schedule.virtual_stages > 1:
         problem = (f"virtual_stages={schedule.virtual_stages}",
                    "virtual_stages=1")
-    elif any(part.shared or part.guests for part in pipeline):
+    elif any(part.shared or part.guests for part in parts):
         problem = ("weights tied across stages", "untied weights")
+    elif random:
+        problem = (f"random layers {random} (each backward recomputes its "
+                   "forward)", "rate=0 or no such layers")
     if problem is not None:
         raise ValueError(
             "Pipeline stages on different hosts run a host-driven step "

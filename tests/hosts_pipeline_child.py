@@ -3,16 +3,20 @@
     python -m tfpar.launch --hosts 2 --virtual-cpus 4 \
         hosts_pipeline_child.py WORKDIR CASE...
 
-Each CASE is "AXES:SCHEDULE:OPTIMIZER", e.g. "pipe2-data2-model2:gpipe:adam"
-(axes of the 8-device mesh, pipe first; a `tfpar.PipelineModel` schedule;
-"adam" = Adam(0.01), "sgd" = plain SGD, Keras' defaults). For each case the
-script (nothing host-specific: `tfpar.connect_hosts()` reads the launcher's
-environment) trains `models.host_mlp` (Megatron rules on "model") as a
+Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]", e.g.
+"pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
+`tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
+Keras' defaults). For each case the script (nothing host-specific:
+`tfpar.connect_hosts()` reads the launcher's environment) trains
+`models.host_mlp` (pipe=2; `host_deep_mlp` for pipe=4, weights "d<i>";
+Megatron rules on "model") as a
 PipelineModel with 2 micro-batches from WORKDIR/given.npz, batch 16, one
 epoch in order, and writes to WORKDIR/CASE-host<I>.npz: per-batch losses,
 final weights (`get_weights`), evaluate and predict results, and, per
 weight and optimizer slot, the global ids of the devices this host holds
-blocks of. CASE "refusals" writes WORKDIR/refusals-host<I>.npz: the errors
+blocks of. With ":ckpt" it then saves a sharded checkpoint, restores it
+into a fresh pipeline and trains both one more epoch (`checkpoint`). CASE
+"refusals" writes WORKDIR/refusals-host<I>.npz: the errors
 of what stays refused across hosts.
 """
 
@@ -36,20 +40,47 @@ def local_ids(variable):
     return [int(i) for i in mesh.local_device_ids()]
 
 
-def run(workdir, case):
-    axes, schedule, optimizer = case.split(":")
+def build(case, weights):
+    """The case's strategy and compiled PipelineModel, from `weights`."""
+    axes, schedule, optimizer = case.split(":")[:3]
     shape = {name: int(size) for name, size in
              re.findall(r"([a-z]+)(\d+)", axes)}
-    given = np.load(f"{workdir}/given.npz")
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape), rules=(
         tfpar.LayoutRules(models.HOST_RULES) if "model" in shape else None))
     with strategy.scope():
-        pipe = tfpar.PipelineModel(models.host_mlp(), num_microbatches=2,
+        model = models.host_mlp() if shape["pipe"] == 2 else \
+            models.host_deep_mlp()
+        pipe = tfpar.PipelineModel(model, num_microbatches=2,
                                    schedule=schedule)
-        pipe.set_weights([given[f"w{i}"] for i in range(6)])
+        pipe.set_weights(weights)
         pipe.compile(optimizer=keras.optimizers.Adam(0.01)
                      if optimizer == "adam" else keras.optimizers.SGD(),
                      loss="mse", metrics=["mae"])
+    return pipe
+
+
+def checkpoint(workdir, case, pipe, given, out):
+    """Saves a sharded checkpoint (every host its blocks), restores it into
+    a fresh pipeline of the same layout, and trains both one more epoch:
+    the restored one must continue exactly."""
+    directory = f"{workdir}/{case.replace(':', '_')}-ckpt"
+    tfpar.save_checkpoint(pipe, directory)
+    fresh = build(case, [np.zeros_like(w) for w in pipe.get_weights()])
+    out["restored_step"] = tfpar.restore_checkpoint(fresh, directory)
+    out["restored_predict"] = fresh.predict(given["x"], batch_size=16,
+                                            verbose=0)
+    for name, model in (("continued", pipe), ("resumed", fresh)):
+        losses = models.BatchLosses()
+        model.fit(given["x"], given["y"], batch_size=16, epochs=1,
+                  shuffle=False, verbose=0, callbacks=[losses])
+        out[f"{name}_losses"] = np.array(losses.losses)
+
+
+def run(workdir, case):
+    given = np.load(f"{workdir}/given.npz")
+    deep = case.startswith("pipe4")
+    pipe = build(case, [given[f"{'d' if deep else 'w'}{i}"]
+                        for i in range(10 if deep else 6)])
     losses = models.BatchLosses()
     pipe.fit(given["x"], given["y"], batch_size=16, epochs=1, shuffle=False,
              verbose=0, callbacks=[losses])
@@ -65,6 +96,8 @@ def run(workdir, case):
                      and "learning_rate" not in v.path})
     out["held"] = repr(held)
     out["split"] = pipe.split_report()
+    if case.endswith(":ckpt"):
+        checkpoint(workdir, case, pipe, given, out)
     host = tfpar.hosts.host_id()
     np.savez(f"{workdir}/{case}-host{host}.npz",
              **{k: np.asarray(v) for k, v in out.items()})

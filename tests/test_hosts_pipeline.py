@@ -22,12 +22,16 @@ import numpy as np
 import pytest
 
 import models
+import tfpar
 
 TESTS = Path(__file__).resolve().parent
 CHILD = TESTS / "hosts_pipeline_child.py"
 RTOL = 1e-4
-DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe2-data4:1f1b:sgd"]
-SLOW = ["pipe2-data2-model2:1f1b:sgd", "pipe2-data4:gpipe:adam"]
+# One stage per host (with tensor parallelism inside), and two stages per
+# host (moves inside a host and across) with a checkpoint; the rest slow.
+DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt"]
+SLOW = ["pipe2-data4:1f1b:sgd", "pipe2-data2-model2:1f1b:sgd",
+        "pipe2-data4:gpipe:adam"]
 
 
 def launch(workdir, cases, timeout=900):
@@ -48,26 +52,43 @@ def launch(workdir, cases, timeout=900):
 def given(workdir):
     keras.utils.set_random_seed(0)
     weights = models.host_mlp().get_weights()
+    deep = models.host_deep_mlp().get_weights()
     x, y = models.mlp_data(n=64)
     np.savez(workdir / "given.npz", x=x, y=y,
-             **{f"w{i}": w for i, w in enumerate(weights)})
+             **{f"w{i}": w for i, w in enumerate(weights)},
+             **{f"d{i}": w for i, w in enumerate(deep)})
 
 
-def one_device(workdir, optimizer):
-    """The single-device run the child's pipeline must match: (per-batch
-    losses, weights, evaluate, predict)."""
+def plain_model(workdir, case):
+    """The case's model on one device, with the given initial weights."""
     data = np.load(workdir / "given.npz")
-    model = models.host_mlp()
-    model.set_weights([data[f"w{i}"] for i in range(6)])
+    if case.startswith("pipe4"):
+        model = models.host_deep_mlp()
+        model.set_weights([data[f"d{i}"] for i in range(10)])
+    else:
+        model = models.host_mlp()
+        model.set_weights([data[f"w{i}"] for i in range(6)])
+    return model, data
+
+
+def one_device(workdir, case):
+    """The single-device run the child's pipeline must match: (per-batch
+    losses, weights, evaluate, predict, the next epoch's losses)."""
+    model, data = plain_model(workdir, case)
     model.compile(optimizer=keras.optimizers.Adam(0.01)
-                  if optimizer == "adam" else keras.optimizers.SGD(),
+                  if case.split(":")[2] == "adam" else keras.optimizers.SGD(),
                   loss="mse", metrics=["mae"])
-    losses = models.BatchLosses()
-    model.fit(data["x"], data["y"], batch_size=16, epochs=1, shuffle=False,
-              verbose=0, callbacks=[losses])
-    return (losses.losses, model.get_weights(),
-            model.evaluate(data["x"], data["y"], batch_size=16, verbose=0),
-            model.predict(data["x"], batch_size=16, verbose=0))
+    results = []
+    for _ in range(2):
+        losses = models.BatchLosses()
+        model.fit(data["x"], data["y"], batch_size=16, epochs=1,
+                  shuffle=False, verbose=0, callbacks=[losses])
+        results.append(losses.losses)
+        if len(results) == 1:
+            results += [model.get_weights(), model.evaluate(
+                data["x"], data["y"], batch_size=16, verbose=0),
+                model.predict(data["x"], batch_size=16, verbose=0)]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +100,7 @@ def default_run(tmp_path_factory):
 
 
 def check_case(workdir, case):
-    losses, weights, evaluated, predicted = one_device(
-        workdir, case.split(":")[2])
+    losses, weights, evaluated, predicted, _ = one_device(workdir, case)
     hosts = [np.load(workdir / f"{case}-host{h}.npz") for h in (0, 1)]
     assert len(losses) == 4  # 64 samples, batch 16
     for host in hosts:
@@ -103,21 +123,29 @@ def test_stages_on_two_hosts_train_in_parity_with_one_device(default_run,
     check_case(default_run, case)
 
 
+def check_held(hosts, stage_of, stage_size):
+    """Each weight and slot of stage s (`stage_of` a layer name) has blocks
+    on stage s's devices of its host only, none on the other host."""
+    held = [ast.literal_eval(str(host["held"])) for host in hosts]
+    slots = [p for p in held[0] if p.startswith("adam")]  # adam_1/...
+    assert len(slots) == 2 * len(held[0]) // 3  # momentum, velocity each
+    for path in held[0]:
+        stage = next(s for name, s in stage_of.items() if name in path)
+        owner = stage * stage_size // 4  # 4 devices per host
+        devices = [stage * stage_size + d for d in range(stage_size)]
+        assert held[owner][path] == devices, path
+        assert held[1 - owner][path] == [], path
+
+
 def test_each_host_holds_only_its_stages_weights_and_slots(default_run):
     """Stage 0 (up0) on host 0's devices 0..3, stage 1 (down0, head) on
-    host 1's 4..7: the other host holds no block of them (no component on
-    any of its devices), Adam's slots likewise."""
-    hosts = [np.load(default_run / f"{DEFAULT[0]}-host{h}.npz")
-             for h in (0, 1)]
-    held = [ast.literal_eval(str(host["held"])) for host in hosts]
-    stage_of = {"up0": 0, "down0": 1, "head": 1}
-    slots = [p for p in held[0] if p.startswith("adam/")]
-    assert len(slots) == 12  # momentum and velocity of 6 weights
-    for path in held[0]:
-        layer = next(name for name in stage_of if name in path)
-        owner = stage_of[layer]
-        assert held[owner][path] == [4 * owner + d for d in range(4)], path
-        assert held[1 - owner][path] == [], path
+    host 1's 4..7 (split_report's cut); pipe=4: two stages per host. The
+    other host holds no block of them, Adam's slots likewise."""
+    check_held([np.load(default_run / f"{DEFAULT[0]}-host{h}.npz")
+                for h in (0, 1)], {"up0": 0, "down0": 1, "head": 1}, 4)
+    check_held([np.load(default_run / f"{DEFAULT[1]}-host{h}.npz")
+                for h in (0, 1)],
+               {"up0": 0, "down0": 1, "up1": 2, "down1": 3, "head": 3}, 2)
 
 
 def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
@@ -130,6 +158,37 @@ def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
     message = str(hosts[0]["straddling"])
     assert "consecutive devices of one host" in message
     assert "devices=[CPU:0, CPU:1, CPU:4, CPU:5]" in message
+
+
+def test_two_stages_per_host_and_their_checkpoint(default_run):
+    """pipe=4 × data=2: stages 0, 1 on host 0 and 2, 3 on host 1 (moves
+    inside a host and across). The sharded checkpoint (each host wrote its
+    stages' blocks) restores into a fresh pipeline of the same layout
+    (predictions equal), which then trains on exactly as the original does
+    and as one device's second epoch does; and restores into plain Keras
+    on one device here."""
+    case = DEFAULT[1]
+    *_, predicted, second_epoch = one_device(default_run, case)
+    for host in check_case(default_run, case):
+        assert int(host["restored_step"]) == 4
+        assert models.relative_error(predicted,
+                                     host["restored_predict"]) < RTOL
+        assert models.relative_error(second_epoch,
+                                     host["continued_losses"]) < RTOL
+        assert models.relative_error(second_epoch,
+                                     host["resumed_losses"]) < RTOL
+    directory = default_run / f"{case.replace(':', '_')}-ckpt"
+    files = sorted(p.name for p in (directory / "ckpt-4").iterdir())
+    # up0 on stage 0 (devices 0, 1: replicated, device 0 writes), up1 on
+    # stage 2 (host 1's devices 4, 5: device 4 writes).
+    assert [f for f in files if "_up0_kernel.b" in f] == [
+        "v0000_deep_mlp_up0_kernel.b0.npy"]
+    assert [f for f in files if "_up1_kernel.b" in f] == [
+        "v0004_deep_mlp_up1_kernel.b4.npy"]
+    plain, data = plain_model(default_run, case)
+    tfpar.restore_checkpoint(plain, directory, optimizer=False)
+    assert models.relative_error(predicted, plain.predict(
+        data["x"], batch_size=16, verbose=0)) < RTOL
 
 
 @pytest.mark.slow

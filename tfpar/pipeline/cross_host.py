@@ -9,24 +9,31 @@ tensor between two hosts' meshes ("Send and receive hosts don't match",
 actions from Python instead, on every host in the same order:
 
 - F(k, i): part k's forward of micro-batch i, a `tf.function` on its
-  stage's mesh, run only by the host holding that mesh;
+  stage's mesh. Only the host holding that mesh computes it; every other
+  host runs it too, as a no-op on stand-ins of the right layout (DTensor
+  numbers the collectives of the programs each host compiles in order, so
+  every host must compile the same programs in the same order: case (d)
+  of `tests/dtensor_cross_host_repro.py`);
 - B(k, i): part k's backward, a `tf.function` that recomputes the forward
   under a tape (a tape cannot outlive a `tf.function` call) and takes the
   vector-Jacobian product with the output gradients from part k+1 (the
   last part: its loss, whose metrics it updates); the weight gradients are
-  summed over the micro-batches on the owner;
-- a move from part k to a part on another host is `Bridge.move`, run by
-  every host: the sender puts its blocks in its slot of a tensor laid out
-  over every device of the cluster, a compiled all-gather over the hosts
-  carries the slots across, and the receiver packs its slot onto its
-  stage's mesh (exact; each device sends its block to every other host).
-  Moves between two meshes of one host go through that host alone;
-- after the last action every host applies the optimizer of the parts it
-  holds (a `tf.function` each); logs and predictions are the owner's
+  summed over the micro-batches;
+- a move from part k to a part on another host is `Bridge.move`: the
+  sender puts each device's block in its slot of a tensor laid out over
+  every device of the cluster, a compiled all-gather over the hosts
+  carries the slots across, and the receiver packs its slots onto its
+  stage's mesh (exact; each device sends its block, or zeros, to every
+  other host). Moves between two meshes of one host go through that host
+  alone (its blocks, device by device);
+- after the last action each part's optimizer applies its summed
+  gradients (a `tf.function` each); logs and predictions are the owner's
   values, sent to every host (`tfpar.placement.fetch`: a collective).
 
 Each backward recomputes its forward, so a step costs one more forward
-per stage but the last (whose forward runs inside its backward).
+per stage but the last (whose forward runs inside its backward); hence
+random layers (Dropout) are refused, as are zero-bubble schedules,
+interleaving and weights tied across stages (`check_supported`).
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -94,6 +101,8 @@ class Bridge:
     """Moves DTensors between stage meshes of one host or of two (module
     doc). Every host calls `move` for every move, in the same order."""
 
+    total_bytes_sent = 0  # by this host's devices, over all bridges
+
     def __init__(self):
         self._hosts = dtensor.num_clients()
         self._host = dtensor.client_id()
@@ -141,8 +150,10 @@ class Bridge:
         slots = dtensor.Layout(["tfpar_hosts", "tfpar_local"] + [
             "unsharded"] * len(shape), self._mesh)
         whole = self._gather(len(shape))(dtensor.pack(components, slots))
-        self.bytes_sent += (self._hosts - 1) * self._per_host * int(
+        sent = (self._hosts - 1) * self._per_host * int(
             np.prod(block)) * value.dtype.size
+        self.bytes_sent += sent
+        Bridge.total_bytes_sent += sent
         if self._host != dst:
             return _stand_in(layout, shape, value.dtype)
         gathered = dtensor.unpack(whole)
@@ -170,12 +181,24 @@ def _first_local(mesh, per_host):
         per_host
 
 
-def on_every_host(logs):
-    """Eager logs (DTensors of one stage's host) as host values on every
-    host (a collective per value, in the structure's order)."""
-    return tf.nest.map_structure(
-        lambda t: tf.constant(placement.fetch(t)) if dtensor.is_dtensor(t)
-        else t, logs)
+def runner_class(extended):
+    """The runner of a `PipelineModel`'s steps: `CrossHostRunner` when its
+    stages live on different hosts, else `PipelineRunner`."""
+    return CrossHostRunner if spans_hosts(extended) else PipelineRunner
+
+
+class MetricsOnEveryHost:
+    """`PipelineModel`'s `get_metrics_result`: across hosts the metrics live
+    on the last stage's host, and every host gets their values (eagerly; a
+    collective per value, in the same order on every host)."""
+
+    def get_metrics_result(self):
+        results = super().get_metrics_result()
+        if not (tf.executing_eagerly() and spans_hosts(self._extended)):
+            return results
+        return tf.nest.map_structure(
+            lambda t: tf.constant(placement.fetch(t))
+            if dtensor.is_dtensor(t) else t, results)
 
 
 def _no_loss(part, own_loss):

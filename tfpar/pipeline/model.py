@@ -67,10 +67,11 @@ from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
 from tfpar.pipeline import tied as tied_lib
 from tfpar.pipeline.part import ModelPart, inseparable_message
-from tfpar.pipeline.runner import Microbatching, PipelineRunner
+from tfpar.pipeline.runner import Microbatching
 
 
-class PipelineModel(keras.Model, training.StagedModel):
+class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
+                    training.StagedModel):
     """Runs a Sequential or functional model as a pipeline of stages.
 
     Create it inside `strategy.scope()` of a `tfpar.ParallelStrategy` whose
@@ -166,8 +167,7 @@ class PipelineModel(keras.Model, training.StagedModel):
             extended.stage_meshes[0].axis_size(extended.data_axis))
         self.record_timeline = record_timeline
         self.last_timeline = None
-        self._optimizers = None
-        self._learning_rate = None
+        self._optimizers = self._learning_rate = None
         self._eager_runner = None
         # The unpipelined copy `generate` runs, in a holder Keras does not
         # track (its weights are not the pipeline's).
@@ -420,20 +420,9 @@ class PipelineModel(keras.Model, training.StagedModel):
     # -- the protocol of `tfpar.training.StagedModel` ---------------------------
 
     def make_runner(self, mode):
-        """The `PipelineRunner` of Keras step `mode` (its host-driven form,
-        `cross_host.CrossHostRunner`, when stages live on different
-        hosts)."""
-        if cross_host.spans_hosts(self._extended):
-            return cross_host.CrossHostRunner(self, mode)
-        return PipelineRunner(self, mode)
-
-    def get_metrics_result(self):
-        # Across hosts the metrics live on the last stage's host: every
-        # host gets its values (a collective each).
-        results = super().get_metrics_result()
-        if tf.executing_eagerly() and cross_host.spans_hosts(self._extended):
-            return cross_host.on_every_host(results)
-        return results
+        """The `PipelineRunner` of Keras step `mode` (across hosts its
+        host-driven form, `cross_host.CrossHostRunner`)."""
+        return cross_host.runner_class(self._extended)(self, mode)
 
     def eager_call(self, args, kwargs):
         """`model(x)` on concrete inputs: the pipeline's forward pass."""

@@ -103,19 +103,35 @@ def run(workdir, case):
              **{k: np.asarray(v) for k, v in out.items()})
 
 
+def refused(build, **options):
+    """The error of `tfpar.PipelineModel(build(), 2, **options)` on pipe=2 ×
+    data=4 ("" if none); `per_host_input` goes to the strategy."""
+    per_host = options.pop("per_host_input", False)
+    try:
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}),
+                                          per_host_input=per_host)
+        with strategy.scope():
+            tfpar.PipelineModel(build(), num_microbatches=2, **options)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def dropout_mlp():
+    return keras.Sequential([keras.Input((16,)),
+                             keras.layers.Dense(8, name="d0"),
+                             keras.layers.Dropout(0.5, name="drop"),
+                             keras.layers.Dense(3, name="d1")])
+
+
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
-    zero-bubble schedule, and a mesh whose stages would straddle the hosts
-    (pipe not first)."""
-    out = {}
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
-    with strategy.scope():
-        try:
-            tfpar.PipelineModel(models.host_mlp(), num_microbatches=2,
-                                schedule="zb-h1")
-            out["zero_bubble"] = ""
-        except ValueError as error:
-            out["zero_bubble"] = str(error)
+    zero-bubble schedule, interleaving, a random layer, per-host input,
+    and a mesh whose stages would straddle the hosts (pipe not first)."""
+    out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
+           "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
+           "random": refused(dropout_mlp),
+           "per_host": refused(models.host_mlp, per_host_input=True)}
     try:
         tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "pipe": 2,
                                            "model": 2})).stage_meshes[

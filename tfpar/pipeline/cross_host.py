@@ -70,8 +70,10 @@ def spans_hosts(extended):
 def check_supported(model, parts, schedule, extended):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, interleaving, weights
-    tied across stages, and random layers (each backward recomputes its
-    forward, which would draw other random numbers)."""
+    tied across stages, random layers (each backward recomputes its
+    forward, which would draw other random numbers). (Per-host input is
+    refused by the strategy: the pipe axis along the hosts gives every
+    host every data coordinate.)"""
     if not spans_hosts(extended):
         return
     random = [layer.name for layer in _compat.all_layers(model)

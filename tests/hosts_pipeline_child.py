@@ -103,15 +103,21 @@ def run(workdir, case):
              **{k: np.asarray(v) for k, v in out.items()})
 
 
-def refused(build, **options):
+def refused(build, fit=False, **options):
     """The error of `tfpar.PipelineModel(build(), 2, **options)` on pipe=2 ×
-    data=4 ("" if none); `per_host_input` goes to the strategy."""
+    data=4 (and, with `fit`, of fitting it; "" if none); `per_host_input`
+    goes to the strategy."""
     per_host = options.pop("per_host_input", False)
     try:
         strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}),
                                           per_host_input=per_host)
         with strategy.scope():
-            tfpar.PipelineModel(build(), num_microbatches=2, **options)
+            pipe = tfpar.PipelineModel(build(), num_microbatches=2,
+                                       **options)
+            pipe.compile(optimizer="sgd", loss="mse")
+        if fit:
+            pipe.fit(np.zeros((16, 16)), np.zeros((16, 3)), batch_size=16,
+                     verbose=0)
     except ValueError as error:
         return str(error)
     return ""
@@ -127,11 +133,14 @@ def dropout_mlp():
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
     zero-bubble schedule, interleaving, a random layer, per-host input,
-    and a mesh whose stages would straddle the hosts (pipe not first)."""
+    record_timeline (at fit), and a mesh whose stages would straddle the
+    hosts (pipe not first)."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
            "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
            "random": refused(dropout_mlp),
-           "per_host": refused(models.host_mlp, per_host_input=True)}
+           "per_host": refused(models.host_mlp, per_host_input=True),
+           "timeline": refused(models.host_mlp, fit=True,
+                               record_timeline=True)}
     try:
         tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "pipe": 2,
                                            "model": 2})).stage_meshes[

@@ -152,12 +152,13 @@ def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
         default_run):
     hosts = [np.load(default_run / f"refusals-host{h}.npz") for h in (0, 1)]
     for key in ("zero_bubble", "interleaved", "random", "per_host",
-                "straddling"):
+                "timeline", "straddling"):
         assert str(hosts[0][key]) == str(hosts[1][key])
     assert "does not support schedule='zb-h1'" in str(hosts[0]["zero_bubble"])
     assert "Use schedule='gpipe' or '1f1b'" in str(hosts[0]["zero_bubble"])
     assert "does not support virtual_stages=2" in str(hosts[0]["interleaved"])
     assert "random layers ['drop']" in str(hosts[0]["random"])
+    assert "Received: record_timeline=True" in str(hosts[0]["timeline"])
     # Per-host input: the pipe axis along the hosts gives each host every
     # data coordinate (the strategy refuses it, naming host 1 on both).
     assert "per_host_input=True needs each host to hold its own range" in \

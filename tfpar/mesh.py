@@ -359,7 +359,11 @@ class Mesh:
 
     def is_local(self):
         """Whether this host holds any of the mesh's devices (always on one
-        host; across hosts, False for another host's stage sub-mesh)."""
+        host; across hosts, False for another host's stage sub-mesh).
+
+        >>> tfpar.Mesh({"pipe": 2, "data": 4}).submesh("pipe", 1).is_local()
+        True
+        """
         return bool(self.dtensor_mesh.local_device_ids())
 
     def __eq__(self, other):

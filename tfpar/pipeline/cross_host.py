@@ -229,6 +229,13 @@ class CrossHostRunner(PipelineRunner):
     a stage computes it."""
 
     def __init__(self, pipeline, mode):
+        if pipeline.record_timeline:
+            raise ValueError(
+                "PipelineModel(record_timeline=True) profiles one "
+                "tf.function step, but stages on different hosts run a "
+                "host-driven step of many. Received: record_timeline=True "
+                f"on {len(pipeline.parts)} stages over "
+                f"{dtensor.num_clients()} hosts. Use record_timeline=False.")
         super().__init__(pipeline, mode)
         self.bridge = Bridge()
         self._stage_functions = {}

@@ -69,28 +69,29 @@ Conclusion (TF 2.21, CPU; observed on this machine):
          explicit DTensor `output_gradients` (the default ones is a plain
          tensor: "The op/function Mul got a regular tensor ...").
 
-Recommended route for tfpar: the bridge (2), since it keeps tfpar's
-heterogeneous stages, sub-meshes and schedules:
-  - tfpar/mesh.py `Mesh._cluster_mesh`: instead of refusing, build any
-    mesh whose global ids are consecutive (a stage sub-mesh of a row-major
-    mesh with "pipe" as the first axis and the hosts along it) with
-    `local_device_ids` = this host's ids ([] elsewhere),
-    `global_devices` = the full device specs; `local_device_names` already
-    reads `local_device_ids`. Reorderings stay refused (DTensor requires
-    increasing ids).
-  - tfpar/pipeline/model.py `_move` / `_move_like`: across hosts, the
-    copy_to_mesh becomes the bridge (unpack -> pack on the full mesh ->
-    compiled all-gather over "pipe" -> slice -> pack); they stop being
-    graph ops, so the one-`tf.function` step (`_function`, `_train`,
-    `_test`, `_predict`) becomes a host-driven loop over the schedule
-    (tfpar/pipeline/schedules.py actions): each F(s, i) / B(s, i) /
-    W(s, i) a `tf.function` on stage s's sub-mesh, run only on the host
-    owning s, the bridges run by both hosts in schedule order (a
-    deterministic global order of sends), the optimizer step per stage on
-    its owner; `predict_batch` / `placement.fetch` read outputs on the
-    last stage's host only and broadcast them over the full mesh.
-  The SPMD route (1) fits only models of identical blocks (GPT-style
-  stacks): a separate "stacked stages" mode, not today's PipelineModel.
+(d) DTensor numbers the collective groups of the programs each client
+    compiles, in order, per client (group_key 0, 1, ...). A function with
+    a collective inside the host-0 mesh run by host 0 alone shifts host
+    0's numbering, and the next full-mesh collective FAILS on both hosts
+    (host 1: "Device ... is joining a group with size2, but that group has
+    size 4 (group_key=0)"; host 0 then "tasks are unhealthy"). WORKS: both
+    hosts run the function (on host 1 a no-op, as in (b)), then the
+    full-mesh collective.
+
+What tfpar does (tfpar/pipeline/cross_host.py, tests/test_hosts_pipeline.py):
+the bridge (2), keeping tfpar's heterogeneous stages, sub-meshes and
+schedules. `Mesh` builds a stage's sub-mesh (consecutive devices of one
+host) on every host; the step is a host-driven loop over the schedule's
+actions, each F / B a `tf.function` on its stage's sub-mesh that EVERY
+host runs (d) -- computed by the owner, a no-op elsewhere, where values
+are stand-ins of the right layout (`call_with_layout(tf.zeros, ...)`:
+packing [] crashes, (b)); each cross-host move is the bridge, block by
+block over a {"tfpar_hosts", "tfpar_local"} mesh of every device; each
+backward recomputes its forward (a tape cannot outlive a `tf.function`);
+reads (`get_weights`, logs, predictions) are the owner's values summed
+with zeros over every device. The SPMD route (1) fits only models of
+identical blocks (GPT-style stacks): a separate "stacked stages" mode,
+not today's PipelineModel.
 """
 
 import argparse
@@ -413,6 +414,38 @@ def c_bridge():
         text = (f"loss {results['loss']:.6f} (reference {ref_loss:.6f}), "
                 + text)
     say(f"{'works' if ok else 'WRONG'}: {text}")
+
+
+def _collective_then_bridge(tf, np, dtensor, host, meshes, everywhere):
+    """A function with a collective inside the host-0 mesh (an all-gather
+    over "data"), run by host 0 only or (`everywhere`) by both hosts, then
+    an all-gather over "pipe" on the full mesh run by both."""
+    m0, full = meshes[0], meshes["full"]
+    x = dtensor.call_with_layout(tf.ones, dtensor.Layout.batch_sharded(
+        m0, "data", 2), shape=[8, 3])
+    on_m0 = tf.function(lambda t: tf.reduce_sum(dtensor.relayout(
+        t, dtensor.Layout.replicated(m0, 2)) * 2.0))
+    if everywhere or host == 0:
+        on_m0(x)  # host 1: returns at once, holding nothing
+    slots = dtensor.Layout(["pipe", "unsharded"], full)
+    parts = [tf.fill([1, 3], float(host + 1))] * len(full.local_device_ids())
+    whole = tf.function(lambda t: dtensor.relayout(
+        t, dtensor.Layout.replicated(full, 2)))(dtensor.pack(parts, slots))
+    got = dtensor.unpack(whole)[0].numpy()[:, 0].tolist()
+    say(f"{'works' if got == [1.0, 2.0] else 'WRONG'}: full-mesh gather "
+        f"gave {got}")
+
+
+@case
+def d_collective_on_owner_only():
+    """(d) a sub-mesh collective on its owner only, then a full-mesh one."""
+    _collective_then_bridge(*setup(), everywhere=False)
+
+
+@case
+def d_collective_on_every_host():
+    """(d) the same sub-mesh function run by both hosts, then the full one."""
+    _collective_then_bridge(*setup(), everywhere=True)
 
 
 # --- the driver ------------------------------------------------------------

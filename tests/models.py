@@ -227,3 +227,13 @@ def train_host_mlp(model, x, y, weights):
     return (np.array(losses.losses), model.get_weights(),
             np.array(model.evaluate(x, y, verbose=0)),
             model.predict(x, verbose=0))
+
+
+def host_deep_mlp():
+    """A 5-layer MLP for pipelines of 4 stages across hosts
+    (tests/test_hosts_pipeline.py)."""
+    return keras.Sequential([keras.Input((16,))] + [
+        keras.layers.Dense(width, activation="relu", name=name)
+        for width, name in ((32, "up0"), (16, "down0"), (32, "up1"),
+                            (16, "down1"))] + [
+        keras.layers.Dense(3, name="head")], name="deep_mlp")

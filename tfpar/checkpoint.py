@@ -530,6 +530,8 @@ def _layout_of(backing):
 def _host_value(backing):
     """A replicated/plain variable's value from one device (no gather)."""
     value = backing.read_value()
+    if dtensor.is_dtensor(value) and dtensor.num_clients() > 1:
+        return placement.fetch(value)  # maybe another host's (a collective)
     if dtensor.is_dtensor(value):
         value = dtensor.unpack(value)[0]
     return value.numpy()
@@ -550,11 +552,13 @@ def _save_variable(n, kind, key, variable, tmp):
         # A plain variable: each host has its own copy; host 0 writes it.
         owners = None if dtensor.client_id() == 0 else {}
     else:
-        # One component per local device, in `local_device_locations` order.
-        # Only that device's block is copied to the host: never the variable.
-        components = dtensor.unpack(backing.read_value())
-        locations = layout.mesh.local_device_locations()
+        # One component per local device, in `local_device_locations` order
+        # (none on another host's pipeline stage). Only that device's block
+        # is copied to the host: never the variable.
         device_ids = layout.mesh.local_device_ids()
+        components = dtensor.unpack(backing.read_value()) if device_ids \
+            else []
+        locations = placement.local_locations(layout.mesh)
         owners = _block_owners(shape, spec, axis_sizes, layout.mesh)
 
     for component, location, device in zip(components, locations,
@@ -586,11 +590,13 @@ def _block_owners(shape, spec, axis_sizes, dmesh):
     """{block ranges: the lowest global id of the devices holding it}, over
     every device of the mesh (global ids in row-major mesh order)."""
     owners = {}
-    for device in range(dmesh.size):
-        coords = np.unravel_index(device, tuple(dmesh.shape()))
+    ids = np.ravel(dmesh.global_device_ids())
+    for position in range(dmesh.size):
+        coords = np.unravel_index(position, tuple(dmesh.shape()))
         location = dict(zip(dmesh.dim_names, (int(c) for c in coords)))
         owners.setdefault(
-            placement.block_ranges(shape, spec, axis_sizes, location), device)
+            placement.block_ranges(shape, spec, axis_sizes, location),
+            int(ids[position]))
     return owners
 
 
@@ -869,8 +875,11 @@ def _assemble(variable, record, opened):
     spec, axis_sizes, layout = _layout_of(backing)
     if layout is None:
         return _cut([(0, n) for n in shape], opened, record)
+    if not layout.mesh.local_device_ids():  # another host's stage
+        return dtensor.call_with_layout(tf.zeros, layout, shape=shape,
+                                        dtype=backing.dtype)
     cache, components = {}, []
-    for location in layout.mesh.local_device_locations():
+    for location in placement.local_locations(layout.mesh):
         # The target block of this device (same math as on save, with the
         # target's spec and mesh); devices with equal blocks share one read.
         target = placement.block_ranges(shape, spec, axis_sizes, location)

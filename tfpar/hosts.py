@@ -31,10 +31,12 @@ Example (two processes; in the second, `host_id=1`):
 >>> tfpar.connect_hosts(["localhost:23451", "localhost:23452"], host_id=0)
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
 
-Not yet across hosts: meshes over a subset or a reordering of the
-devices, hence pipeline stages (`Mesh` refuses them on every host);
-`visualize_layout` and
-`summary` show this host's devices only. Host names or IPv4 addresses only
+Pipeline stages may live on different hosts: with the pipe axis first,
+along the hosts, each stage's sub-mesh is consecutive devices of one host
+and `PipelineModel` trains with a host-driven step
+(`tfpar.pipeline.cross_host`). Not across hosts: other meshes over a
+subset or a reordering of the devices (`Mesh` refuses them on every host);
+`visualize_layout` and `summary` show this host's devices only. Host names or IPv4 addresses only
 (no IPv6). Tested only with processes on one machine (`tests/test_hosts.py`).
 """
 

@@ -299,12 +299,14 @@ def _host_blocks(mesh, data_axis):
     order: host h holds [h * count, (h + 1) * count)."""
     hosts, host = dtensor.num_clients(), dtensor.client_id()
     size = mesh.axis_size(data_axis)
-    coordinates = sorted({location[data_axis] for location in
-                          mesh.dtensor_mesh.local_device_locations()}) \
-        if data_axis in mesh.shape else [0]
-    count = len(coordinates)
-    if size % hosts or coordinates != list(
-            range(host * count, (host + 1) * count)) or count * hosts != size:
+    held = _data_coordinates_of_hosts(mesh, data_axis, hosts)
+    count = len(held[host])
+    # Checked for every host, so that every host raises alike.
+    wrong = [h for h in range(hosts) if held[h] != list(
+        range(h * count, (h + 1) * count))]
+    if size % hosts or wrong or count * hosts != size:
+        host = (wrong or [host])[0]
+        coordinates = held[host]
         raise ValueError(
             "per_host_input=True needs each host to hold its own range of "
             f"the data axis {data_axis!r}: {hosts} host(s) and a data axis of "
@@ -314,7 +316,22 @@ def _host_blocks(mesh, data_axis):
             "the first axis and a multiple of the number of hosts (e.g. "
             "Mesh({'data': hosts * k, 'model': m})), or leave "
             "per_host_input=False (every host reads every global batch).")
-    return coordinates[0], count
+    return held[host][0], count
+
+
+def _data_coordinates_of_hosts(mesh, data_axis, hosts):
+    """{host: sorted data coordinates its devices hold} (global device i
+    is on host i // L, L devices per host; mesh positions row-major)."""
+    if data_axis not in mesh.shape:
+        return {h: [0] for h in range(hosts)}
+    per_host = dtensor.num_local_devices(mesh.device_type)
+    axis = mesh.axis_names.index(data_axis)
+    shape = tuple(mesh.shape.values())
+    held = {h: set() for h in range(hosts)}
+    for position, device in enumerate(mesh.devices):
+        owner = int(device.rsplit(":", 1)[1]) // per_host
+        held[owner].add(int(np.unravel_index(position, shape)[axis]))
+    return {h: sorted(c) for h, c in held.items()}
 
 
 def _value_of_every_host(value):

@@ -318,29 +318,53 @@ class Mesh:
         return self._dtensor_mesh
 
     def _cluster_mesh(self):
-        """The DTensor mesh over several hosts (see `tfpar.connect_hosts`):
+        """The DTensor mesh over several hosts (see `tfpar.connect_hosts`).
+
         DTensor numbers a multi-host mesh's devices in order, host h's
-        local device k being global device h * L + k, so the mesh must use
-        all devices in that order (the same check fails on every host)."""
+        local device k being global device h * L + k (L devices per host),
+        and needs a mesh's ids increasing by one. So a mesh across hosts
+        is either all devices in order, or consecutive devices of one host
+        (a pipeline stage's sub-mesh when the pipe axis runs along the
+        hosts): built on every host, its local devices this host's ([] on
+        the others). Anything else (a reordering, a subset over part of
+        several hosts) is refused by the same check on every host."""
         kind = self.device_type
         per_host = dtensor.num_local_devices(kind)
         host = dtensor.client_id()
         everything = default_devices()
-        if list(self._devices) != everything:
+        ids = [_device_index(d) for d in self._devices]
+        whole = ids == list(range(len(everything)))
+        one_host = (ids == list(range(ids[0], ids[0] + len(ids)))
+                    and ids[0] // per_host == ids[-1] // per_host)
+        if not (whole or one_host):
             raise ValueError(
                 f"Across hosts a mesh must use all {len(everything)} devices "
-                f"in order ({_device_range(everything)}). Received: {self!r}. "
-                "Subsets and reorderings, hence pipeline stages, are not "
-                "supported across hosts yet.")
-        ids = list(range(len(everything)))
-        local_ids = ids[host * per_host:(host + 1) * per_host]
-        local_devices = [
-            tf.DeviceSpec(job=dtensor.job_name(), replica=0, task=host,
-                          device_type=kind, device_index=i - host * per_host)
-            for i in local_ids]
+                f"in order ({_device_range(everything)}) or consecutive "
+                f"devices of one host ({per_host} per host: e.g. CPU:"
+                f"{per_host}..CPU:{2 * per_host - 1} of host 1). Received: "
+                f"{self!r}. Reorderings and subsets spanning several hosts "
+                "are not supported across hosts; for pipeline stages put "
+                "the pipe axis first (Mesh({'pipe': hosts, ...})).")
+        local_ids = [i for i in ids if i // per_host == host]
+
+        def spec(i):
+            return tf.DeviceSpec(job=dtensor.job_name(), replica=0,
+                                 task=i // per_host, device_type=kind,
+                                 device_index=i % per_host)
+
+        extra = {} if whole else {"global_devices": [spec(i) for i in ids]}
         return dtensor.Mesh(
             list(self._axes), np.array(ids).reshape(tuple(self._axes.values())),
-            local_ids, local_devices)
+            local_ids, [spec(i) for i in local_ids], **extra)
+
+    def is_local(self):
+        """Whether this host holds any of the mesh's devices (always on one
+        host; across hosts, False for another host's stage sub-mesh).
+
+        >>> tfpar.Mesh({"pipe": 2, "data": 4}).submesh("pipe", 1).is_local()
+        True
+        """
+        return bool(self.dtensor_mesh.local_device_ids())
 
     def __eq__(self, other):
         return (

@@ -59,11 +59,17 @@ def put(value, spec, mesh, dtype=None):
         if array.dtype != dtype.as_numpy_dtype:
             array = array.astype(dtype.as_numpy_dtype)
     layout = layout_lib.to_dtensor_layout(spec, mesh)
+    if not layout.mesh.local_device_ids():
+        # Another host's mesh (a pipeline stage across hosts): this host
+        # holds none of it, and packing [] there crashes DTensor; a value
+        # of the right layout that this host never reads stands in.
+        return dtensor.call_with_layout(tf.zeros, layout, shape=array.shape,
+                                        dtype=array.dtype)
     if layout.is_fully_replicated():
         return dtensor.copy_to_mesh(tf.constant(array), layout)
     blocks = {}
     components = []
-    for location in mesh.dtensor_mesh.local_device_locations():
+    for location in local_locations(mesh.dtensor_mesh):
         index = block_index(array.shape, spec, mesh.shape, location)
         key = tuple((s.start, s.stop) for s in index)
         if key not in blocks:
@@ -150,6 +156,9 @@ def fetch(value):
     if not dtensor.is_dtensor(value):
         return np.asarray(value)
     layout = dtensor.fetch_layout(value)
+    owner = host_of(layout.mesh)
+    if dtensor.num_clients() > 1 and owner is not None:
+        return _from_host(value, layout, owner)
     if layout.is_fully_replicated():
         return dtensor.unpack(value)[0].numpy()
     dmesh = layout.mesh
@@ -157,10 +166,64 @@ def fetch(value):
         # Multi-client: the blocks are spread over hosts; gather them first.
         replicated = dtensor.Layout.replicated(dmesh, layout.rank)
         return dtensor.unpack(dtensor.relayout(value, replicated))[0].numpy()
+    return _assemble(value, layout)
+
+
+def _assemble(value, layout):
+    """The global value of `value`, from its blocks (all on this host)."""
+    dmesh = layout.mesh
     components = dtensor.unpack(value)
     out = np.empty(value.shape.as_list(), dtype=value.dtype.as_numpy_dtype)
     spec = layout_lib.spec_of(layout)
     axis_sizes = dict(zip(dmesh.dim_names, dmesh.shape()))
-    for component, loc in zip(components, dmesh.local_device_locations()):
+    for component, loc in zip(components, local_locations(dmesh)):
         out[block_index(out.shape, spec, axis_sizes, loc)] = component.numpy()
     return out
+
+
+def local_locations(dtensor_mesh):
+    """{axis: coordinate} of each of this host's devices of `dtensor_mesh`,
+    in its local order: DTensor's `local_device_locations`, which (TF
+    2.21) keys mesh positions by device id and so fails on a mesh whose
+    ids do not start at 0 (another host's pipeline stage)."""
+    positions = {int(i): p for p, i in enumerate(
+        np.ravel(dtensor_mesh.global_device_ids()))}
+    mapping = dtensor_mesh.unravel_index()  # position -> coordinates
+    return [mapping[positions[int(i)]]
+            for i in dtensor_mesh.local_device_ids()]
+
+
+def host_of(dtensor_mesh):
+    """The host holding every device of `dtensor_mesh` (0 on one host),
+    None when it spans several hosts (across hosts, DTensor's global
+    device i is device i mod L of host i // L)."""
+    if dtensor.num_clients() == 1:
+        return 0
+    per_host = dtensor.num_local_devices(dtensor_mesh.device_type())
+    hosts = {int(i) // per_host
+             for i in np.ravel(dtensor_mesh.global_device_ids())}
+    return hosts.pop() if len(hosts) == 1 else None
+
+
+def _from_host(value, layout, owner):
+    """The global value of `value` (on a mesh of host `owner`'s devices
+    only) on every host (see `from_host`)."""
+    if dtensor.client_id() == owner:
+        array = _assemble(value, layout)
+    else:
+        array = np.zeros(value.shape.as_list(),
+                         dtype=value.dtype.as_numpy_dtype)
+    return from_host(array, owner)
+
+
+def from_host(array, owner):
+    """Host `owner`'s numeric `array` on every host (the others pass any
+    array of its shape and dtype, e.g. zeros): the owner's first device
+    contributes it to an all-reduce over every device, the others add
+    zeros (exact). A collective: every host calls it, in the same order."""
+    array = np.asarray(array)
+    if dtensor.num_clients() == 1:
+        return array
+    first = owner * dtensor.num_local_devices(
+        dtensor.preferred_device_type())
+    return _sum_over_devices(array, lambda device, _: device == first)

@@ -62,14 +62,16 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import styles
 from tfpar import training
+from tfpar.pipeline import cross_host
 from tfpar.pipeline import schedules as schedules_lib
 from tfpar.pipeline import split as split_lib
 from tfpar.pipeline import tied as tied_lib
 from tfpar.pipeline.part import ModelPart, inseparable_message
-from tfpar.pipeline.runner import Microbatching, PipelineRunner
+from tfpar.pipeline.runner import Microbatching
 
 
-class PipelineModel(keras.Model, training.StagedModel):
+class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
+                    training.StagedModel):
     """Runs a Sequential or functional model as a pipeline of stages.
 
     Create it inside `strategy.scope()` of a `tfpar.ParallelStrategy` whose
@@ -154,6 +156,7 @@ class PipelineModel(keras.Model, training.StagedModel):
             _check_separable(model, full_schedule.name)
         layers = split_lib.split_model(model, num_stages * virtual_stages,
                                        stage_boundaries, costs)
+        cross_host.check_supported(model, layers, full_schedule, extended)
         super().__init__(name=name or f"pipeline_{model.name}")
         self.wrapped = model
         self._extended = extended
@@ -164,8 +167,7 @@ class PipelineModel(keras.Model, training.StagedModel):
             extended.stage_meshes[0].axis_size(extended.data_axis))
         self.record_timeline = record_timeline
         self.last_timeline = None
-        self._optimizers = None
-        self._learning_rate = None
+        self._optimizers = self._learning_rate = None
         self._eager_runner = None
         # The unpipelined copy `generate` runs, in a holder Keras does not
         # track (its weights are not the pipeline's).
@@ -418,15 +420,16 @@ class PipelineModel(keras.Model, training.StagedModel):
     # -- the protocol of `tfpar.training.StagedModel` ---------------------------
 
     def make_runner(self, mode):
-        """The `PipelineRunner` of Keras step `mode`."""
-        return PipelineRunner(self, mode)
+        """The `PipelineRunner` of Keras step `mode` (across hosts its
+        host-driven form, `cross_host.CrossHostRunner`)."""
+        return cross_host.runner_class(self._extended)(self, mode)
 
     def eager_call(self, args, kwargs):
         """`model(x)` on concrete inputs: the pipeline's forward pass."""
         x = args[0] if args else kwargs.pop("inputs")
         x = tf.nest.map_structure(tf.convert_to_tensor, x)
         if self._eager_runner is None:
-            self._eager_runner = PipelineRunner(self, "predict")
+            self._eager_runner = self.make_runner("predict")
         return tf.nest.map_structure(
             tf.constant, self._eager_runner.predict_inputs(x))
 

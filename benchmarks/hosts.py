@@ -1,0 +1,136 @@
+"""A pipeline across two hosts vs the same mesh on one host: step time and
+the bytes each host sends per step.
+
+Run it with
+
+    python benchmarks/hosts.py             # width 512, 20 timed steps
+    python benchmarks/hosts.py --quick     # width 128, 5 timed steps
+    python benchmarks/hosts.py --help
+
+It trains one MLP (Input(W) -> 4 x Dense(W, relu) -> Dense(8); Megatron
+rules: the 1st and 3rd Dense column-parallel, the 2nd and 4th row-parallel)
+as a `tfpar.PipelineModel` (2 stages, 4 micro-batches, 1F1B, batch 64, Adam)
+on the mesh pipe=2 × data=2 × model=2, twice, each in fresh processes:
+
+- 1 host × 8 virtual CPUs: one process; the pipeline's one-`tf.function`
+  step (`tfpar.pipeline.runner`);
+- 2 hosts × 4 virtual CPUs: `python -m tfpar.launch --hosts 2
+  --virtual-cpus 4`, stage s on host s; the host-driven step of
+  `tfpar.pipeline.cross_host` (each backward recomputes its forward; each
+  stage-to-stage move an all-gather over the hosts).
+
+Each run does 3 untimed steps (compilation), then `--steps` timed
+`train_on_batch` calls (each returns the loss: the host waits for the
+step); the median is shown. "Bytes sent per step" counts what this host's
+devices put into the bridge's all-gathers (`cross_host.Bridge`: each
+device's block of every activation and gradient crossing the hosts, or
+zeros when the other host sends, times the other hosts); the stages'
+own collectives (tensor-parallel all-reduces, the data-axis gradient
+all-reduce) are the same on one host and not counted. Both hosts are
+processes on this one machine (loopback gRPC, CPUs shared): the ratio
+shows the cost of the host-driven step and of gRPC, not of a network.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def worker(width, steps):
+    """One host's run; prints a JSON line of its results."""
+    import tfpar  # noqa: PLC0415
+
+    if tfpar.connect_hosts(timeout=120) == 1:
+        tfpar.use_virtual_cpus(8)
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from tfpar.pipeline import cross_host  # noqa: PLC0415
+
+    rules = tfpar.LayoutRules({r".*d[02]/kernel": (None, "model"),
+                               r".*d[02]/bias": ("model",),
+                               r".*d[13]/kernel": ("model", None)})
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"pipe": 2, "data": 2, "model": 2}), rules=rules)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((width,))] + [
+            keras.layers.Dense(width, activation="relu", name=f"d{i}")
+            for i in range(4)] + [keras.layers.Dense(8, name="head")])
+        pipe = tfpar.PipelineModel(model, num_microbatches=4,
+                                   stage_boundaries=["d2"])
+        pipe.compile(optimizer="adam", loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(64, width)).astype("float32")
+    y = rng.normal(size=(64, 8)).astype("float32")
+    for _ in range(3):
+        pipe.train_on_batch(x, y)
+    sent = cross_host.Bridge.total_bytes_sent
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        pipe.train_on_batch(x, y)
+        seconds.append(time.perf_counter() - start)
+    print("RESULT " + json.dumps({
+        "host": tfpar.hosts.host_id(), "hosts": tfpar.hosts.num_hosts(),
+        "step_s": float(np.median(seconds)),
+        "bytes_per_step": (cross_host.Bridge.total_bytes_sent - sent)
+        / steps}), flush=True)
+
+
+def run(hosts, width, steps):
+    """Results of every host of one configuration."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DTENSOR_", "TFPAR_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    command = [os.path.abspath(__file__), "--worker", "--width", str(width),
+               "--steps", str(steps)]
+    if hosts > 1:
+        command = ["-m", "tfpar.launch", "--hosts", str(hosts),
+                   "--virtual-cpus", "4"] + command
+    result = subprocess.run([sys.executable] + command, env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=1800)
+    found = [json.loads(line.split("RESULT ", 1)[1])
+             for line in result.stdout.splitlines() if "RESULT " in line]
+    if result.returncode or len(found) != hosts:
+        raise RuntimeError(f"{hosts}-host run failed:\n"
+                           f"{(result.stdout + result.stderr)[-4000:]}")
+    return sorted(found, key=lambda r: r["host"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true",
+                        help="width 128, 5 timed steps")
+    parser.add_argument("--worker", action="store_true",
+                        help="(internal) one host's run")
+    options = parser.parse_args()
+    if options.quick:
+        options.width, options.steps = 128, 5
+    if options.worker:
+        worker(options.width, options.steps)
+        return
+    one = run(1, options.width, options.steps)[0]
+    two = run(2, options.width, options.steps)
+    print(f"pipe=2 x data=2 x model=2, MLP width {options.width}, batch 64, "
+          f"4 micro-batches, 1F1B, Adam; median of {options.steps} steps")
+    print(f"  1 host x 8 CPUs:  {one['step_s'] * 1e3:8.1f} ms/step")
+    for r in two:
+        print(f"  2 hosts x 4 CPUs, host {r['host']}: "
+              f"{r['step_s'] * 1e3:8.1f} ms/step "
+              f"({r['step_s'] / one['step_s']:.2f}x), "
+              f"{r['bytes_per_step'] / 1e6:.3f} MB sent per step "
+              "through the bridge")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""One host of a pipeline across two hosts (run by tests/test_hosts_pipeline.py).
+
+    python -m tfpar.launch --hosts 2 --virtual-cpus 4 \
+        hosts_pipeline_child.py WORKDIR CASE...
+
+Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]", e.g.
+"pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
+`tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
+Keras' defaults). For each case the script (nothing host-specific:
+`tfpar.connect_hosts()` reads the launcher's environment) trains
+`models.host_mlp` (pipe=2; `host_deep_mlp` for pipe=4, weights "d<i>";
+Megatron rules on "model") as a
+PipelineModel with 2 micro-batches from WORKDIR/given.npz, batch 16, one
+epoch in order, and writes to WORKDIR/CASE-host<I>.npz: per-batch losses,
+final weights (`get_weights`), evaluate and predict results, and, per
+weight and optimizer slot, the global ids of the devices this host holds
+blocks of. With ":ckpt" it then saves a sharded checkpoint, restores it
+into a fresh pipeline and trains both one more epoch (`checkpoint`). CASE
+"refusals" writes WORKDIR/refusals-host<I>.npz: the errors
+of what stays refused across hosts.
+"""
+
+import re
+import sys
+
+import tfpar
+
+tfpar.connect_hosts(timeout=120)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
+
+import models  # noqa: E402
+
+
+def local_ids(variable):
+    """Global ids of this host's devices holding blocks of `variable`."""
+    mesh = dtensor.fetch_layout(variable.value).mesh
+    return [int(i) for i in mesh.local_device_ids()]
+
+
+def build(case, weights):
+    """The case's strategy and compiled PipelineModel, from `weights`."""
+    axes, schedule, optimizer = case.split(":")[:3]
+    shape = {name: int(size) for name, size in
+             re.findall(r"([a-z]+)(\d+)", axes)}
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape), rules=(
+        tfpar.LayoutRules(models.HOST_RULES) if "model" in shape else None))
+    with strategy.scope():
+        model = models.host_mlp() if shape["pipe"] == 2 else \
+            models.host_deep_mlp()
+        pipe = tfpar.PipelineModel(model, num_microbatches=2,
+                                   schedule=schedule)
+        pipe.set_weights(weights)
+        pipe.compile(optimizer=keras.optimizers.Adam(0.01)
+                     if optimizer == "adam" else keras.optimizers.SGD(),
+                     loss="mse", metrics=["mae"])
+    return pipe
+
+
+def checkpoint(workdir, case, pipe, given, out):
+    """Saves a sharded checkpoint (every host its blocks), restores it into
+    a fresh pipeline of the same layout, and trains both one more epoch:
+    the restored one must continue exactly."""
+    directory = f"{workdir}/{case.replace(':', '_')}-ckpt"
+    tfpar.save_checkpoint(pipe, directory)
+    fresh = build(case, [np.zeros_like(w) for w in pipe.get_weights()])
+    out["restored_step"] = tfpar.restore_checkpoint(fresh, directory)
+    out["restored_predict"] = fresh.predict(given["x"], batch_size=16,
+                                            verbose=0)
+    for name, model in (("continued", pipe), ("resumed", fresh)):
+        losses = models.BatchLosses()
+        model.fit(given["x"], given["y"], batch_size=16, epochs=1,
+                  shuffle=False, verbose=0, callbacks=[losses])
+        out[f"{name}_losses"] = np.array(losses.losses)
+
+
+def run(workdir, case):
+    given = np.load(f"{workdir}/given.npz")
+    deep = case.startswith("pipe4")
+    pipe = build(case, [given[f"{'d' if deep else 'w'}{i}"]
+                        for i in range(10 if deep else 6)])
+    losses = models.BatchLosses()
+    pipe.fit(given["x"], given["y"], batch_size=16, epochs=1, shuffle=False,
+             verbose=0, callbacks=[losses])
+    out = {"losses": np.array(losses.losses),
+           "evaluate": np.array(pipe.evaluate(given["x"], given["y"],
+                                              batch_size=16, verbose=0)),
+           "predict": pipe.predict(given["x"], batch_size=16, verbose=0)}
+    out.update({f"w{i}": w for i, w in enumerate(pipe.get_weights())})
+    held = {w.path: local_ids(w) for w in pipe.weights}
+    for optimizer_ in pipe.stage_optimizers:
+        held.update({v.path: local_ids(v) for v in optimizer_.variables
+                     if "iteration" not in v.path
+                     and "learning_rate" not in v.path})
+    out["held"] = repr(held)
+    out["split"] = pipe.split_report()
+    if case.endswith(":ckpt"):
+        checkpoint(workdir, case, pipe, given, out)
+    host = tfpar.hosts.host_id()
+    np.savez(f"{workdir}/{case}-host{host}.npz",
+             **{k: np.asarray(v) for k, v in out.items()})
+
+
+def refused(build, fit=False, **options):
+    """The error of `tfpar.PipelineModel(build(), 2, **options)` on pipe=2 ×
+    data=4 (and, with `fit`, of fitting it; "" if none); `per_host_input`
+    goes to the strategy."""
+    per_host = options.pop("per_host_input", False)
+    try:
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}),
+                                          per_host_input=per_host)
+        with strategy.scope():
+            pipe = tfpar.PipelineModel(build(), num_microbatches=2,
+                                       **options)
+            pipe.compile(optimizer="sgd", loss="mse")
+        if fit:
+            pipe.fit(np.zeros((16, 16)), np.zeros((16, 3)), batch_size=16,
+                     verbose=0)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def dropout_mlp():
+    return keras.Sequential([keras.Input((16,)),
+                             keras.layers.Dense(8, name="d0"),
+                             keras.layers.Dropout(0.5, name="drop"),
+                             keras.layers.Dense(3, name="d1")])
+
+
+def refusals(workdir):
+    """What stays refused across hosts, as each host's error message: a
+    zero-bubble schedule, interleaving, a random layer, per-host input,
+    record_timeline (at fit), and a mesh whose stages would straddle the
+    hosts (pipe not first)."""
+    out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
+           "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
+           "random": refused(dropout_mlp),
+           "per_host": refused(models.host_mlp, per_host_input=True),
+           "timeline": refused(models.host_mlp, fit=True,
+                               record_timeline=True)}
+    try:
+        tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "pipe": 2,
+                                           "model": 2})).stage_meshes[
+            0].dtensor_mesh  # noqa: B018
+        out["straddling"] = ""
+    except ValueError as error:
+        out["straddling"] = str(error)
+    np.savez(f"{workdir}/refusals-host{tfpar.hosts.host_id()}.npz", **out)
+
+
+def main():
+    workdir, cases = sys.argv[1], sys.argv[2:]
+    for case in cases:
+        if case == "refusals":
+            refusals(workdir)
+        else:
+            run(workdir, case)
+    print(f"host {tfpar.hosts.host_id()} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Pipeline stages on different hosts: two processes on this machine, 4
+virtual CPUs each, started by `python -m tfpar.launch` (the child,
+tests/hosts_pipeline_child.py, calls nothing host-specific).
+
+A `PipelineModel` of `models.host_mlp` whose pipe axis runs along the hosts
+(one stage per host) trains with the host-driven step of
+`tfpar.pipeline.cross_host` in parity with single-device Keras on the same
+weights and data: per-batch losses, final weights, evaluate and predict
+within 1e-4 relative (fp32); each host holds only its stage's weights and
+optimizer slots; both hosts read back the same weights. What stays refused
+across hosts is the same clear error on both hosts.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import models
+import tfpar
+
+TESTS = Path(__file__).resolve().parent
+CHILD = TESTS / "hosts_pipeline_child.py"
+RTOL = 1e-4
+# One stage per host (with tensor parallelism inside), and two stages per
+# host (moves inside a host and across) with a checkpoint; the rest slow.
+DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt"]
+SLOW = ["pipe2-data4:1f1b:sgd", "pipe2-data2-model2:1f1b:sgd",
+        "pipe2-data4:gpipe:adam"]
+
+
+def launch(workdir, cases, timeout=900):
+    """Runs the child on 2 hosts for `cases`; asserts that both finished."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DTENSOR_", "TFPAR_"))}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.launch", "--hosts", "2",
+         "--virtual-cpus", "4", str(CHILD), str(workdir), *cases],
+        capture_output=True, text=True, timeout=timeout, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    return output
+
+
+def given(workdir):
+    keras.utils.set_random_seed(0)
+    weights = models.host_mlp().get_weights()
+    deep = models.host_deep_mlp().get_weights()
+    x, y = models.mlp_data(n=64)
+    np.savez(workdir / "given.npz", x=x, y=y,
+             **{f"w{i}": w for i, w in enumerate(weights)},
+             **{f"d{i}": w for i, w in enumerate(deep)})
+
+
+def plain_model(workdir, case):
+    """The case's model on one device, with the given initial weights."""
+    data = np.load(workdir / "given.npz")
+    if case.startswith("pipe4"):
+        model = models.host_deep_mlp()
+        model.set_weights([data[f"d{i}"] for i in range(10)])
+    else:
+        model = models.host_mlp()
+        model.set_weights([data[f"w{i}"] for i in range(6)])
+    return model, data
+
+
+def one_device(workdir, case):
+    """The single-device run the child's pipeline must match: (per-batch
+    losses, weights, evaluate, predict, the next epoch's losses)."""
+    model, data = plain_model(workdir, case)
+    model.compile(optimizer=keras.optimizers.Adam(0.01)
+                  if case.split(":")[2] == "adam" else keras.optimizers.SGD(),
+                  loss="mse", metrics=["mae"])
+    results = []
+    for _ in range(2):
+        losses = models.BatchLosses()
+        model.fit(data["x"], data["y"], batch_size=16, epochs=1,
+                  shuffle=False, verbose=0, callbacks=[losses])
+        results.append(losses.losses)
+        if len(results) == 1:
+            results += [model.get_weights(), model.evaluate(
+                data["x"], data["y"], batch_size=16, verbose=0),
+                model.predict(data["x"], batch_size=16, verbose=0)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("hosts_pipeline")
+    given(workdir)
+    launch(workdir, DEFAULT + ["refusals"])
+    return workdir
+
+
+def check_case(workdir, case):
+    losses, weights, evaluated, predicted, _ = one_device(workdir, case)
+    hosts = [np.load(workdir / f"{case}-host{h}.npz") for h in (0, 1)]
+    assert len(losses) == 4  # 64 samples, batch 16
+    for host in hosts:
+        assert models.relative_error(losses, host["losses"]) < RTOL
+        assert models.relative_error(evaluated, host["evaluate"]) < RTOL
+        assert models.relative_error(predicted, host["predict"]) < RTOL
+        for i, want in enumerate(weights):
+            assert models.relative_error(want, host[f"w{i}"]) < RTOL
+    # One program: both hosts report the same losses and read back the
+    # same weights.
+    np.testing.assert_array_equal(hosts[0]["losses"], hosts[1]["losses"])
+    for i in range(len(weights)):
+        np.testing.assert_array_equal(hosts[0][f"w{i}"], hosts[1][f"w{i}"])
+    return hosts
+
+
+@pytest.mark.parametrize("case", DEFAULT)
+def test_stages_on_two_hosts_train_in_parity_with_one_device(default_run,
+                                                             case):
+    check_case(default_run, case)
+
+
+def check_held(hosts, stage_of, stage_size):
+    """Each weight and slot of stage s (`stage_of` a layer name) has blocks
+    on stage s's devices of its host only, none on the other host."""
+    held = [ast.literal_eval(str(host["held"])) for host in hosts]
+    slots = [p for p in held[0] if p.startswith("adam")]  # adam_1/...
+    assert len(slots) == 2 * len(held[0]) // 3  # momentum, velocity each
+    for path in held[0]:
+        stage = next(s for name, s in stage_of.items() if name in path)
+        owner = stage * stage_size // 4  # 4 devices per host
+        devices = [stage * stage_size + d for d in range(stage_size)]
+        assert held[owner][path] == devices, path
+        assert held[1 - owner][path] == [], path
+
+
+def test_each_host_holds_only_its_stages_weights_and_slots(default_run):
+    """Stage 0 (up0) on host 0's devices 0..3, stage 1 (down0, head) on
+    host 1's 4..7 (split_report's cut); pipe=4: two stages per host. The
+    other host holds no block of them, Adam's slots likewise."""
+    check_held([np.load(default_run / f"{DEFAULT[0]}-host{h}.npz")
+                for h in (0, 1)], {"up0": 0, "down0": 1, "head": 1}, 4)
+    check_held([np.load(default_run / f"{DEFAULT[1]}-host{h}.npz")
+                for h in (0, 1)],
+               {"up0": 0, "down0": 1, "up1": 2, "down1": 3, "head": 3}, 2)
+
+
+def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
+        default_run):
+    hosts = [np.load(default_run / f"refusals-host{h}.npz") for h in (0, 1)]
+    for key in ("zero_bubble", "interleaved", "random", "per_host",
+                "timeline", "straddling"):
+        assert str(hosts[0][key]) == str(hosts[1][key])
+    assert "does not support schedule='zb-h1'" in str(hosts[0]["zero_bubble"])
+    assert "Use schedule='gpipe' or '1f1b'" in str(hosts[0]["zero_bubble"])
+    assert "does not support virtual_stages=2" in str(hosts[0]["interleaved"])
+    assert "random layers ['drop']" in str(hosts[0]["random"])
+    assert "Received: record_timeline=True" in str(hosts[0]["timeline"])
+    # Per-host input: the pipe axis along the hosts gives each host every
+    # data coordinate (the strategy refuses it, naming host 1 on both).
+    assert "per_host_input=True needs each host to hold its own range" in \
+        str(hosts[0]["per_host"])
+    assert "host 1 holding data coordinates [0, 1, 2, 3]" in str(
+        hosts[0]["per_host"])
+    message = str(hosts[0]["straddling"])
+    assert "consecutive devices of one host" in message
+    assert "devices=[CPU:0, CPU:1, CPU:4, CPU:5]" in message
+
+
+def test_two_stages_per_host_and_their_checkpoint(default_run):
+    """pipe=4 × data=2: stages 0, 1 on host 0 and 2, 3 on host 1 (moves
+    inside a host and across). The sharded checkpoint (each host wrote its
+    stages' blocks) restores into a fresh pipeline of the same layout
+    (predictions equal), which then trains on exactly as the original does
+    and as one device's second epoch does; and restores into plain Keras
+    on one device here."""
+    case = DEFAULT[1]
+    *_, predicted, second_epoch = one_device(default_run, case)
+    for host in check_case(default_run, case):
+        assert int(host["restored_step"]) == 4
+        assert models.relative_error(predicted,
+                                     host["restored_predict"]) < RTOL
+        assert models.relative_error(second_epoch,
+                                     host["continued_losses"]) < RTOL
+        assert models.relative_error(second_epoch,
+                                     host["resumed_losses"]) < RTOL
+    directory = default_run / f"{case.replace(':', '_')}-ckpt"
+    files = sorted(p.name for p in (directory / "ckpt-4").iterdir())
+    # up0 on stage 0 (devices 0, 1: replicated, device 0 writes), up1 on
+    # stage 2 (host 1's devices 4, 5: device 4 writes).
+    assert [f for f in files if "_up0_kernel.b" in f] == [
+        "v0000_deep_mlp_up0_kernel.b0.npy"]
+    assert [f for f in files if "_up1_kernel.b" in f] == [
+        "v0004_deep_mlp_up1_kernel.b4.npy"]
+    plain, data = plain_model(default_run, case)
+    tfpar.restore_checkpoint(plain, directory, optimizer=False)
+    assert models.relative_error(predicted, plain.predict(
+        data["x"], batch_size=16, verbose=0)) < RTOL
+
+
+@pytest.mark.slow
+def test_other_schedules_and_optimizers_in_parity(tmp_path):
+    given(tmp_path)
+    launch(tmp_path, SLOW)
+    for case in SLOW:
+        check_case(tmp_path, case)

@@ -1,0 +1,429 @@
+"""Pipeline stages on different hosts: the host-driven step.
+
+With several hosts (`tfpar.connect_hosts`) and the pipe axis along them
+(e.g. `Mesh({"pipe": 2, "data": 2, "model": 2})` on 2 hosts × 4 devices),
+each stage's sub-mesh lies on one host. DTensor (TF 2.21) cannot copy a
+tensor between two hosts' meshes ("Send and receive hosts don't match",
+`tests/dtensor_cross_host_repro.py`), so the one-`tf.function` step of
+`tfpar.pipeline.runner` cannot run. `CrossHostRunner` runs the schedule's
+actions from Python instead, on every host in the same order:
+
+- F(k, i): part k's forward of micro-batch i, a `tf.function` on its
+  stage's mesh. Only the host holding that mesh computes it; every other
+  host runs it too, as a no-op on stand-ins of the right layout (DTensor
+  numbers the collectives of the programs each host compiles in order, so
+  every host must compile the same programs in the same order: case (d)
+  of `tests/dtensor_cross_host_repro.py`);
+- B(k, i): part k's backward, a `tf.function` that recomputes the forward
+  under a tape (a tape cannot outlive a `tf.function` call) and takes the
+  vector-Jacobian product with the output gradients from part k+1 (the
+  last part: its loss, whose metrics it updates); the weight gradients are
+  summed over the micro-batches;
+- a move from part k to a part on another host is `Bridge.move`: the
+  sender puts each device's block in its slot of a tensor laid out over
+  every device of the cluster, a compiled all-gather over the hosts
+  carries the slots across, and the receiver packs its slots onto its
+  stage's mesh (exact; each device sends its block, or zeros, to every
+  other host). Moves between two meshes of one host go through that host
+  alone (its blocks, device by device);
+- after the last action each part's optimizer applies its summed
+  gradients (a `tf.function` each); logs and predictions are the owner's
+  values, sent to every host (`tfpar.placement.fetch`: a collective).
+
+Each backward recomputes its forward, so a step costs one more forward
+per stage but the last (whose forward runs inside its backward); hence
+random layers (Dropout) are refused, as are zero-bubble schedules,
+interleaving and weights tied across stages (`check_supported`).
+
+Example (the same script on every host, e.g. under `python -m
+tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
+
+>>> tfpar.connect_hosts()                                 # doctest: +SKIP
+>>> strategy = tfpar.ParallelStrategy(tfpar.Mesh(
+...     {"pipe": 2, "data": 2, "model": 2}))              # doctest: +SKIP
+>>> with strategy.scope():                                # doctest: +SKIP
+...     pipe = tfpar.PipelineModel(model, num_microbatches=2)
+>>> pipe.fit(x, y, batch_size=16)                         # doctest: +SKIP
+"""
+
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import _compat
+from tfpar import collectives
+from tfpar import layout as layout_lib
+from tfpar import placement
+from tfpar.pipeline.runner import PipelineRunner
+from tfpar.pipeline.schedules import FORWARD
+from tfpar.pipeline.tied import accumulate
+
+
+def spans_hosts(extended):
+    """Whether pipeline stages live on different hosts."""
+    return dtensor.num_clients() > 1 and len(extended.stage_meshes) > 1
+
+
+def check_supported(model, parts, schedule, extended):
+    """Raises (on every host alike, before any step) for what the
+    host-driven step does not run: split backwards, interleaving, weights
+    tied across stages, random layers (each backward recomputes its
+    forward, which would draw other random numbers). (Per-host input is
+    refused by the strategy: the pipe axis along the hosts gives every
+    host every data coordinate.)"""
+    if not spans_hosts(extended):
+        return
+    random = [layer.name for layer in _compat.all_layers(model)
+              if getattr(layer, "seed_generator", None) is not None]
+    problem = None
+    if schedule.split_backward:
+        problem = (f"schedule={schedule.name!r} (zero-bubble: split "
+                   "backwards)", "schedule='gpipe' or '1f1b'")
+    elif schedule.virtual_stages > 1:
+        problem = (f"virtual_stages={schedule.virtual_stages}",
+                   "virtual_stages=1")
+    elif any(part.shared or part.guests for part in parts):
+        problem = ("weights tied across stages", "untied weights")
+    elif random:
+        problem = (f"random layers {random} (each backward recomputes its "
+                   "forward)", "rate=0 or no such layers")
+    if problem is not None:
+        raise ValueError(
+            "Pipeline stages on different hosts run a host-driven step "
+            f"that does not support {problem[0]} yet. Received: "
+            f"{problem[0]} on {len(extended.stage_meshes)} stages over "
+            f"{dtensor.num_clients()} hosts. Use {problem[1]}, or keep "
+            "the pipeline on one host.")
+
+
+class Bridge:
+    """Moves DTensors between stage meshes of one host or of two (module
+    doc). Every host calls `move` for every move, in the same order."""
+
+    total_bytes_sent = 0  # by this host's devices, over all bridges
+
+    def __init__(self):
+        self._hosts = dtensor.num_clients()
+        self._host = dtensor.client_id()
+        self._per_host = dtensor.num_local_devices(
+            dtensor.preferred_device_type())
+        from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports placement)
+
+        self._mesh = Mesh({"tfpar_hosts": self._hosts,
+                           "tfpar_local": self._per_host}).dtensor_mesh
+        self._gathers = {}
+        self.bytes_sent = 0  # by this host's devices, since creation
+
+    def _gather(self, rank):
+        """All-gather over the hosts of a [hosts, local, ...] tensor."""
+        if rank not in self._gathers:
+            target = dtensor.Layout(["unsharded", "tfpar_local"] + [
+                "unsharded"] * rank, self._mesh)
+            self._gathers[rank] = tf.function(
+                lambda t: dtensor.relayout(t, target))
+        return self._gathers[rank]
+
+    def move(self, value, source, target, spec):
+        """`value` (a DTensor laid out by `spec` on `tfpar.Mesh` `source`,
+        held by the source's host; elsewhere a stand-in of its shape) on
+        `target`, held by the target's host (a stand-in elsewhere)."""
+        src = placement.host_of(source.dtensor_mesh)
+        dst = placement.host_of(target.dtensor_mesh)
+        layout = layout_lib.to_dtensor_layout(spec, target)
+        value = placement.relayout(value, spec, source)
+        shape = value.shape.as_list()
+        if src == dst:  # one host: its blocks, device by device
+            if self._host != src:
+                return _stand_in(layout, shape, value.dtype)
+            return dtensor.pack(dtensor.unpack(value), layout)
+        block = _block_shape(shape, spec, source)
+        first = _first_local(target, self._per_host)
+        blocks = dtensor.unpack(value) if self._host == src else None
+        zeros = tf.zeros([1, 1] + block, value.dtype)
+        # Device p of the sender's host carries block p - first: the block
+        # of the receiver's device at local position p. Zeros elsewhere.
+        components = [
+            blocks[p - first][None, None] if blocks is not None
+            and 0 <= p - first < source.size else zeros
+            for p in range(self._per_host)]
+        slots = dtensor.Layout(["tfpar_hosts", "tfpar_local"] + [
+            "unsharded"] * len(shape), self._mesh)
+        whole = self._gather(len(shape))(dtensor.pack(components, slots))
+        sent = (self._hosts - 1) * self._per_host * int(
+            np.prod(block)) * value.dtype.size
+        self.bytes_sent += sent
+        Bridge.total_bytes_sent += sent
+        if self._host != dst:
+            return _stand_in(layout, shape, value.dtype)
+        gathered = dtensor.unpack(whole)
+        return dtensor.pack([gathered[first + j][src, 0]
+                             for j in range(target.size)], layout)
+
+
+def _stand_in(layout, shape, dtype):
+    """A value laid out by `layout` on another host's mesh: this host holds
+    none of it (it only keeps every host's program in step)."""
+    return dtensor.call_with_layout(tf.zeros, layout, shape=shape,
+                                    dtype=dtype)
+
+
+def _block_shape(shape, spec, mesh):
+    """The shape of one device's block of a `shape` value laid out by
+    `spec` on `mesh`."""
+    return [d // (mesh.axis_size(a) if a is not None else 1)
+            for d, a in zip(shape, spec)]
+
+
+def _first_local(mesh, per_host):
+    """The local position (on its host) of `mesh`'s first device."""
+    return int(np.ravel(mesh.dtensor_mesh.global_device_ids()).min()) % \
+        per_host
+
+
+def runner_class(extended):
+    """The runner of a `PipelineModel`'s steps: `CrossHostRunner` when its
+    stages live on different hosts, else `PipelineRunner`."""
+    return CrossHostRunner if spans_hosts(extended) else PipelineRunner
+
+
+class MetricsOnEveryHost:
+    """`PipelineModel`'s `get_metrics_result`: across hosts the metrics live
+    on the last stage's host, and every host gets their values (eagerly; a
+    collective per value, in the same order on every host)."""
+
+    def get_metrics_result(self):
+        results = super().get_metrics_result()
+        if not (tf.executing_eagerly() and spans_hosts(self._extended)):
+            return results
+        return tf.nest.map_structure(
+            lambda t: tf.constant(placement.fetch(t))
+            if dtensor.is_dtensor(t) else t, results)
+
+
+def _no_loss(part, own_loss):
+    """Losses added by layers of a part but the last are not carried
+    across hosts."""
+    if own_loss is not None:
+        raise ValueError(
+            "Pipeline stages on different hosts carry activations only: "
+            f"part {part.index}'s layers "
+            f"{[layer.name for layer in part.layers if layer.losses]} add "
+            "losses (add_loss, regularizers), which would have to reach "
+            "the last stage. Received: a model with such losses before its "
+            "last stage. Remove them, or move those layers to the last "
+            "stage (stage_boundaries).")
+
+
+class CrossHostRunner(PipelineRunner):
+    """The host-driven train/test/predict step of a `PipelineModel` whose
+    stages live on different hosts (see module doc).
+
+    Every host runs every action, in schedule order: DTensor numbers the
+    collectives of each program it compiles in order, so all hosts must
+    compile the same programs in the same order. A program on another
+    host's mesh returns at once, holding nothing (`tests/
+    dtensor_cross_host_repro.py`, case b_function); only the host owning
+    a stage computes it."""
+
+    def __init__(self, pipeline, mode):
+        if pipeline.record_timeline:
+            raise ValueError(
+                "PipelineModel(record_timeline=True) profiles one "
+                "tf.function step, but stages on different hosts run a "
+                "host-driven step of many. Received: record_timeline=True "
+                f"on {len(pipeline.parts)} stages over "
+                f"{dtensor.num_clients()} hosts. Use record_timeline=False.")
+        super().__init__(pipeline, mode)
+        self.bridge = Bridge()
+        self._stage_functions = {}
+
+    # -- host side -----------------------------------------------------------
+
+    def run_steps(self, host_batches):
+        for batch in host_batches:
+            self._run_batch(batch)
+        return self._model.get_metrics_result()  # on every host
+
+    def _run_batch(self, batch):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+        size = int(np.shape(tf.nest.flatten(x)[0])[0])
+        training_step = self._mode == "train"
+        m, split = self._model.microbatching.split(size, training_step)
+        xs = self._cut(x, 0, m, split)
+        targets = self._cut((y, sample_weight), -1, m, split)
+        if training_step:
+            self._model.sync_stage_optimizers()
+            self._train(xs, targets, split, size // m)
+            return
+        for i in range(m):
+            self._forward_all(xs[i], targets[i], split, size // m)
+
+    def predict_inputs(self, x):
+        size = int(np.shape(tf.nest.flatten(x)[0])[0])
+        m, split = self._model.microbatching.split(size, training=False)
+        outputs = [self._y_pred([placement.fetch(v) for v in
+                                 self._forward_all(xs, None, split,
+                                                   size // m)])
+                   for xs in self._cut(x, 0, m, split)]
+        return tf.nest.map_structure(lambda *ys: np.concatenate(ys),
+                                     *outputs)
+
+    def _spec(self, rank, split, mesh):
+        """A micro-batch's layout: split over the data axis when `split`
+        (and the mesh has one), the rest whole."""
+        return collectives.batch_spec(
+            rank, split and mesh.axis_size(self._data_axis) > 1,
+            self._data_axis)
+
+    def _cut(self, structure, part, m, split):
+        """Micro-batches 0..m-1 of host tensors on part `part`'s mesh
+        (stand-ins on the hosts without it: `placement.put`)."""
+        mesh = self._meshes[part]
+
+        def put(t, i):
+            if t is None:
+                return None
+            array = np.asarray(t)
+            rows = array.shape[0] // m
+            return placement.put(array[i * rows:(i + 1) * rows],
+                                 self._spec(array.ndim, split, mesh), mesh)
+
+        return [tf.nest.map_structure(lambda t, i=i: put(t, i), structure)
+                for i in range(m)]
+
+    def _send(self, values, source, target, split):
+        """Part `source`'s `values` (None entries stay None) on part
+        `target`'s mesh."""
+        return [None if v is None else self.bridge.move(
+            v, self._meshes[source], self._meshes[target],
+            self._spec(v.shape.rank, split, self._meshes[source]))
+            for v in values]
+
+    # -- the schedule --------------------------------------------------------
+
+    def _train(self, xs, targets, split, rows):
+        schedule = self._schedule_for(len(xs))
+        inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
+        incoming = {}  # (part, micro-batch) -> its outputs' gradients
+        sums = [None] * len(self._parts)
+        for action in schedule.execution_order():
+            k, i = schedule.part(action), action.microbatch
+            if action.kind == FORWARD:
+                self._forward_action(k, i, inputs, split)
+            else:
+                self._backward_action(k, i, inputs, incoming, targets,
+                                      sums, (split, rows, 1.0 / len(xs)))
+        for k, part_sums in enumerate(sums):
+            self._stage_function("apply", k)(part_sums)
+
+    def _forward_action(self, k, i, inputs, split):
+        """F(k, i): part k's forward, its outputs to part k+1 (the last
+        part's forward runs inside its backward)."""
+        if k == len(self._parts) - 1:
+            return
+        outputs = self._stage_function("forward", k, True)(
+            inputs[k, i], split)
+        inputs[k + 1, i] = self._send(outputs, k, k + 1, split)
+
+    def _backward_action(self, k, i, inputs, incoming, targets, sums, how):
+        """B(k, i): part k's backward (its weight gradients added to
+        `sums[k]`), its inputs' gradients to part k-1."""
+        split, rows, scale = how
+        last = k == len(self._parts) - 1
+        gradients, weights = self._stage_function("backward", k)(
+            inputs.pop((k, i)), incoming.pop((k, i), None),
+            targets[i] if last else None, scale, rows, split)
+        sums[k] = list(weights) if sums[k] is None else [
+            b if a is None else a if b is None else accumulate(a, b)
+            for a, b in zip(sums[k], weights)]
+        if k > 0:
+            incoming[k - 1, i] = self._send(gradients, k, k - 1, split)
+
+    def _forward_all(self, x, targets, split, rows):
+        """Every part forward on one micro-batch (not training): the last
+        part's outputs, or, given `targets`, its loss and metrics
+        updated (None)."""
+        values = tf.nest.flatten(x)
+        last = len(self._parts) - 1
+        for k in range(last):
+            outputs = self._stage_function("forward", k, False)(values,
+                                                                split)
+            values = self._send(outputs, k, k + 1, split)
+        if targets is not None:
+            return self._stage_function("evaluate", last, False)(
+                values, targets, rows)
+        return self._stage_function("forward", last, False)(values, split)
+
+    # -- traced: one part's functions ------------------------------------------
+
+    def _stage_function(self, kind, k, training=True):
+        """The compiled `kind` step of part k ("forward", "backward",
+        "evaluate", "apply"), on its mesh."""
+        key = (kind, k, training)
+        if key not in self._stage_functions:
+            self._stage_functions[key] = self.compiled(self._step_of(
+                getattr(self, f"_{kind}_body"), self._parts[k], training),
+                reduce_retracing=False)
+        return self._stage_functions[key]
+
+    def _step_of(self, body, part, training):
+        def step(*args):
+            with self._extended.replica_scope(), part.on_mesh():
+                return body(part, training, *args)
+
+        step.__name__ = f"{body.__name__[1:]}_part{part.index}"
+        return step
+
+    def _forward_body(self, part, training, values, split):
+        outputs, own_loss = part.run(list(values), training)
+        _no_loss(part, own_loss)
+        return [placement.relayout(o, self._spec(o.shape.rank, split,
+                                                 part.mesh), part.mesh)
+                for o in outputs]
+
+    def _metrics_of(self, outputs, own_loss, targets):
+        """(y_pred, y, sample_weight, loss) of the last part's outputs."""
+        y, sample_weight = targets
+        y_pred = self._y_pred(outputs)
+        loss = self._loss(y_pred, y, sample_weight, [own_loss])
+        return y_pred, y, sample_weight, loss
+
+    def _evaluate_body(self, part, training, values, targets, rows):
+        del training
+        outputs, own_loss = part.run(list(values), False)
+        self._update_metrics(rows, *self._metrics_of(outputs, own_loss,
+                                                     targets))
+
+    def _backward_body(self, part, training, values, gradients, targets,
+                       scale, rows, split):
+        """The part's forward again under a tape, then its backward:
+        (its inputs' gradients, its weights' gradients)."""
+        del training
+        part.start_step()
+        if gradients is not None:
+            part.receive_gradients(0, list(gradients))
+        seen = []
+
+        def objective_of(outputs, own_loss):
+            if targets is None:
+                _no_loss(part, own_loss)
+                return None, None
+            seen.append(self._metrics_of(outputs, own_loss, targets))
+            loss = seen[0][-1]
+            return self._model.optimizer.scale_loss(loss * scale), loss
+
+        part.forward(0, list(values), objective_of, False)
+        if seen:
+            self._update_metrics(rows, *seen[0])
+        grads, _ = part.backward(0, None)
+        return ([None if g is None else placement.relayout(
+            g, self._spec(g.shape.rank, split, part.mesh), part.mesh)
+            for g in grads], list(part.gradient_sums))
+
+    def _apply_body(self, part, training, sums):
+        del training
+        part.gradient_sums = list(sums)
+        part.apply_gradients()

@@ -156,6 +156,10 @@ class Layout:
         self.kept, self.internal = np.zeros(n), np.zeros(n)
         self.tp_bytes_fwd, self.tp_bytes_bwd = np.zeros(n), np.zeros(n)
         self.tp_count_fwd, self.tp_count_bwd = np.zeros(n), np.zeros(n)
+        # Under sequence parallelism: each hidden-split embedding's output
+        # re-split along the sequence, an all-gather of its whole output
+        # (DTensor's all-to-all is off: tfpar/__init__.py).
+        self.resplit_bytes, self.resplit_count = np.zeros(n), np.zeros(n)
         self.carried = np.array([op.carried_in for op in profile.ops])
         params = [w.itemsize for op in profile.ops for w in op.weights
                   if w.trainable] or [profile.compute_itemsize]
@@ -212,10 +216,13 @@ class Layout:
 
     def _add_collectives(self, i, op, entries, itemsize):
         """The model-axis message bytes and counts of op i, per sample."""
-        for _kind, phase, nbytes, top in entries:
+        for kind, phase, nbytes, top in entries:
             if phase == "backward" and top and not op.needs_input_grad:
                 continue  # nothing before this layer needs gradients
-            if phase == "forward":
+            if kind == "resplit":
+                self.resplit_bytes[i] += nbytes * itemsize
+                self.resplit_count[i] += 1
+            elif phase == "forward":
                 self.tp_bytes_fwd[i] += nbytes * itemsize
                 self.tp_count_fwd[i] += 1
             else:
@@ -251,6 +258,9 @@ class Layout:
                 # DTensor gathers hidden-split embeddings once where their
                 # outputs meet (e.g. token + position embeddings).
                 meet = frozenset(profile.ops[i].consumers) if top else None
+                if not row:
+                    entries.append(("resplit", "forward",
+                                    tokens * layer.output_dim, top))
                 if row or meet is None or meet not in out["gathered"]:
                     entries.append(("all-reduce" if row else "all-gather",
                                     "forward", tokens * layer.output_dim, top))
@@ -283,7 +293,8 @@ class Layout:
             state = self.state_bytes(d, fsdp)
             arrays = {name: getattr(self, name) for name in (
                 "flops_split", "flops_repl", "tp_bytes_fwd", "tp_bytes_bwd",
-                "tp_count_fwd", "tp_count_bwd", "kept", "internal")}
+                "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
+                "resplit_count", "kept", "internal")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3])
             self._state_cache[key] = {
@@ -413,6 +424,9 @@ def _model_axis(layout, total, *, r, b, m, link):
         # messages and the bytes communication_report counts, the same
         # ring time (each moves (t-1)/t of the message).
         kind, model_bytes, count = "all-gather", 2 * model_bytes, 2 * count
+        # ... plus the embeddings' re-splits (again when recomputing).
+        model_bytes += total("resplit_bytes") * (1 + r) * b
+        count += total("resplit_count") * (1 + r) * m
     return model_bytes, _collective_time(kind, model_bytes, layout.t, link,
                                          count)
 

@@ -12,7 +12,11 @@ collectives a data=8 step of the benchmark MLP (2.1M float32 parameters,
                      (fsdp's gradient; DTensor's CPU lowering is an
                      all-reduce then a slice);
 - all-to-all + sum : a true reduce-scatter (device d receives block d of
-                     every partial sum and adds them up);
+                     every partial sum and adds them up); since tfpar turns
+                     DTensor's all-to-all off (wrong on rank-4 tensors,
+                     tfpar/__init__.py) the relayout is a gather and a
+                     slice: the figure in docs/benchmarks.md was measured
+                     with the all-to-all;
 - all-gather       : every device holds 1/8, all get the whole (fsdp's
                      weight read; real CollectiveGatherV2, as tfpar compiles);
 - local pass       : x * 2 on each device's (N,) block, no communication:

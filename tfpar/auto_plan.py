@@ -100,7 +100,7 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
     (batch, sequence/k, hidden) per device; the sequence is all-gathered
     before each column-parallel layer and reduce-scattered after each
     row-parallel one; embedding outputs are re-split from hidden-wise to
-    sequence-wise (an all-to-all). The head stays whole; DTensor gathers its
+    sequence-wise (gathered and sliced: DTensor's all-to-all is off). The head stays whole; DTensor gathers its
     input, so the logits are computed whole as without it.
 
     Every layer with weights left whole, other than norms, is named by its

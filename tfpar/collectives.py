@@ -212,8 +212,8 @@ def scatter_sequence(tensor, axis, layer, where):
 
     Forward: after a row-parallel layer (a partial sum on every device)
     a reduce-scatter, Y_i = (sum_j Y^(j))[sequence block i]; from a whole
-    tensor a slice; from a hidden-wise split one (an Embedding's lookup) an
-    all-to-all. Backward: the gradient is pinned to the sequence split, so
+    tensor a slice; from a hidden-wise split one (an Embedding's lookup) a
+    gather and a slice (DTensor's all-to-all is off: tfpar/__init__.py). Backward: the gradient is pinned to the sequence split, so
     it stays in the sequence-parallel region (no gather in the backward
     pass of a norm); DTensor relayouts it to the input's layout (an
     all-gather where that is whole).

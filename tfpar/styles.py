@@ -302,8 +302,9 @@ class ColumnParallel(_TensorParallel):
     value (gathered once when they are the same tensor), and the output
     projection's partial sums are reduce-scattered along the sequence. An
     Embedding's output, split along the hidden dimension, is re-split along
-    the sequence instead of gathered (an all-to-all); without sequence
-    parallelism it is gathered along the hidden dimension.
+    the sequence (gathered and sliced: DTensor's all-to-all is off, see
+    tfpar/__init__.py); without sequence parallelism it is gathered along
+    the hidden dimension.
 
     Example:
 

@@ -10,9 +10,15 @@ resuming from `keras.callbacks.BackupAndRestore` (one directory per host),
 and writes every batch's loss of this attempt to
 WORKDIR/losses-host<I>-attempt<R>.json. On the first attempt host 1 then
 misbehaves after epoch 2 as MODE says: "kill" (SIGKILL itself), "stop"
-(SIGSTOP itself), "fail" (raise) or "none".
+(SIGSTOP itself), "fail" (raise) or "none"; or, after epoch 2, both hosts
+save a sharded checkpoint to WORKDIR/checkpoints and host 1 SIGKILLs
+itself writing its file (its record of the blocks; on data=8 host 0 writes
+the replicated blocks) ("kill-in-save"), or both save it, then
+restore it and host 1 SIGKILLs itself reading its first block
+("kill-in-restore").
 """
 
+import importlib
 import json
 import os
 import signal
@@ -50,6 +56,28 @@ class Misbehave(keras.callbacks.Callback):
                 raise RuntimeError("host 1 fails on purpose")
 
 
+def die_when_called(module, name):
+    """`module.name` replaced by a SIGKILL of this process."""
+    setattr(module, name, lambda *args, **kwargs: os.kill(os.getpid(),
+                                                          signal.SIGKILL))
+
+
+class CheckpointThenDie(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch != 1 or attempt != 0 or not mode.startswith("kill-in-"):
+            return
+        checkpoint = importlib.import_module("tfpar.checkpoint")
+        directory = os.path.join(workdir, "checkpoints")
+        if mode == "kill-in-save" and host == 1:
+            die_when_called(checkpoint, "_write_file")  # its host record
+        tfpar.save_checkpoint(self.model, directory)
+        print(f"host {host} saved", flush=True)
+        if mode == "kill-in-restore" and host == 1:
+            die_when_called(checkpoint, "_load_block")
+        tfpar.restore_checkpoint(self.model, directory)
+        print(f"host {host} restored", flush=True)
+
+
 strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
 with strategy.scope():
     model = models.host_mlp()
@@ -58,5 +86,5 @@ with strategy.scope():
 backup = keras.callbacks.BackupAndRestore(
     os.path.join(workdir, f"backup-host{host}"))
 model.fit(given["x"], given["y"], batch_size=32, epochs=4, shuffle=False,
-          verbose=0, callbacks=[backup, Misbehave()])
+          verbose=0, callbacks=[backup, Misbehave(), CheckpointThenDie()])
 print(f"host {host} attempt {attempt} done", flush=True)

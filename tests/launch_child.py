@@ -15,7 +15,7 @@ save a sharded checkpoint to WORKDIR/checkpoints and host 1 SIGKILLs
 itself writing its file (its record of the blocks; on data=8 host 0 writes
 the replicated blocks) ("kill-in-save"), or both save it, then
 restore it and host 1 SIGKILLs itself reading its first block
-("kill-in-restore").
+("kill-in-restore"); "stop-in-save" SIGSTOPs instead.
 """
 
 import importlib
@@ -57,18 +57,19 @@ class Misbehave(keras.callbacks.Callback):
 
 
 def die_when_called(module, name):
-    """`module.name` replaced by a SIGKILL of this process."""
-    setattr(module, name, lambda *args, **kwargs: os.kill(os.getpid(),
-                                                          signal.SIGKILL))
+    """`module.name` replaced by a SIGKILL (SIGSTOP for "stop-in-...") of
+    this process."""
+    how = signal.SIGSTOP if mode.startswith("stop-") else signal.SIGKILL
+    setattr(module, name, lambda *args, **kwargs: os.kill(os.getpid(), how))
 
 
 class CheckpointThenDie(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
-        if epoch != 1 or attempt != 0 or not mode.startswith("kill-in-"):
+        if epoch != 1 or attempt != 0 or "-in-" not in mode:
             return
         checkpoint = importlib.import_module("tfpar.checkpoint")
         directory = os.path.join(workdir, "checkpoints")
-        if mode == "kill-in-save" and host == 1:
+        if mode.endswith("-in-save") and host == 1:
             die_when_called(checkpoint, "_write_file")  # its host record
         tfpar.save_checkpoint(self.model, directory)
         print(f"host {host} saved", flush=True)

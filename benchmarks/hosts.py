@@ -1,34 +1,42 @@
-"""A pipeline across two hosts vs the same mesh on one host: step time and
-the bytes each host sends per step.
+"""Two hosts vs one host on the same mesh: step time and the bytes each
+host sends per step.
 
 Run it with
 
     python benchmarks/hosts.py             # width 512, 20 timed steps
     python benchmarks/hosts.py --quick     # width 128, 5 timed steps
-    python benchmarks/hosts.py --help
+    python benchmarks/hosts.py --meshes data8,data2xmodel4,pipe --help
 
 It trains one MLP (Input(W) -> 4 x Dense(W, relu) -> Dense(8); Megatron
-rules: the 1st and 3rd Dense column-parallel, the 2nd and 4th row-parallel)
-as a `tfpar.PipelineModel` (2 stages, 4 micro-batches, 1F1B, batch 64, Adam)
-on the mesh pipe=2 × data=2 × model=2, twice, each in fresh processes:
+rules on a model axis: the 1st and 3rd Dense column-parallel, the 2nd and
+4th row-parallel) with Adam on batch 64, on each mesh twice, each in fresh
+processes: 1 host x 8 virtual CPUs (one process) and 2 hosts x 4 virtual
+CPUs (`python -m tfpar.launch --hosts 2 --virtual-cpus 4`). Meshes:
 
-- 1 host × 8 virtual CPUs: one process; the pipeline's one-`tf.function`
-  step (`tfpar.pipeline.runner`);
-- 2 hosts × 4 virtual CPUs: `python -m tfpar.launch --hosts 2
-  --virtual-cpus 4`, stage s on host s; the host-driven step of
-  `tfpar.pipeline.cross_host` (each backward recomputes its forward; each
-  stage-to-stage move an all-gather over the hosts).
+- data8: {"data": 8}, a `ParallelStrategy` step over both hosts (DTensor
+  multi-client: one SPMD program, collectives across the hosts);
+- data2xmodel4: {"data": 2, "model": 4}, the same;
+- pipe: {"pipe": 2, "data": 2, "model": 2}, a `tfpar.PipelineModel` (2
+  stages, 4 micro-batches, 1F1B). On one host the pipeline's
+  one-`tf.function` step (`tfpar.pipeline.runner`); on two, stage s on
+  host s and the host-driven step of `tfpar.pipeline.cross_host` (each
+  backward recomputes its forward; each stage-to-stage move an all-gather
+  over the hosts).
 
 Each run does 3 untimed steps (compilation), then `--steps` timed
 `train_on_batch` calls (each returns the loss: the host waits for the
-step); the median is shown. "Bytes sent per step" counts what this host's
-devices put into the bridge's all-gathers (`cross_host.Bridge`: each
-device's block of every activation and gradient crossing the hosts, or
-zeros when the other host sends, times the other hosts); the stages'
-own collectives (tensor-parallel all-reduces, the data-axis gradient
-all-reduce) are the same on one host and not counted. Both hosts are
-processes on this one machine (loopback gRPC, CPUs shared): the ratio
-shows the cost of the host-driven step and of gRPC, not of a network.
+step); the median is shown. Bytes sent per host per step: for data8 and
+data2xmodel4 what the host's 4 devices send in the step's collectives
+(ring: 2(n-1)/n of each all-reduce's message per device, from
+`tfpar.communication_report` on one host; the same program runs on two,
+and how much of it crosses between the hosts depends on DTensor's ring
+order, not measured); for pipe what this host's devices put into the
+bridge's all-gathers (`cross_host.Bridge`: each device's block of every
+activation and gradient crossing the hosts, or zeros when the other host
+sends, times the other hosts; the stages' own collectives are the same on
+one host and not counted). Both hosts are processes on this one machine
+(loopback gRPC, CPUs shared): the ratio shows the cost of multi-client
+DTensor, of the host-driven step and of gRPC, not of a network.
 """
 
 import argparse
@@ -42,7 +50,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def worker(width, steps):
+MESHES = {"data8": {"data": 8}, "data2xmodel4": {"data": 2, "model": 4},
+          "pipe": {"pipe": 2, "data": 2, "model": 2}}
+
+
+def worker(width, steps, mesh_name):
     """One host's run; prints a JSON line of its results."""
     import tfpar  # noqa: PLC0415
 
@@ -53,45 +65,52 @@ def worker(width, steps):
 
     from tfpar.pipeline import cross_host  # noqa: PLC0415
 
+    axes = MESHES[mesh_name]
     rules = tfpar.LayoutRules({r".*d[02]/kernel": (None, "model"),
                                r".*d[02]/bias": ("model",),
-                               r".*d[13]/kernel": ("model", None)})
-    strategy = tfpar.ParallelStrategy(
-        tfpar.Mesh({"pipe": 2, "data": 2, "model": 2}), rules=rules)
+                               r".*d[13]/kernel": ("model", None)}
+                              if "model" in axes else {})
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules=rules)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([keras.Input((width,))] + [
             keras.layers.Dense(width, activation="relu", name=f"d{i}")
             for i in range(4)] + [keras.layers.Dense(8, name="head")])
-        pipe = tfpar.PipelineModel(model, num_microbatches=4,
-                                   stage_boundaries=["d2"])
-        pipe.compile(optimizer="adam", loss="mse")
+        if "pipe" in axes:
+            model = tfpar.PipelineModel(model, num_microbatches=4,
+                                        stage_boundaries=["d2"])
+        model.compile(optimizer="adam", loss="mse")
     rng = np.random.RandomState(0)
     x = rng.normal(size=(64, width)).astype("float32")
     y = rng.normal(size=(64, 8)).astype("float32")
+    sent_per_step = None
+    if "pipe" not in axes and tfpar.hosts.num_hosts() == 1:
+        report = tfpar.communication_report(model, x, y)
+        sent_per_step = report.total_ring_bytes() * 4  # a host's 4 devices
     for _ in range(3):
-        pipe.train_on_batch(x, y)
+        model.train_on_batch(x, y)
     sent = cross_host.Bridge.total_bytes_sent
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        pipe.train_on_batch(x, y)
+        model.train_on_batch(x, y)
         seconds.append(time.perf_counter() - start)
+    if "pipe" in axes:
+        sent_per_step = (cross_host.Bridge.total_bytes_sent - sent) / steps
     print("RESULT " + json.dumps({
         "host": tfpar.hosts.host_id(), "hosts": tfpar.hosts.num_hosts(),
         "step_s": float(np.median(seconds)),
-        "bytes_per_step": (cross_host.Bridge.total_bytes_sent - sent)
-        / steps}), flush=True)
+        "bytes_per_step": sent_per_step}), flush=True)
 
 
-def run(hosts, width, steps):
+def run(hosts, width, steps, mesh_name):
     """Results of every host of one configuration."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DTENSOR_", "TFPAR_"))}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     command = [os.path.abspath(__file__), "--worker", "--width", str(width),
-               "--steps", str(steps)]
+               "--steps", str(steps), "--meshes", mesh_name]
     if hosts > 1:
         command = ["-m", "tfpar.launch", "--hosts", str(hosts),
                    "--virtual-cpus", "4"] + command
@@ -109,6 +128,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--meshes", default="data8,data2xmodel4,pipe",
+                        help=f"comma-separated, of {sorted(MESHES)}")
     parser.add_argument("--quick", action="store_true",
                         help="width 128, 5 timed steps")
     parser.add_argument("--worker", action="store_true",
@@ -117,19 +138,22 @@ def main():
     if options.quick:
         options.width, options.steps = 128, 5
     if options.worker:
-        worker(options.width, options.steps)
+        worker(options.width, options.steps, options.meshes)
         return
-    one = run(1, options.width, options.steps)[0]
-    two = run(2, options.width, options.steps)
-    print(f"pipe=2 x data=2 x model=2, MLP width {options.width}, batch 64, "
-          f"4 micro-batches, 1F1B, Adam; median of {options.steps} steps")
-    print(f"  1 host x 8 CPUs:  {one['step_s'] * 1e3:8.1f} ms/step")
-    for r in two:
-        print(f"  2 hosts x 4 CPUs, host {r['host']}: "
-              f"{r['step_s'] * 1e3:8.1f} ms/step "
-              f"({r['step_s'] / one['step_s']:.2f}x), "
-              f"{r['bytes_per_step'] / 1e6:.3f} MB sent per step "
-              "through the bridge")
+    print(f"MLP width {options.width}, batch 64, Adam; median of "
+          f"{options.steps} steps (pipe: 4 micro-batches, 1F1B)")
+    for name in options.meshes.split(","):
+        one = run(1, options.width, options.steps, name)[0]
+        two = run(2, options.width, options.steps, name)
+        print(f"{name}: 1 host x 8 CPUs {one['step_s'] * 1e3:8.1f} ms/step")
+        for r in two:
+            sent = r["bytes_per_step"]
+            if sent is None:
+                sent = one["bytes_per_step"]  # the same program on 2 hosts
+            print(f"  2 hosts x 4 CPUs, host {r['host']}: "
+                  f"{r['step_s'] * 1e3:8.1f} ms/step "
+                  f"({r['step_s'] / one['step_s']:.2f}x), "
+                  f"{sent / 1e6:.3f} MB sent per step")
 
 
 if __name__ == "__main__":

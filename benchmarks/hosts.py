@@ -6,6 +6,7 @@ Run it with
     python benchmarks/hosts.py             # width 512, 20 timed steps
     python benchmarks/hosts.py --quick     # width 128, 5 timed steps
     python benchmarks/hosts.py --meshes data8,data2xmodel4,pipe --help
+    python benchmarks/hosts.py --failures  # detect a dead host, restart
 
 It trains one MLP (Input(W) -> 4 x Dense(W, relu) -> Dense(8); Megatron
 rules on a model axis: the 1st and 3rd Dense column-parallel, the 2nd and
@@ -37,6 +38,14 @@ sends, times the other hosts; the stages' own collectives are the same on
 one host and not counted). Both hosts are processes on this one machine
 (loopback gRPC, CPUs shared): the ratio shows the cost of multi-client
 DTensor, of the host-driven step and of gRPC, not of a network.
+
+`--failures` times a lost host instead: tests/launch_child.py (the MLP on
+data=8 over both hosts, 4 epochs, Keras BackupAndRestore) under
+`python -m tfpar.launch --max-restarts 1 --grace 60`, host 1 SIGKILLed
+after epoch 2; from the launcher's output as it arrives: seconds from host
+1's death to host 0's exit (the heartbeat timeout, `--heartbeat`, bounds
+it), and from the restart to both hosts done (TF start-up, compilation,
+the restore and the last 2 epochs).
 """
 
 import argparse
@@ -44,6 +53,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,6 +134,43 @@ def run(hosts, width, steps, mesh_name):
     return sorted(found, key=lambda r: r["host"])
 
 
+def failures(heartbeat):
+    """(seconds to detect the dead host, seconds to restart and finish)."""
+    import numpy as np  # noqa: PLC0415
+
+    tests = os.path.join(ROOT, "tests")
+    sys.path.insert(0, tests)
+    import models  # noqa: PLC0415
+
+    workdir = tempfile.mkdtemp(prefix="tfpar-failures-")
+    weights = models.host_mlp().get_weights()
+    x, y = models.mlp_data(n=96)
+    np.savez(os.path.join(workdir, "given.npz"), x=x, y=y,
+             **{f"w{i}": w for i, w in enumerate(weights)})
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DTENSOR_", "TFPAR_"))}
+    env.update(HEARTBEAT=str(heartbeat), PYTHONPATH=os.pathsep.join(
+        [tests, ROOT, env.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tfpar.launch", "--hosts", "2",
+         "--virtual-cpus", "4", "--max-restarts", "1", "--grace", "60",
+         os.path.join(tests, "launch_child.py"), "kill", workdir],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen = {}
+    marks = {"died": "host 1 exited with status -9",
+             "noticed": "host 0 exited with status",
+             "restart": "restarting all 2 hosts",
+             "done0": "host 0 attempt 1 done", "done1": "host 1 attempt 1 done"}
+    for line in process.stdout:
+        for key, text in marks.items():
+            if text in line and key not in seen:
+                seen[key] = time.monotonic()
+    if process.wait() or len(seen) != len(marks):
+        raise RuntimeError(f"the failure run did not go as planned: {seen}")
+    return (seen["noticed"] - seen["died"],
+            max(seen["done0"], seen["done1"]) - seen["restart"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -132,6 +179,11 @@ def main():
                         help=f"comma-separated, of {sorted(MESHES)}")
     parser.add_argument("--quick", action="store_true",
                         help="width 128, 5 timed steps")
+    parser.add_argument("--failures", action="store_true",
+                        help="time a dead host's detection and the restart")
+    parser.add_argument("--heartbeat", type=float, default=15,
+                        help="with --failures: connect_hosts' heartbeat "
+                             "timeout (seconds)")
     parser.add_argument("--worker", action="store_true",
                         help="(internal) one host's run")
     options = parser.parse_args()
@@ -139,6 +191,13 @@ def main():
         options.width, options.steps = 128, 5
     if options.worker:
         worker(options.width, options.steps, options.meshes)
+        return
+    if options.failures:
+        detect, resume = failures(options.heartbeat)
+        print(f"host 1 SIGKILLed after epoch 2 (heartbeat timeout "
+              f"{options.heartbeat:g} s): host 0 exited {detect:.1f} s later; "
+              f"restart to both hosts done (start-up, restore, 2 epochs): "
+              f"{resume:.1f} s")
         return
     print(f"MLP width {options.width}, batch 64, Adam; median of "
           f"{options.steps} steps (pipe: 4 micro-batches, 1F1B)")

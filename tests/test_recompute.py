@@ -229,16 +229,56 @@ def test_a_recomputed_layer_that_adds_a_loss_is_refused():
         models.fit_mlp(model)
 
 
-def test_random_ops_are_not_recomputed_under_tensor_parallelism():
+def test_dropout_recomputed_under_tensor_parallelism_matches_one_device():
     """On data=2×model=4 DTensor lays the recomputed BatchNormalization
-    output out otherwise and Dropout draws another mask from the same seed:
-    refused before the first step (data-only meshes are fine, above)."""
+    output out otherwise; Dropout's numbers are drawn whole on every device
+    (one device's mask whatever the layout), so recomputing it replays the
+    forward pass's mask: the losses, weights and moving statistics are one
+    device's without recomputation."""
+    keras.utils.set_random_seed(0)
+    single = build_noisy(False)
+    weights = single.get_weights()
+    single.compile(optimizer="sgd", loss="mse")
+    want = models.fit_mlp(single, epochs=2).history["loss"]
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 4}),
         rules={r".*dense/kernel": (None, "model"),
                r".*dense/bias": ("model",)})
     with strategy.scope():
         model = build_noisy(remat=True)
+        model.set_weights(weights)
+        model.compile(optimizer="sgd", loss="mse")
+    got = models.fit_mlp(model, epochs=2).history["loss"]
+    assert models.relative_error(want, got) < RTOL, (want, got)
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        assert models.relative_error(a, b) < RTOL
+
+
+class Noise(keras.layers.Layer):
+    """Dense, then GaussianNoise (keras.random.normal: drawn per block)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(64, name="dense")
+        self.noise = keras.layers.GaussianNoise(0.1, seed=3, name="noise")
+
+    def call(self, x):
+        return self.noise(self.dense(x))
+
+
+def test_other_random_ops_are_not_recomputed_under_tensor_parallelism():
+    """GaussianNoise still draws its numbers per device block: recomputing
+    it on data=2×model=4 could draw other numbers, refused before the
+    first step (data-only meshes are fine, above)."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}),
+        rules={r".*dense/kernel": (None, "model"),
+               r".*dense/bias": ("model",)})
+    with strategy.scope():
+        with keras.RematScope(mode="full"):
+            noisy = Noise(name="noisy")
+        x = keras.Input((16,))
+        model = keras.Model(x, keras.layers.Dense(3, name="out")(noisy(x)))
         model.compile(optimizer="sgd", loss="mse")
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match="draws random numbers.*'model': 4"):

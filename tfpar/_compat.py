@@ -353,7 +353,9 @@ def _one_device_dropout_in_step(original, hooks):
     i is kept iff u_i >= rate as on one device, and the kept ones are
     scaled by 1 / (1 - rate) (TF's `stateless_dropout`, the same op Keras
     calls). Each device draws every number of the tensor (not only its
-    block's): the cost of the parity. Outside a step Keras' op runs."""
+    block's): the cost of the parity. The mask no longer depends on the
+    layout, so recomputing the layer (which replays its seed) is allowed on
+    any mesh. Outside a step Keras' op runs."""
     from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
 
     @functools.wraps(original)
@@ -361,7 +363,8 @@ def _one_device_dropout_in_step(original, hooks):
         replicate = hooks.replicate_in_step()
         if replicate is None or rate in (0.0, 1.0):
             return original(inputs, rate, noise_shape=noise_shape, seed=seed)
-        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        with hooks.layout_free_draw():  # a recomputation may replay it
+            seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
         noise_shape = tf_random._get_concrete_noise_shape(  # noqa: SLF001
             inputs, noise_shape)
 

@@ -50,6 +50,14 @@ def _pushed(name, value):
         stack.pop()
 
 
+def layout_free_draw():
+    """A context for drawing a seed whose random numbers do not depend on
+    how DTensor lays the tensor out (`_compat`'s one-device Dropout draws
+    them whole on every device): replaying it in a recomputation gives the
+    forward pass's mask on any mesh, so it is not refused."""
+    return _pushed("layout_free", True)
+
+
 def recompute_dependency():
     """While a layer is recomputed in the backward pass (see `recompute`):
     a scalar 0.0 computed from the upstream gradient. A variable read that
@@ -73,7 +81,8 @@ def next_seed(generator, original, check_replay, ordered=True):
     (after `check_replay(generator)`, which may refuse)."""
     frames = _stack("seeds")
     if frames and frames[-1].replaying:
-        check_replay(generator)
+        if not _stack("layout_free"):
+            check_replay(generator)
         if not frames[-1].values:
             raise RuntimeError(
                 "A recomputed layer drew more random seeds in the backward "

@@ -466,6 +466,7 @@ def compat_hooks():
     """What `tfpar._compat`'s patches of Keras ask tfpar (their `hooks`),
     in one place: whether a strategy is tfpar's, whether a step is being
     traced, and the functions the routed Keras entry points call."""
+    from tfpar import recompute  # noqa: PLC0415 (it imports this module)
     from tfpar import training  # noqa: PLC0415 (training imports this module)
 
     def owns(candidate):
@@ -481,7 +482,8 @@ def compat_hooks():
         strategy_of_layer=training.strategy_of_layer,
         adopt_optimizer=_adopt_and_offload,
         replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
-        if in_spmd_step() else None)
+        if in_spmd_step() else None,
+        layout_free_draw=recompute.layout_free_draw)
 
 
 def _check_random_recomputation(generator):
@@ -492,8 +494,11 @@ def _check_random_recomputation(generator):
     derives each device's random numbers from the seed and the tensor's
     layout, and the recomputed tensor may be laid out otherwise: on
     data=2×model=4, BatchNormalization then Dropout drew another mask in
-    the recomputation (tests/test_recompute.py). On data (× pipe) meshes
-    tensors are split by the batch alone, and the masks are the same.
+    the recomputation before Dropout drew its numbers whole
+    (`recompute.layout_free_draw`, not checked here); other random layers
+    (GaussianNoise, keras.random.normal, ...) still draw per block. On data
+    (× pipe) meshes tensors are split by the batch alone, and the numbers
+    are the same.
     """
     context = tf.distribute.get_replica_context()
     if not isinstance(context, _SPMDReplicaContext):
@@ -503,7 +508,8 @@ def _check_random_recomputation(generator):
     if other:
         raise ValueError(
             "A recomputed layer (keras.RematScope) draws random numbers "
-            f"(seed generator {generator.name!r}, e.g. Dropout) on a mesh "
+            f"(seed generator {generator.name!r}, e.g. GaussianNoise; "
+            "Dropout is fine) on a mesh "
             f"that also splits tensors over {other}: DTensor may lay the "
             "recomputed tensor out differently from the forward pass and "
             "draw another mask, so the gradients would be wrong. Leave "

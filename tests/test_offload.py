@@ -420,6 +420,102 @@ def test_checkpoints_move_between_offload_and_no_offload(tmp_path):
             assert _relative(a, b) <= 1e-4, name
 
 
+def _compiled(keras, weights, host, build=_mlp, optimizer="adam",
+              **compile_options):
+    """A model from `build` on data=4 (offload to `host` when given) with
+    `weights`, compiled with `optimizer` and MSE."""
+    options = {} if host is None else {"offload": "optimizer",
+                                       "offload_devices": host}
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 4}, devices=DEVICES), **options)
+    with strategy.scope():
+        model = build(keras)
+        model.set_weights(weights)
+        model.compile(optimizer=optimizer, loss="mse", **compile_options)
+    return model
+
+
+def _assert_same_training(found):
+    """found = {"plain": (losses, weights), "offload": (...)}: within 1e-4
+    (relative) of each other."""
+    assert _relative(found["offload"][0], found["plain"][0]) <= 1e-4
+    for a, b in zip(found["offload"][1], found["plain"][1]):
+        assert _relative(a, b) <= 1e-4
+
+
+def test_weights_written_outside_the_update_reach_the_host_copy():
+    """set_weights between fits, `assign` in a callback after batch 1, and
+    `assign` in the step itself (a train_step scaling a kernel before
+    Keras' step): each write reaches the host copy before the next update,
+    so the losses and weights match no offload."""
+    import keras  # noqa: PLC0415
+
+    class Shrinking(keras.Sequential):
+        def train_step(self, data):
+            self.layers[1].kernel.assign(self.layers[1].kernel * 0.9)
+            return super().train_step(data)
+
+    class HalveAfterBatch1(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                kernel = self.model.layers[0].kernel
+                kernel.assign(kernel * 0.5)
+
+    def build(keras):
+        return Shrinking([keras.Input((16,)),
+                          keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(8)])
+
+    weights = build(keras).get_weights()
+    x, y = _data()
+    found = {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        model = _compiled(keras, weights, host, build)
+        losses = model.fit(x, y, batch_size=16, shuffle=False,
+                           verbose=0).history["loss"]
+        model.set_weights([w * 1.5 for w in model.get_weights()])
+        losses += model.fit(x, y, batch_size=16, shuffle=False, verbose=0,
+                            callbacks=[HalveAfterBatch1()]).history["loss"]
+        found[name] = (losses, model.get_weights())
+    _assert_same_training(found)
+
+
+def test_a_step_copies_only_the_gradients_to_the_host(monkeypatch):
+    """Counting every block move of `tfpar.offload`: after the first step
+    (which makes the host copies), a step moves each weight's gradient to
+    the host and the updated weight back, nothing else; set_weights adds
+    one copy of the weights it wrote, to the host, once."""
+    import keras  # noqa: PLC0415
+    from tensorflow.experimental import dtensor  # noqa: PLC0415
+
+    from tfpar import offload  # noqa: PLC0415
+
+    moves = []
+    move = offload.move_blocks
+
+    def counted(value, layout):
+        source = dtensor.fetch_layout(value).mesh.local_devices()
+        moves.append(("to_host" if _short(source[0]) in DEVICES
+                      else "to_devices", tuple(value.shape)))
+        return move(value, layout)
+
+    monkeypatch.setattr(offload, "move_blocks", counted)
+    model = _compiled(keras, _mlp(keras).get_weights(), HOST)
+    x, y = _data()
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)  # makes the copies
+    shapes = sorted(tuple(w.shape) for w in model.trainable_weights)
+    moves.clear()
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)  # 4 steps
+    for direction in ("to_host", "to_devices"):
+        assert sorted(s for d, s in moves if d == direction) == sorted(
+            4 * shapes), direction
+    moves.clear()
+    model.set_weights(model.get_weights())
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+    assert sorted(s for d, s in moves if d == "to_host") == sorted(
+        2 * shapes)  # the gradients and, once, the weights set
+
+
 if __name__ == "__main__":  # the 16-CPU subprocess of the parity tests
     tfpar.use_virtual_cpus(16)
     import keras  # noqa: E402 (after the devices are configured)

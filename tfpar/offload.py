@@ -18,6 +18,14 @@ A step runs in three parts:
    its weight's mesh); each updated weight moves back block by block and
    is assigned to the device weight.
 
+The host copy stays current from the update itself: a step copies each
+gradient to the host and each updated weight back, nothing else. A device
+weight written by anything else — `set_weights`, `load_weights`,
+`restore_checkpoint`, `assign` in a callback or in the step itself — is
+copied into its host copy before the next update: every `ShardedVariable`
+counts its Python-level assignments (`writes`), and the offload keeps the
+count it last saw (`pull_weights`).
+
 So the devices hold the weights, the gradients and the step's tensors, and
 no optimizer slot: per device, `strategy.memory_per_device()` drops by the
 slots' bytes (and the optimizer's two scalars, iterations and learning
@@ -149,6 +157,10 @@ class Offload:
         self.mesh = host_mesh(strategy.dims)
         self.optimizer = model.optimizer
         self._mirrors = {}  # id(device weight's backing) -> (weight, mirror)
+        # id(device weight's backing) -> its `writes` when the host copy
+        # last equalled it; and the weights the device step itself writes.
+        self._seen = {}
+        self._written_in_step = set()
         self._captured = None  # gradients recorded while tracing a step
         self._build = self.optimizer.build
         self._apply = self.optimizer.apply
@@ -180,6 +192,7 @@ class Offload:
         copy.constraint = weight.constraint
         copy.overwrite_with_gradient = weight.overwrite_with_gradient
         self._mirrors[id(backing)] = (weight, copy)
+        self._seen[id(backing)] = backing.writes
         return copy
 
     def build(self, variables):
@@ -220,13 +233,30 @@ class Offload:
             self._captured = None
 
     def pull_weights(self):
-        """Copies every device weight into its host copy, block by block:
-        what changed the weights outside a step (a checkpoint restore,
-        `set_weights`, a callback) reaches the host before its update."""
-        for weight, copy in self._mirrors.values():
-            _compat.backing_variable(copy).assign(move_blocks(
-                _compat.backing_variable(weight).read_value(),
-                _layout_of(copy)))
+        """Copies into its host copy, block by block, each device weight
+        written by something other than the host update since: a checkpoint restore, `set_weights`, `assign` in a callback
+        or in the step itself reaches the host before its update. The host
+        update keeps the copies current itself, so after it nothing moves."""
+        for key, (weight, copy) in self._mirrors.items():
+            backing = _compat.backing_variable(weight)
+            if (key in self._written_in_step
+                    or backing.writes != self._seen[key]):
+                _compat.backing_variable(copy).assign(move_blocks(
+                    backing.read_value(), _layout_of(copy)))
+                self._seen[key] = backing.writes
+
+    def device_step(self, call):
+        """`call()` (the device step) and its result; a weight the step
+        assigned while it was traced is written by every run of it, and is
+        pulled after each (`pull_weights`)."""
+        before = {key: _compat.backing_variable(weight).writes
+                  for key, (weight, _) in self._mirrors.items()}
+        result = call()
+        self._written_in_step.update(
+            key for key, (weight, _) in self._mirrors.items()
+            if key in before
+            and _compat.backing_variable(weight).writes != before[key])
+        return result
 
     def step_gradients(self, captured):
         """In a traced step: the gradients it gave the optimizer (one
@@ -262,6 +292,7 @@ class Offload:
                 backing = _compat.backing_variable(weight)
                 backing.assign(move_blocks(self.mirror(weight).value.read_value(),
                                            _layout_of(backing)))
+                self._seen[id(backing)] = backing.writes
 
     def _host_update(self, grads):
         """The compiled update on the host mesh: `optimizer.apply` to the
@@ -275,8 +306,9 @@ class OffloadRunner(training.StepRunner):
     """`fit`'s step under offload (see the module): the device step
     returns its logs and gradients, then `Offload.apply_on_host` updates
     the weights; one step per call (`steps_per_execution` batches run one
-    after another: the host round trip sits between steps). Each call
-    first copies the device weights to the host (`pull_weights`)."""
+    after another: the host round trip sits between steps). Between the
+    device step and the update, the weights something else wrote reach
+    the host copies (`pull_weights`; none in a plain `fit`)."""
 
     def __init__(self, model, extended, offload):
         super().__init__(model, extended, "train")
@@ -290,14 +322,15 @@ class OffloadRunner(training.StepRunner):
         return logs, self._offload.step_gradients(captured)
 
     def run_steps(self, host_batches):
-        self._offload.pull_weights()  # weights may have changed since
         logs = None
         for batch in host_batches:
             logs = self._one(self._placer.place(batch))
         return logs
 
     def _one(self, placed):
-        logs, grads = self._call(self._one_step, placed)
+        logs, grads = self._offload.device_step(
+            lambda: self._call(self._one_step, placed))
+        self._offload.pull_weights()
         self._offload.apply_on_host(grads)
         return logs
 
@@ -305,7 +338,6 @@ class OffloadRunner(training.StepRunner):
         """Runs one step (device step and host update, as `fit`) and returns
         the device step's concrete function (`tfpar.communication`)."""
         placed = self._placer.place(host_batch)
-        self._offload.pull_weights()
         self._one(placed)
         return self._one_step.get_concrete_function(placed)
 

@@ -66,6 +66,7 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -96,6 +97,19 @@ def move_blocks(value, layout):
         with tf.device(device):
             moved.append(tf.identity(block))
     return dtensor.pack(moved, layout)
+
+
+def move_alike(value, mesh, shape):
+    """`move_blocks` of DTensor `value` to `mesh`, laid out with the same
+    sharding there; of an IndexedSlices its values and indices, with the
+    dense shape `shape` (its weight's) made on `mesh`."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            move_alike(value.values, mesh, None),
+            move_alike(value.indices, mesh, None),
+            placement_lib.put(np.asarray(shape, "int64"), (None,), mesh))
+    specs = dtensor.fetch_layout(value).sharding_specs
+    return move_blocks(value, dtensor.Layout(specs, mesh.dtensor_mesh))
 
 
 def _layout_of(variable):
@@ -139,6 +153,21 @@ def _check_optimizer(optimizer):
             f"{type(optimizer).__name__}. Compile with an unbuilt Keras "
             "optimizer (e.g. 'adam') and a float32 or bfloat16 policy, or "
             "use offload=None.")
+
+
+def _check_sparse(weight, place):
+    """Refuses a sparse gradient of a table split by rows (fsdp or a
+    rule): DTensor 2.21 cannot compile a step returning it (an
+    AllScatter on a dynamic axis, tests/test_offload.py)."""
+    if place.spec and place.spec[0] is not None:
+        raise NotImplementedError(
+            f"ParallelStrategy(offload='optimizer') cannot move the sparse "
+            f"gradient (IndexedSlices) of {weight.path!r} to the host: the "
+            f"table is split by rows (layout {tuple(place.spec)}), and "
+            "DTensor 2.21 cannot compile a step returning it. Received: "
+            f"weight {weight.path!r} of shape {tuple(weight.shape)}. Use "
+            "fsdp=False and no rule splitting its rows (the table whole), "
+            "or offload=None.")
 
 
 class Offload:
@@ -260,8 +289,11 @@ class Offload:
 
     def step_gradients(self, captured):
         """In a traced step: the gradients it gave the optimizer (one
-        `apply` call, `captured` by `capturing`), dense and each laid out
-        like its stored weight, in the order of `self.weights`."""
+        `apply` call, `captured` by `capturing`) in the order of
+        `self.weights`: each dense one laid out like its stored weight; a
+        sparse one (IndexedSlices: an Embedding's rows) kept sparse, as
+        Keras' optimizers treat it differently (Adam squares each slice,
+        so repeated rows differ from the dense gradient's square)."""
         if len(captured) != 1:
             raise ValueError(
                 "ParallelStrategy(offload='optimizer') runs one optimizer "
@@ -272,8 +304,16 @@ class Offload:
         grads, self.weights = captured[0]
         placed = []
         for grad, weight in zip(grads, self.weights):
-            if grad is not None:
-                place = self._registry.require_on_mesh(weight)
+            place = self._registry.require_on_mesh(weight)
+            if isinstance(grad, tf.IndexedSlices):
+                _check_sparse(weight, place)
+                # Values and indices replicated; the dense shape (a Shape
+                # op of the table) is remade on the host (`move_alike`).
+                grad = tf.IndexedSlices(*[
+                    placement_lib.relayout(part, (None,) * part.shape.rank,
+                                           place.mesh)
+                    for part in (grad.values, grad.indices)])
+            elif grad is not None:
                 grad = placement_lib.relayout(
                     tf.convert_to_tensor(grad), place.spec, place.mesh)
             placed.append(grad)
@@ -283,8 +323,7 @@ class Offload:
         """Moves `grads` (a step's `step_gradients`) to the host block by
         block, runs the optimizer there and moves the updated weights
         back into the device weights, block by block."""
-        host = [None if g is None else move_blocks(
-                    g, _layout_of(self.mirror(w)))
+        host = [None if g is None else move_alike(g, self.mesh, w.shape)
                 for w, g in zip(self.weights, grads)]
         self._update(host)
         for weight, grad in zip(self.weights, grads):

@@ -26,6 +26,10 @@ copied into its host copy before the next update: every `ShardedVariable`
 counts its Python-level assignments (`writes`), and the offload keeps the
 count it last saw (`pull_weights`).
 
+Under `mixed_float16` a `LossScaleOptimizer`'s scale and counter live on
+the host too (its overflow check is part of the update); the device step
+scales the loss by a copy of the scale on the devices (`DeviceLossScale`).
+
 So the devices hold the weights, the gradients and the step's tensors, and
 no optimizer slot: per device, `strategy.memory_per_device()` drops by the
 slots' bytes (and the optimizer's two scalars, iterations and learning
@@ -139,10 +143,7 @@ def attach(model, strategy):
 def _check_optimizer(optimizer):
     """Refuses an optimizer whose update cannot run on the host mesh."""
     reason = None
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        reason = ("a LossScaleOptimizer (mixed_float16) checks the "
-                  "gradients for overflow on the devices before the update")
-    elif optimizer.built:
+    if optimizer.built:
         reason = "it is built already (its slots are on the devices)"
     elif not isinstance(optimizer, keras.optimizers.Optimizer):
         reason = "it is not a Keras optimizer"
@@ -151,8 +152,7 @@ def _check_optimizer(optimizer):
             f"ParallelStrategy(offload='optimizer') cannot run optimizer "
             f"{optimizer.name!r} on the host: {reason}. Received: "
             f"{type(optimizer).__name__}. Compile with an unbuilt Keras "
-            "optimizer (e.g. 'adam') and a float32 or bfloat16 policy, or "
-            "use offload=None.")
+            "optimizer (e.g. 'adam'), or use offload=None.")
 
 
 def _check_sparse(weight, place):
@@ -168,6 +168,50 @@ def _check_sparse(weight, place):
             f"weight {weight.path!r} of shape {tuple(weight.shape)}. Use "
             "fsdp=False and no rule splitting its rows (the table whole), "
             "or offload=None.")
+
+
+class DeviceLossScale:
+    """A `LossScaleOptimizer`'s scale under offload: its `dynamic_scale`
+    and `step_counter` live on the host with the update (which checks the
+    gradients for overflow, unscales them and grows or halves the scale),
+    and the device step scales the loss by a copy of the scale on the
+    devices (a replicated scalar), refreshed after each host update.
+
+    Args:
+        optimizer: the (unbuilt) LossScaleOptimizer; its `scale_loss` is
+            routed here.
+        strategy: the offloading `ParallelStrategy`.
+    """
+
+    def __init__(self, optimizer, strategy):
+        self._optimizer = optimizer
+        self._strategy = strategy
+        self._scale_loss = optimizer.scale_loss
+        self.copy = None  # the devices' copy, made once the scale is
+        optimizer.scale_loss = self.scale_loss
+
+    def built(self, host_mesh):
+        """After `optimizer.build`: moves the scale and its counter to
+        `host_mesh` and makes the devices' copy of the scale."""
+        registry = self._strategy.extended.registry
+        for variable in (self._optimizer.step_counter,
+                         self._optimizer.dynamic_scale):
+            registry.move_to(variable, host_mesh)
+        with tf.init_scope(), self._strategy.scope():
+            self.copy = keras.Variable(
+                self._optimizer.dynamic_scale.numpy(), trainable=False,
+                name="loss_scale_on_devices")
+
+    def scale_loss(self, loss):
+        """`loss` times the scale: its devices' copy once built."""
+        if self.copy is None:
+            return self._scale_loss(loss)
+        return keras.ops.multiply(loss, keras.ops.cast(self.copy,
+                                                       loss.dtype))
+
+    def refresh(self):
+        """The scale the host update left, copied to the devices."""
+        self.copy.assign(self._optimizer.dynamic_scale.numpy())
 
 
 class Offload:
@@ -198,6 +242,9 @@ class Offload:
         for variable in self.optimizer.variables:  # iterations, rate
             self._registry.move_to(variable, self.mesh)
         self._update = tf.function(self._host_update)
+        self._loss_scale = DeviceLossScale(self.optimizer, strategy) if (
+            isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        ) else None
 
     def mirror(self, weight):
         """The host copy of trainable Keras `weight` (made on first use,
@@ -229,6 +276,8 @@ class Offload:
         slots are made on the host mesh, each laid out like its weight."""
         with self._strategy.scope():
             self._build([self.mirror(v) for v in variables])
+        if self._loss_scale is not None:
+            self._loss_scale.built(self.mesh)
 
     def apply(self, grads, trainable_variables=None):
         """`optimizer.apply`: inside a device step only records the
@@ -326,6 +375,8 @@ class Offload:
         host = [None if g is None else move_alike(g, self.mesh, w.shape)
                 for w, g in zip(self.weights, grads)]
         self._update(host)
+        if self._loss_scale is not None:
+            self._loss_scale.refresh()
         for weight, grad in zip(self.weights, grads):
             if grad is not None:
                 backing = _compat.backing_variable(weight)

@@ -120,10 +120,13 @@ def _blocks(variable):
 
 
 def _check_parity(found):
-    """Offload ran (every optimizer variable on CPU:8-15) and matched."""
+    """Offload ran (every optimizer variable on CPU:8-15; a pipeline's
+    stage s on the hosts of its own devices) and matched."""
+    hosts = [f"CPU:{i}" for i in range(8, 16)]
     for case, figures in found.items():
-        assert figures.pop("slot_devices") == sorted(
-            f"CPU:{i}" for i in range(8, 16)), case
+        expected = [sorted(hosts[:4]), sorted(hosts[4:])] if case.startswith(
+            "pipe") else sorted(hosts)
+        assert figures.pop("slot_devices") == expected, case
         assert max(figures.values()) <= 1e-4, (case, figures)
 
 
@@ -136,8 +139,10 @@ def _run_cases(cases):
 
 
 FAST_CASES = ["data8/adam", "data2model4/adamw", "data8fsdp/sgd_momentum"]
+# The pipeline case takes about a minute here (slow; the fast one is
+# test_pipeline_offload_matches_no_offload on pipe=2 x data=2).
 ALL_CASES = [f"{m}/{o}" for m in ("data8", "data2model4", "data8fsdp")
-             for o in OPTIMIZERS]
+             for o in OPTIMIZERS] + ["pipe2data4/adam"]
 
 
 def test_offload_matches_no_offload_on_8_devices():
@@ -149,7 +154,8 @@ def test_offload_matches_no_offload_on_8_devices():
 @pytest.mark.slow
 def test_offload_matches_no_offload_every_mesh_and_optimizer():
     """Adam, AdamW and SGD with momentum on data=8, data=2 x model=4 and
-    data=8 fsdp."""
+    data=8 fsdp; and a PipelineModel on pipe=2 x data=4 (1F1B, Adam;
+    CPU:0-3 and CPU:4-7 the stages, CPU:8-11 and CPU:12-15 their hosts)."""
     _check_parity(_run_cases(ALL_CASES))
 
 
@@ -209,8 +215,6 @@ def test_offload_devices_without_offload_are_refused():
 @pytest.mark.parametrize("axes, offload, match", [
     ({"data": 4}, "optimizer+master", r"'optimizer\+master'\) is not "
      r"implemented.*Use offload='optimizer'"),
-    ({"pipe": 2, "data": 2}, "optimizer", r"not implemented for pipelines "
-     r"yet \(a pipe axis of size 2\)"),
 ])
 def test_what_offload_does_not_do_is_refused(axes, offload, match):
     with pytest.raises(NotImplementedError, match=match):
@@ -649,8 +653,83 @@ def test_gradient_accumulation_matches_no_offload():
                            "offload": found["offload"]})
 
 
+def _deep_mlp(keras):
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu", name="d0"),
+        keras.layers.Dense(32, activation="relu", name="d1"),
+        keras.layers.Dense(32, activation="relu", name="d2"),
+        keras.layers.Dense(8, name="out")], name="deep")
+
+
+def _pipelined(keras, weights, axes, devices, host, schedule="1f1b",
+               epochs=2):
+    """(pipeline, losses) of fit of `_deep_mlp` as a PipelineModel on
+    `axes` over `devices` (4 micro-batches), offload to `host` if given."""
+    options = {} if host is None else {"offload": "optimizer",
+                                       "offload_devices": host}
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
+                                      **options)
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(_deep_mlp(keras), num_microbatches=4,
+                                   schedule=schedule)
+        pipe.set_weights(weights)
+        pipe.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = _data()
+    losses = pipe.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
+                      verbose=0).history["loss"]
+    return pipe, losses
+
+
+def _pipeline_parity(keras, axes, devices, host, schedule="1f1b"):
+    """{name: max relative difference} of the offloaded pipeline vs the
+    pipeline without offload and vs one device, and {optimizer index:
+    the devices of its variables' blocks}."""
+    weights = _deep_mlp(keras).get_weights()
+    single = _deep_mlp(keras)
+    single.set_weights(weights)
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = _data()
+    runs = {"single": (single.fit(x, y, batch_size=16, epochs=2,
+                                  shuffle=False, verbose=0).history["loss"],
+                       single.get_weights())}
+    for name, devices_host in (("plain", None), ("offload", host)):
+        pipe, losses = _pipelined(keras, weights, axes, devices,
+                                  devices_host, schedule)
+        runs[name] = (losses, pipe.get_weights())
+    found = {"slot_devices": [sorted({
+        _short(block.device) for v in optimizer.variables
+        for block in _blocks(v)}) for optimizer in pipe.stage_optimizers]}
+    for other in ("plain", "single"):
+        found[f"loss_vs_{other}"] = _relative(runs["offload"][0],
+                                              runs[other][0])
+        found[f"weights_vs_{other}"] = max(_relative(a, b) for a, b in zip(
+            runs["offload"][1], runs[other][1]))
+    return found
+
+
+def test_pipeline_offload_matches_no_offload():
+    """pipe=2 x data=2 on CPU:0-3 (stage 0 on CPU:0,1, stage 1 on
+    CPU:2,3), 1F1B, Adam: each stage's optimizer keeps its slots and
+    counters on the host devices of its own devices (CPU:4,5 and CPU:6,7),
+    and the losses and weights are within 1e-4 of the pipeline without
+    offload and of one device."""
+    import keras  # noqa: PLC0415
+
+    found = _pipeline_parity(keras, {"pipe": 2, "data": 2}, DEVICES, HOST)
+    assert found.pop("slot_devices") == [HOST[:2], HOST[2:]]
+    assert max(found.values()) <= 1e-4, found
+
+
 if __name__ == "__main__":  # the 16-CPU subprocess of the parity tests
     tfpar.use_virtual_cpus(16)
     import keras  # noqa: E402 (after the devices are configured)
 
-    print(json.dumps({case: _parity(keras, case) for case in sys.argv[1:]}))
+    def run(case):
+        if case == "pipe2data4/adam":
+            return _pipeline_parity(keras, {"pipe": 2, "data": 4},
+                                    [f"CPU:{i}" for i in range(8)],
+                                    [f"CPU:{i}" for i in range(8, 16)])
+        return _parity(keras, case)
+
+    print(json.dumps({case: run(case) for case in sys.argv[1:]}))

@@ -68,6 +68,7 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 """
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -78,17 +79,24 @@ from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement as placement_lib
 from tfpar import training
+from tfpar.pipeline import runner as pipeline_runner
 from tfpar.mesh import Mesh, short_device_name
 
 
-def host_mesh(dims):
-    """The `tfpar.Mesh` offload keeps state on: `dims.offload_devices` in
-    the mesh's shape, else DTensor's host mesh of the (GPU/TPU) mesh."""
-    devices = dims.offload_devices
-    if devices is None:
-        devices = [short_device_name(d) for d in
-                   dims.mesh.dtensor_mesh.host_mesh().local_devices()]
-    return Mesh(dims.mesh.shape, devices=list(devices))
+def host_mesh(dims, mesh=None):
+    """The `tfpar.Mesh` offload keeps the state of `mesh`'s weights on (the
+    strategy's mesh, or a pipeline stage's sub-mesh of it), in its shape:
+    host device i of the strategy's mesh device i is `dims.offload_devices[i]`,
+    else DTensor's host mesh of the (GPU/TPU) mesh."""
+    hosts = dims.offload_devices
+    if hosts is None:
+        hosts = [short_device_name(d) for d in
+                 dims.mesh.dtensor_mesh.host_mesh().local_devices()]
+    mesh = dims.mesh if mesh is None else mesh
+    host_of = {short_device_name(device): short_device_name(host)
+               for device, host in zip(dims.mesh.devices, hosts)}
+    return Mesh(mesh.shape, devices=[
+        host_of[short_device_name(device)] for device in mesh.devices])
 
 
 def move_blocks(value, layout):
@@ -124,18 +132,19 @@ def _layout_of(variable):
     return layout_lib.to_dtensor_layout(place.spec, place.mesh)
 
 
-def attach(model, strategy):
-    """Makes `model.optimizer` keep its state on the host mesh (called by
-    `compile` under an offloading strategy); the optimizer must not be
-    built yet. Returns the `Offload`."""
-    optimizer = getattr(model, "optimizer", None)
+def attach(optimizer, strategy, mesh=None):
+    """Makes `optimizer` (of weights on `mesh`: the strategy's mesh, or a
+    pipeline stage's) keep its state on the host devices of `mesh` (called
+    by `compile` under an offloading strategy, or by a `PipelineModel` for
+    each part's optimizer); it must not be built yet. Returns the
+    `Offload` (None for no optimizer)."""
     if optimizer is None:
         return None
     existing = getattr(optimizer, "_tfpar_offload", None)
     if existing is not None:
         return existing
     _check_optimizer(optimizer)
-    offload = Offload(model, strategy)
+    offload = Offload(optimizer, strategy, host_mesh(strategy.dims, mesh))
     optimizer._tfpar_offload = offload  # noqa: SLF001 (tfpar's own)
     return offload
 
@@ -220,15 +229,16 @@ class Offload:
     `build` and `apply` routed to those copies, and the host update.
 
     Args:
-        model: a compiled Keras model whose optimizer is not built yet.
-        strategy: its offloading `ParallelStrategy`.
+        optimizer: a Keras optimizer, not built yet.
+        strategy: the offloading `ParallelStrategy` of its weights.
+        mesh: the host `tfpar.Mesh` (`host_mesh`) of its weights' mesh.
     """
 
-    def __init__(self, model, strategy):
+    def __init__(self, optimizer, strategy, mesh):
         self._strategy = strategy
         self._registry = strategy.extended.registry
-        self.mesh = host_mesh(strategy.dims)
-        self.optimizer = model.optimizer
+        self.mesh = mesh
+        self.optimizer = optimizer
         self._mirrors = {}  # id(device weight's backing) -> (weight, mirror)
         # id(device weight's backing) -> its `writes` when the host copy
         # last equalled it; and the weights the device step itself writes.
@@ -432,7 +442,47 @@ class OffloadRunner(training.StepRunner):
         return self._one_step.get_concrete_function(placed)
 
 
+class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
+    """A `PipelineModel`'s train step under offload: the pipeline step (all
+    stages, one program) returns its logs and each part's gradients, which
+    its optimizer's `Offload` applies on that part's host devices; each
+    part's weights written elsewhere (a tied copy's sync, `set_weights`)
+    reach its host copies first (`Offload.pull_weights`)."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, "train")
+
+    def _offloads(self):
+        """Each part's optimizer's `Offload` (building them on first use)."""
+        return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+                for optimizer in self._model.stage_optimizers]
+
+    def _train(self, xs, targets, split):
+        with contextlib.ExitStack() as stack:
+            captured = [stack.enter_context(offload.capturing())
+                        for offload in self._offloads()]
+            logs = pipeline_runner.PipelineRunner._train(self, xs, targets,
+                                                         split)
+        return logs, [offload.step_gradients(calls) for offload, calls
+                      in zip(self._offloads(), captured)]
+
+    def _run_batch(self, batch):
+        def step():
+            return pipeline_runner.PipelineRunner._run_batch(self, batch)
+
+        for offload in self._offloads():
+            step = functools.partial(offload.device_step, step)
+        logs, grads = step()
+        for offload, part_grads in zip(self._offloads(), grads):
+            offload.pull_weights()
+            offload.apply_on_host(part_grads)
+        return logs
+
+
 def make_runner(model, extended):
-    """The train `Runner` of `model` under an offloading strategy."""
-    offload = attach(model, extended._container_strategy())  # noqa: SLF001
-    return OffloadRunner(model, extended, offload)
+    """The train `Runner` of `model` under an offloading strategy (of a
+    `PipelineModel`: `OffloadPipelineRunner`)."""
+    if isinstance(model, training.StagedModel):
+        return OffloadPipelineRunner(model)
+    strategy = extended._container_strategy()  # noqa: SLF001
+    return OffloadRunner(model, extended, attach(model.optimizer, strategy))

@@ -457,8 +457,10 @@ def _adopt_and_offload(model, strategy):
     adopt_optimizer(model, strategy)
     if strategy.dims.offload is not None:
         from tfpar import offload  # noqa: PLC0415 (offload imports training)
+        from tfpar import training  # noqa: PLC0415 (training imports us)
 
-        offload.attach(model, strategy)
+        if not isinstance(model, training.StagedModel):  # (per part instead)
+            offload.attach(getattr(model, "optimizer", None), strategy)
 
 
 def compat_hooks():

@@ -354,8 +354,19 @@ class PipelineModel(keras.Model, training.StagedModel):
         with self.distribute_strategy.scope(), \
                 self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:
-                self.optimizer.build(self._parts[-1].updated)
+                self._build_optimizer(self.optimizer, self._parts[-1])
             return super()._symbolic_build(*args, **kwargs)
+
+    def _build_optimizer(self, optimizer, part):
+        """Builds `optimizer` for `part`'s weights, on its mesh; under
+        `offload="optimizer"` first handed to the part's own host devices
+        (`tfpar.offload.attach`)."""
+        if self._extended.dims.offload is not None:  # offload hook
+            from tfpar import offload  # noqa: PLC0415 (imports the runner)
+
+            offload.attach(optimizer, self.distribute_strategy, part.mesh)
+        with self._extended.registry.placing_on(part.mesh):
+            optimizer.build(part.updated)
 
     @property
     def stage_optimizers(self):
@@ -370,14 +381,13 @@ class PipelineModel(keras.Model, training.StagedModel):
             meshes = [part.mesh for part in self._parts]
             with self.distribute_strategy.scope():
                 if not optimizer.built:
-                    with self._extended.registry.placing_on(meshes[-1]):
-                        optimizer.build(self._parts[-1].updated)
+                    self._build_optimizer(optimizer, self._parts[-1])
                 copies = []
                 for s, mesh in enumerate(meshes[:-1]):
                     with self._extended.registry.placing_on(mesh):
                         copy = type(optimizer).from_config(
                             optimizer.get_config())
-                        copy.build(self._parts[s].updated)
+                    self._build_optimizer(copy, self._parts[s])
                     copies.append(copy)
             self._optimizers = copies + [optimizer]
             for part, part_optimizer in zip(self._parts, self._optimizers):

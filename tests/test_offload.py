@@ -127,6 +127,7 @@ def _check_parity(found):
         expected = [sorted(hosts[:4]), sorted(hosts[4:])] if case.startswith(
             "pipe") else sorted(hosts)
         assert figures.pop("slot_devices") == expected, case
+        figures.pop("memory", None)  # (checked on 4 devices)
         assert max(figures.values()) <= 1e-4, (case, figures)
 
 
@@ -683,8 +684,9 @@ def _pipelined(keras, weights, axes, devices, host, schedule="1f1b",
 
 def _pipeline_parity(keras, axes, devices, host, schedule="1f1b"):
     """{name: max relative difference} of the offloaded pipeline vs the
-    pipeline without offload and vs one device, and {optimizer index:
-    the devices of its variables' blocks}."""
+    pipeline without offload and vs one device; "slot_devices": per stage
+    optimizer, the devices of its variables' blocks; "memory": each run's
+    `memory_per_device()`."""
     weights = _deep_mlp(keras).get_weights()
     single = _deep_mlp(keras)
     single.set_weights(weights)
@@ -693,11 +695,13 @@ def _pipeline_parity(keras, axes, devices, host, schedule="1f1b"):
     runs = {"single": (single.fit(x, y, batch_size=16, epochs=2,
                                   shuffle=False, verbose=0).history["loss"],
                        single.get_weights())}
+    memory = {}
     for name, devices_host in (("plain", None), ("offload", host)):
         pipe, losses = _pipelined(keras, weights, axes, devices,
                                   devices_host, schedule)
         runs[name] = (losses, pipe.get_weights())
-    found = {"slot_devices": [sorted({
+        memory[name] = pipe.distribute_strategy.memory_per_device()
+    found = {"memory": memory, "slot_devices": [sorted({
         _short(block.device) for v in optimizer.variables
         for block in _blocks(v)}) for optimizer in pipe.stage_optimizers]}
     for other in ("plain", "single"):
@@ -711,13 +715,41 @@ def _pipeline_parity(keras, axes, devices, host, schedule="1f1b"):
 def test_pipeline_offload_matches_no_offload():
     """pipe=2 x data=2 on CPU:0-3 (stage 0 on CPU:0,1, stage 1 on
     CPU:2,3), 1F1B, Adam: each stage's optimizer keeps its slots and
-    counters on the host devices of its own devices (CPU:4,5 and CPU:6,7),
-    and the losses and weights are within 1e-4 of the pipeline without
-    offload and of one device."""
+    counters on the host devices of its own devices (CPU:4,5 and CPU:6,7;
+    `memory_per_device()` moves exactly the slots), and the losses and
+    weights are within 1e-4 of the pipeline without offload and of one
+    device."""
     import keras  # noqa: PLC0415
 
     found = _pipeline_parity(keras, {"pipe": 2, "data": 2}, DEVICES, HOST)
     assert found.pop("slot_devices") == [HOST[:2], HOST[2:]]
+    _check_stage_memory(found.pop("memory"))
+    assert max(found.values()) <= 1e-4, found
+
+
+def _check_stage_memory(memory):
+    """Per mesh device the same params and no optimizer state (Adam's two
+    slots, 2 x params, without offload); host device i holds the slots
+    device i held, and the host copies of its weights."""
+    before, after = memory["plain"], memory["offload"]
+    for device, host in zip(DEVICES, HOST):
+        assert before[device]["optimizer"] == 2 * before[device][
+            "params"] > 0
+        assert after[device]["params"] == before[device]["params"]
+        assert after[device]["optimizer"] == 0
+        assert after[host]["optimizer"] == before[device]["optimizer"]
+        assert after[host]["params"] == before[device]["params"]
+
+
+@pytest.mark.slow
+def test_pipeline_offload_with_a_split_backward_matches_no_offload():
+    """ZB-H1 (input and weight gradients apart) on pipe=2 x data=2."""
+    import keras  # noqa: PLC0415
+
+    found = _pipeline_parity(keras, {"pipe": 2, "data": 2}, DEVICES, HOST,
+                             "zb-h1")
+    assert found.pop("slot_devices") == [HOST[:2], HOST[2:]]
+    _check_stage_memory(found.pop("memory"))
     assert max(found.values()) <= 1e-4, found
 
 

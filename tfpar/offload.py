@@ -30,6 +30,11 @@ Under `mixed_float16` a `LossScaleOptimizer`'s scale and counter live on
 the host too (its overflow check is part of the update); the device step
 scales the loss by a copy of the scale on the devices (`DeviceLossScale`).
 
+A `PipelineModel` has one optimizer per part (`stage_optimizers`); each
+gets its own `Offload` on the host devices of its stage's devices (the
+part's `host_mesh`), and the pipeline step — every stage, one program —
+returns each part's gradients to its host update (`OffloadPipelineRunner`).
+
 So the devices hold the weights, the gradients and the step's tensors, and
 no optimizer slot: per device, `strategy.memory_per_device()` drops by the
 slots' bytes (and the optimizer's two scalars, iterations and learning

@@ -354,19 +354,8 @@ class PipelineModel(keras.Model, training.StagedModel):
         with self.distribute_strategy.scope(), \
                 self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:
-                self._build_optimizer(self.optimizer, self._parts[-1])
+                _build_optimizer(self, self.optimizer, self._parts[-1])
             return super()._symbolic_build(*args, **kwargs)
-
-    def _build_optimizer(self, optimizer, part):
-        """Builds `optimizer` for `part`'s weights, on its mesh; under
-        `offload="optimizer"` first handed to the part's own host devices
-        (`tfpar.offload.attach`)."""
-        if self._extended.dims.offload is not None:  # offload hook
-            from tfpar import offload  # noqa: PLC0415 (imports the runner)
-
-            offload.attach(optimizer, self.distribute_strategy, part.mesh)
-        with self._extended.registry.placing_on(part.mesh):
-            optimizer.build(part.updated)
 
     @property
     def stage_optimizers(self):
@@ -381,13 +370,13 @@ class PipelineModel(keras.Model, training.StagedModel):
             meshes = [part.mesh for part in self._parts]
             with self.distribute_strategy.scope():
                 if not optimizer.built:
-                    self._build_optimizer(optimizer, self._parts[-1])
+                    _build_optimizer(self, optimizer, self._parts[-1])
                 copies = []
                 for s, mesh in enumerate(meshes[:-1]):
                     with self._extended.registry.placing_on(mesh):
                         copy = type(optimizer).from_config(
                             optimizer.get_config())
-                    self._build_optimizer(copy, self._parts[s])
+                    _build_optimizer(self, copy, self._parts[s])
                     copies.append(copy)
             self._optimizers = copies + [optimizer]
             for part, part_optimizer in zip(self._parts, self._optimizers):
@@ -439,6 +428,19 @@ class PipelineModel(keras.Model, training.StagedModel):
             self._eager_runner = PipelineRunner(self, "predict")
         return tf.nest.map_structure(
             tf.constant, self._eager_runner.predict_inputs(x))
+
+
+def _build_optimizer(pipeline, optimizer, part):
+    """Builds `optimizer` for `part`'s weights, on its mesh; under
+    `offload="optimizer"` first handed to the part's own host devices
+    (`tfpar.offload.attach`)."""
+    strategy = pipeline.distribute_strategy
+    if strategy.dims.offload is not None:  # the offload hook
+        from tfpar import offload  # noqa: PLC0415 (imports the runner)
+
+        offload.attach(optimizer, strategy, part.mesh)
+    with strategy.extended.registry.placing_on(part.mesh):
+        optimizer.build(part.updated)
 
 
 def _check_can_generate(wrapped):

@@ -201,7 +201,7 @@ class DeviceLossScale:
         self._optimizer = optimizer
         self._strategy = strategy
         self._scale_loss = optimizer.scale_loss
-        self.copy = None  # the devices' copy, made once the scale is
+        self.copy = None  # the devices' copy, made with the scale
         optimizer.scale_loss = self.scale_loss
 
     def built(self, host_mesh):
@@ -327,9 +327,11 @@ class Offload:
 
     def pull_weights(self):
         """Copies into its host copy, block by block, each device weight
-        written by something other than the host update since: a checkpoint restore, `set_weights`, `assign` in a callback
-        or in the step itself reaches the host before its update. The host
-        update keeps the copies current itself, so after it nothing moves."""
+        written by something other than the host update since (its
+        `writes` count moved): a checkpoint restore, `set_weights`,
+        `assign` in a callback or in the step itself reaches the host
+        before the update. The update keeps the copies current itself, so
+        in a plain `fit` nothing moves here."""
         for key, (weight, copy) in self._mirrors.items():
             backing = _compat.backing_variable(weight)
             if (key in self._written_in_step

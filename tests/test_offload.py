@@ -602,9 +602,8 @@ def test_sparse_gradients_of_an_embedding_match_no_offload(optimizer):
     batch repeats rows): under offload it moves to the host sparse
     (values and indices block by block), and plain SGD (Keras' scatter
     update) and Adam (which squares each slice, so a dense gradient would
-    differ) update the host copy (a table split by rows is refused, the
-    next test); losses and weights within 1e-4 of no offload and of one
-    device."""
+    differ) update the host copy (a table split by rows: the next test);
+    losses and weights within 1e-4 of no offload and of one device."""
     import keras  # noqa: PLC0415
 
     x, y = _tokens()
@@ -619,24 +618,31 @@ def test_sparse_gradients_of_an_embedding_match_no_offload(optimizer):
         keras).get_weights()[0]) > 0  # (the table did train)
 
 
-def test_a_sparse_gradient_of_a_row_split_table_is_refused():
+def test_a_row_split_tables_sparse_gradient_moves_dense():
     """fsdp splits the table by rows; DTensor 2.21 cannot compile a step
     that returns its IndexedSlices gradient ("EmitAllScatter requires
-    slice on input axis 0 which is dynamic", measured, with the values
-    and indices replicated or not): refused while the first step is
-    traced, before any update, naming the table."""
+    slice on input axis 0 which is dynamic", measured, with the values and
+    indices replicated or not), so it moves dense: plain SGD, linear in
+    the gradient, matches no offload; Adam warns, naming the table (its
+    sparse update squares each slice: measured 0.2% apart in the loss)."""
     import keras  # noqa: PLC0415
 
     x, y = _tokens()
     weights = _embedding_model(keras).get_weights()
+    found = {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        model = _compiled(keras, weights, host, _embedding_model,
+                          keras.optimizers.SGD(0.5), True)
+        found[name] = (model.fit(x, y, batch_size=16, epochs=2,
+                                 shuffle=False, verbose=0).history["loss"],
+                       model.get_weights())
+    _assert_same_training(found)
     model = _compiled(keras, weights, HOST, _embedding_model, "adam", True)
-    with pytest.raises(NotImplementedError, match=(
-            r"sparse gradient \(IndexedSlices\) of 'embedding/embed/"
-            r"embeddings'.*split by rows \(layout \('data', None\)\).*"
-            r"Use fsdp=False")):
-        model.fit(x, y, batch_size=16, verbose=0)
-    for a, b in zip(model.get_weights(), weights):
-        np.testing.assert_array_equal(a, b)
+    with pytest.warns(UserWarning, match=(
+            r"sparse gradient of 'embedding/embed/embeddings' \(split by "
+            r"rows, layout \('data', None\)\) moves to the host dense, so "
+            r"Adam updates it as a dense gradient")):
+        model.fit(x[:16], y[:16], batch_size=16, verbose=0)
 
 
 def test_gradient_accumulation_matches_no_offload():

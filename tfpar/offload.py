@@ -74,6 +74,7 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
 import contextlib
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -169,19 +170,27 @@ def _check_optimizer(optimizer):
             "optimizer (e.g. 'adam'), or use offload=None.")
 
 
-def _check_sparse(weight, place):
-    """Refuses a sparse gradient of a table split by rows (fsdp or a
-    rule): DTensor 2.21 cannot compile a step returning it (an
-    AllScatter on a dynamic axis, tests/test_offload.py)."""
-    if place.spec and place.spec[0] is not None:
-        raise NotImplementedError(
-            f"ParallelStrategy(offload='optimizer') cannot move the sparse "
-            f"gradient (IndexedSlices) of {weight.path!r} to the host: the "
-            f"table is split by rows (layout {tuple(place.spec)}), and "
-            "DTensor 2.21 cannot compile a step returning it. Received: "
-            f"weight {weight.path!r} of shape {tuple(weight.shape)}. Use "
-            "fsdp=False and no rule splitting its rows (the table whole), "
-            "or offload=None.")
+def _rows_whole(weight, place, optimizer):
+    """Whether a table laid out by `place` keeps its rows whole: then its
+    sparse gradient moves to the host sparse. A row-split table's (fsdp, or
+    a rule on its first dimension) moves dense: DTensor 2.21 cannot compile
+    a step returning its IndexedSlices ("EmitAllScatter requires slice on
+    input axis 0 which is dynamic", tests/test_offload.py). Plain SGD and
+    momentum are linear in the gradient, so dense is the same update; for
+    other optimizers it warns (Adam squares each slice of a sparse
+    gradient, the dense one the summed rows)."""
+    if not place.spec or place.spec[0] is None:
+        return True
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        warnings.warn(
+            f"ParallelStrategy(offload='optimizer'): the sparse gradient of "
+            f"{weight.path!r} (split by rows, layout {tuple(place.spec)}) "
+            f"moves to the host dense, so {type(optimizer).__name__} "
+            "updates it as a dense gradient: where a batch repeats a row "
+            "its result differs from offload=None (which applies Keras' "
+            "sparse update). Keep the table's rows whole (fsdp=False) or "
+            "use offload=None for the same update.", stacklevel=2)
+    return False
 
 
 class DeviceLossScale:
@@ -371,8 +380,8 @@ class Offload:
         placed = []
         for grad, weight in zip(grads, self.weights):
             place = self._registry.require_on_mesh(weight)
-            if isinstance(grad, tf.IndexedSlices):
-                _check_sparse(weight, place)
+            if isinstance(grad, tf.IndexedSlices) and _rows_whole(
+                    weight, place, self.optimizer):
                 # Values and indices replicated; the dense shape (a Shape
                 # op of the table) is remade on the host (`move_alike`).
                 grad = tf.IndexedSlices(*[

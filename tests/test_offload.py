@@ -120,10 +120,14 @@ def _blocks(variable):
 
 
 def _check_parity(found):
-    """Offload ran (every optimizer variable on CPU:8-15) and matched."""
+    """Offload ran (every optimizer variable on CPU:8-15; a pipeline's
+    stage s on the hosts of its own devices) and matched."""
+    hosts = [f"CPU:{i}" for i in range(8, 16)]
     for case, figures in found.items():
-        assert figures.pop("slot_devices") == sorted(
-            f"CPU:{i}" for i in range(8, 16)), case
+        expected = [sorted(hosts[:4]), sorted(hosts[4:])] if case.startswith(
+            "pipe") else sorted(hosts)
+        assert figures.pop("slot_devices") == expected, case
+        figures.pop("memory", None)  # (checked on 4 devices)
         assert max(figures.values()) <= 1e-4, (case, figures)
 
 
@@ -136,8 +140,10 @@ def _run_cases(cases):
 
 
 FAST_CASES = ["data8/adam", "data2model4/adamw", "data8fsdp/sgd_momentum"]
+# The pipeline case takes about a minute here (slow; the fast one is
+# test_pipeline_offload_matches_no_offload on pipe=2 x data=2).
 ALL_CASES = [f"{m}/{o}" for m in ("data8", "data2model4", "data8fsdp")
-             for o in OPTIMIZERS]
+             for o in OPTIMIZERS] + ["pipe2data4/adam"]
 
 
 def test_offload_matches_no_offload_on_8_devices():
@@ -149,7 +155,8 @@ def test_offload_matches_no_offload_on_8_devices():
 @pytest.mark.slow
 def test_offload_matches_no_offload_every_mesh_and_optimizer():
     """Adam, AdamW and SGD with momentum on data=8, data=2 x model=4 and
-    data=8 fsdp."""
+    data=8 fsdp; and a PipelineModel on pipe=2 x data=4 (1F1B, Adam;
+    CPU:0-3 and CPU:4-7 the stages, CPU:8-11 and CPU:12-15 their hosts)."""
     _check_parity(_run_cases(ALL_CASES))
 
 
@@ -209,8 +216,6 @@ def test_offload_devices_without_offload_are_refused():
 @pytest.mark.parametrize("axes, offload, match", [
     ({"data": 4}, "optimizer+master", r"'optimizer\+master'\) is not "
      r"implemented.*Use offload='optimizer'"),
-    ({"pipe": 2, "data": 2}, "optimizer", r"not implemented for pipelines "
-     r"yet \(a pipe axis of size 2\)"),
 ])
 def test_what_offload_does_not_do_is_refused(axes, offload, match):
     with pytest.raises(NotImplementedError, match=match):
@@ -229,11 +234,52 @@ def test_an_optimizer_that_cannot_run_on_the_host_is_refused_at_compile():
 
     with _offloading().scope():
         model = _mlp(keras)
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(model.trainable_weights)  # slots on the devices
         with pytest.raises(ValueError, match=(
-                r"cannot run optimizer .* on the host: a LossScaleOptimizer"
-                r".*Received: LossScaleOptimizer")):
-            model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-                keras.optimizers.Adam()), loss="mse")
+                r"cannot run optimizer .* on the host: it is built already"
+                r".*Received: Adam")):
+            model.compile(optimizer=optimizer, loss="mse")
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["data=4", "fsdp"])
+def test_loss_scaling_under_mixed_float16_matches_no_offload(fsdp):
+    """mixed_float16 with Keras' LossScaleOptimizer (SGD with momentum)
+    from a scale of 2**20, which overflows the first two steps: the scale
+    and its counter live on the host with the update, which skips those
+    steps and halves the scale twice, as without offload; the
+    devices hold the scale's copy the step multiplies the loss by. Losses
+    and weights within 1e-4 of no offload (the same float16 step on the
+    same mesh)."""
+    import keras  # noqa: PLC0415
+
+    def build(keras):
+        return keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", name="up",
+                               dtype="mixed_float16"),
+            keras.layers.Dense(8, name="down")], name="mlp")
+
+    weights = build(keras).get_weights()
+    x, y = _data()
+    found, models = {}, {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        model = _compiled(keras, weights, host, build,
+                          keras.optimizers.LossScaleOptimizer(
+                              keras.optimizers.SGD(0.05, momentum=0.9),
+                              initial_scale=2.0**20), fsdp)
+        found[name] = (model.fit(x, y, batch_size=16, epochs=2,
+                                 shuffle=False, verbose=0).history["loss"],
+                       model.get_weights())
+        models[name] = model
+    _assert_same_training(found)
+    for name, model in models.items():  # 8 steps, 2 skipped (measured)
+        assert model.optimizer.iterations.numpy() == 8 - 2, name
+        assert model.optimizer.dynamic_scale.numpy() == 2.0**18, name
+    optimizer = models["offload"].optimizer
+    for variable in (optimizer.dynamic_scale, optimizer.step_counter,
+                     *optimizer.inner_optimizer.variables):
+        assert [_short(b.device) for b in _blocks(variable)] == HOST
 
 
 def test_a_step_updating_twice_is_refused_before_any_update():
@@ -420,8 +466,308 @@ def test_checkpoints_move_between_offload_and_no_offload(tmp_path):
             assert _relative(a, b) <= 1e-4, name
 
 
+def _compiled(keras, weights, host, build=_mlp, optimizer="adam",
+              fsdp=False, rules=None, **compile_options):
+    """A model from `build` on data=4 (offload to `host` when given) with
+    `weights`, compiled with `optimizer` and MSE."""
+    options = {} if host is None else {"offload": "optimizer",
+                                       "offload_devices": host}
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 4}, devices=DEVICES), fsdp=fsdp, rules=rules,
+        **options)
+    with strategy.scope():
+        model = build(keras)
+        model.set_weights(weights)
+        model.compile(optimizer=optimizer, loss="mse", **compile_options)
+    return model
+
+
+def _assert_same_training(found):
+    """found = {"plain": (losses, weights), "offload": (...)}: within 1e-4
+    (relative) of each other."""
+    assert _relative(found["offload"][0], found["plain"][0]) <= 1e-4
+    for a, b in zip(found["offload"][1], found["plain"][1]):
+        assert _relative(a, b) <= 1e-4
+
+
+def test_weights_written_outside_the_update_reach_the_host_copy():
+    """set_weights between fits, `assign` in a callback after batch 1, and
+    `assign` in the step itself (a train_step scaling a kernel before
+    Keras' step): each write reaches the host copy before the next update,
+    so the losses and weights match no offload."""
+    import keras  # noqa: PLC0415
+
+    class Shrinking(keras.Sequential):
+        def train_step(self, data):
+            self.layers[1].kernel.assign(self.layers[1].kernel * 0.9)
+            return super().train_step(data)
+
+    class HalveAfterBatch1(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                kernel = self.model.layers[0].kernel
+                kernel.assign(kernel * 0.5)
+
+    def build(keras):
+        return Shrinking([keras.Input((16,)),
+                          keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(8)])
+
+    weights = build(keras).get_weights()
+    x, y = _data()
+    found = {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        model = _compiled(keras, weights, host, build)
+        losses = model.fit(x, y, batch_size=16, shuffle=False,
+                           verbose=0).history["loss"]
+        model.set_weights([w * 1.5 for w in model.get_weights()])
+        losses += model.fit(x, y, batch_size=16, shuffle=False, verbose=0,
+                            callbacks=[HalveAfterBatch1()]).history["loss"]
+        found[name] = (losses, model.get_weights())
+    _assert_same_training(found)
+
+
+def test_a_step_copies_only_the_gradients_to_the_host(monkeypatch):
+    """Counting every block move of `tfpar.offload`: after the first step
+    (which makes the host copies), a step moves each weight's gradient to
+    the host and the updated weight back, nothing else; set_weights adds
+    one copy of the weights it wrote, to the host, once."""
+    import keras  # noqa: PLC0415
+    from tensorflow.experimental import dtensor  # noqa: PLC0415
+
+    from tfpar import offload  # noqa: PLC0415
+
+    moves = []
+    move = offload.move_blocks
+
+    def counted(value, layout):
+        source = dtensor.fetch_layout(value).mesh.local_devices()
+        moves.append(("to_host" if _short(source[0]) in DEVICES
+                      else "to_devices", tuple(value.shape)))
+        return move(value, layout)
+
+    monkeypatch.setattr(offload, "move_blocks", counted)
+    model = _compiled(keras, _mlp(keras).get_weights(), HOST)
+    x, y = _data()
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)  # makes the copies
+    shapes = sorted(tuple(w.shape) for w in model.trainable_weights)
+    moves.clear()
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)  # 4 steps
+    for direction in ("to_host", "to_devices"):
+        assert sorted(s for d, s in moves if d == direction) == sorted(
+            4 * shapes), direction
+    moves.clear()
+    model.set_weights(model.get_weights())
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+    assert sorted(s for d, s in moves if d == "to_host") == sorted(
+        2 * shapes)  # the gradients and, once, the weights set
+
+
+def _embedding_model(keras):
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(20, 8, name="embed"),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(8, name="head")], name="embedding")
+
+
+def _three_ways(keras, build, make_optimizer, x, y):
+    """{"single", "plain", "offload"}: (losses, weights) of 2 epochs of fit
+    on one device, on data=4 and on data=4 with offload, from the same
+    weights."""
+    weights = build(keras).get_weights()
+    single = build(keras)
+    single.set_weights(weights)
+    single.compile(optimizer=make_optimizer(), loss="mse")
+    found = {"single": (single.fit(x, y, batch_size=16, epochs=2,
+                                   shuffle=False, verbose=0).history["loss"],
+                        single.get_weights())}
+    for name, host in (("plain", None), ("offload", HOST)):
+        model = _compiled(keras, weights, host, build, make_optimizer())
+        found[name] = (model.fit(x, y, batch_size=16, epochs=2,
+                                 shuffle=False, verbose=0).history["loss"],
+                       model.get_weights())
+    return found
+
+
+def _tokens():
+    rng = np.random.default_rng(1)
+    return (rng.integers(0, 20, (64, 6)).astype("int32"),
+            rng.standard_normal((64, 8)).astype("float32"))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sparse_gradients_of_an_embedding_match_no_offload(optimizer):
+    """An Embedding's gradient is IndexedSlices (the rows looked up; the
+    batch repeats rows): under offload it moves to the host sparse
+    (values and indices block by block), and plain SGD (Keras' scatter
+    update) and Adam (which squares each slice, so a dense gradient would
+    differ) update the host copy (a table split by rows: the next test);
+    losses and weights within 1e-4 of no offload and of one device."""
+    import keras  # noqa: PLC0415
+
+    x, y = _tokens()
+    make = {"sgd": lambda: keras.optimizers.SGD(0.5),
+            "adam": lambda: keras.optimizers.Adam(0.01)}[optimizer]
+    found = _three_ways(keras, _embedding_model, make, x, y)
+    _assert_same_training({"plain": found["plain"],
+                           "offload": found["offload"]})
+    _assert_same_training({"plain": found["single"],
+                           "offload": found["offload"]})
+    assert _relative(found["offload"][1][0], _embedding_model(
+        keras).get_weights()[0]) > 0  # (the table did train)
+
+
+def test_a_row_split_tables_sparse_gradient_moves_dense():
+    """fsdp splits the table by rows; DTensor 2.21 cannot compile a step
+    that returns its IndexedSlices gradient ("EmitAllScatter requires
+    slice on input axis 0 which is dynamic", measured, with the values and
+    indices replicated or not), so it moves dense: plain SGD, linear in
+    the gradient, matches no offload; Adam warns, naming the table (its
+    sparse update squares each slice: measured 0.2% apart in the loss)."""
+    import keras  # noqa: PLC0415
+
+    x, y = _tokens()
+    weights = _embedding_model(keras).get_weights()
+    found = {}
+    for name, host in (("plain", None), ("offload", HOST)):
+        model = _compiled(keras, weights, host, _embedding_model,
+                          keras.optimizers.SGD(0.5), True)
+        found[name] = (model.fit(x, y, batch_size=16, epochs=2,
+                                 shuffle=False, verbose=0).history["loss"],
+                       model.get_weights())
+    _assert_same_training(found)
+    model = _compiled(keras, weights, HOST, _embedding_model, "adam", True)
+    with pytest.warns(UserWarning, match=(
+            r"sparse gradient of 'embedding/embed/embeddings' \(split by "
+            r"rows, layout \('data', None\)\) moves to the host dense, so "
+            r"Adam updates it as a dense gradient")):
+        model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+
+
+def test_gradient_accumulation_matches_no_offload():
+    """Adam with gradient_accumulation_steps=2: the accumulators live with
+    the slots on the host, and the weights change every second step, as
+    without offload and on one device."""
+    import keras  # noqa: PLC0415
+
+    x, y = _data()
+    found = _three_ways(keras, _mlp, lambda: keras.optimizers.Adam(
+        0.01, gradient_accumulation_steps=2), x, y)
+    _assert_same_training({"plain": found["plain"],
+                           "offload": found["offload"]})
+    _assert_same_training({"plain": found["single"],
+                           "offload": found["offload"]})
+
+
+def _deep_mlp(keras):
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="relu", name="d0"),
+        keras.layers.Dense(32, activation="relu", name="d1"),
+        keras.layers.Dense(32, activation="relu", name="d2"),
+        keras.layers.Dense(8, name="out")], name="deep")
+
+
+def _pipelined(keras, weights, axes, devices, host, schedule="1f1b",
+               epochs=2):
+    """(pipeline, losses) of fit of `_deep_mlp` as a PipelineModel on
+    `axes` over `devices` (4 micro-batches), offload to `host` if given."""
+    options = {} if host is None else {"offload": "optimizer",
+                                       "offload_devices": host}
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
+                                      **options)
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(_deep_mlp(keras), num_microbatches=4,
+                                   schedule=schedule)
+        pipe.set_weights(weights)
+        pipe.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = _data()
+    losses = pipe.fit(x, y, batch_size=16, epochs=epochs, shuffle=False,
+                      verbose=0).history["loss"]
+    return pipe, losses
+
+
+def _pipeline_parity(keras, axes, devices, host, schedule="1f1b"):
+    """{name: max relative difference} of the offloaded pipeline vs the
+    pipeline without offload and vs one device; "slot_devices": per stage
+    optimizer, the devices of its variables' blocks; "memory": each run's
+    `memory_per_device()`."""
+    weights = _deep_mlp(keras).get_weights()
+    single = _deep_mlp(keras)
+    single.set_weights(weights)
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = _data()
+    runs = {"single": (single.fit(x, y, batch_size=16, epochs=2,
+                                  shuffle=False, verbose=0).history["loss"],
+                       single.get_weights())}
+    memory = {}
+    for name, devices_host in (("plain", None), ("offload", host)):
+        pipe, losses = _pipelined(keras, weights, axes, devices,
+                                  devices_host, schedule)
+        runs[name] = (losses, pipe.get_weights())
+        memory[name] = pipe.distribute_strategy.memory_per_device()
+    found = {"memory": memory, "slot_devices": [sorted({
+        _short(block.device) for v in optimizer.variables
+        for block in _blocks(v)}) for optimizer in pipe.stage_optimizers]}
+    for other in ("plain", "single"):
+        found[f"loss_vs_{other}"] = _relative(runs["offload"][0],
+                                              runs[other][0])
+        found[f"weights_vs_{other}"] = max(_relative(a, b) for a, b in zip(
+            runs["offload"][1], runs[other][1]))
+    return found
+
+
+def test_pipeline_offload_matches_no_offload():
+    """pipe=2 x data=2 on CPU:0-3 (stage 0 on CPU:0,1, stage 1 on
+    CPU:2,3), 1F1B, Adam: each stage's optimizer keeps its slots and
+    counters on the host devices of its own devices (CPU:4,5 and CPU:6,7;
+    `memory_per_device()` moves exactly the slots), and the losses and
+    weights are within 1e-4 of the pipeline without offload and of one
+    device."""
+    import keras  # noqa: PLC0415
+
+    found = _pipeline_parity(keras, {"pipe": 2, "data": 2}, DEVICES, HOST)
+    assert found.pop("slot_devices") == [HOST[:2], HOST[2:]]
+    _check_stage_memory(found.pop("memory"))
+    assert max(found.values()) <= 1e-4, found
+
+
+def _check_stage_memory(memory):
+    """Per mesh device the same params and no optimizer state (Adam's two
+    slots, 2 x params, without offload); host device i holds the slots
+    device i held, and the host copies of its weights."""
+    before, after = memory["plain"], memory["offload"]
+    for device, host in zip(DEVICES, HOST):
+        assert before[device]["optimizer"] == 2 * before[device][
+            "params"] > 0
+        assert after[device]["params"] == before[device]["params"]
+        assert after[device]["optimizer"] == 0
+        assert after[host]["optimizer"] == before[device]["optimizer"]
+        assert after[host]["params"] == before[device]["params"]
+
+
+@pytest.mark.slow
+def test_pipeline_offload_with_a_split_backward_matches_no_offload():
+    """ZB-H1 (input and weight gradients apart) on pipe=2 x data=2."""
+    import keras  # noqa: PLC0415
+
+    found = _pipeline_parity(keras, {"pipe": 2, "data": 2}, DEVICES, HOST,
+                             "zb-h1")
+    assert found.pop("slot_devices") == [HOST[:2], HOST[2:]]
+    _check_stage_memory(found.pop("memory"))
+    assert max(found.values()) <= 1e-4, found
+
+
 if __name__ == "__main__":  # the 16-CPU subprocess of the parity tests
     tfpar.use_virtual_cpus(16)
     import keras  # noqa: E402 (after the devices are configured)
 
-    print(json.dumps({case: _parity(keras, case) for case in sys.argv[1:]}))
+    def run(case):
+        if case == "pipe2data4/adam":
+            return _pipeline_parity(keras, {"pipe": 2, "data": 4},
+                                    [f"CPU:{i}" for i in range(8)],
+                                    [f"CPU:{i}" for i in range(8, 16)])
+        return _parity(keras, case)
+
+    print(json.dumps({case: run(case) for case in sys.argv[1:]}))

@@ -18,6 +18,23 @@ A step runs in three parts:
    its weight's mesh); each updated weight moves back block by block and
    is assigned to the device weight.
 
+The host copy stays current from the update itself: a step copies each
+gradient to the host and each updated weight back, nothing else. A device
+weight written by anything else — `set_weights`, `load_weights`,
+`restore_checkpoint`, `assign` in a callback or in the step itself — is
+copied into its host copy before the next update: every `ShardedVariable`
+counts its Python-level assignments (`writes`), and the offload keeps the
+count it last saw (`pull_weights`).
+
+Under `mixed_float16` a `LossScaleOptimizer`'s scale and counter live on
+the host too (its overflow check is part of the update); the device step
+scales the loss by a copy of the scale on the devices (`DeviceLossScale`).
+
+A `PipelineModel` has one optimizer per part (`stage_optimizers`); each
+gets its own `Offload` on the host devices of its stage's devices (the
+part's `host_mesh`), and the pipeline step — every stage, one program —
+returns each part's gradients to its host update (`OffloadPipelineRunner`).
+
 So the devices hold the weights, the gradients and the step's tensors, and
 no optimizer slot: per device, `strategy.memory_per_device()` drops by the
 slots' bytes (and the optimizer's two scalars, iterations and learning
@@ -56,8 +73,11 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 """
 
 import contextlib
+import functools
+import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -65,17 +85,24 @@ from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement as placement_lib
 from tfpar import training
+from tfpar.pipeline import runner as pipeline_runner
 from tfpar.mesh import Mesh, short_device_name
 
 
-def host_mesh(dims):
-    """The `tfpar.Mesh` offload keeps state on: `dims.offload_devices` in
-    the mesh's shape, else DTensor's host mesh of the (GPU/TPU) mesh."""
-    devices = dims.offload_devices
-    if devices is None:
-        devices = [short_device_name(d) for d in
-                   dims.mesh.dtensor_mesh.host_mesh().local_devices()]
-    return Mesh(dims.mesh.shape, devices=list(devices))
+def host_mesh(dims, mesh=None):
+    """The `tfpar.Mesh` offload keeps the state of `mesh`'s weights on (the
+    strategy's mesh, or a pipeline stage's sub-mesh of it), in its shape:
+    host device i of the strategy's mesh device i is `dims.offload_devices[i]`,
+    else DTensor's host mesh of the (GPU/TPU) mesh."""
+    hosts = dims.offload_devices
+    if hosts is None:
+        hosts = [short_device_name(d) for d in
+                 dims.mesh.dtensor_mesh.host_mesh().local_devices()]
+    mesh = dims.mesh if mesh is None else mesh
+    host_of = {short_device_name(device): short_device_name(host)
+               for device, host in zip(dims.mesh.devices, hosts)}
+    return Mesh(mesh.shape, devices=[
+        host_of[short_device_name(device)] for device in mesh.devices])
 
 
 def move_blocks(value, layout):
@@ -90,6 +117,19 @@ def move_blocks(value, layout):
     return dtensor.pack(moved, layout)
 
 
+def move_alike(value, mesh, shape):
+    """`move_blocks` of DTensor `value` to `mesh`, laid out with the same
+    sharding there; of an IndexedSlices its values and indices, with the
+    dense shape `shape` (its weight's) made on `mesh`."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            move_alike(value.values, mesh, None),
+            move_alike(value.indices, mesh, None),
+            placement_lib.put(np.asarray(shape, "int64"), (None,), mesh))
+    specs = dtensor.fetch_layout(value).sharding_specs
+    return move_blocks(value, dtensor.Layout(specs, mesh.dtensor_mesh))
+
+
 def _layout_of(variable):
     """The DTensor layout of a (Keras) variable a strategy made, from its
     Placement (`dtensor.fetch_layout` of a variable reads its value: a
@@ -98,18 +138,19 @@ def _layout_of(variable):
     return layout_lib.to_dtensor_layout(place.spec, place.mesh)
 
 
-def attach(model, strategy):
-    """Makes `model.optimizer` keep its state on the host mesh (called by
-    `compile` under an offloading strategy); the optimizer must not be
-    built yet. Returns the `Offload`."""
-    optimizer = getattr(model, "optimizer", None)
+def attach(optimizer, strategy, mesh=None):
+    """Makes `optimizer` (of weights on `mesh`: the strategy's mesh, or a
+    pipeline stage's) keep its state on the host devices of `mesh` (called
+    by `compile` under an offloading strategy, or by a `PipelineModel` for
+    each part's optimizer); it must not be built yet. Returns the
+    `Offload` (None for no optimizer)."""
     if optimizer is None:
         return None
     existing = getattr(optimizer, "_tfpar_offload", None)
     if existing is not None:
         return existing
     _check_optimizer(optimizer)
-    offload = Offload(model, strategy)
+    offload = Offload(optimizer, strategy, host_mesh(strategy.dims, mesh))
     optimizer._tfpar_offload = offload  # noqa: SLF001 (tfpar's own)
     return offload
 
@@ -117,10 +158,7 @@ def attach(model, strategy):
 def _check_optimizer(optimizer):
     """Refuses an optimizer whose update cannot run on the host mesh."""
     reason = None
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        reason = ("a LossScaleOptimizer (mixed_float16) checks the "
-                  "gradients for overflow on the devices before the update")
-    elif optimizer.built:
+    if optimizer.built:
         reason = "it is built already (its slots are on the devices)"
     elif not isinstance(optimizer, keras.optimizers.Optimizer):
         reason = "it is not a Keras optimizer"
@@ -129,8 +167,74 @@ def _check_optimizer(optimizer):
             f"ParallelStrategy(offload='optimizer') cannot run optimizer "
             f"{optimizer.name!r} on the host: {reason}. Received: "
             f"{type(optimizer).__name__}. Compile with an unbuilt Keras "
-            "optimizer (e.g. 'adam') and a float32 or bfloat16 policy, or "
-            "use offload=None.")
+            "optimizer (e.g. 'adam'), or use offload=None.")
+
+
+def _rows_whole(weight, place, optimizer):
+    """Whether a table laid out by `place` keeps its rows whole: then its
+    sparse gradient moves to the host sparse. A row-split table's (fsdp, or
+    a rule on its first dimension) moves dense: DTensor 2.21 cannot compile
+    a step returning its IndexedSlices ("EmitAllScatter requires slice on
+    input axis 0 which is dynamic", tests/test_offload.py). Plain SGD and
+    momentum are linear in the gradient, so dense is the same update; for
+    other optimizers it warns (Adam squares each slice of a sparse
+    gradient, the dense one the summed rows)."""
+    if not place.spec or place.spec[0] is None:
+        return True
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        warnings.warn(
+            f"ParallelStrategy(offload='optimizer'): the sparse gradient of "
+            f"{weight.path!r} (split by rows, layout {tuple(place.spec)}) "
+            f"moves to the host dense, so {type(optimizer).__name__} "
+            "updates it as a dense gradient: where a batch repeats a row "
+            "its result differs from offload=None (which applies Keras' "
+            "sparse update). Keep the table's rows whole (fsdp=False) or "
+            "use offload=None for the same update.", stacklevel=2)
+    return False
+
+
+class DeviceLossScale:
+    """A `LossScaleOptimizer`'s scale under offload: its `dynamic_scale`
+    and `step_counter` live on the host with the update (which checks the
+    gradients for overflow, unscales them and grows or halves the scale),
+    and the device step scales the loss by a copy of the scale on the
+    devices (a replicated scalar), refreshed after each host update.
+
+    Args:
+        optimizer: the (unbuilt) LossScaleOptimizer; its `scale_loss` is
+            routed here.
+        strategy: the offloading `ParallelStrategy`.
+    """
+
+    def __init__(self, optimizer, strategy):
+        self._optimizer = optimizer
+        self._strategy = strategy
+        self._scale_loss = optimizer.scale_loss
+        self.copy = None  # the devices' copy, made with the scale
+        optimizer.scale_loss = self.scale_loss
+
+    def built(self, host_mesh):
+        """After `optimizer.build`: moves the scale and its counter to
+        `host_mesh` and makes the devices' copy of the scale."""
+        registry = self._strategy.extended.registry
+        for variable in (self._optimizer.step_counter,
+                         self._optimizer.dynamic_scale):
+            registry.move_to(variable, host_mesh)
+        with tf.init_scope(), self._strategy.scope():
+            self.copy = keras.Variable(
+                self._optimizer.dynamic_scale.numpy(), trainable=False,
+                name="loss_scale_on_devices")
+
+    def scale_loss(self, loss):
+        """`loss` times the scale: its devices' copy once built."""
+        if self.copy is None:
+            return self._scale_loss(loss)
+        return keras.ops.multiply(loss, keras.ops.cast(self.copy,
+                                                       loss.dtype))
+
+    def refresh(self):
+        """The scale the host update left, copied to the devices."""
+        self.copy.assign(self._optimizer.dynamic_scale.numpy())
 
 
 class Offload:
@@ -139,16 +243,21 @@ class Offload:
     `build` and `apply` routed to those copies, and the host update.
 
     Args:
-        model: a compiled Keras model whose optimizer is not built yet.
-        strategy: its offloading `ParallelStrategy`.
+        optimizer: a Keras optimizer, not built yet.
+        strategy: the offloading `ParallelStrategy` of its weights.
+        mesh: the host `tfpar.Mesh` (`host_mesh`) of its weights' mesh.
     """
 
-    def __init__(self, model, strategy):
+    def __init__(self, optimizer, strategy, mesh):
         self._strategy = strategy
         self._registry = strategy.extended.registry
-        self.mesh = host_mesh(strategy.dims)
-        self.optimizer = model.optimizer
+        self.mesh = mesh
+        self.optimizer = optimizer
         self._mirrors = {}  # id(device weight's backing) -> (weight, mirror)
+        # id(device weight's backing) -> its `writes` when the host copy
+        # last equalled it; and the weights the device step itself writes.
+        self._seen = {}
+        self._written_in_step = set()
         self._captured = None  # gradients recorded while tracing a step
         self._build = self.optimizer.build
         self._apply = self.optimizer.apply
@@ -157,6 +266,9 @@ class Offload:
         for variable in self.optimizer.variables:  # iterations, rate
             self._registry.move_to(variable, self.mesh)
         self._update = tf.function(self._host_update)
+        self._loss_scale = DeviceLossScale(self.optimizer, strategy) if (
+            isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        ) else None
 
     def mirror(self, weight):
         """The host copy of trainable Keras `weight` (made on first use,
@@ -180,6 +292,7 @@ class Offload:
         copy.constraint = weight.constraint
         copy.overwrite_with_gradient = weight.overwrite_with_gradient
         self._mirrors[id(backing)] = (weight, copy)
+        self._seen[id(backing)] = backing.writes
         return copy
 
     def build(self, variables):
@@ -187,6 +300,8 @@ class Offload:
         slots are made on the host mesh, each laid out like its weight."""
         with self._strategy.scope():
             self._build([self.mirror(v) for v in variables])
+        if self._loss_scale is not None:
+            self._loss_scale.built(self.mesh)
 
     def apply(self, grads, trainable_variables=None):
         """`optimizer.apply`: inside a device step only records the
@@ -220,18 +335,40 @@ class Offload:
             self._captured = None
 
     def pull_weights(self):
-        """Copies every device weight into its host copy, block by block:
-        what changed the weights outside a step (a checkpoint restore,
-        `set_weights`, a callback) reaches the host before its update."""
-        for weight, copy in self._mirrors.values():
-            _compat.backing_variable(copy).assign(move_blocks(
-                _compat.backing_variable(weight).read_value(),
-                _layout_of(copy)))
+        """Copies into its host copy, block by block, each device weight
+        written by something other than the host update since (its
+        `writes` count moved): a checkpoint restore, `set_weights`,
+        `assign` in a callback or in the step itself reaches the host
+        before the update. The update keeps the copies current itself, so
+        in a plain `fit` nothing moves here."""
+        for key, (weight, copy) in self._mirrors.items():
+            backing = _compat.backing_variable(weight)
+            if (key in self._written_in_step
+                    or backing.writes != self._seen[key]):
+                _compat.backing_variable(copy).assign(move_blocks(
+                    backing.read_value(), _layout_of(copy)))
+                self._seen[key] = backing.writes
+
+    def device_step(self, call):
+        """`call()` (the device step) and its result; a weight the step
+        assigned while it was traced is written by every run of it, and is
+        pulled after each (`pull_weights`)."""
+        before = {key: _compat.backing_variable(weight).writes
+                  for key, (weight, _) in self._mirrors.items()}
+        result = call()
+        self._written_in_step.update(
+            key for key, (weight, _) in self._mirrors.items()
+            if key in before
+            and _compat.backing_variable(weight).writes != before[key])
+        return result
 
     def step_gradients(self, captured):
         """In a traced step: the gradients it gave the optimizer (one
-        `apply` call, `captured` by `capturing`), dense and each laid out
-        like its stored weight, in the order of `self.weights`."""
+        `apply` call, `captured` by `capturing`) in the order of
+        `self.weights`: each dense one laid out like its stored weight; a
+        sparse one (IndexedSlices: an Embedding's rows) kept sparse, as
+        Keras' optimizers treat it differently (Adam squares each slice,
+        so repeated rows differ from the dense gradient's square)."""
         if len(captured) != 1:
             raise ValueError(
                 "ParallelStrategy(offload='optimizer') runs one optimizer "
@@ -242,8 +379,16 @@ class Offload:
         grads, self.weights = captured[0]
         placed = []
         for grad, weight in zip(grads, self.weights):
-            if grad is not None:
-                place = self._registry.require_on_mesh(weight)
+            place = self._registry.require_on_mesh(weight)
+            if isinstance(grad, tf.IndexedSlices) and _rows_whole(
+                    weight, place, self.optimizer):
+                # Values and indices replicated; the dense shape (a Shape
+                # op of the table) is remade on the host (`move_alike`).
+                grad = tf.IndexedSlices(*[
+                    placement_lib.relayout(part, (None,) * part.shape.rank,
+                                           place.mesh)
+                    for part in (grad.values, grad.indices)])
+            elif grad is not None:
                 grad = placement_lib.relayout(
                     tf.convert_to_tensor(grad), place.spec, place.mesh)
             placed.append(grad)
@@ -253,15 +398,17 @@ class Offload:
         """Moves `grads` (a step's `step_gradients`) to the host block by
         block, runs the optimizer there and moves the updated weights
         back into the device weights, block by block."""
-        host = [None if g is None else move_blocks(
-                    g, _layout_of(self.mirror(w)))
+        host = [None if g is None else move_alike(g, self.mesh, w.shape)
                 for w, g in zip(self.weights, grads)]
         self._update(host)
+        if self._loss_scale is not None:
+            self._loss_scale.refresh()
         for weight, grad in zip(self.weights, grads):
             if grad is not None:
                 backing = _compat.backing_variable(weight)
                 backing.assign(move_blocks(self.mirror(weight).value.read_value(),
                                            _layout_of(backing)))
+                self._seen[id(backing)] = backing.writes
 
     def _host_update(self, grads):
         """The compiled update on the host mesh: `optimizer.apply` to the
@@ -275,8 +422,9 @@ class OffloadRunner(training.StepRunner):
     """`fit`'s step under offload (see the module): the device step
     returns its logs and gradients, then `Offload.apply_on_host` updates
     the weights; one step per call (`steps_per_execution` batches run one
-    after another: the host round trip sits between steps). Each call
-    first copies the device weights to the host (`pull_weights`)."""
+    after another: the host round trip sits between steps). Between the
+    device step and the update, the weights something else wrote reach
+    the host copies (`pull_weights`; none in a plain `fit`)."""
 
     def __init__(self, model, extended, offload):
         super().__init__(model, extended, "train")
@@ -290,14 +438,15 @@ class OffloadRunner(training.StepRunner):
         return logs, self._offload.step_gradients(captured)
 
     def run_steps(self, host_batches):
-        self._offload.pull_weights()  # weights may have changed since
         logs = None
         for batch in host_batches:
             logs = self._one(self._placer.place(batch))
         return logs
 
     def _one(self, placed):
-        logs, grads = self._call(self._one_step, placed)
+        logs, grads = self._offload.device_step(
+            lambda: self._call(self._one_step, placed))
+        self._offload.pull_weights()
         self._offload.apply_on_host(grads)
         return logs
 
@@ -305,12 +454,51 @@ class OffloadRunner(training.StepRunner):
         """Runs one step (device step and host update, as `fit`) and returns
         the device step's concrete function (`tfpar.communication`)."""
         placed = self._placer.place(host_batch)
-        self._offload.pull_weights()
         self._one(placed)
         return self._one_step.get_concrete_function(placed)
 
 
+class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
+    """A `PipelineModel`'s train step under offload: the pipeline step (all
+    stages, one program) returns its logs and each part's gradients, which
+    its optimizer's `Offload` applies on that part's host devices; each
+    part's weights written elsewhere (a tied copy's sync, `set_weights`)
+    reach its host copies first (`Offload.pull_weights`)."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, "train")
+
+    def _offloads(self):
+        """Each part's optimizer's `Offload` (building them on first use)."""
+        return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+                for optimizer in self._model.stage_optimizers]
+
+    def _train(self, xs, targets, split):
+        with contextlib.ExitStack() as stack:
+            captured = [stack.enter_context(offload.capturing())
+                        for offload in self._offloads()]
+            logs = pipeline_runner.PipelineRunner._train(self, xs, targets,
+                                                         split)
+        return logs, [offload.step_gradients(calls) for offload, calls
+                      in zip(self._offloads(), captured)]
+
+    def _run_batch(self, batch):
+        def step():
+            return pipeline_runner.PipelineRunner._run_batch(self, batch)
+
+        for offload in self._offloads():
+            step = functools.partial(offload.device_step, step)
+        logs, grads = step()
+        for offload, part_grads in zip(self._offloads(), grads):
+            offload.pull_weights()
+            offload.apply_on_host(part_grads)
+        return logs
+
+
 def make_runner(model, extended):
-    """The train `Runner` of `model` under an offloading strategy."""
-    offload = attach(model, extended._container_strategy())  # noqa: SLF001
-    return OffloadRunner(model, extended, offload)
+    """The train `Runner` of `model` under an offloading strategy (of a
+    `PipelineModel`: `OffloadPipelineRunner`)."""
+    if isinstance(model, training.StagedModel):
+        return OffloadPipelineRunner(model)
+    strategy = extended._container_strategy()  # noqa: SLF001
+    return OffloadRunner(model, extended, attach(model.optimizer, strategy))

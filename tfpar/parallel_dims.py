@@ -99,8 +99,7 @@ class ParallelDims:
                 "reshard_after_forward."
             )
         _check_bool("per_host_input", self.per_host_input)
-        _check_offload(self.offload, self.offload_devices, self.mesh,
-                       self.num_stages)
+        _check_offload(self.offload, self.offload_devices, self.mesh)
 
     def _check_axes(self):
         """Axis names are strings; data, pipeline and model axes differ."""
@@ -280,7 +279,7 @@ def _check_bool(option, value):
         )
 
 
-def _check_offload(offload, devices, mesh, num_stages):
+def _check_offload(offload, devices, mesh):
     """Refuses `offload` values, and offload where it cannot be done (see
     `tfpar.offload`): before any variable is made."""
     if offload not in OFFLOAD_OPTIONS:
@@ -304,12 +303,6 @@ def _check_offload(offload, devices, mesh, num_stages):
             "call), so moving them off the devices would change the model's "
             "variables. Received: offload='optimizer+master'. Use "
             "offload='optimizer' (slots and the update on the host).")
-    if num_stages > 1:
-        raise NotImplementedError(
-            f"ParallelStrategy(offload={offload!r}) is not implemented for "
-            f"pipelines yet (a pipe axis of size {num_stages}). Received: "
-            f"mesh={mesh!r}. Use offload=None with a PipelineModel, or "
-            "drop the pipe axis.")
     if dtensor.num_clients() > 1:
         raise NotImplementedError(
             f"ParallelStrategy(offload={offload!r}) runs on one host so far "

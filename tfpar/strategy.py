@@ -96,9 +96,10 @@ class ParallelStrategy(tf.distribute.Strategy):
             to its host device, runs the optimizer there (a compiled
             function on the host mesh, over the host's copy of the
             weights) and moves each updated block back; a device holds no
-            optimizer state. Plain (non-pipeline) models on one host;
-            "optimizer+master" (the fp32 weights of mixed precision too)
-            is refused, as are pipelines, before training.
+            optimizer state. Plain models and `PipelineModel`s (each
+            stage's optimizer on the host devices of its own devices) on
+            one host; "optimizer+master" (the fp32 weights of mixed
+            precision too) and several hosts are refused before training.
         offload_devices: the devices offload keeps the state on, one per
             mesh device in mesh order (device i's blocks go to
             offload_devices[i]), e.g. `[f"CPU:{i}" for i in range(8, 16)]`
@@ -458,8 +459,10 @@ def _adopt_and_offload(model, strategy):
     adopt_optimizer(model, strategy)
     if strategy.dims.offload is not None:
         from tfpar import offload  # noqa: PLC0415 (offload imports training)
+        from tfpar import training  # noqa: PLC0415 (training imports us)
 
-        offload.attach(model, strategy)
+        if not isinstance(model, training.StagedModel):  # (per part instead)
+            offload.attach(getattr(model, "optimizer", None), strategy)
 
 
 def compat_hooks():

@@ -290,10 +290,12 @@ def _next_host_batch(iterator, check):
 def make_runner(model, extended, mode):
     """The `Runner` of `model`'s Keras step `mode`: a `StagedModel`'s own,
     else the plain SPMD `StepRunner` (which a mesh with a pipeline axis
-    cannot run), or for training under offload `tfpar.offload`'s."""
-    if isinstance(model, StagedModel):
+    cannot run), or for training under offload `tfpar.offload`'s (a
+    `StagedModel`'s too)."""
+    offload = mode == "train" and extended.dims.offload is not None
+    if isinstance(model, StagedModel) and not offload:
         return model.make_runner(mode)
-    if len(extended.stage_meshes) > 1:
+    if len(extended.stage_meshes) > 1 and not isinstance(model, StagedModel):
         raise ValueError(
             f"The mesh has a pipeline axis {extended.pipeline_axis!r} of size "
             f"{len(extended.stage_meshes)}, so a model needs stages to run "
@@ -302,10 +304,10 @@ def make_runner(model, extended, mode):
             "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
             "or drop the pipeline axis from the mesh."
         )
-    if mode == "train" and extended.dims.offload is not None:
-        from tfpar import offload  # noqa: PLC0415 (offload imports us)
+    if offload:
+        from tfpar import offload as offload_lib  # noqa: PLC0415 (imports us)
 
-        return offload.make_runner(model, extended)
+        return offload_lib.make_runner(model, extended)
     return StepRunner(model, extended, mode)
 
 

@@ -163,15 +163,23 @@ class ShardedVariable(_compat.DVariable):
         return placement_lib.put(value, self.placement.spec,
                                  self.placement.mesh, dtype=self.dtype)
 
+    # `writes` counts the assignments made through Python (eagerly, or
+    # traced into a function): `tfpar.offload` copies a weight into its
+    # host copy only when it changed since the offload's own last write.
+    writes = 0
+
     def assign(self, value, use_locking=None, name=None, read_value=True):
+        self.writes += 1
         return super().assign(self._on_mesh(value), use_locking, name,
                               read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        self.writes += 1
         return super().assign_add(self._on_mesh(delta), use_locking, name,
                                   read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        self.writes += 1
         return super().assign_sub(self._on_mesh(delta), use_locking, name,
                                   read_value)
 

@@ -356,7 +356,7 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
         with self.distribute_strategy.scope(), \
                 self._extended.registry.placing_on(last):
             if self.optimizer is not None and not self.optimizer.built:
-                self.optimizer.build(self._parts[-1].updated)
+                _build_optimizer(self, self.optimizer, self._parts[-1])
             return super()._symbolic_build(*args, **kwargs)
 
     @property
@@ -372,14 +372,13 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
             meshes = [part.mesh for part in self._parts]
             with self.distribute_strategy.scope():
                 if not optimizer.built:
-                    with self._extended.registry.placing_on(meshes[-1]):
-                        optimizer.build(self._parts[-1].updated)
+                    _build_optimizer(self, optimizer, self._parts[-1])
                 copies = []
                 for s, mesh in enumerate(meshes[:-1]):
                     with self._extended.registry.placing_on(mesh):
                         copy = type(optimizer).from_config(
                             optimizer.get_config())
-                        copy.build(self._parts[s].updated)
+                    _build_optimizer(self, copy, self._parts[s])
                     copies.append(copy)
             self._optimizers = copies + [optimizer]
             for part, part_optimizer in zip(self._parts, self._optimizers):
@@ -432,6 +431,19 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
             self._eager_runner = self.make_runner("predict")
         return tf.nest.map_structure(
             tf.constant, self._eager_runner.predict_inputs(x))
+
+
+def _build_optimizer(pipeline, optimizer, part):
+    """Builds `optimizer` for `part`'s weights, on its mesh; under
+    `offload="optimizer"` first handed to the part's own host devices
+    (`tfpar.offload.attach`)."""
+    strategy = pipeline.distribute_strategy
+    if strategy.dims.offload is not None:  # the offload hook
+        from tfpar import offload  # noqa: PLC0415 (imports the runner)
+
+        offload.attach(optimizer, strategy, part.mesh)
+    with strategy.extended.registry.placing_on(part.mesh):
+        optimizer.build(part.updated)
 
 
 def _check_can_generate(wrapped):

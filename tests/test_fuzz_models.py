@@ -17,6 +17,7 @@ error with no step run and no weight changed.
 """
 
 import contextlib
+import itertools
 import math
 import re
 
@@ -140,7 +141,9 @@ def draw_rules(model, axes, picks):
     each axis at most once, mostly one that divides it; now and then a spec of the wrong rank or with
     an axis the mesh lacks (those must be refused)."""
     # Spread the integers (hypothesis favours 0 and other small values).
-    picks = iter((p * 2654435761 >> 7) % 65521 for p in picks)
+    # Cycled: a large model (28 weights of up to 3 dimensions) needs more
+    # integers than were drawn (the long profile ran out: StopIteration).
+    picks = itertools.cycle([(p * 2654435761 >> 7) % 65521 for p in picks])
     # Not the data axis: found by this fuzzing, not fixed, rules that split
     # weights over it (without fsdp) can crash DTensor's SPMD expansion
     # ("EmitAllScatter was passed a desired_layout ... not more sharded",

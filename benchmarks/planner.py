@@ -1,22 +1,29 @@
 """How good are tfpar.plan's predictions on this machine?
 
 For three model shapes — a wide MLP, a GPT-style transformer and a CNN —
-plans with `tfpar.Cluster.local()` (FLOP/s and bandwidth measured by a
-micro-benchmark, latency looked up), then trains the candidates on the
+plans with `tfpar.Cluster.local()`, then trains the candidates on the
 virtual CPUs for a few steps each and prints the whole table: predicted
 and measured step time, predicted and measured per-device bytes of
 weights and optimizer state (`strategy.memory_per_device()`); then the
-chosen plan's measured time vs the best measured, and Spearman's rho of
-predicted vs measured step times.
+chosen plan's measured time vs the best measured, Spearman's rho of
+predicted vs measured step times, and the k `tfpar.plan(measure=k)` would
+need to pick a plan within 10% of the best measured.
 
 By default every feasible candidate with at most 8 micro-batches is
-measured; `--quick` measures the best-predicted candidate of each mesh
-shape (a few minutes).
+measured (each: built, compiled, `--warmup` untimed then `--steps` timed
+steps, the median kept); `--quick` measures the best-predicted candidate
+of each mesh shape. `--save DIR` writes each model's measured table
+(`DIR/<model>.jsonl`, one line per candidate, as it is measured);
+`--rerank DIR` reads such tables back and ranks them with the current
+cost model and `Cluster.local()` without measuring again (to compare cost
+models on the same measurements).
 
-    python benchmarks/planner.py [--quick] [--steps 3]
+    python benchmarks/planner.py [--quick] [--steps 5] [--save DIR]
+    python benchmarks/planner.py --rerank DIR
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -38,6 +45,9 @@ def wide_mlp():
 
 
 def gpt():
+    """Built once and cloned per candidate: build_gpt leaves its residual
+    adds unnamed, so every build would name them anew (add_1, add_2, ...)
+    and a plan's stage cut names the first build's layers."""
     from gpt import build_gpt  # noqa: PLC0415
     return build_gpt(layers=2)
 
@@ -76,59 +86,121 @@ def spearman(a, b):
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
+def summary(rows):
+    """(chosen ÷ best measured, Spearman's rho, the smallest k whose k
+    best-predicted include one within 10% of the best measured) of
+    rows (predicted s, measured s) in predicted order."""
+    best = min(r[1] for r in rows)
+    k = next(i + 1 for i, r in enumerate(rows) if r[1] <= 1.1 * best)
+    return rows[0][1] / best, spearman(*zip(*rows)), k
+
+
+_BUILT = {}
+
+
+def _source(name):
+    """What plan and measure get: the builder, or for the GPT one built
+    model (see `gpt`)."""
+    if name != "gpt":
+        return MODELS[name][0]
+    if name not in _BUILT:
+        _BUILT[name] = gpt()
+    return _BUILT[name]
+
+
+def candidates(name, cluster, quick=False):
+    """(plan, the feasible candidates to measure in predicted order)."""
+    build, batch = MODELS[name]
+    plan = tfpar.plan(_source(name), batch, cluster=cluster)
+    feasible = [c for c in plan.candidates if c.rejected is None
+                and c.num_microbatches <= 8]
+    if quick:
+        seen, chosen = set(), []
+        for c in feasible:
+            if tuple(c.axes.values()) not in seen:
+                seen.add(tuple(c.axes.values()))
+                chosen.append(c)
+        feasible = chosen
+    return plan, feasible
+
+
+def measure_model(name, cluster, args):
+    """Measures and prints every candidate; returns [(predicted, measured)]."""
+    from tfpar.planner import measure  # noqa: PLC0415
+
+    batch = MODELS[name][1]
+    build = _source(name)
+    plan, feasible = candidates(name, cluster, args.quick)
+    if args.shuffle:
+        import random  # noqa: PLC0415
+        random.Random(0).shuffle(feasible)
+    print(f"\n{name}: global batch {batch}, {len(plan.candidates)} "
+          f"candidates, searched in {plan.info['search_s']:.2f} s; "
+          f"measuring {len(feasible)}")
+    print(f"{'candidate':40s} {'pred ms':>8s} {'meas ms':>8s} "
+          f"{'pred B/dev':>11s} {'meas B/dev':>11s}")
+    out = open(os.path.join(args.save, f"{name}.jsonl"), "w") if args.save \
+        else None
+    rows = []
+    for c in feasible:
+        try:
+            seconds, _, p = measure.time_candidate(
+                c, build, batch, steps=args.steps, warmup=args.warmup,
+                return_model=True)
+        except Exception as e:  # a plan that does not run: say so, go on
+            print(f"{c.label:40s} FAILED: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        used = max(sum(v.values()) for v in
+                   p.strategy().memory_per_device().values())
+        m = c.estimate.memory_per_device
+        predicted = m["params"] + m["optimizer"]
+        rows.append((c.estimate.step_time_s, seconds, plan.candidates.index(c)))
+        print(f"{c.label:40s} {c.estimate.step_time_s * 1e3:8.2f} "
+              f"{seconds * 1e3:8.2f} {predicted:11,.0f} {used:11,}",
+              flush=True)
+        if out:
+            out.write(json.dumps({"label": c.label, "measured_s": seconds,
+                                  "predicted_s": c.estimate.step_time_s,
+                                  "predicted_bytes": predicted,
+                                  "measured_bytes": used}) + "\n")
+            out.flush()
+    return [r[:2] for r in sorted(rows, key=lambda r: r[2])]
+
+
+def rerank(name, cluster, directory):
+    """[(predicted now, measured then)] of a saved table, in predicted order."""
+    with open(os.path.join(directory, f"{name}.jsonl")) as f:
+        measured = {r["label"]: r["measured_s"] for r in map(json.loads, f)}
+    _, feasible = candidates(name, cluster)
+    return [(c.estimate.step_time_s, measured[c.label]) for c in feasible
+            if c.label in measured]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="measure the best-predicted candidate of each "
                              "mesh shape only")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default="mlp,gpt,cnn")
+    parser.add_argument("--save", help="directory for the measured tables")
+    parser.add_argument("--shuffle", action="store_true",
+                        help="measure in a fixed random order (a table cut "
+                             "short is then a fair sample)")
+    parser.add_argument("--rerank", help="rank saved tables, measure nothing")
     args = parser.parse_args()
     tfpar.use_virtual_cpus(8)
-    from tfpar.planner import measure  # noqa: PLC0415
-
     cluster = tfpar.Cluster.local()
     print(f"cluster: {cluster}")
     for name in args.models.split(","):
-        build, batch = MODELS[name]
-        plan = tfpar.plan(build, batch, cluster=cluster)
-        feasible = [c for c in plan.candidates if c.rejected is None
-                    and c.num_microbatches <= 8]
-        if args.quick:
-            seen, chosen = set(), []
-            for c in feasible:
-                key = tuple(c.axes.values())
-                if key not in seen:
-                    seen.add(key)
-                    chosen.append(c)
-            feasible = chosen
-        print(f"\n{name}: global batch {batch}, {len(plan.candidates)} "
-              f"candidates, searched in {plan.info['search_s']:.2f} s; "
-              f"measuring {len(feasible)}")
-        print(f"{'candidate':36s} {'pred ms':>8s} {'meas ms':>8s} "
-              f"{'pred B/dev':>11s} {'meas B/dev':>11s}")
-        rows = []
-        for c in feasible:
-            seconds, _, p = measure.time_candidate(
-                c, build, batch, steps=args.steps, return_model=True)
-            used = max(sum(v.values()) for v in
-                       p.strategy().memory_per_device().values())
-            m = c.estimate.memory_per_device
-            predicted = m["params"] + m["optimizer"]
-            rows.append((c, seconds, predicted, used))
-            print(f"{c.label:36s} {c.estimate.step_time_s * 1e3:8.2f} "
-                  f"{seconds * 1e3:8.2f} {predicted:11,.0f} {used:11,}",
-                  flush=True)
-        best = min(rows, key=lambda r: r[1])
-        first = rows[0]  # the planner's choice (best predicted)
-        rho = spearman([r[0].estimate.step_time_s for r in rows],
-                       [r[1] for r in rows])
-        worst_bytes = max(abs(r[2] - r[3]) / r[3] for r in rows)
-        print(f"chosen {first[0].label}: measured {first[1] * 1e3:.2f} ms; "
-              f"best measured {best[0].label}: {best[1] * 1e3:.2f} ms "
-              f"(chosen/best = {first[1] / best[1]:.2f}, target <= 1.10); "
-              f"Spearman rho predicted vs measured = {rho:.2f}; per-device "
-              f"bytes: largest relative difference {worst_bytes:.1%}")
+        rows = (rerank(name, cluster, args.rerank) if args.rerank
+                else measure_model(name, cluster, args))
+        ratio, rho, k = summary(rows)
+        print(f"{name}: {len(rows)} candidates; chosen/best measured = "
+              f"{ratio:.2f} (target <= 1.10); Spearman rho predicted vs "
+              f"measured = {rho:.2f}; measure=k needs k = {k}", flush=True)
 
 
 if __name__ == "__main__":

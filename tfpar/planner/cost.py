@@ -36,6 +36,17 @@ with the split part of each layer divided by t. A pipeline takes
 (m + p - 1)/m × the slowest stage (the bubble (p-1)/(m+p-1) is the same
 for GPipe and 1F1B); nothing overlaps communication with compute.
 
+A shared host (`Cluster.shared_host`: virtual CPUs, every device's work on
+the same cores and memory) runs nothing side by side: the step is every
+stage's compute, collectives and optimizer update added up (each measured
+at the rate of all devices at once, so a stage's share is 1/p of its
+devices' time: the mean over stages) plus each stage-to-stage send, with
+no bubble and no overlap; a collective over n devices of B bytes per
+device costs α + n · B/β (each device reads every block of its group
+through host memory: measured, see `calibrate.py`); the update costs
+trainable bytes · (1 + slots)/3 / `update_bandwidth` (Adam's measured
+rate; 0 for described clusters, which keep their plans).
+
 Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
 activations (kept for the backward pass: per micro-batch of b/(d·m)

@@ -88,11 +88,13 @@ def spearman(a, b):
 
 def summary(rows):
     """(chosen ÷ best measured, Spearman's rho, the smallest k whose k
-    best-predicted include one within 10% of the best measured) of
-    rows (predicted s, measured s) in predicted order."""
-    best = min(r[1] for r in rows)
-    k = next(i + 1 for i, r in enumerate(rows) if r[1] <= 1.1 * best)
-    return rows[0][1] / best, spearman(*zip(*rows)), k
+    best-predicted include one within 10% of the best measured, the chosen
+    label, the best measured label) of rows (predicted s, measured s,
+    label) in predicted order."""
+    best = min(rows, key=lambda r: r[1])
+    k = next(i + 1 for i, r in enumerate(rows) if r[1] <= 1.1 * best[1])
+    rho = spearman([r[0] for r in rows], [r[1] for r in rows])
+    return rows[0][1] / best[1], rho, k, rows[0][2], best[2]
 
 
 _BUILT = {}
@@ -155,7 +157,8 @@ def measure_model(name, cluster, args):
                    p.strategy().memory_per_device().values())
         m = c.estimate.memory_per_device
         predicted = m["params"] + m["optimizer"]
-        rows.append((c.estimate.step_time_s, seconds, plan.candidates.index(c)))
+        rows.append((c.estimate.step_time_s, seconds, c.label,
+                     plan.candidates.index(c)))
         print(f"{c.label:40s} {c.estimate.step_time_s * 1e3:8.2f} "
               f"{seconds * 1e3:8.2f} {predicted:11,.0f} {used:11,}",
               flush=True)
@@ -165,7 +168,7 @@ def measure_model(name, cluster, args):
                                   "predicted_bytes": predicted,
                                   "measured_bytes": used}) + "\n")
             out.flush()
-    return [r[:2] for r in sorted(rows, key=lambda r: r[2])]
+    return [r[:3] for r in sorted(rows, key=lambda r: r[3])]
 
 
 def rerank(name, cluster, directory):
@@ -173,8 +176,8 @@ def rerank(name, cluster, directory):
     with open(os.path.join(directory, f"{name}.jsonl")) as f:
         measured = {r["label"]: r["measured_s"] for r in map(json.loads, f)}
     _, feasible = candidates(name, cluster)
-    return [(c.estimate.step_time_s, measured[c.label]) for c in feasible
-            if c.label in measured]
+    return [(c.estimate.step_time_s, measured[c.label], c.label)
+            for c in feasible if c.label in measured]
 
 
 def main():
@@ -197,10 +200,11 @@ def main():
     for name in args.models.split(","):
         rows = (rerank(name, cluster, args.rerank) if args.rerank
                 else measure_model(name, cluster, args))
-        ratio, rho, k = summary(rows)
+        ratio, rho, k, chosen, best = summary(rows)
         print(f"{name}: {len(rows)} candidates; chosen/best measured = "
-              f"{ratio:.2f} (target <= 1.10); Spearman rho predicted vs "
-              f"measured = {rho:.2f}; measure=k needs k = {k}", flush=True)
+              f"{ratio:.2f} (target <= 1.10; chosen {chosen}, best {best}); "
+              f"Spearman rho predicted vs measured = {rho:.2f}; measure=k "
+              f"needs k = {k}", flush=True)
 
 
 if __name__ == "__main__":

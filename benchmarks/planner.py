@@ -20,6 +20,12 @@ models on the same measurements).
 
     python benchmarks/planner.py [--quick] [--steps 5] [--save DIR]
     python benchmarks/planner.py --rerank DIR
+    python benchmarks/planner.py --recheck DIR [--top 3] [--rounds 3]
+
+`--recheck` measures the `--top` best-predicted and best-measured
+candidates of saved tables again, interleaved over `--rounds` rounds
+(medians): on a loaded host a single pass measures early and late
+candidates under different loads.
 """
 
 import argparse
@@ -180,6 +186,33 @@ def rerank(name, cluster, directory):
             for c in feasible if c.label in measured]
 
 
+def recheck(name, cluster, directory, top, rounds, steps):
+    """The `top` best-predicted and `top` best-measured candidates of a saved
+    table measured again, round after round (each round times each once,
+    so load from other jobs falls on all of them alike); [(predicted,
+    median of the rounds, label)] in predicted order."""
+    import numpy as np  # noqa: PLC0415
+
+    from tfpar.planner import measure  # noqa: PLC0415
+
+    saved = {r[2]: r[1] for r in rerank(name, cluster, directory)}
+    _, feasible = candidates(name, cluster)
+    feasible = [c for c in feasible if c.label in saved]
+    by_measured = sorted(feasible, key=lambda c: saved[c.label])
+    chosen = feasible[:top] + [c for c in by_measured[:top]
+                               if c not in feasible[:top]]
+    times = {c.label: [] for c in chosen}
+    for r in range(rounds):
+        for c in chosen:
+            times[c.label].append(measure.time_candidate(
+                c, _source(name), MODELS[name][1], steps=steps))
+            print(f"round {r}: {c.label:40s} "
+                  f"{c.estimate.step_time_s * 1e3:8.2f} "
+                  f"{times[c.label][-1] * 1e3:8.2f}", flush=True)
+    return [(c.estimate.step_time_s, float(np.median(times[c.label])),
+             c.label) for c in chosen]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -193,13 +226,23 @@ def main():
                         help="measure in a fixed random order (a table cut "
                              "short is then a fair sample)")
     parser.add_argument("--rerank", help="rank saved tables, measure nothing")
+    parser.add_argument("--recheck", help="measure again, interleaved, the "
+                        "--top best predicted and best measured of saved "
+                        "tables")
+    parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     tfpar.use_virtual_cpus(8)
     cluster = tfpar.Cluster.local()
     print(f"cluster: {cluster}")
     for name in args.models.split(","):
-        rows = (rerank(name, cluster, args.rerank) if args.rerank
-                else measure_model(name, cluster, args))
+        if args.recheck:
+            rows = recheck(name, cluster, args.recheck, args.top, args.rounds,
+                           args.steps)
+        elif args.rerank:
+            rows = rerank(name, cluster, args.rerank)
+        else:
+            rows = measure_model(name, cluster, args)
         ratio, rho, k, chosen, best = summary(rows)
         print(f"{name}: {len(rows)} candidates; chosen/best measured = "
               f"{ratio:.2f} (target <= 1.10; chosen {chosen}, best {best}); "

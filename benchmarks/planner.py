@@ -133,7 +133,8 @@ def candidates(name, cluster, quick=False):
 
 
 def measure_model(name, cluster, args):
-    """Measures and prints every candidate; returns [(predicted, measured)]."""
+    """Measures and prints every candidate; returns [(predicted, measured,
+    label)] in predicted order."""
     from tfpar.planner import measure  # noqa: PLC0415
 
     batch = MODELS[name][1]
@@ -142,15 +143,19 @@ def measure_model(name, cluster, args):
     if args.shuffle:
         import random  # noqa: PLC0415
         random.Random(0).shuffle(feasible)
+    path = os.path.join(args.save, f"{name}.jsonl") if args.save else None
+    done = set()
+    if args.resume and path and os.path.exists(path):
+        with open(path) as f:  # measured before: keep, measure the rest
+            done = {json.loads(line)["label"] for line in f}
+    out = open(path, "a" if args.resume else "w") if path else None
     print(f"\n{name}: global batch {batch}, {len(plan.candidates)} "
           f"candidates, searched in {plan.info['search_s']:.2f} s; "
-          f"measuring {len(feasible)}")
+          f"{len(feasible)} to measure, {len(done)} of them measured before")
     print(f"{'candidate':40s} {'pred ms':>8s} {'meas ms':>8s} "
           f"{'pred B/dev':>11s} {'meas B/dev':>11s}")
-    out = open(os.path.join(args.save, f"{name}.jsonl"), "w") if args.save \
-        else None
     rows = []
-    for c in feasible:
+    for c in [c for c in feasible if c.label not in done]:
         try:
             seconds, _, p = measure.time_candidate(
                 c, build, batch, steps=args.steps, warmup=args.warmup,
@@ -222,6 +227,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default="mlp,gpt,cnn")
     parser.add_argument("--save", help="directory for the measured tables")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --save: keep the candidates DIR already "
+                             "holds and measure the others")
     parser.add_argument("--shuffle", action="store_true",
                         help="measure in a fixed random order (a table cut "
                              "short is then a fair sample)")
@@ -243,6 +251,8 @@ def main():
             rows = rerank(name, cluster, args.rerank)
         else:
             rows = measure_model(name, cluster, args)
+        if not rows:
+            continue
         ratio, rho, k, chosen, best = summary(rows)
         print(f"{name}: {len(rows)} candidates; chosen/best measured = "
               f"{ratio:.2f} (target <= 1.10; chosen {chosen}, best {best}); "

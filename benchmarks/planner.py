@@ -103,6 +103,14 @@ def summary(rows):
     return rows[0][1] / best[1], rho, k, rows[0][2], best[2]
 
 
+def _state_bytes(candidate):
+    """Predicted bytes of weights and optimizer state on the device holding
+    the most of them (what `memory_per_device()` reports the largest of)."""
+    stages = (candidate.estimate.memory_by_stage
+              or [candidate.estimate.memory_per_device])
+    return max(m["params"] + m["optimizer"] for m in stages)
+
+
 _BUILT = {}
 
 
@@ -166,8 +174,7 @@ def measure_model(name, cluster, args):
             continue
         used = max(sum(v.values()) for v in
                    p.strategy().memory_per_device().values())
-        m = c.estimate.memory_per_device
-        predicted = m["params"] + m["optimizer"]
+        predicted = _state_bytes(c)
         rows.append((c.estimate.step_time_s, seconds, c.label,
                      plan.candidates.index(c)))
         print(f"{c.label:40s} {c.estimate.step_time_s * 1e3:8.2f} "
@@ -189,6 +196,17 @@ def rerank(name, cluster, directory):
     _, feasible = candidates(name, cluster)
     return [(c.estimate.step_time_s, measured[c.label], c.label)
             for c in feasible if c.label in measured]
+
+
+def bytes_agreement(name, cluster, directory):
+    """(rows, rows within 10%, the largest relative difference) of the
+    predicted vs the saved measured per-device bytes."""
+    with open(os.path.join(directory, f"{name}.jsonl")) as f:
+        measured = {r["label"]: r["measured_bytes"] for r in map(json.loads, f)}
+    _, feasible = candidates(name, cluster)
+    diffs = [abs(_state_bytes(c) - measured[c.label]) / measured[c.label]
+             for c in feasible if c.label in measured]
+    return len(diffs), sum(d <= 0.1 for d in diffs), max(diffs)
 
 
 def recheck(name, cluster, directory, top, rounds, steps):
@@ -249,6 +267,10 @@ def main():
                            args.steps)
         elif args.rerank:
             rows = rerank(name, cluster, args.rerank)
+            n, close, worst = bytes_agreement(name, cluster, args.rerank)
+            print(f"{name}: per-device bytes of weights and optimizer state "
+                  f"within 10% for {close} of {n} (largest difference "
+                  f"{worst:.1%})")
         else:
             rows = measure_model(name, cluster, args)
         if not rows:

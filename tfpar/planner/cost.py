@@ -107,7 +107,10 @@ class Estimate:
         communication_bytes_per_device: sum of collective message sizes a
             device takes part in per step (`CommunicationReport.bytes`).
         communication_bytes_by_axis: the same per mesh axis.
-        time_s: {compute, bubble, model, data, pipe} parts of the step time.
+        time_s: {compute, bubble, model, data, pipe, update} parts of the
+            step time.
+        memory_by_stage: [{kind: bytes}] per pipeline stage (the devices of
+            stage s), of which `memory_per_device` is the most loaded.
     """
 
     step_time_s: float
@@ -115,6 +118,7 @@ class Estimate:
     communication_bytes_per_device: float
     communication_bytes_by_axis: dict
     time_s: dict
+    memory_by_stage: list = None
 
     @property
     def total_memory(self):
@@ -533,7 +537,9 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
         communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
         communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
-        time_s=time_s)
+        time_s=time_s,
+        memory_by_stage=[{kind: float(v[i]) for kind, v in memory.items()}
+                         for i in range(p)])
 
 
 def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,

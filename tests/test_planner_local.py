@@ -72,7 +72,7 @@ def test_calibrated_model_orders_a_large_measured_gap():
     plan = tfpar.plan(wide_mlp, 256, cluster=local)
     data, model = _find(plan, data=8), _find(plan, model=8)
     assert model.estimate.step_time_s < data.estimate.step_time_s
-    measured = {c.label: measure.time_candidate(c, wide_mlp, 256, steps=3)
+    measured = {c.label: measure.time_candidate(c, wide_mlp, 256, steps=5)
                 for c in (data, model)}
     assert measured[model.label] < measured[data.label], measured
 

@@ -17,6 +17,7 @@ Example:
 """
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -37,6 +38,15 @@ class Cluster:
             (e.g. its InfiniBand share).
         intra_host_latency: seconds per message inside a host (α).
         inter_host_latency: seconds per message across hosts.
+        shared_host: True when the devices of a host share its cores and
+            memory (virtual CPUs): their work adds up instead of running
+            side by side, so the cost model sums the stages (no pipeline
+            bubble, no overlap of communication with compute) and costs a
+            collective as every device reading its group's blocks through
+            host memory (n · B/β). False (the default) for accelerators.
+        update_bandwidth: bytes/s per device at which the optimizer's
+            elementwise update reads Adam's weights (0: not counted, the
+            default for described clusters).
         source: {figure: "measured" | "looked up" | "given"}, for reports.
     """
 
@@ -48,6 +58,8 @@ class Cluster:
     inter_host_bandwidth: float
     intra_host_latency: float = 5e-6
     inter_host_latency: float = 2e-5
+    shared_host: bool = False
+    update_bandwidth: float = 0.0
     source: dict = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -57,12 +69,17 @@ class Cluster:
                 raise ValueError(
                     f"Cluster({name}) must be a positive integer. "
                     f"Received: {name}={value!r}")
+        if not isinstance(self.shared_host, (bool, np.bool_)):
+            raise ValueError(
+                "Cluster(shared_host) must be True or False. Received: "
+                f"shared_host={self.shared_host!r}")
         for name in ("device_memory", "device_flops", "intra_host_bandwidth",
                      "inter_host_bandwidth", "intra_host_latency",
-                     "inter_host_latency"):
+                     "inter_host_latency", "update_bandwidth"):
             value = getattr(self, name)
+            zero_ok = "latency" in name or name == "update_bandwidth"
             if not isinstance(value, (int, float, np.number)) or value < 0 or (
-                    value == 0 and "latency" not in name):
+                    value == 0 and not zero_ok):
                 raise ValueError(
                     f"Cluster({name}) must be a positive number (bytes, "
                     f"FLOP/s, bytes/s or seconds). Received: {name}={value!r}")
@@ -87,13 +104,17 @@ class Cluster:
     def local(cls):
         """This machine's devices (tfpar's default devices: TPU > GPU > CPU).
 
-        Measured here: FLOP/s (a float32 matmul timed on the first device,
-        the host's rate split evenly over its logical devices when they are
-        virtual CPUs sharing the cores) and bandwidth (a host memory copy,
-        split likewise: virtual CPUs exchange data through host memory).
-        Looked up: the memory per device (host memory / devices for
-        CPUs; the device's reported limit otherwise) and the latencies.
-        See `source` for which is which.
+        Measured here: FLOP/s (a float32 matmul timed on the first device;
+        for virtual CPUs the host's rate split evenly over its logical
+        devices, which share the cores). For virtual CPUs
+        (`shared_host=True`) also, on a mesh of all of them: the α and β of
+        a collective (an all-reduce over every device of 4 kB and of 4 MB
+        per device, fitted to α + n · B/β) and the rate of Adam's update
+        (Keras' Adam on one device, split like the FLOP/s). Otherwise the
+        bandwidth is a host memory copy and the latencies are looked up.
+        The memory per device is looked up (host memory / devices for CPUs;
+        the device's reported limit otherwise). See `source` for which is
+        which; the micro-benchmarks take about a second, once per process.
         """
         import tensorflow as tf  # noqa: PLC0415
 
@@ -101,22 +122,42 @@ class Cluster:
 
         devices = mesh_lib.default_devices()
         n = len(devices)
-        cpu = mesh_lib.default_device_type() == "CPU"
-        flops = _matmul_flops(devices[0])
-        copy = _copy_bandwidth()
-        share = n if cpu else 1
-        memory = _host_memory() / n if cpu else _device_memory(devices[0], tf)
-        return cls(
-            num_hosts=1, devices_per_host=n, device_memory=float(memory),
-            device_flops=flops / share, intra_host_bandwidth=copy / share,
-            inter_host_bandwidth=copy / share,
-            intra_host_latency=1e-4 if cpu else 5e-6,
-            inter_host_latency=1e-4 if cpu else 2e-5,
-            source={"device_flops": "measured (matmul)",
-                    "intra_host_bandwidth": "measured (host memory copy)",
-                    "inter_host_bandwidth": "measured (host memory copy)",
-                    "device_memory": "looked up",
-                    "latency": "looked up"})
+        if mesh_lib.default_device_type() != "CPU":
+            copy = _copy_bandwidth()
+            return cls(
+                num_hosts=1, devices_per_host=n,
+                device_memory=float(_device_memory(devices[0], tf)),
+                device_flops=_matmul_flops(devices[0]),
+                intra_host_bandwidth=copy, inter_host_bandwidth=copy,
+                source={"device_flops": "measured (matmul)",
+                        "intra_host_bandwidth": "measured (host memory copy)",
+                        "inter_host_bandwidth": "measured (host memory copy)",
+                        "device_memory": "looked up",
+                        "latency": "looked up"})
+        return _shared_cpus(cls, tuple(devices))
+
+@functools.lru_cache(maxsize=4)
+def _shared_cpus(cls, devices):
+    """`Cluster.local()` for virtual CPUs sharing one host (measured once
+    per process and device list)."""
+    from tfpar.planner import calibrate  # noqa: PLC0415
+
+    n = len(devices)
+    alpha, beta = calibrate.collective_alpha_beta(devices)
+    return cls(
+        num_hosts=1, devices_per_host=n, device_memory=_host_memory() / n,
+        device_flops=_matmul_flops(devices[0]) / n,
+        intra_host_bandwidth=beta, inter_host_bandwidth=beta,
+        intra_host_latency=alpha, inter_host_latency=alpha,
+        shared_host=True,
+        update_bandwidth=calibrate.update_bandwidth(devices[0]) / n,
+        source={"device_flops": "measured (matmul, host rate / devices)",
+                "intra_host_bandwidth": "measured (all-reduce on the mesh)",
+                "inter_host_bandwidth": "measured (all-reduce on the mesh)",
+                "latency": "measured (all-reduce on the mesh)",
+                "update_bandwidth": "measured (Adam update, host rate / "
+                                    "devices)",
+                "device_memory": "looked up (host memory / devices)"})
 
 
 def _matmul_flops(device, n=512, repeats=5):

@@ -36,6 +36,17 @@ with the split part of each layer divided by t. A pipeline takes
 (m + p - 1)/m × the slowest stage (the bubble (p-1)/(m+p-1) is the same
 for GPipe and 1F1B); nothing overlaps communication with compute.
 
+A shared host (`Cluster.shared_host`: virtual CPUs, every device's work on
+the same cores and memory) runs nothing side by side: the step is every
+stage's compute, collectives and optimizer update added up (each measured
+at the rate of all devices at once, so a stage's share is 1/p of its
+devices' time: the mean over stages) plus each stage-to-stage send, with
+no bubble and no overlap; a collective over n devices of B bytes per
+device costs α + n · B/β (each device reads every block of its group
+through host memory: measured, see `calibrate.py`); the update costs
+trainable bytes · (1 + slots)/3 / `update_bandwidth` (Adam's measured
+rate; 0 for described clusters, which keep their plans).
+
 Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
 activations (kept for the backward pass: per micro-batch of b/(d·m)
@@ -96,7 +107,10 @@ class Estimate:
         communication_bytes_per_device: sum of collective message sizes a
             device takes part in per step (`CommunicationReport.bytes`).
         communication_bytes_by_axis: the same per mesh axis.
-        time_s: {compute, bubble, model, data, pipe} parts of the step time.
+        time_s: {compute, bubble, model, data, pipe, update} parts of the
+            step time.
+        memory_by_stage: [{kind: bytes}] per pipeline stage (the devices of
+            stage s), of which `memory_per_device` is the most loaded.
     """
 
     step_time_s: float
@@ -104,6 +118,7 @@ class Estimate:
     communication_bytes_per_device: float
     communication_bytes_by_axis: dict
     time_s: dict
+    memory_by_stage: list = None
 
     @property
     def total_memory(self):
@@ -403,16 +418,24 @@ def _in_width(layer, shape):
     return int(shape[0])
 
 
-def _collective_time(kind, nbytes, n, link, count=1):
-    """α-β seconds of `count` collectives moving `nbytes` in total."""
+def _collective_time(kind, nbytes, n, link, count=1, shared=False):
+    """α-β seconds of `count` collectives moving `nbytes` in total.
+
+    A ring (`shared=False`): 2(n-1) steps of α and 2(n-1)/n · B/β for an
+    all-reduce, half of that for an all-gather or reduce-scatter. On a host
+    whose devices share its memory (`Cluster.shared_host`: virtual CPUs)
+    each collective is one α and every device reads the n blocks of its
+    group: n · B/β, B the whole message (measured by `Cluster.local()`)."""
     if n <= 1:
         return np.zeros_like(np.asarray(nbytes, float))
     alpha, beta = link
+    if shared:
+        return count * alpha + n * nbytes / beta
     steps = 2 * (n - 1) if kind == "all-reduce" else (n - 1)
     return count * steps * alpha + steps / n * nbytes / beta
 
 
-def _model_axis(layout, total, *, r, b, m, link):
+def _model_axis(layout, total, *, r, b, m, link, shared):
     """(bytes, α-β seconds) per stage on the model axis. The forward
     collectives run again when recomputing."""
     model_bytes = (total("tp_bytes_fwd") * (1 + r) + total("tp_bytes_bwd")) * b
@@ -428,7 +451,7 @@ def _model_axis(layout, total, *, r, b, m, link):
         model_bytes += total("resplit_bytes") * (1 + r) * b
         count += total("resplit_count") * (1 + r) * m
     return model_bytes, _collective_time(kind, model_bytes, layout.t, link,
-                                         count)
+                                         count, shared)
 
 
 def _internals(layout, total, *, recompute, d, fsdp, span):
@@ -444,7 +467,7 @@ def _internals(layout, total, *, recompute, d, fsdp, span):
     return total("internal")
 
 
-def _data_axis(layout, total, *, d, m, r, fsdp, link, span):
+def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared):
     """(bytes, α-β seconds, gathered-weight workspace) per stage on the data
     axis: an all-reduce of the gradients, or with fsdp an all-gather of the
     stored weights per micro-batch (again when recomputing) plus a
@@ -457,12 +480,13 @@ def _data_axis(layout, total, *, d, m, r, fsdp, link, span):
     if not (fsdp and d > 1):
         data_bytes = grads if d > 1 else np.zeros(p)
         return (data_bytes,
-                _collective_time("all-reduce", grads, d, link, count),
+                _collective_time("all-reduce", grads, d, link, count, shared),
                 np.zeros(p))
     gathers = m * (1 + r)
     time = (_collective_time("all-gather", gathered * gathers, d, link,
-                             count * gathers)
-            + _collective_time("reduce-scatter", grads, d, link, count))
+                             count * gathers, shared)
+            + _collective_time("reduce-scatter", grads, d, link, count,
+                               shared))
     workspace = (2 * layout.stage_max("gathered", d, fsdp, *span) if r
                  else gathered - total("trainable"))
     return gathered * gathers + grads, time, workspace
@@ -489,7 +513,6 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     t = layout.t
     lo = np.asarray(stages)
     hi = np.append(lo[1:], len(layout.flops_split))
-    s = np.arange(p)
     b = batch / d          # samples per device per step
     mb = b / m             # samples per micro-batch per device
     pre = layout.prefix(d, fsdp)
@@ -499,21 +522,50 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
 
     links = {"model": cluster.link(t, 1), "pipe": cluster.link(p, t),
              "data": cluster.link(d, t * p)}
+    shared = cluster.shared_host
     r = 1 if recompute else 0
     compute = ((total("flops_split") / t + total("flops_repl")) * (3 + r) * b
                / cluster.device_flops)
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
-                                          link=links["model"])
+                                          link=links["model"], shared=shared)
     stored, trainable = total("stored"), total("trainable")
     data_bytes, data_time, workspace = _data_axis(
         layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],
-        span=(lo, hi))
+        span=(lo, hi), shared=shared)
     before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
                                           link=links["pipe"])
+    memory = _memory(layout, total, before=before, recompute=recompute,
+                     d=d, fsdp=fsdp, span=(lo, hi), schedule=schedule, m=m,
+                     mb=mb, slots=slots, workspace=workspace)
+    comm = {"model": model_bytes if t > 1 else np.zeros(p),
+            "data": np.asarray(data_bytes, float),
+            "pipe": (before + after) * b * 2}
+    parts = {"compute": compute, "model": model_time, "data": data_time,
+             "pipe": pipe_time,
+             "update": _update_time(trainable, slots, cluster)}
+    step, time_s = (_shared_step(parts, m=m) if shared
+                    else _step(parts, m=m, p=p, r=r))
+    w = int(np.argmax(sum(memory.values())))
+    return Estimate(
+        step_time_s=float(step),
+        memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
+        communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
+        communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
+        time_s=time_s,
+        memory_by_stage=[{kind: float(v[i]) for kind, v in memory.items()}
+                         for i in range(p)])
+
+
+def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
+            mb, slots, workspace):
+    """{kind: bytes per device} per stage."""
+    p = len(before)
+    s = np.arange(p)
+    stored, trainable = total("stored"), total("trainable")
     # What stage 0 reads is the batch itself, not an activation.
     kept = total("kept") + before
     internal = _internals(layout, total, recompute=recompute, d=d, fsdp=fsdp,
-                          span=(lo, hi))
+                          span=span)
     in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
     # Every micro-batch in flight keeps its layers' outputs (the next
     # layers' inputs) and, without recomputation, their internals. With it
@@ -521,26 +573,47 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     # them, for one micro-batch at a time (workspace, as fsdp's gathers).
     saved_internal = 0.0 if recompute else internal * in_flight
     recomputing = internal if recompute else 0.0
-    memory = {"params": stored, "gradients": trainable,
-              "optimizer": slots * trainable,
-              "activations": (kept * in_flight + saved_internal) * mb,
-              "workspace": np.maximum(workspace, 0.0) + recomputing * mb}
-    comm = {"model": model_bytes if t > 1 else np.zeros(p),
-            "data": np.asarray(data_bytes, float),
-            "pipe": (before + after) * b * 2}
-    busy = compute + model_time
+    return {"params": stored, "gradients": trainable,
+            "optimizer": slots * trainable,
+            "activations": (kept * in_flight + saved_internal) * mb,
+            "workspace": np.maximum(workspace, 0.0) + recomputing * mb}
+
+
+def _update_time(trainable, slots, cluster):
+    """Seconds per stage of the optimizer's elementwise update: trainable
+    bytes · (1 + slots)/3 at the measured rate of Adam's update (zero when
+    the cluster gives no `update_bandwidth`)."""
+    if not cluster.update_bandwidth:
+        return np.zeros_like(trainable)
+    return trainable * (1 + slots) / 3 / cluster.update_bandwidth
+
+
+def _step(parts, *, m, p, r):
+    """Step seconds on dedicated devices: the slowest stage's compute and
+    model-axis time, plus the bubble (p-1)/m of it, the data-axis time the
+    backward pass does not hide, the stage's sends and its update."""
+    busy = parts["compute"] + parts["model"]
     k = int(np.argmax(busy))
     bubble = busy[k] * (p - 1) / m
     # The data-axis gradient reduction overlaps the backward pass (2/3 of
     # the compute), as DDP and Megatron-LM bucket it; the rest shows.
-    exposed = max(0.0, data_time[k] - compute[k] * 2 / (3 + r))
-    step = busy[k] + bubble + exposed + pipe_time[k]
-    w = int(np.argmax(sum(memory.values())))
-    return Estimate(
-        step_time_s=float(step),
-        memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
-        communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
-        communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
-        time_s={"compute": float(compute[k]), "bubble": float(bubble),
-                "model": float(model_time[k]), "data": float(exposed),
-                "pipe": float(pipe_time[k])})
+    exposed = max(0.0, parts["data"][k] - parts["compute"][k] * 2 / (3 + r))
+    step = busy[k] + bubble + exposed + parts["pipe"][k] + parts["update"][k]
+    return step, {"compute": float(parts["compute"][k]),
+                  "bubble": float(bubble), "model": float(parts["model"][k]),
+                  "data": float(exposed), "pipe": float(parts["pipe"][k]),
+                  "update": float(parts["update"][k])}
+
+
+def _shared_step(parts, *, m):
+    """Step seconds when all devices share one host's cores and memory
+    (`Cluster.shared_host`): nothing runs concurrently with anything else,
+    so the step is the work of every stage added up — per stage its devices'
+    compute, collectives and update (measured at the rates of all devices
+    at once, so each stage's share is 1/p: the mean over stages) plus every
+    stage-to-stage send once (each cut appears in two stages' sends). An
+    idle stage frees the cores: no bubble."""
+    means = {k: float(np.mean(v)) for k, v in parts.items() if k != "pipe"}
+    means["pipe"] = float(np.sum(parts["pipe"]) / 2)
+    means["bubble"] = 0.0
+    return sum(means.values()), means

@@ -169,7 +169,8 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                     except ValueError as e:
                         rule_errors[key] = str(e)
                 reject = _reject_reason(axes, rule_errors.get(key),
-                                        global_batch_size, len(profile.ops))
+                                        global_batch_size, len(profile.ops),
+                                        sp)
                 if reject:
                     candidates.append(Candidate(
                         axes, False, False, 1, "1f1b", None, rejected=reject,
@@ -199,7 +200,8 @@ def _layout(profile, model, t, sequence_parallel=False):
     return cost_lib.Layout(profile, rules, t, sequence_parallel)
 
 
-def _reject_reason(axes, rule_error, global_batch_size, n_ops):
+def _reject_reason(axes, rule_error, global_batch_size, n_ops,
+                   sequence_parallel=False):
     """Why a mesh shape cannot run at all, or None."""
     d, p, t = axes["data"], axes["pipe"], axes["model"]
     if rule_error:
@@ -210,6 +212,10 @@ def _reject_reason(axes, rule_error, global_batch_size, n_ops):
     if p > n_ops:
         return (f"pipe={p} needs at least {p} top-level layers; the model "
                 f"has {n_ops}")
+    if sequence_parallel and p > 1 and d == 1:
+        # PipelineModel refuses it: DTensor (TF 2.21) crashes compiling it.
+        return ("sequence parallelism inside pipeline stages needs a data "
+                "axis (DTensor 2.21 cannot compile it without one)")
     return None
 
 

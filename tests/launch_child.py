@@ -15,7 +15,8 @@ save a sharded checkpoint to WORKDIR/checkpoints and host 1 SIGKILLs
 itself writing its file (its record of the blocks; on data=8 host 0 writes
 the replicated blocks) ("kill-in-save"), or both save it, then
 restore it and host 1 SIGKILLs itself reading its first block
-("kill-in-restore"); "stop-in-save" SIGSTOPs instead.
+("kill-in-restore"); "stop-in-save" and "stop-in-restore" SIGSTOP
+instead.
 """
 
 import importlib
@@ -73,7 +74,7 @@ class CheckpointThenDie(keras.callbacks.Callback):
             die_when_called(checkpoint, "_write_file")  # its host record
         tfpar.save_checkpoint(self.model, directory)
         print(f"host {host} saved", flush=True)
-        if mode == "kill-in-restore" and host == 1:
+        if mode.endswith("-in-restore") and host == 1:
             die_when_called(checkpoint, "_load_block")
         tfpar.restore_checkpoint(self.model, directory)
         print(f"host {host} restored", flush=True)

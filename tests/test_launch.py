@@ -106,7 +106,8 @@ def test_a_stopped_host_is_an_error_within_the_heartbeat_timeout(workdir):
 
 @pytest.mark.parametrize("mode", [
     "kill-in-save", pytest.param("kill-in-restore", marks=pytest.mark.slow),
-    pytest.param("stop-in-save", marks=pytest.mark.slow)])
+    pytest.param("stop-in-save", marks=pytest.mark.slow),
+    pytest.param("stop-in-restore", marks=pytest.mark.slow)])
 def test_a_host_killed_in_a_checkpoint_is_an_error_not_a_hang(workdir, mode):
     """Host 1 SIGKILLs (SIGSTOPs) itself writing its file of a sharded
     checkpoint (reading its first block): host 0, waiting for it inside save_checkpoint

@@ -87,3 +87,33 @@ def test_sequence_parallel_pipelines_without_a_data_axis_are_rejected():
     assert found
     for c in found:
         assert c.rejected and "needs a data axis" in c.rejected
+
+
+def test_a_builder_with_unnamed_layers_is_cut_by_position():
+    """examples/gpt.py leaves its residual adds unnamed: every call of the
+    builder names them anew (add, add_1, ...), so a stage cut named from
+    the planning build was missing from the next one and
+    `plan(builder, measure=k)` failed with "'add' is not in list". A
+    candidate carries its cut by position; the model built again is cut at
+    the same layers."""
+    from tfpar.pipeline import split  # noqa: PLC0415
+
+    def build():
+        return build_gpt(layers=2)
+
+    plan = tfpar.plan(build, 16, cluster=tfpar.Cluster.local())
+    unnamed = [c for c in plan.candidates
+               if c.axes.get("pipe", 1) > 1 and not c.rejected
+               and any(b.startswith("add") for b in c.stage_boundaries)]
+    assert unnamed, [c.stage_boundaries for c in plan.candidates
+                     if c.stage_boundaries]
+    candidate = unnamed[0]
+    build()  # one more build: the next one names its adds otherwise
+    candidate_plan = measure.candidate_plan(candidate, build, 16)
+    pipe = measure.build_and_apply(candidate_plan, build)
+    assert isinstance(pipe, tfpar.PipelineModel)
+    layers = split.model_graph(pipe.wrapped)[1]
+    firsts = [stage.layers[0] for stage in pipe.stages[1:]]
+    assert firsts == [layers[i] for i in candidate.stage_starts[1:]]
+    # The same layers under other names: cut by position, not by name.
+    assert [layer.name for layer in firsts] != candidate.stage_boundaries

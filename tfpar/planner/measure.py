@@ -34,7 +34,6 @@ def synthetic_batch(model, batch, seed=0):
 def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     """A `Plan` holding just `candidate` (for timing or applying it)."""
     from tfpar.planner import plans as plan_lib  # noqa: PLC0415
-    from tfpar.pipeline import split  # noqa: PLC0415
     from tfpar import auto_plan as tp  # noqa: PLC0415
     from tfpar.layout import LayoutRules  # noqa: PLC0415
 
@@ -43,8 +42,7 @@ def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     rules = (tp.auto_rules(shapes, axis_size=t,
                            sequence_parallel=candidate.sequence_parallel)
              if t > 1 else LayoutRules({}))
-    names = [layer.name for layer in split.model_graph(shapes)[1]]
-    starts = [0] + [names.index(b) for b in candidate.stage_boundaries or []]
+    starts = candidate.stage_starts or [0]
     return plan_lib.Plan(candidate, [candidate], rules, starts,
                          info={"model": shapes.name,
                                "global_batch_size": global_batch_size,

@@ -107,11 +107,7 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
     t = chosen.axes["model"]
     rules = (layouts[t, chosen.sequence_parallel].rules if t > 1
              else layout_lib.LayoutRules({}))
-    stage_starts = [0]
-    if chosen.stage_boundaries:
-        names = [op.name for op in profile.ops]
-        stage_starts += [names.index(b) for b in chosen.stage_boundaries]
-    return Plan(chosen, candidates, rules, stage_starts,
+    return Plan(chosen, candidates, rules, chosen.stage_starts or [0],
                 info={"model": profile.name, "num_params": profile.num_params,
                       "forward_flops_per_sample": profile.total_flops,
                       "global_batch_size": int(global_batch_size),

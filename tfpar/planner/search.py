@@ -48,6 +48,10 @@ class Candidate:
     rejected: str = None
     measured_step_time_s: float = None
     sequence_parallel: bool = False
+    # Each stage's first op, by position in the model's graph: a builder
+    # that leaves layers unnamed names them anew at every call (add, add_1,
+    # ...), so a model built again is cut by position, not by these names.
+    stage_starts: list = None
 
     @property
     def label(self):
@@ -235,7 +239,8 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
             ("1f1b", "gpipe") if p > 1 else ("1f1b",),
             (False, True) if d > 1 else (False,), (False, True)):
         c = Candidate(dict(axes), fsdp, recompute, m, schedule, boundaries,
-                      sequence_parallel=layout.sequence_parallel)
+                      sequence_parallel=layout.sequence_parallel,
+                      stage_starts=[int(i) for i in stages] if p > 1 else None)
         c.estimate = cost_lib.estimate(
             layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
             recompute=recompute, batch=global_batch_size, cluster=cluster,

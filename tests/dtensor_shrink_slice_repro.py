@@ -3,9 +3,12 @@ dimension wrongly when a later dimension is sharded.
 
 `x[:, 1]` of x with shape (2, 3, 8, 4) split over "model" on dimension 2
 should be split on dimension 1 of the (2, 8, 4) result; DTensor keeps the
-sharding at position 2 (now the size-4 dimension). On model=4 the values
-come out wrong without an error; on model=8 the compile fails ("requires
-dimension 2 to be divisible ..."). keras-hub's KV cache is indexed this way
+sharding at position 2 (now the size-4 dimension). On model=8 the compile
+fails ("requires dimension 2 to be divisible ..."). On model=4 the values
+came out wrong without an error while DTensor's all-to-all relayout was on
+(TF's default; it is wrong on rank-4 tensors, tests/dtensor_all_to_all_repro.py);
+with tfpar's DTENSOR_USE_ALL_TO_ALL_RELAYOUT=0, which this script gets by
+importing tfpar, they are right. keras-hub's KV cache is indexed this way
 (`cache[:, i, ...]`), so tfpar's steps index tensors with a one-long slice
 and a squeeze instead (`tfpar.spmd_ops.index_keeping_dims`).
 

@@ -206,10 +206,20 @@ def test_bad_launcher_arguments_are_clear_errors(argv, match):
 
 
 @pytest.mark.parametrize("mode", [
-    "arrays", pytest.param("dataset", marks=pytest.mark.slow)])
+    "arrays", pytest.param("dataset", marks=pytest.mark.slow),
+    pytest.param("files", marks=pytest.mark.slow)])
 def test_each_host_feeds_only_its_share(workdir, mode):
     """per_host_input=True: host h gives fit only rows 16h..16h+15 of each
-    32-row global batch; the losses equal one device's on whole batches."""
+    32-row global batch (from arrays, a tf.data dataset, or files sharded
+    by host: file 2k+h holds them, and host h's tf.data pipeline reads
+    every other file); the losses equal one device's on whole batches."""
+    if mode == "files":
+        given = np.load(workdir / "given.npz")
+        for k in range(len(given["x"]) // 32):
+            for h in (0, 1):
+                rows = slice(32 * k + 16 * h, 32 * k + 16 * h + 16)
+                np.savez(workdir / f"rows-{2 * k + h:03d}.npz",
+                         x=given["x"][rows], y=given["y"][rows])
     status, out, _ = launch(workdir, mode, child=PER_HOST_CHILD)
     assert status == 0, out[-4000:]
     want = one_device_losses(workdir, epochs=2)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 
 import tfpar
 
@@ -26,8 +27,8 @@ from test_fuzz_models import build, data
 REPRO = Path(__file__).with_name("dtensor_all_to_all_repro.py")
 
 
-def run_repro(setting):
-    env = dict(os.environ)
+def run_repro(setting, quick=True):
+    env = dict(os.environ, REPRO_QUICK="1" if quick else "0")
     env.pop("DTENSOR_USE_ALL_TO_ALL_RELAYOUT", None)
     if setting is not None:
         env["DTENSOR_USE_ALL_TO_ALL_RELAYOUT"] = setting
@@ -38,8 +39,15 @@ def run_repro(setting):
 
 
 def test_all_to_all_relayout_is_wrong_and_tfpar_setting_fixes_it():
-    assert run_repro(None).startswith("wrong 36 of ")   # TF's default
-    assert run_repro("0").startswith("right ")
+    """Rank 4, one mesh axis moved: 6 of the 20 relayouts are wrong."""
+    assert run_repro(None) == "wrong 6 of 20"   # TF's default
+    assert run_repro("0") == "right 20"
+
+
+@pytest.mark.slow  # every relayout of ranks 2-4 with both axes: ~1 min
+def test_every_relayout_wrong_only_on_rank_4_and_right_with_tfpar_setting():
+    assert run_repro(None, quick=False) == "wrong 36 of 618"
+    assert run_repro("0", quick=False) == "right 618"
 
 
 def test_importing_tfpar_turns_the_all_to_all_off():

@@ -34,6 +34,7 @@ Example (what `fit` builds; see `tfpar.PipelineModel`):
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import collectives
 from tfpar import keras_graph
@@ -148,11 +149,26 @@ class PipelineRunner(training.Runner):
             return function(xs, targets, split)
         with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)
-            tf.nest.map_structure(placement.fetch, logs)  # wait for the step
+            self._wait_for_every_stage()
         self._model.last_timeline = profiler.executed_timeline(
             trace.events, len(self._extended.stage_meshes),
             self._model.schedule.stage_and_chunk)
         return logs
+
+    def _wait_for_every_stage(self):
+        """Returns when every device has run its share of the step. The
+        logs alone do not wait for it: they need only the forward passes,
+        and a stage's last backward and update (not an input of the loss)
+        can still be running on its devices when they are ready — then the
+        profiler stopped without its ops (the last action of the first
+        part missing from the timeline, now and then). A read of a weight
+        on every device of each part runs after the step there."""
+        for part in self._parts:
+            for weight in part.weights[:1]:
+                value = tf.convert_to_tensor(weight)
+                for block in (dtensor.unpack(value) if dtensor.is_dtensor(value)
+                              else [value]):
+                    block.numpy()
 
     def predict_inputs(self, x):
         """The model's outputs on inputs `x` (host tensors), as host

@@ -54,6 +54,13 @@ On this machine those share the devices' physical memory: the tests show
 placement and parity, not saved RAM. On GPU/TPU the default host is
 DTensor's host mesh (`Mesh.host_mesh()`, CPUs of the mesh's shape).
 
+Across hosts (`tfpar.connect_hosts`) every move stays inside a host: the
+mesh and the host mesh are "spread" meshes (the same local devices of
+every host, `tfpar.Mesh`), `offload_devices[i]` is on mesh device i's
+host, each host moves its own blocks and all hosts run the host update
+together (tests/test_offload_hosts.py). A pipeline whose stages live on
+different hosts is refused (`tfpar.pipeline.cross_host`).
+
 Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
 >>> import keras, numpy as np, tfpar

@@ -180,9 +180,12 @@ def _check_optimizer(optimizer):
 def _rows_whole(weight, place, optimizer):
     """Whether a table laid out by `place` keeps its rows whole: then its
     sparse gradient moves to the host sparse. A row-split table's (fsdp, or
-    a rule on its first dimension) moves dense: DTensor 2.21 cannot compile
-    a step returning its IndexedSlices ("EmitAllScatter requires slice on
-    input axis 0 which is dynamic", tests/test_offload.py). Plain SGD and
+    a rule on its first dimension) moves dense: tfpar's compiled step
+    returning its IndexedSlices fails in DTensor 2.21 ("EmitAllScatter
+    requires slice on input axis 0 which is dynamic", tests/test_offload.py;
+    a pure-DTensor step returning the same gradient compiles,
+    tests/dtensor_sparse_gradient_repro.py: the op at fault is something
+    the training step adds, not identified yet). Plain SGD and
     momentum are linear in the gradient, so dense is the same update; for
     other optimizers it warns (Adam squares each slice of a sparse
     gradient, the dense one the summed rows)."""

@@ -1,9 +1,11 @@
 """One host of a two-host cluster training with offload (run by
 tests/test_offload_hosts.py).
 
-    python offload_hosts_child.py HOST_ID ADDR0,ADDR1 WORKDIR CONFIG...
+    python -m tfpar.launch --hosts 2 --virtual-cpus 8 \
+        offload_hosts_child.py WORKDIR CONFIG...
 
-Joins the cluster with 8 virtual CPUs per host (16 in all, by global name
+Joins the cluster (from the environment `tfpar.launch` sets) with 8
+virtual CPUs per host (16 in all, by global name
 host h's CPU:k is CPU:8h+k): the mesh is CPU:0-3 of every host (global
 CPU:0-3 and CPU:8-11), the offload devices CPU:4-7 of every host (global
 CPU:4-7 and CPU:12-15). For each CONFIG ("data8", "tp": data=2 x model=4
@@ -24,12 +26,9 @@ import sys
 
 import tfpar
 
-host_id = int(sys.argv[1])
-addresses = sys.argv[2].split(",")
-workdir = sys.argv[3]
-configs = sys.argv[4:]
-tfpar.use_virtual_cpus(8)
-tfpar.connect_hosts(addresses, host_id, timeout=120)
+tfpar.connect_hosts(timeout=120)
+workdir, configs = sys.argv[1], sys.argv[2:]
+host_id = tfpar.hosts.host_id()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -3,7 +3,7 @@ machine joined by `tfpar.connect_hosts`, 8 virtual CPUs each; the mesh is
 CPU:0-3 of each host (global CPU:0-3 and CPU:8-11), the offload devices
 CPU:4-7 of each (global CPU:4-7 and CPU:12-15): a "spread" mesh
 (`tfpar.Mesh` across hosts), so each host keeps the optimizer state of
-its own devices' blocks on its own CPUs (`tests/offload_hosts_child.py`).
+its own devices' blocks on its own CPUs (`tests/offload_hosts_child.py`, started by `tfpar.launch`).
 
 Each case trains the MLP of `models.host_mlp` without and with offload
 on the same mesh and checks, on every host: parity with one device and
@@ -18,7 +18,6 @@ import ast
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import keras
@@ -26,7 +25,6 @@ import numpy as np
 import pytest
 
 import models
-from tfpar import launch
 
 CHILD = Path(__file__).with_name("offload_hosts_child.py")
 RTOL = 1e-4
@@ -35,33 +33,23 @@ HOST = [f"CPU:{8 * h + k}" for h in range(2) for k in range(4, 8)]
 
 
 def _run_hosts(workdir, configs):
-    """Both hosts' results (dicts of arrays) of `configs`."""
+    """Both hosts' results (dicts of arrays) of `configs`, and the
+    single-device run (`models.train_host_mlp`)."""
     keras.utils.set_random_seed(0)
     weights = models.host_mlp().get_weights()
     x, y = models.mlp_data(n=96)
     np.savez(workdir / "given.npz", x=x, y=y,
              **{f"w{i}": w for i, w in enumerate(weights)})
-    addresses = ",".join(f"localhost:{p}" for p in launch.free_ports(2))
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("DTENSOR_")}
-    processes = [subprocess.Popen(
-        [sys.executable, str(CHILD), str(i), addresses, str(workdir),
-         *configs], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env) for i in range(2)]
-    # A host stuck in a collective (its peer died) ignores SIGTERM: kill
-    # both when one fails or time runs out, and show every host's output.
-    deadline = time.monotonic() + 900
-    while any(p.poll() is None for p in processes):
-        failed = any(p.poll() not in (None, 0) for p in processes)
-        if failed or time.monotonic() > deadline:
-            for process in processes:
-                process.kill()
-            break
-        time.sleep(0.5)
-    outputs = [p.communicate()[0] for p in processes]
-    assert all(p.returncode == 0 for p in processes), "\n".join(
-        f"host {j} (exit {p.returncode}):\n{out[-3000:]}"
-        for j, (p, out) in enumerate(zip(processes, outputs)))
+           if not k.startswith(("DTENSOR_", "TFPAR_"))}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(CHILD.parent), str(CHILD.parent.parent),
+         env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.launch", "--hosts", "2",
+         "--virtual-cpus", "8", str(CHILD), str(workdir), *configs],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     results = [dict(np.load(workdir / f"host{i}.npz")) for i in range(2)]
     reference = models.train_host_mlp(models.host_mlp(), x, y, weights)
     return results, reference

@@ -10,13 +10,13 @@ one device where the float32 step is the same.
 """
 
 import keras
-import keras_hub
 import numpy as np
-import pytest
 from tensorflow.experimental import dtensor
 
 import models
 import tfpar
+# The tiny LM whose embedding is also its head (tied across stages).
+from test_pipeline_tied import lm_data, tiny_lm
 
 DEVICES = [f"CPU:{i}" for i in range(4)]
 HOST = [f"CPU:{i}" for i in range(4, 8)]
@@ -32,32 +32,10 @@ def deep_mlp(dtype=None):
         for i, width in enumerate((32, 32, 32, 8))], name="deep")
 
 
-VOCAB, DIM, SEQ = 16, 8, 4
-
-
-def tiny_lm():
-    """tokens -> embedding -> mid -> top -> the embedding reversed (its
-    tied head): cut before "top", the embedding is read on both stages
-    (a persistent copy on stage 1, `tfpar.pipeline.tied`)."""
-    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
-    embedding = keras_hub.layers.ReversibleEmbedding(
-        VOCAB, DIM, name="token_embedding")
-    h = keras.layers.Dense(DIM, activation="tanh", name="mid")(
-        embedding(tokens))
-    h = keras.layers.Dense(DIM, activation="tanh", name="top")(h)
-    return keras.Model(tokens, embedding(h, reverse=True), name="tiny_lm")
-
-
 def mlp_data(n=64):
     rng = np.random.default_rng(0)
     return (rng.standard_normal((n, 16)).astype("float32"),
             rng.standard_normal((n, 8)).astype("float32"))
-
-
-def lm_data(n=64):
-    rng = np.random.RandomState(0)
-    return (rng.randint(0, VOCAB, size=(n, SEQ)).astype("int32"),
-            rng.randint(0, VOCAB, size=(n, SEQ)).astype("int32"))
 
 
 def pipeline(build, host, weights, optimizer, loss="mse", **options):

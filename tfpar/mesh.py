@@ -219,6 +219,7 @@ class Mesh:
             )
         self._devices = tuple(devices)
         self._dtensor_mesh = None
+        self._may_spread = True  # (see `_cluster_mesh`)
 
     @classmethod
     def from_keras(cls, device_mesh):
@@ -302,7 +303,9 @@ class Mesh:
         # Row-major: flat position -> coordinates along every axis.
         grid = np.arange(self.size).reshape(tuple(self._axes.values()))
         picked = np.take(grid, index, axis=self.axis_names.index(axis))
-        return Mesh(rest, devices=[self._devices[i] for i in picked.ravel()])
+        stage = Mesh(rest, devices=[self._devices[i] for i in picked.ravel()])
+        stage._may_spread = False  # a stage straddling the hosts: refused
+        return stage
 
     @property
     def dtensor_mesh(self):
@@ -320,42 +323,52 @@ class Mesh:
     def _cluster_mesh(self):
         """The DTensor mesh over several hosts (see `tfpar.connect_hosts`).
 
-        DTensor numbers a multi-host mesh's devices in order, host h's
-        local device k being global device h * L + k (L devices per host),
-        and needs a mesh's ids increasing by one. So a mesh across hosts
-        is either all devices in order, or consecutive devices of one host
-        (a pipeline stage's sub-mesh when the pipe axis runs along the
-        hosts): built on every host, its local devices this host's ([] on
-        the others). Anything else (a reordering, a subset over part of
-        several hosts) is refused by the same check on every host."""
+        DTensor numbers the cluster's devices in order, host h's local
+        device k being global device h * L + k (L devices per host), and
+        needs a mesh's ids increasing by one. A mesh across hosts is one of:
+        all devices in order; consecutive devices of one host (a pipeline
+        stage's sub-mesh when the pipe axis runs along the hosts), its ids
+        the global ones; or the same local devices of every host, host 0's
+        first, in increasing order ("spread": e.g. CPU:0-3 of every host,
+        the others left to `offload_devices`; not a `submesh`: pipeline
+        stages straddling the hosts are refused), its ids the mesh
+        positions 0..n-1 and its devices named by DeviceSpecs. Built
+        on every host, its local devices this host's ([] on the others).
+        Anything else (a reordering, another subset) is refused by the
+        same check on every host."""
         kind = self.device_type
         per_host = dtensor.num_local_devices(kind)
-        host = dtensor.client_id()
         everything = default_devices()
         ids = [_device_index(d) for d in self._devices]
         whole = ids == list(range(len(everything)))
         one_host = (ids == list(range(ids[0], ids[0] + len(ids)))
                     and ids[0] // per_host == ids[-1] // per_host)
-        if not (whole or one_host):
+        spread = self._may_spread and _spread_over_hosts(ids, per_host)
+        if not (whole or one_host or spread):
             raise ValueError(
                 f"Across hosts a mesh must use all {len(everything)} devices "
-                f"in order ({_device_range(everything)}) or consecutive "
+                f"in order ({_device_range(everything)}), or consecutive "
                 f"devices of one host ({per_host} per host: e.g. CPU:"
-                f"{per_host}..CPU:{2 * per_host - 1} of host 1). Received: "
-                f"{self!r}. Reorderings and subsets spanning several hosts "
+                f"{per_host}..CPU:{2 * per_host - 1} of host 1), or the same "
+                "devices of every host (e.g. CPU:0-3 of each), host 0's "
+                f"first. Received: {self!r}. Reorderings and other subsets "
                 "are not supported across hosts; for pipeline stages put "
                 "the pipe axis first (Mesh({'pipe': hosts, ...})).")
-        local_ids = [i for i in ids if i // per_host == host]
 
         def spec(i):
             return tf.DeviceSpec(job=dtensor.job_name(), replica=0,
                                  task=i // per_host, device_type=kind,
                                  device_index=i % per_host)
 
+        host = dtensor.client_id()
+        mesh_ids = list(range(len(ids))) if spread else ids
+        local = [(m, spec(i)) for m, i in zip(mesh_ids, ids)
+                 if i // per_host == host]
         extra = {} if whole else {"global_devices": [spec(i) for i in ids]}
         return dtensor.Mesh(
-            list(self._axes), np.array(ids).reshape(tuple(self._axes.values())),
-            local_ids, [spec(i) for i in local_ids], **extra)
+            list(self._axes),
+            np.array(mesh_ids).reshape(tuple(self._axes.values())),
+            [m for m, _ in local], [d for _, d in local], **extra)
 
     def is_local(self):
         """Whether this host holds any of the mesh's devices (always on one
@@ -384,8 +397,12 @@ def local_device_names(dtensor_mesh):
     """Names ("CPU:5") of this host's devices of a DTensor mesh, in its
     local order; across hosts the global names (`tfpar.connect_hosts`)."""
     if dtensor.num_clients() > 1:
-        return [f"{dtensor_mesh.device_type()}:{i}"
-                for i in dtensor_mesh.local_device_ids()]
+        # From the devices themselves: a spread mesh's ids are positions.
+        per_host = dtensor.num_local_devices(dtensor_mesh.device_type())
+        specs = [tf.DeviceSpec.from_string(d)
+                 for d in dtensor_mesh.local_devices()]
+        return [f"{s.device_type}:{s.task * per_host + s.device_index}"
+                for s in specs]
     return [short_device_name(d) for d in dtensor_mesh.local_devices()]
 
 
@@ -445,6 +462,18 @@ def _normalize_devices(devices):
             f"devices={names!r}. {hint}."
         )
     return names
+
+
+def _spread_over_hosts(ids, per_host):
+    """Whether global device `ids` are the same local devices of every host
+    (host 0's first, each host's in increasing order): a "spread" mesh."""
+    hosts = dtensor.num_clients()
+    if len(ids) % hosts:
+        return False
+    share = len(ids) // hosts
+    first = ids[:share]
+    return sorted(set(first)) == first and first[-1] < per_host and ids == [
+        h * per_host + i for h in range(hosts) for i in first]
 
 
 def _device_range(devices):

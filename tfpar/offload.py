@@ -54,6 +54,13 @@ On this machine those share the devices' physical memory: the tests show
 placement and parity, not saved RAM. On GPU/TPU the default host is
 DTensor's host mesh (`Mesh.host_mesh()`, CPUs of the mesh's shape).
 
+Across hosts (`tfpar.connect_hosts`) every move stays inside a host: the
+mesh and the host mesh are "spread" meshes (the same local devices of
+every host, `tfpar.Mesh`), `offload_devices[i]` is on mesh device i's
+host, each host moves its own blocks and all hosts run the host update
+together (tests/test_offload_hosts.py). A pipeline whose stages live on
+different hosts is refused (`tfpar.pipeline.cross_host`).
+
 Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
 >>> import keras, numpy as np, tfpar
@@ -173,9 +180,12 @@ def _check_optimizer(optimizer):
 def _rows_whole(weight, place, optimizer):
     """Whether a table laid out by `place` keeps its rows whole: then its
     sparse gradient moves to the host sparse. A row-split table's (fsdp, or
-    a rule on its first dimension) moves dense: DTensor 2.21 cannot compile
-    a step returning its IndexedSlices ("EmitAllScatter requires slice on
-    input axis 0 which is dynamic", tests/test_offload.py). Plain SGD and
+    a rule on its first dimension) moves dense: tfpar's compiled step
+    returning its IndexedSlices fails in DTensor 2.21 ("EmitAllScatter
+    requires slice on input axis 0 which is dynamic", tests/test_offload.py;
+    a pure-DTensor step returning the same gradient compiles,
+    tests/dtensor_sparse_gradient_repro.py: the op at fault is something
+    the training step adds, not identified yet). Plain SGD and
     momentum are linear in the gradient, so dense is the same update; for
     other optimizers it warns (Adam squares each slice of a sparse
     gradient, the dense one the summed rows)."""

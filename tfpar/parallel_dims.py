@@ -32,7 +32,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import layout as layout_lib
-from tfpar.mesh import Mesh, short_device_name
+from tfpar.mesh import Mesh, default_devices, short_device_name
 
 OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
 DEFAULT_MODEL_AXIS = "model"
@@ -303,11 +303,6 @@ def _check_offload(offload, devices, mesh):
             "call), so moving them off the devices would change the model's "
             "variables. Received: offload='optimizer+master'. Use "
             "offload='optimizer' (slots and the update on the host).")
-    if dtensor.num_clients() > 1:
-        raise NotImplementedError(
-            f"ParallelStrategy(offload={offload!r}) runs on one host so far "
-            f"(this cluster has {dtensor.num_clients()}). Received: "
-            f"mesh={mesh!r}. Use offload=None across hosts.")
 
 
 def _check_offload_host(offload, devices, mesh):
@@ -316,6 +311,15 @@ def _check_offload_host(offload, devices, mesh):
     if devices is not None:
         _check_offload_devices(devices, mesh)
         return
+    if dtensor.num_clients() > 1:
+        raise ValueError(
+            f"ParallelStrategy(offload={offload!r}) across hosts needs the "
+            "host devices named: each mesh device's own host's CPU "
+            f"(offload_devices=[...], {mesh.size} cluster-wide names, e.g. "
+            "after tfpar.use_virtual_cpus(8) on 2 hosts a mesh on CPU:0-3 "
+            "and CPU:8-11, offload_devices CPU:4-7 and CPU:12-15). "
+            f"Received: mesh={mesh!r}, offload_devices=None "
+            f"({dtensor.num_clients()} hosts).")
     if mesh.device_type == "CPU":
         raise ValueError(
             f"ParallelStrategy(offload={offload!r}) moves optimizer "
@@ -341,12 +345,26 @@ def _check_offload_host(offload, devices, mesh):
             "or name the devices: offload_devices=[...].")
 
 
+def _other_hosts(names, mesh):
+    """[(mesh device, host device)] on different hosts (global device i is
+    on host i // L, L devices per host); [] on one host."""
+    if dtensor.num_clients() == 1:
+        return []
+    per_host = dtensor.num_local_devices(mesh.device_type)
+
+    def host(name):
+        return int(name.rsplit(":", 1)[1]) // per_host
+
+    return [(d, n) for d, n in zip(mesh.devices, names) if host(d) != host(n)]
+
+
 def _check_offload_devices(devices, mesh):
     """`devices`: one existing device per mesh device, none of the mesh's."""
     names = [short_device_name(str(d)) for d in devices] if isinstance(
         devices, (list, tuple)) else None
     problem = None
     known = {short_device_name(d.name) for d in tf.config.list_logical_devices()}
+    known |= set(default_devices())  # across hosts: every host's, by global name
     if names is None or len(names) != mesh.size:
         problem = f"a list of {mesh.size} device names (one per mesh device)"
     elif len(set(names)) != len(names):
@@ -356,6 +374,10 @@ def _check_offload_devices(devices, mesh):
     elif not set(names) <= known:
         problem = (f"existing devices (unknown: "
                    f"{sorted(set(names) - known)[:4]})")
+    elif _other_hosts(names, mesh):
+        problem = ("each mesh device's host device on its own host (a "
+                   f"block moves within its host; not so for "
+                   f"{_other_hosts(names, mesh)[:2]})")
     if problem:
         raise ValueError(
             f"ParallelStrategy(offload_devices) needs {problem}. Received: "

@@ -199,6 +199,8 @@ def host_of(dtensor_mesh):
     device i is device i mod L of host i // L)."""
     if dtensor.num_clients() == 1:
         return 0
+    if 0 < dtensor_mesh.num_local_devices() < dtensor_mesh.size:
+        return None  # (a spread mesh's ids are positions, not devices)
     per_host = dtensor.num_local_devices(dtensor_mesh.device_type())
     hosts = {int(i) // per_host
              for i in np.ravel(dtensor_mesh.global_device_ids())}

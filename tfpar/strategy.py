@@ -105,7 +105,8 @@ class ParallelStrategy(tf.distribute.Strategy):
             offload_devices[i]), e.g. `[f"CPU:{i}" for i in range(8, 16)]`
             for a mesh on CPU:0-7. None (default): DTensor's host mesh of
             a GPU/TPU mesh; on a CPU mesh, where the devices are the host,
-            offload needs them named (an error otherwise).
+            offload needs them named (an error otherwise), and across
+            hosts too: cluster-wide names, each on its mesh device's host.
         per_host_input: with several hosts (`tfpar.connect_hosts`), each
             host feeds only its share of every global batch — the rows of
             the data coordinates its devices hold (host h of H: blocks

@@ -71,7 +71,7 @@ def check_supported(model, parts, schedule, extended):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, interleaving, weights
     tied across stages, random layers (each backward recomputes its
-    forward, which would draw other random numbers). (Per-host input is
+    forward, which would draw other random numbers), offload. (Per-host input is
     refused by the strategy: the pipe axis along the hosts gives every
     host every data coordinate.)"""
     if not spans_hosts(extended):
@@ -87,6 +87,10 @@ def check_supported(model, parts, schedule, extended):
                    "virtual_stages=1")
     elif any(part.shared or part.guests for part in parts):
         problem = ("weights tied across stages", "untied weights")
+    elif extended.dims.offload is not None:  # the offload hook
+        problem = (f"offload={extended.dims.offload!r} (each stage's "
+                   "update on its host runs in the one-program step)",
+                   "offload=None")
     elif random:
         problem = (f"random layers {random} (each backward recomputes its "
                    "forward)", "rate=0 or no such layers")

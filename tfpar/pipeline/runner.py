@@ -41,6 +41,7 @@ from tfpar import keras_graph
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import training
+from tfpar.pipeline import loss_scale
 from tfpar.pipeline import ordering
 from tfpar.pipeline import profiler
 from tfpar.pipeline import schedules as schedules_lib
@@ -343,6 +344,8 @@ class PipelineRunner(training.Runner):
             tokens[action.stage] = ordering.token_of(done, rows)
         self._model.stage_optimizers  # noqa: B018 (each part's, built)
         self._ties.exchange()  # tied weights' gradients summed between stages
+        # Under loss scaling: every part skips an overflowing step together.
+        loss_scale.skip_together(self._parts, self._model.optimizer)
         for part in self._parts:
             part.apply_gradients()
         with self._parts[-1].on_mesh():

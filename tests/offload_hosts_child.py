@@ -1,0 +1,154 @@
+"""One host of a two-host cluster training with offload (run by
+tests/test_offload_hosts.py).
+
+    python -m tfpar.launch --hosts 2 --virtual-cpus 8 \
+        offload_hosts_child.py WORKDIR CONFIG...
+
+Joins the cluster (from the environment `tfpar.launch` sets) with 8
+virtual CPUs per host (16 in all, by global name
+host h's CPU:k is CPU:8h+k): the mesh is CPU:0-3 of every host (global
+CPU:0-3 and CPU:8-11), the offload devices CPU:4-7 of every host (global
+CPU:4-7 and CPU:12-15). For each CONFIG ("data8", "tp": data=2 x model=4
+with Megatron rules, "fsdp": data=8 fsdp) it trains `models.host_mlp` from
+the parent's weights on the parent's data without and with
+`offload="optimizer"` and writes to WORKDIR/host<HOST_ID>.npz: per-batch
+losses, final weights, evaluate and predict of both runs, the devices this
+host holds the offloaded optimizer's variables on, both memory reports,
+and, from a sharded checkpoint of the offloaded model (both hosts write
+WORKDIR/ckpt_<CONFIG>), a model without offload restored from it (its
+predictions and optimizer variables next to the offloaded ones), and the
+way back: that model's checkpoint restored into a model with offload, and
+one more epoch of each; and the errors of what offload refuses across
+hosts.
+"""
+
+import sys
+
+import tfpar
+
+tfpar.connect_hosts(timeout=120)
+workdir, configs = sys.argv[1], sys.argv[2:]
+host_id = tfpar.hosts.host_id()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from tensorflow.experimental import dtensor  # noqa: E402
+
+import models  # noqa: E402
+
+MESH = [f"CPU:{8 * h + k}" for h in range(2) for k in range(4)]
+HOST = [f"CPU:{8 * h + k}" for h in range(2) for k in range(4, 8)]
+AXES = {"data8": ({"data": 8}, None, False),
+        "tp": ({"data": 2, "model": 4}, models.HOST_RULES, False),
+        "fsdp": ({"data": 8}, None, True)}
+
+
+def strategy_for(config, offload):
+    axes, rules, fsdp = AXES[config]
+    options = {"offload": "optimizer", "offload_devices": HOST} if (
+        offload) else {}
+    return tfpar.ParallelStrategy(
+        tfpar.Mesh(axes, devices=MESH),
+        rules=None if rules is None else tfpar.LayoutRules(rules),
+        fsdp=fsdp, **options)
+
+
+def train(config, offload, given):
+    strategy = strategy_for(config, offload)
+    with strategy.scope():
+        model = models.host_mlp()
+        losses, weights, evaluated, predicted = models.train_host_mlp(
+            model, given["x"], given["y"], [given[f"w{i}"] for i in range(6)])
+    out = {"losses": losses, "evaluate": evaluated, "predict": predicted,
+           "memory": repr(strategy.memory_per_device())}
+    out.update({f"w{i}": w for i, w in enumerate(weights)})
+    return model, out
+
+
+def slot_devices(model):
+    """The devices of this host's blocks of every optimizer variable."""
+    return sorted({block.device for v in model.optimizer.variables
+                   for block in dtensor.unpack(v.value.read_value())})
+
+
+def restored_without_offload(config, model, given):
+    """A model without offload restored from `model`'s checkpoint: its
+    predictions and slots, and the offloaded model's slots."""
+    directory = f"{workdir}/ckpt_{config}"
+    tfpar.save_checkpoint(model, directory)
+    with strategy_for(config, offload=False).scope():
+        restored = models.host_mlp()
+        restored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                         metrics=["mae"])
+    step = tfpar.restore_checkpoint(restored, directory)
+    out = {"restored_step": step,
+           "restored_predict": restored.predict(given["x"], verbose=0)}
+    for name, source in (("offload", model), ("restored", restored)):
+        # Every optimizer variable (the slots, iterations, learning rate),
+        # in the optimizer's order (the same in both).
+        for i, v in enumerate(source.optimizer.variables):
+            out[f"{name}_opt{i}"] = v.numpy()
+    # And back: the restored model's checkpoint (no offload) into a model
+    # with offload; one more epoch of each from there.
+    tfpar.save_checkpoint(restored, f"{directory}_back")
+    with strategy_for(config, offload=True).scope():
+        back = models.host_mlp()
+        back.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                     metrics=["mae"])
+    tfpar.restore_checkpoint(back, f"{directory}_back")
+    for name, source in (("restored", restored), ("back", back)):
+        out[f"{name}_more_losses"] = source.fit(
+            given["x"], given["y"], batch_size=32, shuffle=False,
+            verbose=0).history["loss"]
+        out[f"{name}_more_predict"] = source.predict(given["x"], verbose=0)
+    return out
+
+
+def error_of(make):
+    """The message of the ValueError `make()` raises ("" if none)."""
+    try:
+        make()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def refusals():
+    """What offload refuses across hosts, before any variable is made:
+    no offload_devices, a host device on another host than its mesh
+    device's, and a pipeline whose stages live on different hosts."""
+    mesh = tfpar.Mesh({"data": 8}, devices=MESH)
+
+    def pipeline():
+        strategy = tfpar.ParallelStrategy(
+            tfpar.Mesh({"pipe": 2, "data": 4}, devices=MESH),
+            offload="optimizer", offload_devices=HOST)
+        with strategy.scope():
+            tfpar.PipelineModel(models.host_mlp(), num_microbatches=2)
+
+    return {"no_devices": error_of(lambda: tfpar.ParallelStrategy(
+                mesh, offload="optimizer")),
+            "other_host": error_of(lambda: tfpar.ParallelStrategy(
+                mesh, offload="optimizer",
+                offload_devices=HOST[4:] + HOST[:4])),
+            "pipeline": error_of(pipeline)}
+
+
+def main():
+    given = np.load(f"{workdir}/given.npz")
+    out = {"host": tfpar.hosts.host_id(), **refusals()}
+    for config in configs:
+        _, plain = train(config, False, given)
+        model, offloaded = train(config, True, given)
+        out.update({f"{config}_plain_{k}": v for k, v in plain.items()})
+        out.update({f"{config}_offload_{k}": v for k, v in offloaded.items()})
+        out[f"{config}_slot_devices"] = slot_devices(model)
+        out.update({f"{config}_{k}": v for k, v in restored_without_offload(
+            config, model, given).items()})
+    np.savez(f"{workdir}/host{host_id}.npz",
+             **{k: np.asarray(v) for k, v in out.items()})
+    print(f"host {host_id} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,12 @@ with Spearman's rho of each. `--count` prints the traced step's ops by
 kind (the counts `tfpar/planner/cost.py` uses).
 
     python benchmarks/planner_fixed.py [--layers 8] [--rounds 5] [--count]
+    python benchmarks/planner_fixed.py --model gpt [--rounds 3]
+
+`--model mlp|cnn|gpt` does the same for `benchmarks/planner.py`'s wide
+MLP, CNN or GPT on eight of its layouts (`MODEL_LAYOUTS`: the data, model
+and pipeline extremes and the best predicted with and without the fixed
+costs on 2026-12-02), interleaved likewise.
 """
 
 import argparse
@@ -36,6 +42,18 @@ LAYOUTS = [({"data": 8}, 1), ({"model": 8}, 1), ({"data": 2, "model": 4}, 1),
            ({"data": 4, "pipe": 2}, 1), ({"data": 4, "pipe": 2}, 8),
            ({"pipe": 2, "model": 4}, 1), ({"pipe": 2, "model": 4}, 4)]
 BATCH = 64
+MODEL_LAYOUTS = {
+    "mlp": [({"data": 2, "model": 4}, 1), ({"model": 8}, 1), ({"data": 8}, 1),
+            ({"pipe": 2, "model": 4}, 1), ({"pipe": 4, "model": 2}, 1),
+            ({"pipe": 4, "model": 2}, 4), ({"pipe": 2, "model": 4}, 4),
+            ({"data": 2, "pipe": 4}, 2)],
+    "cnn": [({"pipe": 8}, 1), ({"data": 2, "pipe": 4}, 1), ({"data": 8}, 1),
+            ({"model": 8}, 1), ({"pipe": 4, "model": 2}, 1), ({"pipe": 8}, 8),
+            ({"data": 4, "pipe": 2}, 2), ({"data": 2, "model": 4}, 1)],
+    "gpt": [({"pipe": 8}, 1), ({"pipe": 2, "model": 4}, 1),
+            ({"data": 2, "pipe": 4}, 1), ({"model": 8}, 1), ({"data": 8}, 1),
+            ({"data": 2, "pipe": 2, "model": 2}, 1),
+            ({"pipe": 4, "model": 2}, 1), ({"pipe": 2, "model": 4}, 4)]}
 
 
 def dense_stack(layers=8, width=16):
@@ -57,9 +75,9 @@ def pick(plan, axes, m):
                 and (full["pipe"] == 1 or c.schedule == "1f1b"))
 
 
-def build(candidate, builder):
+def build(candidate, builder, batch=BATCH):
     from tfpar.planner import measure  # noqa: PLC0415
-    plan = measure.candidate_plan(candidate, builder, BATCH)
+    plan = measure.candidate_plan(candidate, builder, batch)
     model = measure.build_and_apply(plan, builder)
     with plan.strategy().scope():
         model.compile(optimizer="adam", loss="mse")
@@ -105,9 +123,20 @@ def count_ops(model, plan, x, y):
     return dict(kinds)
 
 
+def workload(args):
+    """(source, global batch, layouts) of `--model`."""
+    if args.model == "stack":
+        return (lambda: dense_stack(args.layers)), BATCH, LAYOUTS
+    import planner  # noqa: PLC0415
+    return (planner._source(args.model), planner.MODELS[args.model][1],  # noqa: SLF001
+            MODEL_LAYOUTS[args.model])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model", default="stack",
+                        choices=["stack", "mlp", "cnn", "gpt"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--count", action="store_true")
     args = parser.parse_args()
@@ -120,28 +149,36 @@ def main():
     print(f"op_time {local.op_time * 1e6:.2f} µs, send_time "
           f"{local.send_time * 1e6:.1f} µs, α {local.intra_host_latency * 1e3:.2f}"
           f" ms; load {os.getloadavg()[0]:.1f}")
-    builder = lambda: dense_stack(args.layers)  # noqa: E731
-    plans = {name: tfpar.plan(builder, BATCH, cluster=c)
+    source, batch, layouts = workload(args)
+    plans = {name: tfpar.plan(source, batch, cluster=c)
              for name, c in (("after", local), ("before", before))}
-    x, y = measure.synthetic_batch(dense_stack(args.layers), BATCH)
+    x, y = measure.synthetic_batch(measure._shapes(source), batch)  # noqa: SLF001
     models, rows = {}, []
-    for axes, m in LAYOUTS:
+    for axes, m in layouts:
         c = pick(plans["after"], axes, m)
-        models[c.label], plan = build(c, builder)
+        models[c.label], plan = build(c, source, batch)
         rows.append((c.label, c.estimate.step_time_s,
                      pick(plans["before"], axes, m).estimate.step_time_s))
         if args.count:
             print(c.label, count_ops(models[c.label], plan, x, y), flush=True)
     measured = interleaved(models, x, y, args.rounds)
+    report(rows, measured, spearman)
+
+
+def report(rows, measured, spearman):
+    """The table, then rho, chosen ÷ best and k of each model."""
     print(f"{'layout':36s} {'measured':>9s} {'after':>9s} {'before':>9s} (ms)")
     for label, after, old in rows:
         print(f"{label:36s} {measured[label] * 1e3:9.2f} {after * 1e3:9.2f} "
               f"{old * 1e3:9.2f}")
     meas = [measured[r[0]] for r in rows]
     for i, name in ((1, "after"), (2, "before")):
-        chosen = meas[int(np.argmin([r[i] for r in rows]))]
+        order = np.argsort([r[i] for r in rows], kind="stable")
+        k = next(j + 1 for j, o in enumerate(order)
+                 if meas[o] <= 1.1 * min(meas))
         print(f"{name}: rho {spearman([r[i] for r in rows], meas):.2f}, "
-              f"chosen ÷ best measured {chosen / min(meas):.2f}")
+              f"chosen ÷ best measured {meas[order[0]] / min(meas):.2f}, "
+              f"measure=k needs k = {k}")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 

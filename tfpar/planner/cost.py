@@ -121,8 +121,9 @@ class Estimate:
             device takes part in per step (`CommunicationReport.bytes`).
         communication_bytes_by_axis: the same per mesh axis.
         time_s: {compute, bubble, model, data, pipe, update} parts of the
-            step time, and `fixed` (the runtime's cost per op and device) on
-            a calibrated shared host.
+            step time, and on a calibrated shared host `fixed` (the
+            runtime's cost per op and device) and `accumulate` (adding
+            each micro-batch's gradients).
         memory_by_stage: [{kind: bytes}] per pipeline stage (the devices of
             stage s), of which `memory_per_device` is the most loaded.
     """
@@ -571,6 +572,11 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              "pipe": pipe_time,
              "update": _update_time(trainable, slots, cluster)}
     if fixed:
+        # Each micro-batch after the first adds its weight gradients to the
+        # accumulated ones: one read-add-write of the trainable bytes, a
+        # third of Adam's update of them (measured on the wide MLP: 15–17 ms
+        # per micro-batch, predicted 15).
+        parts["accumulate"] = (m - 1) * _update_time(trainable, 0, cluster)
         parts["fixed"] = _fixed_time(layout, total, lo, hi, devices=d * t,
                                      m=m, r=r, slots=slots, cluster=cluster)
     step, time_s = (_shared_step(parts, m=m) if shared

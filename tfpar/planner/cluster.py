@@ -129,7 +129,8 @@ class Cluster:
         bandwidth is a host memory copy and the latencies are looked up.
         The memory per device is looked up (host memory / devices for CPUs;
         the device's reported limit otherwise). See `source` for which is
-        which; the micro-benchmarks take about a second, once per process.
+        which; the micro-benchmarks take 3–5 s on a loaded host, once per
+        process.
         """
         import tensorflow as tf  # noqa: PLC0415
 

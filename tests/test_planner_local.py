@@ -1,7 +1,8 @@
 """tfpar.plan on this machine: `Cluster.local()` describes 8 virtual CPUs
-that share the host's cores (measured α, β, FLOP/s and update rate), the
-cost model sums their work (no bubble, no overlap, collectives as reads of
-the group's blocks), and its order agrees with measured step times where
+that share the host's cores (measured α, β, FLOP/s, update rate and the
+runtime's time per op and per stage move), the cost model sums their work
+(no bubble, no overlap, collectives as reads of the group's blocks, every
+op once per device of its mesh), and its order agrees with measured step times where
 the measured gap is large. Described clusters keep their plans (the
 on-paper tests in test_planner.py)."""
 
@@ -20,6 +21,7 @@ sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
 from gpt import build_gpt  # noqa: E402
 # The benchmark's wide MLP: 4.2 M weights (16.8 MB).
 from planner import wide_mlp  # noqa: E402
+import planner_fixed  # noqa: E402
 
 
 def _find(plan, **axes):
@@ -117,3 +119,53 @@ def test_a_builder_with_unnamed_layers_is_cut_by_position():
     assert firsts == [layers[i] for i in candidate.stage_starts[1:]]
     # The same layers under other names: cut by position, not by name.
     assert [layer.name for layer in firsts] != candidate.stage_boundaries
+
+
+def test_fixed_costs_are_only_counted_when_measured():
+    """Described clusters (op_time 0) keep their estimates: no fixed part,
+    and the same step times as before the term existed."""
+    shared = tfpar.Cluster(1, 8, 1e9, 1e10, 1e9, 1e9, shared_host=True)
+    calibrated = dataclasses.replace(shared, op_time=2e-6, send_time=2e-5)
+    plans = [tfpar.plan(planner_fixed.dense_stack, 64, cluster=c)
+             for c in (shared, calibrated)]
+    calibrated_by_label = {c.label: c for c in plans[1].candidates}
+    assert len(calibrated_by_label) == len(plans[0].candidates)
+    for a in plans[0].candidates:
+        b = calibrated_by_label[a.label]
+        if a.rejected is None:
+            assert "fixed" not in a.estimate.time_s
+            assert b.estimate.time_s["fixed"] > 0
+    # Every op runs once per device of its mesh: replicated over 8 devices
+    # the ops cost 8 times what one device's share of a pipeline costs.
+    data = planner_fixed.pick(plans[1], {"data": 8}, 1).estimate.time_s
+    pipe = planner_fixed.pick(plans[1], {"pipe": 8}, 1).estimate.time_s
+    assert data["fixed"] > 6 * pipe["fixed"]
+
+
+def test_fixed_costs_rank_a_tiny_pipeline_of_many_microbatches():
+    """A tiny Dense stack (9 layers of width 16) computes next to nothing:
+    its step is the runtime's fixed cost. data=8 runs every op of the step
+    (41 per weight for Adam alone) on each of 8 devices; an 8-stage
+    pipeline runs each stage's ops on one device, even with 8 micro-batches
+    and 112 stage-to-stage moves. Measured here (benchmarks/
+    planner_fixed.py, interleaved, load 10-20): data8 29 ms, pipe8 m=8
+    11 ms. Without the fixed costs the model predicted 141 ms for the
+    pipeline (every move a collective's α, 1.3 ms) against 23 ms; with them
+    9 ms against 24 ms."""
+    local = tfpar.Cluster.local()
+    before = dataclasses.replace(local, op_time=0.0, send_time=0.0)
+    picks = {}
+    for name, cluster in (("after", local), ("before", before)):
+        plan = tfpar.plan(planner_fixed.dense_stack, 64, cluster=cluster)
+        picks[name] = [planner_fixed.pick(plan, axes, m) for axes, m in
+                       (({"data": 8}, 1), ({"pipe": 8}, 8))]
+    data, pipe = (c.estimate.step_time_s for c in picks["after"])
+    assert pipe < data
+    old_data, old_pipe = (c.estimate.step_time_s for c in picks["before"])
+    assert old_pipe > old_data  # the order the fixed costs correct
+    models = {c.label: planner_fixed.build(c, planner_fixed.dense_stack)[0]
+              for c in picks["after"]}
+    x, y = measure.synthetic_batch(planner_fixed.dense_stack(), 64)
+    measured = planner_fixed.interleaved(models, x, y, rounds=3)
+    labels = [c.label for c in picks["after"]]
+    assert measured[labels[1]] < measured[labels[0]], measured

@@ -10,6 +10,15 @@ with β of 250–320 MB/s per device, where a ring predicts 1 : 1.5 : 1.75).
 of a small and a large message; `update_bandwidth` times Keras' Adam
 update of one large weight on one device.
 
+The runtime's fixed costs (measured here, docs/guides/planner.md): every
+op of a compiled step runs once per device of its mesh, one after another
+on the shared cores, at a few µs each whatever its size — a step of a
+tiny model costs about (ops × devices of their mesh) · `op_time`.
+`op_time` is Keras' Adam on many small weights (its 41 ops per weight,
+counted in the traced update) timed per op on one device; `send_time` is
+one `copy_to_mesh` between two single-device meshes (a pipeline's
+stage-to-stage move), per device of the stage.
+
 Example:
 
 >>> tfpar.use_virtual_cpus(8)
@@ -85,3 +94,61 @@ def update_bandwidth(device, nbytes=1 << 24):
             return weight[:1]
 
         return nbytes / _best_seconds(update, grad)
+
+
+def _adam_seconds(device, count, shape=(16, 16)):
+    """(seconds, ops) of one compiled Keras Adam update of `count` weights
+    of `shape` on `device` (the fastest of a few updates)."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    with tf.device(device):
+        weights = [tf.Variable(tf.zeros(shape)) for _ in range(count)]
+        grads = [tf.ones(shape) for _ in range(count)]
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(weights)
+
+        @tf.function
+        def update(g):
+            optimizer.apply(g, weights)
+            return weights[0][0, :1]
+
+        seconds = _best_seconds(update, grads)
+        ops = len(update.get_concrete_function(grads).graph.get_operations())
+    return seconds, ops
+
+
+def op_time(device, few=2, many=18):
+    """Seconds per op per device: Keras' Adam on `many` and on `few` small
+    weights, the difference over the difference of their traced op counts
+    (the ops' size is negligible: what is left is the runtime's cost of
+    running an op)."""
+    (t_few, ops_few), (t_many, ops_many) = (
+        _adam_seconds(device, count) for count in (few, many))
+    return max(t_many - t_few, 1e-9) / max(ops_many - ops_few, 1)
+
+
+def send_time(devices, few=1, many=33):
+    """Seconds of one `copy_to_mesh` of a small tensor from a mesh of
+    `devices[0]` to one of `devices[1]` (a pipeline's stage-to-stage move
+    between single-device stages; 0 with fewer than two devices)."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tfpar import mesh as mesh_lib  # noqa: PLC0415
+
+    if len(devices) < 2:
+        return 0.0
+    dtensor = tf.experimental.dtensor
+    source, target = (mesh_lib.Mesh({"x": 1}, devices=[d]).dtensor_mesh
+                      for d in devices[:2])
+    value = dtensor.call_with_layout(
+        tf.ones, dtensor.Layout.replicated(source, 2), shape=(8, 8))
+
+    def moves(k):
+        # k copies of distinct tensors (no common subexpression to share).
+        return tf.function(lambda v: tf.add_n([dtensor.copy_to_mesh(
+            v * (1.0 + i), dtensor.Layout.replicated(target, 2))
+            for i in range(k)])[:1, :1])
+
+    seconds = [_best_seconds(moves(k), value) for k in (few, many)]
+    return max(seconds[1] - seconds[0], 1e-9) / (many - few)

@@ -23,6 +23,9 @@ import time
 import numpy as np
 
 
+_ZERO_OK = ("update_bandwidth", "op_time", "send_time")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """Devices, memory, speed and links of the hardware to plan for.
@@ -47,6 +50,12 @@ class Cluster:
         update_bandwidth: bytes/s per device at which the optimizer's
             elementwise update reads Adam's weights (0: not counted, the
             default for described clusters).
+        op_time: seconds of runtime overhead per op per device (a shared
+            host: every device of a mesh runs its copy of each op of the
+            SPMD program on the same cores; 0: not counted, the default).
+        send_time: seconds per device of a stage-to-stage move
+            (`copy_to_mesh`) on a shared host, in place of the latency
+            (0: the latency, the default).
         source: {figure: "measured" | "looked up" | "given"}, for reports.
     """
 
@@ -60,6 +69,8 @@ class Cluster:
     inter_host_latency: float = 2e-5
     shared_host: bool = False
     update_bandwidth: float = 0.0
+    op_time: float = 0.0
+    send_time: float = 0.0
     source: dict = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -75,9 +86,10 @@ class Cluster:
                 f"shared_host={self.shared_host!r}")
         for name in ("device_memory", "device_flops", "intra_host_bandwidth",
                      "inter_host_bandwidth", "intra_host_latency",
-                     "inter_host_latency", "update_bandwidth"):
+                     "inter_host_latency", "update_bandwidth", "op_time",
+                     "send_time"):
             value = getattr(self, name)
-            zero_ok = "latency" in name or name == "update_bandwidth"
+            zero_ok = "latency" in name or name in _ZERO_OK
             if not isinstance(value, (int, float, np.number)) or value < 0 or (
                     value == 0 and not zero_ok):
                 raise ValueError(
@@ -110,11 +122,15 @@ class Cluster:
         (`shared_host=True`) also, on a mesh of all of them: the α and β of
         a collective (an all-reduce over every device of 4 kB and of 4 MB
         per device, fitted to α + n · B/β) and the rate of Adam's update
-        (Keras' Adam on one device, split like the FLOP/s). Otherwise the
+        (Keras' Adam on one device, split like the FLOP/s), the runtime's
+        time per op per device (Keras' Adam on many small weights, per op)
+        and per stage-to-stage move (`copy_to_mesh` between two devices).
+        Otherwise the
         bandwidth is a host memory copy and the latencies are looked up.
         The memory per device is looked up (host memory / devices for CPUs;
         the device's reported limit otherwise). See `source` for which is
-        which; the micro-benchmarks take about a second, once per process.
+        which; the micro-benchmarks take 3–5 s on a loaded host, once per
+        process.
         """
         import tensorflow as tf  # noqa: PLC0415
 
@@ -151,12 +167,16 @@ def _shared_cpus(cls, devices):
         intra_host_latency=alpha, inter_host_latency=alpha,
         shared_host=True,
         update_bandwidth=calibrate.update_bandwidth(devices[0]) / n,
+        op_time=calibrate.op_time(devices[0]),
+        send_time=calibrate.send_time(devices),
         source={"device_flops": "measured (matmul, host rate / devices)",
                 "intra_host_bandwidth": "measured (all-reduce on the mesh)",
                 "inter_host_bandwidth": "measured (all-reduce on the mesh)",
                 "latency": "measured (all-reduce on the mesh)",
                 "update_bandwidth": "measured (Adam update, host rate / "
                                     "devices)",
+                "op_time": "measured (Adam on small weights, per op)",
+                "send_time": "measured (copy_to_mesh between devices)",
                 "device_memory": "looked up (host memory / devices)"})
 
 

@@ -47,6 +47,19 @@ through host memory: measured, see `calibrate.py`); the update costs
 trainable bytes · (1 + slots)/3 / `update_bandwidth` (Adam's measured
 rate; 0 for described clusters, which keep their plans).
 
+The runtime's fixed costs on a calibrated shared host (`Cluster.op_time`
+> 0, what `Cluster.local()` measures on virtual CPUs; 0 for described
+clusters): every op of the SPMD step runs once per device of its mesh, so
+a stage costs (its ops) × (d · t) × `op_time` — its ops counted per
+micro-batch (each layer's forward and backward, the stage's bookkeeping,
+its cuts' moves, the loss on the last stage) times m, plus the update's
+per trainable weight (`_fixed_time`); each stage-to-stage move costs the
+measured `send_time` per device of the stage instead of a collective's α;
+and the data axis' gradient all-reduces count one per layer (DTensor
+combines those of gradients ready together). Measured on this machine (a
+tiny 33-layer Dense stack, 12 layouts): the old model ranked them with
+rho 0.41, this one 0.99.
+
 Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
 activations (kept for the backward pass: per micro-batch of b/(d·m)
@@ -108,7 +121,9 @@ class Estimate:
             device takes part in per step (`CommunicationReport.bytes`).
         communication_bytes_by_axis: the same per mesh axis.
         time_s: {compute, bubble, model, data, pipe, update} parts of the
-            step time.
+            step time, and on a calibrated shared host `fixed` (the
+            runtime's cost per op and device) and `accumulate` (adding
+            each micro-batch's gradients).
         memory_by_stage: [{kind: bytes}] per pipeline stage (the devices of
             stage s), of which `memory_per_device` is the most loaded.
     """
@@ -311,7 +326,8 @@ class Layout:
                 "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
                 "resplit_count", "kept", "internal")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
-                          gathered=state[:, 2], count=state[:, 3])
+                          gathered=state[:, 2], count=state[:, 3],
+                          weighted=(state[:, 3] > 0).astype(float))
             self._state_cache[key] = {
                 name: np.concatenate([[0.0], np.cumsum(v)])
                 for name, v in arrays.items()}
@@ -467,12 +483,19 @@ def _internals(layout, total, *, recompute, d, fsdp, span):
     return total("internal")
 
 
-def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared):
+def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared,
+               combined=False):
     """(bytes, α-β seconds, gathered-weight workspace) per stage on the data
     axis: an all-reduce of the gradients, or with fsdp an all-gather of the
     stored weights per micro-batch (again when recomputing) plus a
     reduce-scatter of the gradients."""
     gathered, count = total("gathered"), total("count")
+    if combined:
+        # DTensor combines the all-reduces of gradients that are ready
+        # together (a layer's kernel and bias): one per layer that has
+        # trainable weights, fitted to the measured steps (see
+        # `_fixed_time`).
+        count = total("weighted")
     p = len(gathered)
     # Gradients are summed in the compute dtype (bfloat16 under
     # mixed_bfloat16); fsdp gathers the stored (float32) weights.
@@ -492,10 +515,12 @@ def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared):
     return gathered * gathers + grads, time, workspace
 
 
-def _pipe_axis(layout, lo, hi, *, m, mb, link):
+def _pipe_axis(layout, lo, hi, *, m, mb, link, send=None):
     """Activations forward and gradients back, per micro-batch, over the cut
     before a stage (none for stage 0) and the one after it (none for the
-    last): (bytes carried in before, after, α-β seconds) per stage."""
+    last): (bytes carried in before, after, α-β seconds) per stage. `send`:
+    seconds per move in place of α (a shared host's measured
+    `copy_to_mesh`, per device of the stage)."""
     p = len(lo)
     s = np.arange(p)
     carried = np.append(layout.carried, 0.0)
@@ -503,6 +528,7 @@ def _pipe_axis(layout, lo, hi, *, m, mb, link):
     after = np.where(s < p - 1, carried[hi], 0.0)
     sends = (s > 0).astype(float) + (s < p - 1)
     alpha, beta = link
+    alpha = alpha if send is None else send
     return before, after, 2 * m * (alpha * sends + (before + after) * mb / beta)
 
 
@@ -529,11 +555,13 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
                                           link=links["model"], shared=shared)
     stored, trainable = total("stored"), total("trainable")
+    fixed = shared and cluster.op_time > 0  # the runtime's fixed costs
     data_bytes, data_time, workspace = _data_axis(
         layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],
-        span=(lo, hi), shared=shared)
+        span=(lo, hi), shared=shared, combined=fixed)
+    send = cluster.send_time * d * t if fixed and cluster.send_time else None
     before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
-                                          link=links["pipe"])
+                                          link=links["pipe"], send=send)
     memory = _memory(layout, total, before=before, recompute=recompute,
                      d=d, fsdp=fsdp, span=(lo, hi), schedule=schedule, m=m,
                      mb=mb, slots=slots, workspace=workspace)
@@ -543,6 +571,14 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     parts = {"compute": compute, "model": model_time, "data": data_time,
              "pipe": pipe_time,
              "update": _update_time(trainable, slots, cluster)}
+    if fixed:
+        # Each micro-batch after the first adds its weight gradients to the
+        # accumulated ones: one read-add-write of the trainable bytes, a
+        # third of Adam's update of them (measured on the wide MLP: 15–17 ms
+        # per micro-batch, predicted 15).
+        parts["accumulate"] = (m - 1) * _update_time(trainable, 0, cluster)
+        parts["fixed"] = _fixed_time(layout, total, lo, hi, devices=d * t,
+                                     m=m, r=r, slots=slots, cluster=cluster)
     step, time_s = (_shared_step(parts, m=m) if shared
                     else _step(parts, m=m, p=p, r=r))
     w = int(np.argmax(sum(memory.values())))
@@ -579,6 +615,35 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
             "workspace": np.maximum(workspace, 0.0) + recomputing * mb}
 
 
+# Ops a compiled step runs, counted in the traced steps of Dense stacks
+# (`docs/guides/planner.md`): each layer's forward
+# and backward pass per micro-batch 6 + 4 per weight (a Dense: 14), every
+# stage's bookkeeping per micro-batch 6 (the micro-batch's gather and
+# relayout, ordering, gradient accumulation), every cut's moves per
+# micro-batch 10 (relayouts around `copy_to_mesh`, both ways; half on
+# each side of the cut), the loss and
+# metrics per micro-batch 50 on the last stage, the optimizer's update 13 +
+# 14 per slot for every trainable weight (Keras' Adam: 41).
+_OPS_LAYER, _OPS_WEIGHT, _OPS_STAGE, _OPS_CUT, _OPS_LOSS = 6, 4, 6, 10, 50
+
+
+def _fixed_time(layout, total, lo, hi, *, devices, m, r, slots, cluster):
+    """Seconds per stage of the runtime's fixed cost on a shared host: the
+    ops the stage's step runs (forward, backward — again the forward when
+    recomputing — bookkeeping, moves, loss, update), each once per device
+    of the stage's mesh, at the measured `cluster.op_time` per op."""
+    p = len(lo)
+    layers = (hi - lo).astype(float)
+    weights = total("count")
+    passes = (2 + r) / 2  # forward + backward = 2 halves; recompute +1
+    s = np.arange(p)
+    cuts = ((s > 0).astype(float) + (s < p - 1)) / 2
+    per_microbatch = (passes * (_OPS_LAYER * layers + _OPS_WEIGHT * weights)
+                      + _OPS_STAGE + _OPS_CUT * cuts + _OPS_LOSS * (s == p - 1))
+    ops = m * per_microbatch + (13 + 14 * slots) * weights
+    return ops * devices * cluster.op_time
+
+
 def _update_time(trainable, slots, cluster):
     """Seconds per stage of the optimizer's elementwise update: trainable
     bytes · (1 + slots)/3 at the measured rate of Adam's update (zero when
@@ -611,9 +676,14 @@ def _shared_step(parts, *, m):
     so the step is the work of every stage added up — per stage its devices'
     compute, collectives and update (measured at the rates of all devices
     at once, so each stage's share is 1/p: the mean over stages) plus every
-    stage-to-stage send once (each cut appears in two stages' sends). An
-    idle stage frees the cores: no bubble."""
-    means = {k: float(np.mean(v)) for k, v in parts.items() if k != "pipe"}
+    stage-to-stage send once (each cut appears in two stages' sends) and,
+    when calibrated, every stage's fixed cost (its ops times its devices,
+    already per device: summed). An idle stage frees the cores: no
+    bubble."""
+    means = {k: float(np.mean(v)) for k, v in parts.items()
+             if k not in ("pipe", "fixed")}
     means["pipe"] = float(np.sum(parts["pipe"]) / 2)
+    if "fixed" in parts:
+        means["fixed"] = float(np.sum(parts["fixed"]))
     means["bubble"] = 0.0
     return sum(means.values()), means

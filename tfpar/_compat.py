@@ -378,6 +378,39 @@ def _one_device_dropout_in_step(original, hooks):
     return dropout
 
 
+# Keras' TF random ops that draw numbers of a given shape (no tensor input
+# but the shape and the seed): GaussianNoise, GaussianDropout (normal),
+# AlphaDropout, RandomFlip and the other preprocessing layers (uniform),
+# and layers of one's own with a SeedGenerator.
+SHAPED_DRAWS = ("normal", "uniform", "truncated_normal", "randint")
+
+
+def _one_device_draw_in_step(original, hooks):
+    """A Keras TF random op of `SHAPED_DRAWS` in a step, drawing the numbers
+    one device draws.
+
+    DTensor draws a split tensor's random numbers block by block, from the
+    seed and the device's place in the mesh, so GaussianNoise on a data
+    mesh added other noise than one device. Here the draw's only consumer
+    is `replicate`, so DTensor lays it out whole on every device: each
+    number n_i is TF's stateless draw at index i of the global shape from
+    Keras' seed, as on one device, and the ops using it cut it to their
+    operands' blocks. Each device draws every number of the tensor (not
+    only its block's): the cost of the parity. The numbers no longer depend
+    on the layout, so recomputing the layer (which replays its seed) is
+    allowed on any mesh. Outside a step Keras' op runs."""
+
+    @functools.wraps(original)
+    def draw(*args, **kwargs):
+        replicate = hooks.replicate_in_step()
+        if replicate is None:
+            return original(*args, **kwargs)
+        with hooks.layout_free_draw():  # a recomputation may replay it
+            return replicate(original(*args, **kwargs))
+
+    return draw
+
+
 def _activation_einsum_in_step(original, hooks):
     """Keras' TF `ops.einsum` of two activations (rank >= 4) as
     `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
@@ -471,6 +504,8 @@ _STRATEGY_PATCHES = (
     Patch("categorical", _keras_random, "categorical",
           _gumbel_categorical_in_step),
     Patch("dropout", _keras_random, "dropout", _one_device_dropout_in_step),
+    *(Patch(name, _keras_random, name, _one_device_draw_in_step)
+      for name in SHAPED_DRAWS),
     Patch("add_weight", _keras_layer, "add_weight",
           lambda original, _: _publishing_adding_layer(original)),
     Patch("variable_initialize", lambda: _tf_core().Variable, "_initialize",

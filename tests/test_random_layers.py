@@ -12,6 +12,9 @@ with a `SeedGenerator` train as one device, with the batch split over
 `data`, the activations over `model` (Megatron's column-parallel output),
 fsdp, or a pipeline's micro-batches (as one device with
 `gradient_accumulation_steps=m`, one seed per micro-batch in order).
+Keras' preprocessing layers draw with `random.uniform` too: RandomFlip
+(whose `numpy.flip` a step runs as gathers, DTensor cannot lay out
+ReverseV2) and RandomContrast train as one device on data meshes.
 """
 
 import contextlib
@@ -105,6 +108,53 @@ def test_random_layers_in_training_match_one_device(axes, kwargs, pipeline):
     # The draws matter: one device without them trains elsewhere.
     plain_losses, _ = train(None, weights, scale=0.0, accumulate=accumulate)
     assert models.relative_error(want_losses, plain_losses) > 1e-2
+    assert models.relative_error(want_losses, got_losses) < RTOL, (
+        want_losses, got_losses)
+    for a, b in zip(want, got):
+        assert models.relative_error(a, b) < RTOL
+
+
+def build_images(seed=1):
+    """(8, 8, 2) images -> RandomFlip -> RandomContrast -> Conv2D -> out(3).
+    Keras' TF preprocessing layers draw with `random.uniform`; RandomFlip
+    flips by `numpy.flip`, which a step runs as gathers (DTensor cannot lay
+    out ReverseV2)."""
+    x = keras.Input((8, 8, 2))
+    h = keras.layers.RandomFlip(seed=seed, name="flip")(x)
+    h = keras.layers.RandomContrast(0.5, value_range=(-3, 3), seed=seed + 1,
+                                    name="contrast")(h)
+    h = keras.layers.Conv2D(4, 3, name="conv")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+def train_images(strategy, weights, seed=1):
+    """Two epochs of SGD(0.05) in order, batch 16: (losses, weights)."""
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(64, 8, 8, 2)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = build_images(seed)
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    losses = models.BatchLosses()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return np.array(losses.losses), model.get_weights()
+
+
+@pytest.mark.parametrize("axes", [{"data": 2}, {"data": 8}],
+                         ids=["data2", "data8"])
+def test_random_flip_and_contrast_match_one_device(axes):
+    keras.utils.set_random_seed(0)
+    weights = build_images().get_weights()
+    want_losses, want = train_images(None, weights)
+    devices = [f"CPU:{i}" for i in range(int(np.prod(list(axes.values()))))]
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices))
+    got_losses, got = train_images(strategy, weights)
+    # The draws matter: other seeds train elsewhere on one device.
+    other_losses, _ = train_images(None, weights, seed=11)
+    assert models.relative_error(want_losses, other_losses) > 1e-2
     assert models.relative_error(want_losses, got_losses) < RTOL, (
         want_losses, got_losses)
     for a, b in zip(want, got):

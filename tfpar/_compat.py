@@ -411,6 +411,23 @@ def _one_device_draw_in_step(original, hooks):
     return draw
 
 
+def _gathered_flip_in_step(original, hooks):
+    """Keras' TF `numpy.flip` as `spmd_ops.reverse_by_gather` in a step
+    (DTensor cannot lay out TF's ReverseV2: RandomFlip failed); elsewhere
+    Keras' op runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def flip(x, axis=None):
+        if not hooks.in_step():
+            return original(x, axis=axis)
+        x = tf.convert_to_tensor(x)
+        return spmd_ops.reverse_by_gather(
+            x, range(x.shape.rank) if axis is None else axis)
+
+    return flip
+
+
 def _activation_einsum_in_step(original, hooks):
     """Keras' TF `ops.einsum` of two activations (rank >= 4) as
     `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
@@ -496,6 +513,7 @@ _STRATEGY_PATCHES = (
       for mode in ("train", "test", "predict")),
     Patch("divide", _keras_numpy, "divide", _static_sparse_division),
     Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
+    Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     Patch("function_call", _function_class, "__call__", _host_inputs_placed),
     Patch("slice_update", _tf_core, "slice_update",
           _dense_slice_update_in_step),

@@ -26,6 +26,7 @@ import pytest
 import tfpar
 
 import models
+import test_dropout_parity
 
 RTOL = 1e-4
 COLUMN = {r"up/kernel": (None, "model"), r"up/bias": ("model",),
@@ -71,23 +72,8 @@ def build(scale=1.0):
 
 
 def train(strategy, weights, pipeline=None, scale=1.0, accumulate=1):
-    """Two epochs of SGD(0.1) in order, batch 16 (16 / `accumulate` with
-    `gradient_accumulation_steps=accumulate`): (losses, weights)."""
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        model = build(scale)
-        model.set_weights(weights)
-        if pipeline:
-            model = tfpar.PipelineModel(model, **pipeline)
-        model.compile(optimizer=keras.optimizers.SGD(
-            0.1, gradient_accumulation_steps=accumulate if accumulate > 1
-            else None), loss="mse")
-    losses = models.BatchLosses()
-    x, y = models.mlp_data()
-    model.fit(x, y, batch_size=16 // accumulate, epochs=2, shuffle=False,
-              verbose=0, callbacks=[losses])
-    # Keras logs the epoch's running mean: at every accumulated step.
-    return np.array(losses.losses)[accumulate - 1::accumulate], \
-        model.get_weights()
+    return test_dropout_parity.fit_in_order(
+        lambda: build(scale), strategy, weights, pipeline, accumulate)
 
 
 @pytest.mark.parametrize("axes,kwargs,pipeline", [

@@ -229,31 +229,6 @@ def test_a_recomputed_layer_that_adds_a_loss_is_refused():
         models.fit_mlp(model)
 
 
-def test_dropout_recomputed_under_tensor_parallelism_matches_one_device():
-    """On data=2×model=4 DTensor lays the recomputed BatchNormalization
-    output out otherwise; Dropout's numbers are drawn whole on every device
-    (one device's mask whatever the layout), so recomputing it replays the
-    forward pass's mask: the losses, weights and moving statistics are one
-    device's without recomputation."""
-    keras.utils.set_random_seed(0)
-    single = build_noisy(False)
-    weights = single.get_weights()
-    single.compile(optimizer="sgd", loss="mse")
-    want = models.fit_mlp(single, epochs=2).history["loss"]
-    strategy = tfpar.ParallelStrategy(
-        tfpar.Mesh({"data": 2, "model": 4}),
-        rules={r".*dense/kernel": (None, "model"),
-               r".*dense/bias": ("model",)})
-    with strategy.scope():
-        model = build_noisy(remat=True)
-        model.set_weights(weights)
-        model.compile(optimizer="sgd", loss="mse")
-    got = models.fit_mlp(model, epochs=2).history["loss"]
-    assert models.relative_error(want, got) < RTOL, (want, got)
-    for a, b in zip(single.get_weights(), model.get_weights()):
-        assert models.relative_error(a, b) < RTOL
-
-
 class Noise(keras.layers.Layer):
     """Dense(relu), BatchNormalization, then GaussianNoise (keras.random.normal)
     and `draw(shape, seed)` added (None: nothing more)."""
@@ -281,14 +256,18 @@ def build_noise(remat, draw=None):
     return keras.Model(x, keras.layers.Dense(3, name="out")(noisy(x)))
 
 
-def test_gaussian_noise_recomputed_under_tensor_parallelism_matches_one_device():
-    """GaussianNoise's numbers are drawn whole on every device (one
-    device's whatever the layout, tests/test_random_layers.py), so
-    recomputing it on data=2×model=4 replays the forward pass's noise: the
-    losses, weights and moving statistics are one device's without
-    recomputation (before, refused: DTensor drew per block)."""
+@pytest.mark.parametrize("build_model", [build_noisy, build_noise],
+                         ids=["dropout", "gaussian-noise"])
+def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
+        build_model):
+    """On data=2×model=4 DTensor may lay a recomputed tensor out otherwise
+    (BatchNormalization's output did); Dropout's and GaussianNoise's
+    numbers are drawn whole on every device (one device's whatever the
+    layout, tests/test_random_layers.py), so recomputing them replays the
+    forward pass's: the losses, weights and moving statistics are one
+    device's without recomputation (GaussianNoise was refused before)."""
     keras.utils.set_random_seed(0)
-    single = build_noise(False)
+    single = build_model(False)
     weights = single.get_weights()
     single.compile(optimizer="sgd", loss="mse")
     want = models.fit_mlp(single, epochs=2).history["loss"]
@@ -297,7 +276,7 @@ def test_gaussian_noise_recomputed_under_tensor_parallelism_matches_one_device()
         rules={r".*dense/kernel": (None, "model"),
                r".*dense/bias": ("model",)})
     with strategy.scope():
-        model = build_noise(remat=True)
+        model = build_model(True)
         model.set_weights(weights)
         model.compile(optimizer="sgd", loss="mse")
     got = models.fit_mlp(model, epochs=2).history["loss"]

@@ -439,13 +439,20 @@ def _replicated_batch_moments_in_step(original, hooks):
     minimal on model=2: Dense -> BatchNormalization,
     tests/test_batch_normalization_rules.py). Replicated, the statistics are the same
     numbers and the ops using them cut them to their operands' blocks: an
-    all-gather of a vector per feature at most. Elsewhere Keras' runs."""
+    all-gather of a vector per feature at most. Only when a moving
+    statistic is split (else DTensor's own layouts stand, and so do its
+    errors for gamma/beta rules); elsewhere Keras' runs."""
+
+    def split(variable):
+        place = getattr(backing_variable(variable), "placement", None)
+        return place is not None and any(place.spec)
 
     @functools.wraps(original)
     def _moments(self, inputs, mask):
         mean, variance = original(self, inputs, mask)
         replicate = hooks.replicate_in_step()
-        if replicate is None:
+        if replicate is None or not (split(self.moving_mean)
+                                     or split(self.moving_variance)):
             return mean, variance
         return replicate(mean), replicate(variance)
 

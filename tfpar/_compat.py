@@ -439,9 +439,10 @@ def _replicated_batch_moments_in_step(original, hooks):
     minimal on model=2: Dense -> BatchNormalization,
     tests/test_batch_normalization_rules.py). Replicated, the statistics are the same
     numbers and the ops using them cut them to their operands' blocks: an
-    all-gather of a vector per feature at most. Only when a moving
-    statistic is split (else DTensor's own layouts stand, and so do its
-    errors for gamma/beta rules); elsewhere Keras' runs."""
+    all-gather of a vector per feature at most. Only when `moving_mean` is
+    split (a split `moving_variance` alone trains as it is; with this
+    relayout some of those cases fail compiling, and DTensor's own errors
+    for gamma/beta rules stand); elsewhere Keras' runs."""
 
     def split(variable):
         place = getattr(backing_variable(variable), "placement", None)
@@ -451,8 +452,7 @@ def _replicated_batch_moments_in_step(original, hooks):
     def _moments(self, inputs, mask):
         mean, variance = original(self, inputs, mask)
         replicate = hooks.replicate_in_step()
-        if replicate is None or not (split(self.moving_mean)
-                                     or split(self.moving_variance)):
+        if replicate is None or not split(self.moving_mean):
             return mean, variance
         return replicate(mean), replicate(variance)
 

@@ -41,12 +41,14 @@ def build(noise_shape=None, rates=(0.5, 0.3)):
     return keras.Model(x, keras.layers.Dense(3, name="out")(h))
 
 
-def train(strategy, weights, noise_shape=None, pipeline=None,
-          rates=(0.5, 0.3), accumulate=1):
-    """Two epochs of SGD(0.1) in order, batch 16 (16 / `accumulate` with
-    `gradient_accumulation_steps=accumulate`): (losses, weights)."""
+def fit_in_order(make_model, strategy, weights, pipeline=None,
+                 accumulate=1):
+    """`make_model()` (under `strategy`, a PipelineModel of it with
+    `pipeline`) trained two epochs of SGD(0.1) in order from `weights`,
+    batch 16 (16 / `accumulate` with `gradient_accumulation_steps=
+    accumulate`): (losses, weights)."""
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = build(noise_shape, rates)
+        model = make_model()
         model.set_weights(weights)
         if pipeline:
             model = tfpar.PipelineModel(model, **pipeline)
@@ -60,6 +62,12 @@ def train(strategy, weights, noise_shape=None, pipeline=None,
     # Keras logs the epoch's running mean: at every accumulated step.
     return np.array(losses.losses)[accumulate - 1::accumulate], \
         model.get_weights()
+
+
+def train(strategy, weights, noise_shape=None, pipeline=None,
+          rates=(0.5, 0.3), accumulate=1):
+    return fit_in_order(lambda: build(noise_shape, rates), strategy, weights,
+                        pipeline, accumulate)
 
 
 @pytest.mark.parametrize("axes,kwargs,pipeline,noise_shape", [

@@ -229,14 +229,45 @@ def test_a_recomputed_layer_that_adds_a_loss_is_refused():
         models.fit_mlp(model)
 
 
-def test_dropout_recomputed_under_tensor_parallelism_matches_one_device():
-    """On data=2×model=4 DTensor lays the recomputed BatchNormalization
-    output out otherwise; Dropout's numbers are drawn whole on every device
-    (one device's mask whatever the layout), so recomputing it replays the
-    forward pass's mask: the losses, weights and moving statistics are one
-    device's without recomputation."""
+class Noise(keras.layers.Layer):
+    """Dense(relu), BatchNormalization, then GaussianNoise (keras.random.normal)
+    and `draw(shape, seed)` added (None: nothing more)."""
+
+    def __init__(self, draw=None, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(64, activation="relu", name="dense")
+        self.norm = keras.layers.BatchNormalization(name="norm")
+        self.noise = keras.layers.GaussianNoise(0.3, seed=3, name="noise")
+        self.draw = draw
+        self.seed_generator = keras.random.SeedGenerator(5)
+
+    def call(self, x, training=False):
+        h = self.noise(self.norm(self.dense(x)))
+        if self.draw is None or not training:
+            return h
+        return h + 0.1 * self.draw(keras.ops.shape(h), self.seed_generator)
+
+
+def build_noise(remat, draw=None):
+    with (keras.RematScope(mode="full") if remat
+          else contextlib.nullcontext()):
+        noisy = Noise(draw, name="noisy")
+    x = keras.Input((16,))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(noisy(x)))
+
+
+@pytest.mark.parametrize("build_model", [build_noisy, build_noise],
+                         ids=["dropout", "gaussian-noise"])
+def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
+        build_model):
+    """On data=2×model=4 DTensor may lay a recomputed tensor out otherwise
+    (BatchNormalization's output did); Dropout's and GaussianNoise's
+    numbers are drawn whole on every device (one device's whatever the
+    layout, tests/test_random_layers.py), so recomputing them replays the
+    forward pass's: the losses, weights and moving statistics are one
+    device's without recomputation (GaussianNoise was refused before)."""
     keras.utils.set_random_seed(0)
-    single = build_noisy(False)
+    single = build_model(False)
     weights = single.get_weights()
     single.compile(optimizer="sgd", loss="mse")
     want = models.fit_mlp(single, epochs=2).history["loss"]
@@ -245,7 +276,7 @@ def test_dropout_recomputed_under_tensor_parallelism_matches_one_device():
         rules={r".*dense/kernel": (None, "model"),
                r".*dense/bias": ("model",)})
     with strategy.scope():
-        model = build_noisy(remat=True)
+        model = build_model(True)
         model.set_weights(weights)
         model.compile(optimizer="sgd", loss="mse")
     got = models.fit_mlp(model, epochs=2).history["loss"]
@@ -254,34 +285,24 @@ def test_dropout_recomputed_under_tensor_parallelism_matches_one_device():
         assert models.relative_error(a, b) < RTOL
 
 
-class Noise(keras.layers.Layer):
-    """Dense, then GaussianNoise (keras.random.normal: drawn per block)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(64, name="dense")
-        self.noise = keras.layers.GaussianNoise(0.1, seed=3, name="noise")
-
-    def call(self, x):
-        return self.noise(self.dense(x))
+def gamma(shape, seed):
+    return keras.random.gamma(shape, alpha=2.0, seed=seed)
 
 
 def test_other_random_ops_are_not_recomputed_under_tensor_parallelism():
-    """GaussianNoise still draws its numbers per device block: recomputing
-    it on data=2×model=4 could draw other numbers, refused before the
-    first step (data-only meshes are fine, above)."""
+    """keras.random.gamma still draws its numbers per device block:
+    recomputing it on data=2×model=4 could draw other numbers, refused
+    before the first step (data-only meshes are fine, above)."""
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 4}),
         rules={r".*dense/kernel": (None, "model"),
                r".*dense/bias": ("model",)})
     with strategy.scope():
-        with keras.RematScope(mode="full"):
-            noisy = Noise(name="noisy")
-        x = keras.Input((16,))
-        model = keras.Model(x, keras.layers.Dense(3, name="out")(noisy(x)))
+        model = build_noise(remat=True, draw=gamma)
         model.compile(optimizer="sgd", loss="mse")
     before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(ValueError, match="draws random numbers.*'model': 4"):
+    with pytest.raises(ValueError, match=(
+            "draws random numbers.*seed_generator.*gamma.*'model': 4")):
         models.fit_mlp(model)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)

@@ -378,6 +378,87 @@ def _one_device_dropout_in_step(original, hooks):
     return dropout
 
 
+# Keras' TF random ops that draw numbers of a given shape (no tensor input
+# but the shape and the seed): GaussianNoise, GaussianDropout (normal),
+# AlphaDropout, RandomFlip and the other preprocessing layers (uniform),
+# and layers of one's own with a SeedGenerator.
+SHAPED_DRAWS = ("normal", "uniform", "truncated_normal", "randint")
+
+
+def _one_device_draw_in_step(original, hooks):
+    """A Keras TF random op of `SHAPED_DRAWS` in a step, drawing the numbers
+    one device draws.
+
+    DTensor draws a split tensor's random numbers block by block, from the
+    seed and the device's place in the mesh, so GaussianNoise on a data
+    mesh added other noise than one device. Here the draw's only consumer
+    is `replicate`, so DTensor lays it out whole on every device: each
+    number n_i is TF's stateless draw at index i of the global shape from
+    Keras' seed, as on one device, and the ops using it cut it to their
+    operands' blocks. Each device draws every number of the tensor (not
+    only its block's): the cost of the parity. The numbers no longer depend
+    on the layout, so recomputing the layer (which replays its seed) is
+    allowed on any mesh. Outside a step Keras' op runs."""
+
+    @functools.wraps(original)
+    def draw(*args, **kwargs):
+        replicate = hooks.replicate_in_step()
+        if replicate is None:
+            return original(*args, **kwargs)
+        with hooks.layout_free_draw():  # a recomputation may replay it
+            return replicate(original(*args, **kwargs))
+
+    return draw
+
+
+def _gathered_flip_in_step(original, hooks):
+    """Keras' TF `numpy.flip` as `spmd_ops.reverse_by_gather` in a step
+    (DTensor cannot lay out TF's ReverseV2: RandomFlip failed); elsewhere
+    Keras' op runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def flip(x, axis=None):
+        if not hooks.in_step():
+            return original(x, axis=axis)
+        x = tf.convert_to_tensor(x)
+        return spmd_ops.reverse_by_gather(
+            x, range(x.shape.rank) if axis is None else axis)
+
+    return flip
+
+
+def _replicated_batch_moments_in_step(original, hooks):
+    """BatchNormalization's batch mean and variance (one number per
+    feature) laid out whole on every device in a step.
+
+    With `moving_mean` split by a rule (over any axis), DTensor 2.21 asks
+    the tf.Mean of a Dense's output for the moving mean's layout and fails
+    in its SPMD expansion ("EmitAllScatter was passed a desired_layout ...
+    not more sharded"; found by the fuzzing on extra=2 × model=2 × data=2,
+    minimal on model=2: Dense -> BatchNormalization,
+    tests/test_batch_normalization_rules.py). Replicated, the statistics are the same
+    numbers and the ops using them cut them to their operands' blocks: an
+    all-gather of a vector per feature at most. Only when `moving_mean` is
+    split (a split `moving_variance` alone trains as it is; with this
+    relayout some of those cases fail compiling, and DTensor's own errors
+    for gamma/beta rules stand); elsewhere Keras' runs."""
+
+    def split(variable):
+        place = getattr(backing_variable(variable), "placement", None)
+        return place is not None and any(place.spec)
+
+    @functools.wraps(original)
+    def _moments(self, inputs, mask):
+        mean, variance = original(self, inputs, mask)
+        replicate = hooks.replicate_in_step()
+        if replicate is None or not split(self.moving_mean):
+            return mean, variance
+        return replicate(mean), replicate(variance)
+
+    return _moments
+
+
 def _activation_einsum_in_step(original, hooks):
     """Keras' TF `ops.einsum` of two activations (rank >= 4) as
     `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
@@ -447,6 +528,12 @@ def _keras_random():
     return tf_random
 
 
+def _batch_normalization():
+    from keras.src.layers.normalization import batch_normalization  # noqa: PLC0415
+
+    return batch_normalization.BatchNormalization
+
+
 def _keras_layer():
     from keras.src.layers import layer  # noqa: PLC0415
 
@@ -463,6 +550,7 @@ _STRATEGY_PATCHES = (
       for mode in ("train", "test", "predict")),
     Patch("divide", _keras_numpy, "divide", _static_sparse_division),
     Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
+    Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     Patch("function_call", _function_class, "__call__", _host_inputs_placed),
     Patch("slice_update", _tf_core, "slice_update",
           _dense_slice_update_in_step),
@@ -471,6 +559,10 @@ _STRATEGY_PATCHES = (
     Patch("categorical", _keras_random, "categorical",
           _gumbel_categorical_in_step),
     Patch("dropout", _keras_random, "dropout", _one_device_dropout_in_step),
+    *(Patch(name, _keras_random, name, _one_device_draw_in_step)
+      for name in SHAPED_DRAWS),
+    Patch("batch_moments", _batch_normalization, "_moments",
+          _replicated_batch_moments_in_step),
     Patch("add_weight", _keras_layer, "add_weight",
           lambda original, _: _publishing_adding_layer(original)),
     Patch("variable_initialize", lambda: _tf_core().Variable, "_initialize",

@@ -183,3 +183,18 @@ def sparse_quotient(x1, x2, divide):
         tf.concat([quotient, tf.cast(extra, quotient.dtype)], axis=0),
         tf.concat([indices, tf.range(rows, dtype=indices.dtype)], axis=0),
         x1.dense_shape)
+
+
+def reverse_by_gather(x, axis):
+    """`tf.reverse(x, axis)` (axis: an int or ints) as gathers: element i
+    of a reversed dimension of size n is element n - 1 - i. DTensor 2.21
+    cannot lay out ReverseV2 ("'tf.ReverseV2' op does not implement layout
+    propagation": RandomFlip and `keras.ops.flip` failed in a step); it
+    lays out GatherV2."""
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    for a in [axis] if isinstance(axis, int) else axis:
+        a %= rank
+        n = tf.shape(x)[a]
+        x = tf.gather(x, tf.range(n - 1, -1, -1), axis=a)
+    return x

@@ -498,11 +498,14 @@ def _check_random_recomputation(generator):
     derives each device's random numbers from the seed and the tensor's
     layout, and the recomputed tensor may be laid out otherwise: on
     data=2×model=4, BatchNormalization then Dropout drew another mask in
-    the recomputation before Dropout drew its numbers whole
-    (`recompute.layout_free_draw`, not checked here); other random layers
-    (GaussianNoise, keras.random.normal, ...) still draw per block. On data
-    (× pipe) meshes tensors are split by the batch alone, and the numbers
-    are the same.
+    the recomputation before Dropout drew its numbers whole. Keras'
+    dropout, normal, uniform, truncated_normal and randint now draw whole
+    on every device in a step (`recompute.layout_free_draw`, not checked
+    here: GaussianNoise, GaussianDropout, AlphaDropout, SpatialDropout...);
+    other draws from a seed generator (keras.random.gamma, binomial, beta,
+    shuffle, categorical, a TF op on `SeedGenerator.next()`) may still
+    draw per block. On data (× pipe) meshes tensors are split by the batch
+    alone, and the numbers are the same.
     """
     context = tf.distribute.get_replica_context()
     if not isinstance(context, _SPMDReplicaContext):
@@ -512,8 +515,11 @@ def _check_random_recomputation(generator):
     if other:
         raise ValueError(
             "A recomputed layer (keras.RematScope) draws random numbers "
-            f"(seed generator {generator.name!r}, e.g. GaussianNoise; "
-            "Dropout is fine) on a mesh "
+            f"(seed generator {generator.name!r}) with an op tfpar cannot "
+            "draw as one device (e.g. keras.random.gamma, binomial, beta, "
+            "shuffle, categorical or a tf.random op on the generator's seed;"
+            " Keras' dropout, normal, uniform, truncated_normal and randint "
+            "are fine, so are the layers using them) on a mesh "
             f"that also splits tensors over {other}: DTensor may lay the "
             "recomputed tensor out differently from the forward pass and "
             "draw another mask, so the gradients would be wrong. Leave "

@@ -172,6 +172,18 @@ class Dropout(keras.layers.Dropout):
             1 - self.rate)
 
 
+class GaussianNoise(keras.layers.GaussianNoise):
+    """Keras' GaussianNoise, whose noise under a float64 policy is the one
+    float32 draws (cast), as `Dropout` keeps float32's masks."""
+
+    def call(self, inputs, training=False):
+        if not training or self.stddev == 0 or inputs.dtype != "float64":
+            return super().call(inputs, training=training)
+        noise = keras.random.normal(keras.ops.shape(inputs), stddev=self.stddev,
+                                    dtype="float32", seed=self.seed_generator)
+        return inputs + keras.ops.cast(noise, inputs.dtype)
+
+
 def parity_or_refused(build_and_train, weights, want_losses, want_weights,
                       exact=None):
     """The property: `build_and_train(losses, built)` (which passes the

@@ -4,7 +4,8 @@ device, or are refused with a clear error before the first step.
 A case draws a mesh (1-3 axes named from data/model/extra in any order,
 sizes whose product divides 8, on the first that many devices), fsdp on or
 off, a model from a small grammar of Keras layers (Dense, EinsumDense,
-Embedding, Conv1D, LayerNormalization, BatchNormalization, Dropout (in training),
+Embedding, Conv1D, LayerNormalization, BatchNormalization, Dropout and
+GaussianNoise (in training),
 MultiHeadAttention, a custom `add_weight` layer) with random widths, and
 one random spec per weight (each dimension None or a mesh axis other than
 data, divisible or not; sometimes a wrong rank or an unknown axis), and
@@ -60,6 +61,7 @@ LAYERS = st.one_of(
     st.tuples(st.just("layernorm"), st.just(0)),
     st.tuples(st.just("batchnorm"), st.just(0)),
     st.tuples(st.just("dropout"), st.sampled_from([0.1, 0.5])),
+    st.tuples(st.just("noise"), st.sampled_from([0.1, 0.5])),
     st.tuples(st.just("scale"), st.just(0)),
     st.tuples(st.just("conv"), st.sampled_from([1, 2, 4])),
     st.tuples(st.just("attention"), st.sampled_from([1, 2, 4])),
@@ -110,6 +112,10 @@ def build(trunk, embed_dim):
             # In training: the masks are one device's on every mesh
             # (tests/test_dropout_parity.py); float32's in float64.
             h = fuzzing.Dropout(arg, seed=i, name=name)(h)
+        elif kind == "noise":
+            # Keras' random normal draws one device's numbers in a tfpar
+            # step too (tests/test_random_layers.py); float32's in float64.
+            h = fuzzing.GaussianNoise(arg, seed=i, name=name)(h)
         elif kind == "scale":
             h = models.Scale(name=name)(h)
         elif kind in ("conv", "attention"):

@@ -260,6 +260,9 @@ def test_loss_scaling_under_mixed_float16_matches_no_offload(fsdp):
                                dtype="mixed_float16"),
             keras.layers.Dense(8, name="down")], name="mlp")
 
+    # Seeded: how many steps overflow depends on the initial weights (an
+    # unseeded build skipped 3 steps now and then, not 2).
+    keras.utils.set_random_seed(0)
     weights = build(keras).get_weights()
     x, y = _data()
     found, models = {}, {}

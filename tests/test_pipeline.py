@@ -655,7 +655,7 @@ def test_interleaved_partial_last_batch_evaluate_and_predict():
 # constants, left out by `profiler.executed_timeline`). The recorder stopped
 # the profiler when the step's logs were ready — they need only the forward
 # passes, while the first stage's last backward and update were still
-# running. It now waits for every stage's devices (`_wait_for_every_stage`):
+# running. It now waits for every stage's devices (`runner._wait_for_every_part`):
 # 24 of 24 steps right under load ~15, 11 of 15 before.
 def test_interleaved_timeline_follows_the_data_flow():
     _, pipe = pipeline({"pipe": 2, "data": 4}, num_microbatches=2,

@@ -150,26 +150,11 @@ class PipelineRunner(training.Runner):
             return function(xs, targets, split)
         with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)
-            self._wait_for_every_stage()
+            _wait_for_every_part(self._parts)
         self._model.last_timeline = profiler.executed_timeline(
             trace.events, len(self._extended.stage_meshes),
             self._model.schedule.stage_and_chunk)
         return logs
-
-    def _wait_for_every_stage(self):
-        """Returns when every device has run its share of the step. The
-        logs alone do not wait for it: they need only the forward passes,
-        and a stage's last backward and update (not an input of the loss)
-        can still be running on its devices when they are ready — then the
-        profiler stopped without its ops (the last action of the first
-        part missing from the timeline, now and then). A read of a weight
-        on every device of each part runs after the step there."""
-        for part in self._parts:
-            for weight in part.weights[:1]:
-                value = tf.convert_to_tensor(weight)
-                for block in (dtensor.unpack(value) if dtensor.is_dtensor(value)
-                              else [value]):
-                    block.numpy()
 
     def predict_inputs(self, x):
         """The model's outputs on inputs `x` (host tensors), as host
@@ -408,6 +393,22 @@ class _Batch:
         self.xs, self.targets, self.split = xs, targets, split
         self.rows, self.scale = rows, scale  # samples per micro-batch, 1/m
         self.split_backward = split_backward
+
+
+def _wait_for_every_part(parts):
+    """Returns when every device has run its share of the step. The logs
+    alone do not wait for it: they need only the forward passes, and a
+    stage's last backward and update (not an input of the loss) can still
+    be running on its devices when they are ready — then the profiler
+    stopped without its ops (the first part's last backward missing from
+    the timeline, now and then). A read of a weight on every device of each
+    part runs after the step there."""
+    for part in parts:
+        for weight in part.weights[:1]:
+            value = tf.convert_to_tensor(weight)
+            for block in (dtensor.unpack(value) if dtensor.is_dtensor(value)
+                          else [value]):
+                block.numpy()
 
 
 def _x_of(batch):

@@ -213,16 +213,6 @@ def test_offload_devices_without_offload_are_refused():
                                offload_devices=HOST)
 
 
-@pytest.mark.parametrize("axes, offload, match", [
-    ({"data": 4}, "optimizer+master", r"'optimizer\+master'\) is not "
-     r"implemented.*Use offload='optimizer'"),
-])
-def test_what_offload_does_not_do_is_refused(axes, offload, match):
-    with pytest.raises(NotImplementedError, match=match):
-        tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=DEVICES),
-                               offload=offload, offload_devices=HOST)
-
-
 def _offloading(axes=None, rules=None, fsdp=False):
     return tfpar.ParallelStrategy(
         tfpar.Mesh(axes or {"data": 4}, devices=DEVICES), rules=rules,

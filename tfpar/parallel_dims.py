@@ -295,14 +295,6 @@ def _check_offload(offload, devices, mesh):
                 "too, or drop offload_devices.")
         return
     _check_offload_host(offload, devices, mesh)
-    if offload == "optimizer+master":
-        raise NotImplementedError(
-            "ParallelStrategy(offload='optimizer+master') is not "
-            "implemented: Keras 3 keeps the fp32 weights as the model's own "
-            "variables under mixed precision (it casts them in each layer "
-            "call), so moving them off the devices would change the model's "
-            "variables. Received: offload='optimizer+master'. Use "
-            "offload='optimizer' (slots and the update on the host).")
 
 
 def _check_offload_host(offload, devices, mesh):

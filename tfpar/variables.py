@@ -344,7 +344,10 @@ class VariableRegistry:
             value = placement_lib.put(
                 placement_lib.same_on_every_host(initial_value), plan.spec,
                 mesh, dtype=kwargs.get("dtype"))
-            return self._sharded(value, place, kwargs)
+            variable = self._sharded(value, place, kwargs)
+            if layer is not None:  # offload="optimizer+master" reads it
+                variable.compute_dtype = layer.compute_dtype
+            return variable
 
     def _sharded(self, value, place, kwargs):
         """A tracked ShardedVariable holding `value` on `place.mesh`."""
@@ -363,6 +366,19 @@ class VariableRegistry:
         replacement = self._sharded(value, place, _keras_kwargs(backing))
         self._live.pop(id(backing), None)
         _compat.rebind_keras_variable(variable, replacement)
+
+    def replace_storage(self, variable, value, cls, **attributes):
+        """Makes Keras `variable` hold `value` (a DTensor laid out like it,
+        maybe of another dtype) in a new tracked `cls` (a ShardedVariable
+        subclass, given `attributes`) with the same placement; returns it."""
+        backing = _compat.backing_variable(variable)
+        kwargs = dict(_keras_kwargs(backing), dtype=value.dtype)
+        replacement = self._track(cls(
+            value, placement=backing.placement, extended=self._extended(),
+            **attributes, **kwargs))
+        self._live.pop(id(backing), None)
+        _compat.rebind_keras_variable(variable, replacement)
+        return replacement
 
     # -- looking up ---------------------------------------------------------
 

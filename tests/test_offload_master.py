@@ -338,7 +338,7 @@ def test_a_write_inside_the_step_is_in_the_compute_dtype(mixed):
 
 def test_loss_scaling_under_mixed_float16_matches_optimizer_offload():
     """mixed_float16, Keras' LossScaleOptimizer from 2**20 (overflows the
-    first two steps): "+master" keeps float16 weights on the devices and
+    first steps): "+master" keeps float16 weights on the devices and
     trains as offload="optimizer" (exactly: same skipped steps, scale)."""
     import keras  # noqa: PLC0415
 
@@ -362,9 +362,12 @@ def test_loss_scaling_under_mixed_float16_matches_optimizer_offload():
     finally:
         keras.config.set_dtype_policy("float32")
     assert max(_differences(runs, ("optimizer",)).values()) == 0.0
-    optimizer = models["master"].optimizer
-    assert optimizer.iterations.numpy() == 8 - 2
-    assert optimizer.dynamic_scale.numpy() == 2.0**18
+    # The same steps skipped (at least the first two; a third now and then,
+    # by the random initial weights) and the same scale.
+    master, offload = (models[n].optimizer for n in ("master", "optimizer"))
+    assert master.iterations.numpy() == offload.iterations.numpy() <= 8 - 2
+    assert master.dynamic_scale.numpy() == offload.dynamic_scale.numpy()
+    assert master.dynamic_scale.numpy() <= 2.0**18
     kernel = models["master"].trainable_weights[0]
     assert base._blocks(kernel)[0].dtype.name == "float16"
 
@@ -422,6 +425,17 @@ def test_a_float32_layer_keeps_float32_weights_on_the_devices(mixed):
     assert [base._blocks(w)[0].dtype.name
             for w in model.trainable_weights] == [
                 "bfloat16", "bfloat16", "float32", "float32"]
+
+
+def test_docstring_example_runs():
+    """tfpar.offload_master's example: 544 bytes of bfloat16 weights on a
+    mesh device, 1088 of float32 masters on its host device."""
+    import doctest  # noqa: PLC0415
+
+    from tfpar import offload_master  # noqa: PLC0415
+
+    result = doctest.testmod(offload_master, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
 
 
 if __name__ == "__main__":  # the 16-CPU subprocess of the parity tests

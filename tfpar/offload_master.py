@@ -115,11 +115,9 @@ def to_compute_copy(registry, weight, master, move):
     dtype = tf.as_dtype(backing.compute_dtype)
     value = move(tf.cast(_compat.backing_variable(master).read_value(),
                          dtype), _layout(backing))
-    copy = registry.replace_storage(
-        weight, value, ComputeCopy,
+    return variables.replace_storage(
+        registry, weight, value, ComputeCopy,
         master=_compat.backing_variable(master), move=move)
-    copy.compute_dtype = dtype
-    return copy
 
 
 def _layout(backing):

@@ -51,8 +51,9 @@ class ParallelDims:
         fsdp: whether trainable weights are also split over `data_axis`.
         reshard_after_forward: whether fsdp gathers again for the
             backward pass.
-        offload: None or "optimizer" (optimizer state and its update on
-            the host devices, `tfpar.offload`).
+        offload: None, "optimizer" (optimizer state and its update on
+            the host devices, `tfpar.offload`) or "optimizer+master" (the
+            float32 master weights there too, `tfpar.offload_master`).
         offload_devices: the host devices offload moves each mesh device's
             blocks to (one per mesh device, in mesh order), or None: the
             DTensor host mesh of an accelerator mesh.

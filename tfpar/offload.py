@@ -421,14 +421,14 @@ class Offload:
         back into the device weights, block by block."""
         host = [None if g is None else move_alike(g, self.mesh, w.shape)
                 for w, g in zip(self.weights, grads)]
-        self._update(host)
+        casts = self._update(host)
         if self._loss_scale is not None:
             self._loss_scale.refresh()
-        for weight, grad in zip(self.weights, grads):
+        for weight, grad, cast in zip(self.weights, grads, casts):
             if grad is not None:
                 backing = _compat.backing_variable(weight)
-                if isinstance(backing, offload_master.ComputeCopy):
-                    backing.sync()  # cast on the host, then moved
+                if cast is not None:  # a ComputeCopy: the host's cast moved
+                    backing.sync(cast)
                 else:
                     backing.assign(move_blocks(
                         self.mirror(weight).value.read_value(),
@@ -438,7 +438,9 @@ class Offload:
     def _host_update(self, grads):
         """The compiled update on the host mesh: `optimizer.apply` to the
         host copies of the step's weights (slots, counters, weight decay;
-        Keras skips the None gradients)."""
+        Keras skips the None gradients); returns, for each ComputeCopy
+        ("+master"), its updated master cast to the compute dtype (else
+        None)."""
         # The gradient of a ComputeCopy is in its compute dtype: the
         # master's update takes it in float32 (the gradient of a cast is
         # the cast of the gradient, as under offload="optimizer").
@@ -446,6 +448,8 @@ class Offload:
                  for g, w in zip(grads, self.weights)]
         with self._strategy.extended.replica_scope():
             self.apply(grads, self.weights)
+        return [offload_master.compute_cast(w, self.mirror(w))
+                for w in self.weights]
 
 
 class OffloadRunner(training.StepRunner):

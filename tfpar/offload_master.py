@@ -120,6 +120,16 @@ def to_compute_copy(registry, weight, master, move):
         master=_compat.backing_variable(master), move=move)
 
 
+def compute_cast(weight, master):
+    """In the compiled host update: Keras `master` (the host copy of
+    `weight`) cast to the dtype of `weight`'s ComputeCopy, else None."""
+    backing = _compat.backing_variable(weight)
+    if not isinstance(backing, ComputeCopy):
+        return None
+    return tf.cast(_compat.backing_variable(master).read_value(),
+                   backing.dtype)
+
+
 def _layout(backing):
     """The DTensor layout of a strategy's variable, from its Placement."""
     return layout_lib.to_dtensor_layout(backing.placement.spec,
@@ -163,12 +173,13 @@ class ComputeCopy(variables.ShardedVariable):
                                _layout(self.master))
         return value
 
-    def sync(self):
-        """This copy from the master: cast on the host, then the blocks
-        moved (half the bytes of a float32 move under bfloat16)."""
-        super().assign(self._move(
-            tf.cast(self.master.read_value(), self.dtype), _layout(self)),
-            read_value=False)
+    def sync(self, cast=None):
+        """This copy from the master: `cast` (the master cast to this
+        dtype on the host, by the host update) or the cast made here, its
+        blocks moved (half the bytes of a float32 move under bfloat16)."""
+        if cast is None:
+            cast = tf.cast(self.master.read_value(), self.dtype)
+        super().assign(self._move(cast, _layout(self)), read_value=False)
         self.master_writes = self.writes
 
     @tf.autograph.experimental.do_not_convert  # zero-argument super()

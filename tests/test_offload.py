@@ -131,9 +131,11 @@ def _check_parity(found):
         assert max(figures.values()) <= 1e-4, (case, figures)
 
 
-def _run_cases(cases):
+def _run_cases(cases, script=__file__):
+    """The JSON `script` (this file's, or another test's) prints for
+    `cases`, run in a 16-CPU subprocess."""
     result = subprocess.run(
-        [sys.executable, __file__, *cases], capture_output=True, text=True,
+        [sys.executable, script, *cases], capture_output=True, text=True,
         timeout=1200, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -415,6 +417,17 @@ def _slot_values(model):
             for v in model.optimizer.variables}
 
 
+def saved_variables(directory):
+    """The manifest's variable records of the one checkpoint in
+    `directory`, without "path" (it names the optimizer, "adam_1/...",
+    which differs per model; checkpoints key the variables by "key")."""
+    (step,) = [entry for entry in os.listdir(directory)
+               if entry.startswith("ckpt-")]
+    manifest = json.loads((directory / step / "manifest.json").read_text())
+    return [{k: v for k, v in entry.items() if k != "path"}
+            for entry in manifest["variables"]]
+
+
 def test_checkpoints_move_between_offload_and_no_offload(tmp_path):
     """Saved with offload, restored without it (weights and slots equal,
     the next epoch's losses and weights equal) and back; the same files."""
@@ -433,17 +446,9 @@ def test_checkpoints_move_between_offload_and_no_offload(tmp_path):
         if name == "plain":
             tfpar.save_checkpoint(model, str(tmp_path / "plain"))
         restored[name] = model
-    saved = {}
-    for name in ("offload", "plain"):
-        (step,) = [entry for entry in os.listdir(tmp_path / name)
-                   if entry.startswith("ckpt-")]
-        manifest = json.loads((tmp_path / name / step / "manifest.json")
-                              .read_text())
-        # "path" names the optimizer ("adam_1/..."), which differs per
-        # model; checkpoints key the variables by "key".
-        saved[name] = [{k: v for k, v in entry.items() if k != "path"}
-                       for entry in manifest["variables"]]
-    assert saved["offload"] == saved["plain"]  # same blocks, same bytes
+    # Same blocks, same bytes.
+    assert saved_variables(tmp_path / "offload") == saved_variables(
+        tmp_path / "plain")
     expected = _slot_values(offloaded)
     x, y = _data()
     reference = offloaded.fit(x, y, batch_size=16, shuffle=False,

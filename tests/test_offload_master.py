@@ -221,6 +221,24 @@ def _trained_from(keras, offload, weights, epochs, axes):
                 epochs=epochs)[0]
 
 
+def test_memory_report_halves_the_weights_and_puts_the_masters_back(mixed):
+    """tfpar.memory_report under "+master": a mesh device's params half of
+    its host device's (bfloat16 against the float32 masters), no
+    optimizer state on it; the float32 weights unchanged after (the
+    report runs a step and puts every variable back)."""
+    keras = mixed
+    model, _ = _fit(keras, _strategy(MASTER), base._mlp(keras).get_weights(),
+                    epochs=1)
+    weights = model.get_weights()
+    x, y = base._data()  # noqa: SLF001
+    report = tfpar.memory_report(model, x[:16], y[:16])
+    for device, host in zip(DEVICES, HOST):
+        assert 2 * report[device]["params"] == report[host]["params"] > 0
+        assert report[device]["optimizer"] == 0 < report[host]["optimizer"]
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_checkpoints_move_between_master_and_no_offload(mixed, tmp_path):
     """Saved with "+master" (float32 masters, same files as no offload),
     restored without offload and back: weights and slots equal, the next

@@ -131,9 +131,11 @@ def _check_parity(found):
         assert max(figures.values()) <= 1e-4, (case, figures)
 
 
-def _run_cases(cases):
+def _run_cases(cases, script=__file__):
+    """The JSON `script` (this file's, or another test's) prints for
+    `cases`, run in a 16-CPU subprocess."""
     result = subprocess.run(
-        [sys.executable, __file__, *cases], capture_output=True, text=True,
+        [sys.executable, script, *cases], capture_output=True, text=True,
         timeout=1200, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -213,16 +215,6 @@ def test_offload_devices_without_offload_are_refused():
                                offload_devices=HOST)
 
 
-@pytest.mark.parametrize("axes, offload, match", [
-    ({"data": 4}, "optimizer+master", r"'optimizer\+master'\) is not "
-     r"implemented.*Use offload='optimizer'"),
-])
-def test_what_offload_does_not_do_is_refused(axes, offload, match):
-    with pytest.raises(NotImplementedError, match=match):
-        tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=DEVICES),
-                               offload=offload, offload_devices=HOST)
-
-
 def _offloading(axes=None, rules=None, fsdp=False):
     return tfpar.ParallelStrategy(
         tfpar.Mesh(axes or {"data": 4}, devices=DEVICES), rules=rules,
@@ -250,8 +242,12 @@ def test_loss_scaling_under_mixed_float16_matches_no_offload(fsdp):
     steps and halves the scale twice, as without offload; the
     devices hold the scale's copy the step multiplies the loss by. Losses
     and weights within 1e-4 of no offload (the same float16 step on the
-    same mesh)."""
+    same mesh). The initial weights are seeded: from some random ones a
+    third step overflows too (measured: 5 steps instead of 6, no offload
+    and offload alike)."""
     import keras  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
 
     def build(keras):
         return keras.Sequential([
@@ -424,6 +420,17 @@ def _slot_values(model):
             for v in model.optimizer.variables}
 
 
+def saved_variables(directory):
+    """The manifest's variable records of the one checkpoint in
+    `directory`, without "path" (it names the optimizer, "adam_1/...",
+    which differs per model; checkpoints key the variables by "key")."""
+    (step,) = [entry for entry in os.listdir(directory)
+               if entry.startswith("ckpt-")]
+    manifest = json.loads((directory / step / "manifest.json").read_text())
+    return [{k: v for k, v in entry.items() if k != "path"}
+            for entry in manifest["variables"]]
+
+
 def test_checkpoints_move_between_offload_and_no_offload(tmp_path):
     """Saved with offload, restored without it (weights and slots equal,
     the next epoch's losses and weights equal) and back; the same files."""
@@ -442,17 +449,9 @@ def test_checkpoints_move_between_offload_and_no_offload(tmp_path):
         if name == "plain":
             tfpar.save_checkpoint(model, str(tmp_path / "plain"))
         restored[name] = model
-    saved = {}
-    for name in ("offload", "plain"):
-        (step,) = [entry for entry in os.listdir(tmp_path / name)
-                   if entry.startswith("ckpt-")]
-        manifest = json.loads((tmp_path / name / step / "manifest.json")
-                              .read_text())
-        # "path" names the optimizer ("adam_1/..."), which differs per
-        # model; checkpoints key the variables by "key".
-        saved[name] = [{k: v for k, v in entry.items() if k != "path"}
-                       for entry in manifest["variables"]]
-    assert saved["offload"] == saved["plain"]  # same blocks, same bytes
+    # Same blocks, same bytes.
+    assert saved_variables(tmp_path / "offload") == saved_variables(
+        tmp_path / "plain")
     expected = _slot_values(offloaded)
     x, y = _data()
     reference = offloaded.fit(x, y, batch_size=16, shuffle=False,

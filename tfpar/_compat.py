@@ -570,6 +570,27 @@ _STRATEGY_PATCHES = (
 )
 
 
+# Keras' TF Variable casts every value it assigns to its tf.Variable's
+# dtype (`_direct_assign`). Under `offload="optimizer+master"` a weight's
+# tf.Variable is its compute-dtype copy (`tfpar.offload_master`), which
+# takes the float32 value whole into its host master and stores the cast;
+# the Keras cast would round the master first (installed by
+# `tfpar.offload_master.install`).
+def _master_direct_assign(original, _):
+    def direct_assign(self, value):
+        if getattr(self._value, "master", None) is not None:  # noqa: SLF001
+            return self._value.assign(value)  # noqa: SLF001
+        return original(self, value)
+
+    return direct_assign
+
+
+MASTER_PATCHES = (
+    Patch("master_assign", lambda: _tf_core().Variable, "_direct_assign",
+          _master_direct_assign),
+)
+
+
 # Keras 3.15 rematerializes (`keras.RematScope`, `keras.remat`) with
 # `tf.recompute_grad(call)` called with the layer's keyword arguments, which
 # `tf.custom_gradient` refuses in graph mode: `RematScope(mode="full")` fails
@@ -669,6 +690,12 @@ def all_layers(layer, include_self=True):
 def backing_variable(variable):
     """The tf.Variable behind a Keras Variable (or `variable` itself)."""
     return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+def keras_autocasts(variable):
+    """Whether Keras casts `variable` to a layer's compute dtype in use
+    (its `autocast`, Keras' default for a layer's weights)."""
+    return bool(getattr(variable, "_autocast", False))
 
 
 def rebind_keras_variable(keras_variable, tf_variable):

@@ -539,6 +539,9 @@ def _host_value(backing):
 
 def _save_variable(n, kind, key, variable, tmp):
     backing = _compat.backing_variable(variable)
+    # offload="optimizer+master": the float32 master on the host devices,
+    # laid out like the devices' compute-dtype copy (`tfpar.offload_master`).
+    backing = getattr(backing, "master", backing)
     shape = tuple(backing.shape)
     spec, axis_sizes, layout = _layout_of(backing)
     # File names: "v<n>_" keeps them unique; the key's tail only informs

@@ -671,8 +671,9 @@ def keras_program(model, x, y=None, sample_weight=None,
     # The step `fit` runs, built by the runner `fit` uses.
     runner = training.make_runner(model, extended, "train")
     state = _state_variables(model)
-    saved = [tf.identity(_compat.backing_variable(v).read_value())
-             for v in state]
+    # (Of an offload="optimizer+master" weight its float32 master:
+    # `tfpar.offload_master.ComputeCopy`.)
+    saved = [tf.identity(_saved_source(v).read_value()) for v in state]
     known = {id(v) for v in state}
     try:
         concrete = runner.traced_step(host)
@@ -683,6 +684,12 @@ def keras_program(model, x, y=None, sample_weight=None,
         for metric in model.metrics:  # built by the step: back to empty
             if any(id(v) not in known for v in metric.variables):
                 metric.reset_state()
+
+
+def _saved_source(variable):
+    """The tf.Variable whose value puts `variable` back when assigned."""
+    backing = _compat.backing_variable(variable)
+    return getattr(backing, "master", backing)
 
 
 def _state_variables(model):

@@ -90,6 +90,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import layout as layout_lib
+from tfpar import offload_master
 from tfpar import placement as placement_lib
 from tfpar import training
 from tfpar.pipeline import runner as pipeline_runner
@@ -157,6 +158,8 @@ def attach(optimizer, strategy, mesh=None):
     if existing is not None:
         return existing
     _check_optimizer(optimizer)
+    if strategy.dims.offload == offload_master.OPTION:
+        offload_master.check(strategy, mesh)
     offload = Offload(optimizer, strategy, host_mesh(strategy.dims, mesh))
     optimizer._tfpar_offload = offload  # noqa: SLF001 (tfpar's own)
     return offload
@@ -269,6 +272,7 @@ class Offload:
         self._seen = {}
         self._written_in_step = set()
         self._captured = None  # gradients recorded while tracing a step
+        self._master = strategy.dims.offload == offload_master.OPTION
         self._build = self.optimizer.build
         self._apply = self.optimizer.apply
         self.optimizer.build = self.build
@@ -301,6 +305,10 @@ class Offload:
                                   name=name)
         copy.constraint = weight.constraint
         copy.overwrite_with_gradient = weight.overwrite_with_gradient
+        if self._master and offload_master.keeps_compute_copy(weight):
+            # "+master": the devices keep only cast(copy, compute dtype).
+            backing = offload_master.to_compute_copy(
+                self._registry, weight, copy, move_blocks)
         self._mirrors[id(backing)] = (weight, copy)
         self._seen[id(backing)] = backing.writes
         return copy
@@ -353,11 +361,14 @@ class Offload:
         in a plain `fit` nothing moves here."""
         for key, (weight, copy) in self._mirrors.items():
             backing = _compat.backing_variable(weight)
-            if (key in self._written_in_step
-                    or backing.writes != self._seen[key]):
+            # A ComputeCopy written eagerly wrote its master first.
+            current = getattr(backing, "master_writes", None) == backing.writes
+            if key in self._written_in_step or (
+                    backing.writes != self._seen[key] and not current):
                 _compat.backing_variable(copy).assign(move_blocks(
-                    backing.read_value(), _layout_of(copy)))
-                self._seen[key] = backing.writes
+                    tf.cast(backing.read_value(), copy.dtype),
+                    _layout_of(copy)))
+            self._seen[key] = backing.writes
 
     def device_step(self, call):
         """`call()` (the device step) and its result; a weight the step
@@ -410,22 +421,35 @@ class Offload:
         back into the device weights, block by block."""
         host = [None if g is None else move_alike(g, self.mesh, w.shape)
                 for w, g in zip(self.weights, grads)]
-        self._update(host)
+        casts = self._update(host)
         if self._loss_scale is not None:
             self._loss_scale.refresh()
-        for weight, grad in zip(self.weights, grads):
+        for weight, grad, cast in zip(self.weights, grads, casts):
             if grad is not None:
                 backing = _compat.backing_variable(weight)
-                backing.assign(move_blocks(self.mirror(weight).value.read_value(),
-                                           _layout_of(backing)))
+                if cast is not None:  # a ComputeCopy: the host's cast moved
+                    backing.sync(cast)
+                else:
+                    backing.assign(move_blocks(
+                        self.mirror(weight).value.read_value(),
+                        _layout_of(backing)))
                 self._seen[id(backing)] = backing.writes
 
     def _host_update(self, grads):
         """The compiled update on the host mesh: `optimizer.apply` to the
         host copies of the step's weights (slots, counters, weight decay;
-        Keras skips the None gradients)."""
+        Keras skips the None gradients); returns, for each ComputeCopy
+        ("+master"), its updated master cast to the compute dtype (else
+        None)."""
+        # The gradient of a ComputeCopy is in its compute dtype: the
+        # master's update takes it in float32 (the gradient of a cast is
+        # the cast of the gradient, as under offload="optimizer").
+        grads = [None if g is None else tf.cast(g, w.dtype)
+                 for g, w in zip(grads, self.weights)]
         with self._strategy.extended.replica_scope():
             self.apply(grads, self.weights)
+        return [offload_master.compute_cast(w, self.mirror(w))
+                for w in self.weights]
 
 
 class OffloadRunner(training.StepRunner):

@@ -51,8 +51,9 @@ class ParallelDims:
         fsdp: whether trainable weights are also split over `data_axis`.
         reshard_after_forward: whether fsdp gathers again for the
             backward pass.
-        offload: None or "optimizer" (optimizer state and its update on
-            the host devices, `tfpar.offload`).
+        offload: None, "optimizer" (optimizer state and its update on
+            the host devices, `tfpar.offload`) or "optimizer+master" (the
+            float32 master weights there too, `tfpar.offload_master`).
         offload_devices: the host devices offload moves each mesh device's
             blocks to (one per mesh device, in mesh order), or None: the
             DTensor host mesh of an accelerator mesh.
@@ -295,14 +296,6 @@ def _check_offload(offload, devices, mesh):
                 "too, or drop offload_devices.")
         return
     _check_offload_host(offload, devices, mesh)
-    if offload == "optimizer+master":
-        raise NotImplementedError(
-            "ParallelStrategy(offload='optimizer+master') is not "
-            "implemented: Keras 3 keeps the fp32 weights as the model's own "
-            "variables under mixed precision (it casts them in each layer "
-            "call), so moving them off the devices would change the model's "
-            "variables. Received: offload='optimizer+master'. Use "
-            "offload='optimizer' (slots and the update on the host).")
 
 
 def _check_offload_host(offload, devices, mesh):

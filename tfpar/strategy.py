@@ -97,9 +97,12 @@ class ParallelStrategy(tf.distribute.Strategy):
             function on the host mesh, over the host's copy of the
             weights) and moves each updated block back; a device holds no
             optimizer state. Plain models and `PipelineModel`s (each
-            stage's optimizer on the host devices of its own devices) on
-            one host; "optimizer+master" (the fp32 weights of mixed
-            precision too) and several hosts are refused before training.
+            stage's optimizer on the host devices of its own devices),
+            on one host or several. "optimizer+master": under a mixed
+            policy the devices also keep each weight only in its compute
+            dtype, its float32 master on the host devices
+            (`tfpar.offload_master`; plain models on one host, refused
+            otherwise and under a float32 policy).
         offload_devices: the devices offload keeps the state on, one per
             mesh device in mesh order (device i's blocks go to
             offload_devices[i]), e.g. `[f"CPU:{i}" for i in range(8, 16)]`
@@ -170,7 +173,8 @@ class ParallelStrategy(tf.distribute.Strategy):
     model_axis = _from_dims(
         "model_axis", "The mesh axis tensor-parallel styles split over.")
     offload = _from_dims(
-        "offload", "None, or \"optimizer\": optimizer state on the host.")
+        "offload", "None, \"optimizer\" (optimizer state on the host) or "
+        "\"optimizer+master\" (the float32 weights too).")
     virtual_stages = _from_dims(
         "virtual_stages", "Model parts per pipeline stage as declared, or "
         "None (each PipelineModel's own argument).")

@@ -106,8 +106,13 @@ class ShardedVariable(_compat.DVariable):
     no ResourceGather from such a table.
     """
 
-    def __init__(self, *args, placement, extended, **kwargs):
+    def __init__(self, *args, placement, extended, compute_dtype=None,
+                 **kwargs):
         self.placement = placement
+        # The dtype the layer adding it computes in (None: not a layer's
+        # weight); `tfpar.offload_master` keeps a weight in it on devices.
+        self.compute_dtype = compute_dtype or getattr(
+            _compat.keras_layer_adding_weight(), "compute_dtype", None)
         self._tfpar_extended = weakref.ref(extended)
         spec = placement.spec
         self._split_rows = bool(spec) and spec[0] == extended.data_axis
@@ -253,7 +258,8 @@ def _owning_layers(model):
 def _keras_kwargs(backing):
     """The tf.Variable arguments that remake `backing` elsewhere."""
     return {"trainable": backing.trainable,
-            "name": backing.name.split(":")[0], "dtype": backing.dtype}
+            "name": backing.name.split(":")[0], "dtype": backing.dtype,
+            "compute_dtype": getattr(backing, "compute_dtype", None)}
 
 
 class VariableRegistry:
@@ -346,9 +352,9 @@ class VariableRegistry:
                 mesh, dtype=kwargs.get("dtype"))
             return self._sharded(value, place, kwargs)
 
-    def _sharded(self, value, place, kwargs):
-        """A tracked ShardedVariable holding `value` on `place.mesh`."""
-        return self._track(ShardedVariable(
+    def _sharded(self, value, place, kwargs, cls=None):
+        """A tracked ShardedVariable (or subclass `cls`) holding `value`."""
+        return self._track((cls or ShardedVariable)(
             value, placement=place, extended=self._extended(), **kwargs))
 
     def _track(self, variable):
@@ -357,10 +363,10 @@ class VariableRegistry:
         weakref.finalize(variable, self._live.pop, key, None)
         return variable
 
-    def _rebind(self, variable, backing, place, value):
-        """Makes Keras `variable` hold `value` in a new tracked variable
-        with `place`, in place of `backing`."""
-        replacement = self._sharded(value, place, _keras_kwargs(backing))
+    def _rebind(self, variable, backing, place, value, cls=None, **extra):
+        """Keras `variable` holds `value` in a new `_sharded`, not `backing`."""
+        replacement = self._sharded(value, place,
+                                    {**_keras_kwargs(backing), **extra}, cls)
         self._live.pop(id(backing), None)
         _compat.rebind_keras_variable(variable, replacement)
 
@@ -566,6 +572,17 @@ class VariableRegistry:
                 "or remove those rules."
             )
         self._rules_checked = True
+
+
+def replace_storage(registry, variable, value, cls, **kwargs):
+    """Makes Keras `variable` (made by `registry`, a VariableRegistry) hold
+    `value` (a DTensor laid out like it, maybe of another dtype) in a new
+    tracked `cls` (a ShardedVariable subclass taking more `kwargs`) with
+    the same placement; returns it (`tfpar.offload_master`)."""
+    backing = _compat.backing_variable(variable)
+    registry._rebind(variable, backing, backing.placement, value,  # noqa: SLF001
+                     cls, dtype=value.dtype, **kwargs)
+    return _compat.backing_variable(variable)
 
 
 def _block_bytes(place, variable):

@@ -208,3 +208,21 @@ def test_a_model_built_before_the_first_strategy_is_laid_out_by_its_styles():
     assert placements == str([
         ("m/down/bias", (None,)), ("m/down/kernel", ("model", None)),
         ("m/up/bias", ("model",)), ("m/up/kernel", (None, "model"))])
+
+
+def test_tests_import_their_helpers_as_top_level_modules():
+    """`tests/` is not a package: pytest and a test file run as a script
+    (the 16-CPU offload subprocesses) put `tests/` itself on sys.path, so
+    helpers are `import models`. `from tests import models` worked only with
+    the repository root on PYTHONPATH — a clean clone's `python3 dev.py
+    test` failed on it (tests/test_offload_master.py, found before a stop)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names]
+                     if isinstance(node, ast.Import) else [])
+            found += [f"{path.name}:{node.lineno}" for name in names
+                      if name == "tests" or name.startswith("tests.")]
+    assert not found, found

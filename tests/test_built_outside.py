@@ -11,7 +11,7 @@ import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
-from tests import models
+import models
 
 def test_compile_in_scope_moves_weights_built_outside_onto_the_mesh():
     keras.utils.set_random_seed(0)

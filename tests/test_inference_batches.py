@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tfpar
-from tests import models
+import models
 
 # (samples, batch_size): few samples, batches the data axis (2 or 8) does
 # not divide, a partial last batch, and batch sizes 7 and 33 over many

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import tfpar
-from tests import test_offload as base
+import test_offload as base
 
 DEVICES, HOST = base.DEVICES, base.HOST
 MASTER = "optimizer+master"

@@ -346,6 +346,8 @@ class VariableRegistry:
                     variable = host_creator(initial_value=initial_value,
                                             **kwargs)
                 variable.placement = place
+                # Kept for its ShardedVariable (`tfpar.offload_master`).
+                variable.compute_dtype = getattr(layer, "compute_dtype", None)
                 return self._track(variable)
             value = placement_lib.put(
                 placement_lib.same_on_every_host(initial_value), plan.spec,

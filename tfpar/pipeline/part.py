@@ -128,6 +128,18 @@ class ModelPart:
         self._output_gradients[i] = gradients
 
     def add_gradient(self, j, gradient):
+        """Adds a micro-batch's `gradient` of `updated[j]` to the step's
+        sum, in the weight's dtype: under offload="optimizer+master" the
+        devices hold the weight in its compute dtype and its gradient comes
+        in that dtype; the sum is float32, as the gradient of a float32
+        weight's cast is (`tfpar.offload_master`)."""
+        dtype = tf.as_dtype(self.updated[j].dtype)
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = tf.IndexedSlices(tf.cast(gradient.values, dtype),
+                                        gradient.indices,
+                                        gradient.dense_shape)
+        elif gradient.dtype != dtype:
+            gradient = tf.cast(gradient, dtype)
         self.gradient_sums[j] = accumulate(self.gradient_sums[j], gradient)
 
     def apply_gradients(self):

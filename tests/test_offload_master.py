@@ -393,21 +393,6 @@ def test_master_under_a_float32_policy_is_refused_at_compile():
             model.compile(optimizer="adam", loss="mse")
 
 
-def test_master_with_a_pipeline_is_refused(mixed):
-    """Refused when the parts' optimizers are built, before a step."""
-    keras = mixed
-    strategy = _strategy(MASTER, {"pipe": 2, "data": 2})
-    with strategy.scope():
-        model = tfpar.PipelineModel(base._deep_mlp(keras),  # noqa: SLF001
-                                    num_microbatches=2)
-        model.compile(optimizer="adam", loss="mse")
-    x, y = base._data()  # noqa: SLF001
-    with pytest.raises(ValueError, match=(
-            r"offload='optimizer\+master'\): a PipelineModel's parts "
-            r"are not done.*Use offload='optimizer' for a pipeline")):
-        model.fit(x, y, batch_size=16, verbose=0)  # (before any step)
-
-
 def test_a_float32_layer_keeps_float32_weights_on_the_devices(mixed):
     """A layer computing in float32 (dtype="float32" head) reads its
     weights in float32: they stay float32 on the devices (else its

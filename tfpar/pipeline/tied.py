@@ -178,9 +178,12 @@ class TiedWeights:
             for source, target in pairs:
                 backing = _compat.backing_variable(target)
                 place = backing.placement
+                # Under "+master" a weight's host value is its float32
+                # master (`numpy()`), its tensor the compute-dtype copy.
+                dtype = getattr(backing, "master", backing).dtype
                 backing.assign(placement.put(
-                    placement.fetch(tf.convert_to_tensor(source)),
-                    place.spec, place.mesh, dtype=backing.dtype))
+                    _compat.backing_variable(source).numpy(),
+                    place.spec, place.mesh, dtype=dtype))
 
     # -- traced, in a step ----------------------------------------------------
 
@@ -304,6 +307,10 @@ def _new_copy(registry, weight, part):
             name=weight.path.replace("/", "_"))
     backing = _compat.backing_variable(variable)
     backing.placement = place.replace(path=variable.path, mesh=None)
+    # Read by the weight's layer: in its compute dtype on the devices under
+    # offload="optimizer+master", as the weight (`tfpar.offload_master`).
+    backing.compute_dtype = getattr(_compat.backing_variable(weight),
+                                    "compute_dtype", None)
     registry.move_to(variable, part.mesh)
     return variable
 

@@ -44,8 +44,10 @@ AXES = {"data8": ({"data": 8}, None, False),
 
 
 def strategy_for(config, offload):
+    """`config`'s strategy, offloading (`offload`: None, "optimizer" or
+    "optimizer+master") to this host's CPU:4-7."""
     axes, rules, fsdp = AXES[config]
-    options = {"offload": "optimizer", "offload_devices": HOST} if (
+    options = {"offload": offload, "offload_devices": HOST} if (
         offload) else {}
     return tfpar.ParallelStrategy(
         tfpar.Mesh(axes, devices=MESH),
@@ -76,7 +78,7 @@ def restored_without_offload(config, model, given):
     predictions and slots, and the offloaded model's slots."""
     directory = f"{workdir}/ckpt_{config}"
     tfpar.save_checkpoint(model, directory)
-    with strategy_for(config, offload=False).scope():
+    with strategy_for(config, None).scope():
         restored = models.host_mlp()
         restored.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
                          metrics=["mae"])
@@ -91,7 +93,7 @@ def restored_without_offload(config, model, given):
     # And back: the restored model's checkpoint (no offload) into a model
     # with offload; one more epoch of each from there.
     tfpar.save_checkpoint(restored, f"{directory}_back")
-    with strategy_for(config, offload=True).scope():
+    with strategy_for(config, "optimizer").scope():
         back = models.host_mlp()
         back.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
                      metrics=["mae"])
@@ -101,6 +103,51 @@ def restored_without_offload(config, model, given):
             given["x"], given["y"], batch_size=32, shuffle=False,
             verbose=0).history["loss"]
         out[f"{name}_more_predict"] = source.predict(given["x"], verbose=0)
+    return out
+
+
+def master_case(config, given):
+    """Under mixed_bfloat16, `config` without offload, with "optimizer"
+    and with "optimizer+master" (the runs of `train`, keys
+    "master_<config>_<run>_..."); where "+master" keeps the devices' and
+    the masters' blocks and the slots on this host; its sharded
+    checkpoint restored without offload (weights and optimizer variables
+    next to the saving model's) and back into "+master"."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    out, key = {}, f"master_{config}"
+    for run, offload in (("plain", None), ("optimizer", "optimizer"),
+                         ("master", "optimizer+master")):
+        model, found = train(config, offload, given)
+        out.update({f"{key}_{run}_{k}": v for k, v in found.items()})
+    trainable = [tfpar._compat.backing_variable(w)  # noqa: SLF001
+                 for w in model.trainable_weights]
+    out[f"{key}_device_blocks"] = sorted({
+        (b.dtype.name, b.device) for w in trainable
+        for b in dtensor.unpack(w.read_value())})
+    out[f"{key}_master_blocks"] = sorted({
+        (b.dtype.name, b.device) for w in trainable
+        for b in dtensor.unpack(w.master.read_value())})
+    out[f"{key}_slot_devices"] = slot_devices(model)
+    directory = f"{workdir}/ckpt_{key}"
+    tfpar.save_checkpoint(model, directory)
+    restored = {}
+    for run, offload, source in (("restored", None, directory),
+                                 ("back", "optimizer+master",
+                                  f"{directory}_plain")):
+        with strategy_for(config, offload).scope():
+            restored[run] = models.host_mlp()
+            restored[run].compile(optimizer=keras.optimizers.Adam(0.01),
+                                  loss="mse", metrics=["mae"])
+        out[f"{key}_{run}_step"] = tfpar.restore_checkpoint(restored[run],
+                                                            source)
+        if offload is None:
+            tfpar.save_checkpoint(restored[run], f"{directory}_plain")
+    for run, source in (("saved", model), *restored.items()):
+        out.update({f"{key}_{run}_w{i}": w
+                    for i, w in enumerate(source.get_weights())})
+        out.update({f"{key}_{run}_opt{i}": v.numpy()
+                    for i, v in enumerate(source.optimizer.variables)})
+    keras.config.set_dtype_policy("float32")
     return out
 
 
@@ -138,8 +185,11 @@ def main():
     given = np.load(f"{workdir}/given.npz")
     out = {"host": tfpar.hosts.host_id(), **refusals()}
     for config in configs:
-        _, plain = train(config, False, given)
-        model, offloaded = train(config, True, given)
+        if config.startswith("master_"):
+            out.update(master_case(config[len("master_"):], given))
+            continue
+        _, plain = train(config, None, given)
+        model, offloaded = train(config, "optimizer", given)
         out.update({f"{config}_plain_{k}": v for k, v in plain.items()})
         out.update({f"{config}_offload_{k}": v for k, v in offloaded.items()})
         out[f"{config}_slot_devices"] = slot_devices(model)

@@ -142,3 +142,60 @@ def test_offload_across_hosts_data_and_tensor_parallel(tmp_path):
     results, reference = _run_hosts(tmp_path, ["data8", "tp"])
     for config in ("data8", "tp"):
         _check(results, reference, config)
+
+
+def _check_master(host, h, config):
+    """`offload="optimizer+master"` across hosts on host `h`: the same
+    losses, weights, evaluate and predict as "optimizer" and no offload
+    (mixed_bfloat16, to the bit); this host's devices hold bfloat16 blocks
+    only, its CPU:4-7 the float32 masters and the slots; per mesh device
+    half the params and no optimizer state; the checkpoint restored
+    without offload and back: weights and optimizer variables equal."""
+    key = f"master_{config}"
+    runs = {run: {k[len(f"{key}_{run}_"):]: v for k, v in host.items()
+                  if k.startswith(f"{key}_{run}_")}
+            for run in ("plain", "optimizer", "master")}
+    for name in ("losses", "evaluate", "predict",
+                 *(f"w{i}" for i in range(6))):
+        for run in ("plain", "optimizer"):
+            np.testing.assert_array_equal(runs["master"][name],
+                                          runs[run][name], err_msg=name)
+    task = f"/job:worker/replica:0/task:{h}/device:CPU:"
+    assert [tuple(b) for b in host[f"{key}_device_blocks"]] == [
+        ("bfloat16", f"{task}{k}") for k in range(4)]
+    assert [tuple(b) for b in host[f"{key}_master_blocks"]] == [
+        ("float32", f"{task}{k}") for k in range(4, 8)]
+    assert list(host[f"{key}_slot_devices"]) == [
+        f"{task}{k}" for k in range(4, 8)]
+    before = ast.literal_eval(str(runs["plain"]["memory"]))
+    after = ast.literal_eval(str(runs["master"]["memory"]))
+    for device, cpu in zip(MESH, HOST):
+        assert before[device]["optimizer"] == 2 * before[device]["params"] > 0
+        assert after[device]["params"] == before[device]["params"] // 2
+        assert after[device]["optimizer"] == 0
+        assert after[cpu]["params"] == before[device]["params"]
+        assert after[cpu]["optimizer"] == before[device]["optimizer"]
+    assert int(host[f"{key}_restored_step"]) == 6
+    assert int(host[f"{key}_back_step"]) == 6
+    saved = sorted(k for k in host if k.startswith(f"{key}_saved_"))
+    assert len(saved) == 6 + 2 + 2 * 6  # weights; iterations, rate, m, v
+    for name in saved:
+        assert host[name].dtype != np.dtype("bfloat16")
+        for run in ("restored", "back"):
+            np.testing.assert_array_equal(
+                host[name], host[name.replace("_saved_", f"_{run}_")],
+                err_msg=name)
+
+
+@pytest.mark.slow
+def test_master_offload_across_hosts(tmp_path):
+    """"optimizer+master" on data=8 fsdp across the two hosts (each host's
+    masters and slots on its own CPUs), checked on both; both hosts'
+    weights equal."""
+    results, _ = _run_hosts(tmp_path, ["master_fsdp"])
+    for h, host in enumerate(results):
+        assert int(host["host"]) == h
+        _check_master(host, h, "fsdp")
+    for i in range(6):
+        np.testing.assert_array_equal(results[0][f"master_fsdp_master_w{i}"],
+                                      results[1][f"master_fsdp_master_w{i}"])

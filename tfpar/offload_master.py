@@ -82,9 +82,6 @@ def check(strategy, mesh):
                    "float32 master itself and nothing is saved. Use "
                    "offload='optimizer', or set a mixed policy first "
                    "(keras.config.set_dtype_policy('mixed_bfloat16'))")
-    elif dtensor.num_clients() > 1:
-        problem = ("it is not done across hosts (not tested). Use "
-                   "offload='optimizer' across hosts")
     if problem:
         raise ValueError(
             f"ParallelStrategy(offload={OPTION!r}): {problem}. Received: "

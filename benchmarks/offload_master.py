@@ -2,11 +2,15 @@
 `offload="optimizer"` and no offload, under mixed_bfloat16.
 
     python benchmarks/offload_master.py [--width 256 --steps 8 --rounds 3]
+    python benchmarks/offload_master.py --pipeline   # a PipelineModel
 
 On 8 virtual CPUs (of 16: CPU:8-15 the offload "host"), data=8 fsdp, the
 benchmark MLP shape (two Dense layers of `width`), Adam: the median `fit`
 step time of each configuration (interleaved rounds in one process) and
-`memory_per_device()` of mesh device CPU:0 and host device CPU:8. Here the
+`memory_per_device()` of mesh device CPU:0 and host device CPU:8. With
+`--pipeline`: the same MLP as a 1F1B `PipelineModel` on pipe=2 x data=4
+(one Dense layer per stage, 4 micro-batches), CPU:0 and CPU:8 holding
+stage 0's weights and their host copies. Here the
 "host" is other virtual CPUs of the same process (the same memory and two
 cores): the rows show placement and the round trip's cost, not saved RAM.
 """
@@ -24,18 +28,21 @@ CONFIGS = {"no offload": None, "optimizer": "optimizer",
            "optimizer+master": "optimizer+master"}
 
 
-def _model(keras, tfpar, offload, width):
+def _model(keras, tfpar, offload, width, pipeline):
     host = {} if offload is None else {
         "offload": offload, "offload_devices": [f"CPU:{i}"
                                                 for i in range(8, 16)]}
+    axes = {"pipe": 2, "data": 4} if pipeline else {"data": 8}
     strategy = tfpar.ParallelStrategy(
-        tfpar.Mesh({"data": 8}, devices=[f"CPU:{i}" for i in range(8)]),
-        fsdp=True, **host)
+        tfpar.Mesh(axes, devices=[f"CPU:{i}" for i in range(8)]),
+        fsdp=not pipeline, **host)
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((width,)),
             keras.layers.Dense(width * 4, activation="relu"),
             keras.layers.Dense(width)])
+        if pipeline:
+            model = tfpar.PipelineModel(model, num_microbatches=4)
         model.compile(optimizer="adam", loss="mse")
     return strategy, model
 
@@ -45,6 +52,7 @@ def main():
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pipeline", action="store_true")
     args = parser.parse_args()
     import numpy as np  # noqa: PLC0415
 
@@ -56,7 +64,7 @@ def main():
     keras.config.set_dtype_policy("mixed_bfloat16")
     x = np.random.default_rng(0).standard_normal(
         (64 * args.steps, args.width)).astype("float32")
-    runs = {name: _model(keras, tfpar, offload, args.width)
+    runs = {name: _model(keras, tfpar, offload, args.width, args.pipeline)
             for name, offload in CONFIGS.items()}
     times = {name: [] for name in runs}
     for name, (_, model) in runs.items():  # compile and warm up
@@ -66,7 +74,9 @@ def main():
             start = time.perf_counter()
             model.fit(x, x, batch_size=64, verbose=0)
             times[name].append((time.perf_counter() - start) / args.steps)
-    print(f"data=8 fsdp, MLP width {args.width}, Adam, mixed_bfloat16")
+    mesh = ("pipe=2 x data=4, 1F1B, 4 micro-batches" if args.pipeline
+            else "data=8 fsdp")
+    print(f"{mesh}, MLP width {args.width}, Adam, mixed_bfloat16")
     print(f"{'config':18} {'ms/step':>8} {'CPU:0 params':>13} "
           f"{'CPU:0 opt':>10} {'CPU:8 params':>13} {'CPU:8 opt':>10}")
     for name, (strategy, _) in runs.items():

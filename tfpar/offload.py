@@ -159,7 +159,7 @@ def attach(optimizer, strategy, mesh=None):
         return existing
     _check_optimizer(optimizer)
     if strategy.dims.offload == offload_master.OPTION:
-        offload_master.check(strategy, mesh)
+        offload_master.check()
     offload = Offload(optimizer, strategy, host_mesh(strategy.dims, mesh))
     optimizer._tfpar_offload = offload  # noqa: SLF001 (tfpar's own)
     return offload

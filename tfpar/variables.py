@@ -262,6 +262,18 @@ def _keras_kwargs(backing):
             "compute_dtype": getattr(backing, "compute_dtype", None)}
 
 
+def _on_host(host_creator, initial_value, kwargs, place, layer):
+    """A weight made by `host_creator` on the host (CPU:0) until a
+    `PipelineModel` moves it to its stage, noting its `place` and the
+    compute dtype of `layer` for its ShardedVariable there
+    (`tfpar.offload_master` keeps a weight in it)."""
+    with tf.device("CPU:0"):
+        variable = host_creator(initial_value=initial_value, **kwargs)
+    variable.placement = place
+    variable.compute_dtype = getattr(layer, "compute_dtype", None)
+    return variable
+
+
 class VariableRegistry:
     """The live variables one strategy made, in creation order, and how they
     are made, adopted, moved and re-laid out (each through
@@ -342,13 +354,8 @@ class VariableRegistry:
         place = Placement(path, plan.kind, plan.spec, mesh, plan.compute_spec)
         with tf.init_scope():  # also when first built inside a tf.function
             if mesh is None:  # on the host until PipelineModel places it
-                with tf.device("CPU:0"):
-                    variable = host_creator(initial_value=initial_value,
-                                            **kwargs)
-                variable.placement = place
-                # Kept for its ShardedVariable (`tfpar.offload_master`).
-                variable.compute_dtype = getattr(layer, "compute_dtype", None)
-                return self._track(variable)
+                return self._track(_on_host(host_creator, initial_value,
+                                            kwargs, place, layer))
             value = placement_lib.put(
                 placement_lib.same_on_every_host(initial_value), plan.spec,
                 mesh, dtype=kwargs.get("dtype"))

@@ -19,7 +19,9 @@ WORKDIR/ckpt_<CONFIG>), a model without offload restored from it (its
 predictions and optimizer variables next to the offloaded ones), and the
 way back: that model's checkpoint restored into a model with offload, and
 one more epoch of each; and the errors of what offload refuses across
-hosts.
+hosts. A CONFIG "master_<config>" (e.g. "master_fsdp") instead trains
+<config> under mixed_bfloat16 without offload, with "optimizer" and with
+"optimizer+master" (`master_case`).
 """
 
 import sys

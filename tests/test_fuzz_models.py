@@ -7,8 +7,9 @@ off, a model from a small grammar of Keras layers (Dense, EinsumDense,
 Embedding, Conv1D, LayerNormalization, BatchNormalization, Dropout and
 GaussianNoise (in training),
 MultiHeadAttention, a custom `add_weight` layer) with random widths, and
-one random spec per weight (each dimension None or a mesh axis other than
-data, divisible or not; sometimes a wrong rank or an unknown axis), and
+one random spec per weight (each dimension None or a mesh axis, the data
+axis included, divisible or not; sometimes a wrong rank or an unknown
+axis), and
 Keras recomputation (none, every layer, some layers) for the parallel
 model. Two steps of plain SGD must then give the one-device losses and
 weights within 1e-4 (or, for a value that is float32 rounding noise, within
@@ -150,11 +151,10 @@ def draw_rules(model, axes, picks):
     # Cycled: a large model (28 weights of up to 3 dimensions) needs more
     # integers than were drawn (the long profile ran out: StopIteration).
     picks = itertools.cycle([(p * 2654435761 >> 7) % 65521 for p in picks])
-    # Not the data axis: found by this fuzzing, not fixed, rules that split
-    # weights over it (without fsdp) can crash DTensor's SPMD expansion
-    # ("EmitAllScatter was passed a desired_layout ... not more sharded",
-    # at a tf.Mean) on extra=2 x model=2 x data=2 with MultiHeadAttention.
-    names = [name for name in axes if name != "data"]
+    # The data axis too (issue 17): a weight split over it is computed
+    # whole over it, gathered in the step as fsdp's are
+    # (tests/test_data_axis_rules.py).
+    names = list(axes)
     rules = {}
     for weight in model.weights:
         spec, free = [], list(names)

@@ -9,6 +9,7 @@ without recomputation.
 """
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -256,8 +257,17 @@ def build_noise(remat, draw=None):
     return keras.Model(x, keras.layers.Dense(3, name="out")(noisy(x)))
 
 
-@pytest.mark.parametrize("build_model", [build_noisy, build_noise],
-                         ids=["dropout", "gaussian-noise"])
+def shuffled_ramp(shape, seed):
+    """keras.random.shuffle of 0, 1/n, ..., (n-1)/n along the features."""
+    ramp = keras.ops.arange(shape[-1], dtype="float32") / shape[-1]
+    return keras.random.shuffle(keras.ops.ones(shape) * ramp, axis=1,
+                                seed=seed)
+
+
+@pytest.mark.parametrize("build_model", [
+    build_noisy, build_noise,
+    functools.partial(build_noise, draw=shuffled_ramp)],
+    ids=["dropout", "gaussian-noise", "shuffle"])
 def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
         build_model):
     """On data=2×model=4 DTensor may lay a recomputed tensor out otherwise
@@ -265,7 +275,8 @@ def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
     numbers are drawn whole on every device (one device's whatever the
     layout, tests/test_random_layers.py), so recomputing them replays the
     forward pass's: the losses, weights and moving statistics are one
-    device's without recomputation (GaussianNoise was refused before)."""
+    device's without recomputation (GaussianNoise was refused before, and
+    so was keras.random.shuffle until its numbers were drawn whole)."""
     keras.utils.set_random_seed(0)
     single = build_model(False)
     weights = single.get_weights()

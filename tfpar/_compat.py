@@ -430,7 +430,10 @@ def _one_device_shuffle_in_step(original, hooks):
         x = tf.convert_to_tensor(x)
         numbers = replicate(tf.random.stateless_uniform(
             shape=[tf.shape(x)[axis]], seed=seed))
-        return tf.gather(x, tf.argsort(numbers), axis=axis)
+        # Whole too: DTensor asked TopKV2 for a split output when recomputed
+        # under tensor parallelism ("The last dimensions of TopKV2Op
+        # outputs should be UNSHARDED").
+        return tf.gather(x, replicate(tf.argsort(numbers)), axis=axis)
 
     return shuffle
 

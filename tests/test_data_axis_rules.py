@@ -130,7 +130,8 @@ def test_a_clash_of_the_other_axes_is_refused_alike_with_or_without_data(
     extra=2 x model=2 x data=2: x * gamma split over "model" feeds a Dense
     whose kernel splits the contracted dimension over "extra". DTensor
     cannot contract over two axes; a data entry elsewhere changes nothing:
-    the same ValueError naming the kernel, before the first step."""
+    the same ValueError naming the kernel and its rule, before the first
+    step."""
     rules = {r"scale/gamma": ("model",), r"out/kernel": ("extra", None)}
     if data_entry:
         rules[r"up/kernel"] = ("data", None)
@@ -142,7 +143,8 @@ def test_a_clash_of_the_other_axes_is_refused_alike_with_or_without_data(
     before = model.get_weights()
     x, y = models.mlp_data()
     with pytest.raises(ValueError, match=(
-            r"tf.MatMul op failed: Contracting dimension(?s:.*)'out/kernel'")):
+            r"tf.MatMul op failed: Contracting dimension(?s:.*)weight "
+            r"'out/kernel'.*by rule 'out/kernel'")):
         model.fit(x, y[:, :3], batch_size=16, epochs=1, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)

@@ -503,7 +503,8 @@ def _random_crop_under_tfpar(original, hooks):
     training (one device's `predict` fails the same way).
     In training, in a step: the drawn window cut by
     `spmd_ops.crop_by_gather` (the same values as Keras' slice, which
-    DTensor lays out wrongly). Elsewhere Keras' runs."""
+    DTensor lays out wrongly). Elsewhere Keras' runs. (Bounding boxes and
+    segmentation masks are Keras' own: untested under tfpar.)"""
     from tfpar import spmd_ops  # noqa: PLC0415
 
     @functools.wraps(original)

@@ -9,9 +9,9 @@ convolution must have fully replicated layout". `explaining(function, ...)`
 re-raises such an error as a `ValueError` naming the op, DTensor's reason,
 the weights whose per-device blocks are the op's operands (matched by block
 shape; failing that, every weight with a non-replicated layout) with their
-layers, layouts and the rules that laid them out, and what to change. DTensor's own error is its
-`__cause__` (Keras drops that chain from the traceback it shows unless
-`keras.config.disable_traceback_filtering()`).
+layers, layouts and the rules that laid them out, and what to change.
+DTensor's own error is its `__cause__` (Keras drops that chain from the
+traceback it shows unless `keras.config.disable_traceback_filtering()`).
 
 Example:
 

@@ -509,8 +509,8 @@ def _check_random_recomputation(generator):
     and so does shuffle's; gamma, beta and binomial are refused in any step
     (DTensor cannot lay them out); other draws from a seed generator
     (keras.random.categorical, a TF op on `SeedGenerator.next()`) may
-    still draw per block. On data (× pipe) meshes tensors are split by the batch
-    alone, and the numbers are the same.
+    still draw per block. On data (× pipe) meshes tensors are split by the
+    batch alone, and the numbers are the same.
     """
     context = tf.distribute.get_replica_context()
     if not isinstance(context, _SPMDReplicaContext):

@@ -278,8 +278,9 @@ def test_recomputed_embedding_and_split_batchnorm_gamma_match_one_device():
     whose gamma (or beta) a rule splits over `extra`, on extra=4 (no data
     axis), every layer recomputed (`RematScope(mode="full")`): the first
     loss is one device's, the second 2.6% off — a silent wrong result.
-    Without the recomputation, without the Embedding branch, or with only
-    `moving_variance` split it trains as one device."""
+    The join matters (a Dense branch fails too, the Embedding alone does
+    not); without the recomputation, or with only `moving_variance` split,
+    it trains as one device."""
     trunk, embed_dim = [("batchnorm", 0)], 16
     keras.utils.set_random_seed(0)
     single = build(trunk, embed_dim)

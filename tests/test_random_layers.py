@@ -14,7 +14,14 @@ fsdp, or a pipeline's micro-batches (as one device with
 `gradient_accumulation_steps=m`, one seed per micro-batch in order).
 Keras' preprocessing layers draw with `random.uniform` too: RandomFlip
 (whose `numpy.flip` a step runs as gathers, DTensor cannot lay out
-ReverseV2) and RandomContrast train as one device on data meshes.
+ReverseV2) and RandomContrast train as one device on data meshes;
+RandomCrop too, also on data x model (Keras 3.15 does not crop at
+inference, keras-team/keras#21868, which failed every strategy's build:
+under tfpar the inference crop is the centred one Keras documents, and a
+step cuts the drawn window by gathers). `keras.random.shuffle` draws one
+device's permutation (also recomputed); `gamma`, `beta` and `binomial`
+are refused in a step with a ValueError (DTensor 2.21 cannot lay out
+their TF ops at all, tests/dtensor_random_gamma_repro.py).
 """
 
 import contextlib
@@ -145,3 +152,160 @@ def test_random_flip_and_contrast_match_one_device(axes):
         want_losses, got_losses)
     for a, b in zip(want, got):
         assert models.relative_error(a, b) < RTOL
+
+
+class Shuffled(keras.layers.Layer):
+    """x shuffled along `axis` by `keras.random.shuffle` in training."""
+
+    def __init__(self, axis, **kwargs):
+        super().__init__(**kwargs)
+        self.axis = axis
+        self.seed_generator = keras.random.SeedGenerator(5)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return keras.random.shuffle(x, axis=self.axis,
+                                    seed=self.seed_generator)
+
+
+@pytest.mark.parametrize("axes,kwargs", [
+    pytest.param({"data": 2}, {}, marks=pytest.mark.slow),
+    ({"data": 2, "model": 4}, dict(rules=COLUMN))],
+    ids=["data2", "data2xmodel4"])
+def test_shuffle_matches_one_device(axes, kwargs):
+    """keras.random.shuffle of the batch (split over data) and of the
+    features (split over model under COLUMN) in one model: one device's
+    permutations (its uniform numbers drawn whole in a step,
+    `_compat._one_device_shuffle_in_step`; here DTensor laid Keras' own
+    draw out whole too, and it matched before: what the patch changes is
+    recomputation, tests/test_recompute.py)."""
+    def build(axis=0):
+        x = keras.Input((16,))
+        h = keras.layers.Dense(32, activation="tanh", name="up")(x)
+        if axis is not None:
+            h = Shuffled(1, name="features")(Shuffled(0, name="batch")(h))
+        h = keras.layers.Dense(16, activation="tanh", name="down")(h)
+        return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+    fit = test_dropout_parity.fit_in_order
+    want_losses, want = fit(build, None, weights)
+    devices = [f"CPU:{i}" for i in range(int(np.prod(list(axes.values()))))]
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
+                                      **kwargs)
+    got_losses, got = fit(build, strategy, weights)
+    plain_losses, _ = fit(lambda: build(None), None, weights)
+    assert models.relative_error(want_losses, plain_losses) > 1e-2
+    assert models.relative_error(want_losses, got_losses) < RTOL, (
+        want_losses, got_losses)
+    for a, b in zip(want, got):
+        assert models.relative_error(a, b) < RTOL
+
+
+class Refused(keras.layers.Layer):
+    """x + keras.random.<name>(...) in training."""
+
+    DRAWS = {"gamma": lambda shape, seed: keras.random.gamma(
+                 shape, 2.0, seed=seed),
+             "beta": lambda shape, seed: keras.random.beta(
+                 shape, 2.0, 3.0, seed=seed),
+             "binomial": lambda shape, seed: keras.random.binomial(
+                 shape, 3.0, 0.5, seed=seed)}
+
+    def __init__(self, draw, **kwargs):
+        super().__init__(**kwargs)
+        self.draw = draw
+        self.seed_generator = keras.random.SeedGenerator(5)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + self.DRAWS[self.draw](keras.ops.shape(x),
+                                         self.seed_generator)
+
+
+@pytest.mark.parametrize("draw", sorted(Refused.DRAWS))
+def test_gamma_beta_binomial_are_refused_before_the_first_step(draw):
+    """DTensor 2.21 cannot lay out TF's gamma and binomial draws, not even
+    replicated (tests/dtensor_random_gamma_repro.py): refused with a
+    ValueError naming Keras' op, the layer and what to do, before any
+    weight changes (it was DTensor's compile error, advising to change
+    the weights' layouts)."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"]))
+    with strategy.scope():
+        x = keras.Input((16,))
+        h = Refused(draw, name="drawing")(keras.layers.Dense(8)(x))
+        model = keras.Model(x, keras.layers.Dense(3)(h))
+        model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=(
+            rf"keras.random.{draw} cannot run in a tfpar step(?s:.*)input "
+            rf"pipeline(?s:.*)Received: keras.random.{draw} called under "
+            r"'.*drawing")):
+        models.fit_mlp(model)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # Outside a step Keras' op runs (here: eagerly, on one device).
+    assert keras.ops.shape(Refused.DRAWS[draw]((2, 3), 1)) == (2, 3)
+
+
+def build_cropped(crop=True, seed=1):
+    """(8, 8, 2) images -> RandomCrop(6, 6) -> Conv2D -> up(8) -> out(3);
+    `crop` False: (6, 6, 2) images in, no crop layer."""
+    x = keras.Input((8, 8, 2) if crop else (6, 6, 2))
+    h = keras.layers.RandomCrop(6, 6, seed=seed, name="crop")(x) if crop else x
+    h = keras.layers.Conv2D(4, 3, name="conv")(h)
+    h = keras.layers.Dense(8, activation="tanh", name="up")(
+        keras.layers.Flatten()(h))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+@pytest.mark.parametrize("axes,rules", [
+    ({"data": 2}, None), ({"data": 2, "model": 4}, COLUMN)],
+    ids=["data2", "data2xmodel4"])
+def test_random_crop_matches_one_device(axes, rules):
+    """RandomCrop failed before training under tfpar (and under
+    MirroredStrategy): Keras 3.15 does not crop at inference
+    (keras-team/keras#21868) and builds the model under a strategy with an
+    inference call. Under tfpar it trains as one device (its drawn windows
+    cut by gathers in a step) and predicts with the centred crop Keras
+    documents (one device's `predict` fails there)."""
+    rules = rules and {r"up/kernel": (None, "model"), r"up/bias": ("model",),
+                       r"out/kernel": ("model", None)}
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(64, 8, 8, 2)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+
+    def fit(strategy, weights, seed=1):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = build_cropped(seed=seed)
+            model.set_weights(weights)
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return np.array(losses.losses), model
+
+    keras.utils.set_random_seed(0)
+    weights = build_cropped().get_weights()
+    want_losses, single = fit(None, weights)
+    devices = [f"CPU:{i}" for i in range(int(np.prod(list(axes.values()))))]
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
+                                      rules=rules)
+    got_losses, model = fit(strategy, weights)
+    other_losses, _ = fit(None, weights, seed=11)  # the windows matter
+    assert models.relative_error(want_losses, other_losses) > 1e-3
+    assert models.relative_error(want_losses, got_losses) < RTOL, (
+        want_losses, got_losses)
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        assert models.relative_error(a, b) < RTOL
+    # Inference: the whole 8x8 image (its 1:1 window) resized to 6x6.
+    uncropped = build_cropped(crop=False)
+    uncropped.set_weights(model.get_weights())
+    resized = keras.ops.image.resize(x[:8], (6, 6))
+    np.testing.assert_allclose(model.predict(x[:8], verbose=0),
+                               uncropped.predict(resized, verbose=0),
+                               rtol=1e-4, atol=1e-5)

@@ -9,6 +9,7 @@ without recomputation.
 """
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -256,8 +257,17 @@ def build_noise(remat, draw=None):
     return keras.Model(x, keras.layers.Dense(3, name="out")(noisy(x)))
 
 
-@pytest.mark.parametrize("build_model", [build_noisy, build_noise],
-                         ids=["dropout", "gaussian-noise"])
+def shuffled_ramp(shape, seed):
+    """keras.random.shuffle of 0, 1/n, ..., (n-1)/n along the features."""
+    ramp = keras.ops.arange(shape[-1], dtype="float32") / shape[-1]
+    return keras.random.shuffle(keras.ops.ones(shape) * ramp, axis=1,
+                                seed=seed)
+
+
+@pytest.mark.parametrize("build_model", [
+    build_noisy, build_noise,
+    functools.partial(build_noise, draw=shuffled_ramp)],
+    ids=["dropout", "gaussian-noise", "shuffle"])
 def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
         build_model):
     """On data=2×model=4 DTensor may lay a recomputed tensor out otherwise
@@ -265,7 +275,8 @@ def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
     numbers are drawn whole on every device (one device's whatever the
     layout, tests/test_random_layers.py), so recomputing them replays the
     forward pass's: the losses, weights and moving statistics are one
-    device's without recomputation (GaussianNoise was refused before)."""
+    device's without recomputation (GaussianNoise was refused before, and
+    so was keras.random.shuffle until its numbers were drawn whole)."""
     keras.utils.set_random_seed(0)
     single = build_model(False)
     weights = single.get_weights()
@@ -285,24 +296,27 @@ def test_random_layers_recomputed_under_tensor_parallelism_match_one_device(
         assert models.relative_error(a, b) < RTOL
 
 
-def gamma(shape, seed):
-    return keras.random.gamma(shape, alpha=2.0, seed=seed)
+def tf_uniform(shape, seed):
+    """A TF op on the generator's seed (not Keras' random ops)."""
+    return tf.random.stateless_uniform(
+        shape, seed=tf.cast(seed.next() % 65536, "int32"))
 
 
 def test_other_random_ops_are_not_recomputed_under_tensor_parallelism():
-    """keras.random.gamma still draws its numbers per device block:
-    recomputing it on data=2×model=4 could draw other numbers, refused
-    before the first step (data-only meshes are fine, above)."""
+    """A TF random op on `SeedGenerator.next()` still draws its numbers per
+    device block: recomputing it on data=2×model=4 could draw other
+    numbers, refused before the first step (data-only meshes are fine,
+    above)."""
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 4}),
         rules={r".*dense/kernel": (None, "model"),
                r".*dense/bias": ("model",)})
     with strategy.scope():
-        model = build_noise(remat=True, draw=gamma)
+        model = build_noise(remat=True, draw=tf_uniform)
         model.compile(optimizer="sgd", loss="mse")
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=(
-            "draws random numbers.*seed_generator.*gamma.*'model': 4")):
+            "draws random numbers.*seed_generator.*'model': 4")):
         models.fit_mlp(model)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)

@@ -411,6 +411,69 @@ def _one_device_draw_in_step(original, hooks):
     return draw
 
 
+def _one_device_shuffle_in_step(original, hooks):
+    """Keras' TF `random.shuffle` in a step, with one device's permutation:
+    Keras' own code (the argsort of uniform numbers, one per element along
+    `axis`, and a gather) with the uniform numbers laid out whole on every
+    device (`replicate`), as `_one_device_draw_in_step` draws them; DTensor
+    would otherwise draw them per block where the gather's operand is split.
+    Outside a step Keras' op runs."""
+    from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def shuffle(x, axis=0, seed=None):
+        replicate = hooks.replicate_in_step()
+        if replicate is None:
+            return original(x, axis=axis, seed=seed)
+        with hooks.layout_free_draw():  # a recomputation may replay it
+            seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        x = tf.convert_to_tensor(x)
+        numbers = replicate(tf.random.stateless_uniform(
+            shape=[tf.shape(x)[axis]], seed=seed))
+        # Whole too: DTensor asked TopKV2 for a split output when recomputed
+        # under tensor parallelism ("The last dimensions of TopKV2Op
+        # outputs should be UNSHARDED").
+        return tf.gather(x, replicate(tf.argsort(numbers)), axis=axis)
+
+    return shuffle
+
+
+# Keras' TF random ops whose TF op DTensor 2.21 cannot lay out at all, not
+# even replicated ("does not implement layout propagation",
+# tests/dtensor_random_gamma_repro.py): refused when a step is traced.
+REFUSED_DRAWS = {"gamma": "StatelessRandomGammaV3",
+                 "beta": "StatelessRandomGammaV3",
+                 "binomial": "StatelessRandomBinomial"}
+
+
+def _refused_draw_in_step(name):
+    """The factory of a Keras random op of `REFUSED_DRAWS` that raises a
+    ValueError in a step (before the step runs: no weight changes), naming
+    the op, where it was called and what to do instead; elsewhere Keras'
+    op runs."""
+
+    def make(original, hooks):
+        @functools.wraps(original)
+        def draw(*args, **kwargs):
+            if not hooks.in_step():
+                return original(*args, **kwargs)
+            raise ValueError(
+                f"keras.random.{name} cannot run in a tfpar step: DTensor "
+                f"(TF 2.21) cannot lay out TF's {REFUSED_DRAWS[name]} op, "
+                "not even replicated (tests/dtensor_random_gamma_repro.py). "
+                "Draw these numbers outside the model, e.g. in the input "
+                "pipeline (tf.data .map with tf.random.stateless_"
+                f"{'binomial' if name == 'binomial' else 'gamma'}) and pass "
+                "them in as an input, or draw with an op tfpar runs as one "
+                "device (keras.random.normal, uniform, truncated_normal, "
+                "randint, dropout, shuffle). Received: keras.random."
+                f"{name} called under {tf.get_current_name_scope()!r}.")
+
+        return draw
+
+    return make
+
+
 def _gathered_flip_in_step(original, hooks):
     """Keras' TF `numpy.flip` as `spmd_ops.reverse_by_gather` in a step
     (DTensor cannot lay out TF's ReverseV2: RandomFlip failed); elsewhere
@@ -426,6 +489,43 @@ def _gathered_flip_in_step(original, hooks):
             x, range(x.shape.rank) if axis is None else axis)
 
     return flip
+
+
+def _random_crop_under_tfpar(original, hooks):
+    """Keras' `RandomCrop.transform_images` under a tfpar strategy.
+
+    At inference (training=False): the largest centred window of the target
+    aspect ratio, resized to (height, width), as Keras' docstring says.
+    Keras 3.15 returns the image uncropped there (keras-team/keras#21868),
+    and under any tf.distribute strategy (tfpar's, MirroredStrategy) Keras
+    builds the model before `fit` with an inference call, so the next
+    layer, built for 6x6 images, saw 8x8 ones: a Keras shape error before
+    training (one device's `predict` fails the same way).
+    In training, in a step: the drawn window cut by
+    `spmd_ops.crop_by_gather` (the same values as Keras' slice, which
+    DTensor lays out wrongly). Elsewhere Keras' runs. (Bounding boxes and
+    segmentation masks are Keras' own: untested under tfpar.)"""
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def transform_images(self, images, transformation, training=True):
+        if not hooks.owns(tf.distribute.get_strategy()):
+            return original(self, images, transformation, training=training)
+        if not training:
+            images = self.backend.image.resize(
+                self.backend.cast(images, self.compute_dtype),
+                size=(self.height, self.width), crop_to_aspect_ratio=True,
+                data_format=self.data_format)
+        elif hooks.in_step() and all(
+                isinstance(s, tf.Tensor) for s in transformation):
+            images = spmd_ops.crop_by_gather(
+                images, transformation, (self.height, self.width),
+                (self.height_axis, self.width_axis))
+        else:
+            return original(self, images, transformation, training=training)
+        return self.backend.cast(images, self.compute_dtype)
+
+    return transform_images
 
 
 def _replicated_batch_moments_in_step(original, hooks):
@@ -534,6 +634,13 @@ def _batch_normalization():
     return batch_normalization.BatchNormalization
 
 
+def _random_crop():
+    from keras.src.layers.preprocessing.image_preprocessing import (  # noqa: PLC0415
+        random_crop)
+
+    return random_crop.RandomCrop
+
+
 def _keras_layer():
     from keras.src.layers import layer  # noqa: PLC0415
 
@@ -561,6 +668,11 @@ _STRATEGY_PATCHES = (
     Patch("dropout", _keras_random, "dropout", _one_device_dropout_in_step),
     *(Patch(name, _keras_random, name, _one_device_draw_in_step)
       for name in SHAPED_DRAWS),
+    Patch("random_crop", _random_crop, "transform_images",
+          _random_crop_under_tfpar),
+    Patch("shuffle", _keras_random, "shuffle", _one_device_shuffle_in_step),
+    *(Patch(name, _keras_random, name, _refused_draw_in_step(name))
+      for name in REFUSED_DRAWS),
     Patch("batch_moments", _batch_normalization, "_moments",
           _replicated_batch_moments_in_step),
     Patch("add_weight", _keras_layer, "add_weight",

@@ -9,9 +9,9 @@ convolution must have fully replicated layout". `explaining(function, ...)`
 re-raises such an error as a `ValueError` naming the op, DTensor's reason,
 the weights whose per-device blocks are the op's operands (matched by block
 shape; failing that, every weight with a non-replicated layout) with their
-layers and layouts, and what to change. DTensor's own error is its
-`__cause__` (Keras drops that chain from the traceback it shows unless
-`keras.config.disable_traceback_filtering()`).
+layers, layouts and the rules that laid them out, and what to change.
+DTensor's own error is its `__cause__` (Keras drops that chain from the
+traceback it shows unless `keras.config.disable_traceback_filtering()`).
 
 Example:
 
@@ -31,7 +31,7 @@ failed: Filter for convolution must have fully replicated layout.
 Weights involved (their per-device blocks are the op's operands):
   layer 'sequential/conv' (Conv2D): weight 'sequential/conv/kernel' shape
   (3, 3, 4, 8), layout (None, None, 'model', None), per-device block
-  (3, 3, 1, 8)
+  (3, 3, 1, 8), by rule '.*conv/kernel'
 What to change: DTensor's convolutions take only replicated filters: ...
 """
 
@@ -94,6 +94,7 @@ def explain(message, model, extended, mode="train"):
                     for dims in _TENSOR.findall(signature)}
     owners = {id(w): layer for layer in _compat.all_layers(model)
               for w in layer.weights}
+    rules = getattr(extended, "rules", None)
     split, involved = [], []
     for weight in model.weights:
         info = extended.registry.placement_of(weight)
@@ -104,7 +105,9 @@ def explain(message, model, extended, mode="train"):
                   for spec in (info.spec, info.compute_spec)}
         if all(block == shape for block in blocks):
             continue  # replicated (or over axes of size 1)
-        line = _describe(weight, owners.get(id(weight)), info, shape)
+        pattern = (rules.pattern_for(weight.path) if isinstance(
+            rules, layout_lib.LayoutRules) else None)
+        line = _describe(weight, owners.get(id(weight)), info, shape, pattern)
         split.append(line)
         if blocks & operands:
             involved.append(line)
@@ -127,11 +130,12 @@ def explain(message, model, extended, mode="train"):
         f"{reason}\n{listed}\nWhat to change: {advice}")
 
 
-def _describe(weight, layer, info, shape):
+def _describe(weight, layer, info, shape, pattern=None):
     owner = weight.path.rsplit("/", 1)[0]
     kind = f" ({type(layer).__name__})" if layer is not None else ""
     computed = ("" if info.compute_spec == info.spec
                 else f", computed as {info.compute_spec}")
     block = layout_lib.shard_shape(shape, info.spec, info.mesh)
+    rule = f", by rule {pattern!r}" if pattern is not None else ""
     return (f"  layer {owner!r}{kind}: weight {weight.path!r} shape {shape}, "
-            f"layout {info.spec}{computed}, per-device block {block}")
+            f"layout {info.spec}{computed}, per-device block {block}{rule}")

@@ -154,6 +154,21 @@ class LayoutRules:
             )
         return spec
 
+    def pattern_for(self, path):
+        """The pattern of the rule that lays out the variable at `path` (a
+        spec rule matching it, or a style rule matching its layer), or None.
+        Unlike `spec_for`, it marks no rule used.
+
+        >>> tfpar.LayoutRules({r".*up/kernel": (None, "model")}).pattern_for(
+        ...     "sequential/up/kernel")
+        '.*up/kernel'
+        """
+        for pattern, regex, spec in self._rules:
+            if (layer_prefix_match(regex, path) is not None
+                    if _is_style(spec) else regex.fullmatch(path)):
+                return pattern
+        return None
+
     def unmatched(self):
         """Patterns that have matched no variable so far."""
         return [p for p, _, _ in self._rules if p not in self._matched]

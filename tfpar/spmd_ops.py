@@ -2,8 +2,8 @@
 
 Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
-`ops.divide(sparse, dense)`, `ops.einsum` of two activations and TF's
-`tensor[key]` use these instead of
+`ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
+RandomCrop's drawn window and TF's `tensor[key]` use these instead of
 ops DTensor cannot lay out or lays out wrongly. Each gives the same values
 as the op it replaces (the sampler: the same distribution).
 
@@ -197,4 +197,19 @@ def reverse_by_gather(x, axis):
         a %= rank
         n = tf.shape(x)[a]
         x = tf.gather(x, tf.range(n - 1, -1, -1), axis=a)
+    return x
+
+
+def crop_by_gather(x, starts, sizes, axes):
+    """`x` cut to `sizes[k]` elements from `starts[k]` (scalar tensors)
+    along each `axes[k]`, as gathers: element i of a cut dimension is
+    element start + i. The same values as the slice `x[..., s:s + n, ...]`
+    Keras' RandomCrop takes, whose start is a drawn tensor: DTensor 2.21
+    lays that StridedSlice out wrongly on a batch-split image (an empty
+    block, "input image must be of non-zero size"; a Conv2D after it
+    inconsistent with its layout); it lays out GatherV2."""
+    x = tf.convert_to_tensor(x)
+    for start, size, axis in zip(starts, sizes, axes):
+        start = tf.cast(start, tf.int32)
+        x = tf.gather(x, start + tf.range(size), axis=axis % x.shape.rank)
     return x

@@ -505,11 +505,12 @@ def _check_random_recomputation(generator):
     the recomputation before Dropout drew its numbers whole. Keras'
     dropout, normal, uniform, truncated_normal and randint now draw whole
     on every device in a step (`recompute.layout_free_draw`, not checked
-    here: GaussianNoise, GaussianDropout, AlphaDropout, SpatialDropout...);
-    other draws from a seed generator (keras.random.gamma, binomial, beta,
-    shuffle, categorical, a TF op on `SeedGenerator.next()`) may still
-    draw per block. On data (× pipe) meshes tensors are split by the batch
-    alone, and the numbers are the same.
+    here: GaussianNoise, GaussianDropout, AlphaDropout, SpatialDropout...),
+    and so does shuffle's; gamma, beta and binomial are refused in any step
+    (DTensor cannot lay them out); other draws from a seed generator
+    (keras.random.categorical, a TF op on `SeedGenerator.next()`) may
+    still draw per block. On data (× pipe) meshes tensors are split by the
+    batch alone, and the numbers are the same.
     """
     context = tf.distribute.get_replica_context()
     if not isinstance(context, _SPMDReplicaContext):
@@ -520,10 +521,10 @@ def _check_random_recomputation(generator):
         raise ValueError(
             "A recomputed layer (keras.RematScope) draws random numbers "
             f"(seed generator {generator.name!r}) with an op tfpar cannot "
-            "draw as one device (e.g. keras.random.gamma, binomial, beta, "
-            "shuffle, categorical or a tf.random op on the generator's seed;"
-            " Keras' dropout, normal, uniform, truncated_normal and randint "
-            "are fine, so are the layers using them) on a mesh "
+            "draw as one device (e.g. keras.random.categorical or a "
+            "tf.random op on the generator's seed; Keras' dropout, normal, "
+            "uniform, truncated_normal, randint and shuffle are fine, so are "
+            "the layers using them) on a mesh "
             f"that also splits tensors over {other}: DTensor may lay the "
             "recomputed tensor out differently from the forward pass and "
             "draw another mask, so the gradients would be wrong. Leave "

@@ -158,7 +158,8 @@ def main():
         c = pick(plans["after"], axes, m)
         models[c.label], plan = build(c, source, batch)
         rows.append((c.label, c.estimate.step_time_s,
-                     pick(plans["before"], axes, m).estimate.step_time_s))
+                     pick(plans["before"], axes, m).estimate.step_time_s,
+                     c.estimate.time_s))
         if args.count:
             print(c.label, count_ops(models[c.label], plan, x, y), flush=True)
     measured = interleaved(models, x, y, args.rounds)
@@ -168,9 +169,10 @@ def main():
 def report(rows, measured, spearman):
     """The table, then rho, chosen ÷ best and k of each model."""
     print(f"{'layout':36s} {'measured':>9s} {'after':>9s} {'before':>9s} (ms)")
-    for label, after, old in rows:
+    for label, after, old, parts in rows:
         print(f"{label:36s} {measured[label] * 1e3:9.2f} {after * 1e3:9.2f} "
-              f"{old * 1e3:9.2f}")
+              f"{old * 1e3:9.2f}  " + ", ".join(
+                  f"{k} {v * 1e3:.1f}" for k, v in parts.items() if v))
     meas = [measured[r[0]] for r in rows]
     for i, name in ((1, "after"), (2, "before")):
         order = np.argsort([r[i] for r in rows], kind="stable")

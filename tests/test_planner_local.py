@@ -169,3 +169,82 @@ def test_fixed_costs_rank_a_tiny_pipeline_of_many_microbatches():
     measured = planner_fixed.interleaved(models, x, y, rounds=3)
     labels = [c.label for c in picks["after"]]
     assert measured[labels[1]] < measured[labels[0]], measured
+
+
+# Calibrated figures of the kind Cluster.local() measures here (2026-12-02,
+# load 11-18), fixed so that the model's direction is tested exactly.
+_CALIBRATED = tfpar.Cluster(
+    1, 8, 1e9, 100e9 / 8, 2e9, 2e9, intra_host_latency=1.3e-3,
+    inter_host_latency=1.3e-3, shared_host=True, update_bandwidth=0.8e9 / 8,
+    op_time=1.5e-6, send_time=2e-5, conv_flops=60e9 / 8, conv_time=2e-3)
+
+
+def test_convolutions_cost_per_device_of_their_mesh():
+    """A 3x3 Conv2D's forward and backward pass runs below a matmul's FLOP
+    rate here and costs each device that runs one ~2 ms beyond its FLOPs
+    (calibrate.conv_rate_and_time). The CNN of benchmarks/planner.py as an
+    8-stage pipeline runs each conv on one device; data2 x pipe4 on two.
+    Measured (benchmarks/planner_fixed.py --model cnn, interleaved, load
+    11-18): pipe8 40-43 ms, data2 x pipe4 66-74 ms. Without the conv terms
+    the model predicted data2 x pipe4 the faster (14.1 vs 14.2 ms)."""
+    import planner  # noqa: PLC0415
+    old = dataclasses.replace(_CALIBRATED, conv_flops=0.0, conv_time=0.0)
+    picks = {}
+    for name, cluster in (("new", _CALIBRATED), ("old", old),
+                          ("local", tfpar.Cluster.local())):
+        plan = tfpar.plan(planner.cnn, 64, cluster=cluster)
+        picks[name] = [planner_fixed.pick(plan, axes, 1) for axes in
+                       ({"pipe": 8}, {"data": 2, "pipe": 4})]
+    times = {name: [c.estimate.step_time_s for c in pair]
+             for name, pair in picks.items()}
+    assert times["old"][0] >= times["old"][1]  # the order the terms correct
+    assert times["new"][0] < times["new"][1]
+    assert times["local"][0] < times["local"][1]
+    assert "conv_flops" in tfpar.Cluster.local().source
+    models = {c.label: planner_fixed.build(c, planner.cnn, 64)[0]
+              for c in picks["new"]}
+    x, y = measure.synthetic_batch(planner.cnn(), 64)
+    measured = planner_fixed.interleaved(models, x, y, rounds=3)
+    labels = [c.label for c in picks["new"]]
+    assert measured[labels[0]] < measured[labels[1]], measured
+
+
+def test_layer_ops_are_the_traced_ops():
+    """The fixed cost counts each layer's forward and backward ops as
+    traced: attention (causal, as a GPT's) and norms run many more than a
+    Dense of as many weights (175 and 73 beyond 4 per weight, a Dense 6).
+    The model before counted 6 for every layer."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tfpar.planner import cost  # noqa: PLC0415
+
+    def traced(layer, shape):
+        x = tf.ones(shape)
+        call = ((lambda v: layer(v, v, use_causal_mask=True)) if isinstance(
+            layer, keras.layers.MultiHeadAttention) else layer)
+        call(x)
+
+        @tf.function
+        def step(v):
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                loss = tf.reduce_sum(call(v))
+            return tape.gradient(loss, [v] + layer.trainable_weights)
+
+        @tf.function
+        def bare(v):
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                loss = tf.reduce_sum(v)
+            return tape.gradient(loss, [v])
+
+        def ops(f):
+            return len(f.get_concrete_function(x).graph.get_operations())
+        return ops(step) - ops(bare) - 4 * len(layer.trainable_weights)
+
+    for layer, shape in ((keras.layers.Dense(8, activation="relu"), (2, 8)),
+                         (keras.layers.Dense(8, activation="gelu"), (2, 8)),
+                         (keras.layers.LayerNormalization(), (2, 3, 8)),
+                         (keras.layers.MultiHeadAttention(2, 4), (2, 3, 8))):
+        assert cost.layer_ops(layer) == traced(layer, shape), layer

@@ -58,7 +58,12 @@ measured `send_time` per device of the stage instead of a collective's α;
 and the data axis' gradient all-reduces count one per layer (DTensor
 combines those of gradients ready together). Measured on this machine (a
 tiny 33-layer Dense stack, 12 layouts): the old model ranked them with
-rho 0.41, this one 0.99.
+rho 0.41, this one 0.99. A layer's ops are counted by kind (`layer_ops`:
+attention, norms, Dropout, some activations run many more than a Dense).
+Convolutions, when the cluster measures them (`conv_flops`, `conv_time`):
+their FLOPs at the convolution's own rate, and each conv layer's forward
+and backward pass costs `conv_time` on every device of its mesh per
+micro-batch (in the fixed cost).
 
 Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
@@ -198,6 +203,7 @@ class Layout:
         # (DTensor's all-to-all is off: tfpar/__init__.py).
         self.resplit_bytes, self.resplit_count = np.zeros(n), np.zeros(n)
         self.carried = np.array([op.carried_in for op in profile.ops])
+        self.split_out = np.zeros(n)  # 1: the op's output split over model
         params = [w.itemsize for op in profile.ops for w in op.weights
                   if w.trainable] or [profile.compute_itemsize]
         self.grad_ratio = profile.compute_itemsize / max(params)
@@ -221,6 +227,7 @@ class Layout:
             if id(op.layer) in split_layers.get("column_out", set()) or (
                     sequence_lo <= i <= sequence_hi):
                 out /= t  # split by features, or (sequence parallel) by tokens
+                self.split_out[i] = float(t > 1)
             self.kept[i] = out
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
@@ -542,6 +549,26 @@ def _pipe_axis(layout, lo, hi, *, m, mb, link, send=None):
     return before, after, 2 * m * (alpha * sends + (before + after) * mb / beta)
 
 
+def _gathers_before_sends(layout, lo, *, d, m, batch, link):
+    """Seconds per stage, on a calibrated shared host, of the all-gathers
+    before its moves: a move relays its tensor out to replicated on the
+    source mesh first (`collectives.move_to_mesh`), which gathers it over
+    the data axis (d > 1) and over the model axis when the layer before
+    the cut splits its output. Each such cut costs, per micro-batch and
+    direction (activations forward, gradients back), one all-gather of the
+    whole micro-batch's tensor: α + bytes/β (every device reads it whole).
+    A cut's cost is on both its stages, as the sends are (summed, halved)."""
+    p = len(lo)
+    if p == 1:
+        return np.zeros(1)
+    alpha, beta = link
+    cuts = lo[1:]
+    gathered = (d > 1) | (layout.split_out[cuts - 1] > 0)
+    per_cut = np.where(gathered, 2 * m * (
+        alpha + layout.carried[cuts] * batch / m / beta), 0.0)
+    return np.append(per_cut, 0.0) + np.append(0.0, per_cut)
+
+
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              batch, cluster, slots):
     """The `Estimate` of one candidate; `stages` are the first op index of
@@ -571,6 +598,9 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     send = cluster.send_time * d * t if fixed and cluster.send_time else None
     before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
                                           link=links["pipe"], send=send)
+    if send is not None:
+        pipe_time = pipe_time + _gathers_before_sends(
+            layout, lo, d=d, m=m, batch=batch, link=cluster.link(d * t, p))
     memory = _memory(layout, total, before=before, recompute=recompute,
                      d=d, fsdp=fsdp, span=(lo, hi), schedule=schedule, m=m,
                      mb=mb, slots=slots, workspace=workspace)

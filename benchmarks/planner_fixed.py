@@ -34,7 +34,10 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Its siblings (planner.py), after the installed packages: this directory's
+# keras_hub.py must not shadow keras-hub in a process that imports this.
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 

@@ -185,8 +185,8 @@ def test_convolutions_cost_per_device_of_their_mesh():
     beyond its FLOPs (calibrate.conv_rate_and_time). The CNN of
     benchmarks/planner.py as pipe8 with 8 micro-batches runs each conv 8
     times (on one device); as pipe4 x model2 once on each of 2 devices.
-    Measured (benchmarks/planner_fixed.py --model cnn, 3 interleaved runs,
-    load 11-18): pipe8 m=8 56-77 ms, pipe4 x model2 46-56 ms (1.16-1.38x,
+    Measured (benchmarks/planner_fixed.py --model cnn, 4 interleaved runs,
+    load 11-18): pipe8 m=8 56-77 ms, pipe4 x model2 43-56 ms (1.16-1.38x,
     too close to assert under this load). Without the conv terms the model
     predicted pipe8 m=8 the faster (Cluster.local(): 24.7 vs 31.6 ms;
     with them 57.7 vs 39.5)."""
@@ -253,8 +253,8 @@ def test_moves_gather_split_activations_first():
     micro-batch and direction. The wide MLP as pipe4 x model2 cuts after
     two column-parallel layers (2 MB per cut); as pipe2 x model4 after a
     row-parallel one (replicated: no gather). Measured (benchmarks/
-    planner_fixed.py --model mlp, 4 interleaved runs, load 12-18):
-    pipe2 x model4 101-116 ms, pipe4 x model2 115-137 ms (1.13-1.24x: too
+    planner_fixed.py --model mlp, 5 interleaved runs, load 12-18):
+    pipe2 x model4 101-116 ms, pipe4 x model2 115-138 ms (1.13-1.24x: too
     close to assert under this load); the model without the gathers
     predicted them within 0.6% of each other, either way round."""
     plan = tfpar.plan(wide_mlp, 256, cluster=_CALIBRATED)

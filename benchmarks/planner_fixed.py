@@ -8,7 +8,8 @@ and compiles each, then times them round after round (interleaved: other
 jobs' load falls on all alike; per round the fastest of 3 steps, then the
 median over rounds), and prints the measured step time next to the
 planner's prediction with `Cluster.local()` as measured (with the fixed
-costs) and without them (`op_time` and `send_time` 0: the model before),
+costs) and without them (`op_time`, `send_time`, `conv_flops` and
+`conv_time` 0: the model before),
 with Spearman's rho of each. `--count` prints the traced step's ops by
 kind (the counts `tfpar/planner/cost.py` uses).
 
@@ -18,19 +19,25 @@ kind (the counts `tfpar/planner/cost.py` uses).
 `--model mlp|cnn|gpt` does the same for `benchmarks/planner.py`'s wide
 MLP, CNN or GPT on eight of its layouts (`MODEL_LAYOUTS`: the data, model
 and pipeline extremes and the best predicted with and without the fixed
-costs on 2026-12-02), interleaved likewise.
+costs on 2026-12-02) plus the plan `tfpar.plan` chooses when it is not
+one of them, interleaved likewise; each row shows the predicted parts
+(ms). `--save FILE` writes the measured and predicted times as JSON.
 """
 
 import argparse
 import collections
 import dataclasses
+import json
 import os
 import re
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Its siblings (planner.py), after the installed packages: this directory's
+# keras_hub.py must not shadow keras-hub in a process that imports this.
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
@@ -139,13 +146,15 @@ def main():
                         choices=["stack", "mlp", "cnn", "gpt"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--count", action="store_true")
+    parser.add_argument("--save", help="write the table to this JSON file")
     args = parser.parse_args()
     tfpar.use_virtual_cpus(8)
     from planner import spearman  # noqa: PLC0415
     from tfpar.planner import measure  # noqa: PLC0415
 
     local = tfpar.Cluster.local()
-    before = dataclasses.replace(local, op_time=0.0, send_time=0.0)
+    before = dataclasses.replace(local, op_time=0.0, send_time=0.0,
+                                 conv_flops=0.0, conv_time=0.0)
     print(f"op_time {local.op_time * 1e6:.2f} µs, send_time "
           f"{local.send_time * 1e6:.1f} µs, α {local.intra_host_latency * 1e3:.2f}"
           f" ms; load {os.getloadavg()[0]:.1f}")
@@ -153,24 +162,35 @@ def main():
     plans = {name: tfpar.plan(source, batch, cluster=c)
              for name, c in (("after", local), ("before", before))}
     x, y = measure.synthetic_batch(measure._shapes(source), batch)  # noqa: SLF001
+    before_by_label = {c.label: c for c in plans["before"].candidates}
+    chosen = min((c for c in plans["after"].candidates if c.rejected is None),
+                 key=lambda c: c.estimate.step_time_s)
+    picked = [pick(plans["after"], axes, m) for axes, m in layouts]
     models, rows = {}, []
-    for axes, m in layouts:
-        c = pick(plans["after"], axes, m)
+    for c in picked + ([chosen] if chosen not in picked else []):
         models[c.label], plan = build(c, source, batch)
         rows.append((c.label, c.estimate.step_time_s,
-                     pick(plans["before"], axes, m).estimate.step_time_s))
+                     before_by_label[c.label].estimate.step_time_s,
+                     c.estimate.time_s))
         if args.count:
             print(c.label, count_ops(models[c.label], plan, x, y), flush=True)
     measured = interleaved(models, x, y, args.rounds)
     report(rows, measured, spearman)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"load": os.getloadavg()[0], "rows": [
+                {"label": label, "measured_s": measured[label],
+                 "after_s": after, "before_s": old, "parts": parts}
+                for label, after, old, parts in rows]}, f, indent=1)
 
 
 def report(rows, measured, spearman):
     """The table, then rho, chosen ÷ best and k of each model."""
     print(f"{'layout':36s} {'measured':>9s} {'after':>9s} {'before':>9s} (ms)")
-    for label, after, old in rows:
+    for label, after, old, parts in rows:
         print(f"{label:36s} {measured[label] * 1e3:9.2f} {after * 1e3:9.2f} "
-              f"{old * 1e3:9.2f}")
+              f"{old * 1e3:9.2f}  " + ", ".join(
+                  f"{k} {v * 1e3:.1f}" for k, v in parts.items() if v))
     meas = [measured[r[0]] for r in rows]
     for i, name in ((1, "after"), (2, "before")):
         order = np.argsort([r[i] for r in rows], kind="stable")

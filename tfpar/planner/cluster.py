@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 
-_ZERO_OK = ("update_bandwidth", "op_time", "send_time")
+_ZERO_OK = ("update_bandwidth", "op_time", "send_time", "conv_flops",
+            "conv_time")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,12 @@ class Cluster:
         send_time: seconds per device of a stage-to-stage move
             (`copy_to_mesh`) on a shared host, in place of the latency
             (0: the latency, the default).
+        conv_flops: sustained FLOP/s per device of a convolution's forward
+            and backward pass (0: `device_flops`, the default).
+        conv_time: seconds per device of the runtime's cost of one
+            convolution layer's forward and backward pass beyond its FLOPs
+            (a shared host: every device of a mesh runs its own; 0: not
+            counted, the default).
         source: {figure: "measured" | "looked up" | "given"}, for reports.
     """
 
@@ -71,6 +78,8 @@ class Cluster:
     update_bandwidth: float = 0.0
     op_time: float = 0.0
     send_time: float = 0.0
+    conv_flops: float = 0.0
+    conv_time: float = 0.0
     source: dict = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -87,7 +96,7 @@ class Cluster:
         for name in ("device_memory", "device_flops", "intra_host_bandwidth",
                      "inter_host_bandwidth", "intra_host_latency",
                      "inter_host_latency", "update_bandwidth", "op_time",
-                     "send_time"):
+                     "send_time", "conv_flops", "conv_time"):
             value = getattr(self, name)
             zero_ok = "latency" in name or name in _ZERO_OK
             if not isinstance(value, (int, float, np.number)) or value < 0 or (
@@ -124,7 +133,9 @@ class Cluster:
         per device, fitted to α + n · B/β) and the rate of Adam's update
         (Keras' Adam on one device, split like the FLOP/s), the runtime's
         time per op per device (Keras' Adam on many small weights, per op)
-        and per stage-to-stage move (`copy_to_mesh` between two devices).
+        and per stage-to-stage move (`copy_to_mesh` between two devices),
+        and a convolution's FLOP/s and time per device (a 3×3 Conv2D's
+        forward and backward pass on one device and split over all).
         Otherwise the
         bandwidth is a host memory copy and the latencies are looked up.
         The memory per device is looked up (host memory / devices for CPUs;
@@ -160,6 +171,7 @@ def _shared_cpus(cls, devices):
 
     n = len(devices)
     alpha, beta = calibrate.collective_alpha_beta(devices)
+    conv_flops, conv_time = calibrate.conv_rate_and_time(devices)
     return cls(
         num_hosts=1, devices_per_host=n, device_memory=_host_memory() / n,
         device_flops=_matmul_flops(devices[0]) / n,
@@ -169,6 +181,7 @@ def _shared_cpus(cls, devices):
         update_bandwidth=calibrate.update_bandwidth(devices[0]) / n,
         op_time=calibrate.op_time(devices[0]),
         send_time=calibrate.send_time(devices),
+        conv_flops=conv_flops / n, conv_time=conv_time,
         source={"device_flops": "measured (matmul, host rate / devices)",
                 "intra_host_bandwidth": "measured (all-reduce on the mesh)",
                 "inter_host_bandwidth": "measured (all-reduce on the mesh)",
@@ -177,6 +190,8 @@ def _shared_cpus(cls, devices):
                                     "devices)",
                 "op_time": "measured (Adam on small weights, per op)",
                 "send_time": "measured (copy_to_mesh between devices)",
+                "conv_flops": "measured (Conv2D, host rate / devices)",
+                "conv_time": "measured (Conv2D on one device and on all)",
                 "device_memory": "looked up (host memory / devices)"})
 
 

@@ -58,7 +58,12 @@ measured `send_time` per device of the stage instead of a collective's α;
 and the data axis' gradient all-reduces count one per layer (DTensor
 combines those of gradients ready together). Measured on this machine (a
 tiny 33-layer Dense stack, 12 layouts): the old model ranked them with
-rho 0.41, this one 0.99.
+rho 0.41, this one 0.99. A layer's ops are counted by kind (`layer_ops`:
+attention, norms, Dropout, some activations run many more than a Dense).
+Convolutions, when the cluster measures them (`conv_flops`, `conv_time`):
+their FLOPs at the convolution's own rate, and each conv layer's forward
+and backward pass costs `conv_time` on every device of its mesh per
+micro-batch (in the fixed cost).
 
 Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
@@ -183,6 +188,13 @@ class Layout:
         self.sequence_parallel = sequence_parallel
         n = len(profile.ops)
         self.flops_split, self.flops_repl = np.zeros(n), np.zeros(n)
+        # Convolutions' part of them, and per op its convolution kernels and
+        # the ops its layers run beyond 4 per weight (`layer_ops`).
+        self.conv_split, self.conv_repl = np.zeros(n), np.zeros(n)
+        self.convs = np.array([sum(w.conv for w in op.weights)
+                               for op in profile.ops], float)
+        self.layer_ops = np.array([layer_ops(op.layer) for op in profile.ops],
+                                  float)
         self.kept, self.internal = np.zeros(n), np.zeros(n)
         self.tp_bytes_fwd, self.tp_bytes_bwd = np.zeros(n), np.zeros(n)
         self.tp_count_fwd, self.tp_count_bwd = np.zeros(n), np.zeros(n)
@@ -191,6 +203,7 @@ class Layout:
         # (DTensor's all-to-all is off: tfpar/__init__.py).
         self.resplit_bytes, self.resplit_count = np.zeros(n), np.zeros(n)
         self.carried = np.array([op.carried_in for op in profile.ops])
+        self.split_out = np.zeros(n)  # 1: the op's output split over model
         params = [w.itemsize for op in profile.ops for w in op.weights
                   if w.trainable] or [profile.compute_itemsize]
         self.grad_ratio = profile.compute_itemsize / max(params)
@@ -214,6 +227,7 @@ class Layout:
             if id(op.layer) in split_layers.get("column_out", set()) or (
                     sequence_lo <= i <= sequence_hi):
                 out /= t  # split by features, or (sequence parallel) by tokens
+                self.split_out[i] = float(t > 1)
             self.kept[i] = out
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
@@ -231,10 +245,12 @@ class Layout:
             blocks.append((block, spec, w.itemsize, w.trainable))
             if "model" in spec and t > 1:
                 self.flops_split[i] += w.flops
+                self.conv_split[i] += w.flops * w.conv
                 internal -= w.activation * (1 - 1 / t)
                 attention_split = True
             else:
                 self.flops_repl[i] += w.flops
+                self.conv_repl[i] += w.flops * w.conv
         att = op.attention_flops
         if attention_split and att:
             self.flops_split[i] += att
@@ -322,7 +338,8 @@ class Layout:
         if key not in self._state_cache:
             state = self.state_bytes(d, fsdp)
             arrays = {name: getattr(self, name) for name in (
-                "flops_split", "flops_repl", "tp_bytes_fwd", "tp_bytes_bwd",
+                "flops_split", "flops_repl", "conv_split", "conv_repl",
+                "convs", "layer_ops", "tp_bytes_fwd", "tp_bytes_bwd",
                 "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
                 "resplit_count", "kept", "internal")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
@@ -532,6 +549,26 @@ def _pipe_axis(layout, lo, hi, *, m, mb, link, send=None):
     return before, after, 2 * m * (alpha * sends + (before + after) * mb / beta)
 
 
+def _gathers_before_sends(layout, lo, *, d, m, batch, link):
+    """Seconds per stage, on a calibrated shared host, of the all-gathers
+    before its moves: a move relays its tensor out to replicated on the
+    source mesh first (`collectives.move_to_mesh`), which gathers it over
+    the data axis (d > 1) and over the model axis when the layer before
+    the cut splits its output. Each such cut costs, per micro-batch and
+    direction (activations forward, gradients back), one all-gather of the
+    whole micro-batch's tensor: α + bytes/β (every device reads it whole).
+    A cut's cost is on both its stages, as the sends are (summed, halved)."""
+    p = len(lo)
+    if p == 1:
+        return np.zeros(1)
+    alpha, beta = link
+    cuts = lo[1:]
+    gathered = (d > 1) | (layout.split_out[cuts - 1] > 0)
+    per_cut = np.where(gathered, 2 * m * (
+        alpha + layout.carried[cuts] * batch / m / beta), 0.0)
+    return np.append(per_cut, 0.0) + np.append(0.0, per_cut)
+
+
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              batch, cluster, slots):
     """The `Estimate` of one candidate; `stages` are the first op index of
@@ -550,8 +587,7 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              "data": cluster.link(d, t * p)}
     shared = cluster.shared_host
     r = 1 if recompute else 0
-    compute = ((total("flops_split") / t + total("flops_repl")) * (3 + r) * b
-               / cluster.device_flops)
+    compute = _compute_time(total, t=t, work=(3 + r) * b, cluster=cluster)
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
                                           link=links["model"], shared=shared)
     stored, trainable = total("stored"), total("trainable")
@@ -562,6 +598,9 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     send = cluster.send_time * d * t if fixed and cluster.send_time else None
     before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
                                           link=links["pipe"], send=send)
+    if send is not None:
+        pipe_time = pipe_time + _gathers_before_sends(
+            layout, lo, d=d, m=m, batch=batch, link=cluster.link(d * t, p))
     memory = _memory(layout, total, before=before, recompute=recompute,
                      d=d, fsdp=fsdp, span=(lo, hi), schedule=schedule, m=m,
                      mb=mb, slots=slots, workspace=workspace)
@@ -617,7 +656,8 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
 
 # Ops a compiled step runs, counted in the traced steps of Dense stacks
 # (`docs/guides/planner.md`): each layer's forward
-# and backward pass per micro-batch 6 + 4 per weight (a Dense: 14), every
+# and backward pass per micro-batch 6 (`layer_ops`: more for attention,
+# norms, Dropout and some activations) + 4 per weight (a Dense: 14), every
 # stage's bookkeeping per micro-batch 6 (the micro-batch's gather and
 # relayout, ordering, gradient accumulation), every cut's moves per
 # micro-batch 10 (relayouts around `copy_to_mesh`, both ways; half on
@@ -625,6 +665,44 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
 # metrics per micro-batch 50 on the last stage, the optimizer's update 13 +
 # 14 per slot for every trainable weight (Keras' Adam: 41).
 _OPS_LAYER, _OPS_WEIGHT, _OPS_STAGE, _OPS_CUT, _OPS_LOSS = 6, 4, 6, 10, 50
+# The forward and backward ops of a layer beyond 4 per weight, counted in
+# traced steps of Keras 3.15's layers (a layer's class or a base class of
+# it; attention with a causal mask, 142 without; a Dense's activation
+# adds its own): the rest count `_OPS_LAYER`.
+_OPS_BY_CLASS = {"MultiHeadAttention": 175, "LayerNormalization": 73,
+                 "BatchNormalization": 78, "GroupNormalization": 93,
+                 "RMSNormalization": 38, "Dropout": 38}
+_OPS_BY_ACTIVATION = {"gelu": 25, "silu": 30}
+
+
+def layer_ops(layer):
+    """Ops of `layer`'s forward and backward pass beyond 4 per weight: a
+    counted class's figure, or for a composite layer the sum over what it
+    holds (counted classes whole, other leaves `_OPS_LAYER` each)."""
+    known = _class_ops(layer)
+    if known is not None:
+        return known
+    inner = profile_lib.sublayers(layer, include_self=False)
+    if not inner:
+        return _OPS_LAYER
+    counted = [sub for sub in inner if _class_ops(sub) is not None]
+    inside = {id(x) for sub in counted
+              for x in profile_lib.sublayers(sub, include_self=False)}
+    counted = [sub for sub in counted if id(sub) not in inside]
+    leaves = [sub for sub in inner if id(sub) not in inside
+              and _class_ops(sub) is None
+              and not profile_lib.sublayers(sub, include_self=False)]
+    return sum(_class_ops(sub) for sub in counted) + _OPS_LAYER * len(leaves)
+
+
+def _class_ops(layer):
+    """The counted ops of `layer`'s class or activation (None: not
+    counted)."""
+    for cls in type(layer).__mro__:
+        if cls.__name__ in _OPS_BY_CLASS:
+            return _OPS_BY_CLASS[cls.__name__]
+    activation = getattr(getattr(layer, "activation", None), "__name__", "")
+    return _OPS_BY_ACTIVATION.get(activation)
 
 
 def _fixed_time(layout, total, lo, hi, *, devices, m, r, slots, cluster):
@@ -633,15 +711,31 @@ def _fixed_time(layout, total, lo, hi, *, devices, m, r, slots, cluster):
     recomputing — bookkeeping, moves, loss, update), each once per device
     of the stage's mesh, at the measured `cluster.op_time` per op."""
     p = len(lo)
-    layers = (hi - lo).astype(float)
     weights = total("count")
     passes = (2 + r) / 2  # forward + backward = 2 halves; recompute +1
     s = np.arange(p)
     cuts = ((s > 0).astype(float) + (s < p - 1)) / 2
-    per_microbatch = (passes * (_OPS_LAYER * layers + _OPS_WEIGHT * weights)
+    per_microbatch = (passes * (total("layer_ops") + _OPS_WEIGHT * weights)
                       + _OPS_STAGE + _OPS_CUT * cuts + _OPS_LOSS * (s == p - 1))
     ops = m * per_microbatch + (13 + 14 * slots) * weights
-    return ops * devices * cluster.op_time
+    # Each convolution's forward and backward pass on each device also
+    # costs the measured `conv_time` beyond its FLOPs (3 thirds; again the
+    # forward third when recomputing).
+    convs = m * total("convs") * (3 + r) / 3 * cluster.conv_time
+    return (ops * cluster.op_time + convs) * devices
+
+
+def _compute_time(total, *, t, work, cluster):
+    """Seconds per stage of FLOPs: the model-axis-split part over t, times
+    `work` (passes × samples per device), at the device's FLOP/s — and a
+    convolution's part at the measured `cluster.conv_flops` when given
+    (below a matmul's rate on this CPU: `calibrate.conv_rate_and_time`)."""
+    split, repl = total("flops_split") / t, total("flops_repl")
+    if not cluster.conv_flops:
+        return (split + repl) * work / cluster.device_flops
+    conv = total("conv_split") / t + total("conv_repl")
+    return ((split + repl - conv) / cluster.device_flops
+            + conv / cluster.conv_flops) * work
 
 
 def _update_time(trainable, slots, cluster):

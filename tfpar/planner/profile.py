@@ -16,7 +16,9 @@ separate), per *sample*:
   output and attention's scores and probabilities (2 · heads · s per
   token); a Dense with a non-linear activation also keeps its
   pre-activation.
-- its weights (path, shape, bytes per element, trainable, owning layer).
+- its weights (path, shape, bytes per element, trainable, owning layer,
+  whether a convolution's kernel: convolutions run at their own measured
+  rate on a calibrated host, `cost.py`).
 - the bytes a pipeline cut before it must carry (every tensor made before
   it and read at or after it).
 
@@ -45,6 +47,7 @@ class Weight:
     owner: object          # the innermost layer owning it
     flops: float = 0.0     # forward FLOPs per sample of its matmul/conv
     activation: float = 0.0  # bytes per sample of its output (composites)
+    conv: bool = False     # a convolution's kernel (not a matmul's)
 
     @property
     def size(self):
@@ -194,6 +197,7 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
             positions = tokens
             if len(shape) >= 3 and hasattr(owner, "kernel_size"):  # conv
                 positions = max(tokens, 1)
+                record.conv = True
             record.flops = 2.0 * record.size * positions
             width = out_width(owner, shape)
             if composite or _nonlinear(owner):

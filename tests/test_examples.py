@@ -35,6 +35,7 @@ def test_quickstart_reports_parity_and_placement():
     assert out.count("\n  CPU:") == 8  # one table row per device
 
 
+@pytest.mark.slow  # its gpt.train is parity-tested in tests/test_gpt_example.py
 def test_gpt_example_trains_in_parity():
     out = run("gpt.py", "--epochs", "1", "--layers", "1")
     difference = float(out.split("largest relative loss difference:")[1].split()[0])
@@ -72,6 +73,7 @@ def test_pipeline_example_interleaved(tmp_path):
     assert "theory (p-1)/(v·m+p-1) = 11%" in out   # 1 / (2 * 4 + 1)
 
 
+@pytest.mark.slow  # its flow: tests/test_checkpoint_sharded.py, test_checkpoint_keras.py
 def test_checkpoints_example_resumes_and_exports(tmp_path):
     out = run("checkpoints.py", "--width", "64", "--directory", str(tmp_path))
     difference = float(out.split("largest relative loss difference:")[1].split()[0])
@@ -80,6 +82,7 @@ def test_checkpoints_example_resumes_and_exports(tmp_path):
     assert served < 1e-5
 
 
+@pytest.mark.slow  # two-host training: tests/test_hosts.py
 def test_hosts_example_trains_one_mesh_over_two_processes():
     out = run("hosts.py", "--epochs", "1")
     difference = float(out.split("largest relative weight difference to one "

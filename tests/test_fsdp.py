@@ -51,7 +51,7 @@ def test_adam_parity(kind, data, model):
                                                                 kind)))
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer_name", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_other_optimizers_parity(optimizer_name):
     parity.assert_same(
         parity.single_device("functional", optimizer_name),

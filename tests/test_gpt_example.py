@@ -26,7 +26,8 @@ def single_device():
     return weights, x, y, model, losses
 
 
-@pytest.mark.parametrize("model_axis", [2, 4, 8])
+@pytest.mark.parametrize("model_axis", [
+    pytest.param(2, marks=pytest.mark.slow), 4, 8])
 def test_gpt_parity(single_device, model_axis):
     weights, x, y, reference, ref_losses = single_device
     mesh = tfpar.Mesh({"data": 8 // model_axis, "model": model_axis})
@@ -50,7 +51,7 @@ def test_gpt_parity(single_device, model_axis):
 @pytest.mark.parametrize("axes,sequence_parallel", [
     ({"data": 2, "model": 4}, False),
     ({"data": 2, "model": 4}, True),
-    ({"data": 8, "model": 1}, False),
+    pytest.param({"data": 8, "model": 1}, False, marks=pytest.mark.slow),
 ])
 def test_gpt_fsdp_parity(single_device, axes, sequence_parallel):
     """fsdp on top of auto_rules (applied after building, so weights are
@@ -88,7 +89,7 @@ def test_gpt_fsdp_parity(single_device, axes, sequence_parallel):
 @pytest.mark.parametrize("axes,sequence_parallel", [
     ({"pipe": 2, "data": 2, "model": 2}, False),
     ({"pipe": 2, "data": 2, "model": 2}, True),
-    ({"pipe": 2, "model": 4}, False),
+    pytest.param({"pipe": 2, "model": 4}, False, marks=pytest.mark.slow),
 ])
 def test_gpt_pipeline_with_data_and_model_axes(single_device, axes,
                                                sequence_parallel):
@@ -119,8 +120,9 @@ def test_gpt_sequence_parallel_pipeline_without_data_axis_is_refused(
                   num_microbatches=2, **GPT)
 
 
-@pytest.mark.parametrize("axes", [{"data": 2, "model": 4},
-                                  {"pipe": 2, "data": 2, "model": 2}],
+@pytest.mark.parametrize("axes", [
+    {"data": 2, "model": 4},
+    pytest.param({"pipe": 2, "data": 2, "model": 2}, marks=pytest.mark.slow)],
                          ids=["data2xmodel4", "pipe2xdata2xmodel2"])
 def test_gpt_recompute_with_fsdp_parity(single_device, axes):
     """Every block layer recomputed (keras.RematScope, attention included)

@@ -21,6 +21,7 @@ import pytest
 import models
 import tfpar
 from tfpar import hosts
+from tfpar.launch import main as launch_main
 
 TESTS = Path(__file__).resolve().parent
 CHILD = TESTS / "launch_child.py"
@@ -91,6 +92,7 @@ def test_a_killed_host_restarts_the_group_and_training_resumes(workdir):
         np.testing.assert_allclose(first + resumed, want, rtol=1e-4)
 
 
+@pytest.mark.slow  # a dead host's detection: test_a_killed_host_restarts_...
 def test_a_stopped_host_is_an_error_within_the_heartbeat_timeout(workdir):
     status, out, seconds = launch(workdir, "stop", heartbeat=8)
     assert status == hosts.LOST_HOST_EXIT_CODE, out[-4000:]
@@ -105,7 +107,8 @@ def test_a_stopped_host_is_an_error_within_the_heartbeat_timeout(workdir):
 
 
 @pytest.mark.parametrize("mode", [
-    "kill-in-save", pytest.param("kill-in-restore", marks=pytest.mark.slow),
+    pytest.param("kill-in-save", marks=pytest.mark.slow),
+    pytest.param("kill-in-restore", marks=pytest.mark.slow),
     pytest.param("stop-in-save", marks=pytest.mark.slow),
     pytest.param("stop-in-restore", marks=pytest.mark.slow)])
 def test_a_host_killed_in_a_checkpoint_is_an_error_not_a_hang(workdir, mode):
@@ -198,11 +201,15 @@ def test_a_malformed_environment_is_a_clear_error(monkeypatch, environ, match):
     (["--max-restarts", "-1", str(CHILD)], "--max-restarts needs"),
     (["missing.py"], "no such script: 'missing.py'"),
 ])
-def test_bad_launcher_arguments_are_clear_errors(argv, match):
-    result = subprocess.run([sys.executable, "-m", "tfpar.launch", *argv],
-                            capture_output=True, text=True, timeout=60,
-                            cwd=TESTS.parent)
-    assert result.returncode == 2 and match in result.stderr, result.stderr
+def test_bad_launcher_arguments_are_clear_errors(argv, match, capsys,
+                                                 monkeypatch):
+    # In-process: `python -m tfpar.launch` runs this `main` (a subprocess
+    # would spend its time importing TensorFlow, up to a minute under load).
+    monkeypatch.chdir(TESTS.parent)
+    with pytest.raises(SystemExit) as exit_:
+        launch_main(argv)
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2 and match in stderr, stderr
 
 
 @pytest.mark.parametrize("mode", [

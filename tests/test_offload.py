@@ -162,6 +162,7 @@ def test_offload_matches_no_offload_every_mesh_and_optimizer():
     _check_parity(_run_cases(ALL_CASES))
 
 
+@pytest.mark.slow  # a DTensor repro (what the design rests on), not a feature
 def test_dtensor_copies_blocks_eagerly_but_not_sharded_values_in_a_step():
     """If "copy_sharded" starts working on a newer TF, the moves could go
     inside the step (overlapped with compute): revisit `tfpar.offload`."""
@@ -616,6 +617,7 @@ def test_sparse_gradients_of_an_embedding_match_no_offload(optimizer):
         keras).get_weights()[0]) > 0  # (the table did train)
 
 
+@pytest.mark.slow  # a DTensor repro of a limitation, not a feature
 def test_dtensor_returns_a_row_split_tables_sparse_gradient_in_pure_tf():
     """What a pure-DTensor step can do with a row-split table's gradient
     (tests/dtensor_sparse_gradient_repro.py): the IndexedSlices leaves the
@@ -733,6 +735,7 @@ def _pipeline_parity(keras, axes, devices, host, schedule="1f1b"):
     return found
 
 
+@pytest.mark.slow  # pipelines offloaded in the default run: test_offload_pipeline.py
 def test_pipeline_offload_matches_no_offload():
     """pipe=2 x data=2 on CPU:0-3 (stage 0 on CPU:0,1, stage 1 on
     CPU:2,3), 1F1B, Adam: each stage's optimizer keeps its slots and

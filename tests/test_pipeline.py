@@ -27,6 +27,8 @@ import models
 RTOL = 1e-4
 BATCH = 32
 LAYERS = ["d0", "d1", "add", "ln", "d2", "drop", "scale", "out"]
+SLOW = pytest.mark.slow  # long profile only: python3 dev.py test-all
+
 TP_RULES = {r".*d0/kernel": (None, "model"), r".*d0/bias": ("model",),
             r".*d1/kernel": ("model", None),
             r".*d2/kernel": (None, "model"), r".*d2/bias": ("model",),
@@ -104,9 +106,9 @@ def test_parity_pipe_by_data(stages, microbatches, schedule):
 
 @pytest.mark.parametrize("axes,microbatches,schedule", [
     ({"pipe": 2, "data": 2, "model": 2}, 4, "1f1b"),
-    ({"pipe": 2, "data": 2, "model": 2}, 8, "gpipe"),
+    pytest.param({"pipe": 2, "data": 2, "model": 2}, 8, "gpipe", marks=SLOW),
     ({"data": 2, "pipe": 2, "model": 2}, 1, "1f1b"),
-    ({"pipe": 4, "model": 2}, 8, "1f1b"),
+    pytest.param({"pipe": 4, "model": 2}, 8, "1f1b", marks=SLOW),
 ])
 def test_parity_with_data_and_model_axes(axes, microbatches, schedule):
     strategy, pipe = pipeline(axes, rules=TP_RULES,
@@ -417,9 +419,10 @@ def fit(model):
 
 @pytest.mark.parametrize("first,second", [
     # Save from pipe=2 × data=2 × model=2, resume on pipe=4 × data=2.
-    (({"pipe": 2, "data": 2, "model": 2}, dict(rules=TP_RULES,
-                                                num_microbatches=4)),
-     ({"pipe": 4, "data": 2}, dict(num_microbatches=2))),
+    pytest.param(({"pipe": 2, "data": 2, "model": 2},
+                  dict(rules=TP_RULES, num_microbatches=4)),
+                 ({"pipe": 4, "data": 2}, dict(num_microbatches=2)),
+                 marks=SLOW),
     # An interleaved pipeline (optimizer state of four parts) resumes on a
     # plain one.
     (({"pipe": 2, "data": 4}, dict(num_microbatches=2, virtual_stages=2)),
@@ -529,9 +532,11 @@ def test_steps_per_execution_and_validation_data():
 
 @pytest.mark.parametrize("axes,microbatches,schedule,virtual", [
     ({"pipe": 2, "data": 4}, 4, "1f1b", 2),
-    ({"pipe": 4, "data": 2}, 4, "1f1b", 2),   # 8 parts: one layer each
-    ({"pipe": 2, "data": 4}, 2, "gpipe", 3),
-    ({"pipe": 1, "data": 8}, 2, "1f1b", 2),   # parts share the one mesh
+    pytest.param({"pipe": 4, "data": 2}, 4, "1f1b", 2,  # one layer a part
+                 marks=SLOW),
+    pytest.param({"pipe": 2, "data": 4}, 2, "gpipe", 3, marks=SLOW),
+    pytest.param({"pipe": 1, "data": 8}, 2, "1f1b", 2,  # parts share a mesh
+                 marks=SLOW),
 ])
 def test_interleaved_parity(axes, microbatches, schedule, virtual):
     _, pipe = pipeline(axes, num_microbatches=microbatches, schedule=schedule,
@@ -588,6 +593,7 @@ def test_interleaved_parts_live_on_their_stage():
     assert len(pipe.stage_optimizers) == 4
 
 
+@SLOW  # interleaved transfers also shown by test_interleaved_parity
 def test_interleaved_crosses_the_stages_v_times():
     """With v = 2 on two stages a micro-batch goes stage 0 -> 1 -> 0 -> 1:
     three transfers forward and three back per micro-batch, each onto the
@@ -617,6 +623,7 @@ def test_interleaved_crosses_the_stages_v_times():
                      ("1", "0"): 2, ("2", "1"): 2, ("3", "2"): 2}
 
 
+@SLOW  # test_evaluate_predict_and_partial_last_batch_match_single_device
 def test_interleaved_partial_last_batch_evaluate_and_predict():
     """100 samples at batch 32: the last batch of 4 runs m = 4 micro-batches
     of one sample (1f1b: p | m); 99 samples leave 3, run as looped GPipe

@@ -236,6 +236,7 @@ def hub_parity(name, axes, schedule, m=2):
     return pipe, plain
 
 
+@pytest.mark.slow  # zero-bubble at run time: tests/test_pipeline_zero_bubble.py
 def test_llama_gqa_causal_lm_pipelined_with_zero_bubble():
     """The default profile's representative: LlamaCausalLM (8 query, 2
     key/value heads) on pipe=2 × data=4 with ZB-H1 (nested backbone, the

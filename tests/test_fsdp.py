@@ -36,8 +36,7 @@ def fsdp_strategy(data, model, kind="functional"):
 
 # Default profile: each model kind and each mesh at least once; all six
 # with `dev.py test-all`.
-_DEFAULT_ADAM_CASES = {("sequential", 8, 1), ("subclassed", 2, 4),
-                       ("functional", 2, 4)}
+_DEFAULT_ADAM_CASES = {("sequential", 8, 1), ("subclassed", 2, 4)}
 
 
 @pytest.mark.parametrize("kind,data,model", [

@@ -27,7 +27,8 @@ def single_device():
 
 
 @pytest.mark.parametrize("model_axis", [
-    pytest.param(2, marks=pytest.mark.slow), 4, 8])
+    pytest.param(2, marks=pytest.mark.slow), 4,
+    pytest.param(8, marks=pytest.mark.slow)])
 def test_gpt_parity(single_device, model_axis):
     weights, x, y, reference, ref_losses = single_device
     mesh = tfpar.Mesh({"data": 8 // model_axis, "model": model_axis})
@@ -49,7 +50,7 @@ def test_gpt_parity(single_device, model_axis):
 
 
 @pytest.mark.parametrize("axes,sequence_parallel", [
-    ({"data": 2, "model": 4}, False),
+    pytest.param({"data": 2, "model": 4}, False, marks=pytest.mark.slow),
     ({"data": 2, "model": 4}, True),
     pytest.param({"data": 8, "model": 1}, False, marks=pytest.mark.slow),
 ])

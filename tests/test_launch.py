@@ -245,6 +245,7 @@ def test_datasets_from_function_get_each_host_its_input_context(workdir):
         np.testing.assert_allclose(np.concatenate(got), x, rtol=0)
 
 
+@pytest.mark.slow  # a clear error of a multi-host input; two processes
 def test_hosts_with_different_numbers_of_batches_are_a_clear_error(workdir):
     status, out, _ = launch(workdir, "uneven", child=PER_HOST_CHILD)
     assert status != 0

@@ -662,6 +662,7 @@ def test_a_row_split_tables_sparse_gradient_moves_dense():
         model.fit(x[:16], y[:16], batch_size=16, verbose=0)
 
 
+@pytest.mark.slow  # the host update of a summed gradient: every step offloaded already
 def test_gradient_accumulation_matches_no_offload():
     """Adam with gradient_accumulation_steps=2: the accumulators live with
     the slots on the host, and the weights change every second step, as

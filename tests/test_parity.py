@@ -84,7 +84,8 @@ def test_adam_parity(kind, data, model):
     assert_same(single_device(kind, "adam"), train(kind, "adam", strategy))
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer_name", [
+    "sgd", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_other_optimizers_parity(optimizer_name):
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 4}), rules=models.tp_rules())
@@ -92,7 +93,9 @@ def test_other_optimizers_parity(optimizer_name):
                 train("functional", optimizer_name, strategy))
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+@pytest.mark.parametrize("fsdp", [
+    pytest.param(False, id="plain"),
+    pytest.param(True, id="fsdp", marks=pytest.mark.slow)])
 def test_gradient_accumulation_parity(fsdp):
     """Keras' `gradient_accumulation_steps`: the accumulators are laid out
     like their weights' optimizer slots (split by the rules, and over the

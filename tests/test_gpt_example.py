@@ -88,7 +88,8 @@ def test_gpt_fsdp_parity(single_device, axes, sequence_parallel):
 
 
 @pytest.mark.parametrize("axes,sequence_parallel", [
-    ({"pipe": 2, "data": 2, "model": 2}, False),
+    pytest.param({"pipe": 2, "data": 2, "model": 2}, False,
+                 marks=pytest.mark.slow),
     ({"pipe": 2, "data": 2, "model": 2}, True),
     pytest.param({"pipe": 2, "model": 4}, False, marks=pytest.mark.slow),
 ])

@@ -7,6 +7,8 @@ into inference mode so results are deterministic) and a custom layer with
 its own `add_weight`.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 
@@ -201,6 +203,20 @@ def train_built(strategy, build, x, y, batch_size, epochs=1):
               verbose=0, callbacks=[losses])
     return model, losses.losses
 
+
+
+def train_sgd_in_order(strategy, build, weights, x, y):
+    """(per-batch losses as an array, model): `build()` with `weights`,
+    compiled with SGD(0.1) and MSE (in `strategy.scope()` unless `strategy`
+    is None), then two epochs of fit on (x, y) at batch 16, in order."""
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = build()
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    losses = BatchLosses()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return np.array(losses.losses), model
 
 # The MLP the two-host tests train (tests/test_hosts.py, hosts_child.py).
 HOST_RULES = {r".*up0/kernel": (None, "model"), r".*up0/bias": ("model",),

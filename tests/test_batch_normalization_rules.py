@@ -11,7 +11,6 @@ are laid out whole on every device
 only its block of the moving statistics.
 """
 
-import contextlib
 
 import keras
 import numpy as np
@@ -34,15 +33,7 @@ def build():
 
 def train(strategy, weights):
     """Two epochs of SGD(0.1), batch 16, in order: (losses, model)."""
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        model = build()
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    losses = models.BatchLosses()
-    x, y = models.mlp_data()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return np.array(losses.losses), model
+    return models.train_sgd_in_order(strategy, build, weights, *models.mlp_data())
 
 
 @pytest.mark.parametrize("axes,rules", [

@@ -15,7 +15,6 @@ its rules, a clash of the two other axes over one contracted dimension
 (`test_a_clash_of_the_other_axes_is_refused_alike_with_or_without_data`).
 """
 
-import contextlib
 
 import keras
 import numpy as np
@@ -53,15 +52,7 @@ def data():
 
 def train(strategy, weights):
     """Two epochs of SGD(0.1), batch 16, in order: (losses, model)."""
-    with strategy.scope() if strategy else contextlib.nullcontext():
-        model = build()
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    losses = models.BatchLosses()
-    x, y = data()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return np.array(losses.losses), model
+    return models.train_sgd_in_order(strategy, build, weights, *data())
 
 
 # A kernel split over data and model (what fsdp=True stores for a

@@ -136,17 +136,31 @@ class PipelineRunner(training.Runner):
 
         return tf.nest.map_structure(put, structure)
 
-    def _run_batch(self, batch):
+    def _arguments(self, batch):
+        """(xs, targets, split): a host batch cut into micro-batches, placed
+        on the first part's mesh (inputs) and the last part's (targets)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         size = int(np.shape(tf.nest.flatten(x)[0])[0])
         training_step = self._mode == "train"
         m, split = self._model.microbatching.split(size, training_step)
         if training_step:
             self._model.sync_stage_optimizers()
-        xs = self._place(x, 0, m, split)
-        targets = self._place((y, sample_weight), -1, m, split)
+        return (self._place(x, 0, m, split),
+                self._place((y, sample_weight), -1, m, split), split)
+
+    def traced_step(self, host_batch):
+        """Runs one training step on `host_batch` (as `fit` does; under
+        offload with its host updates) and returns the step's concrete
+        function, whose programs (one per stage mesh) `tfpar.memory`
+        reads."""
+        self._run_batch(host_batch)
+        return self._function("train").get_concrete_function(
+            *self._arguments(host_batch))
+
+    def _run_batch(self, batch):
+        xs, targets, split = self._arguments(batch)
         function = self._function(self._mode)
-        if not (training_step and self._model.record_timeline):
+        if not (self._mode == "train" and self._model.record_timeline):
             return function(xs, targets, split)
         with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)

@@ -158,3 +158,32 @@ def test_fsdp_stages_gather_each_weight_once_per_step():
             assert {report[d]["gathered"] for d in devices} == {
                 kernels[stage]}, (name, stage)
             assert figures.in_flight == _in_flight(pipe.schedule, stage)
+
+
+@pytest.mark.slow
+def test_offloaded_pipeline_reports_its_host_devices():
+    """offload="optimizer" (pipe=2 x data=2 on CPU:0-3, the host CPU:4-7):
+    the stage devices hold no optimizer state, each host device its stage
+    device's slots, the weights' copy and the gradients moved there (no
+    activations), as `memory_per_device()` has them."""
+    devices = [f"CPU:{i}" for i in range(4)]
+    hosts = [f"CPU:{i}" for i in range(4, 8)]
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"pipe": P, "data": 2}, devices=devices),
+        offload="optimizer", offload_devices=hosts)
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(_mlp(), num_microbatches=M,
+                                   schedule="1f1b")
+        pipe.compile(optimizer="adam", loss="mse")
+    report = tfpar.memory_report(pipe, *_data())
+    held = strategy.memory_per_device()
+    assert sorted(report) == sorted(devices + hosts)
+    for device, host in zip(devices, hosts):
+        assert report[device]["optimizer"] == 0
+        assert report[device]["activations"] > 0
+        assert report[host]["optimizer"] == held[host]["optimizer"] == (
+            2 * report[device]["params"])
+        assert report[host]["activations"] == 0
+        assert report[host]["peak"] == (2 * held[host]["params"]
+                                        + held[host]["optimizer"]
+                                        + held[host]["other"])

@@ -22,6 +22,10 @@ DTensor expanded it into and, per device, adds up (bytes):
   variable reads share the variable's), each op run as soon as its inputs
   are ready, as TF's executor does (first ready, first run).
 
+A `PipelineModel`'s step is one program per stage mesh: each stage's
+devices get their row from their stage's program, its activations those
+held at once in the schedule's order (`tfpar.pipeline.memory`).
+
 Under `offload="optimizer"` (`tfpar.offload`) the devices' rows hold no
 optimizer state and their step no update; the host devices that hold the
 state have rows too: the weights' copy, the gradients moved there and the

@@ -211,20 +211,44 @@ def pipe_checkpoints(pipe, given):
     directory = f"{workdir}/ckpt_pipe"
     tfpar.save_checkpoint(pipe, directory)
     out = state_of("saved", pipe)
-    zeros = [np.zeros_like(given[f"w{i}"]) for i in range(6)]
     for run, offload, source in (("restored", None, directory),
                                  ("back", "optimizer", f"{directory}_plain")):
-        strategy = pipe_strategy(offload)
-        restored = pipe_model(strategy, "adam")
-        with strategy.scope():
-            restored.set_weights(zeros)
-            restored.compile(optimizer=models.HOST_OPTIMIZERS["adam"](),
-                             loss="mse", metrics=["mae"])
-        out[f"{run}_step"] = tfpar.restore_checkpoint(restored, source)
+        strategy, restored, out[f"{run}_step"] = restored_pipeline(
+            offload, source, given)
         out.update(state_of(run, restored))
         if offload is None:
             out["plain_memory"] = repr(strategy.memory_per_device())
             tfpar.save_checkpoint(restored, f"{directory}_plain")
+    return out
+
+
+def restored_pipeline(offload, directory, given):
+    """(strategy, pipeline, step): a compiled Adam pipeline across the
+    hosts (`offload` as `pipe_strategy`) from zero weights, restored from
+    the sharded checkpoint in `directory`."""
+    strategy = pipe_strategy(offload)
+    pipe = pipe_model(strategy, "adam")
+    with strategy.scope():
+        pipe.set_weights([np.zeros_like(given[f"w{i}"]) for i in range(6)])
+        pipe.compile(optimizer=models.HOST_OPTIMIZERS["adam"](), loss="mse",
+                     metrics=["mae"])
+    return strategy, pipe, tfpar.restore_checkpoint(pipe, directory)
+
+
+def pipe_resume_case(given):
+    """The checkpoint "pipe_adam" saved with offload (run that config
+    first) restored into the pipeline without offload and into one with
+    offload, and one more epoch of each (batch 32): losses and weights,
+    keys "pipe_resume_<run>_..."."""
+    out = {}
+    for run, offload in (("plain", None), ("offload", "optimizer")):
+        _, pipe, _ = restored_pipeline(offload, f"{workdir}/ckpt_pipe", given)
+        losses = models.BatchLosses()
+        pipe.fit(given["x"], given["y"], batch_size=32, shuffle=False,
+                 verbose=0, callbacks=[losses])
+        out[f"pipe_resume_{run}_losses"] = np.array(losses.losses)
+        out.update({f"pipe_resume_{run}_w{i}": w
+                    for i, w in enumerate(pipe.get_weights())})
     return out
 
 
@@ -314,7 +338,8 @@ def pipe_loss_scale_case(given):
 
 
 PIPE_CASES = {"pipe_master": pipe_master_case,
-              "pipe_loss_scale": pipe_loss_scale_case}
+              "pipe_loss_scale": pipe_loss_scale_case,
+              "pipe_resume": pipe_resume_case}
 
 
 def error_of(make):

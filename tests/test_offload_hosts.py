@@ -316,10 +316,17 @@ def test_offload_of_cross_host_pipelines_equals_no_offload(tmp_path):
     """Adam (1F1B), SGD with momentum (GPipe) and plain SGD (1F1B, Keras'
     defaults) in the pipeline across hosts: with offload equal to the
     same pipeline without (to the bit, on both hosts), both within 1e-4
-    of one device; each stage's slots on its host's offload devices."""
+    of one device; each stage's slots on its host's offload devices. And
+    the checkpoint saved with offload, restored into the pipeline without
+    offload and into one with offload, trains one more epoch alike."""
     names = ("adam", "sgdm", "sgd")
     results, _ = _run_hosts(tmp_path, [
-        f"pipe{plain}_{name}" for name in names for plain in ("", "_plain")])
+        f"pipe{plain}_{name}" for name in names
+        for plain in ("", "_plain")] + ["pipe_resume"])
+    for run in _pipe_runs(results, "pipe_resume"):
+        for key in ("losses", *(f"w{i}" for i in range(6))):
+            assert models.relative_error(run[f"plain_{key}"],
+                                         run[f"offload_{key}"]) < RTOL, key
     for name, slots in zip(names, (2, 1, 0)):
         offloaded = _pipe_runs(results, f"pipe_{name}")
         plain = _pipe_runs(results, f"pipe_plain_{name}")

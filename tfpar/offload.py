@@ -59,7 +59,11 @@ mesh and the host mesh are "spread" meshes (the same local devices of
 every host, `tfpar.Mesh`), `offload_devices[i]` is on mesh device i's
 host, each host moves its own blocks and all hosts run the host update
 together (tests/test_offload_hosts.py). A pipeline whose stages live on
-different hosts is refused (`tfpar.pipeline.cross_host`).
+different hosts (`tfpar.pipeline.cross_host`: one stage's mesh on one
+host, its host mesh on the same host's `offload_devices`) runs each
+part's update on its own host (`OffloadCrossHostRunner`): every host runs
+every part's moves and host update in the same order, the hosts without
+that stage on stand-ins (`move_blocks`), as they run its stage functions.
 
 Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 

@@ -27,8 +27,14 @@ actions from Python instead, on every host in the same order:
   other host). Moves between two meshes of one host go through that host
   alone (its blocks, device by device);
 - after the last action each part's optimizer applies its summed
-  gradients (a `tf.function` each); logs and predictions are the owner's
-  values, sent to every host (`tfpar.placement.fetch`: a collective).
+  gradients (a `tf.function` each; under `offload="optimizer"` the
+  update runs on the stage's host's offload devices instead,
+  `tfpar.offload.OffloadCrossHostRunner`); logs and predictions are the
+  owner's values, sent to every host (`tfpar.placement.fetch`: a
+  collective). Under a `LossScaleOptimizer` all parts skip an overflowing
+  step together (`tfpar.pipeline.loss_scale`): each part's finite flag
+  moves through the bridge to the last part, whose verdict (a factor, 1
+  or NaN) comes back to every part before it applies.
 
 Each backward recomputes its forward, so a step costs one more forward
 per stage but the last (whose forward runs inside its backward); hence

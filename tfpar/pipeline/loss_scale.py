@@ -16,6 +16,10 @@ gradients is multiplied by 1 (all finite everywhere: unchanged, exactly)
 or by NaN (some part overflowed): every part's optimizer then skips or
 applies together, and their scales stay equal. Under
 `offload="optimizer"` the same gradients go to each part's host update.
+Across hosts (`tfpar.pipeline.cross_host`) the host-driven step does the
+same with its own functions: `all_finite` per part, the flags moved to
+the last part through its bridge, `factor_of` there, the factor moved
+back and each part's gradients multiplied by it (`times`).
 
 Example (a pipeline's step calls it; nothing to do by hand):
 

@@ -264,6 +264,35 @@ def host_mixed_mlp():
         for i, width in enumerate((32, 32, 32, 8))], name="mixed")
 
 
+def assert_trained_like(reference, got, rtol=1e-4):
+    """`got` (a mapping: "losses", "evaluate", "predict", "w<i>") within
+    `rtol` (relative) of `reference` = (per-batch losses, weights,
+    evaluate, predict), e.g. of `train_host_mlp` on one device."""
+    losses, weights, evaluated, predicted = reference
+    assert relative_error(losses, got["losses"]) < rtol
+    assert relative_error(evaluated, got["evaluate"]) < rtol
+    assert relative_error(predicted, got["predict"]) < rtol
+    for i, want in enumerate(weights):
+        assert relative_error(want, got[f"w{i}"]) < rtol, f"w{i}"
+
+
+def train_loss_scaled(pipe, given):
+    """`host_mixed_mlp`'s pipeline `pipe` from `given`'s weights "m<i>",
+    compiled with a LossScaleOptimizer (SGD with momentum) from 2**20,
+    two epochs of batch 16 in order on "mx", "my": (per-batch losses,
+    weights, each part's step count, each part's scale)."""
+    with pipe.distribute_strategy.scope():
+        pipe.set_weights([given[f"m{i}"] for i in range(8)])
+        pipe.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            HOST_OPTIMIZERS["sgdm"](), initial_scale=2.0**20), loss="mse")
+    losses = BatchLosses()
+    pipe.fit(given["mx"], given["my"], batch_size=16, epochs=2,
+             shuffle=False, verbose=0, callbacks=[losses])
+    return (np.array(losses.losses), pipe.get_weights(),
+            [int(o.iterations.numpy()) for o in pipe.stage_optimizers],
+            [float(o.dynamic_scale.numpy()) for o in pipe.stage_optimizers])
+
+
 def host_deep_mlp():
     """A 5-layer MLP for pipelines of 4 stages across hosts
     (tests/test_hosts_pipeline.py)."""

@@ -197,8 +197,10 @@ def state_of(prefix, pipe):
     """Every weight and stage optimizer variable of `pipe`, as host arrays
     (collectives: every host calls this in the same order)."""
     out = {f"{prefix}_w{i}": w for i, w in enumerate(pipe.get_weights())}
-    out.update({f"{prefix}_opt{i}": v.numpy() for i, v in enumerate(
-        v for optimizer in pipe.stage_optimizers for v in optimizer.variables)})
+    variables = [v for optimizer in pipe.stage_optimizers
+                 for v in optimizer.variables]
+    out.update({f"{prefix}_opt{i}": v.numpy()
+                for i, v in enumerate(variables)})
     return out
 
 
@@ -311,29 +313,19 @@ def pipe_master_case(given):
 
 
 def pipe_loss_scale_case(given):
-    """`models.host_mixed_mlp` with a LossScaleOptimizer (SGD with momentum) from a
-    scale of 2**20 (it overflows stage 0's float16 gradients at first),
-    given weights "m<i>" and data "mx", "my", without and with offload:
-    losses, weights, each part's step count and scale."""
+    """`models.train_loss_scaled` (stage 0's float16 gradients overflow
+    at first) on the pipeline across hosts, without and with offload:
+    losses, weights "w<i>", each part's step count and scale."""
     out = {}
     for run, offload in (("plain", None), ("offload", "optimizer")):
-        strategy = pipe_strategy(offload)
-        pipe = pipe_model(strategy, "sgdm", models.host_mixed_mlp)
-        with strategy.scope():
-            pipe.set_weights([given[f"m{i}"] for i in range(8)])
-            pipe.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-                models.HOST_OPTIMIZERS["sgdm"](), initial_scale=2.0**20),
-                loss="mse")
-        losses = models.BatchLosses()
-        pipe.fit(given["mx"], given["my"], batch_size=16, epochs=2,
-                 shuffle=False, verbose=0, callbacks=[losses])
+        pipe = pipe_model(pipe_strategy(offload), "sgdm",
+                          models.host_mixed_mlp)
+        losses, weights, steps, scales = models.train_loss_scaled(pipe,
+                                                                  given)
         key = f"pipe_loss_scale_{run}"
-        out[f"{key}_losses"] = np.array(losses.losses)
-        out.update({f"{key}_w{i}": w for i, w in enumerate(pipe.get_weights())})
-        out[f"{key}_steps"] = [int(o.iterations.numpy())
-                               for o in pipe.stage_optimizers]
-        out[f"{key}_scales"] = [float(o.dynamic_scale.numpy())
-                                for o in pipe.stage_optimizers]
+        out.update({f"{key}_losses": losses, f"{key}_steps": steps,
+                    f"{key}_scales": scales})
+        out.update({f"{key}_w{i}": w for i, w in enumerate(weights)})
     return out
 
 

@@ -78,17 +78,12 @@ def _one_device(workdir, optimizer="adam"):
 
 
 def _check(results, reference, config):
-    losses, weights, evaluated, predicted = reference
     for h, host in enumerate(results):
         assert int(host["host"]) == h
         for run in ("plain", "offload"):
-            got = {k[len(f"{config}_{run}_"):]: v for k, v in host.items()
-                   if k.startswith(f"{config}_{run}_")}
-            assert models.relative_error(losses, got["losses"]) < RTOL
-            assert models.relative_error(evaluated, got["evaluate"]) < RTOL
-            assert models.relative_error(predicted, got["predict"]) < RTOL
-            for i, want in enumerate(weights):
-                assert models.relative_error(want, got[f"w{i}"]) < RTOL
+            models.assert_trained_like(reference, {
+                k[len(f"{config}_{run}_"):]: v for k, v in host.items()
+                if k.startswith(f"{config}_{run}_")}, RTOL)
         _check_placement(host, config, h)
         _check_checkpoint(host, config)
 
@@ -181,14 +176,9 @@ def _pipe_runs(results, config):
 def _check_pipe_parity(runs, reference):
     """Losses, weights, evaluate and predict of both hosts within RTOL of
     `reference` (one device); both hosts' weights equal."""
-    losses, weights, evaluated, predicted = reference
     for run in runs:
-        assert models.relative_error(losses, run["losses"]) < RTOL
-        assert models.relative_error(evaluated, run["evaluate"]) < RTOL
-        assert models.relative_error(predicted, run["predict"]) < RTOL
-        for i, want in enumerate(weights):
-            assert models.relative_error(want, run[f"w{i}"]) < RTOL
-    for i in range(len(weights)):
+        models.assert_trained_like(reference, run, RTOL)
+    for i in range(len(reference[1])):
         np.testing.assert_array_equal(runs[0][f"w{i}"], runs[1][f"w{i}"])
 
 
@@ -235,7 +225,7 @@ def test_offload_of_a_pipeline_whose_stages_live_on_different_hosts(
             for other in ("restored_", "back_"):
                 np.testing.assert_array_equal(
                     run[key], run[key.replace("saved_", other)], err_msg=key)
-    files = sorted(p.name for p in (workdir / "ckpt_pipe" / "ckpt-6").iterdir())
+    files = [p.name for p in (workdir / "ckpt_pipe" / "ckpt-6").iterdir()]
     # Adam's momentum of up0's kernel (stage 0, replicated over data) is
     # written from host 0's CPU:4, that of head's (stage 1) from host 1's
     # CPU:4 (global CPU:12).
@@ -374,22 +364,12 @@ def _loss_scaled_on_one_host(workdir):
     """The loss-scaled pipeline of `pipe_loss_scale` on one host (pipe=2 x
     data=2 on CPU:0-3, no offload): per-batch losses, weights, each part's
     step count and scale."""
-    given = np.load(workdir / "given.npz")
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(
         {"pipe": 2, "data": 2}, devices=[f"CPU:{i}" for i in range(4)]))
     with strategy.scope():
         pipe = tfpar.PipelineModel(models.host_mixed_mlp(),
                                    num_microbatches=2, schedule="gpipe")
-        pipe.set_weights([given[f"m{i}"] for i in range(8)])
-        pipe.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-            models.HOST_OPTIMIZERS["sgdm"](), initial_scale=2.0**20),
-            loss="mse")
-    losses = models.BatchLosses()
-    pipe.fit(given["mx"], given["my"], batch_size=16, epochs=2,
-             shuffle=False, verbose=0, callbacks=[losses])
-    return (np.array(losses.losses), pipe.get_weights(),
-            [int(o.iterations.numpy()) for o in pipe.stage_optimizers],
-            [float(o.dynamic_scale.numpy()) for o in pipe.stage_optimizers])
+    return models.train_loss_scaled(pipe, np.load(workdir / "given.npz"))
 
 
 @pytest.mark.slow

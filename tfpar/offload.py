@@ -589,7 +589,5 @@ def make_runner(model, extended):
         if cross_host.spans_hosts(extended):
             return OffloadCrossHostRunner(model)
         return OffloadPipelineRunner(model)
-
-
     strategy = extended._container_strategy()  # noqa: SLF001
     return OffloadRunner(model, extended, attach(model.optimizer, strategy))

@@ -448,14 +448,17 @@ class CrossHostRunner(PipelineRunner):
             for g in grads], list(part.gradient_sums))
 
     def _finite_body(self, part, training, sums):
+        """1.0 when all the part's gradient sums are finite, else 0.0."""
         del training
         return placement.relayout(loss_scale.all_finite(sums), (), part.mesh)
 
     def _verdict_body(self, part, training, flags):
+        """On the last part: every part's flag -> the factor (1 or NaN)."""
         del training
         return placement.relayout(loss_scale.factor_of(flags), (), part.mesh)
 
     def _apply_body(self, part, training, sums, factor):
+        """The part's optimizer step on its sums (times `factor`, if any)."""
         del training
         part.gradient_sums = [loss_scale.times(g, factor) for g in sums]
         part.apply_gradients()

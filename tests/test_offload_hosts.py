@@ -47,6 +47,9 @@ def _run_hosts(workdir, configs):
     keras.utils.set_random_seed(0)
     weights = models.host_mlp().get_weights()
     x, y = models.mlp_data(n=96)
+    # (From seed 0 the loss-scaled pipeline's first step overflows stage 0
+    # at 2**20, and only that one: test_offload_pipeline's case.)
+    keras.utils.set_random_seed(0)
     mixed = models.host_mixed_mlp().get_weights()
     rng = np.random.default_rng(0)
     np.savez(workdir / "given.npz", x=x, y=y,

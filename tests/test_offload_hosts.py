@@ -382,8 +382,10 @@ def test_loss_scaling_across_hosts_skips_every_part_together(tmp_path):
     0's gradients only. One decision for both parts (each part's finite
     flag through the bridge): without and with offload, both parts skip
     it and take the other 7 steps at the same scale, as the pipeline on
-    one host does (losses and weights within 1e-4 of it). Before, each
-    part decided alone: steps [4, 8], scales [2**16, 2**20] (measured)."""
+    one host does (losses within 1e-4 of it, the float32 stage's weights
+    too, the float16 stage's within 1e-3), offload equal to no offload.
+    Before, each part decided alone: steps [4, 8], scales [2**16, 2**20]
+    (measured)."""
     results, _ = _run_hosts(tmp_path, ["pipe_loss_scale"])
     losses, weights, steps, scales = _loss_scaled_on_one_host(tmp_path)
     assert steps == [7, 7] and scales == [2.0**19] * 2
@@ -393,4 +395,14 @@ def test_loss_scaling_across_hosts_skips_every_part_together(tmp_path):
             assert list(run[f"{name}_scales"]) == scales, name
             assert models.relative_error(losses, run[f"{name}_losses"]) < RTOL
             for i, want in enumerate(weights):
-                assert models.relative_error(want, run[f"{name}_w{i}"]) < RTOL
+                # Stage 0 (weights 0-3) computes in float16: its biases
+                # end 2.4e-4 and 3.1e-4 relative from the one-host
+                # pipeline's (measured; their gradients are float16 sums,
+                # whose rounding the host-driven step's separate programs
+                # need not share), its kernels 2.6e-5; the float32
+                # stage's weights within 3e-5.
+                assert models.relative_error(
+                    want, run[f"{name}_w{i}"]) < (1e-3 if i < 4 else RTOL)
+        for i in range(len(weights)):
+            np.testing.assert_array_equal(run[f"plain_w{i}"],
+                                          run[f"offload_w{i}"])

@@ -59,7 +59,11 @@ mesh and the host mesh are "spread" meshes (the same local devices of
 every host, `tfpar.Mesh`), `offload_devices[i]` is on mesh device i's
 host, each host moves its own blocks and all hosts run the host update
 together (tests/test_offload_hosts.py). A pipeline whose stages live on
-different hosts is refused (`tfpar.pipeline.cross_host`).
+different hosts (`tfpar.pipeline.cross_host`: one stage's mesh on one
+host, its host mesh on the same host's `offload_devices`) runs each
+part's update on its own host (`OffloadCrossHostRunner`): every host runs
+every part's moves and host update in the same order, the hosts without
+that stage on stand-ins (`move_blocks`), as they run its stage functions.
 
 Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
@@ -91,6 +95,7 @@ from tfpar import layout as layout_lib
 from tfpar import offload_master
 from tfpar import placement as placement_lib
 from tfpar import training
+from tfpar.pipeline import cross_host
 from tfpar.pipeline import runner as pipeline_runner
 from tfpar.mesh import Mesh, short_device_name
 
@@ -114,7 +119,11 @@ def host_mesh(dims, mesh=None):
 def move_blocks(value, layout):
     """DTensor `value` on another mesh of `layout`'s shape, laid out by
     `layout`: the block mesh device i holds is copied to device i of
-    `layout`'s mesh (eager; an identity under `tf.device` per block)."""
+    `layout`'s mesh (eager; an identity under `tf.device` per block).
+    Across hosts both meshes are one host's (`host_mesh`): on the others
+    it gives a stand-in (`tfpar.placement.stand_in`)."""
+    if not layout.mesh.local_device_ids():
+        return placement_lib.stand_in(layout, value.shape, value.dtype)
     moved = []
     for block, device in zip(dtensor.unpack(value),
                              layout.mesh.local_devices()):
@@ -492,37 +501,83 @@ class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
     def __init__(self, pipeline):
         super().__init__(pipeline, "train")
 
-    def _offloads(self):
-        """Each part's optimizer's `Offload` (building them on first use)."""
-        return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
-                for optimizer in self._model.stage_optimizers]
-
     def _train(self, xs, targets, split):
+        offloads = part_offloads(self._model)
         with contextlib.ExitStack() as stack:
             captured = [stack.enter_context(offload.capturing())
-                        for offload in self._offloads()]
+                        for offload in offloads]
             logs = pipeline_runner.PipelineRunner._train(self, xs, targets,
                                                          split)
         return logs, [offload.step_gradients(calls) for offload, calls
-                      in zip(self._offloads(), captured)]
+                      in zip(offloads, captured)]
 
     def _run_batch(self, batch):
-        def step():
-            return pipeline_runner.PipelineRunner._run_batch(self, batch)
-
-        for offload in self._offloads():
-            step = functools.partial(offload.device_step, step)
-        logs, grads = step()
-        for offload, part_grads in zip(self._offloads(), grads):
-            offload.pull_weights()
-            offload.apply_on_host(part_grads)
+        logs, grads = run_and_update(
+            self._model,
+            lambda: pipeline_runner.PipelineRunner._run_batch(self, batch))
         return logs
+
+
+def part_offloads(pipeline):
+    """Each part's optimizer's `Offload` (building them on first use)."""
+    return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+            for optimizer in pipeline.stage_optimizers]
+
+
+def run_and_update(pipeline, step):
+    """`step()` (a pipeline's device step, returning (anything, each part's
+    `step_gradients`)), then each part's host update; returns the step's
+    result. The weights the step or anything else wrote reach the host
+    copies first (`Offload.device_step`, `Offload.pull_weights`)."""
+    offloads = part_offloads(pipeline)
+    for offload in offloads:
+        step = functools.partial(offload.device_step, step)
+    result = step()
+    for offload, part_grads in zip(offloads, result[1]):
+        offload.pull_weights()
+        offload.apply_on_host(part_grads)
+    return result
+
+
+class OffloadCrossHostRunner(cross_host.CrossHostRunner):
+    """A `PipelineModel`'s train step under offload when its stages live on
+    different hosts (`tfpar.pipeline.cross_host`): after the host-driven
+    schedule, each part's "offload" function (on its stage's mesh) hands
+    its summed gradients over, laid out like its stored weights, and its
+    `Offload` runs the update on its stage's host devices — of its own
+    host (`offload_devices`). Every host runs every part's moves and
+    update in the same order; on the hosts without that stage they are
+    no-ops on stand-ins (`move_blocks`), as the stage's functions are."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, "train")
+
+    def _train(self, xs, targets, split, rows):
+        def step():
+            sums = self._gradient_sums(xs, targets, split, rows)
+            return None, [
+                self._stage_function("offload", k)(part_sums, factor)
+                for k, (part_sums, factor) in enumerate(
+                    zip(sums, self._overflow_factors(sums)))]
+
+        run_and_update(self._model, step)
+
+    def _offload_body(self, part, training, sums, factor):
+        """Traced: the part's optimizer call records its gradients (the
+        `Offload` captures it), which the function returns."""
+        offload = part.optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+        with offload.capturing() as captured:
+            self._apply_body(part, training, sums, factor)
+        return offload.step_gradients(captured)
 
 
 def make_runner(model, extended):
     """The train `Runner` of `model` under an offloading strategy (of a
-    `PipelineModel`: `OffloadPipelineRunner`)."""
+    `PipelineModel`: `OffloadPipelineRunner`, across hosts
+    `OffloadCrossHostRunner`)."""
     if isinstance(model, training.StagedModel):
+        if cross_host.spans_hosts(extended):
+            return OffloadCrossHostRunner(model)
         return OffloadPipelineRunner(model)
     strategy = extended._container_strategy()  # noqa: SLF001
     return OffloadRunner(model, extended, attach(model.optimizer, strategy))

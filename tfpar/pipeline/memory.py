@@ -116,7 +116,7 @@ def _stage_memory(program):
     backward = _backward(program)
     from_batch = _from_batch(program)
     saved = _saved_activations(program, backward, readers, from_batch)
-    gathered = {owner: (size, _chunk(program, owner, readers))
+    gathered = {owner: (size, _chunk(owner, readers))
                 for owner, size in memory.saved_gathered(
                     program, backward, from_batch).items()}
     activations, in_flight = _most_live(saved, readers, step)
@@ -166,11 +166,11 @@ def _saved_activations(program, backward, readers, from_batch):
             continue
         size = memory.output_size(node, index)
         if size is not None:
-            saved[owner] = (size, _chunk(program, owner, readers))
+            saved[owner] = (size, _chunk(owner, readers))
     return saved
 
 
-def _chunk(program, owner, readers):
+def _chunk(owner, readers):
     """(part, micro-batch) of a saved buffer: of the forward action its
     backward readers differentiate (gradient ops are named after the
     forward op, "gradient_tape/<forward action>/..."), else its own."""

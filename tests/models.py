@@ -180,6 +180,28 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
 
 
+def assert_one_block_per_device(variable, spec, devices=None):
+    """Each device holding Keras `variable` (a tfpar strategy's) holds
+    exactly its block of the whole value as laid out by `spec` (rows
+    [c * n/k, (c+1) * n/k) of a dimension split k ways), on `devices`
+    (short names, "CPU:4") when given."""
+    from tensorflow.experimental import dtensor  # noqa: PLC0415
+
+    from tfpar import placement  # noqa: PLC0415
+
+    value = getattr(variable, "value", variable).read_value()
+    mesh = dtensor.fetch_layout(value).mesh
+    sizes = {axis: mesh.dim_size(axis) for axis in mesh.dim_names}
+    full = np.asarray(variable)
+    blocks = dtensor.unpack(value)
+    if devices is not None:
+        assert [b.device.rsplit("device:", 1)[-1] for b in blocks] == \
+            list(devices), variable.path
+    for block, location in zip(blocks, placement.local_locations(mesh)):
+        np.testing.assert_array_equal(block.numpy(), full[
+            placement.block_index(full.shape, spec, sizes, location)])
+
+
 class BatchLosses(keras.callbacks.Callback):
     """Records the logged loss after every training batch."""
 

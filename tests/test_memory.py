@@ -261,16 +261,6 @@ def test_bad_arguments():
         tfpar.memory_report(model, *models.mlp_data(n=BATCH))
 
 
-def test_pipeline_models_are_refused():
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
-    with strategy.scope():
-        model = tfpar.PipelineModel(_mlp(), num_microbatches=2)
-        model.compile(optimizer="adam", loss="mse")
-    with pytest.raises(ValueError, match="is a tfpar.PipelineModel.*"
-                       "memory_per_device"):
-        tfpar.memory_report(model, *models.mlp_data(n=BATCH))
-
-
 @pytest.mark.slow
 def test_gpt_keeps_no_gathered_weight_when_freed():
     """The GPT example (attention's EinsumDense kernels, LayerNormalization

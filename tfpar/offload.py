@@ -85,10 +85,8 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
 import contextlib
 import functools
-import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -134,15 +132,13 @@ def move_blocks(value, layout):
     return dtensor.pack(moved, layout)
 
 
-def move_alike(value, mesh, shape):
+def move_alike(value, mesh):
     """`move_blocks` of DTensor `value` to `mesh`, laid out with the same
-    sharding there; of an IndexedSlices its values and indices, with the
-    dense shape `shape` (its weight's) made on `mesh`."""
+    sharding there; of an IndexedSlices its values and indices (no dense
+    shape: the host update makes it a constant, `Offload._host_update`)."""
     if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            move_alike(value.values, mesh, None),
-            move_alike(value.indices, mesh, None),
-            placement_lib.put(np.asarray(shape, "int64"), (None,), mesh))
+        return tf.IndexedSlices(move_alike(value.values, mesh),
+                                move_alike(value.indices, mesh))
     specs = dtensor.fetch_layout(value).sharding_specs
     return move_blocks(value, dtensor.Layout(specs, mesh.dtensor_mesh))
 
@@ -189,30 +185,19 @@ def _check_optimizer(optimizer):
             "optimizer (e.g. 'adam'), or use offload=None.")
 
 
-def _rows_whole(weight, place, optimizer):
-    """Whether a table laid out by `place` keeps its rows whole: then its
-    sparse gradient moves to the host sparse. A row-split table's (fsdp, or
-    a rule on its first dimension) moves dense: tfpar's compiled step
-    returning its IndexedSlices fails in DTensor 2.21 ("EmitAllScatter
-    requires slice on input axis 0 which is dynamic", tests/test_offload.py;
-    a pure-DTensor step returning the same gradient compiles,
-    tests/dtensor_sparse_gradient_repro.py: the op at fault is something
-    the training step adds, not identified yet). Plain SGD and
-    momentum are linear in the gradient, so dense is the same update; for
-    other optimizers it warns (Adam squares each slice of a sparse
-    gradient, the dense one the summed rows)."""
-    if not place.spec or place.spec[0] is None:
-        return True
-    if not isinstance(optimizer, keras.optimizers.SGD):
-        warnings.warn(
-            f"ParallelStrategy(offload='optimizer'): the sparse gradient of "
-            f"{weight.path!r} (split by rows, layout {tuple(place.spec)}) "
-            f"moves to the host dense, so {type(optimizer).__name__} "
-            "updates it as a dense gradient: where a batch repeats a row "
-            "its result differs from offload=None (which applies Keras' "
-            "sparse update). Keep the table's rows whole (fsdp=False) or "
-            "use offload=None for the same update.", stacklevel=2)
-    return False
+def _with_dense_shape(gradient, weight):
+    """A sparse `gradient` (IndexedSlices) of `weight` given its dense
+    shape as a constant of the traced host update: Keras' optimizers turn
+    it dense (Adam's m += (g - m)(1 - beta_1)) with an UnsortedSegmentSum
+    over dense_shape[0] rows, whose row count DTensor must know to split
+    the sum over the rows of a row-split slot (fsdp). Given as an argument
+    of the update it was unknown until DTensor folded it, too late: "tf.
+    DTensorAllScatter ... EmitAllScatter requires slice on input axis 0
+    which is dynamic" (tests/dtensor_sparse_gradient_repro.py)."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    return tf.IndexedSlices(gradient.values, gradient.indices,
+                            tf.constant(weight.shape.as_list(), tf.int64))
 
 
 class DeviceLossScale:
@@ -324,9 +309,13 @@ class Offload:
 
     def build(self, variables):
         """`optimizer.build` over the host copies of `variables`: the
-        slots are made on the host mesh, each laid out like its weight."""
+        slots are made on the host mesh, each laid out like its weight;
+        state made apart from a weight (Nadam's `u_product`, Adafactor's
+        row and column factors: made on the devices) moves there too."""
         with self._strategy.scope():
             self._build([self.mirror(v) for v in variables])
+        for variable in self.optimizer.variables:
+            self._registry.move_to(variable, self.mesh)
         if self._loss_scale is not None:
             self._loss_scale.built(self.mesh)
 
@@ -410,10 +399,10 @@ class Offload:
         placed = []
         for grad, weight in zip(grads, self.weights):
             place = self._registry.require_on_mesh(weight)
-            if isinstance(grad, tf.IndexedSlices) and _rows_whole(
-                    weight, place, self.optimizer):
-                # Values and indices replicated; the dense shape (a Shape
-                # op of the table) is remade on the host (`move_alike`).
+            if isinstance(grad, tf.IndexedSlices):
+                # Values and indices replicated (every host device updates
+                # the rows of its block); the dense shape is remade on the
+                # host (`_host_update`).
                 grad = tf.IndexedSlices(*[
                     placement_lib.relayout(part, (None,) * part.shape.rank,
                                            place.mesh)
@@ -428,7 +417,7 @@ class Offload:
         """Moves `grads` (a step's `step_gradients`) to the host block by
         block, runs the optimizer there and moves the updated weights
         back into the device weights, block by block."""
-        host = [None if g is None else move_alike(g, self.mesh, w.shape)
+        host = [None if g is None else move_alike(g, self.mesh)
                 for w, g in zip(self.weights, grads)]
         casts = self._update(host)
         if self._loss_scale is not None:
@@ -453,7 +442,8 @@ class Offload:
         # The gradient of a ComputeCopy is in its compute dtype: the
         # master's update takes it in float32 (the gradient of a cast is
         # the cast of the gradient, as under offload="optimizer").
-        grads = [None if g is None else tf.cast(g, w.dtype)
+        grads = [None if g is None
+                 else tf.cast(_with_dense_shape(g, w), w.dtype)
                  for g, w in zip(grads, self.weights)]
         with self._strategy.extended.replica_scope():
             self.apply(grads, self.weights)

@@ -139,6 +139,7 @@ def test_report_has_every_kind_for_every_device(reports, tmp_path):
         assert set(tfpar.memory.KINDS) <= set(kinds)
     text = str(report)
     assert strategy.mesh.devices[0] in text and "gathered" in text
+    assert set(tfpar.memory.KINDS) <= set(text.splitlines()[0].split())
     x, y = models.mlp_data(n=BATCH)
     path = tmp_path / "memory.png"
     tfpar.memory_report(model, x, y, path=str(path))

@@ -101,13 +101,13 @@ class MemoryReport(dict):
 
     def __str__(self):
         mb = lambda n: f"{n / 2**20:10.3f}"  # noqa: E731
-        rows = [f"{'device (MiB)':44s}" + "".join(f"{k:>11s}" for k in KINDS)]
+        rows = [f"{'device (MiB)':44s}" + "".join(f" {k:>10s}" for k in KINDS)]
         for device, kinds in self.items():
             rows.append(f"{device:44s}" + "".join(
                 " " + mb(kinds[k]) for k in KINDS))
         if self.by_layer:
             rows.append(f"{'layer (MiB per device)':44s}"
-                        f"{'activations':>11s}{'gathered':>11s}")
+                        f" {'activations':>10s} {'gathered':>10s}")
             for layer, kinds in sorted(self.by_layer.items()):
                 rows.append(f"{layer[:44]:44s} {mb(kinds['activations'])} "
                             f"{mb(kinds['gathered'])}")

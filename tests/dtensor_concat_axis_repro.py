@@ -21,20 +21,21 @@ dimension split over x, each result multiplied by a tensor of its shape
 that is replicated or split over y along one dimension (the consumer whose
 split DTensor propagates back into the op), every axis spelled both ways.
 Each result is compared with numpy's. Prints one line per op:
-"<op>: right N" or "<op>: wrong W of N (negative W-, non-negative W+),
-fails F" and, for wrong cases, the first few. Then a last line
+"<op>: right N" or "<op>: wrong W (negative W-, non-negative W+) of N,
+fails F (negative F-, non-negative F+)" (fails: DTensor refuses with an
+error), the first few wrong cases and refusals. Then a last line
 "silently wrong: <ops>" (or "silently wrong: none").
 
-REPRO_QUICK=1: only concat, the first line of the module docstring's case
-and the default test's (`tests/test_dtensor_concat_axis.py`).
+The first three lines printed are the first paragraph's case (the default
+test of `tests/test_dtensor_concat_axis.py`); the sweep is its slow test.
 
-Run: python tests/dtensor_concat_axis_repro.py
+Run: python tests/dtensor_concat_axis_repro.py [op ...]
 """
 
-import itertools
 import os
+import sys
 
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # As `import tfpar` sets: DTensor's all-to-all relayout is wrong on rank 4
 # (tests/dtensor_all_to_all_repro.py); keep its error out of this sweep.
 os.environ["DTENSOR_USE_ALL_TO_ALL_RELAYOUT"] = "0"
@@ -53,10 +54,6 @@ def softmax(x, axis):
 
 def one_hot(i, axis):
     return np.moveaxis(np.eye(8, dtype="float32")[i], -1, axis)
-
-
-def moments_mean(x, axis):
-    return x.mean(axis=axis)
 
 
 # name: (TF op of (x, axis), numpy's, the ranks of the axis: "in" the
@@ -84,8 +81,8 @@ OPS = {
     "reduce_sum_keepdims": (lambda x, a: tf.reduce_sum(x, a, keepdims=True),
                             lambda x, a: x.sum(a, keepdims=True), "in",
                             "float"),
-    "moments": (lambda x, a: tf.nn.moments(x, [a])[0], moments_mean, "in",
-                "float"),
+    "moments": (lambda x, a: tf.nn.moments(x, [a])[0],
+                lambda x, a: x.mean(a), "in", "float"),
     "softmax": (lambda x, a: tf.nn.softmax(x, a), softmax, "in", "float"),
     "log_softmax": (lambda x, a: tf.nn.log_softmax(x, a),
                     lambda x, a: np.log(softmax(x, a)), "in", "float"),
@@ -144,13 +141,13 @@ def axes(kind, rank):
     return [(a, a - rank) for a in range(rank)]
 
 
-def cases(name, quick):
+def cases(name):
     """(axis, the same axis non-negative, input value, input spec) for op
     `name`: every axis spelled both ways, the input replicated or split
     over x along one dimension."""
     _, _, kind, dtype = OPS[name]
     rng = np.random.default_rng(0)
-    for shape in [(8, 8)] if quick else [(8, 8), (4, 8, 8)]:
+    for shape in [(8, 8), (4, 8, 8)]:
         rank = len(shape) - (dtype == "int")
         x = (rng.integers(0, 8, size=shape[:rank]).astype("int32")
              if dtype == "int" else rng.normal(size=shape).astype("float32"))
@@ -177,7 +174,7 @@ def consumers(name, axis, positive, x, in_spec):
 def run(fn, group, mesh):
     """{description: "right", "wrong" or "fails: ..."} for cases of one op,
     all in one tf.function (each case's result times its consumer); when
-    DTensor refuses the function, each half again, down to single cases."""
+    DTensor refuses the function, each case alone."""
     args = [put(v, spec, mesh) for case in group
             for v, spec in ((case[2], case[3]), (case[4], case[5]))]
     axes_of = [case[0] for case in group]
@@ -191,22 +188,22 @@ def run(fn, group, mesh):
         if len(group) == 1:
             return {group[0][1]: "fails: " + str(error).split(
                 "error: ")[-1].splitlines()[0]}
-        half = len(group) // 2
-        return {**run(fn, group[:half], mesh), **run(fn, group[half:], mesh)}
+        return {k: v for case in group for k, v in run(fn, [case],
+                                                       mesh).items()}
     return {case[1]: "right" if np.allclose(whole(value, mesh), case[6],
                                             atol=1e-5) else "wrong"
             for case, value in zip(group, got)}
 
 
-def sweep(names, quick=False):
+def sweep(names):
     """{op: {(input shape, axis, input spec, consumer-split dimension):
-    result}}: one tf.function per op, input rank and axis sign."""
+    result}}: one tf.function per op, input rank and axis spelling."""
     mesh = mesh_of_four()
     found = {}
     for name in names:
         groups = {}
-        for axis, positive, x, in_spec in cases(name, quick):
-            groups.setdefault((x.ndim, axis < 0), []).extend(
+        for axis, positive, x, in_spec in cases(name):
+            groups.setdefault((x.ndim, axis), []).extend(
                 consumers(name, axis, positive, x, in_spec))
         found[name] = {}
         for group in groups.values():
@@ -214,15 +211,20 @@ def sweep(names, quick=False):
     return found
 
 
+def by_sign(cases):
+    """"N (negative N-, non-negative N+)" of the cases (their axis: c[1])."""
+    negative = sum(1 for c in cases if c[1] < 0)
+    return (f"{len(cases)} (negative {negative}, non-negative "
+            f"{len(cases) - negative})")
+
+
 def summary(name, results):
     wrong = [c for c, r in results.items() if r == "wrong"]
     fails = [c for c, r in results.items() if r.startswith("fails")]
     if not wrong and not fails:
         return f"{name}: right {len(results)}"
-    negative = sum(1 for c in wrong if c[1] < 0)
-    return (f"{name}: wrong {len(wrong)} of {len(results)} (negative "
-            f"{negative}, non-negative {len(wrong) - negative}), fails "
-            f"{len(fails)}")
+    return (f"{name}: wrong {by_sign(wrong)} of {len(results)}, fails "
+            f"{by_sign(fails)}")
 
 
 def concat_case():
@@ -261,17 +263,19 @@ def main():
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
-    quick = os.environ.get("REPRO_QUICK") == "1"
     for name, result in concat_case().items():
-        print(f"{name}: {result}")
-    found = sweep(["concat"] if quick else list(OPS), quick=quick)
+        print(f"{name}: {result}", flush=True)
+    found = sweep(sys.argv[1:] or list(OPS))
     silent = []
     for name, results in found.items():
-        print(summary(name, results))
+        print(summary(name, results), flush=True)
         wrong = [c for c, r in results.items() if r == "wrong"]
         for shape, axis, in_spec, out_dim in wrong[:3]:
             print(f"  wrong: shape {shape} axis {axis} input {in_spec} "
                   f"consumer splits dim {out_dim}")
+        for message in sorted({r for r in results.values()
+                               if r.startswith("fails")})[:2]:
+            print(f"  {message}")
         if wrong:
             silent.append(name)
     print("silently wrong:", ", ".join(silent) or "none")

@@ -4,8 +4,8 @@ Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
 `numpy.concatenate`, RandomCrop's drawn window and TF's `tensor[key]` use
-these instead of ops DTensor cannot lay out or lays out wrongly. Each gives the same values
-as the op it replaces (the sampler: the same distribution).
+these instead of ops DTensor cannot lay out or lays out wrongly. Each gives
+the same values as the op it replaces (the sampler: the same distribution).
 
 Example:
 

@@ -183,7 +183,7 @@ def run(fn, group, mesh):
         return [fn(args[2 * i], axis) * args[2 * i + 1]
                 for i, axis in enumerate(axes_of)]
     try:
-        got = tf.function(traced)(*args)
+        got = tf.function(traced, autograph=False)(*args)
     except (tf.errors.OpError, ValueError) as error:
         if len(group) == 1:
             return {group[0][1]: "fails: " + str(error).split(
@@ -249,7 +249,7 @@ def concat_case():
     found = {}
     for name, f in ways.items():
         try:
-            got = whole(tf.function(f)(*inputs), mesh)
+            got = whole(tf.function(f, autograph=False)(*inputs), mesh)
         except tf.errors.OpError as error:
             found[name] = ("fails: " +
                            str(error).split("error: ")[-1].splitlines()[0])

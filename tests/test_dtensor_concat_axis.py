@@ -61,35 +61,30 @@ def joined():
     return keras.Model(features, keras.layers.Dense(3, name="out")(h))
 
 
-def data():
+def train(strategy, build, weights):
+    """(per-batch losses, weights) after two epochs of plain SGD."""
     rng = np.random.RandomState(0)
-    return (rng.normal(size=(32, 8)).astype("float32"),
-            rng.normal(size=(32, 3)).astype("float32"))
-
-
-def fit(model, weights):
-    """Two epochs of plain SGD; (per-batch losses, weights)."""
-    x, y = data()
-    model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    losses = models.BatchLosses()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-              callbacks=[losses])
-    return np.array(losses.losses), model.get_weights()
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    losses, model = models.train_sgd_in_order(strategy, build, weights, x, y)
+    return losses, model.get_weights(), model
 
 
 @pytest.fixture(scope="module")
 def one_device():
     keras.utils.set_random_seed(0)
-    single = joined()
-    weights = single.get_weights()
-    return weights, fit(single, weights)
+    weights = joined().get_weights()
+    return weights, train(None, joined, weights)
 
 
-def assert_parity(want, got):
+def assert_parity(want, got, block):
+    """Losses and weights within RTOL; every device holds only its `block`
+    (rows) of `out`'s (16, 3) kernel."""
     assert models.relative_error(want[0], got[0]) < RTOL, (want[0], got[0])
     for a, b in zip(want[1], got[1]):
         assert models.relative_error(a, b) < RTOL
+    kernel = got[2].get_layer("out").kernel.value.read_value()
+    assert {tuple(b.shape) for b in dtensor.unpack(kernel)} == {(block, 3)}
 
 
 ROWS = {"out/kernel": ("model", None)}
@@ -99,18 +94,15 @@ def test_concatenate_into_row_parallel_dense_matches_one_device(one_device):
     weights, want = one_device
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
                                       rules=ROWS)
-    with strategy.scope():
-        model = joined()
-    assert_parity(want, fit(model, weights))
-    kernel = model.get_layer("out").kernel
-    assert {b.shape for b in dtensor.unpack(kernel.value.read_value())} == {
-        (4, 3)}  # of (16, 3)
+    assert_parity(want, train(strategy, joined, weights), block=4)
 
 
+# Slow (37 s each under load 23): the default run pins a Concatenate inside
+# a pipeline stage in tests/test_pipeline.py::
+# test_gradients_of_integer_inputs_and_embeddings[1f1b] (whole consumer).
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,virtual", [
-    ("1f1b", 1), pytest.param("gpipe", 1, marks=pytest.mark.slow),
-    pytest.param("zb-h1", 1, marks=pytest.mark.slow),
-    pytest.param("1f1b", 2, marks=pytest.mark.slow)])  # interleaved
+    ("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("1f1b", 2)])  # 2: interleaved
 def test_pipeline_stage_concatenate_into_row_parallel_dense(
         one_device, schedule, virtual):
     """The join and the row-parallel Dense on the last part, on the last
@@ -120,8 +112,7 @@ def test_pipeline_stage_concatenate_into_row_parallel_dense(
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"pipe": 2, "data": 2, "model": 2}), rules=ROWS)
     boundaries = ["d1"] if virtual == 1 else ["d1", "d2", "join"]
-    with strategy.scope():
-        pipe = tfpar.PipelineModel(
-            joined(), num_microbatches=2, schedule=schedule,
-            virtual_stages=virtual, stage_boundaries=boundaries)
-    assert_parity(want, fit(pipe, weights))
+    assert_parity(want, train(strategy, lambda: tfpar.PipelineModel(
+        joined(), num_microbatches=2, schedule=schedule,
+        virtual_stages=virtual, stage_boundaries=boundaries), weights),
+        block=8)

@@ -18,6 +18,7 @@ BatchNormalization with gamma split (tests/test_fuzz_models.py).
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfpar
@@ -95,6 +96,21 @@ def test_concatenate_into_row_parallel_dense_matches_one_device(one_device):
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
                                       rules=ROWS)
     assert_parity(want, train(strategy, joined, weights), block=4)
+
+
+def test_concatenate_outside_a_step_is_keras_own():
+    """Eagerly and in a tf.function that is not a tfpar step (no mesh to
+    pin on), Keras' concatenate under a strategy joins as Keras does."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
+                                      rules=ROWS)
+    a, b = np.ones((2, 3), "float32"), np.zeros((2, 1), "float32")
+    with strategy.scope():
+        eager = keras.ops.concatenate([a, b], axis=-1)
+        traced = tf.function(
+            lambda: keras.ops.concatenate([a, b], axis=-1))()
+    for got in (eager, traced):
+        assert not dtensor.is_dtensor(got)
+        np.testing.assert_array_equal(got, np.concatenate([a, b], -1))
 
 
 # Slow (37 s each under load 23): the default run pins a Concatenate inside

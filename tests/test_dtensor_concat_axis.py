@@ -38,7 +38,7 @@ def test_negative_axis_concat_is_wrong_and_pinned_one_is_right():
     }
 
 
-@pytest.mark.slow  # every op that takes an axis: minutes
+@pytest.mark.slow  # 22 ops: 4 CPU-minutes (19 min of wall time under load 23)
 def test_sweep_of_axis_ops_finds_only_concat_silently_wrong():
     found = repro.sweep(list(repro.OPS))
     wrong = {name: [c for c, r in results.items() if r == "wrong"]
@@ -48,6 +48,12 @@ def test_sweep_of_axis_ops_finds_only_concat_silently_wrong():
     # joined dimension (the output's dimension `axis`).
     assert all(axis < 0 and out_dim == axis % len(shape)
                for shape, axis, _, out_dim in wrong["concat"])
+    # Elsewhere DTensor refuses as often for either spelling.
+    for name, results in found.items():
+        fails = [c[1] < 0 for c, r in results.items()
+                 if r.startswith("fails")]
+        if name != "concat":
+            assert fails.count(True) == fails.count(False), name
 
 
 def joined():

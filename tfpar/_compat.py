@@ -491,6 +491,23 @@ def _gathered_flip_in_step(original, hooks):
     return flip
 
 
+def _concatenate_whole_along_axis_in_step(original, hooks):
+    """Keras' TF `numpy.concatenate` as `spmd_ops.concatenate_whole_along_axis`
+    in a graph step: DTensor 2.21 concatenated each device's blocks when a
+    consumer split the joined dimension and the axis was negative (Keras'
+    `Concatenate(axis=-1)`; a silent wrong result found by the fuzzing,
+    tests/dtensor_concat_axis_repro.py). Elsewhere Keras' op runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def concatenate(xs, axis=0):
+        if not hooks.in_graph_step():
+            return original(xs, axis=axis)
+        return spmd_ops.concatenate_whole_along_axis(xs, axis, original)
+
+    return concatenate
+
+
 def _random_crop_under_tfpar(original, hooks):
     """Keras' `RandomCrop.transform_images` under a tfpar strategy.
 
@@ -658,6 +675,8 @@ _STRATEGY_PATCHES = (
     Patch("divide", _keras_numpy, "divide", _static_sparse_division),
     Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
     Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
+    Patch("concatenate", _keras_numpy, "concatenate",
+          _concatenate_whole_along_axis_in_step),
     Patch("function_call", _function_class, "__call__", _host_inputs_placed),
     Patch("slice_update", _tf_core, "slice_update",
           _dense_slice_update_in_step),

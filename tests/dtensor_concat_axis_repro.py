@@ -13,7 +13,7 @@ split and refuses ("Concat op SPMD with concat dimension in sharded
 dimension is not supported"): its check misses the negative spelling,
 which is Keras' (`Concatenate(axis=-1)`). Pinning the joined dimension
 whole after the concat (a relayout) gives the right values; that is what
-tfpar's steps do (`tfpar.spmd_ops.concatenate_whole_along_axis`).
+tfpar's steps do (`tfpar.spmd_ops.concat_whole_along_axis`).
 
 The sweep asks the same of every op below on a 2 x 2 CPU mesh (axes x, y):
 a rank-2 (8, 8) and a rank-3 (4, 8, 8) input, replicated or with one

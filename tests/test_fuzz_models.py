@@ -300,7 +300,7 @@ def test_recomputed_join_and_split_batchnorm_weight_match_one_device(
     blocks of the inputs (its check misses a negative axis:
     tests/dtensor_concat_axis_repro.py). tfpar's steps join with the axis
     made non-negative and the joined dimension whole
-    (`spmd_ops.concatenate_whole_along_axis`)."""
+    (`spmd_ops.concat_whole_along_axis`)."""
     keras.utils.set_random_seed(0)
     single = build_joined(branch)
     weights = single.get_weights()

@@ -19,6 +19,7 @@ import tensorflow as tf
 import tfpar
 from tfpar import recompute
 
+import fuzzing
 import models
 
 RTOL = 1e-4
@@ -359,9 +360,16 @@ def test_keras_remat_function_matches_one_device(axes):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     with tfpar.communication.capture() as programs:
         got = models.fit_mlp(model, epochs=2).history["loss"]
-    assert models.relative_error(want, got) < RTOL
-    for a, b in zip(reference.weights, model.weights):
-        assert models.relative_error(a.numpy(), b.numpy()) < RTOL, a.path
+    # Adam turns float32's rounding into whole steps where a gradient is
+    # tiny: one device's own block/down/kernel is 5.5e-5 from float64's
+    # and data=8's 9e-5 on the other side: 1.5e-4 apart, every run on an
+    # AMD EPYC (AVX2) host), so float32's own noise bounds it (`fuzzing`).
+    x, y = models.mlp_data()
+    exact = fuzzing.train_in_float64(  # 2 epochs in order: the data twice
+        lambda: build(False), np.concatenate([x, x]), np.concatenate([y, y]),
+        weights, keras.optimizers.Adam(0.01))[1]
+    fuzzing.assert_parity(want, got, reference.get_weights(),
+                          model.get_weights(), exact=(want, exact))
     if strategy:  # recomputed: the hidden activation is not kept
         saved = programs.train_report().saved_activations
         assert not any("up_1/Relu" in name for name in saved), saved

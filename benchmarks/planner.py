@@ -221,13 +221,14 @@ def measure_model(name, cluster, args):
     for c in feasible:
         twins.setdefault(program_key(c), []).append(c)
     distinct = [group[0] for group in twins.values()]
-    # Shuffled (a tier cut short is a fair sample of it), in tiers: first
-    # without recomputation, 1F1B; then GPipe with several micro-batches
-    # (on a shared host the same actions in another order); recomputation
-    # last (it only adds a forward pass, for memory this host does not lack).
+    # In tiers — first without recomputation, 1F1B; then GPipe with several
+    # micro-batches (on a shared host the same actions in another order);
+    # recomputation last (it only adds a forward pass, for memory this host
+    # does not lack) — each by micro-batch count (the cheapest to build
+    # first: a run cut short has measured a stated rule), shuffled within.
     todo = [c for c in distinct if c.label not in done]
     random.Random(args.seed).shuffle(todo)
-    todo.sort(key=tier)
+    todo.sort(key=lambda c: (tier(c), c.num_microbatches))
     pipeless = next(c for c in distinct if c.axes["pipe"] == 1)
     anchors = [distinct[0]] + ([pipeless] if pipeless is not distinct[0] else [])
     print(f"\n{name}: global batch {batch}, {len(plan.candidates)} candidates"
@@ -276,9 +277,9 @@ def _time_chunk(chunk, anchors, built, twins, args, chunk_id):
     from tfpar.planner import measure  # noqa: PLC0415
     timed = list(dict.fromkeys([c.label for c in chunk]
                                + [a.label for a in anchors]))
-    times = measure.interleaved({label: built[label][0] for label in timed},
-                                rounds=args.rounds, steps=args.steps,
-                                seed=args.seed + chunk_id)
+    times, cpu = measure.interleaved(
+        {label: built[label][0] for label in timed}, rounds=args.rounds,
+        steps=args.steps, seed=args.seed + chunk_id)
     anchor_gm = np.exp(np.mean([np.log(times[a.label]) for a in anchors],
                                axis=0))
     load = os.getloadavg()[0]
@@ -290,6 +291,8 @@ def _time_chunk(chunk, anchors, built, twins, args, chunk_id):
             rows.append({
                 "label": twin.label, "measured_s": seconds,
                 "relative": relative, "rounds": times[c.label],
+                "cpu_s": float(np.median(cpu[c.label])),
+                "cpu_rounds": cpu[c.label],
                 "chunk": chunk_id, "anchor_rounds": anchor_gm.tolist(),
                 "predicted_s": twin.estimate.step_time_s,
                 "predicted_bytes": _state_bytes(twin),
@@ -299,6 +302,7 @@ def _time_chunk(chunk, anchors, built, twins, args, chunk_id):
                 **({"same_as": c.label} if twin is not c else {})})
             print(f"{twin.label:44s} {twin.estimate.step_time_s * 1e3:8.2f} "
                   f"{seconds * 1e3:8.2f} {relative:6.3f} "
+                  f"cpu {float(np.median(cpu[c.label])) * 1e3:8.2f} "
                   f"{_state_bytes(twin):11,.0f} {built[c.label][1]:11,} "
                   f"chunk {chunk_id}", flush=True)
     return rows
@@ -311,16 +315,18 @@ def _write(path, rows):
                 f.write(json.dumps(row) + "\n")
 
 
-def measured_rows(name, cluster, directory, normalised=False,
-                  max_microbatches=8):
+def measured_rows(name, cluster, directory, kind="wall", max_microbatches=8):
     """[(predicted now, measured, label)] of a saved table in predicted
-    order; `normalised`: each row's time relative to its chunk's anchors
-    times the anchors' median over all chunks (rows saved without anchors
-    keep their time)."""
+    order. `kind`: "wall" (median over rounds of the fastest step), "cpu"
+    (the same of this process' CPU seconds per step) or "normalised" (each
+    row's wall time relative to its chunk's anchors, times the anchors'
+    median over all chunks)."""
     import numpy as np  # noqa: PLC0415
     rows = _load_rows(os.path.join(directory, f"{name}.jsonl"))
     measured = {r["label"]: r["measured_s"] for r in rows}
-    if normalised and any("relative" in r for r in rows):
+    if kind == "cpu":
+        measured = {r["label"]: r["cpu_s"] for r in rows if "cpu_s" in r}
+    if kind == "normalised" and any("relative" in r for r in rows):
         chunks = {r["chunk"]: r["anchor_rounds"] for r in rows if "chunk" in r}
         reference = float(np.median(np.concatenate(list(chunks.values()))))
         measured.update({r["label"]: r["relative"] * reference
@@ -379,6 +385,35 @@ def _clusters(name, cluster, directory):
     return out
 
 
+def markdown(name, cluster, directory, max_microbatches=8):
+    """`DIR/<model>.md`: the saved table, one row per candidate in measured
+    order, with the current cost model's prediction (`cluster`)."""
+    import numpy as np  # noqa: PLC0415
+    saved = {r["label"]: r for r in _load_rows(
+        os.path.join(directory, f"{name}.jsonl"))}
+    normalised = {label: m for _, m, label in measured_rows(
+        name, cluster, directory, "normalised", max_microbatches)}
+    _, feasible = candidates(name, cluster, max_microbatches=max_microbatches)
+    rows = sorted((c for c in feasible if c.label in saved),
+                  key=lambda c: saved[c.label]["measured_s"])
+    lines = [f"# {name}: {len(rows)} measured of {len(feasible)} feasible "
+             f"candidates with <= {max_microbatches} micro-batches", "",
+             "| candidate | tier | predicted ms | measured ms (median) | "
+             "anchor-normalised ms | rounds ms (min–max) | CPU ms | chunk | "
+             "predicted B/dev | measured B/dev |", "|" + "---|" * 10]
+    for c in rows:
+        r = saved[c.label]
+        lines.append(
+            f"| {c.label} | {r.get('tier', '')} | "
+            f"{c.estimate.step_time_s * 1e3:.1f} | {r['measured_s'] * 1e3:.1f}"
+            f" | {normalised[c.label] * 1e3:.1f} | "
+            f"{np.min(r['rounds']) * 1e3:.1f}–{np.max(r['rounds']) * 1e3:.1f}"
+            f" | {r.get('cpu_s', float('nan')) * 1e3:.1f} | {r['chunk']} | {r['predicted_bytes']:,.0f} | "
+            f"{r['measured_bytes']:,} |")
+    with open(os.path.join(directory, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def report(name, rows, what):
     ratio, rho, k, chosen, best = summary(rows)
     print(f"{name} ({what}): {len(rows)} candidates; chosen/best measured = "
@@ -414,6 +449,9 @@ def main():
                         "--top best predicted and best measured of saved "
                         "tables")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --rerank: write DIR/<model>.md, the "
+                             "table with the current model's predictions")
     args = parser.parse_args()
     tfpar.use_virtual_cpus(8)
     cluster = tfpar.Cluster.local()
@@ -432,15 +470,16 @@ def main():
             saved = measure_model(name, cluster, args)
         if not directory:
             report(name, sorted((r["predicted_s"], r["measured_s"],
-                                 r["label"]) for r in saved), "medians")
+                                 r["label"]) for r in saved), "wall")
             continue
         for which, c in _clusters(name, cluster, directory):
-            for normalised in (False, True):
-                rows = measured_rows(name, c, directory, normalised,
+            for kind in ("wall", "normalised", "cpu"):
+                rows = measured_rows(name, c, directory, kind,
                                      args.max_microbatches)
                 if rows:
-                    report(name, rows, ("anchor-normalised" if normalised
-                                        else "medians") + f", {which}")
+                    report(name, rows, f"{kind}, {which}")
+        if args.markdown:
+            markdown(name, cluster, directory, args.max_microbatches)
         n, close, worst = bytes_agreement(name, cluster, directory)
         print(f"{name}: per-device bytes of weights and optimizer state "
               f"within 10% for {close} of {n} (largest difference "

@@ -82,22 +82,26 @@ def build_candidate(candidate, source, global_batch_size, optimizer="adam"):
 
 
 def interleaved(steppers, rounds=3, steps=2, seed=0):
-    """{key: [seconds per round]} of `steppers` ({key: a function running one
-    training step}): each round runs every stepper `steps` times, in a
-    shuffled order, and keeps its fastest step (other jobs' load only adds
-    time)."""
+    """({key: [wall seconds per round]}, {key: [CPU seconds per round]}) of
+    `steppers` ({key: a function running one training step}): each round
+    runs every stepper `steps` times, in a shuffled order, and keeps its
+    fastest step by the wall clock and by this process' CPU time (all its
+    threads: the work a step costs, which other jobs' load hardly
+    changes, where it stretches the wall clock)."""
     rng = np.random.default_rng(seed)
     keys = list(steppers)
-    times = {key: [] for key in keys}
+    wall, cpu = {key: [] for key in keys}, {key: [] for key in keys}
     for _ in range(rounds):
         for j in rng.permutation(len(keys)):
-            fastest = float("inf")
+            fastest, least = float("inf"), float("inf")
             for _ in range(steps):
-                start = time.perf_counter()
+                start, used = time.perf_counter(), time.process_time()
                 steppers[keys[j]]()
                 fastest = min(fastest, time.perf_counter() - start)
-            times[keys[j]].append(fastest)
-    return times
+                least = min(least, time.process_time() - used)
+            wall[keys[j]].append(fastest)
+            cpu[keys[j]].append(least)
+    return wall, cpu
 
 
 def time_candidates(candidates, source, global_batch_size, optimizer="adam",
@@ -112,7 +116,7 @@ def time_candidates(candidates, source, global_batch_size, optimizer="adam",
         for _ in range(warmup):
             model.train_on_batch(x, y)
         steppers[i] = (lambda m=model: m.train_on_batch(x, y))
-    times = interleaved(steppers, rounds=rounds, steps=steps)
+    times, _ = interleaved(steppers, rounds=rounds, steps=steps)
     return [float(np.median(times[i])) for i in range(len(candidates))]
 
 

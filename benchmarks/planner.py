@@ -32,8 +32,10 @@ measurements).
     python benchmarks/planner.py --rerank DIR
     python benchmarks/planner.py --recheck DIR [--top 3] [--rounds 3]
 
-`--recheck` measures the `--top` best-predicted and best-measured
-candidates of saved tables again, interleaved over `--rounds` rounds.
+`--recheck` measures the `--top` best-predicted and best-measured (CPU
+time, wall clock) candidates of saved tables again, interleaved over `--rounds`
+rounds (a second measurement of the contenders). `--rerank DIR
+--from-chunk N` ranks only the rows of chunk N and later.
 """
 
 import argparse
@@ -315,14 +317,17 @@ def _write(path, rows):
                 f.write(json.dumps(row) + "\n")
 
 
-def measured_rows(name, cluster, directory, kind="wall", max_microbatches=8):
+def measured_rows(name, cluster, directory, kind="wall", max_microbatches=8,
+                  from_chunk=0):
     """[(predicted now, measured, label)] of a saved table in predicted
     order. `kind`: "wall" (median over rounds of the fastest step), "cpu"
     (the same of this process' CPU seconds per step) or "normalised" (each
     row's wall time relative to its chunk's anchors, times the anchors'
-    median over all chunks)."""
+    median over all chunks); `from_chunk`: only rows of that chunk and
+    later (those measured after a change of the cost model)."""
     import numpy as np  # noqa: PLC0415
-    rows = _load_rows(os.path.join(directory, f"{name}.jsonl"))
+    rows = [r for r in _load_rows(os.path.join(directory, f"{name}.jsonl"))
+            if r.get("chunk", 0) >= from_chunk]
     measured = {r["label"]: r["measured_s"] for r in rows}
     if kind == "cpu":
         measured = {r["label"]: r["cpu_s"] for r in rows if "cpu_s" in r}
@@ -353,25 +358,38 @@ def bytes_agreement(name, cluster, directory):
     return len(diffs), sum(d <= 0.1 for d in diffs), max(diffs)
 
 
-def recheck(name, cluster, directory, top, rounds, steps):
-    """The `top` best-predicted and `top` best-measured candidates of a saved
-    table measured again, all built first, then interleaved over `rounds`
-    rounds; [(predicted, median of the rounds, label)] in predicted order."""
-    from tfpar.planner import measure  # noqa: PLC0415
+def recheck(name, cluster, directory, top, rounds, steps, warmup=2):
+    """The `top` best-predicted and `top` best-measured (by CPU time and by
+    the wall clock) candidates of a saved table measured again: all built first, then
+    interleaved over `rounds` rounds; {"wall"|"cpu": [(predicted, median
+    of the rounds, label)] in predicted order}."""
+    import numpy as np  # noqa: PLC0415
 
-    saved = {r[2]: r[1] for r in rerank(name, cluster, directory)}
+    from tfpar.planner import measure  # noqa: PLC0415
+    saved = {r[2]: r[1] for r in measured_rows(name, cluster, directory,
+                                               "cpu")}
     _, feasible = candidates(name, cluster)
     feasible = [c for c in feasible if c.label in saved]
     by_measured = sorted(feasible, key=lambda c: saved[c.label])
-    chosen = feasible[:top] + [c for c in by_measured[:top]
-                               if c not in feasible[:top]]
-    timed = measure.time_candidates(chosen, _source(name), MODELS[name][1],
-                                    rounds=rounds, steps=steps)
-    for c, seconds in zip(chosen, timed):
-        print(f"{c.label:40s} {c.estimate.step_time_s * 1e3:8.2f} "
-              f"{seconds * 1e3:8.2f}", flush=True)
-    return [(c.estimate.step_time_s, seconds, c.label)
-            for c, seconds in zip(chosen, timed)]
+    walls = {r[2]: r[1] for r in measured_rows(name, cluster, directory)}
+    by_wall = sorted(feasible, key=lambda c: walls[c.label])
+    chosen = list(dict.fromkeys(feasible[:top] + by_measured[:top]
+                                + by_wall[:top]))
+    x, y = measure.synthetic_batch(measure._shapes(_source(name)),  # noqa: SLF001
+                                   MODELS[name][1])
+    steppers = {c.label: _build(c, name, x, y, warmup)[0] for c in chosen}
+    wall, cpu = measure.interleaved(steppers, rounds=rounds, steps=steps)
+    out = {}
+    for kind, times in (("wall", wall), ("cpu", cpu)):
+        out[kind] = [(c.estimate.step_time_s,
+                      float(np.median(times[c.label])), c.label)
+                     for c in chosen]
+    for c in chosen:
+        print(f"{c.label:44s} {c.estimate.step_time_s * 1e3:8.2f} wall "
+              f"{np.median(wall[c.label]) * 1e3:8.2f} cpu "
+              f"{np.median(cpu[c.label]) * 1e3:8.2f} (table: cpu "
+              f"{saved[c.label] * 1e3:8.2f})", flush=True)
+    return out
 
 
 def _clusters(name, cluster, directory):
@@ -449,6 +467,9 @@ def main():
                         "--top best predicted and best measured of saved "
                         "tables")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--from-chunk", type=int, default=0,
+                        help="with --rerank: only the rows of this chunk "
+                             "and later")
     parser.add_argument("--markdown", action="store_true",
                         help="with --rerank: write DIR/<model>.md, the "
                              "table with the current model's predictions")
@@ -458,8 +479,10 @@ def main():
     print(f"cluster: {cluster}")
     for name in args.models.split(","):
         if args.recheck:
-            report(name, recheck(name, cluster, args.recheck, args.top,
-                                 args.rounds, args.steps), "recheck")
+            rows = recheck(name, cluster, args.recheck, args.top,
+                           args.rounds, args.steps, args.warmup)
+            for kind, kind_rows in rows.items():
+                report(name, kind_rows, f"recheck, {kind}")
             continue
         directory = args.rerank or args.save
         if not args.rerank:
@@ -475,7 +498,7 @@ def main():
         for which, c in _clusters(name, cluster, directory):
             for kind in ("wall", "normalised", "cpu"):
                 rows = measured_rows(name, c, directory, kind,
-                                     args.max_microbatches)
+                                     args.max_microbatches, args.from_chunk)
                 if rows:
                     report(name, rows, f"{kind}, {which}")
         if args.markdown:

@@ -373,8 +373,8 @@ def recheck(name, cluster, directory, top, rounds, steps, warmup=2):
     by_measured = sorted(feasible, key=lambda c: saved[c.label])
     walls = {r[2]: r[1] for r in measured_rows(name, cluster, directory)}
     by_wall = sorted(feasible, key=lambda c: walls[c.label])
-    chosen = list(dict.fromkeys(feasible[:top] + by_measured[:top]
-                                + by_wall[:top]))
+    chosen = list({c.label: c for c in feasible[:top] + by_measured[:top]
+                   + by_wall[:top]}.values())
     x, y = measure.synthetic_batch(measure._shapes(_source(name)),  # noqa: SLF001
                                    MODELS[name][1])
     steppers = {c.label: _build(c, name, x, y, warmup)[0] for c in chosen}
@@ -404,8 +404,9 @@ def _clusters(name, cluster, directory):
 
 
 def markdown(name, cluster, directory, max_microbatches=8):
-    """`DIR/<model>.md`: the saved table, one row per candidate in measured
-    order, with the current cost model's prediction (`cluster`)."""
+    """`DIR/<model>.md`: the saved table, one row per candidate in order of
+    measured CPU time, with the current cost model's prediction
+    (`cluster`)."""
     import numpy as np  # noqa: PLC0415
     saved = {r["label"]: r for r in _load_rows(
         os.path.join(directory, f"{name}.jsonl"))}
@@ -413,9 +414,12 @@ def markdown(name, cluster, directory, max_microbatches=8):
         name, cluster, directory, "normalised", max_microbatches)}
     _, feasible = candidates(name, cluster, max_microbatches=max_microbatches)
     rows = sorted((c for c in feasible if c.label in saved),
-                  key=lambda c: saved[c.label]["measured_s"])
+                  key=lambda c: saved[c.label].get("cpu_s",
+                                                   saved[c.label]["measured_s"]))
     lines = [f"# {name}: {len(rows)} measured of {len(feasible)} feasible "
              f"candidates with <= {max_microbatches} micro-batches", "",
+             "In order of measured CPU time per step; predicted with "
+             "`markdown.cluster.json` (a CPU-time `Cluster.local()`).", "",
              "| candidate | tier | predicted ms | measured ms (median) | "
              "anchor-normalised ms | rounds ms (min–max) | CPU ms | chunk | "
              "predicted B/dev | measured B/dev |", "|" + "---|" * 10]
@@ -426,7 +430,8 @@ def markdown(name, cluster, directory, max_microbatches=8):
             f"{c.estimate.step_time_s * 1e3:.1f} | {r['measured_s'] * 1e3:.1f}"
             f" | {normalised[c.label] * 1e3:.1f} | "
             f"{np.min(r['rounds']) * 1e3:.1f}–{np.max(r['rounds']) * 1e3:.1f}"
-            f" | {r.get('cpu_s', float('nan')) * 1e3:.1f} | {r['chunk']} | {r['predicted_bytes']:,.0f} | "
+            f" | {r.get('cpu_s', float('nan')) * 1e3:.1f} | {r['chunk']} | "
+            f"{r['predicted_bytes']:,.0f} | "
             f"{r['measured_bytes']:,} |")
     with open(os.path.join(directory, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -501,12 +506,15 @@ def main():
                                      args.max_microbatches, args.from_chunk)
                 if rows:
                     report(name, rows, f"{kind}, {which}")
-        if args.markdown:
+        if args.markdown:  # with the calibration it was predicted with
             markdown(name, cluster, directory, args.max_microbatches)
+            with open(os.path.join(directory, "markdown.cluster.json"),
+                      "w") as f:
+                json.dump(cluster.to_dict(), f)
         n, close, worst = bytes_agreement(name, cluster, directory)
         print(f"{name}: per-device bytes of weights and optimizer state "
               f"within 10% for {close} of {n} (largest difference "
-              f"{worst:.1%})")
+              f"{worst * 100:.2g}%)")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ WORKERS = ["-n", str(max(1, min(4, os.cpu_count() or 1))), "--dist", "loadfile"]
 
 COMMANDS = {
     "demo": ["examples/quickstart.py"],
-    "test": ["-m", "pytest", "-q", *WORKERS],
-    "test-all": ["-m", "pytest", "-q", *WORKERS, "-m", "slow or not slow"],
+    "test": ["-m", "pytest", "-q", "--durations=30", *WORKERS],
+    "test-all": ["-m", "pytest", "-q", "--durations=30", *WORKERS,
+                 "-m", "slow or not slow"],
     "fuzz": ["-m", "pytest", "-q", "-m", "slow", "-k", "fuzz and long",
              "--hypothesis-show-statistics", "tests"],
     "bench": ["benchmarks/step_time.py"],

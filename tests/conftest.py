@@ -13,6 +13,8 @@ tfpar.use_virtual_cpus(8)
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+import process_state  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def same_random_state_for_each_module():
@@ -31,3 +33,17 @@ def same_random_state_whatever_ran_before():
     instead of 2 for 8 of 68 initial weights, so it failed now and then in
     the full suite and never alone."""
     keras.utils.set_random_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_leaves_process_state_as_found(request):
+    """A test file must leave the process as it found it (Keras config and
+    scopes, TF flags, tfpar's hooks, environment): the files after it in
+    its pytest-xdist worker vary from run to run, so a leak there is a
+    failure elsewhere that passes alone. Fails the file's last test."""
+    before = process_state.snapshot()
+    yield
+    changed = process_state.changes(before, process_state.snapshot())
+    assert not changed, (
+        f"{request.module.__name__} left process-wide state changed for "
+        f"the test files after it: {changed}")

@@ -1,7 +1,5 @@
-"""Pure TF + DTensor: a row-split table's sparse gradient *can* leave a
-compiled step as IndexedSlices, so what keeps `offload="optimizer"` moving
-an fsdp Embedding's gradient to the host dense (`tfpar.offload._rows_whole`)
-is something tfpar's (or Keras') training step adds, not DTensor itself.
+"""Pure TF + DTensor: where a row-split table's sparse gradient failed
+under `offload="optimizer"`, and why.
 
 On TF 2.21 with 4 CPU devices, a table of 8 rows split over "data" (fsdp's
 layout) read as tfpar reads it (a GatherV2 of the stored blocks: DTensor
@@ -15,12 +13,25 @@ IndexedSlices: the looked-up rows' gradients and their ids):
 3. "rows_split_replicated": values and indices relaid out to replicated
    first (what `Offload.step_gradients` does): compiles.
 4. "rows_split_dense": converted to a dense tensor laid out like the
-   table (what tfpar does for a row-split table): compiles.
+   table: compiles.
 
-The same IndexedSlices returned from tfpar's compiled step of a Keras
-Embedding (tests/test_offload.py, `_rows_whole` forced True, with and
-without the relayout) fails: "EmitAllScatter requires slice on input axis
-0 which is dynamic" (measured); the op behind it is not identified yet.
+So the device step was never at fault. The op at fault is in the host
+update: Keras' optimizers turn a sparse gradient dense against a slot
+(Adam: m += (g - m)(1 - beta_1)), `tf.convert_to_tensor(IndexedSlices)`,
+an UnsortedSegmentSum over `dense_shape[0]` rows. tfpar passed the dense
+shape into the compiled update as an argument: the sum's row count is
+unknown when the graph is built (DTensor folds the argument to a constant
+later, too late for the shapes), and a row-split slot needs the sum split
+over its rows, a replicated -> ("data", None) slice of a dynamic axis:
+
+5. "slot_rows_split_shape_argument": fails, "EmitAllScatter requires
+   slice on input axis 0 which is dynamic" (the error tfpar's offload
+   raised for an fsdp Embedding);
+6. "slot_rows_split_shape_constant": the dense shape a constant of the
+   function (what `tfpar.offload._with_dense_shape` does): compiles;
+7. "slot_columns_split_shape_argument": a column-split slot fails too
+   ("operands don't have broadcast-compatible shapes": the unknown rows);
+8. "slot_columns_split_shape_constant": compiles.
 
 Prints one JSON line {case: result}.
 """
@@ -76,6 +87,43 @@ def dense(grad):
                                             mesh)),)
 
 
+def slot_update(specs, shape_as):
+    """Keras' dense use of a sparse gradient g against a slot m laid out
+    by `specs`: m += (dense(g) - m) * 0.1, g's dense shape an argument of
+    the function or a constant in it."""
+    slot = table(specs)
+    values = dtensor.copy_to_mesh(tf.ones((6, 4)),
+                                  dtensor.Layout.replicated(mesh, 2))
+    rows = dtensor.copy_to_mesh(tf.constant([1, 3, 3, 6, 0, 7]),
+                                dtensor.Layout.replicated(mesh, 1))
+    shape = dtensor.copy_to_mesh(tf.constant([8, 4], tf.int64),
+                                 dtensor.Layout.replicated(mesh, 1))
+
+    @tf.function
+    def update(values, rows, shape):
+        if shape_as == "constant":
+            shape = tf.constant([8, 4], tf.int64)
+        grad = tf.convert_to_tensor(tf.IndexedSlices(values, rows, shape))
+        slot.assign_add((grad - slot) * 0.1)
+        return (slot.read_value(),)
+
+    return lambda _: update(values, rows, shape)
+
+
+def outcome(run):
+    try:
+        result = run(ids)
+        return f"works: {[tuple(r.shape) for r in result]}"
+    except Exception as error:  # noqa: BLE001 (MLIR errors are UnknownError)
+        message = str(error)
+        for known in ("EmitAllScatter requires slice on input axis 0 which "
+                      "is dynamic", "operands don't have broadcast-compatible "
+                      "shapes"):
+            if known in message:
+                return "fails: " + known
+        return "fails: " + message[:300]
+
+
 found = {}
 for name, specs, out in [
         ("rows_whole", [dtensor.UNSHARDED, "data"], parts),
@@ -83,12 +131,10 @@ for name, specs, out in [
         ("rows_split_replicated", ["data", dtensor.UNSHARDED],
          parts_replicated),
         ("rows_split_dense", ["data", dtensor.UNSHARDED], dense)]:
-    try:
-        result = step(table(specs), out)(ids)
-        found[name] = f"works: {[tuple(r.shape) for r in result]}"
-    except Exception as error:  # noqa: BLE001 (MLIR errors are UnknownError)
-        message = str(error)
-        found[name] = "fails: " + (
-            "EmitAllScatter requires slice on input axis 0 which is dynamic"
-            if "EmitAllScatter" in message else message[:300])
+    found[name] = outcome(step(table(specs), out))
+for name, specs in [("rows_split", ["data", dtensor.UNSHARDED]),
+                    ("columns_split", [dtensor.UNSHARDED, "data"])]:
+    for shape_as in ("argument", "constant"):
+        found[f"slot_{name}_shape_{shape_as}"] = outcome(
+            slot_update(specs, shape_as))
 print(json.dumps(found))

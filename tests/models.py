@@ -180,6 +180,28 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-12))
 
 
+def assert_one_block_per_device(variable, spec, devices=None):
+    """Each device holding Keras `variable` (a tfpar strategy's) holds
+    exactly its block of the whole value as laid out by `spec` (rows
+    [c * n/k, (c+1) * n/k) of a dimension split k ways), on `devices`
+    (short names, "CPU:4") when given."""
+    from tensorflow.experimental import dtensor  # noqa: PLC0415
+
+    from tfpar import placement  # noqa: PLC0415
+
+    value = getattr(variable, "value", variable).read_value()
+    mesh = dtensor.fetch_layout(value).mesh
+    sizes = {axis: mesh.dim_size(axis) for axis in mesh.dim_names}
+    full = np.asarray(variable)
+    blocks = dtensor.unpack(value)
+    if devices is not None:
+        assert [b.device.rsplit("device:", 1)[-1] for b in blocks] == \
+            list(devices), variable.path
+    for block, location in zip(blocks, placement.local_locations(mesh)):
+        np.testing.assert_array_equal(block.numpy(), full[
+            placement.block_index(full.shape, spec, sizes, location)])
+
+
 class BatchLosses(keras.callbacks.Callback):
     """Records the logged loss after every training batch."""
 
@@ -231,11 +253,19 @@ def host_mlp():
         keras.layers.Dense(3, name="head")], name="mlp")
 
 
-def train_host_mlp(model, x, y, weights):
-    """Two epochs of batch 32 in order from `weights`, Adam; (per-batch
-    losses, final weights, evaluate, predict)."""
+# The optimizers the two-host offload tests train with, by name.
+HOST_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgdm": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "sgd": keras.optimizers.SGD}  # Keras' defaults
+
+
+def train_host_mlp(model, x, y, weights, optimizer="adam"):
+    """Two epochs of batch 32 in order from `weights` with
+    `HOST_OPTIMIZERS[optimizer]`; (per-batch losses, final weights,
+    evaluate, predict)."""
     model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+    model.compile(optimizer=HOST_OPTIMIZERS[optimizer](), loss="mse",
                   metrics=["mae"])
     losses = BatchLosses()
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
@@ -243,6 +273,46 @@ def train_host_mlp(model, x, y, weights):
     return (np.array(losses.losses), model.get_weights(),
             np.array(model.evaluate(x, y, verbose=0)),
             model.predict(x, verbose=0))
+
+
+def host_mixed_mlp():
+    """Four Dense layers, the first two (a pipeline's stage 0) in
+    mixed_float16, the others float32: under a large loss scale only stage
+    0's gradients overflow (tests/test_offload_hosts.py)."""
+    return keras.Sequential([keras.Input((16,))] + [
+        keras.layers.Dense(width, activation="relu" if i < 3 else None,
+                           name=f"d{i}",
+                           dtype="mixed_float16" if i < 2 else None)
+        for i, width in enumerate((32, 32, 32, 8))], name="mixed")
+
+
+def assert_trained_like(reference, got, rtol=1e-4):
+    """`got` (a mapping: "losses", "evaluate", "predict", "w<i>") within
+    `rtol` (relative) of `reference` = (per-batch losses, weights,
+    evaluate, predict), e.g. of `train_host_mlp` on one device."""
+    losses, weights, evaluated, predicted = reference
+    assert relative_error(losses, got["losses"]) < rtol
+    assert relative_error(evaluated, got["evaluate"]) < rtol
+    assert relative_error(predicted, got["predict"]) < rtol
+    for i, want in enumerate(weights):
+        assert relative_error(want, got[f"w{i}"]) < rtol, f"w{i}"
+
+
+def train_loss_scaled(pipe, given):
+    """`host_mixed_mlp`'s pipeline `pipe` from `given`'s weights "m<i>",
+    compiled with a LossScaleOptimizer (SGD with momentum) from 2**20,
+    two epochs of batch 16 in order on "mx", "my": (per-batch losses,
+    weights, each part's step count, each part's scale)."""
+    with pipe.distribute_strategy.scope():
+        pipe.set_weights([given[f"m{i}"] for i in range(8)])
+        pipe.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            HOST_OPTIMIZERS["sgdm"](), initial_scale=2.0**20), loss="mse")
+    losses = BatchLosses()
+    pipe.fit(given["mx"], given["my"], batch_size=16, epochs=2,
+             shuffle=False, verbose=0, callbacks=[losses])
+    return (np.array(losses.losses), pipe.get_weights(),
+            [int(o.iterations.numpy()) for o in pipe.stage_optimizers],
+            [float(o.dynamic_scale.numpy()) for o in pipe.stage_optimizers])
 
 
 def host_deep_mlp():

@@ -25,8 +25,9 @@ def _compiled(model, weights):
     return model
 
 
-@pytest.mark.parametrize("axes", [{"data": 2, "model": 4}, {"data": 8}],
-                         ids=["data2_model4", "data8"])
+@pytest.mark.parametrize("axes", [
+    pytest.param({"data": 2, "model": 4}, id="data2_model4"),
+    pytest.param({"data": 8}, id="data8", marks=pytest.mark.slow)])
 def test_evaluate_and_predict_any_batch_size_equal_one_device(axes):
     keras.utils.set_random_seed(0)
     reference = models.host_mlp()

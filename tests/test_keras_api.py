@@ -113,7 +113,8 @@ def test_evaluate_predict_and_on_batch_methods():
     assert_weights_close(single, parallel)
 
 
-@pytest.mark.parametrize("steps_per_execution", [3, 4])
+@pytest.mark.parametrize("steps_per_execution", [
+    pytest.param(3, marks=pytest.mark.slow), 4])  # 4: 6 batches, not a multiple
 def test_steps_per_execution_and_tf_data(steps_per_execution):
     """k steps run per call; the epoch length need not be a multiple of k."""
     x, y = data(96)

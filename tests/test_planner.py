@@ -278,9 +278,9 @@ def test_on_paper_39b_gpt_on_512_a100s():
     """Narayanan et al. Table 1's 39.1 B row (hidden 8192, 64 heads, 48
     layers, batch 1536): tensor parallelism inside a host, a small bubble,
     fits 80 GB."""
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: wall time grows with load
     plan = tfpar.plan(_paper_gpt(8192, 64, 48), 1536, cluster=_a100s(512))
-    assert time.perf_counter() - start < 60
+    assert time.process_time() - start < 60
     _check_published_practice(plan, 512)
 
 
@@ -297,9 +297,9 @@ def test_on_paper_trillion_parameter_gpt_fits_as_published():
     recomputation, 1/8 as large split over the sequence). Planning takes
     seconds (tests/test_planner_speed.py times it)."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: wall time grows with load
     plan = tfpar.plan(_paper_gpt(25600, 160, 128), 3072, cluster=_a100s(3072))
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     assert growth < 1e9
     assert seconds < 60

@@ -181,17 +181,26 @@ def _peak_rss():
 
 def test_trillion_parameter_gpt_is_planned_in_seconds_in_little_memory():
     """Narayanan et al.'s 1 T row (hidden 25600, 160 heads, 128 layers,
-    903 graph layers, 3072 A100s, 10 289 candidates) planned from a builder:
-    measured 6–14 s and ~100 MB of peak memory growth on this loaded 2-core
-    host (before the by-node trace: 80–130 s, the trace alone 57 s; 6–14
-    min when the host was busier). The bounds leave room for load."""
+    903 graph layers, 3072 A100s, 10 289 candidates) planned from a builder
+    in seconds and well under 1 GB, as the issue asks (no weight is
+    allocated: they would take 4 TB). Time: measured 6–14 s on this loaded
+    2-core host (before the by-node trace 80–130 s, the trace alone 57 s);
+    the bound is on this process' CPU seconds, not wall seconds: a full
+    suite under load ~25 stretched the same plan to 117 s of wall time
+    (14.6 s of CPU time at that load). Memory: a small plan first loads
+    what any first plan in a process loads (lazily imported modules and
+    kernels), then the peak growth is the trillion-parameter plan's own:
+    0.48–0.51 GB in a fresh process (the search's transient Python objects,
+    0.42 GB at their peak by tracemalloc), ~0.1 GB after other tests whose
+    freed heap it reuses."""
+    tfpar.plan(paper_gpt(1024, 16, 2), 64, cluster=a100_cluster(64))
     before = _peak_rss_reset()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     plan = tfpar.plan(paper_gpt(25600, 160, 128), 3072,
                       cluster=a100_cluster(3072))
-    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     growth = _peak_rss() - before
-    assert seconds < 60, seconds
-    assert growth < 0.5e9, growth
+    assert cpu_seconds < 40, (cpu_seconds, time.perf_counter() - start)
+    assert growth < 0.75e9, growth
     assert plan.info["num_params"] > 1e12
     assert plan.axes["model"] == 8 and plan.estimate.total_memory <= 80e9

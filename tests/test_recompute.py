@@ -8,6 +8,7 @@ blocks (PyTorch FSDP's `reshard_after_forward`). Results equal one device
 without recomputation.
 """
 
+import collections
 import contextlib
 import functools
 
@@ -15,10 +16,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import context as tf_context
 
 import tfpar
 from tfpar import recompute
 
+import fuzzing
 import models
 
 RTOL = 1e-4
@@ -92,6 +95,68 @@ def test_remat_scope_trains_on_one_device(reference):
     assert models.relative_error(losses, got) < RTOL
     for want, have in zip(single.weights, model.weights):
         assert models.relative_error(want.numpy(), have.numpy()) < RTOL
+
+
+def _updates_racing_reads(graph):
+    """(read, update) node pairs of one weight in a GraphDef that no path
+    of data or control edges orders: the update may run before the read."""
+    nodes = {node.name: node for node in graph.node}
+    after = collections.defaultdict(set)
+    for node in graph.node:
+        for name in node.input:
+            after[name.lstrip("^").split(":")[0]].add(node.name)
+
+    def resource(node):
+        name = node.input[0].split(":")[0]
+        while name in nodes and nodes[name].op == "Identity":
+            name = nodes[name].input[0].split(":")[0]
+        return name
+
+    def reaches(start, goal):
+        seen, todo = {start}, [start]
+        while todo:
+            for name in after[todo.pop()] - seen:
+                seen.add(name)
+                todo.append(name)
+        return goal in seen
+
+    reads, updates = collections.defaultdict(list), []
+    for node in graph.node:
+        if node.op == "ReadVariableOp":
+            reads[resource(node)].append(node.name)
+        elif node.op.startswith("Assign") and node.op.endswith("VariableOp"):
+            updates.append(node)
+    return [(read, update.name) for update in updates
+            for read in reads[resource(update)]
+            if not reaches(read, update.name)
+            and not reaches(update.name, read)]
+
+
+def test_recomputation_reads_every_weight_before_its_update():
+    """The step Grappler optimized reads each weight before Adam updates
+    it. The recomputation's reads of the block's `down` kernel and bias
+    reach only other weights' gradients; Grappler's dependency optimizer
+    dropped the control edges ordering them before their updates, so now
+    and then the recomputation read the updated weights: one-device
+    training with RematScope differed from without it (1 to 2 fits in
+    30, 1.6e-3 and 4.9e-3 after 2 epochs). Found by issue 17's hunt for
+    intermittent failures."""
+    keras.utils.set_random_seed(0)
+    model = build(remat=True)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = models.mlp_data(n=16)
+    eager = tf_context.context()
+    eager.enable_run_metadata()
+    try:
+        model.train_on_batch(x, y)
+        step = max(eager.export_run_metadata().function_graphs,
+                   key=lambda f: len(f.pre_optimization_graph.node))
+    finally:
+        eager.disable_run_metadata()
+    assert any(node.name.startswith("down") for node  # recomputed reads
+               in step.pre_optimization_graph.node)
+    assert _updates_racing_reads(step.pre_optimization_graph) == []
+    assert _updates_racing_reads(step.post_optimization_graph) == []
 
 
 @MESHES
@@ -359,9 +424,16 @@ def test_keras_remat_function_matches_one_device(axes):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     with tfpar.communication.capture() as programs:
         got = models.fit_mlp(model, epochs=2).history["loss"]
-    assert models.relative_error(want, got) < RTOL
-    for a, b in zip(reference.weights, model.weights):
-        assert models.relative_error(a.numpy(), b.numpy()) < RTOL, a.path
+    # Adam turns float32's rounding into whole steps where a gradient is
+    # tiny: one device's own block/down/kernel is 5.5e-5 from float64's
+    # and data=8's 9e-5 on the other side: 1.5e-4 apart, every run on an
+    # AMD EPYC (AVX2) host), so float32's own noise bounds it (`fuzzing`).
+    x, y = models.mlp_data()
+    exact = fuzzing.train_in_float64(  # 2 epochs in order: the data twice
+        lambda: build(False), np.concatenate([x, x]), np.concatenate([y, y]),
+        weights, keras.optimizers.Adam(0.01))[1]
+    fuzzing.assert_parity(want, got, reference.get_weights(),
+                          model.get_weights(), exact=(want, exact))
     if strategy:  # recomputed: the hidden activation is not kept
         saved = programs.train_report().saved_activations
         assert not any("up_1/Relu" in name for name in saved), saved

@@ -17,6 +17,8 @@ import tensorflow as tf
 
 import tfpar
 
+import models
+
 OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adadelta", "Adafactor", "Adagrad",
               "Adamax", "Ftrl", "Lamb", "Lion", "Nadam", "RMSprop", "Muon"]
 # name -> (mesh axes, rules, fsdp)
@@ -77,6 +79,12 @@ def _assert_parity(optimizer_name, mesh_name):
     table = next(s for p, s in spec.items() if p.endswith("embed/embeddings"))
     if fsdp or rules:
         assert table != (None, None), (mesh_name, table)
+    # Each device holds only its block of the table (and of its slots).
+    embeddings = model.get_layer("embed").embeddings
+    models.assert_one_block_per_device(embeddings, table)
+    for slot in model.optimizer.variables:
+        if tuple(slot.shape) == tuple(embeddings.shape):
+            models.assert_one_block_per_device(slot, table)
     return model
 
 

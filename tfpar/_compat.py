@@ -491,6 +491,25 @@ def _gathered_flip_in_step(original, hooks):
     return flip
 
 
+def _concat_whole_along_axis_in_step(original, hooks):
+    """TF's `ConcatV2` (`tf.concat`, Keras' `concatenate`, a user layer's
+    own `tf.concat(..., axis=-1)`) as `spmd_ops.concat_whole_along_axis` in
+    a graph step: DTensor 2.21 concatenated each device's blocks when a
+    consumer split the joined dimension and the axis was negative (a silent
+    wrong result found by the fuzzing, tests/dtensor_concat_axis_repro.py).
+    Elsewhere TF's op runs."""
+    from tfpar import spmd_ops  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def concat_v2(values, axis, name=None):
+        if not hooks.in_graph_step():
+            return original(values, axis, name=name)
+        return spmd_ops.concat_whole_along_axis(
+            values, axis, functools.partial(original, name=name))
+
+    return concat_v2
+
+
 def _random_crop_under_tfpar(original, hooks):
     """Keras' `RandomCrop.transform_images` under a tfpar strategy.
 
@@ -622,6 +641,12 @@ def _keras_numpy():
     return tf_numpy
 
 
+def _gen_array_ops():
+    from tensorflow.python.ops import gen_array_ops  # noqa: PLC0415
+
+    return gen_array_ops
+
+
 def _keras_random():
     from keras.src.backend.tensorflow import random as tf_random  # noqa: PLC0415
 
@@ -658,6 +683,8 @@ _STRATEGY_PATCHES = (
     Patch("divide", _keras_numpy, "divide", _static_sparse_division),
     Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
     Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
+    Patch("concat_v2", _gen_array_ops, "concat_v2",
+          _concat_whole_along_axis_in_step),
     Patch("function_call", _function_class, "__call__", _host_inputs_placed),
     Patch("slice_update", _tf_core, "slice_update",
           _dense_slice_update_in_step),

@@ -879,8 +879,7 @@ def _assemble(variable, record, opened):
     if layout is None:
         return _cut([(0, n) for n in shape], opened, record)
     if not layout.mesh.local_device_ids():  # another host's stage
-        return dtensor.call_with_layout(tf.zeros, layout, shape=shape,
-                                        dtype=backing.dtype)
+        return placement.stand_in(layout, shape, backing.dtype)
     cache, components = {}, []
     for location in placement.local_locations(layout.mesh):
         # The target block of this device (same math as on save, with the

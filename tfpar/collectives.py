@@ -12,6 +12,7 @@ A relayout only moves data, so values are unchanged.
 | `gather_hidden`           | all-gather (hidden)     | slice (DTensor's)     |
 | `gather_sequence`         | all-gather (sequence)   | reduce-scatter        |
 | `scatter_sequence`        | reduce-scatter / slice  | all-gather            |
+| `whole_along`             | all-gather (one dim)    | pinned the same way, then DTensor's slice |
 | `move_to_mesh` (pipeline) | copy to another stage's mesh; its backward is an explicit move back |
 
 The styles (`tfpar.styles`) install the activation ones on layers; the
@@ -168,8 +169,10 @@ def step_mesh(tensor):
     if tf.executing_eagerly():
         return dtensor.fetch_layout(tensor).mesh if dtensor.is_dtensor(tensor) else None
     if strategy_lib.in_spmd_step():
-        # The whole mesh, or the pipeline stage being traced.
-        return tf.distribute.get_strategy().extended.registry.placement_mesh.dtensor_mesh
+        # The whole mesh, or the pipeline stage being traced (None between
+        # a pipeline's parts: no tfpar relayout there).
+        mesh = tf.distribute.get_strategy().extended.registry.placement_mesh
+        return None if mesh is None else mesh.dtensor_mesh
     return None
 
 
@@ -189,6 +192,38 @@ def gather_hidden(outputs):
         return outputs
     specs = [dtensor.MATCH] + [dtensor.UNSHARDED] * (outputs.shape.rank - 1)
     return dtensor.relayout(outputs, dtensor.Layout(specs, mesh))
+
+
+def whole_along(tensor, axis):
+    """`tensor` whole along dimension `axis` (non-negative) on every device
+    of its mesh, every other dimension as DTensor lays it out.
+
+    Forward: a relayout, an all-gather along `axis` where DTensor would
+    split it (nothing where it is whole). Backward: the gradient pinned the
+    same way, then DTensor relayouts it to the input's layout (a slice).
+    The gradient is pinned explicitly, not by DTensor's own relayout
+    gradient (`RelayoutLike`): with that, DTensor 2.21 put the slices of a
+    concat's gradient inside a pipeline stage on another mesh ("'tf.Slice'
+    op CopyToMeshOp must be used to send data across mesh"). A sparse
+    gradient (IndexedSlices) passes unchanged. Outside a step (no mesh):
+    `tensor` itself.
+    """
+    mesh = step_mesh(tensor)
+    if mesh is None:
+        return tensor
+    specs = [dtensor.MATCH] * tensor.shape.rank
+    specs[axis] = dtensor.UNSHARDED
+    layout = dtensor.Layout(specs, mesh)
+
+    @tf.custom_gradient
+    def pin(x):
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):
+                return dy
+            return dtensor.relayout(dy, layout)
+        return dtensor.relayout(x, layout), grad
+
+    return pin(tensor)
 
 
 def gather_sequence(tensor, axis, layer, where):

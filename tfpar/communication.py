@@ -313,6 +313,22 @@ def report_for_traced(traced_name):
 
 def program_for_traced(traced_name):
     """The expanded per-device program (a `_Program`) of `traced_name`."""
+    return _Program(_expanded_wrappers(traced_name)[-1])
+
+
+def programs_for_traced(traced_name):
+    """The expanded per-device programs of `traced_name`, one per mesh it
+    runs on (a `PipelineModel`'s step: one per stage mesh; DTensor expands
+    a function over several meshes into one program per mesh), in the
+    order DTensor registered them (the last expansion of each mesh)."""
+    programs = {}
+    for wrapper in _expanded_wrappers(traced_name):
+        program = _Program(wrapper)
+        programs[program.devices] = program
+    return list(programs.values())
+
+
+def _expanded_wrappers(traced_name):
     wrappers = _compat.dtensor_expanded_wrappers(traced_name)
     if not wrappers:
         raise RuntimeError(
@@ -321,7 +337,7 @@ def program_for_traced(traced_name):
             "mesh (or a TensorFlow whose DTensor names expanded functions "
             "differently than 2.21). Run it on DTensor inputs first."
         )
-    return _Program(wrappers[-1])
+    return wrappers
 
 
 # -- reading the expanded program ---------------------------------------------
@@ -344,8 +360,12 @@ class _Program:
             )
         call = calls[0]
         self.name = call.attr["f"].func.name
-        self.mesh = _parse_mesh(call.attr["_mesh"].s.decode()
-                                if "_mesh" in call.attr else "")
+        mesh = call.attr["_mesh"].s.decode() if "_mesh" in call.attr else ""
+        self.mesh = _parse_mesh(mesh)
+        # The mesh's devices, short names ("CPU:0"), in mesh order.
+        self.devices = tuple(d.rsplit("device:", 1)[-1]
+                             for d in mesh.split("|")[4].split(",")
+                             ) if mesh.count("|") >= 4 else ()
         # The wrapper's arguments: DTensor's device id (not on a mesh of
         # one device), then the data inputs and the resources.
         wrapper_args = list(fdef.signature.input_arg)
@@ -644,6 +664,21 @@ def keras_program(model, x, y=None, sample_weight=None,
     """The expanded program (a `_Program`) of one training step of `model`
     on `(x, y)`, compiled and run as `fit` does; the model's variables are
     put back afterwards."""
+    if isinstance(model, training.StagedModel):
+        raise ValueError(
+            f"{caller} reads one SPMD program, and {model.name!r} is a "
+            "tfpar.PipelineModel, whose step is one program per stage. "
+            "Received: a PipelineModel. Use tfpar.memory_report (per "
+            "stage) or report the unwrapped model on a mesh without a "
+            "pipeline axis.")
+    return keras_programs(model, x, y, sample_weight, caller)[-1]
+
+
+def keras_programs(model, x, y=None, sample_weight=None,
+                   caller="memory_report"):
+    """The expanded programs (`_Program`s, one per mesh: a `PipelineModel`'s
+    one per stage) of one training step of `model` on `(x, y)`, compiled
+    and run as `fit` does; the model's variables are put back afterwards."""
     from tfpar import strategy as strategy_lib  # noqa: PLC0415
 
     strategy = getattr(model, "_distribute_strategy", None)
@@ -665,7 +700,9 @@ def keras_program(model, x, y=None, sample_weight=None,
     data = data[0] if len(data) == 1 else data
     host = tf.nest.map_structure(tf.convert_to_tensor, data)
     extended.input_placer.check_batch_size(host)
-    if not model.optimizer.built:
+    if isinstance(model, training.StagedModel):
+        model.stage_optimizers  # noqa: B018 (builds one per part)
+    elif not model.optimizer.built:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
     # The step `fit` runs, built by the runner `fit` uses.
@@ -677,7 +714,7 @@ def keras_program(model, x, y=None, sample_weight=None,
     known = {id(v) for v in state}
     try:
         concrete = runner.traced_step(host)
-        return program_for_traced(_compat.traced_function_name(concrete))
+        return programs_for_traced(_compat.traced_function_name(concrete))
     finally:
         for variable, value in zip(state, saved):
             _compat.backing_variable(variable).assign(value)
@@ -694,8 +731,12 @@ def _saved_source(variable):
 
 def _state_variables(model):
     seen, out = set(), []
-    groups = [model.variables, model.optimizer.variables,
-              getattr(model, "metrics_variables", [])]
+    optimizers = (model.stage_optimizers if isinstance(
+        model, training.StagedModel) else [model.optimizer])
+    groups = [model.variables, *(o.variables for o in optimizers),
+              getattr(model, "metrics_variables", []),
+              model.tied_copy_state() if isinstance(
+                  model, training.StagedModel) else []]
     for variable in (v for group in groups for v in group):
         if id(variable) not in seen:
             seen.add(id(variable))

@@ -37,7 +37,8 @@ and `PipelineModel` trains with a host-driven step
 (`tfpar.pipeline.cross_host`). A mesh may also use the same local
 devices of every host (e.g. CPU:0-3 of each, the rest for
 `offload_devices`: each host keeps its blocks' optimizer state on its own
-CPUs, `tfpar.offload`). Not across hosts: other meshes over a subset or a
+CPUs, `tfpar.offload`; with the pipe axis first, each stage's on its
+own host's). Not across hosts: other meshes over a subset or a
 reordering of the devices (`Mesh` refuses them on every host);
 `visualize_layout` and `summary` show this host's devices only. Host names or IPv4 addresses only
 (no IPv6). Tested only with processes on one machine (`tests/test_hosts.py`).

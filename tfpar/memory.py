@@ -22,6 +22,10 @@ DTensor expanded it into and, per device, adds up (bytes):
   variable reads share the variable's), each op run as soon as its inputs
   are ready, as TF's executor does (first ready, first run).
 
+A `PipelineModel`'s step is one program per stage mesh: each stage's
+devices get their row from their stage's program, its activations those
+held at once in the schedule's order (`tfpar.pipeline.memory`).
+
 Under `offload="optimizer"` (`tfpar.offload`) the devices' rows hold no
 optimizer state and their step no update; the host devices that hold the
 state have rows too: the weights' copy, the gradients moved there and the
@@ -80,25 +84,30 @@ class MemoryReport(dict):
         communication: the `tfpar.CommunicationReport` of the same program
             (its collectives, e.g. the all-gathers).
         function_name: the expanded function the figures come from.
+        stages: of a `PipelineModel`, one `tfpar.pipeline.memory.
+            StageMemory` per stage program (`live`, `communication` and
+            `function_name` are then those of the stage with the highest
+            peak, `by_layer` is per micro-batch); None otherwise.
     """
 
     def __init__(self, per_device, by_layer, live, communication_report,
-                 function_name):
+                 function_name, stages=None):
         super().__init__(per_device)
         self.by_layer = dict(by_layer)
         self.live = list(live)
         self.communication = communication_report
         self.function_name = function_name
+        self.stages = stages
 
     def __str__(self):
         mb = lambda n: f"{n / 2**20:10.3f}"  # noqa: E731
-        rows = [f"{'device (MiB)':44s}" + "".join(f"{k:>11s}" for k in KINDS)]
+        rows = [f"{'device (MiB)':44s}" + "".join(f" {k:>10s}" for k in KINDS)]
         for device, kinds in self.items():
             rows.append(f"{device:44s}" + "".join(
                 " " + mb(kinds[k]) for k in KINDS))
         if self.by_layer:
             rows.append(f"{'layer (MiB per device)':44s}"
-                        f"{'activations':>11s}{'gathered':>11s}")
+                        f" {'activations':>10s} {'gathered':>10s}")
             for layer, kinds in sorted(self.by_layer.items()):
                 rows.append(f"{layer[:44]:44s} {mb(kinds['activations'])} "
                             f"{mb(kinds['gathered'])}")
@@ -130,7 +139,11 @@ class MemoryReport(dict):
                         [d.split("/")[-1] for d in devices], rotation=90)
         bars.set_ylabel("MiB per device")
         bars.legend(fontsize="small")
-        line.plot([b / 2**20 for b in self.live])
+        for label, live in ([(f"stage {i}", stage.live) for i, stage
+                             in enumerate(self.stages)] if self.stages
+                            else [("step", self.live)]):
+            line.plot([b / 2**20 for b in live], label=label)
+        line.legend(fontsize="small")
         line.set_xlabel("op (program order)")
         line.set_ylabel("MiB of live tensors")
         figure.tight_layout()
@@ -139,7 +152,8 @@ class MemoryReport(dict):
 
 def memory_report(model, x, y=None, sample_weight=None, path=None):
     """Per-device memory of one training step of a model under a
-    `tfpar.ParallelStrategy` (see the module docstring for each kind).
+    `tfpar.ParallelStrategy` (see the module docstring for each kind; a
+    `tfpar.PipelineModel`: `tfpar.pipeline.memory`).
 
     Compiles and runs one step on the global batch `(x, y)` as `fit` does,
     then puts every variable back. `path` also saves `report.plot(path)`.
@@ -149,54 +163,69 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
         "optimizer", "other", "activations", "gathered", "peak": bytes}}.
     """
     if isinstance(model, training.StagedModel):
-        raise ValueError(
-            f"memory_report reads one SPMD program, and {model.name!r} is a "
-            "tfpar.PipelineModel, whose step spans one program per stage. "
-            "Received: a PipelineModel. Use strategy.memory_per_device() "
-            "for its variables, or report the unwrapped model on a mesh "
-            "without a pipeline axis.")
-    program = communication.keras_program(model, x, y, sample_weight,
-                                          "memory_report")
-    strategy = model.distribute_strategy
-    backward = program.backward_nodes()
-    collectives = program.report()
-    saved = collectives.saved_activations
-    gathered = _saved_gathered(program, backward)
-    live = _live_bytes(program)
-    transient = max(live, default=0)
-    by_layer = collections.defaultdict(lambda: {"activations": 0,
-                                                "gathered": 0})
-    for kind, tensors in (("activations", saved), ("gathered", gathered)):
-        for name, (shape, dtype) in tensors.items():
-            by_layer[_layer_scope(name)][kind] += communication._nbytes(  # noqa: SLF001
-                shape, dtype)
-    activations = sum(v["activations"] for v in by_layer.values())
-    gathered_bytes = sum(v["gathered"] for v in by_layer.values())
-    # The step's batch blocks, live for the whole step.
-    data = [v for v in (x, y, sample_weight) if v is not None]
-    batch = sum(tf.convert_to_tensor(t).dtype.size * int(np.prod(np.shape(t)))
-                for t in tf.nest.flatten(data)) // strategy.data_parallel_size
-    per_device = {}
-    mesh_devices = set(strategy.mesh.devices)
-    for device, held in strategy.memory_per_device().items():
-        if device not in mesh_devices:  # offload's host devices
-            per_device[device] = _host_update_memory(held)
-            continue
-        resident = (held["params"] + held["optimizer"] + held["other"]
-                    + batch)
-        per_device[device] = {
-            "params": held["params"], "gradients": held["params"],
-            "optimizer": held["optimizer"], "other": held["other"],
-            "activations": activations, "gathered": gathered_bytes,
-            "peak": resident + transient}
-    report = MemoryReport(per_device, by_layer, live, collectives,
-                          program.name)
+        from tfpar.pipeline import memory as pipeline_memory  # noqa: PLC0415 (imports us)
+
+        report = pipeline_memory.pipeline_report(model, x, y, sample_weight)
+    else:
+        report = _step_report(model, x, y, sample_weight)
     if path is not None:
         report.plot(path)
     return report
 
 
-def _host_update_memory(held):
+def _step_report(model, x, y, sample_weight):
+    """`memory_report` of a model whose step is one SPMD program."""
+    program = communication.keras_program(model, x, y, sample_weight,
+                                          "memory_report")
+    strategy = model.distribute_strategy
+    backward = program.backward_nodes()
+    collectives = program.report()
+    gathered = saved_gathered(program, backward)
+    live = live_bytes(program, run_order(program))
+    by_layer = collections.defaultdict(lambda: {"activations": 0,
+                                                "gathered": 0})
+    for kind, tensors in (
+            ("activations", collectives.saved_activations),
+            ("gathered", {f"{key[1]}:{index}": size
+                          for (key, index), size in gathered.items()})):
+        for name, (shape, dtype) in tensors.items():
+            by_layer[layer_scope(name)][kind] += communication._nbytes(  # noqa: SLF001
+                shape, dtype)
+    activations = sum(v["activations"] for v in by_layer.values())
+    gathered_bytes = sum(v["gathered"] for v in by_layer.values())
+    # The step's batch blocks, live for the whole step.
+    batch = batch_bytes((x, y, sample_weight)) // strategy.data_parallel_size
+    per_device = {}
+    mesh_devices = set(strategy.mesh.devices)
+    for device, held in strategy.memory_per_device().items():
+        if device not in mesh_devices:  # offload's host devices
+            per_device[device] = host_update_memory(held)
+            continue
+        per_device[device] = device_memory(
+            held, activations, gathered_bytes, batch + max(live, default=0))
+    return MemoryReport(per_device, by_layer, live, collectives,
+                        program.name)
+
+
+def batch_bytes(data):
+    """Bytes of the host tensors in `data` (a structure; None skipped)."""
+    return sum(tf.convert_to_tensor(t).dtype.size * int(np.prod(np.shape(t)))
+               for t in tf.nest.flatten([d for d in data if d is not None]))
+
+
+def device_memory(held, activations, gathered, transient):
+    """The report row of a mesh device holding `held` (its
+    `memory_per_device()` row): gradients laid out like the stored
+    weights, the peak its variables plus `transient` (the step's live
+    tensors at their most, and the batch blocks it holds)."""
+    return {"params": held["params"], "gradients": held["params"],
+            "optimizer": held["optimizer"], "other": held["other"],
+            "activations": activations, "gathered": gathered,
+            "peak": (held["params"] + held["optimizer"] + held["other"]
+                     + transient)}
+
+
+def host_update_memory(held):
     """A host device of `offload="optimizer"` (`tfpar.offload`): the
     weights' copy, the gradients moved there (laid out like the weights)
     and the optimizer state, all live in its update (whose temporaries are
@@ -207,20 +236,23 @@ def _host_update_memory(held):
             "peak": 2 * held["params"] + held["optimizer"] + held["other"]}
 
 
-def _layer_scope(tensor_name):
+def layer_scope(tensor_name):
     """"gpt_1/b0_up_1/MatMul:0" -> "gpt_1/b0_up_1" (the op's name scope)."""
     return tensor_name.split(":")[0].rsplit("/", 1)[0]
 
 
-def _saved_gathered(program, backward):
-    """{node output: (shape, dtype)} of forward tensors made from weights by
-    an all-gather (not from the batch) that backward ops read."""
+def saved_gathered(program, backward, from_batch=None):
+    """{(node key, output index): (shape, dtype)} of forward tensors made
+    from weights by an all-gather (not from the batch: `from_batch`, the
+    nodes computed from it, by default those downstream of the step's
+    data inputs) that backward ops read."""
     gathers = [key for key in program.order
                if program.nodes[key].op in communication._KINDS  # noqa: SLF001
                and program._purpose(  # noqa: SLF001
                    key, communication._KINDS[program.nodes[key].op])  # noqa: SLF001
                == "all-gather"]
-    from_batch = program.batch_dependent_nodes()
+    if from_batch is None:
+        from_batch = program.batch_dependent_nodes()
     derived = (set(gathers) | program._downstream(gathers)) - backward - from_batch  # noqa: SLF001
     saved = {}
     for key in program.order:
@@ -233,13 +265,13 @@ def _saved_gathered(program, backward):
             hit = hit and program._owner(*hit)  # noqa: SLF001
             if hit is None or hit[0] not in derived:
                 continue
-            size = _output_size(program.nodes[hit[0]], hit[1])
+            size = output_size(program.nodes[hit[0]], hit[1])
             if size is not None:
-                saved[f"{hit[0][1]}:{hit[1]}"] = size
+                saved[hit] = size
     return saved
 
 
-def _output_size(node, index):
+def output_size(node, index):
     """(shape, dtype) of output `index` of `node`, None if unknown."""
     shapes = communication._output_shapes(node)  # noqa: SLF001
     dtype = communication._output_dtype(node, index)  # noqa: SLF001
@@ -250,57 +282,134 @@ def _output_size(node, index):
     return shapes[index], dtype
 
 
-def _live_bytes(program):
-    """Bytes of live tensors after each op of `program`, each op run as
-    soon as its inputs (data and control) are ready, first ready first
-    run; a buffer lives from its producer to its last reader
-    (readers of its views included)."""
+def run_order(program):
+    """{node key: step} of `program`'s ops, each run as soon as its inputs
+    (data and control) are ready, as TF's executor does (first ready, first
+    run; program order among ops ready together).
+
+    A receive from another mesh (`_HostRecv`: a pipeline's stage-to-stage
+    move) waits for its sender, in another program: it, and what is
+    computed from receives and constants alone, runs when an op needing
+    it is otherwise ready, or else when the program has nothing else to
+    run (the stage waits for the next message)."""
     position = {key: i for i, key in enumerate(program.order)}
-    waits = {key: 0 for key in program.order}
+    producers = {key: _producers(program, key) for key in program.order}
     users = collections.defaultdict(list)  # producer -> dependent ops
-    reads = collections.defaultdict(set)   # buffer owner -> reader ops
     for key in program.order:
-        node = program.nodes[key]
-        producers = set()
-        for ref in node.input:
-            name = ref.lstrip("^").split(":")[0]
-            if (key[0], name) in program.nodes:
-                producers.add((key[0], name))
+        for producer in producers[key]:
+            users[producer].append(key)
+    lazy = _waiting_for_receives(program, producers, users, position)
+    waits = {key: sum(p not in lazy for p in producers[key])
+             for key in program.order}
+    ready = collections.deque(k for k in program.order
+                              if waits[k] == 0 and k not in lazy)
+    step = {}
+
+    def run(key):
+        for producer in producers[key]:  # lazy chains, pulled on demand
+            if producer not in step:
+                run(producer)
+        step[key] = len(step)
+        if key in lazy:
+            return  # its readers do not wait for it: they pull it
+        for user in sorted(users[key], key=position.get):
+            if user not in lazy:
+                waits[user] -= 1
+                if waits[user] == 0:
+                    ready.append(user)
+
+    waiting = [key for key in program.order if key in lazy]
+    while ready or len(step) < len(program.order):
+        if not ready:  # idle: the first receive (chain) whose inputs exist
+            key = next((k for k in waiting if k not in step and all(
+                p in step for p in producers[k])), None)
+            if key is None:
+                break
+            run(key)
+            continue
+        key = ready.popleft()
+        if key not in step:
+            run(key)
+    return step
+
+
+def _producers(program, key):
+    """The nodes of `program` node `key` reads (data and control)."""
+    return {(key[0], ref.lstrip("^").split(":")[0])
+            for ref in program.nodes[key].input
+            if (key[0], ref.lstrip("^").split(":")[0]) in program.nodes}
+
+
+def _waiting_for_receives(program, producers, users, position):
+    """Receives and the ops computed only from receives and constants (or
+    arguments): each waits for one of its readers (`run_order`)."""
+    lazy, free = set(), set()
+    pending = {key: len(producers[key]) for key in program.order}
+    queue = collections.deque(k for k in program.order if not pending[k])
+    while queue:  # topological: every producer classified first
+        key = queue.popleft()
+        if program.nodes[key].op == "_HostRecv":
+            lazy.add(key)
+        elif producers[key] <= free:
+            free.add(key)
+        elif producers[key] <= free | lazy:
+            lazy.add(key)
+        for user in sorted(users[key], key=position.get):
+            pending[user] -= 1
+            if pending[user] == 0:
+                queue.append(user)
+    return lazy
+
+
+def live_bytes(program, step):
+    """Bytes of live tensors after each op of `program`, run in the order
+    `step` ({node key: step}, `run_order`); a buffer lives from its
+    producer to its last reader (readers of its views included)."""
+    delta = [0] * (len(step) + 1)
+    readers = readers_of(program)
+    for (key, index), size in _buffers(program, step).items():
+        begin, end = buffer_interval(readers, step, key, index)
+        delta[begin] += communication._nbytes(*size)  # noqa: SLF001
+        delta[end + 1] -= communication._nbytes(*size)  # noqa: SLF001
+    live, total = [], 0
+    for change in delta[:-1]:
+        total += change
+        live.append(total)
+    return live
+
+
+def _buffers(program, step):
+    """{(node key, output index): (shape, dtype)} of the buffers the ops
+    that ran (`step`) make (no views, variable reads or constants)."""
+    buffers = {}
+    for key, node in program.nodes.items():
+        if key not in step or node.op in _NO_BUFFER or node.op in communication._ALIASES:  # noqa: SLF001
+            continue
+        for index in range(len(communication._output_shapes(node))):  # noqa: SLF001
+            size = output_size(node, index)
+            if size is not None:
+                buffers[(key, index)] = size
+    return buffers
+
+
+def buffer_interval(readers, step, key, index):
+    """(first, last) step output `index` of node `key` is live in: from its
+    op to its last reader (of a view of it too; `readers`: `readers_of`)."""
+    end = max((step[r] for r in readers.get((key, index), ()) if r in step),
+              default=step[key])
+    return step[key], end
+
+
+def readers_of(program):
+    """{buffer owner (node key, output index): the ops reading it or a
+    view of it}."""
+    reads = collections.defaultdict(set)
+    for key in program.order:
+        for ref in program.nodes[key].input:
             if ref.startswith("^"):
                 continue
             hit = program.producer(key, ref)
             owner = hit and program._owner(*hit)  # noqa: SLF001
             if owner is not None:
                 reads[owner].add(key)
-        for producer in producers:
-            users[producer].append(key)
-        waits[key] = len(producers)
-    # Run order: as TF's executor, each op as soon as its inputs are ready
-    # (first ready, first run; program order among ops ready together).
-    ready = collections.deque(k for k in program.order if waits[k] == 0)
-    step = {}
-    while ready:
-        key = ready.popleft()
-        step[key] = len(step)
-        for user in sorted(users[key], key=position.get):
-            waits[user] -= 1
-            if waits[user] == 0:
-                ready.append(user)
-    delta = [0] * (len(step) + 1)
-    for key, node in program.nodes.items():
-        if key not in step or node.op in _NO_BUFFER or node.op in communication._ALIASES:  # noqa: SLF001
-            continue
-        for index in range(len(communication._output_shapes(node))):  # noqa: SLF001
-            size = _output_size(node, index)
-            if size is None:
-                continue
-            nbytes = communication._nbytes(*size)  # noqa: SLF001
-            end = max((step[r] for r in reads.get((key, index), ())
-                       if r in step), default=step[key])
-            delta[step[key]] += nbytes
-            delta[end + 1] -= nbytes
-    live, total = [], 0
-    for change in delta[:-1]:
-        total += change
-        live.append(total)
-    return live
+    return reads

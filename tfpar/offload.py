@@ -59,7 +59,11 @@ mesh and the host mesh are "spread" meshes (the same local devices of
 every host, `tfpar.Mesh`), `offload_devices[i]` is on mesh device i's
 host, each host moves its own blocks and all hosts run the host update
 together (tests/test_offload_hosts.py). A pipeline whose stages live on
-different hosts is refused (`tfpar.pipeline.cross_host`).
+different hosts (`tfpar.pipeline.cross_host`: one stage's mesh on one
+host, its host mesh on the same host's `offload_devices`) runs each
+part's update on its own host (`OffloadCrossHostRunner`): every host runs
+every part's moves and host update in the same order, the hosts without
+that stage on stand-ins (`move_blocks`), as they run its stage functions.
 
 Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
@@ -81,10 +85,8 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 
 import contextlib
 import functools
-import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -93,6 +95,7 @@ from tfpar import layout as layout_lib
 from tfpar import offload_master
 from tfpar import placement as placement_lib
 from tfpar import training
+from tfpar.pipeline import cross_host
 from tfpar.pipeline import runner as pipeline_runner
 from tfpar.mesh import Mesh, short_device_name
 
@@ -116,7 +119,11 @@ def host_mesh(dims, mesh=None):
 def move_blocks(value, layout):
     """DTensor `value` on another mesh of `layout`'s shape, laid out by
     `layout`: the block mesh device i holds is copied to device i of
-    `layout`'s mesh (eager; an identity under `tf.device` per block)."""
+    `layout`'s mesh (eager; an identity under `tf.device` per block).
+    Across hosts both meshes are one host's (`host_mesh`): on the others
+    it gives a stand-in (`tfpar.placement.stand_in`)."""
+    if not layout.mesh.local_device_ids():
+        return placement_lib.stand_in(layout, value.shape, value.dtype)
     moved = []
     for block, device in zip(dtensor.unpack(value),
                              layout.mesh.local_devices()):
@@ -125,15 +132,13 @@ def move_blocks(value, layout):
     return dtensor.pack(moved, layout)
 
 
-def move_alike(value, mesh, shape):
+def move_alike(value, mesh):
     """`move_blocks` of DTensor `value` to `mesh`, laid out with the same
-    sharding there; of an IndexedSlices its values and indices, with the
-    dense shape `shape` (its weight's) made on `mesh`."""
+    sharding there; of an IndexedSlices its values and indices (no dense
+    shape: the host update makes it a constant, `Offload._host_update`)."""
     if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            move_alike(value.values, mesh, None),
-            move_alike(value.indices, mesh, None),
-            placement_lib.put(np.asarray(shape, "int64"), (None,), mesh))
+        return tf.IndexedSlices(move_alike(value.values, mesh),
+                                move_alike(value.indices, mesh))
     specs = dtensor.fetch_layout(value).sharding_specs
     return move_blocks(value, dtensor.Layout(specs, mesh.dtensor_mesh))
 
@@ -180,30 +185,19 @@ def _check_optimizer(optimizer):
             "optimizer (e.g. 'adam'), or use offload=None.")
 
 
-def _rows_whole(weight, place, optimizer):
-    """Whether a table laid out by `place` keeps its rows whole: then its
-    sparse gradient moves to the host sparse. A row-split table's (fsdp, or
-    a rule on its first dimension) moves dense: tfpar's compiled step
-    returning its IndexedSlices fails in DTensor 2.21 ("EmitAllScatter
-    requires slice on input axis 0 which is dynamic", tests/test_offload.py;
-    a pure-DTensor step returning the same gradient compiles,
-    tests/dtensor_sparse_gradient_repro.py: the op at fault is something
-    the training step adds, not identified yet). Plain SGD and
-    momentum are linear in the gradient, so dense is the same update; for
-    other optimizers it warns (Adam squares each slice of a sparse
-    gradient, the dense one the summed rows)."""
-    if not place.spec or place.spec[0] is None:
-        return True
-    if not isinstance(optimizer, keras.optimizers.SGD):
-        warnings.warn(
-            f"ParallelStrategy(offload='optimizer'): the sparse gradient of "
-            f"{weight.path!r} (split by rows, layout {tuple(place.spec)}) "
-            f"moves to the host dense, so {type(optimizer).__name__} "
-            "updates it as a dense gradient: where a batch repeats a row "
-            "its result differs from offload=None (which applies Keras' "
-            "sparse update). Keep the table's rows whole (fsdp=False) or "
-            "use offload=None for the same update.", stacklevel=2)
-    return False
+def _with_dense_shape(gradient, weight):
+    """A sparse `gradient` (IndexedSlices) of `weight` given its dense
+    shape as a constant of the traced host update: Keras' optimizers turn
+    it dense (Adam's m += (g - m)(1 - beta_1)) with an UnsortedSegmentSum
+    over dense_shape[0] rows, whose row count DTensor must know to split
+    the sum over the rows of a row-split slot (fsdp). Given as an argument
+    of the update it was unknown until DTensor folded it, too late: "tf.
+    DTensorAllScatter ... EmitAllScatter requires slice on input axis 0
+    which is dynamic" (tests/dtensor_sparse_gradient_repro.py)."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    return tf.IndexedSlices(gradient.values, gradient.indices,
+                            tf.constant(weight.shape.as_list(), tf.int64))
 
 
 class DeviceLossScale:
@@ -315,9 +309,13 @@ class Offload:
 
     def build(self, variables):
         """`optimizer.build` over the host copies of `variables`: the
-        slots are made on the host mesh, each laid out like its weight."""
+        slots are made on the host mesh, each laid out like its weight;
+        state made apart from a weight (Nadam's `u_product`, Adafactor's
+        row and column factors: made on the devices) moves there too."""
         with self._strategy.scope():
             self._build([self.mirror(v) for v in variables])
+        for variable in self.optimizer.variables:
+            self._registry.move_to(variable, self.mesh)
         if self._loss_scale is not None:
             self._loss_scale.built(self.mesh)
 
@@ -401,10 +399,10 @@ class Offload:
         placed = []
         for grad, weight in zip(grads, self.weights):
             place = self._registry.require_on_mesh(weight)
-            if isinstance(grad, tf.IndexedSlices) and _rows_whole(
-                    weight, place, self.optimizer):
-                # Values and indices replicated; the dense shape (a Shape
-                # op of the table) is remade on the host (`move_alike`).
+            if isinstance(grad, tf.IndexedSlices):
+                # Values and indices replicated (every host device updates
+                # the rows of its block); the dense shape is remade on the
+                # host (`_host_update`).
                 grad = tf.IndexedSlices(*[
                     placement_lib.relayout(part, (None,) * part.shape.rank,
                                            place.mesh)
@@ -419,7 +417,7 @@ class Offload:
         """Moves `grads` (a step's `step_gradients`) to the host block by
         block, runs the optimizer there and moves the updated weights
         back into the device weights, block by block."""
-        host = [None if g is None else move_alike(g, self.mesh, w.shape)
+        host = [None if g is None else move_alike(g, self.mesh)
                 for w, g in zip(self.weights, grads)]
         casts = self._update(host)
         if self._loss_scale is not None:
@@ -444,7 +442,8 @@ class Offload:
         # The gradient of a ComputeCopy is in its compute dtype: the
         # master's update takes it in float32 (the gradient of a cast is
         # the cast of the gradient, as under offload="optimizer").
-        grads = [None if g is None else tf.cast(g, w.dtype)
+        grads = [None if g is None
+                 else tf.cast(_with_dense_shape(g, w), w.dtype)
                  for g, w in zip(grads, self.weights)]
         with self._strategy.extended.replica_scope():
             self.apply(grads, self.weights)
@@ -502,37 +501,83 @@ class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
     def __init__(self, pipeline):
         super().__init__(pipeline, "train")
 
-    def _offloads(self):
-        """Each part's optimizer's `Offload` (building them on first use)."""
-        return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
-                for optimizer in self._model.stage_optimizers]
-
     def _train(self, xs, targets, split):
+        offloads = part_offloads(self._model)
         with contextlib.ExitStack() as stack:
             captured = [stack.enter_context(offload.capturing())
-                        for offload in self._offloads()]
+                        for offload in offloads]
             logs = pipeline_runner.PipelineRunner._train(self, xs, targets,
                                                          split)
         return logs, [offload.step_gradients(calls) for offload, calls
-                      in zip(self._offloads(), captured)]
+                      in zip(offloads, captured)]
 
     def _run_batch(self, batch):
-        def step():
-            return pipeline_runner.PipelineRunner._run_batch(self, batch)
-
-        for offload in self._offloads():
-            step = functools.partial(offload.device_step, step)
-        logs, grads = step()
-        for offload, part_grads in zip(self._offloads(), grads):
-            offload.pull_weights()
-            offload.apply_on_host(part_grads)
+        logs, grads = run_and_update(
+            self._model,
+            lambda: pipeline_runner.PipelineRunner._run_batch(self, batch))
         return logs
+
+
+def part_offloads(pipeline):
+    """Each part's optimizer's `Offload` (building them on first use)."""
+    return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+            for optimizer in pipeline.stage_optimizers]
+
+
+def run_and_update(pipeline, step):
+    """`step()` (a pipeline's device step, returning (anything, each part's
+    `step_gradients`)), then each part's host update; returns the step's
+    result. The weights the step or anything else wrote reach the host
+    copies first (`Offload.device_step`, `Offload.pull_weights`)."""
+    offloads = part_offloads(pipeline)
+    for offload in offloads:
+        step = functools.partial(offload.device_step, step)
+    result = step()
+    for offload, part_grads in zip(offloads, result[1]):
+        offload.pull_weights()
+        offload.apply_on_host(part_grads)
+    return result
+
+
+class OffloadCrossHostRunner(cross_host.CrossHostRunner):
+    """A `PipelineModel`'s train step under offload when its stages live on
+    different hosts (`tfpar.pipeline.cross_host`): after the host-driven
+    schedule, each part's "offload" function (on its stage's mesh) hands
+    its summed gradients over, laid out like its stored weights, and its
+    `Offload` runs the update on its stage's host devices — of its own
+    host (`offload_devices`). Every host runs every part's moves and
+    update in the same order; on the hosts without that stage they are
+    no-ops on stand-ins (`move_blocks`), as the stage's functions are."""
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline, "train")
+
+    def _train(self, xs, targets, split, rows):
+        def step():
+            sums = self._gradient_sums(xs, targets, split, rows)
+            return None, [
+                self._stage_function("offload", k)(part_sums, factor)
+                for k, (part_sums, factor) in enumerate(
+                    zip(sums, self._overflow_factors(sums)))]
+
+        run_and_update(self._model, step)
+
+    def _offload_body(self, part, training, sums, factor):
+        """Traced: the part's optimizer call records its gradients (the
+        `Offload` captures it), which the function returns."""
+        offload = part.optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+        with offload.capturing() as captured:
+            self._apply_body(part, training, sums, factor)
+        return offload.step_gradients(captured)
 
 
 def make_runner(model, extended):
     """The train `Runner` of `model` under an offloading strategy (of a
-    `PipelineModel`: `OffloadPipelineRunner`)."""
+    `PipelineModel`: `OffloadPipelineRunner`, across hosts
+    `OffloadCrossHostRunner`)."""
     if isinstance(model, training.StagedModel):
+        if cross_host.spans_hosts(extended):
+            return OffloadCrossHostRunner(model)
         return OffloadPipelineRunner(model)
     strategy = extended._container_strategy()  # noqa: SLF001
     return OffloadRunner(model, extended, attach(model.optimizer, strategy))

@@ -30,8 +30,8 @@ scaling are bit-identical to "optimizer" and to no offload
 
 Across hosts (`tfpar.connect_hosts`, "spread" meshes as for
 `offload="optimizer"`) nothing changes: each host casts and moves its own
-blocks (tests/test_offload_hosts.py). A pipeline whose stages live on
-different hosts is refused with any offload (`tfpar.pipeline.cross_host`).
+blocks (tests/test_offload_hosts.py), also in a pipeline whose stages
+live on different hosts (`tfpar.offload.OffloadCrossHostRunner`).
 
 What a user reads is the master: `get_weights`, `weight.numpy()`,
 `save_weights` and `tfpar.save_checkpoint` give float32 w (a checkpoint

@@ -60,11 +60,7 @@ def put(value, spec, mesh, dtype=None):
             array = array.astype(dtype.as_numpy_dtype)
     layout = layout_lib.to_dtensor_layout(spec, mesh)
     if not layout.mesh.local_device_ids():
-        # Another host's mesh (a pipeline stage across hosts): this host
-        # holds none of it, and packing [] there crashes DTensor; a value
-        # of the right layout that this host never reads stands in.
-        return dtensor.call_with_layout(tf.zeros, layout, shape=array.shape,
-                                        dtype=array.dtype)
+        return stand_in(layout, array.shape, array.dtype)
     if layout.is_fully_replicated():
         return dtensor.copy_to_mesh(tf.constant(array), layout)
     blocks = {}
@@ -76,6 +72,15 @@ def put(value, spec, mesh, dtype=None):
             blocks[key] = tf.constant(array[index])
         components.append(blocks[key])
     return dtensor.pack(components, layout)
+
+
+def stand_in(layout, shape, dtype):
+    """A value laid out by `layout` on another host's mesh (a pipeline
+    stage across hosts, its offload devices): this host holds none of it,
+    and packing [] there crashes DTensor; zeros of the right layout that
+    this host never reads keep every host's programs in step."""
+    return dtensor.call_with_layout(tf.zeros, layout, shape=shape,
+                                    dtype=dtype)
 
 
 def same_on_every_host(value):

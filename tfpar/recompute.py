@@ -156,6 +156,16 @@ def _recomputed_gradients(call, tensors, seeds, context, upstream, variables):
     grads = tape.gradient(
         recomputed, again + variables, output_gradients=upstream,
         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # Every gradient waits for the recomputed output, so the optimizer's
+    # update of a weight waits for each read of it the recomputation made.
+    # The step's automatic control edges order those reads before the
+    # updates, but TF 2.21's Grappler dependency optimizer drops them (a
+    # read whose value reaches only other weights' gradients, e.g. the
+    # last Dense kernel and bias of a recomputed block): the update could
+    # then run first and the recomputation read the new value, now and
+    # then (tests/test_recompute.py).
+    with tf.control_dependencies(tf.nest.flatten(recomputed)):
+        grads = [g if g is None else tf.identity(g) for g in grads]
     return grads[:len(again)], grads[len(again):]
 
 

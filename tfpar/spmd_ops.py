@@ -3,9 +3,9 @@
 Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-RandomCrop's drawn window and TF's `tensor[key]` use these instead of
-ops DTensor cannot lay out or lays out wrongly. Each gives the same values
-as the op it replaces (the sampler: the same distribution).
+TF's `ConcatV2`, RandomCrop's drawn window and TF's `tensor[key]` use
+these instead of ops DTensor cannot lay out or lays out wrongly. Each gives
+the same values as the op it replaces (the sampler: the same distribution).
 
 Example:
 
@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import _compat
+from tfpar import collectives
 
 
 def dense_slice_update(inputs, start_indices, updates):
@@ -213,3 +214,35 @@ def crop_by_gather(x, starts, sizes, axes):
         start = tf.cast(start, tf.int32)
         x = tf.gather(x, start + tf.range(size), axis=axis % x.shape.rank)
     return x
+
+
+def concat_whole_along_axis(values, axis, concat):
+    """`concat(values, axis)` (TF's `ConcatV2`) with `axis` made
+    non-negative and, for floating values, the joined dimension whole on
+    every device (`collectives.whole_along`); every other dimension is laid
+    out as DTensor chooses. Values are unchanged.
+
+    DTensor 2.21 propagates a consumer's split of the joined dimension
+    (e.g. a row-parallel Dense, or a BatchNormalization gamma split over a
+    mesh axis) back into the ConcatV2 and, when the axis is negative
+    (Keras' `Concatenate(axis=-1)`, or `tf.concat(..., axis=-1)` in a
+    layer's own code), concatenates each device's blocks: with [a | b]
+    split in k blocks, device i holds [a_i | b_i], not block i of [a | b]
+    — a silent wrong result. For a non-negative axis it refuses the split
+    instead ("Concat op SPMD with concat dimension in sharded dimension is
+    not supported"). tests/dtensor_concat_axis_repro.py shows both. The
+    pin keeps the concat on whole rows; a consumer that splits the joined
+    dimension slices its block afterwards, and the gradient is gathered
+    along it in the backward pass (none where the consumer keeps it
+    whole). Integer values (shapes, token ids) get the non-negative axis
+    only: no relayout among the shape arithmetic DTensor folds.
+    """
+    rank = getattr(getattr(values[0], "shape", None), "rank", None) if (
+        len(values)) else None
+    if not isinstance(axis, (int, np.integer)) or not rank:
+        return concat(values, axis)
+    axis = int(axis) % rank
+    result = concat(values, axis)
+    if not result.dtype.is_floating:
+        return result
+    return collectives.whole_along(result, axis)

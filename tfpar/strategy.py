@@ -98,11 +98,11 @@ class ParallelStrategy(tf.distribute.Strategy):
             weights) and moves each updated block back; a device holds no
             optimizer state. Plain models and `PipelineModel`s (each
             stage's optimizer on the host devices of its own devices),
-            on one host or several. "optimizer+master": under a mixed
-            policy the devices also keep each weight only in its compute
-            dtype, its float32 master on the host devices
-            (`tfpar.offload_master`; plain models on one host, refused
-            otherwise and under a float32 policy).
+            on one host or several (stages on different hosts included:
+            each stage's state on its own host). "optimizer+master":
+            under a mixed policy the devices also keep each weight only
+            in its compute dtype, its float32 master on the host devices
+            (`tfpar.offload_master`; refused under a float32 policy).
         offload_devices: the devices offload keeps the state on, one per
             mesh device in mesh order (device i's blocks go to
             offload_devices[i]), e.g. `[f"CPU:{i}" for i in range(8, 16)]`

@@ -27,8 +27,14 @@ actions from Python instead, on every host in the same order:
   other host). Moves between two meshes of one host go through that host
   alone (its blocks, device by device);
 - after the last action each part's optimizer applies its summed
-  gradients (a `tf.function` each); logs and predictions are the owner's
-  values, sent to every host (`tfpar.placement.fetch`: a collective).
+  gradients (a `tf.function` each; under `offload="optimizer"` the
+  update runs on the stage's host's offload devices instead,
+  `tfpar.offload.OffloadCrossHostRunner`); logs and predictions are the
+  owner's values, sent to every host (`tfpar.placement.fetch`: a
+  collective). Under a `LossScaleOptimizer` all parts skip an overflowing
+  step together (`tfpar.pipeline.loss_scale`): each part's finite flag
+  moves through the bridge to the last part, whose verdict (a factor, 1
+  or NaN) comes back to every part before it applies.
 
 Each backward recomputes its forward, so a step costs one more forward
 per stage but the last (whose forward runs inside its backward); hence
@@ -57,6 +63,7 @@ from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.pipeline.schedules import FORWARD
 from tfpar.pipeline.tied import accumulate
@@ -71,7 +78,7 @@ def check_supported(model, parts, schedule, extended):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, interleaving, weights
     tied across stages, random layers (each backward recomputes its
-    forward, which would draw other random numbers), offload. (Per-host input is
+    forward, which would draw other random numbers). (Per-host input is
     refused by the strategy: the pipe axis along the hosts gives every
     host every data coordinate.)"""
     if not spans_hosts(extended):
@@ -87,10 +94,6 @@ def check_supported(model, parts, schedule, extended):
                    "virtual_stages=1")
     elif any(part.shared or part.guests for part in parts):
         problem = ("weights tied across stages", "untied weights")
-    elif extended.dims.offload is not None:  # the offload hook
-        problem = (f"offload={extended.dims.offload!r} (each stage's "
-                   "update on its host runs in the one-program step)",
-                   "offload=None")
     elif random:
         problem = (f"random layers {random} (each backward recomputes its "
                    "forward)", "rate=0 or no such layers")
@@ -141,7 +144,7 @@ class Bridge:
         shape = value.shape.as_list()
         if src == dst:  # one host: its blocks, device by device
             if self._host != src:
-                return _stand_in(layout, shape, value.dtype)
+                return placement.stand_in(layout, shape, value.dtype)
             return dtensor.pack(dtensor.unpack(value), layout)
         block = _block_shape(shape, spec, source)
         first = _first_local(target, self._per_host)
@@ -161,17 +164,10 @@ class Bridge:
         self.bytes_sent += sent
         Bridge.total_bytes_sent += sent
         if self._host != dst:
-            return _stand_in(layout, shape, value.dtype)
+            return placement.stand_in(layout, shape, value.dtype)
         gathered = dtensor.unpack(whole)
         return dtensor.pack([gathered[first + j][src, 0]
                              for j in range(target.size)], layout)
-
-
-def _stand_in(layout, shape, dtype):
-    """A value laid out by `layout` on another host's mesh: this host holds
-    none of it (it only keeps every host's program in step)."""
-    return dtensor.call_with_layout(tf.zeros, layout, shape=shape,
-                                    dtype=dtype)
 
 
 def _block_shape(shape, spec, mesh):
@@ -309,6 +305,14 @@ class CrossHostRunner(PipelineRunner):
     # -- the schedule --------------------------------------------------------
 
     def _train(self, xs, targets, split, rows):
+        sums = self._gradient_sums(xs, targets, split, rows)
+        for k, (part_sums, factor) in enumerate(
+                zip(sums, self._overflow_factors(sums))):
+            self._stage_function("apply", k)(part_sums, factor)
+
+    def _gradient_sums(self, xs, targets, split, rows):
+        """Every action of the schedule; each part's weight gradients
+        summed over the micro-batches (on its mesh)."""
         schedule = self._schedule_for(len(xs))
         inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
@@ -320,8 +324,24 @@ class CrossHostRunner(PipelineRunner):
             else:
                 self._backward_action(k, i, inputs, incoming, targets,
                                       sums, (split, rows, 1.0 / len(xs)))
-        for k, part_sums in enumerate(sums):
-            self._stage_function("apply", k)(part_sums)
+        return sums
+
+    def _overflow_factors(self, sums):
+        """Under a `LossScaleOptimizer`, one overflow decision for every
+        part (`tfpar.pipeline.loss_scale`): each part's finite flag moves
+        to the last part (through the bridge), which combines them; its
+        factor (1: all finite, NaN: skip) comes back to every part, whose
+        gradients it multiplies. None per part otherwise."""
+        if not loss_scale.applies_to(self._model.optimizer) or \
+                len(sums) < 2:
+            return [None] * len(sums)
+        last = len(sums) - 1
+        flags = [self.bridge.move(self._stage_function("finite", k)(s),
+                                  self._meshes[k], self._meshes[last], ())
+                 for k, s in enumerate(sums)]
+        factor = self._stage_function("verdict", last)(flags)
+        return [self.bridge.move(factor, self._meshes[last], mesh, ())
+                for mesh in self._meshes]
 
     def _forward_action(self, k, i, inputs, split):
         """F(k, i): part k's forward, its outputs to part k+1 (the last
@@ -427,7 +447,18 @@ class CrossHostRunner(PipelineRunner):
             g, self._spec(g.shape.rank, split, part.mesh), part.mesh)
             for g in grads], list(part.gradient_sums))
 
-    def _apply_body(self, part, training, sums):
+    def _finite_body(self, part, training, sums):
+        """1.0 when all the part's gradient sums are finite, else 0.0."""
         del training
-        part.gradient_sums = list(sums)
+        return placement.relayout(loss_scale.all_finite(sums), (), part.mesh)
+
+    def _verdict_body(self, part, training, flags):
+        """On the last part: every part's flag -> the factor (1 or NaN)."""
+        del training
+        return placement.relayout(loss_scale.factor_of(flags), (), part.mesh)
+
+    def _apply_body(self, part, training, sums, factor):
+        """The part's optimizer step on its sums (times `factor`, if any)."""
+        del training
+        part.gradient_sums = [loss_scale.times(g, factor) for g in sums]
         part.apply_gradients()

@@ -16,6 +16,10 @@ gradients is multiplied by 1 (all finite everywhere: unchanged, exactly)
 or by NaN (some part overflowed): every part's optimizer then skips or
 applies together, and their scales stay equal. Under
 `offload="optimizer"` the same gradients go to each part's host update.
+Across hosts (`tfpar.pipeline.cross_host`) the host-driven step does the
+same with its own functions: `all_finite` per part, the flags moved to
+the last part through its bridge, `factor_of` there, the factor moved
+back and each part's gradients multiplied by it (`times`).
 
 Example (a pipeline's step calls it; nothing to do by hand):
 
@@ -41,7 +45,7 @@ def _values(gradient):
         else gradient
 
 
-def _all_finite(gradients):
+def all_finite(gradients):
     """1.0 when every gradient is finite, else 0.0 (a replicated scalar on
     the gradients' mesh)."""
     checks = [tf.reduce_all(tf.math.is_finite(_values(g)))
@@ -51,10 +55,19 @@ def _all_finite(gradients):
     return tf.cast(tf.reduce_all(tf.stack(checks)), tf.float32)
 
 
-def _times(gradient, factor):
-    """`gradient` times the scalar `factor` (an IndexedSlices' rows)."""
-    if gradient is None:
-        return None
+def factor_of(flags):
+    """1.0 when every flag (`all_finite`, one per part) is 1, else NaN: the
+    factor every part's gradients are multiplied by (NaN makes each
+    part's LossScaleOptimizer skip the step)."""
+    verdict = tf.reduce_min(tf.stack(flags))
+    return tf.where(verdict > 0.5, 1.0, float("nan"))
+
+
+def times(gradient, factor):
+    """`gradient` times the scalar `factor` (an IndexedSlices' rows); as
+    given when either is None."""
+    if gradient is None or factor is None:
+        return gradient
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(
             gradient.values * tf.cast(factor, gradient.values.dtype),
@@ -75,16 +88,14 @@ def skip_together(parts, optimizer):
     for part in parts:
         with part.on_mesh():
             flags.append(collectives.move_to_mesh(
-                _all_finite(part.gradient_sums), part.mesh, meshes[last], (),
+                all_finite(part.gradient_sums), part.mesh, meshes[last], (),
                 f"loss_scale_check_{part.index}"))
     with parts[last].on_mesh():
-        verdict = tf.reduce_min(tf.stack(flags))
-        # 1 when all parts' gradients are finite, NaN when any is not.
-        factor = tf.where(verdict > 0.5, 1.0, float("nan"))
+        factor = factor_of(flags)
     for part in parts:
         with part.on_mesh():
             mine = collectives.move_to_mesh(factor, meshes[last], part.mesh,
                                             (), f"loss_scale_verdict_"
                                             f"{part.index}")
-            part.gradient_sums = [_times(g, mine)
+            part.gradient_sums = [times(g, mine)
                                   for g in part.gradient_sums]

@@ -136,17 +136,28 @@ class PipelineRunner(training.Runner):
 
         return tf.nest.map_structure(put, structure)
 
-    def _run_batch(self, batch):
+    def _arguments(self, batch):
+        """(xs, targets, split) of the step on host `batch` (`_place`)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         size = int(np.shape(tf.nest.flatten(x)[0])[0])
         training_step = self._mode == "train"
         m, split = self._model.microbatching.split(size, training_step)
         if training_step:
             self._model.sync_stage_optimizers()
-        xs = self._place(x, 0, m, split)
-        targets = self._place((y, sample_weight), -1, m, split)
+        return (self._place(x, 0, m, split),
+                self._place((y, sample_weight), -1, m, split), split)
+
+    def traced_step(self, host_batch):
+        """Runs a step on `host_batch` as `fit` does; its concrete function
+        (`tfpar.pipeline.memory` reads its programs, one per stage)."""
+        self._run_batch(host_batch)
+        return self._function("train").get_concrete_function(
+            *self._arguments(host_batch))
+
+    def _run_batch(self, batch):
+        xs, targets, split = self._arguments(batch)
         function = self._function(self._mode)
-        if not (training_step and self._model.record_timeline):
+        if not (self._mode == "train" and self._model.record_timeline):
             return function(xs, targets, split)
         with profiler.OpEvents() as trace:
             logs = function(xs, targets, split)
@@ -208,9 +219,8 @@ class PipelineRunner(training.Runner):
         """Micro-batch i of stacked (m, B/m, ...) inputs on part `part`,
         laid out like every activation (batch split over the data axis when
         `split`). tf.gather, not t[i]: DTensor mis-lays out a strided slice
-        that drops the leading dimension; and the explicit layout keeps
-        DTensor from propagating a consumer's layout into the gather, which
-        it then cannot expand."""
+        dropping the leading dimension; the explicit layout keeps DTensor
+        from propagating a consumer's layout into the gather."""
         mesh = self._meshes[part]
         return tf.nest.map_structure(
             lambda t: None if t is None else placement.relayout(
@@ -288,23 +298,7 @@ class PipelineRunner(training.Runner):
     # -- traced: training, a loop over the schedule's actions ---------------------
 
     def _schedule_for(self, m):
-        """The schedule of a batch of m micro-batches (an epoch's smaller
-        last batch may have fewer than the model's)."""
-        full = self._model.schedule
-        if m == full.num_microbatches:
-            return full
-        if full.name == "zbv":  # same V, fewer micro-batches
-            return schedules_lib.zero_bubble_v(full.num_stages, m,
-                                               check=False)
-        if full.virtual_stages > 1 and m % full.num_stages:
-            # Interleaved 1F1B needs p | m; looped GPipe runs any m and the
-            # step's result does not depend on the order.
-            return schedules_lib.gpipe(full.num_stages, m, full.virtual_stages)
-        if full.name in ZERO_BUBBLE:  # same order, fewer micro-batches
-            return schedules_lib.zero_bubble(full.name, full.num_stages, m,
-                                             check=False)
-        return schedules_lib.get_schedule(full.name, full.num_stages, m,
-                                          full.virtual_stages)
+        return schedule_for(self._model.schedule, m)
 
     def _train(self, xs, targets, split):
         m, rows = tf.nest.flatten(xs)[0].shape[:2]
@@ -384,6 +378,25 @@ class PipelineRunner(training.Runner):
         """W: the weight half of a split backward."""
         del batch
         return part.backward_weight(i, token)
+
+
+def schedule_for(full, m):
+    """The schedule of a batch of m micro-batches of a pipeline whose full
+    batches run schedule `full` (an epoch's smaller last batch may have
+    fewer micro-batches than the model's)."""
+    if m == full.num_microbatches:
+        return full
+    if full.name == "zbv":  # same V, fewer micro-batches
+        return schedules_lib.zero_bubble_v(full.num_stages, m, check=False)
+    if full.virtual_stages > 1 and m % full.num_stages:
+        # Interleaved 1F1B needs p | m; looped GPipe runs any m and the
+        # step's result does not depend on the order.
+        return schedules_lib.gpipe(full.num_stages, m, full.virtual_stages)
+    if full.name in ZERO_BUBBLE:  # same order, fewer micro-batches
+        return schedules_lib.zero_bubble(full.name, full.num_stages, m,
+                                         check=False)
+    return schedules_lib.get_schedule(full.name, full.num_stages, m,
+                                      full.virtual_stages)
 
 
 class _Batch:

@@ -2,30 +2,40 @@
 
 For three model shapes — a wide MLP, a GPT-style transformer and a CNN —
 plans with `tfpar.Cluster.local()`, then trains the candidates on the
-virtual CPUs for a few steps each and prints the whole table: predicted
-and measured step time, predicted and measured per-device bytes of
-weights and optimizer state (`strategy.memory_per_device()`); then the
-chosen plan's measured time vs the best measured, Spearman's rho of
-predicted vs measured step times, and the k `tfpar.plan(measure=k)` would
-need to pick a plan within 10% of the best measured.
+virtual CPUs and prints the whole table: predicted and measured step time,
+predicted and measured per-device bytes of weights and optimizer state
+(`strategy.memory_per_device()`); then the chosen plan's measured time vs
+the best measured, Spearman's rho of predicted vs measured step times, and
+the k `tfpar.plan(measure=k)` would need to pick a plan within 10% of the
+best measured.
 
-By default every feasible candidate with at most 8 micro-batches is
-measured (each: built, compiled, `--warmup` untimed then `--steps` timed
-steps, the median kept); `--quick` measures the best-predicted candidate
-of each mesh shape. `--save DIR` writes each model's measured table
-(`DIR/<model>.jsonl`, one line per candidate, as it is measured);
-`--rerank DIR` reads such tables back and ranks them with the current
-cost model and `Cluster.local()` without measuring again (to compare cost
-models on the same measurements).
+Measured: every feasible candidate with at most `--max-microbatches` (8)
+micro-batches (`--quick`: the best-predicted of each mesh shape), each
+distinct program once (with one micro-batch GPipe and 1F1B are the same
+schedule: the twin's row is a copy, `same_as`). Interleaved: candidates
+are built and warmed up (`--warmup` steps) in a shuffled order by
+`tier` (no recomputation and 1F1B first, then GPipe, then recomputation:
+a run cut short has measured whole tiers), as many at once as `--chunk` and `--memory-gb`
+of host memory allow (a chunk), then each chunk is
+timed over `--rounds` rounds, every candidate once per round in a shuffled
+order, the fastest of `--steps` steps kept, medians over rounds. Two
+anchors (the predicted best and the best-predicted without a pipeline)
+run in every chunk's rounds, so chunks timed under different loads
+compare through them (the "anchor-normalised" summary). `--save DIR`
+appends each chunk's rows to `DIR/<model>.jsonl` (every round's time, the
+anchors', build seconds, load); `--resume` measures only what DIR lacks;
+`--rerank DIR` ranks saved tables with the current cost model and
+`Cluster.local()` without measuring (to compare cost models on the same
+measurements).
 
-    python benchmarks/planner.py [--quick] [--steps 5] [--save DIR]
+    python benchmarks/planner.py --save DIR [--rounds 5] [--steps 2]
     python benchmarks/planner.py --rerank DIR
     python benchmarks/planner.py --recheck DIR [--top 3] [--rounds 3]
 
-`--recheck` measures the `--top` best-predicted and best-measured
-candidates of saved tables again, interleaved over `--rounds` rounds
-(medians): on a loaded host a single pass measures early and late
-candidates under different loads.
+`--recheck` measures the `--top` best-predicted and best-measured (CPU
+time, wall clock) candidates of saved tables again, interleaved over `--rounds`
+rounds (a second measurement of the contenders). `--rerank DIR
+--from-chunk N` ranks only the rows of chunk N and later.
 """
 
 import argparse
@@ -124,12 +134,13 @@ def _source(name):
     return _BUILT[name]
 
 
-def candidates(name, cluster, quick=False):
-    """(plan, the feasible candidates to measure in predicted order)."""
+def candidates(name, cluster, quick=False, max_microbatches=8):
+    """(plan, the feasible candidates with at most `max_microbatches`
+    micro-batches in predicted order)."""
     build, batch = MODELS[name]
     plan = tfpar.plan(_source(name), batch, cluster=cluster)
     feasible = [c for c in plan.candidates if c.rejected is None
-                and c.num_microbatches <= 8]
+                and c.num_microbatches <= max_microbatches]
     if quick:
         seen, chosen = set(), []
         for c in feasible:
@@ -140,100 +151,298 @@ def candidates(name, cluster, quick=False):
     return plan, feasible
 
 
-def measure_model(name, cluster, args):
-    """Measures and prints every candidate; returns [(predicted, measured,
-    label)] in predicted order."""
-    from tfpar.planner import measure  # noqa: PLC0415
+def program_key(c):
+    """What makes two candidates different programs: with one micro-batch
+    GPipe and 1F1B are the same schedule (measured once, the twin's row
+    copied with `same_as`)."""
+    return (tuple(c.axes.items()), c.num_microbatches, c.fsdp, c.recompute,
+            c.sequence_parallel, tuple(c.stage_starts or ()),
+            c.schedule if c.num_microbatches > 1 else None)
 
+
+def tier(c):
+    """0: no recomputation, 1F1B or no pipeline; 1: GPipe with more than
+    one micro-batch; 2: recomputation."""
+    if c.recompute:
+        return 2
+    return int(c.schedule == "gpipe" and c.num_microbatches > 1)
+
+
+def _rss_gb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _load_rows(path):
+    if not path or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _build(c, name, x, y, warmup):
+    """(stepper, measured per-device state bytes, build seconds) of a
+    candidate: built, compiled and run `warmup` steps."""
+    import time  # noqa: PLC0415
+
+    from tfpar.planner import measure  # noqa: PLC0415
+    start = time.perf_counter()
+    model, p = measure.build_candidate(c, _source(name), MODELS[name][1])
+    for _ in range(warmup):
+        model.train_on_batch(x, y)
+    used = max(sum(v.values()) for v in
+               p.strategy().memory_per_device().values())
+    return ((lambda: model.train_on_batch(x, y)), used,
+            time.perf_counter() - start)
+
+
+def measure_model(name, cluster, args):
+    """Measures every candidate (`candidates`), interleaved: in chunks of
+    what `--memory-gb` holds built at once (all of them when it fits),
+    each chunk built, warmed up, then timed over `--rounds` rounds (every
+    candidate of the chunk and the anchors once per round, shuffled; the
+    fastest of `--steps` steps; medians over rounds). The anchors — the
+    predicted best and the best-predicted candidate without a pipeline —
+    stay built and run in every chunk's rounds, so chunks measured under
+    different loads compare through them (`relative`: each round's time
+    over the anchors' geometric mean in that round). Rows are saved after
+    each chunk (`--save`, resumable with `--resume`); returns the rows."""
+    import gc  # noqa: PLC0415
+    import random  # noqa: PLC0415
+
+    from tfpar.planner import measure  # noqa: PLC0415
     batch = MODELS[name][1]
-    build = _source(name)
-    plan, feasible = candidates(name, cluster, args.quick)
-    if args.shuffle:
-        import random  # noqa: PLC0415
-        random.Random(0).shuffle(feasible)
+    plan, feasible = candidates(name, cluster, args.quick,
+                                args.max_microbatches)
     path = os.path.join(args.save, f"{name}.jsonl") if args.save else None
-    done = set()
-    if args.resume and path and os.path.exists(path):
-        with open(path) as f:  # measured before: keep, measure the rest
-            done = {json.loads(line)["label"] for line in f}
-    out = open(path, "a" if args.resume else "w") if path else None
-    print(f"\n{name}: global batch {batch}, {len(plan.candidates)} "
-          f"candidates, searched in {plan.info['search_s']:.2f} s; "
-          f"{len(feasible)} to measure, {len(done)} of them measured before")
-    print(f"{'candidate':40s} {'pred ms':>8s} {'meas ms':>8s} "
-          f"{'pred B/dev':>11s} {'meas B/dev':>11s}")
+    saved = _load_rows(path) if args.resume else []
+    if path and not args.resume:
+        open(path, "w").close()
+    done = {r["label"] for r in saved}
+    twins, distinct = {}, {}
+    for c in feasible:
+        twins.setdefault(program_key(c), []).append(c)
+    distinct = [group[0] for group in twins.values()]
+    # In tiers — first without recomputation, 1F1B; then GPipe with several
+    # micro-batches (on a shared host the same actions in another order);
+    # recomputation last (it only adds a forward pass, for memory this host
+    # does not lack) — each by micro-batch count (the cheapest to build
+    # first: a run cut short has measured a stated rule), shuffled within.
+    todo = [c for c in distinct if c.label not in done]
+    random.Random(args.seed).shuffle(todo)
+    todo.sort(key=lambda c: (tier(c), c.num_microbatches))
+    pipeless = next(c for c in distinct if c.axes["pipe"] == 1)
+    anchors = [distinct[0]] + ([pipeless] if pipeless is not distinct[0] else [])
+    print(f"\n{name}: global batch {batch}, {len(plan.candidates)} candidates"
+          f" ({sum(c.rejected is None for c in plan.candidates)} feasible), "
+          f"searched in {plan.info['search_s']:.2f} s; measuring the "
+          f"{len(feasible)} with <= {args.max_microbatches} micro-batches, "
+          f"{len(distinct)} distinct programs, {len(distinct) - len(todo)} "
+          f"measured before; anchors {[a.label for a in anchors]}",
+          flush=True)
+    x, y = measure.synthetic_batch(measure._shapes(_source(name)), batch)  # noqa: SLF001
+    built = {a.label: _build(a, name, x, y, args.warmup) for a in anchors}
+    chunk_id = max([r.get("chunk", -1) for r in saved], default=-1) + 1
+    while todo:
+        base, chunk = _rss_gb(), []
+        while (todo and _rss_gb() - base < args.memory_gb
+               and len(chunk) < args.chunk):
+            c = todo.pop(0)
+            if c.label in built:
+                chunk.append(c)
+                continue
+            try:
+                built[c.label] = _build(c, name, x, y, args.warmup)
+                chunk.append(c)
+                print(f"  built {c.label} in {built[c.label][2]:.1f} s "
+                      f"({len(todo)} to go, {_rss_gb():.1f} GB, load "
+                      f"{os.getloadavg()[0]:.0f})", flush=True)
+            except Exception as e:  # a plan that does not run: say so, go on
+                print(f"{c.label:40s} FAILED: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]}", flush=True)
+        rows = _time_chunk(chunk, anchors, built, twins, args, chunk_id)
+        _write(path, rows)
+        saved += rows
+        for c in chunk:
+            if c not in anchors:
+                del built[c.label]
+        gc.collect()
+        chunk_id += 1
+    return saved
+
+
+def _time_chunk(chunk, anchors, built, twins, args, chunk_id):
+    """Rows of `chunk` (and its twins) timed over interleaved rounds with
+    the anchors."""
+    import numpy as np  # noqa: PLC0415
+
+    from tfpar.planner import measure  # noqa: PLC0415
+    timed = list(dict.fromkeys([c.label for c in chunk]
+                               + [a.label for a in anchors]))
+    times, cpu = measure.interleaved(
+        {label: built[label][0] for label in timed}, rounds=args.rounds,
+        steps=args.steps, seed=args.seed + chunk_id)
+    anchor_gm = np.exp(np.mean([np.log(times[a.label]) for a in anchors],
+                               axis=0))
+    load = os.getloadavg()[0]
     rows = []
-    for c in [c for c in feasible if c.label not in done]:
-        try:
-            seconds, _, p = measure.time_candidate(
-                c, build, batch, steps=args.steps, warmup=args.warmup,
-                return_model=True)
-        except Exception as e:  # a plan that does not run: say so, go on
-            print(f"{c.label:40s} FAILED: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:200]}", flush=True)
-            continue
-        used = max(sum(v.values()) for v in
-                   p.strategy().memory_per_device().values())
-        predicted = _state_bytes(c)
-        rows.append((c.estimate.step_time_s, seconds, c.label,
-                     plan.candidates.index(c)))
-        print(f"{c.label:40s} {c.estimate.step_time_s * 1e3:8.2f} "
-              f"{seconds * 1e3:8.2f} {predicted:11,.0f} {used:11,}",
-              flush=True)
-        if out:
-            out.write(json.dumps({"label": c.label, "measured_s": seconds,
-                                  "predicted_s": c.estimate.step_time_s,
-                                  "predicted_bytes": predicted,
-                                  "measured_bytes": used}) + "\n")
-            out.flush()
-    return [r[:3] for r in sorted(rows, key=lambda r: r[3])]
+    for c in chunk:
+        seconds = float(np.median(times[c.label]))
+        relative = float(np.median(np.asarray(times[c.label]) / anchor_gm))
+        for twin in twins[program_key(c)]:
+            rows.append({
+                "label": twin.label, "measured_s": seconds,
+                "relative": relative, "rounds": times[c.label],
+                "cpu_s": float(np.median(cpu[c.label])),
+                "cpu_rounds": cpu[c.label],
+                "chunk": chunk_id, "anchor_rounds": anchor_gm.tolist(),
+                "predicted_s": twin.estimate.step_time_s,
+                "predicted_bytes": _state_bytes(twin),
+                "measured_bytes": built[c.label][1],
+                "build_s": built[c.label][2], "load": load,
+                "tier": tier(twin),
+                **({"same_as": c.label} if twin is not c else {})})
+            print(f"{twin.label:44s} {twin.estimate.step_time_s * 1e3:8.2f} "
+                  f"{seconds * 1e3:8.2f} {relative:6.3f} "
+                  f"cpu {float(np.median(cpu[c.label])) * 1e3:8.2f} "
+                  f"{_state_bytes(twin):11,.0f} {built[c.label][1]:11,} "
+                  f"chunk {chunk_id}", flush=True)
+    return rows
+
+
+def _write(path, rows):
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def measured_rows(name, cluster, directory, kind="wall", max_microbatches=8,
+                  from_chunk=0):
+    """[(predicted now, measured, label)] of a saved table in predicted
+    order. `kind`: "wall" (median over rounds of the fastest step), "cpu"
+    (the same of this process' CPU seconds per step) or "normalised" (each
+    row's wall time relative to its chunk's anchors, times the anchors'
+    median over all chunks); `from_chunk`: only rows of that chunk and
+    later (those measured after a change of the cost model)."""
+    import numpy as np  # noqa: PLC0415
+    rows = [r for r in _load_rows(os.path.join(directory, f"{name}.jsonl"))
+            if r.get("chunk", 0) >= from_chunk]
+    measured = {r["label"]: r["measured_s"] for r in rows}
+    if kind == "cpu":
+        measured = {r["label"]: r["cpu_s"] for r in rows if "cpu_s" in r}
+    if kind == "normalised" and any("relative" in r for r in rows):
+        chunks = {r["chunk"]: r["anchor_rounds"] for r in rows if "chunk" in r}
+        reference = float(np.median(np.concatenate(list(chunks.values()))))
+        measured.update({r["label"]: r["relative"] * reference
+                         for r in rows if "relative" in r})
+    _, feasible = candidates(name, cluster,
+                             max_microbatches=max_microbatches)
+    return [(c.estimate.step_time_s, measured[c.label], c.label)
+            for c in feasible if c.label in measured]
 
 
 def rerank(name, cluster, directory):
     """[(predicted now, measured then)] of a saved table, in predicted order."""
-    with open(os.path.join(directory, f"{name}.jsonl")) as f:
-        measured = {r["label"]: r["measured_s"] for r in map(json.loads, f)}
-    _, feasible = candidates(name, cluster)
-    return [(c.estimate.step_time_s, measured[c.label], c.label)
-            for c in feasible if c.label in measured]
+    return measured_rows(name, cluster, directory)
 
 
 def bytes_agreement(name, cluster, directory):
     """(rows, rows within 10%, the largest relative difference) of the
     predicted vs the saved measured per-device bytes."""
-    with open(os.path.join(directory, f"{name}.jsonl")) as f:
-        measured = {r["label"]: r["measured_bytes"] for r in map(json.loads, f)}
+    measured = {r["label"]: r["measured_bytes"] for r in _load_rows(
+        os.path.join(directory, f"{name}.jsonl"))}
     _, feasible = candidates(name, cluster)
     diffs = [abs(_state_bytes(c) - measured[c.label]) / measured[c.label]
              for c in feasible if c.label in measured]
     return len(diffs), sum(d <= 0.1 for d in diffs), max(diffs)
 
 
-def recheck(name, cluster, directory, top, rounds, steps):
-    """The `top` best-predicted and `top` best-measured candidates of a saved
-    table measured again, round after round (each round times each once,
-    so load from other jobs falls on all of them alike); [(predicted,
-    median of the rounds, label)] in predicted order."""
+def recheck(name, cluster, directory, top, rounds, steps, warmup=2):
+    """The `top` best-predicted and `top` best-measured (by CPU time and by
+    the wall clock) candidates of a saved table measured again: all built first, then
+    interleaved over `rounds` rounds; {"wall"|"cpu": [(predicted, median
+    of the rounds, label)] in predicted order}."""
     import numpy as np  # noqa: PLC0415
 
     from tfpar.planner import measure  # noqa: PLC0415
-
-    saved = {r[2]: r[1] for r in rerank(name, cluster, directory)}
+    saved = {r[2]: r[1] for r in measured_rows(name, cluster, directory,
+                                               "cpu")}
     _, feasible = candidates(name, cluster)
     feasible = [c for c in feasible if c.label in saved]
     by_measured = sorted(feasible, key=lambda c: saved[c.label])
-    chosen = feasible[:top] + [c for c in by_measured[:top]
-                               if c not in feasible[:top]]
-    times = {c.label: [] for c in chosen}
-    for r in range(rounds):
-        for c in chosen:
-            times[c.label].append(measure.time_candidate(
-                c, _source(name), MODELS[name][1], steps=steps))
-            print(f"round {r}: {c.label:40s} "
-                  f"{c.estimate.step_time_s * 1e3:8.2f} "
-                  f"{times[c.label][-1] * 1e3:8.2f}", flush=True)
-    return [(c.estimate.step_time_s, float(np.median(times[c.label])),
-             c.label) for c in chosen]
+    walls = {r[2]: r[1] for r in measured_rows(name, cluster, directory)}
+    by_wall = sorted(feasible, key=lambda c: walls[c.label])
+    chosen = list({c.label: c for c in feasible[:top] + by_measured[:top]
+                   + by_wall[:top]}.values())
+    x, y = measure.synthetic_batch(measure._shapes(_source(name)),  # noqa: SLF001
+                                   MODELS[name][1])
+    steppers = {c.label: _build(c, name, x, y, warmup)[0] for c in chosen}
+    wall, cpu = measure.interleaved(steppers, rounds=rounds, steps=steps)
+    out = {}
+    for kind, times in (("wall", wall), ("cpu", cpu)):
+        out[kind] = [(c.estimate.step_time_s,
+                      float(np.median(times[c.label])), c.label)
+                     for c in chosen]
+    for c in chosen:
+        print(f"{c.label:44s} {c.estimate.step_time_s * 1e3:8.2f} wall "
+              f"{np.median(wall[c.label]) * 1e3:8.2f} cpu "
+              f"{np.median(cpu[c.label]) * 1e3:8.2f} (table: cpu "
+              f"{saved[c.label] * 1e3:8.2f})", flush=True)
+    return out
+
+
+def _clusters(name, cluster, directory):
+    """[(which, Cluster)]: this process' `Cluster.local()` and, when the
+    table saved one, the calibration it was measured with."""
+    out = [("this calibration", cluster)]
+    path = os.path.join(directory, f"{name}.cluster.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            out.append(("the run's calibration", tfpar.Cluster(**json.load(f))))
+    return out
+
+
+def markdown(name, cluster, directory, max_microbatches=8):
+    """`DIR/<model>.md`: the saved table, one row per candidate in order of
+    measured CPU time, with the current cost model's prediction
+    (`cluster`)."""
+    import numpy as np  # noqa: PLC0415
+    saved = {r["label"]: r for r in _load_rows(
+        os.path.join(directory, f"{name}.jsonl"))}
+    normalised = {label: m for _, m, label in measured_rows(
+        name, cluster, directory, "normalised", max_microbatches)}
+    _, feasible = candidates(name, cluster, max_microbatches=max_microbatches)
+    rows = sorted((c for c in feasible if c.label in saved),
+                  key=lambda c: saved[c.label].get("cpu_s",
+                                                   saved[c.label]["measured_s"]))
+    lines = [f"# {name}: {len(rows)} measured of {len(feasible)} feasible "
+             f"candidates with <= {max_microbatches} micro-batches", "",
+             "In order of measured CPU time per step; predicted with "
+             "`markdown.cluster.json` (a CPU-time `Cluster.local()`).", "",
+             "| candidate | tier | predicted ms | measured ms (median) | "
+             "anchor-normalised ms | rounds ms (min–max) | CPU ms | chunk | "
+             "predicted B/dev | measured B/dev |", "|" + "---|" * 10]
+    for c in rows:
+        r = saved[c.label]
+        lines.append(
+            f"| {c.label} | {r.get('tier', '')} | "
+            f"{c.estimate.step_time_s * 1e3:.1f} | {r['measured_s'] * 1e3:.1f}"
+            f" | {normalised[c.label] * 1e3:.1f} | "
+            f"{np.min(r['rounds']) * 1e3:.1f}–{np.max(r['rounds']) * 1e3:.1f}"
+            f" | {r.get('cpu_s', float('nan')) * 1e3:.1f} | {r['chunk']} | "
+            f"{r['predicted_bytes']:,.0f} | "
+            f"{r['measured_bytes']:,} |")
+    with open(os.path.join(directory, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def report(name, rows, what):
+    ratio, rho, k, chosen, best = summary(rows)
+    print(f"{name} ({what}): {len(rows)} candidates; chosen/best measured = "
+          f"{ratio:.2f} (target <= 1.10; chosen {chosen}, best {best}); "
+          f"Spearman rho predicted vs measured = {rho:.2f}; measure=k "
+          f"needs k = {k}", flush=True)
 
 
 def main():
@@ -241,45 +450,71 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="measure the best-predicted candidate of each "
                              "mesh shape only")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps per candidate per round (the fastest "
+                             "is kept)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-microbatches", type=int, default=8)
+    parser.add_argument("--memory-gb", type=float, default=4.0,
+                        help="host memory the built candidates of one chunk "
+                             "may take (RSS growth)")
+    parser.add_argument("--chunk", type=int, default=24,
+                        help="at most this many candidates built at once")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="mlp,gpt,cnn")
     parser.add_argument("--save", help="directory for the measured tables")
     parser.add_argument("--resume", action="store_true",
                         help="with --save: keep the candidates DIR already "
                              "holds and measure the others")
-    parser.add_argument("--shuffle", action="store_true",
-                        help="measure in a fixed random order (a table cut "
-                             "short is then a fair sample)")
     parser.add_argument("--rerank", help="rank saved tables, measure nothing")
     parser.add_argument("--recheck", help="measure again, interleaved, the "
                         "--top best predicted and best measured of saved "
                         "tables")
     parser.add_argument("--top", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--from-chunk", type=int, default=0,
+                        help="with --rerank: only the rows of this chunk "
+                             "and later")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --rerank: write DIR/<model>.md, the "
+                             "table with the current model's predictions")
     args = parser.parse_args()
     tfpar.use_virtual_cpus(8)
     cluster = tfpar.Cluster.local()
     print(f"cluster: {cluster}")
     for name in args.models.split(","):
         if args.recheck:
-            rows = recheck(name, cluster, args.recheck, args.top, args.rounds,
-                           args.steps)
-        elif args.rerank:
-            rows = rerank(name, cluster, args.rerank)
-            n, close, worst = bytes_agreement(name, cluster, args.rerank)
-            print(f"{name}: per-device bytes of weights and optimizer state "
-                  f"within 10% for {close} of {n} (largest difference "
-                  f"{worst:.1%})")
-        else:
-            rows = measure_model(name, cluster, args)
-        if not rows:
+            rows = recheck(name, cluster, args.recheck, args.top,
+                           args.rounds, args.steps, args.warmup)
+            for kind, kind_rows in rows.items():
+                report(name, kind_rows, f"recheck, {kind}")
             continue
-        ratio, rho, k, chosen, best = summary(rows)
-        print(f"{name}: {len(rows)} candidates; chosen/best measured = "
-              f"{ratio:.2f} (target <= 1.10; chosen {chosen}, best {best}); "
-              f"Spearman rho predicted vs measured = {rho:.2f}; measure=k "
-              f"needs k = {k}", flush=True)
+        directory = args.rerank or args.save
+        if not args.rerank:
+            if args.save:  # the calibration the run was predicted with
+                with open(os.path.join(args.save, f"{name}.cluster.json"),
+                          "w") as f:
+                    json.dump(cluster.to_dict(), f)
+            saved = measure_model(name, cluster, args)
+        if not directory:
+            report(name, sorted((r["predicted_s"], r["measured_s"],
+                                 r["label"]) for r in saved), "wall")
+            continue
+        for which, c in _clusters(name, cluster, directory):
+            for kind in ("wall", "normalised", "cpu"):
+                rows = measured_rows(name, c, directory, kind,
+                                     args.max_microbatches, args.from_chunk)
+                if rows:
+                    report(name, rows, f"{kind}, {which}")
+        if args.markdown:  # with the calibration it was predicted with
+            markdown(name, cluster, directory, args.max_microbatches)
+            with open(os.path.join(directory, "markdown.cluster.json"),
+                      "w") as f:
+                json.dump(cluster.to_dict(), f)
+        n, close, worst = bytes_agreement(name, cluster, directory)
+        print(f"{name}: per-device bytes of weights and optimizer state "
+              f"within 10% for {close} of {n} (largest difference "
+              f"{worst * 100:.2g}%)")
 
 
 if __name__ == "__main__":

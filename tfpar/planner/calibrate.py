@@ -10,6 +10,11 @@ with β of 250–320 MB/s per device, where a ring predicts 1 : 1.5 : 1.75).
 of a small and a large message; `update_bandwidth` times Keras' Adam
 update of one large weight on one device.
 
+Every micro-benchmark here is timed by the process' CPU time (`_best_seconds`):
+the host's other jobs stretch the wall clock by a factor that differs
+between micro-benchmarks and calibrations, where the CPU seconds of the
+same work stay put (benchmarks/planner.py measures steps the same way).
+
 The runtime's fixed costs (measured here, docs/guides/planner.md): every
 op of a compiled step runs once per device of its mesh, one after another
 on the shared cores, at a few µs each whatever its size — a step of a
@@ -45,14 +50,16 @@ _SMALL, _LARGE = 1 << 12, 1 << 22   # bytes per device
 
 
 def _best_seconds(fn, *args, repeats=9):
-    """The fastest of `repeats` calls: on a host other jobs load, the
-    least disturbed one (steady under load where the median is not)."""
+    """The least CPU time of `repeats` calls (this process' CPU seconds,
+    all threads: the work a call costs, which other jobs' load hardly
+    changes; measured on this host at load 22–26, a step's CPU time stayed
+    within ~10% where its wall-clock time spread 2–5×)."""
     fn(*args)  # trace and warm up
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         np.asarray(fn(*args))
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return float(np.min(times))
 
 

@@ -135,8 +135,13 @@ class Cluster:
         time per op per device (Keras' Adam on many small weights, per op)
         and per stage-to-stage move (`copy_to_mesh` between two devices),
         and a convolution's FLOP/s and time per device (a 3×3 Conv2D's
-        forward and backward pass on one device and split over all).
-        Otherwise the
+        forward and backward pass on one device and split over all). On
+        virtual CPUs every figure is timed by the process' CPU time, not
+        the wall clock: other jobs on the host stretch the wall clock by
+        a factor that differs between the micro-benchmarks (measured at
+        load 15–17: wall-clock FLOP/s 0.9 and 1.7 G per device in two
+        calibrations, CPU-time 3.5 and 3.6 G), so a shared host's
+        `step_time_s` is the CPU seconds a step costs. Otherwise the
         bandwidth is a host memory copy and the latencies are looked up.
         The memory per device is looked up (host memory / devices for CPUs;
         the device's reported limit otherwise). See `source` for which is
@@ -174,7 +179,7 @@ def _shared_cpus(cls, devices):
     conv_flops, conv_time = calibrate.conv_rate_and_time(devices)
     return cls(
         num_hosts=1, devices_per_host=n, device_memory=_host_memory() / n,
-        device_flops=_matmul_flops(devices[0]) / n,
+        device_flops=_matmul_flops(devices[0], clock=time.process_time) / n,
         intra_host_bandwidth=beta, inter_host_bandwidth=beta,
         intra_host_latency=alpha, inter_host_latency=alpha,
         shared_host=True,
@@ -195,8 +200,10 @@ def _shared_cpus(cls, devices):
                 "device_memory": "looked up (host memory / devices)"})
 
 
-def _matmul_flops(device, n=512, repeats=5):
-    """FLOP/s of an n x n float32 matmul on `device` (best of `repeats`)."""
+def _matmul_flops(device, n=512, repeats=5, clock=time.perf_counter):
+    """FLOP/s of an n x n float32 matmul on `device` (best of `repeats`
+    by `clock`: the wall clock, or for a shared host the process' CPU
+    time)."""
     import tensorflow as tf  # noqa: PLC0415
 
     with tf.device(device):
@@ -205,9 +212,9 @@ def _matmul_flops(device, n=512, repeats=5):
         matmul(a).numpy()
         best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock()
             matmul(a).numpy()
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock() - start)
     return 2 * n ** 3 / best
 
 

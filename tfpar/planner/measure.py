@@ -5,8 +5,13 @@ Each candidate's model is built under its strategy (from the builder, or
 as a `keras.models.clone_model` of a built model: same layers, fresh
 weights), laid out by the candidate, compiled with the plan's optimizer
 and a mean-squared-error loss on random data of the model's input and
-output shapes, and trained for `warmup + steps` steps; the median of the
-timed steps is the measurement.
+output shapes, and warmed up (traced and compiled) once. The built
+candidates are then timed round after round (`interleaved`): each round
+runs every candidate's `steps` steps, in a shuffled order, and keeps the
+fastest; a candidate's time is the median over rounds. On a host whose
+load changes (other jobs), a round's load falls on all candidates alike,
+where one candidate after the other measures the load as much as the
+plan.
 """
 
 import time
@@ -66,13 +71,61 @@ def build_and_apply(plan, source):
         return plan.apply(model)
 
 
-def time_candidate(candidate, source, global_batch_size, optimizer="adam",
-                   steps=3, warmup=2, return_model=False):
-    """Median seconds per training step of `candidate` on this machine."""
+def build_candidate(candidate, source, global_batch_size, optimizer="adam"):
+    """(model, plan): `candidate` built from `source`, laid out and
+    compiled, not yet run."""
     plan = candidate_plan(candidate, source, global_batch_size, optimizer)
     model = build_and_apply(plan, source)
     with plan.strategy().scope():
         model.compile(optimizer=optimizer, loss="mse")
+    return model, plan
+
+
+def interleaved(steppers, rounds=3, steps=2, seed=0):
+    """({key: [wall seconds per round]}, {key: [CPU seconds per round]}) of
+    `steppers` ({key: a function running one training step}): each round
+    runs every stepper `steps` times, in a shuffled order, and keeps its
+    fastest step by the wall clock and by this process' CPU time (all its
+    threads: the work a step costs, which other jobs' load hardly
+    changes, where it stretches the wall clock)."""
+    rng = np.random.default_rng(seed)
+    keys = list(steppers)
+    wall, cpu = {key: [] for key in keys}, {key: [] for key in keys}
+    for _ in range(rounds):
+        for j in rng.permutation(len(keys)):
+            fastest, least = float("inf"), float("inf")
+            for _ in range(steps):
+                start, used = time.perf_counter(), time.process_time()
+                steppers[keys[j]]()
+                fastest = min(fastest, time.perf_counter() - start)
+                least = min(least, time.process_time() - used)
+            wall[keys[j]].append(fastest)
+            cpu[keys[j]].append(least)
+    return wall, cpu
+
+
+def time_candidates(candidates, source, global_batch_size, optimizer="adam",
+                    rounds=3, steps=2, warmup=2):
+    """Median over `rounds` interleaved rounds of each candidate's fastest of
+    `steps` steps (seconds), after building all and `warmup` steps each."""
+    x, y = synthetic_batch(_shapes(source), global_batch_size)
+    steppers = {}
+    for i, candidate in enumerate(candidates):
+        model, _ = build_candidate(candidate, source, global_batch_size,
+                                   optimizer)
+        for _ in range(warmup):
+            model.train_on_batch(x, y)
+        steppers[i] = (lambda m=model: m.train_on_batch(x, y))
+    times, _ = interleaved(steppers, rounds=rounds, steps=steps)
+    return [float(np.median(times[i])) for i in range(len(candidates))]
+
+
+def time_candidate(candidate, source, global_batch_size, optimizer="adam",
+                   steps=3, warmup=2, return_model=False):
+    """Median seconds per training step of `candidate` on this machine
+    (one candidate, its steps one after the other)."""
+    model, plan = build_candidate(candidate, source, global_batch_size,
+                                  optimizer)
     x, y = synthetic_batch(_shapes(source), global_batch_size)
     times = []
     for i in range(warmup + steps):

@@ -49,7 +49,9 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
             `device_memory`).
         optimizer: name or Keras optimizer (its slots count as memory).
         measure: time the `measure` best candidates on this machine's
-            devices for a few steps each and choose the fastest measured.
+            devices and choose the fastest measured (all built first,
+            then timed in 3 interleaved rounds of 2 steps each, medians:
+            `tfpar.planner.measure.time_candidates`).
         sequence_length: the length of dimensions the model leaves unknown
             besides the batch (keras-hub models), for costing.
 
@@ -96,9 +98,11 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
     if measure:
         from tfpar.planner import measure as measure_lib  # noqa: PLC0415
         source = build if build is not None else model
-        for c in feasible[:measure]:
-            c.measured_step_time_s = measure_lib.time_candidate(
-                c, source, int(global_batch_size), optimizer=optimizer)
+        timed = measure_lib.time_candidates(
+            feasible[:measure], source, int(global_batch_size),
+            optimizer=optimizer)
+        for c, seconds in zip(feasible[:measure], timed):
+            c.measured_step_time_s = seconds
         feasible[:measure] = sorted(feasible[:measure],
                                     key=lambda c: c.measured_step_time_s)
         candidates = feasible[:measure] + [

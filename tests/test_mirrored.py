@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 if __name__ == "__main__":
     import tfpar
 
@@ -57,6 +59,9 @@ def compare():
     print("same loss:", [round(v, 6) for v in tfpar_loss])
 
 
+# Slow profile: 85 s in the default suite (25 s alone, a fresh process with
+# both strategies); the parity oracle everywhere else is one device.
+@pytest.mark.slow
 def test_same_code_same_loss_as_mirrored_strategy():
     result = subprocess.run([sys.executable, str(Path(__file__).resolve())],
                             capture_output=True, text=True, timeout=600)

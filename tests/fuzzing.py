@@ -16,6 +16,7 @@ message shows what was received) before the first step; never a TF/DTensor
 internal error, a NaN, or a changed weight after a refusal.
 """
 
+import contextlib
 import functools
 import os
 
@@ -131,6 +132,19 @@ def train(model, x, y, weights, losses, optimizer=None, batch_size=16):
     return np.array(losses.losses), [np.asarray(w) for w in model.get_weights()]
 
 
+@contextlib.contextmanager
+def float64_policy():
+    """Keras' floatx and dtype policy float64 inside, as before after."""
+    previous = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(previous[0])
+        keras.config.set_dtype_policy(previous[1])
+
+
 def train_in_float64(build, x, y, weights, optimizer=None, batch_size=16):
     """`train` of a model `build()` makes with Keras' floatx float64, from
     `weights` and on `x`, `y` cast to float64 (Keras' dtype policy too):
@@ -140,18 +154,12 @@ def train_in_float64(build, x, y, weights, optimizer=None, batch_size=16):
         value = np.asarray(value)
         return value.astype("float64") if value.dtype == "float32" else value
 
-    previous = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    try:
+    with float64_policy():
         model = build()
         inputs = [cast(a) for a in x] if isinstance(x, list) else cast(x)
         losses, weights = train(model, inputs, cast(y),
                                 [cast(w) for w in weights],
                                 models.BatchLosses(), optimizer, batch_size)
-    finally:
-        keras.config.set_floatx(previous[0])
-        keras.config.set_dtype_policy(previous[1])
     assert all(w.dtype == "float64" for w in weights), "not float64"
     return losses, weights
 

@@ -10,8 +10,6 @@ float32's rounding noise bounded by a float64 run as the fuzzing does
 1.12e-4 from one device after Adam, every run. The strategy from before
 each reset must raise a clear RuntimeError."""
 
-import contextlib
-
 import os
 import sys
 
@@ -26,7 +24,7 @@ from tensorflow.dtensor.python import api  # noqa: E402
 from tensorflow.python.eager import context  # noqa: E402
 
 import tfpar  # noqa: E402
-from fuzzing import NOISE  # noqa: E402
+from fuzzing import NOISE, float64_policy  # noqa: E402
 from models import HOST_RULES, host_mlp, mlp_data, relative_error  # noqa: E402
 
 tfpar.use_virtual_cpus(8)
@@ -34,17 +32,6 @@ tf.config.experimental.enable_op_determinism()
 X, Y = mlp_data(n=32)
 keras.utils.set_random_seed(1)
 START = host_mlp().get_weights()
-
-
-@contextlib.contextmanager
-def float64():
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    try:
-        yield
-    finally:
-        keras.config.set_floatx("float32")
-        keras.config.set_dtype_policy("float32")
 
 
 def train(strategy, dtype="float32"):
@@ -101,7 +88,7 @@ def expect_reset_error(what, call):
 
 
 fitted_1, looped_1, _ = train(None)
-with float64():
+with float64_policy():
     fitted_64, looped_64, _ = train(None, "float64")
 one_device = fitted_1 + looped_1
 bounds = [max(1e-4, NOISE * relative_error(exact, want)) for exact, want

@@ -118,20 +118,3 @@ def time_candidates(candidates, source, global_batch_size, optimizer="adam",
         steppers[i] = (lambda m=model: m.train_on_batch(x, y))
     times, _ = interleaved(steppers, rounds=rounds, steps=steps)
     return [float(np.median(times[i])) for i in range(len(candidates))]
-
-
-def time_candidate(candidate, source, global_batch_size, optimizer="adam",
-                   steps=3, warmup=2, return_model=False):
-    """Median seconds per training step of `candidate` on this machine
-    (one candidate, its steps one after the other)."""
-    model, plan = build_candidate(candidate, source, global_batch_size,
-                                  optimizer)
-    x, y = synthetic_batch(_shapes(source), global_batch_size)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        model.train_on_batch(x, y)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    seconds = float(np.median(times))
-    return (seconds, model, plan) if return_model else seconds

@@ -3,9 +3,16 @@ twice in examples/pipeline.py's first training step, which
 `PipelineModel(record_timeline=True)` traces and compiles while TF's
 profiler runs (`tfpar.pipeline.profiler.OpEvents`, host tracer level 3).
 
-Not part of the test run, and it did not reproduce (docs/guides/robustness.md,
-intermittent failures): a script to run in a loop under load, with core
-dumps on (`ulimit -c unlimited`), to try again.
+Not part of the test run. The abort was caught on 2026-12-03 in the
+`pipeline_schedules` notebook (2 of 40 runs under load), not by this script
+(no abort here, even under glibc's perturbed frees). The core dump puts it
+inside TF's profiler: `tf.profiler.experimental.stop()` →
+`tsl::profiler::TraceMeRecorder::Consume` →
+`SplitEventTracker::FindStartAndMerge` → free() of a corrupted heap
+(docs/guides/robustness.md, "The native abort, found"). To catch another:
+run the notebook's test in a loop under load with `PYTHONFAULTHANDLER=1`,
+`ulimit -c unlimited` and a kept `--basetemp` (the kernel's working
+directory, where the core lands).
 
     python tests/tf_profiler_crash_repro.py [--mode dtensor] [--steps 150]
         [--no-profiler] [--trace-first]

@@ -129,7 +129,9 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
             with `keras.Input`).
         record_timeline: keep the executed timeline of each training step
             in `last_timeline` (runs TF's profiler around every step: for
-            diagnosis, not for production runs).
+            diagnosis, not for production runs; TF 2.21's profiler now and
+            then aborts the process as it stops, inside its own event merge,
+            docs/guides/robustness.md).
         name: model name (default "pipeline_<model name>").
     """
 

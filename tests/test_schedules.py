@@ -326,7 +326,8 @@ def test_interleaved_schedule_validation_and_rendering():
         "F0", "F0.1", "B0.1", "B0"]
 
 
-@pytest.mark.parametrize("module", [pipeline, pipeline.schedules, pipeline.timeline])
+@pytest.mark.parametrize("module", [pipeline, pipeline.schedules, pipeline.timeline,
+                                    pipeline.profiler])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

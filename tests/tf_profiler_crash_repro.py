@@ -1,59 +1,72 @@
-"""Looks for the native abort (glibc "munmap_chunk(): invalid pointer") seen
-twice in examples/pipeline.py's first training step, which
-`PipelineModel(record_timeline=True)` traces and compiles while TF's
-profiler runs (`tfpar.pipeline.profiler.OpEvents`, host tracer level 3).
+"""TF 2.21's profiler aborts the process when a collective group forms while
+it runs; collective groups formed before it starts are safe.
 
-Not part of the test run. The abort was caught on 2026-12-03 in the
-`pipeline_schedules` notebook (2 of 40 runs under load), not by this script
-(no abort here, even under glibc's perturbed frees). The core dump puts it
-inside TF's profiler: `tf.profiler.experimental.stop()` →
-`tsl::profiler::TraceMeRecorder::Consume` →
-`SplitEventTracker::FindStartAndMerge` → free() of a corrupted heap
-(docs/guides/robustness.md, "The native abort, found"). To catch another:
-run the notebook's test in a loop under load with `PYTHONFAULTHANDLER=1`,
-`ulimit -c unlimited` and a kept `--basetemp` (the kernel's working
-directory, where the core lands).
+This is the native abort behind the `pipeline_schedules` notebook's kernel
+death and examples/pipeline.py's "munmap_chunk(): invalid pointer"
+(docs/guides/robustness.md, "The native abort, found"). A group of devices
+forms when its first collective runs: each member's
+`CollectiveExecutor::CompleteParams` opens a profiler event
+(`TraceMe::ActivityStart`) and waits for the last member, whose thread
+closes them all (`ActivityEnd`). At `tf.profiler.experimental.stop()`,
+`TraceMeRecorder::Consume` merges such cross-thread events through pointers
+into per-thread event queues that it has by then copied and freed (its
+vector of queues is not reserved), and glibc aborts ("double free or
+corruption", "free(): invalid pointer") or the process segfaults.
 
-    python tests/tf_profiler_crash_repro.py [--mode dtensor] [--steps 150]
-        [--no-profiler] [--trace-first]
+    python tests/tf_profiler_crash_repro.py --mode collectives
+        [--same-group] [--no-profiler] [--sessions 100] [--per-session 10]
 
-Modes, each step under a freshly started profiler, stopped after it:
-- dtensor: a fresh `tf.function` (a new input shape: a new trace and a new
-  DTensor SPMD expansion) of a forward and gradient on each of the 4 stage
-  meshes (data=2 each) of 8 virtual CPUs, as examples/pipeline.py's
-  pipe=4 x data=2; plain: the same without DTensor;
-- pipeline: a fresh `tfpar.PipelineModel(record_timeline=True)` (the
-  example's, depth 4, 4 micro-batches) trained one step;
-- threads: eager ops on 16 short-lived threads that exit while the
-  profiler runs.
---no-profiler: the same without the profiler; --trace-first: trace the
-function (`get_concrete_function`) before the profiler starts.
+Modes, each session a profiler started, `--per-session` units run, stopped:
+- collectives (TF alone): a unit is one all-reduce of a fresh group of the
+  8 virtual CPUs (eager `all_reduce_v2` from 8 threads). Aborts within a
+  few sessions (3 runs of 3 on 2026-12-03, 100 sessions x 10 clean without
+  the profiler); `--same-group` (one group, fresh instances) 3 of 3 clean.
+- dtensor: a unit is a fresh DTensor mesh over a random device order (new
+  groups) and the first run of a step on it (a matmul split over one axis,
+  gathered over the other). Aborts within a few sessions (3 of 3 with 4
+  units per session); `--form-first` forms each mesh's groups first with
+  `tfpar.pipeline.profiler.form_collective_groups`, unprofiled.
+- pipeline: a unit is a fresh `tfpar.PipelineModel(record_timeline=True)`
+  on a mesh over a random device order, trained one step (the recorder
+  forms its groups first); `--no-form` turns that off.
 """
 
 import argparse
+import itertools
 import os
+import random
 import shutil
 import tempfile
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+DEVICES = 8
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--mode", default="dtensor",
-                        choices=["dtensor", "plain", "pipeline", "threads"])
+    parser.add_argument("--mode", default="collectives",
+                        choices=["collectives", "dtensor", "pipeline"])
+    parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--per-session", type=int, default=10)
     parser.add_argument("--no-profiler", action="store_true")
-    parser.add_argument("--trace-first", action="store_true")
+    parser.add_argument("--same-group", action="store_true")
+    parser.add_argument("--form-first", action="store_true")
+    parser.add_argument("--no-form", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    run = {"pipeline": pipeline_fits, "threads": exiting_threads}.get(
-        args.mode, stage_functions)
-    run(args)
+    units = {"collectives": fresh_groups, "dtensor": fresh_meshes,
+             "pipeline": fresh_pipelines}[args.mode](args)
+    for session in range(args.sessions):
+        batch = [next(units) for _ in range(args.per_session)]
+        profiled(args, lambda: [run() for run in batch])
+        print("session", session, flush=True)
     print("done")
 
 
 def profiled(args, body):
-    """Runs `body()` between the profiler's start and stop, as OpEvents."""
+    """Runs `body()` between the profiler's start and stop, as
+    `tfpar.pipeline.profiler.OpEvents` does."""
     import tensorflow as tf  # noqa: PLC0415
 
     directory = tempfile.mkdtemp(prefix="repro_trace_")
@@ -69,95 +82,101 @@ def profiled(args, body):
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def stage_functions(args):
-    """Each step a fresh function of new shapes on the 4 stage meshes."""
+def fresh_groups(args):
+    """Units: one all-reduce over the 8 CPUs, a fresh group key each (one
+    key with `--same-group`), from one thread per device."""
     import tensorflow as tf  # noqa: PLC0415
-    from tensorflow.experimental import dtensor  # noqa: PLC0415
+    from tensorflow.python.ops import collective_ops  # noqa: PLC0415
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
-    stages = [dtensor.create_mesh([("data", 2)],
-                                  devices=[f"CPU:{2 * s}", f"CPU:{2 * s + 1}"])
-              for s in range(4)]
+        cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES)
+    keys = itertools.count(1)
 
-    def on_stage(x, s):
-        if args.mode == "plain":
-            return x
-        return dtensor.copy_to_mesh(x, dtensor.Layout.replicated(stages[s],
-                                                                 x.ndim))
+    def unit():
+        key = next(keys)
+        group = 1 if args.same_group else key
 
-    def make_step():
-        @tf.function
-        def step(xs, ws):
-            totals = []  # one per stage mesh
-            for x, w in zip(xs, ws):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    loss = tf.reduce_sum(tf.nn.relu(tf.linalg.matmul(x, w)))
-                totals.append(tf.reduce_sum(tape.gradient(loss, x)))
-            return totals
-        return step
+        def member(d):
+            with tf.device(f"/device:CPU:{d}"):
+                collective_ops.all_reduce_v2(tf.ones((4,)) * d, DEVICES,
+                                             group, key)
 
-    ws = [on_stage(tf.ones((32, 32)) * 0.01, s) for s in range(4)]
-    for i in range(args.steps):
-        xs = [on_stage(tf.ones((2 * (i + 1), 32)), s) for s in range(4)]
-        step = make_step()
-        if args.trace_first:
-            step.get_concrete_function(xs, ws)
-        profiled(args, lambda: [step(xs, ws) for _ in range(4)])
-        print("step", i, flush=True)
-
-
-def exiting_threads(args):
-    """Each step runs eager ops on 16 threads, which exit while the profiler
-    runs (each thread's TraceMe events are recorded)."""
-    import threading  # noqa: PLC0415
-
-    import tensorflow as tf  # noqa: PLC0415
-
-    def work():
-        x = tf.ones((8, 8))
-        for _ in range(20):
-            x = tf.linalg.matmul(x, x) * 0.1
-
-    def threads():
-        started = [threading.Thread(target=work) for _ in range(16)]
-        for t in started:
+        threads = [threading.Thread(target=member, args=(d,))
+                   for d in range(DEVICES)]
+        for t in threads:
             t.start()
-        for t in started:
+        for t in threads:
             t.join()
 
-    for i in range(args.steps):
-        profiled(args, threads)
-        print("step", i, flush=True)
+    while True:
+        yield unit
 
 
-def pipeline_fits(args):
-    """Each step a fresh `tfpar.PipelineModel(record_timeline=True)`
-    (examples/pipeline.py's, depth 4, 4 micro-batches) trained one step:
-    its step is traced and compiled under the profiler."""
+def fresh_meshes(args):
+    """Units: a step's first run on a fresh 2 x 4 mesh over a random device
+    order (its groups formed first with `--form-first`)."""
     import numpy as np  # noqa: PLC0415
 
     import tfpar  # noqa: PLC0415
 
-    tfpar.use_virtual_cpus(8)
+    tfpar.use_virtual_cpus(DEVICES)
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tfpar import placement  # noqa: PLC0415
+    from tfpar.pipeline import profiler  # noqa: PLC0415
+
+    order = random.Random(args.seed)
+    devices = tfpar.mesh.default_devices()
+    while True:
+        mesh = tfpar.Mesh({"x": 2, "y": 4},
+                          devices=order.sample(devices, DEVICES))
+        if args.form_first:
+            profiler.form_collective_groups([mesh])
+        a = placement.put(np.ones((8, 64), np.float32), ("x", "y"), mesh)
+        w = placement.put(np.ones((64, 32), np.float32), ("y", None), mesh)
+
+        @tf.function
+        def step(a, w, mesh=mesh):
+            product = tf.matmul(a, w)  # all-reduce over y
+            return placement.relayout(product, (None, None), mesh)  # gather x
+
+        concrete = step.get_concrete_function(a, w)
+        yield lambda concrete=concrete, a=a, w=w: concrete(a, w)
+
+
+def fresh_pipelines(args):
+    """Units: a fresh pipe=2 x data=2 x model=2 `PipelineModel` with
+    record_timeline on a random device order, trained one step."""
+    import numpy as np  # noqa: PLC0415
+
+    import tfpar  # noqa: PLC0415
+
+    tfpar.use_virtual_cpus(DEVICES)
     import keras  # noqa: PLC0415
 
-    x = np.random.default_rng(0).normal(size=(64, 32)).astype("float32")
+    from tfpar.pipeline import profiler  # noqa: PLC0415
+
+    if args.no_form:
+        profiler.form_collective_groups = lambda meshes: None
+    args.no_profiler = True  # record_timeline profiles each step itself
+    order = random.Random(args.seed)
+    devices = tfpar.mesh.default_devices()
+    x = np.random.default_rng(0).normal(size=(16, 32)).astype("float32")
     y = x[:, :4].copy()
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 4, "data": 2}))
-    for i in range(args.steps):
+    while True:
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(
+            {"pipe": 2, "data": 2, "model": 2},
+            devices=order.sample(devices, DEVICES)))
         with strategy.scope():
             model = keras.Sequential(
                 [keras.Input((32,))]
                 + [keras.layers.Dense(64, activation="relu")
-                   for _ in range(4)] + [keras.layers.Dense(4)])
-            pipe = tfpar.PipelineModel(model, num_microbatches=4,
-                                       record_timeline=not args.no_profiler)
-            pipe.compile(optimizer="adam", loss="mse")
-        pipe.fit(x, y, batch_size=64, epochs=1, verbose=0)
-        print("step", i, len(pipe.last_timeline or []), flush=True)
+                   for _ in range(2)] + [keras.layers.Dense(4)])
+            pipe = tfpar.PipelineModel(model, num_microbatches=2,
+                                       record_timeline=True)
+            pipe.compile(optimizer="sgd", loss="mse")
+        yield lambda pipe=pipe: pipe.fit(x, y, batch_size=16, verbose=0)
 
 
 if __name__ == "__main__":

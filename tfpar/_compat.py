@@ -925,15 +925,23 @@ def tf_initialized():
 def eager_context_token():
     """An object standing for TF's current eager context; a new one after
     `context._reset_context()` (what TF's, Keras' and DTensor's test classes
-    call between tests). Kept as an attribute of the context object, so it
-    dies with it."""
+    call between tests)."""
+    return eager_context_state("token", object)
+
+
+def eager_context_state(name, factory):
+    """A value kept as an attribute of TF's current eager context (made by
+    `factory()` on first use), so it dies with the context: a fresh one
+    after `context._reset_context()`."""
     from tensorflow.python.eager import context  # noqa: PLC0415
 
     ctx = context.context()
-    token = getattr(ctx, "_tfpar_token", None)
-    if token is None:
-        token = ctx._tfpar_token = object()  # noqa: SLF001
-    return token
+    attribute = f"_tfpar_{name}"
+    value = getattr(ctx, attribute, None)
+    if value is None:
+        value = factory()
+        setattr(ctx, attribute, value)
+    return value
 
 
 def ensure_dtensor_device():

@@ -128,9 +128,10 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
             on one batch of zeros; needs `input_shape` known, i.e. a model
             with `keras.Input`).
         record_timeline: keep the executed timeline of each training step
-            in `last_timeline` (runs TF's profiler around every step: for
-            diagnosis, not for production runs; TF 2.21's profiler now and
-            then aborts the process as it stops, inside its own event merge,
+            in `last_timeline` (runs TF's profiler around every step, so
+            for diagnosis: it slows the step; the step's collective groups
+            are formed before the profiler starts, as TF 2.21's profiler
+            aborts the process when one forms under it,
             docs/guides/robustness.md).
         name: model name (default "pipeline_<model name>").
     """

@@ -16,11 +16,14 @@ Example:
 True
 """
 
+import itertools
 import re
 
+import numpy as np
 import tensorflow as tf
 
 from tfpar import _compat
+from tfpar import placement
 from tfpar.pipeline.schedules import BACKWARD, TimelineEntry
 
 ACTION_SCOPE = "tfpar_pipeline_action_"
@@ -31,16 +34,21 @@ class OpEvents:
     tracer level 3: every op kernel, named by its name scope).
 
     After the block, `events` holds (op name, start seconds, end seconds)
-    of every executed op (read by `op_events`).
+    of every executed op (read by `op_events`). The collective groups of
+    `meshes` (the meshes the block's steps run on) are formed before the
+    profiler starts (`form_collective_groups`: TF 2.21's profiler corrupts
+    its heap when a group forms while it runs).
     """
 
-    def __init__(self):
+    def __init__(self, meshes=()):
         self.events = []
+        self._meshes = meshes
         self._directory = None
 
     def __enter__(self):
         import tempfile  # noqa: PLC0415
 
+        form_collective_groups(self._meshes)
         self._directory = tempfile.mkdtemp(prefix="tfpar_trace_")
         options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=3)
         try:
@@ -61,6 +69,71 @@ class OpEvents:
         finally:
             shutil.rmtree(self._directory, ignore_errors=True)
         return False
+
+
+def form_collective_groups(meshes):
+    """Runs, unprofiled, an all-reduce, an all-gather, a reduce-scatter and
+    an all-to-all over every group of axes of each mesh in `meshes` (once
+    per mesh and TF context), so that a step profiled after it forms no
+    collective group.
+
+    Why: a group of devices forms when its first collective runs. Each
+    member's `CollectiveExecutor::CompleteParams` opens a profiler event
+    and waits for the last member, whose thread closes them all; TF 2.21's
+    profiler merges such cross-thread events at `stop()` through pointers
+    into per-thread queues that it has already copied and freed
+    (`TraceMeRecorder::Consume`), and now and then aborts the process
+    ("double free or corruption"). Groups are kept per process and keyed by
+    their devices, so once formed no later function forms them again.
+    `tests/tf_profiler_crash_repro.py` shows both halves: collectives of
+    fresh groups under the profiler abort within seconds; the same groups
+    formed first, by other functions, never did.
+
+    Example:
+
+    >>> import tfpar
+    >>> form_collective_groups([tfpar.Mesh({"data": 2, "model": 4})])
+    """
+    formed = _compat.eager_context_state("formed_collective_groups", set)
+    for mesh in meshes:
+        key = (tuple(mesh.devices), tuple(mesh.shape.items()))
+        if key in formed:
+            continue
+        formed.add(key)
+        groups = [axes for k in range(1, len(mesh.axis_names) + 1)
+                  for axes in itertools.combinations(mesh.axis_names, k)
+                  if np.prod([mesh.axis_size(a) for a in axes]) > 1]
+        if groups:
+            _run_collectives(mesh, groups)
+
+
+def _run_collectives(mesh, groups):
+    """One DTensor step on `mesh` with each collective over each group of
+    axes: a block split over the group's axes (one dimension per axis)
+    summed (all-reduce) and gathered (all-gather); for one axis, the block
+    (axis, None) also contracted over its split dimension into a result
+    split the same way (reduce-scatter) and re-split as (None, axis)
+    (all-to-all)."""
+    specs = [axes + (None,) * (2 - len(axes)) for axes in groups]
+    inputs = [placement.put(np.ones((mesh.size,) * len(spec), np.float32),
+                            spec, mesh) for spec in specs]
+
+    @tf.function
+    def step(blocks):
+        outputs = []
+        for axes, spec, block in zip(groups, specs, blocks):
+            outputs.append(tf.reduce_sum(block))
+            outputs.append(placement.relayout(block, (None,) * len(spec),
+                                              mesh))
+            if len(axes) == 1:  # block split (axis, None)
+                product = tf.matmul(block, block, transpose_a=True)
+                outputs.append(placement.relayout(product, spec, mesh))
+                outputs.append(placement.relayout(block, (None,) + axes,
+                                                  mesh))
+        return outputs
+
+    for output in step(inputs):
+        placement.fetch(output)
 
 
 def op_events(directory):

@@ -159,7 +159,7 @@ class PipelineRunner(training.Runner):
         function = self._function(self._mode)
         if not (self._mode == "train" and self._model.record_timeline):
             return function(xs, targets, split)
-        with profiler.OpEvents() as trace:
+        with profiler.OpEvents(self._meshes) as trace:
             logs = function(xs, targets, split)
             _wait_for_every_part(self._parts)
         self._model.last_timeline = profiler.executed_timeline(

@@ -347,12 +347,12 @@ def rerank(name, cluster, directory):
     return measured_rows(name, cluster, directory)
 
 
-def bytes_agreement(name, cluster, directory):
+def bytes_agreement(name, cluster, directory, max_microbatches=8):
     """(rows, rows within 10%, the largest relative difference) of the
     predicted vs the saved measured per-device bytes."""
     measured = {r["label"]: r["measured_bytes"] for r in _load_rows(
         os.path.join(directory, f"{name}.jsonl"))}
-    _, feasible = candidates(name, cluster)
+    _, feasible = candidates(name, cluster, max_microbatches=max_microbatches)
     diffs = [abs(_state_bytes(c) - measured[c.label]) / measured[c.label]
              for c in feasible if c.label in measured]
     return len(diffs), sum(d <= 0.1 for d in diffs), max(diffs)
@@ -511,7 +511,8 @@ def main():
             with open(os.path.join(directory, "markdown.cluster.json"),
                       "w") as f:
                 json.dump(cluster.to_dict(), f)
-        n, close, worst = bytes_agreement(name, cluster, directory)
+        n, close, worst = bytes_agreement(name, cluster, directory,
+                                         args.max_microbatches)
         print(f"{name}: per-device bytes of weights and optimizer state "
               f"within 10% for {close} of {n} (largest difference "
               f"{worst * 100:.2g}%)")

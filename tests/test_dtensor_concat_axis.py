@@ -155,3 +155,54 @@ def test_pipeline_stage_concatenate_into_row_parallel_dense(
         joined(), num_microbatches=2, schedule=schedule,
         virtual_stages=virtual, stage_boundaries=boundaries), weights),
         block=8)
+
+
+class ClassToken(keras.layers.Layer):
+    """ViT's class token: a learned vector joined before the sequence
+    (axis 1 of a rank-3 batch), as keras-hub's ViTPatchingAndEmbedding."""
+
+    def build(self, input_shape):
+        self.token = self.add_weight(shape=(1, 1, input_shape[-1]),
+                                     name="token")
+
+    def call(self, x):
+        token = tf.tile(self.token, [tf.shape(x)[0], 1, 1])
+        return keras.ops.concatenate([token, x], axis=1)
+
+
+def sequence_joined():
+    """Rank-3 joins: a class token along the sequence (axis 1), then the
+    sequence with itself along the features (axis -1) into `down`, whose
+    kernel the rules split by rows; `up` splits the features first."""
+    x = keras.Input((4, 8), name="tokens")
+    h = keras.layers.Dense(8, activation="tanh", name="up")(x)
+    h = ClassToken(name="cls")(h)
+    h = TFConcat(name="join")([h, x[:, :1, :] + h])
+    h = keras.layers.Dense(4, activation="tanh", name="down")(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(
+        keras.layers.Flatten()(h)))
+
+
+# Regression: from rank 3 the pin's layout kept every other dimension as
+# laid out (a MATCH each), which DTensor 2.21 refuses ("Attempted to shard
+# two or more tensor dimensions over mesh dimension match"): keras-hub's
+# ViT failed to trace on data=2 x model=4 under every plan
+# (benchmarks/keras_hub.py found it; the suite's joins were rank 2).
+def test_rank_3_concatenates_match_one_device():
+    keras.utils.set_random_seed(0)
+    weights = sequence_joined().get_weights()
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(32, 4, 8)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    want, single = models.train_sgd_in_order(None, sequence_joined,
+                                             weights, x, y)
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}),
+        rules={"up/kernel": (None, "model"), "down/kernel": ("model", None)})
+    got, model = models.train_sgd_in_order(strategy, sequence_joined,
+                                           weights, x, y)
+    assert models.relative_error(want, got) < RTOL, (want, got)
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        assert models.relative_error(a, b) < RTOL
+    kernel = model.get_layer("down").kernel.value.read_value()
+    assert {tuple(b.shape) for b in dtensor.unpack(kernel)} == {(4, 4)}

@@ -8,7 +8,7 @@ weights equal one device's within 1e-4 (relative), and the attention and
 MLP kernels are really split (each device holds a block). Adam is checked
 link by link (`check_adam`: gradients, Keras' Adam replayed, Adam's bound
 where it amplifies float32 rounding). The default run trains grouped-query
-Llama with plain SGD on 2x4 and Llama with sequence parallelism on 2x4,
+Llama and ViT with plain SGD on 2x4 and Llama with sequence parallelism on 2x4,
 and checks every model's plan on 2x4; the full matrix (7 models x 3
 meshes x 3 optimizers), Gemma with Adam on model=8 and sequence
 parallelism on GPT-2, Mistral and Gemma are `slow`.
@@ -263,8 +263,12 @@ def check_parity(name, optimizer, mesh_id):
     return fraction
 
 
+# ViT: its class token is a rank-3 concat, which failed to trace on 2x4
+# under every plan while the default run had no keras-hub model with one
+# (tests/test_dtensor_concat_axis.py::test_rank_3_concatenates_match_one_device).
 @pytest.mark.parametrize("name,optimizer,mesh_id", [
     ("llama_gqa", "sgd", "2x4"),
+    ("vit", "sgd", "2x4"),
     pytest.param("gemma", "adam", "1x8", marks=pytest.mark.slow),
 ])
 def test_parity_subset(name, optimizer, mesh_id):

@@ -18,14 +18,16 @@ corruption", "free(): invalid pointer") or the process segfaults.
 
 Modes, each session a profiler started, `--per-session` units run, stopped:
 - collectives (TF alone): a unit is one all-reduce of a fresh group of the
-  8 virtual CPUs (eager `all_reduce_v2` from 8 threads). Aborts within a
-  few sessions (3 runs of 3 on 2026-12-03, 100 sessions x 10 clean without
-  the profiler); `--same-group` (one group, fresh instances) 3 of 3 clean.
+  8 virtual CPUs (eager `all_reduce_v2` from 8 threads). On 2026-12-03 it
+  aborted in 3 runs of 3, after 4, 8 and 26 sessions (a scratch version:
+  4 of 4 within 20); without the profiler 100 sessions ran clean, and with
+  `--same-group` (one group, fresh instances) 3 runs of 100 sessions.
 - dtensor: a unit is a fresh DTensor mesh over a random device order (new
   groups) and the first run of a step on it (a matmul split over one axis,
-  gathered over the other). Aborts within a few sessions (3 of 3 with 4
-  units per session); `--form-first` forms each mesh's groups first with
-  `tfpar.pipeline.profiler.form_collective_groups`, unprofiled.
+  gathered over the other). 4 units per session aborted in 7 runs of 7,
+  after 2-19 sessions; with `--form-first` (each mesh's groups formed first
+  by `tfpar.pipeline.profiler.form_collective_groups`, unprofiled) 8 runs
+  of 8 clean, 1,360 fresh meshes.
 - pipeline: a unit is a fresh `tfpar.PipelineModel(record_timeline=True)`
   on a mesh over a random device order, trained one step (the recorder
   forms its groups first); `--no-form` turns that off.

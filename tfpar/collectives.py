@@ -196,7 +196,12 @@ def gather_hidden(outputs):
 
 def whole_along(tensor, axis):
     """`tensor` whole along dimension `axis` (non-negative) on every device
-    of its mesh, every other dimension as DTensor lays it out.
+    of its mesh; one other dimension (the first: a batch split over the
+    data axis) as DTensor lays it out, and, from rank 3, the rest whole
+    too — DTensor 2.21 takes one MATCH per layout ("Attempted to shard two
+    or more tensor dimensions over mesh dimension match"), so a rank-3
+    concat in a step (ViT's class token) failed to trace. Whole is always
+    right; a consumer splitting a dimension slices its block.
 
     Forward: a relayout, an all-gather along `axis` where DTensor would
     split it (nothing where it is whole). Backward: the gradient pinned the
@@ -211,8 +216,10 @@ def whole_along(tensor, axis):
     mesh = step_mesh(tensor)
     if mesh is None:
         return tensor
-    specs = [dtensor.MATCH] * tensor.shape.rank
-    specs[axis] = dtensor.UNSHARDED
+    specs = [dtensor.UNSHARDED] * tensor.shape.rank
+    kept = 1 if axis == 0 else 0  # as laid out (the only MATCH allowed)
+    if kept < len(specs):
+        specs[kept] = dtensor.MATCH
     layout = dtensor.Layout(specs, mesh)
 
     @tf.custom_gradient

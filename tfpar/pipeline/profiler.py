@@ -99,12 +99,12 @@ def form_collective_groups(meshes):
         key = (tuple(mesh.devices), tuple(mesh.shape.items()))
         if key in formed:
             continue
-        formed.add(key)
         groups = [axes for k in range(1, len(mesh.axis_names) + 1)
                   for axes in itertools.combinations(mesh.axis_names, k)
                   if np.prod([mesh.axis_size(a) for a in axes]) > 1]
         if groups:
             _run_collectives(mesh, groups)
+        formed.add(key)  # only once its collectives ran
 
 
 def _run_collectives(mesh, groups):

@@ -307,3 +307,51 @@ def test_apply_rules_with_an_unused_rule_changes_no_layer_and_no_weight():
     for layer in model._flatten_layers():
         assert layer.call == calls[layer.name], layer.name
         assert "call" not in vars(layer), layer.name
+
+
+def positions_model():
+    """Token and position embeddings, the positions computed in the step
+    (`zeros_like(tokens) + arange(seq)`, as examples/gpt.py does)."""
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    positions = keras.ops.zeros_like(tokens) + keras.ops.arange(SEQ)
+    h = keras.layers.Embedding(VOCAB, DIM, name="embed")(tokens)
+    h = h + keras.layers.Embedding(SEQ, DIM, name="pos")(positions)
+    h = keras.layers.Dense(DIM, activation="gelu", name="mlp_up")(h)
+    return keras.Model(tokens, keras.layers.Dense(VOCAB, name="head")(h))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_computed_position_ids_are_split_over_the_batch(optimizer):
+    """On data=2 x model=4 with hidden-split embeddings, DTensor 2.21 laid
+    the computed positions out whole on every device, so the position
+    table's gradient dL/dy (batch, seq, hidden/4) was all-gathered over
+    the data axis. The lookups' ids are now split over the batch: no
+    all-gather on the data axis, the table's row sums all-reduced (one per
+    sum Keras' optimizer takes: Adam sums the rows and their squares), and
+    training in parity with one device (losses and weights within 1e-4)."""
+    keras.utils.set_random_seed(0)
+    weights = positions_model().get_weights()
+    x, y = lm_data()
+
+    def build(strategy=None):
+        model = positions_model()
+        model.set_weights(weights)
+        if strategy is not None:
+            strategy.apply_rules(model, tfpar.auto_rules(
+                model, mesh=strategy.mesh))
+        model.compile(optimizer=optimizer, loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference, expected = models.train_built(None, build, x, y, 8)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+    parallel, got = models.train_built(strategy, lambda: build(strategy),
+                                       x, y, 8)
+    assert models.relative_error(expected, got) < 1e-4
+    for a, b in zip(reference.weights, parallel.weights):
+        assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
+    report = tfpar.communication_report(parallel, x[:8], y[:8])
+    data = report.select(axes=("data",))
+    assert not [c for c in data if c.purpose == "all-gather"], report
+    table = [c for c in data if c.shape == (SEQ, DIM // 4)]
+    assert len(table) == (2 if optimizer == "adam" else 1), report

@@ -194,6 +194,33 @@ def gather_hidden(outputs):
     return dtensor.relayout(outputs, dtensor.Layout(specs, mesh))
 
 
+def ids_split_over_data(ids):
+    """An Embedding's `ids` (batch, ...) split over the data axis along the
+    batch, the rest whole: a local slice of ids computed whole (no
+    communication), nothing for ids already split so (the model's inputs).
+
+    Ids the step computes, such as positions (`zeros_like(tokens) +
+    arange(seq)`), DTensor 2.21 may lay out whole on every device when the
+    table is split along the hidden dimension; the lookup is then whole
+    over the data axis too, and its gradient, dL/dy of shape (batch, seq,
+    hidden/t), is all-gathered over the data axis (B·S·H/t values) instead
+    of each device summing its own rows into the table's gradient and
+    all-reducing that (V·H/t values; V rows of the table). Left alone: ids
+    of rank 1 or whose first dimension is unknown or does not divide over
+    the data axis (they may not be a batch).
+    """
+    mesh = step_mesh(ids)
+    if mesh is None or ids.shape.rank is None or ids.shape.rank < 2:
+        return ids
+    data_axis = tf.distribute.get_strategy().extended.dims.data_axis
+    if data_axis not in mesh.dim_names or mesh.dim_size(data_axis) < 2:
+        return ids
+    if ids.shape[0] is None or ids.shape[0] % mesh.dim_size(data_axis):
+        return ids
+    specs = [data_axis] + [dtensor.UNSHARDED] * (ids.shape.rank - 1)
+    return dtensor.relayout(ids, dtensor.Layout(specs, mesh))
+
+
 def whole_along(tensor, axis):
     """`tensor` whole along dimension `axis` (non-negative) on every device
     of its mesh; one other dimension (the first: a batch split over the

@@ -172,6 +172,10 @@ class Style:
             _transform_inputs(
                 layer, "tfpar_sequence_input",
                 lambda x: _relayout(x, before, layer, "input"))
+        if after is not None and after.dimension == "hidden":
+            # A hidden-wise split lookup: its ids split over the batch.
+            _transform_inputs(layer, "tfpar_ids_split_over_data",
+                              collectives.ids_split_over_data)
         if after is not None:
             name = ("tfpar_sequence_output" if after.dimension == "sequence"
                     else "tfpar_gather_hidden")

@@ -205,8 +205,11 @@ def measure_model(name, cluster, args):
     predicted best and the best-predicted candidate without a pipeline —
     stay built and run in every chunk's rounds, so chunks measured under
     different loads compare through them (`relative`: each round's time
-    over the anchors' geometric mean in that round). Rows are saved after
-    each chunk (`--save`, resumable with `--resume`); returns the rows."""
+    over the anchors' geometric mean in that round; `anchors`: each
+    anchor's wall and CPU seconds per round, the plan's first, so a row
+    compares with the plan timed beside it, `over_the_plan`). Rows are
+    saved after each chunk (`--save`, resumable with `--resume`); returns
+    the rows."""
     import gc  # noqa: PLC0415
     import random  # noqa: PLC0415
 
@@ -296,6 +299,8 @@ def _time_chunk(chunk, anchors, built, twins, args, chunk_id):
                 "cpu_s": float(np.median(cpu[c.label])),
                 "cpu_rounds": cpu[c.label],
                 "chunk": chunk_id, "anchor_rounds": anchor_gm.tolist(),
+                "anchors": {a.label: [times[a.label], cpu[a.label]]
+                            for a in anchors},
                 "predicted_s": twin.estimate.step_time_s,
                 "predicted_bytes": _state_bytes(twin),
                 "measured_bytes": built[c.label][1],
@@ -358,21 +363,25 @@ def bytes_agreement(name, cluster, directory, max_microbatches=8):
     return len(diffs), sum(d <= 0.1 for d in diffs), max(diffs)
 
 
-def recheck(name, cluster, directory, top, rounds, steps, warmup=2):
+def recheck(name, cluster, directory, top, rounds, steps, warmup=2,
+            max_microbatches=8, from_chunk=0):
     """The `top` best-predicted and `top` best-measured (by CPU time and by
-    the wall clock) candidates of a saved table measured again: all built first, then
-    interleaved over `rounds` rounds; {"wall"|"cpu": [(predicted, median
-    of the rounds, label)] in predicted order}."""
+    the wall clock; of the rows of chunk `from_chunk` and later, e.g. those
+    measured on another host) candidates of a saved table measured again:
+    all built first, then interleaved over `rounds` rounds; {"wall"|"cpu":
+    [(predicted, median of the rounds, label)] in predicted order}."""
     import numpy as np  # noqa: PLC0415
 
     from tfpar.planner import measure  # noqa: PLC0415
-    saved = {r[2]: r[1] for r in measured_rows(name, cluster, directory,
-                                               "cpu")}
-    _, feasible = candidates(name, cluster)
-    feasible = [c for c in feasible if c.label in saved]
-    by_measured = sorted(feasible, key=lambda c: saved[c.label])
-    walls = {r[2]: r[1] for r in measured_rows(name, cluster, directory)}
-    by_wall = sorted(feasible, key=lambda c: walls[c.label])
+    saved, walls = ({r[2]: r[1] for r in measured_rows(
+        name, cluster, directory, kind, max_microbatches, from_chunk)}
+        for kind in ("cpu", "wall"))
+    _, feasible = candidates(name, cluster,
+                             max_microbatches=max_microbatches)
+    by_measured = sorted((c for c in feasible if c.label in saved),
+                         key=lambda c: saved[c.label])
+    by_wall = sorted((c for c in feasible if c.label in walls),
+                     key=lambda c: walls[c.label])
     chosen = list({c.label: c for c in feasible[:top] + by_measured[:top]
                    + by_wall[:top]}.values())
     x, y = measure.synthetic_batch(measure._shapes(_source(name)),  # noqa: SLF001
@@ -388,7 +397,7 @@ def recheck(name, cluster, directory, top, rounds, steps, warmup=2):
         print(f"{c.label:44s} {c.estimate.step_time_s * 1e3:8.2f} wall "
               f"{np.median(wall[c.label]) * 1e3:8.2f} cpu "
               f"{np.median(cpu[c.label]) * 1e3:8.2f} (table: cpu "
-              f"{saved[c.label] * 1e3:8.2f})", flush=True)
+              f"{saved.get(c.label, float('nan')) * 1e3:8.2f})", flush=True)
     return out
 
 
@@ -401,6 +410,35 @@ def _clusters(name, cluster, directory):
         with open(path) as f:
             out.append(("the run's calibration", tfpar.Cluster(**json.load(f))))
     return out
+
+
+def over_the_plan(row):
+    """A saved row's CPU seconds per step over the plan's in the same
+    rounds (the first anchor, the predicted best when it was measured; rows
+    saved since 2026-12-04 keep the anchors' times), or NaN."""
+    import numpy as np  # noqa: PLC0415
+    if "anchors" not in row:
+        return float("nan")
+    plan_wall_and_cpu = next(iter(row["anchors"].values()))
+    return row["cpu_s"] / float(np.median(plan_wall_and_cpu[1]))
+
+
+def report_beside_the_plan(name, directory, max_microbatches):
+    """Prints how the rows timed beside the plan compare with it."""
+    rows = [r for r in _load_rows(os.path.join(directory, f"{name}.jsonl"))
+            if "anchors" in r and _microbatches(r["label"]) <= max_microbatches]
+    if rows:
+        best = min(rows, key=over_the_plan)
+        print(f"{name}: {len(rows)} rows timed beside the plan "
+              f"({next(iter(best['anchors']))}); the fastest of them, "
+              f"{best['label']}, takes {over_the_plan(best):.2f}x the plan's "
+              "CPU time per step")
+
+
+def _microbatches(label):
+    """The micro-batch count a candidate's label names (1 if none)."""
+    words = [w for w in label.split() if w.startswith("m=")]
+    return int(words[0][2:]) if words else 1
 
 
 def markdown(name, cluster, directory, max_microbatches=8):
@@ -421,8 +459,9 @@ def markdown(name, cluster, directory, max_microbatches=8):
              "In order of measured CPU time per step; predicted with "
              "`markdown.cluster.json` (a CPU-time `Cluster.local()`).", "",
              "| candidate | tier | predicted ms | measured ms (median) | "
-             "anchor-normalised ms | rounds ms (min–max) | CPU ms | chunk | "
-             "predicted B/dev | measured B/dev |", "|" + "---|" * 10]
+             "anchor-normalised ms | rounds ms (min–max) | CPU ms | "
+             "CPU ÷ the plan's in the same rounds | chunk | "
+             "predicted B/dev | measured B/dev |", "|" + "---|" * 11]
     for c in rows:
         r = saved[c.label]
         lines.append(
@@ -430,7 +469,8 @@ def markdown(name, cluster, directory, max_microbatches=8):
             f"{c.estimate.step_time_s * 1e3:.1f} | {r['measured_s'] * 1e3:.1f}"
             f" | {normalised[c.label] * 1e3:.1f} | "
             f"{np.min(r['rounds']) * 1e3:.1f}–{np.max(r['rounds']) * 1e3:.1f}"
-            f" | {r.get('cpu_s', float('nan')) * 1e3:.1f} | {r['chunk']} | "
+            f" | {r.get('cpu_s', float('nan')) * 1e3:.1f} | "
+            f"{over_the_plan(r):.2f} | {r['chunk']} | "
             f"{r['predicted_bytes']:,.0f} | "
             f"{r['measured_bytes']:,} |")
     with open(os.path.join(directory, f"{name}.md"), "w") as f:
@@ -474,7 +514,8 @@ def main():
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--from-chunk", type=int, default=0,
                         help="with --rerank: only the rows of this chunk "
-                             "and later")
+                             "and later; with --recheck: the best measured "
+                             "among them")
     parser.add_argument("--markdown", action="store_true",
                         help="with --rerank: write DIR/<model>.md, the "
                              "table with the current model's predictions")
@@ -485,7 +526,8 @@ def main():
     for name in args.models.split(","):
         if args.recheck:
             rows = recheck(name, cluster, args.recheck, args.top,
-                           args.rounds, args.steps, args.warmup)
+                           args.rounds, args.steps, args.warmup,
+                           args.max_microbatches, args.from_chunk)
             for kind, kind_rows in rows.items():
                 report(name, kind_rows, f"recheck, {kind}")
             continue
@@ -511,6 +553,7 @@ def main():
             with open(os.path.join(directory, "markdown.cluster.json"),
                       "w") as f:
                 json.dump(cluster.to_dict(), f)
+        report_beside_the_plan(name, directory, args.max_microbatches)
         n, close, worst = bytes_agreement(name, cluster, directory,
                                          args.max_microbatches)
         print(f"{name}: per-device bytes of weights and optimizer state "

@@ -423,22 +423,18 @@ def over_the_plan(row):
     return row["cpu_s"] / float(np.median(plan_wall_and_cpu[1]))
 
 
-def report_beside_the_plan(name, directory, max_microbatches):
+def report_beside_the_plan(name, cluster, directory, max_microbatches):
     """Prints how the rows timed beside the plan compare with it."""
+    _, feasible = candidates(name, cluster, max_microbatches=max_microbatches)
+    labels = {c.label for c in feasible}
     rows = [r for r in _load_rows(os.path.join(directory, f"{name}.jsonl"))
-            if "anchors" in r and _microbatches(r["label"]) <= max_microbatches]
+            if "anchors" in r and r["label"] in labels]
     if rows:
         best = min(rows, key=over_the_plan)
         print(f"{name}: {len(rows)} rows timed beside the plan "
               f"({next(iter(best['anchors']))}); the fastest of them, "
               f"{best['label']}, takes {over_the_plan(best):.2f}x the plan's "
               "CPU time per step")
-
-
-def _microbatches(label):
-    """The micro-batch count a candidate's label names (1 if none)."""
-    words = [w for w in label.split() if w.startswith("m=")]
-    return int(words[0][2:]) if words else 1
 
 
 def markdown(name, cluster, directory, max_microbatches=8):
@@ -553,7 +549,8 @@ def main():
             with open(os.path.join(directory, "markdown.cluster.json"),
                       "w") as f:
                 json.dump(cluster.to_dict(), f)
-        report_beside_the_plan(name, directory, args.max_microbatches)
+        report_beside_the_plan(name, cluster, directory,
+                               args.max_microbatches)
         n, close, worst = bytes_agreement(name, cluster, directory,
                                          args.max_microbatches)
         print(f"{name}: per-device bytes of weights and optimizer state "

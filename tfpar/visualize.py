@@ -411,7 +411,8 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
     ...     model = keras.Sequential([keras.Input((8,)),
     ...                               keras.layers.Dense(16, name="up")])
     >>> rows = tfpar.visualize.summary(model)
-    >>> rows[0]["spec"], rows[0]["block_shape"], rows[0]["bytes_per_device"]
+    >>> up = rows[0]
+    >>> up["spec"], up["block_shape"], up["bytes_per_device"]
     ((None, 'model'), (8, 4), 128)
 
     Args:

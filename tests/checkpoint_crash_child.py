@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 
 import tfpar  # noqa: E402
 from tfpar import checkpoint  # noqa: E402
+from tfpar.checkpoint import files as checkpoint_files  # noqa: E402
 
 RULES = {r".*up/kernel": (None, "model"), r".*up/bias": ("model",),
          r".*down/kernel": ("model", None)}
@@ -49,7 +50,7 @@ def main(directory, out):
 
     total = len(os.listdir(os.path.join(directory, "ckpt-4"))) - 1  # - manifest
     written = []
-    original = checkpoint._write_npy  # noqa: SLF001
+    original = checkpoint_files.write_npy
 
     def write_then_maybe_die(path, array):
         original(path, array)
@@ -58,7 +59,7 @@ def main(directory, out):
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint._write_npy = write_then_maybe_die  # noqa: SLF001
+    checkpoint_files.write_npy = write_then_maybe_die
     checkpoint.save_checkpoint(model, directory)          # ckpt-8: killed
     raise SystemExit("unreachable: the child should have been killed")
 

@@ -103,20 +103,20 @@ def main():
     out["restored_predict"] = restored.predict(given["x"], verbose=0)
     # A failure on one host raises on both, and nothing is published: a
     # second save whose block writes fail on host 1 only ...
-    real_write = tfpar.checkpoint._write_npy
+    real_write = tfpar.checkpoint.files.write_npy
 
     def full_disk(path, array):
         raise OSError(f"No space left on device: {path}")
 
     if host_id == 1:
-        tfpar.checkpoint._write_npy = full_disk
+        tfpar.checkpoint.files.write_npy = full_disk
     try:
         tfpar.save_checkpoint(model_for_checkpoint, f"{workdir}/ckpt",
                               step=7)
         out["failed_save"] = ""
     except Exception as error:  # noqa: BLE001
         out["failed_save"] = f"{type(error).__name__}: {error}"
-    tfpar.checkpoint._write_npy = real_write
+    tfpar.checkpoint.files.write_npy = real_write
     out["latest_after_failed_save"] = tfpar.latest_checkpoint(
         f"{workdir}/ckpt")
     # ... and a restore that finds no checkpoint on host 1 only.

@@ -68,14 +68,14 @@ class CheckpointThenDie(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch != 1 or attempt != 0 or "-in-" not in mode:
             return
-        checkpoint = importlib.import_module("tfpar.checkpoint")
+        checkpoint_files = importlib.import_module("tfpar.checkpoint.files")
         directory = os.path.join(workdir, "checkpoints")
         if mode.endswith("-in-save") and host == 1:
-            die_when_called(checkpoint, "_write_file")  # its host record
+            die_when_called(checkpoint_files, "write_file")  # its host record
         tfpar.save_checkpoint(self.model, directory)
         print(f"host {host} saved", flush=True)
         if mode.endswith("-in-restore") and host == 1:
-            die_when_called(checkpoint, "_load_block")
+            die_when_called(checkpoint_files, "load_block")
         tfpar.restore_checkpoint(self.model, directory)
         print(f"host {host} restored", flush=True)
 

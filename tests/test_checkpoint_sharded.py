@@ -24,6 +24,9 @@ from tensorflow.experimental import dtensor
 
 import tfpar
 from tfpar import checkpoint
+from tfpar.checkpoint import blocks as checkpoint_blocks
+from tfpar.checkpoint import files as checkpoint_files
+from tfpar.checkpoint import keys as checkpoint_keys
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import strategy as strategy_lib
@@ -499,7 +502,7 @@ def test_long_variable_paths(tmp_path):
 def _values(model):
     """{(kind, key): host array} of all a checkpoint of `model` holds."""
     return {(kind, key): np.asarray(variable) for kind, key, variable
-            in checkpoint._entries(model, True)}  # noqa: SLF001
+            in checkpoint_keys.entries(model, True)}
 
 
 def test_restore_assigns_one_variable_at_a_time(saved, monkeypatch):
@@ -509,9 +512,9 @@ def test_restore_assigns_one_variable_at_a_time(saved, monkeypatch):
     model = build("data=2,model=4", seed=7)
     build_optimizer(model)
     before = _values(model)
-    entries = checkpoint._entries(model, True)  # noqa: SLF001
+    entries = checkpoint_keys.entries(model, True)
     order = {id(variable): n for n, (_, _, variable) in enumerate(entries)}
-    original = checkpoint._assemble  # noqa: SLF001
+    original = checkpoint_blocks.assemble
     calls = []
 
     def spy(variable, record, opened):
@@ -525,7 +528,7 @@ def test_restore_assigns_one_variable_at_a_time(saved, monkeypatch):
         np.testing.assert_array_equal(np.asarray(variable), before[kind, key])
         return original(variable, record, opened)
 
-    monkeypatch.setattr(checkpoint, "_assemble", spy)
+    monkeypatch.setattr(checkpoint_blocks, "assemble", spy)
     assert checkpoint.restore_checkpoint(model, saved["path"]) == 4
     assert calls == list(range(len(entries)))
     monkeypatch.undo()
@@ -535,8 +538,8 @@ def test_restore_assigns_one_variable_at_a_time(saved, monkeypatch):
 def test_failure_after_the_checks_says_how_far_it_got(saved, monkeypatch):
     model = build("model=8", seed=7)
     build_optimizer(model)
-    total = len(checkpoint._entries(model, True))  # noqa: SLF001
-    original = checkpoint._open_blocks  # noqa: SLF001
+    total = len(checkpoint_keys.entries(model, True))
+    original = checkpoint_files.open_blocks
     calls = []
 
     def vanish_third(path, record):
@@ -545,7 +548,7 @@ def test_failure_after_the_checks_says_how_far_it_got(saved, monkeypatch):
             raise ValueError(f"block file of {record['key']!r} is missing")
         return original(path, record)
 
-    monkeypatch.setattr(checkpoint, "_open_blocks", vanish_third)
+    monkeypatch.setattr(checkpoint_files, "open_blocks", vanish_third)
     with pytest.raises(RuntimeError) as error:
         checkpoint.restore_checkpoint(model, saved["path"])
     message = str(error.value)

@@ -56,6 +56,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import host_watch
+from tfpar import mesh
 from tfpar.host_watch import LOST_HOST_EXIT_CODE  # noqa: F401 (public)
 
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-]+:(\d{1,5})$")
@@ -235,8 +236,7 @@ def cluster_from_environment():
     """
     environ = os.environ
     if "TFPAR_VIRTUAL_CPUS" in environ:
-        from tfpar.mesh import use_virtual_cpus  # noqa: PLC0415
-        use_virtual_cpus(_int_setting("TFPAR_VIRTUAL_CPUS"))
+        mesh.use_virtual_cpus(_int_setting("TFPAR_VIRTUAL_CPUS"))
     for hosts_name, id_name in (("TFPAR_HOSTS", "TFPAR_HOST_ID"),
                                 ("DTENSOR_JOBS", "DTENSOR_CLIENT_ID")):
         if hosts_name in environ:

@@ -25,10 +25,11 @@ separate), per *sample*:
   (`layer_ops`, counted in traced steps: the cost model's fixed cost per
   op on a calibrated shared host).
 
-The cost model reads layers only through this module: attention's width
+The cost model's layer inspection lives here: attention's width
 (`attention_hidden`), a kernel's input and output widths (`in_width`,
-`out_width`), nested layers (`sublayers`). `build_without_weights` builds
-a model from a function with every weight's shape and no memory.
+`out_width`), nested layers (`sublayers`), a layer's op count
+(`layer_ops`). `build_without_weights` builds a model from a function with
+every weight's shape and no memory.
 
 Example:
 

@@ -11,7 +11,7 @@ planner's prediction with `Cluster.local()` as measured (with the fixed
 costs) and without them (`op_time`, `send_time`, `conv_flops` and
 `conv_time` 0: the model before),
 with Spearman's rho of each. `--count` prints the traced step's ops by
-kind (the counts `tfpar/planner/cost.py` uses).
+kind (the counts `tfpar/planner/cost.py` and `profile.layer_ops` use).
 
     python benchmarks/planner_fixed.py [--layers 8] [--rounds 5] [--count]
     python benchmarks/planner_fixed.py --model gpt [--rounds 3]

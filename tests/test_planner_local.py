@@ -216,7 +216,7 @@ def test_layer_ops_are_the_traced_ops():
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
 
-    from tfpar.planner import cost  # noqa: PLC0415
+    from tfpar.planner import profile  # noqa: PLC0415
 
     def traced(layer, shape):
         x = tf.ones(shape)
@@ -246,7 +246,7 @@ def test_layer_ops_are_the_traced_ops():
                          (keras.layers.Dense(8, activation="gelu"), (2, 8)),
                          (keras.layers.LayerNormalization(), (2, 3, 8)),
                          (keras.layers.MultiHeadAttention(2, 4), (2, 3, 8))):
-        assert cost.layer_ops(layer) == traced(layer, shape), layer
+        assert profile.layer_ops(layer) == traced(layer, shape), layer
 
 
 def test_moves_gather_split_activations_first():

@@ -22,7 +22,6 @@ import keras
 from tfpar import _compat
 from tfpar import keras_graph
 from tfpar import parallel_dims
-from tfpar import variables as variables_lib
 from tfpar.layout import LayoutRules
 from tfpar.styles import ColumnParallel, RowParallel, SequenceParallel
 
@@ -277,7 +276,7 @@ def _weight_owners(model):
 
 
 def _find_weight_owners(model):
-    owners = variables_lib._owning_layers(model)  # noqa: SLF001 (one walk rule)
+    owners = keras_graph.owning_layers(model)
     owning = {id(owners[id(w)]) for w in model.weights if id(w) in owners}
     out, inside_attention = [], set()
     for layer in _compat.all_layers(model, include_self=False):

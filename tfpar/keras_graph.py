@@ -49,6 +49,15 @@ def functional_graph(model):
     return nodes, list(graph.inputs), list(graph.outputs)
 
 
+def owning_layers(model):
+    """{id(weight): the innermost layer that owns it}."""
+    owners = {}
+    for layer in _compat.all_layers(model):
+        for weight in layer.weights:
+            owners[id(weight)] = layer  # inner layers come later: they win
+    return owners
+
+
 def call_count(layer):
     """How many times `layer` was called on symbolic tensors (graph nodes)."""
     return len(_compat.inbound_nodes(layer))

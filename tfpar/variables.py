@@ -34,6 +34,7 @@ from tfpar import layout as layout_lib
 from tfpar import collectives
 from tfpar import placement as placement_lib
 from tfpar import styles
+from tfpar.keras_graph import owning_layers
 
 KINDS = ("params", "optimizer", "other")
 
@@ -244,15 +245,6 @@ def _nearest(pattern, paths, count=12):
     """Up to `count` of `paths`, the most similar to `pattern` first."""
     return difflib.get_close_matches(pattern, sorted(paths), n=count,
                                      cutoff=0.0)
-
-
-def _owning_layers(model):
-    """{id(weight): the innermost layer that owns it}."""
-    owners = {}
-    for layer in _compat.all_layers(model):
-        for weight in layer.weights:
-            owners[id(weight)] = layer  # inner layers come later: they win
-    return owners
 
 
 def _keras_kwargs(backing):
@@ -476,7 +468,7 @@ class VariableRegistry:
                 f"Received: weights such as {[v.path for v in outside][:4]}. "
                 "Build the model inside `with strategy.scope():`."
             )
-        owners = _owning_layers(model)
+        owners = owning_layers(model)
         mesh = self._dims.mesh
         for variable in outside:
             backing = _compat.backing_variable(variable)
@@ -525,14 +517,14 @@ class VariableRegistry:
                 value = placement_lib.relayout(backing.read_value(),
                                                place.spec, place.mesh)
                 self._rebind(variable, backing, place, value)
-        owners = _owning_layers(model)
+        owners = owning_layers(model)
         styles.apply_styles(rules, [(v.path, v.shape, owners.get(id(v)))
                                     for v in model.weights])
 
     def _relayout_plan(self, model, rules):
         """[(Keras weight, backing, new Placement)] of the weights of
         `model` that `rules` lay out differently (raises on a bad rule)."""
-        owners = _owning_layers(model)
+        owners = owning_layers(model)
         changes = []
         for variable in model.weights:
             place = self.require_on_mesh(variable)

@@ -4,11 +4,13 @@ One module per responsibility: `cluster` (the hardware in numbers),
 `profile` (weights, FLOPs and activations from the model's shapes),
 `cost` (memory by kind, collectives, α-β step time), `search` (mesh
 shapes, layouts, stage cuts, micro-batches, fsdp, recomputation),
-`plans` (`plan` and the `Plan`: explain, save/load, strategy, apply) and `measure`
-(timing candidates on this machine).
+`plans` (`plan`, the search's entry point), `result` (the `Plan` it
+returns: explain, save/load, strategy, apply) and `measure` (timing
+candidates on this machine).
 """
 
 from tfpar.planner.cluster import Cluster
-from tfpar.planner.plans import Plan, plan
+from tfpar.planner.plans import plan
+from tfpar.planner.result import Plan
 
 __all__ = ["Cluster", "Plan", "plan"]

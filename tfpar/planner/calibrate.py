@@ -44,7 +44,11 @@ True
 
 import time
 
+import keras
 import numpy as np
+import tensorflow as tf
+
+from tfpar import mesh as mesh_lib
 
 _SMALL, _LARGE = 1 << 12, 1 << 22   # bytes per device
 
@@ -66,10 +70,6 @@ def _best_seconds(fn, *args, repeats=9):
 def collective_alpha_beta(devices):
     """(α seconds, β bytes/s per device) of an all-reduce over `devices`
     (a mesh of all of them), fitted to α + n · B/β at two message sizes."""
-    import tensorflow as tf  # noqa: PLC0415
-
-    from tfpar import mesh as mesh_lib  # noqa: PLC0415
-
     dtensor = tf.experimental.dtensor
     n = len(devices)
     mesh = mesh_lib.Mesh({"x": n}, devices=list(devices)).dtensor_mesh
@@ -94,9 +94,6 @@ def collective_alpha_beta(devices):
 def update_bandwidth(device, nbytes=1 << 24):
     """Bytes/s of weights Keras' Adam updates on `device` (one weight of
     `nbytes`, compiled, the fastest of a few updates)."""
-    import keras  # noqa: PLC0415
-    import tensorflow as tf  # noqa: PLC0415
-
     with tf.device(device):
         weight = tf.Variable(tf.zeros(nbytes // 4))
         grad = tf.ones(nbytes // 4)
@@ -114,9 +111,6 @@ def update_bandwidth(device, nbytes=1 << 24):
 def _adam_seconds(device, count, shape=(16, 16)):
     """(seconds, ops) of one compiled Keras Adam update of `count` weights
     of `shape` on `device` (the fastest of a few updates)."""
-    import keras  # noqa: PLC0415
-    import tensorflow as tf  # noqa: PLC0415
-
     with tf.device(device):
         weights = [tf.Variable(tf.zeros(shape)) for _ in range(count)]
         grads = [tf.ones(shape) for _ in range(count)]
@@ -147,10 +141,6 @@ def send_time(devices, few=1, many=33):
     """Seconds of one `copy_to_mesh` of a small tensor from a mesh of
     `devices[0]` to one of `devices[1]` (a pipeline's stage-to-stage move
     between single-device stages; 0 with fewer than two devices)."""
-    import tensorflow as tf  # noqa: PLC0415
-
-    from tfpar import mesh as mesh_lib  # noqa: PLC0415
-
     if len(devices) < 2:
         return 0.0
     dtensor = tf.experimental.dtensor
@@ -172,8 +162,6 @@ def send_time(devices, few=1, many=33):
 def _conv_step(x, kernel):
     """A Conv2D layer's forward (3×3, same padding, ReLU) and backward pass
     (gradients of its input and kernel), as Keras' training step runs it."""
-    import tensorflow as tf  # noqa: PLC0415
-
     with tf.GradientTape() as tape:
         tape.watch([x, kernel])
         loss = tf.reduce_sum(tf.nn.relu(tf.nn.conv2d(x, kernel, 1, "SAME")))
@@ -186,10 +174,6 @@ def conv_rate_and_time(devices, batch=64, size=16, channels=16, filters=32):
     per device beyond its FLOPs): the conv of `_conv_step` timed on a mesh
     of `devices[0]` and with its batch split over all `devices`; t(n) =
     FLOPs / rate + n · conv_time."""
-    import tensorflow as tf  # noqa: PLC0415
-
-    from tfpar import mesh as mesh_lib  # noqa: PLC0415
-
     dtensor = tf.experimental.dtensor
     n = len(devices)
     seconds = []

@@ -21,6 +21,10 @@ import functools
 import time
 
 import numpy as np
+import tensorflow as tf
+
+from tfpar import mesh as mesh_lib
+from tfpar.planner import calibrate
 
 
 _ZERO_OK = ("update_bandwidth", "op_time", "send_time", "conv_flops",
@@ -148,17 +152,13 @@ class Cluster:
         which; the micro-benchmarks take 3–5 s on a loaded host, once per
         process.
         """
-        import tensorflow as tf  # noqa: PLC0415
-
-        from tfpar import mesh as mesh_lib  # noqa: PLC0415
-
         devices = mesh_lib.default_devices()
         n = len(devices)
         if mesh_lib.default_device_type() != "CPU":
             copy = _copy_bandwidth()
             return cls(
                 num_hosts=1, devices_per_host=n,
-                device_memory=float(_device_memory(devices[0], tf)),
+                device_memory=float(_device_memory(devices[0])),
                 device_flops=_matmul_flops(devices[0]),
                 intra_host_bandwidth=copy, inter_host_bandwidth=copy,
                 source={"device_flops": "measured (matmul)",
@@ -168,12 +168,11 @@ class Cluster:
                         "latency": "looked up"})
         return _shared_cpus(cls, tuple(devices))
 
+
 @functools.lru_cache(maxsize=4)
 def _shared_cpus(cls, devices):
     """`Cluster.local()` for virtual CPUs sharing one host (measured once
     per process and device list)."""
-    from tfpar.planner import calibrate  # noqa: PLC0415
-
     n = len(devices)
     alpha, beta = calibrate.collective_alpha_beta(devices)
     conv_flops, conv_time = calibrate.conv_rate_and_time(devices)
@@ -204,8 +203,6 @@ def _matmul_flops(device, n=512, repeats=5, clock=time.perf_counter):
     """FLOP/s of an n x n float32 matmul on `device` (best of `repeats`
     by `clock`: the wall clock, or for a shared host the process' CPU
     time)."""
-    import tensorflow as tf  # noqa: PLC0415
-
     with tf.device(device):
         a = tf.random.stateless_uniform((n, n), seed=(1, 2))
         matmul = tf.function(lambda x: tf.linalg.matmul(x, x))
@@ -237,6 +234,6 @@ def _host_memory():
     raise RuntimeError("Cluster.local() could not read /proc/meminfo")
 
 
-def _device_memory(device, tf):
+def _device_memory(device):
     info = tf.config.experimental.get_memory_info(device.split("device:")[-1])
     return info.get("limit") or info.get("peak")

@@ -58,8 +58,9 @@ measured `send_time` per device of the stage instead of a collective's α;
 and the data axis' gradient all-reduces count one per layer (DTensor
 combines those of gradients ready together). Measured on this machine (a
 tiny 33-layer Dense stack, 12 layouts): the old model ranked them with
-rho 0.41, this one 0.99. A layer's ops are counted by kind (`layer_ops`:
-attention, norms, Dropout, some activations run many more than a Dense).
+rho 0.41, this one 0.99. A layer's ops are counted by kind
+(`profile.layer_ops`: attention, norms, Dropout, some activations run many
+more than a Dense).
 Convolutions, when the cluster measures them (`conv_flops`, `conv_time`):
 their FLOPs at the convolution's own rate, and each conv layer's forward
 and backward pass costs `conv_time` on every device of its mesh per
@@ -189,12 +190,11 @@ class Layout:
         n = len(profile.ops)
         self.flops_split, self.flops_repl = np.zeros(n), np.zeros(n)
         # Convolutions' part of them, and per op its convolution kernels and
-        # the ops its layers run beyond 4 per weight (`layer_ops`).
+        # the ops its layers run beyond 4 per weight (`profile.layer_ops`).
         self.conv_split, self.conv_repl = np.zeros(n), np.zeros(n)
         self.convs = np.array([sum(w.conv for w in op.weights)
                                for op in profile.ops], float)
-        self.layer_ops = np.array([layer_ops(op.layer) for op in profile.ops],
-                                  float)
+        self.layer_ops = np.array([op.layer_ops for op in profile.ops], float)
         self.kept, self.internal = np.zeros(n), np.zeros(n)
         self.tp_bytes_fwd, self.tp_bytes_bwd = np.zeros(n), np.zeros(n)
         self.tp_count_fwd, self.tp_count_bwd = np.zeros(n), np.zeros(n)
@@ -312,7 +312,7 @@ class Layout:
                                     "forward", tokens * layer.output_dim, top))
                     out["gathered"].add(meet)
                 continue
-            attention = _attention_hidden(layer)
+            attention = profile_lib.attention_hidden(layer)
             if attention:
                 entries.append(("all-reduce", "forward", tokens * attention, top))
                 entries.append(("all-reduce", "backward", tokens * attention,
@@ -327,7 +327,7 @@ class Layout:
                                 tokens * profile_lib.out_width(layer, shape), top))
             else:
                 entries.append(("all-reduce", "backward",
-                                tokens * _in_width(layer, shape), top))
+                                tokens * profile_lib.in_width(layer, shape), top))
                 if top:
                     out["column_out"].add(id(layer))
         return out
@@ -427,28 +427,6 @@ def _layer_for(profile, pattern):
         if regex.fullmatch(path):
             return candidate
     return None
-
-
-def _attention_hidden(layer):
-    """The model width attention reads and writes (0: not attention)."""
-    import keras  # noqa: PLC0415
-    if isinstance(layer, keras.layers.MultiHeadAttention):
-        return int(layer.query_dense.kernel.shape[0])
-    if "attention" in type(layer).__name__.lower():
-        for w in layer.weights:
-            if "query" in w.path and w.path.endswith("kernel"):
-                return int(w.shape[0])
-    return 0
-
-
-def _in_width(layer, shape):
-    equation = getattr(layer, "equation", None)
-    if equation and "->" in equation:
-        inputs, output = equation.split("->")
-        letters = inputs.split(",")[-1]
-        return int(np.prod([d for c, d in zip(letters, shape)
-                            if c not in output]))
-    return int(shape[0])
 
 
 def _collective_time(kind, nbytes, n, link, count=1, shared=False):
@@ -655,54 +633,16 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
 
 
 # Ops a compiled step runs, counted in the traced steps of Dense stacks
-# (`docs/guides/planner.md`): each layer's forward
-# and backward pass per micro-batch 6 (`layer_ops`: more for attention,
-# norms, Dropout and some activations) + 4 per weight (a Dense: 14), every
-# stage's bookkeeping per micro-batch 6 (the micro-batch's gather and
-# relayout, ordering, gradient accumulation), every cut's moves per
-# micro-batch 10 (relayouts around `copy_to_mesh`, both ways; half on
-# each side of the cut), the loss and
-# metrics per micro-batch 50 on the last stage, the optimizer's update 13 +
-# 14 per slot for every trainable weight (Keras' Adam: 41).
-_OPS_LAYER, _OPS_WEIGHT, _OPS_STAGE, _OPS_CUT, _OPS_LOSS = 6, 4, 6, 10, 50
-# The forward and backward ops of a layer beyond 4 per weight, counted in
-# traced steps of Keras 3.15's layers (a layer's class or a base class of
-# it; attention with a causal mask, 142 without; a Dense's activation
-# adds its own): the rest count `_OPS_LAYER`.
-_OPS_BY_CLASS = {"MultiHeadAttention": 175, "LayerNormalization": 73,
-                 "BatchNormalization": 78, "GroupNormalization": 93,
-                 "RMSNormalization": 38, "Dropout": 38}
-_OPS_BY_ACTIVATION = {"gelu": 25, "silu": 30}
-
-
-def layer_ops(layer):
-    """Ops of `layer`'s forward and backward pass beyond 4 per weight: a
-    counted class's figure, or for a composite layer the sum over what it
-    holds (counted classes whole, other leaves `_OPS_LAYER` each)."""
-    known = _class_ops(layer)
-    if known is not None:
-        return known
-    inner = profile_lib.sublayers(layer, include_self=False)
-    if not inner:
-        return _OPS_LAYER
-    counted = [sub for sub in inner if _class_ops(sub) is not None]
-    inside = {id(x) for sub in counted
-              for x in profile_lib.sublayers(sub, include_self=False)}
-    counted = [sub for sub in counted if id(sub) not in inside]
-    leaves = [sub for sub in inner if id(sub) not in inside
-              and _class_ops(sub) is None
-              and not profile_lib.sublayers(sub, include_self=False)]
-    return sum(_class_ops(sub) for sub in counted) + _OPS_LAYER * len(leaves)
-
-
-def _class_ops(layer):
-    """The counted ops of `layer`'s class or activation (None: not
-    counted)."""
-    for cls in type(layer).__mro__:
-        if cls.__name__ in _OPS_BY_CLASS:
-            return _OPS_BY_CLASS[cls.__name__]
-    activation = getattr(getattr(layer, "activation", None), "__name__", "")
-    return _OPS_BY_ACTIVATION.get(activation)
+# (`docs/guides/planner.md`): each layer's forward and backward pass per
+# micro-batch 6 (`profile.layer_ops`: more for attention, norms, Dropout
+# and some activations) + 4 per weight (a Dense: 14), every stage's
+# bookkeeping per micro-batch 6 (the micro-batch's gather and relayout,
+# ordering, gradient accumulation), every cut's moves per micro-batch 10
+# (relayouts around `copy_to_mesh`, both ways; half on each side of the
+# cut), the loss and metrics per micro-batch 50 on the last stage, the
+# optimizer's update 13 + 14 per slot for every trainable weight (Keras'
+# Adam: 41).
+_OPS_WEIGHT, _OPS_STAGE, _OPS_CUT, _OPS_LOSS = 4, 6, 10, 50
 
 
 def _fixed_time(layout, total, lo, hi, *, devices, m, r, slots, cluster):

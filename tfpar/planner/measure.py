@@ -19,6 +19,11 @@ import time
 import keras
 import numpy as np
 
+from tfpar.auto_plan import auto_rules
+from tfpar.layout import LayoutRules
+from tfpar.planner.profile import build_without_weights
+from tfpar.planner.result import Plan
+
 
 def synthetic_batch(model, batch, seed=0):
     """Random (x, y) for `model`'s inputs and outputs: floats N(0, 1),
@@ -38,28 +43,22 @@ def synthetic_batch(model, batch, seed=0):
 
 def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     """A `Plan` holding just `candidate` (for timing or applying it)."""
-    from tfpar.planner import plans as plan_lib  # noqa: PLC0415
-    from tfpar import auto_plan as tp  # noqa: PLC0415
-    from tfpar.layout import LayoutRules  # noqa: PLC0415
-
     shapes = _shapes(source)
     t = candidate.axes["model"]
-    rules = (tp.auto_rules(shapes, axis_size=t,
-                           sequence_parallel=candidate.sequence_parallel)
+    rules = (auto_rules(shapes, axis_size=t,
+                        sequence_parallel=candidate.sequence_parallel)
              if t > 1 else LayoutRules({}))
     starts = candidate.stage_starts or [0]
-    return plan_lib.Plan(candidate, [candidate], rules, starts,
-                         info={"model": shapes.name,
-                               "global_batch_size": global_batch_size,
-                               "optimizer": str(optimizer)})
+    return Plan(candidate, [candidate], rules, starts,
+                info={"model": shapes.name,
+                      "global_batch_size": global_batch_size,
+                      "optimizer": str(optimizer)})
 
 
 def _shapes(source):
     """`source` itself, or the model it builds without weights."""
-    from tfpar.planner import plans  # noqa: PLC0415
-
     return (source if isinstance(source, keras.Model)
-            else plans.build_without_weights(source))
+            else build_without_weights(source))
 
 
 def build_and_apply(plan, source):

@@ -21,6 +21,15 @@ separate), per *sample*:
   rate on a calibrated host, `cost.py`).
 - the bytes a pipeline cut before it must carry (every tensor made before
   it and read at or after it).
+- the ops its forward and backward pass run beyond 4 per weight
+  (`layer_ops`, counted in traced steps: the cost model's fixed cost per
+  op on a calibrated shared host).
+
+The cost model's layer inspection lives here: attention's width
+(`attention_hidden`), a kernel's input and output widths (`in_width`,
+`out_width`), nested layers (`sublayers`), a layer's op count
+(`layer_ops`). `build_without_weights` builds a model from a function with
+every weight's shape and no memory.
 
 Example:
 
@@ -66,6 +75,7 @@ class Op:
     internal: float         # bytes per sample kept inside it
     attention_internal: float  # part of `internal` in attention scores
     tokens: int
+    layer_ops: int = 0       # ops of its passes beyond 4 per weight
     carried_in: float = 0.0  # bytes per sample a cut just before it carries
     needs_input_grad: bool = True
     consumers: set = dataclasses.field(default_factory=set)  # op indices
@@ -87,6 +97,19 @@ class ModelProfile:
     @property
     def num_params(self):
         return sum(w.size for op in self.ops for w in op.weights)
+
+
+def build_without_weights(build):
+    """Calls `build()` inside `keras.StatelessScope(initialize_variables=
+    False)`: every weight gets its shape and dtype but no memory."""
+    with keras.StatelessScope(initialize_variables=False):
+        model = build()
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "tfpar.plan(model) as a function must return a Keras model. "
+            f"Received: {build!r} returned {type(model).__name__}.")
+    _compat.forget_uninitialized_variables(model.weights)
+    return model
 
 
 def profile_model(model, sequence_length=None):
@@ -116,10 +139,7 @@ def profile_model(model, sequence_length=None):
     compute = keras.backend.standardize_dtype(
         getattr(model.dtype_policy, "compute_dtype", "float32"))
     itemsize = np.dtype(compute if compute != "bfloat16" else "float16").itemsize
-    owners = {}
-    for layer in _compat.all_layers(model):
-        for weight in layer.weights:
-            owners[id(weight)] = layer
+    owners = keras_graph.owning_layers(model)
     ops, index_of, seen = [], {}, set()
     for node in nodes:
         layer = node.operation
@@ -207,7 +227,8 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
         weights.append(record)
     return Op(layer.name, layer, weights, flops + attention, attention,
               _float_bytes(node.outputs, itemsize, seq),
-              internal + attention_internal, attention_internal, tokens)
+              internal + attention_internal, attention_internal, tokens,
+              layer_ops(layer))
 
 
 def sublayers(layer, include_self=True):
@@ -221,12 +242,27 @@ def sublayers(layer, include_self=True):
 def _leaf_attention(layer):
     found = []
     for sub in sublayers(layer):
-        if isinstance(sub, keras.layers.MultiHeadAttention) or (
-                "attention" in type(sub).__name__.lower()
-                and _query_weight(sub) is not None):
+        if is_attention(sub):
             if not any(sub in sublayers(f) for f in found):
                 found.append(sub)
     return found
+
+
+def is_attention(layer):
+    """A MultiHeadAttention, or a layer named like attention that has a
+    query kernel (keras-hub's attention layers)."""
+    return isinstance(layer, keras.layers.MultiHeadAttention) or (
+        "attention" in type(layer).__name__.lower()
+        and _query_weight(layer) is not None)
+
+
+def attention_hidden(layer):
+    """The model width attention reads and writes (0: not attention)."""
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return int(layer.query_dense.kernel.shape[0])
+    if is_attention(layer):
+        return int(_query_weight(layer).shape[0])
+    return 0
 
 
 def _query_weight(layer):
@@ -253,15 +289,77 @@ def _num_heads(layer):
     return int(shape[1]) if len(shape) == 3 else 1
 
 
-def out_width(owner, shape):
+def _einsum_sides(owner):
+    """(the kernel's letters, the output's) of an einsum layer's equation
+    (None: `owner` is not an einsum layer)."""
     equation = getattr(owner, "equation", None)
-    if equation and "->" in equation:
-        inputs, output = equation.split("->")
-        letters = inputs.split(",")[-1]
-        if len(letters) == len(shape):
-            return int(np.prod([d for c, d in zip(letters, shape)
-                                if c in output]))
+    if not equation or "->" not in equation:
+        return None
+    inputs, output = equation.split("->")
+    return inputs.split(",")[-1], output
+
+
+def in_width(owner, shape):
+    """Elements per token a kernel of `shape` reads: its contracted
+    dimensions (a Dense kernel's first)."""
+    sides = _einsum_sides(owner)
+    if sides is None:
+        return int(shape[0])
+    letters, output = sides
+    return int(np.prod([d for c, d in zip(letters, shape) if c not in output]))
+
+
+def out_width(owner, shape):
+    """Elements per token a kernel of `shape` writes: its dimensions kept
+    in the output (a Dense kernel's last)."""
+    sides = _einsum_sides(owner)
+    if sides is not None and len(sides[0]) == len(shape):
+        letters, output = sides
+        return int(np.prod([d for c, d in zip(letters, shape) if c in output]))
     return int(shape[-1])
+
+
+# The forward and backward ops of a layer beyond 4 per weight, counted in
+# traced steps of Keras 3.15's layers (a layer's class or a base class of
+# it; attention with a causal mask, 142 without; a Dense's activation
+# adds its own): the rest count `_OPS_LAYER` (each layer's forward and
+# backward pass, counted in the traced steps of Dense stacks:
+# `docs/guides/planner.md`).
+_OPS_LAYER = 6
+_OPS_BY_CLASS = {"MultiHeadAttention": 175, "LayerNormalization": 73,
+                 "BatchNormalization": 78, "GroupNormalization": 93,
+                 "RMSNormalization": 38, "Dropout": 38}
+_OPS_BY_ACTIVATION = {"gelu": 25, "silu": 30}
+
+
+def layer_ops(layer):
+    """Ops of `layer`'s forward and backward pass beyond 4 per weight: a
+    counted class's figure, or for a composite layer the sum over what it
+    holds (counted classes whole, other leaves `_OPS_LAYER` each)."""
+    known = _class_ops(layer)
+    if known is not None:
+        return known
+    inner = sublayers(layer, include_self=False)
+    if not inner:
+        return _OPS_LAYER
+    counted = [sub for sub in inner if _class_ops(sub) is not None]
+    inside = {id(x) for sub in counted
+              for x in sublayers(sub, include_self=False)}
+    counted = [sub for sub in counted if id(sub) not in inside]
+    leaves = [sub for sub in inner if id(sub) not in inside
+              and _class_ops(sub) is None
+              and not sublayers(sub, include_self=False)]
+    return sum(_class_ops(sub) for sub in counted) + _OPS_LAYER * len(leaves)
+
+
+def _class_ops(layer):
+    """The counted ops of `layer`'s class or activation (None: not
+    counted)."""
+    for cls in type(layer).__mro__:
+        if cls.__name__ in _OPS_BY_CLASS:
+            return _OPS_BY_CLASS[cls.__name__]
+    activation = getattr(getattr(layer, "activation", None), "__name__", "")
+    return _OPS_BY_ACTIVATION.get(activation)
 
 
 def _nonlinear(owner):

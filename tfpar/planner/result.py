@@ -1,0 +1,244 @@
+"""The `Plan` that `tfpar.plan` returns: a chosen candidate, explained,
+saved and loaded, and applied (its mesh, its strategy, the model laid out).
+
+Example (8 virtual CPUs):
+
+>>> plan = tfpar.plan(build_model, global_batch_size=64,
+...                   memory_per_device=2e6)
+>>> print(plan.explain())
+>>> with plan.strategy().scope():
+...     model = plan.apply(build_model())    # a PipelineModel if pipe > 1
+...     model.compile(optimizer="adam", loss="mse")
+>>> model.fit(x, y, batch_size=64)
+>>> plan.save("plan.json"); tfpar.Plan.load("plan.json").axes
+"""
+
+import json
+
+import numpy as np
+
+from tfpar import _compat
+from tfpar import layout as layout_lib
+from tfpar import mesh as mesh_lib
+from tfpar import styles as tp
+from tfpar.auto_plan import auto_rules
+from tfpar.pipeline import split
+from tfpar.pipeline.model import PipelineModel
+from tfpar.planner import search as search_lib
+from tfpar.planner.search import format_bytes as _gb
+from tfpar.strategy import ParallelStrategy
+
+_STYLES = {"ColumnParallel": tp.ColumnParallel, "RowParallel": tp.RowParallel,
+           "Replicated": tp.Replicated, "SequenceParallel": tp.SequenceParallel}
+
+
+class Plan:
+    """A chosen parallel plan with everything that was considered.
+
+    Attributes:
+        axes: ordered mesh axes of size > 1, e.g. {"data": 2, "pipe": 2,
+            "model": 2} ({"data": 1} for one device).
+        rules: `tfpar.LayoutRules` for the model axis (auto_rules' plan).
+        fsdp, recompute, sequence_parallel: bools (sequence parallelism:
+            the rules hold `SequenceParallel` norms).
+        num_microbatches, schedule, stage_boundaries: the pipeline's
+            (m = 1 and boundaries None without a pipe axis).
+        estimate: the chosen candidate's `Estimate`.
+        candidates: every `Candidate` considered, best first.
+        info: model and search facts (parameters, FLOPs, search seconds).
+    """
+
+    def __init__(self, chosen, candidates, rules, stage_starts, info):
+        self._chosen = chosen
+        self.candidates = candidates
+        self.rules = rules
+        self._stage_starts = list(stage_starts)
+        self.info = info
+        self._strategy = None
+
+    axes = property(lambda self: {k: v for k, v in self._chosen.axes.items()
+                                  if v > 1} or {"data": 1})
+    fsdp = property(lambda self: self._chosen.fsdp)
+    recompute = property(lambda self: self._chosen.recompute)
+    sequence_parallel = property(lambda self: self._chosen.sequence_parallel)
+    num_microbatches = property(lambda self: self._chosen.num_microbatches)
+    schedule = property(lambda self: self._chosen.schedule)
+    stage_boundaries = property(lambda self: self._chosen.stage_boundaries)
+    estimate = property(lambda self: self._chosen.estimate)
+
+    def explain(self, top=12):
+        """A readable table of the candidates, the binding constraint and
+        why the runner-up lost."""
+        i = self.info
+        c = self._chosen
+        e = c.estimate
+        lines = [
+            f"Plan for {i['model']!r}: {i['num_params']:,} parameters, "
+            f"{i['forward_flops_per_sample'] / 1e9:.3g} GFLOP forward per "
+            f"sample; global batch {i['global_batch_size']}, optimizer "
+            f"{i['optimizer']}, {_devices(i['cluster'])}, memory limit "
+            f"{_gb(i['memory_limit'])} per device.",
+            f"Searched {len(self.candidates)} candidates in "
+            f"{i['search_s']:.2f} s; "
+            f"{sum(x.rejected is None for x in self.candidates)} fit.",
+            f"Chosen: {c.label}: predicted {e.step_time_s * 1e3:.3g} ms per "
+            f"step ({_parts(e)}), {_gb(e.total_memory)} per device ("
+            + ", ".join(f"{k} {_gb(v)}" for k, v in e.memory_per_device.items())
+            + f"), {_gb(e.communication_bytes_per_device)} of collectives.",
+            "Binding constraint: " + self._binding(),
+            "Runner-up (best other mesh shape): " + self._runner_up(), "",
+            f"{'#':>3s}  {'candidate':38s} {'step ms':>9s} {'measured':>9s} "
+            f"{'memory':>10s} {'comm':>10s}  rejected"]
+        shown = [x for x in self.candidates if x.estimate is not None][:top]
+        shown += [x for x in self.candidates if x.estimate is None][:4]
+        for k, x in enumerate(shown):
+            est = x.estimate
+            measured = getattr(x, "measured_step_time_s", None)
+            lines.append(
+                f"{k:3d}  {x.label:38s} "
+                f"{(est.step_time_s * 1e3 if est else float('nan')):9.3g} "
+                f"{(measured * 1e3 if measured else float('nan')):9.3g} "
+                f"{_gb(est.total_memory) if est else '-':>10s} "
+                f"{_gb(est.communication_bytes_per_device) if est else '-':>10s}"
+                f"  {x.rejected or ''}")
+        return "\n".join(lines)
+
+    def _binding(self):
+        c = self._chosen
+        faster = [x for x in self.candidates if x.estimate is not None
+                  and x.rejected and x.estimate.step_time_s < c.estimate.step_time_s]
+        if faster:
+            best = min(faster, key=lambda x: x.estimate.step_time_s)
+            return (f"memory: {len(faster)} faster candidate(s) do not fit in "
+                    f"{_gb(self.info['memory_limit'])}; the fastest, "
+                    f"{best.label}, would take "
+                    f"{best.estimate.step_time_s * 1e3:.3g} ms but needs "
+                    f"{_gb(best.estimate.total_memory)}.")
+        return "none: the fastest candidate fits in memory."
+
+    def _runner_up(self):
+        c = self._chosen
+        rest = [x for x in self.candidates if x.rejected is None
+                and x is not c and x.axes != c.axes]
+        if not rest:
+            return "none (no other mesh shape fits)."
+        r = rest[0]
+        a, b = c.estimate.time_s, r.estimate.time_s
+        worst = max(b, key=lambda k: b[k] - a.get(k, 0.0))
+        slower = (r.estimate.step_time_s / c.estimate.step_time_s - 1) * 100
+        why = (f"its {worst} time is {b[worst] * 1e3:.3g} ms vs "
+               f"{a[worst] * 1e3:.3g} ms")
+        if getattr(c, "measured_step_time_s", None) and getattr(
+                r, "measured_step_time_s", None):
+            why += (f"; measured {r.measured_step_time_s * 1e3:.3g} ms vs "
+                    f"{c.measured_step_time_s * 1e3:.3g} ms")
+        return f"{r.label}, predicted {slower:.1f}% slower: {why}."
+
+    def mesh(self):
+        """The `tfpar.Mesh` of this plan on this machine's devices."""
+        return mesh_lib.Mesh(self.axes)
+
+    def strategy(self):
+        """The `ParallelStrategy` for this plan (the same one every call)."""
+        if self._strategy is None:
+            need = int(np.prod(list(self.axes.values())))
+            have = len(mesh_lib.default_devices())
+            if need != have:
+                raise ValueError(
+                    f"This plan is for {need} devices ({self.axes}) but this "
+                    f"machine has {have}. Plan with cluster=None "
+                    "(tfpar.Cluster.local()) to run here.")
+            self._strategy = ParallelStrategy(self.mesh(), fsdp=self.fsdp)
+        return self._strategy
+
+    def apply(self, model):
+        """Lays out `model` (built inside `plan.strategy().scope()`) by this
+        plan: recomputation, the model-axis rules (auto_rules on `model`,
+        checked against the plan's), and a `tfpar.PipelineModel` with the
+        plan's stages and micro-batches when pipe > 1. Call it before
+        compile; returns the model to compile."""
+        strategy = self.strategy()
+        weights = model.weights
+        if not weights or not all(strategy.extended.registry.owns(w) for w in weights):
+            raise ValueError(
+                f"Plan.apply needs model {model.name!r} built inside "
+                "plan.strategy().scope() (its weights are not on the plan's "
+                "mesh). Build it there, then call plan.apply(model).")
+        layers = split.model_graph(model)[1]
+        if self.recompute:
+            for layer in layers:  # Keras ops in the graph have no weights
+                if getattr(layer, "trainable_weights", None):
+                    _compat.set_remat_mode(layer, "full")
+        if "model" in self.axes:
+            rules = auto_rules(model, mesh=strategy.mesh,
+                               sequence_parallel=self.sequence_parallel)
+            planned = [type(s).__name__ for _, s in self.rules.items()]
+            if [type(s).__name__ for _, s in rules.items()] != planned:
+                raise ValueError(
+                    f"Plan.apply: auto_rules on model {model.name!r} gives "
+                    f"{len(rules)} rules, but the plan was made for "
+                    f"{len(planned)}: {self.rules}. Apply the plan to the "
+                    "model it was planned for.")
+            strategy.apply_rules(model, rules)
+        if "pipe" in self.axes:
+            if max(self._stage_starts) >= len(layers):
+                raise ValueError(
+                    f"Plan.apply: model {model.name!r} has {len(layers)} "
+                    f"layers, fewer than the plan's stage cut needs "
+                    f"({self.stage_boundaries}).")
+            boundaries = [layers[i].name for i in self._stage_starts[1:]]
+            model = PipelineModel(model, self.num_microbatches,
+                                  schedule=self.schedule,
+                                  stage_boundaries=boundaries)
+        return model
+
+    def to_dict(self):
+        return {
+            "chosen": self._chosen.to_dict(),
+            "rules": [[p, type(s).__name__, getattr(s, "axis", None),
+                       getattr(s, "sequence_parallel", False)]
+                      for p, s in self.rules.items()],
+            "stage_starts": self._stage_starts, "info": self.info,
+            "candidates": [c.to_dict() for c in self.candidates]}
+
+    def save(self, path):
+        """Writes the plan (choices, estimates, candidates) as JSON."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, default=float)
+
+    @classmethod
+    def load(cls, path):
+        """The `Plan` saved at `path`."""
+        with open(path) as f:
+            d = json.load(f)
+        rules = {}
+        for pattern, name, axis, sp in d["rules"]:
+            style = _STYLES[name]
+            if name == "Replicated":
+                rules[pattern] = style()
+            elif name == "SequenceParallel":
+                rules[pattern] = style(axis)
+            else:
+                rules[pattern] = style(axis, sequence_parallel=sp)
+        candidates = [search_lib.Candidate.from_dict(c) for c in d["candidates"]]
+        chosen = search_lib.Candidate.from_dict(d["chosen"])
+        for c in candidates:  # the chosen one is the first equal candidate
+            if c.to_dict() == chosen.to_dict():
+                chosen = c
+                break
+        return cls(chosen, candidates, layout_lib.LayoutRules(rules),
+                   d["stage_starts"], d["info"])
+
+    def __repr__(self):
+        return (f"<Plan {self._chosen.label}: "
+                f"{self.estimate.step_time_s * 1e3:.3g} ms/step, "
+                f"{_gb(self.estimate.total_memory)}/device>")
+
+
+def _devices(cluster):
+    return (f"{cluster['num_hosts']} host(s) × {cluster['devices_per_host']} "
+            f"devices")
+
+
+def _parts(e):
+    return ", ".join(f"{k} {v * 1e3:.3g}" for k, v in e.time_s.items() if v)

@@ -22,13 +22,14 @@ Example:
 
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import layout as layout_lib
 from tfpar import variables as variables_lib
-from tfpar.mesh import local_device_names, short_device_name
+from tfpar.mesh import Mesh, local_device_names, short_device_name
 
 
 # -- layouts -----------------------------------------------------------------
@@ -312,8 +313,6 @@ def visualize_layout(value, path=None, mesh=None, print_fn=print):
 
 
 def _check_mesh(value, mesh):
-    from tfpar.mesh import Mesh
-
     if not isinstance(mesh, Mesh):
         raise TypeError(
             "visualize_layout(mesh=...) needs a tfpar.Mesh or None. "
@@ -430,8 +429,6 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
         "bytes_per_device", "devices"), with `.totals` ({device: {"params",
         "optimizer", "other", "total"}}) and `.text`.
     """
-    import keras
-
     if not isinstance(model, keras.Model):
         raise TypeError(
             "summary(model) needs a Keras model. "
@@ -492,8 +489,6 @@ def _predicted_slot_rows(optimizer, model, weight_rows):
     `keras.StatelessScope`, where its zero-initialised slots stay
     uninitialised: nothing is allocated.
     """
-    import keras
-
     by_path = {row["path"]: row for row in weight_rows
                if row["section"] == "weights"}
     made = []  # (reference weight, slot Keras variable)

@@ -55,14 +55,16 @@ if "tensorflow" not in sys.modules:
         import tensorflow  # noqa: E402, F401
 
 from tfpar.layout import LayoutRules  # noqa: E402
-from tfpar import checkpoint, communication, pipeline, visualize  # noqa: E402
+from tfpar import checkpoint, pipeline  # noqa: E402
+# The reports' old import paths (aliases of tfpar.reports.*).
+from tfpar import communication, memory, visualize  # noqa: E402, F401
 from tfpar.checkpoint import (  # noqa: E402
     latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
 )
-from tfpar.communication import communication_report  # noqa: E402
-from tfpar.memory import memory_report  # noqa: E402
+from tfpar.reports.communication import communication_report  # noqa: E402
+from tfpar.reports.memory import memory_report  # noqa: E402
 from tfpar.mesh import Mesh, use_virtual_cpus  # noqa: E402
 from tfpar.pipeline import get_schedule, plot_schedule  # noqa: E402
 from tfpar.pipeline.model import PipelineModel  # noqa: E402
@@ -77,7 +79,7 @@ from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
 from tfpar.planner import Cluster, Plan, plan  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
-from tfpar.visualize import summary, visualize_layout  # noqa: E402
+from tfpar.reports.visualize import summary, visualize_layout  # noqa: E402
 
 __all__ = [
     "Cluster",

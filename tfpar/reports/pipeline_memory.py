@@ -1,10 +1,11 @@
 """The memory report of a `PipelineModel`'s training step
-(`tfpar.memory_report(pipeline, x, y)`; the kinds as in `tfpar.memory`).
+(`tfpar.memory_report(pipeline, x, y)`; the kinds as in
+`tfpar.reports.memory`).
 
 A pipeline's step is one `tf.function` over every stage's mesh, which
 DTensor expands into one program per stage mesh
-(`communication.programs_for_traced`). Each stage's devices get their row
-from their stage's program:
+(`tfpar.reports.program.programs_for_traced`). Each stage's devices get
+their row from their stage's program:
 
 - `params`, `gradients`, `optimizer`, `other`: the variables of the parts
   on the stage as stored (`memory_per_device()`); the gradient sums over
@@ -13,7 +14,7 @@ from their stage's program:
   saved activation is a tensor of a forward action, computed from the
   batch or from what the previous stage sent, that the backward of the
   same micro-batch reads — with the program's ops run in the order of
-  `tfpar.memory.run_order` (a stage's actions are chained by ordering
+  `tfpar.reports.buffers.run_order` (a stage's actions are chained by ordering
   tokens in its schedule's order, and a receive waits for its first
   reader). So GPipe, whose forwards all run first, holds all m
   micro-batches' activations; 1F1B on stage s of p at most
@@ -45,10 +46,11 @@ Example (pipe=2 x data=4, 1F1B, 4 micro-batches):
 import collections
 import re
 
-from tfpar import communication
-from tfpar import memory
 from tfpar.pipeline import cross_host
 from tfpar.pipeline import profiler
+from tfpar.reports import buffers
+from tfpar.reports import program as program_lib
+from tfpar.reports.communication import program_report
 
 # A forward action's scope: part, micro-batch.
 _FORWARD = re.compile(profiler.ACTION_SCOPE + r"(\d+)F(\d+)/")
@@ -78,8 +80,8 @@ def pipeline_report(model, x, y=None, sample_weight=None):
             "Received: a PipelineModel across hosts. Use "
             "strategy.memory_per_device() for its variables, or report it "
             "with its stages on one host.")
-    programs = communication.keras_programs(model, x, y, sample_weight,
-                                            "memory_report")
+    programs = program_lib.keras_programs(model, x, y, sample_weight,
+                                          "memory_report")
     stage_of = {tuple(mesh.devices): s
                 for s, mesh in enumerate(extended.stage_meshes)}
     programs.sort(key=lambda program: stage_of.get(program.devices, 0))
@@ -92,18 +94,18 @@ def pipeline_report(model, x, y=None, sample_weight=None):
     for part, data in ((model.parts[0], (x,)),
                        (model.parts[-1], (y, sample_weight))):
         for device in part.mesh.devices:
-            held_batch[device] += memory.batch_bytes(data) // split
+            held_batch[device] += buffers.batch_bytes(data) // split
     per_device = {}
     for device, held in strategy.memory_per_device().items():
         stage = of_device.get(device)
         if stage is None:  # offload's host devices
-            per_device[device] = memory.host_update_memory(held)
+            per_device[device] = buffers.host_update_memory(held)
             continue
-        per_device[device] = memory.device_memory(
+        per_device[device] = buffers.device_memory(
             held, stage.activations, stage.gathered,
             held_batch[device] + max(stage.live, default=0))
     top = max(stages, key=lambda stage: max(stage.live, default=0))
-    return memory.MemoryReport(
+    return buffers.MemoryReport(
         per_device, _by_layer(saved), top.live, top.communication,
         top.function_name, stages=list(stages))
 
@@ -111,34 +113,34 @@ def pipeline_report(model, x, y=None, sample_weight=None):
 def _stage_memory(program):
     """The `StageMemory` of one stage's expanded program, and its saved
     tensors ({"activations"/"gathered": {owner: (size, chunk)}})."""
-    step = memory.run_order(program)
-    readers = memory.readers_of(program)
+    step = buffers.run_order(program)
+    readers = buffers.readers_of(program)
     backward = _backward(program)
     from_batch = _from_batch(program)
     saved = _saved_activations(program, backward, readers, from_batch)
     gathered = {owner: (size, _chunk(owner, readers))
-                for owner, size in memory.saved_gathered(
+                for owner, size in buffers.saved_gathered(
                     program, backward, from_batch).items()}
     activations, in_flight = _most_live(saved, readers, step)
     per_chunk = collections.Counter()
     for size, chunk in saved.values():
-        per_chunk[chunk] += communication._nbytes(*size)  # noqa: SLF001
+        per_chunk[chunk] += program_lib.nbytes(*size)
     return StageMemory(
         program.devices, program.name, activations,
         _most_live(gathered, readers, step)[0], in_flight,
         max(per_chunk.values(), default=0),
-        memory.live_bytes(program, step), program.report()), {
+        buffers.live_bytes(program, step), program_report(program)), {
             "activations": saved, "gathered": gathered}
 
 
 def _backward(program):
     """Keys of the backward actions' nodes, by name: gradient ops (named
     "gradient_tape/<forward action>/...") and the rest of each B and W
-    action. (Not `_Program.backward_nodes`, everything downstream of a
+    action. (Not `Program.backward_nodes`, everything downstream of a
     gradient: a stage's later forwards wait for its backwards' ordering
     tokens.)"""
     return {key for key in program.order
-            if key[1].startswith(communication._BACKWARD_MARK)  # noqa: SLF001
+            if key[1].startswith(program_lib.BACKWARD_MARK)
             or _BACKWARD.search(key[1])}
 
 
@@ -147,8 +149,7 @@ def _from_batch(program):
     another stage sent (`_HostRecv`)."""
     received = [k for k in program.order
                 if program.nodes[k].op == "_HostRecv"]
-    return program.batch_dependent_nodes() | program._downstream(  # noqa: SLF001
-        received)
+    return program.batch_dependent_nodes() | program.downstream(received)
 
 
 def _saved_activations(program, backward, readers, from_batch):
@@ -161,10 +162,10 @@ def _saved_activations(program, backward, readers, from_batch):
         node = program.nodes[key]
         if (key in backward or key not in from_batch
                 or not _FORWARD.search(key[1])
-                or node.op in communication._NOT_ACTIVATIONS  # noqa: SLF001
+                or node.op in program_lib.NOT_ACTIVATIONS
                 or not reading & backward):
             continue
-        size = memory.output_size(node, index)
+        size = program_lib.output_size(node, index)
         if size is not None:
             saved[owner] = (size, _chunk(owner, readers))
     return saved
@@ -184,8 +185,8 @@ def _most_live(tensors, readers, step):
     at once in the order `step`, how many chunks they belong to then)."""
     events = collections.defaultdict(list)  # step -> [(bytes, chunk)]
     for (key, index), (size, chunk) in tensors.items():
-        begin, end = memory.buffer_interval(readers, step, key, index)
-        nbytes = communication._nbytes(*size)  # noqa: SLF001
+        begin, end = buffers.buffer_interval(readers, step, key, index)
+        nbytes = program_lib.nbytes(*size)
         events[begin].append((nbytes, chunk))
         events[end + 1].append((-nbytes, chunk))
     best, chunks_then, total = 0, 0, 0
@@ -207,8 +208,8 @@ def _by_layer(saved):
     for tensors in (t for stage in saved for t in stage.items()):
         kind, owners = tensors
         for (key, _), (size, chunk) in owners.items():
-            layer = memory.layer_scope(_FORWARD.sub("", key[1]))
-            found[(layer, kind)][chunk] += communication._nbytes(*size)  # noqa: SLF001
+            layer = buffers.layer_scope(_FORWARD.sub("", key[1]))
+            found[(layer, kind)][chunk] += program_lib.nbytes(*size)
     by_layer = collections.defaultdict(lambda: {"activations": 0,
                                                 "gathered": 0})
     for (layer, kind), per_chunk in found.items():

@@ -99,7 +99,8 @@ def install_group(group, patches, hooks):
 
 
 def keras_module(path):
-    """Keras' private module `keras.src.<path>` (e.g. "backend.tensorflow.core")."""
+    """Keras' private module `keras.src.<path>` (e.g.
+    "backend.tensorflow.core")."""
     return importlib.import_module(f"keras.src.{path}")
 
 
@@ -588,7 +589,8 @@ def collective_all_gathers(enabled):
 
 
 def keras_global_state():
-    """Keras' per-thread global state module (`keras.src.backend.common.global_state`)."""
+    """Keras' per-thread global state (the module
+    `keras.src.backend.common.global_state`)."""
     return keras_module("backend.common.global_state")
 
 

@@ -125,7 +125,9 @@ def _absl_min_log_level_functions():
     None (looked up once)."""
     if _absl_log_level:
         return _absl_log_level[0]
-    import tensorflow as tf  # noqa: PLC0415 (loaded by now; not at this module's import)
+    # Loaded by now; not imported at this module's import, which comes
+    # before TensorFlow's (`tfpar/__init__.py` filters its lines).
+    import tensorflow as tf  # noqa: PLC0415
 
     functions = None
     path = os.path.join(tf.sysconfig.get_lib(), "libtensorflow_framework.so.2")

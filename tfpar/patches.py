@@ -91,8 +91,8 @@ def _symbolic_build_from_spec(original, hooks):
 
 def _eager_model_call(_, hooks):
     """An eager call of a model built under a tfpar strategy runs through
-    `hooks.eager_call` (`tfpar.training.eager_model_call`); other models (and every layer) keep
-    theirs."""
+    `hooks.eager_call` (`tfpar.training.eager_model_call`); other models
+    (and every layer) keep theirs."""
     cls = _tf_trainer()
 
     def original_call(self, *args, **kwargs):

@@ -174,10 +174,11 @@ def recompute(f):
     mask); it waits for the upstream gradient through one all-reduced
     scalar, 0.0 (NaN if that gradient is NaN), where `tf.recompute_grad`
     takes the upstream gradient's first element, which DTensor turns into
-    an all-gather of the whole tensor; and `step_context.recompute_dependency()` hands
-    that scalar to variable reads, so an fsdp weight is gathered again in
-    the backward pass instead of the forward gather being kept (the
-    compiler merges identical reads). A checkpointed call inside another
+    an all-gather of the whole tensor; and
+    `step_context.recompute_dependency()` hands that scalar to variable
+    reads, so an fsdp weight is gathered again in the backward pass instead
+    of the forward gather being kept (the compiler merges identical
+    reads). A checkpointed call inside another
     (a recomputed layer's sublayers) runs plainly: the outer checkpoint
     recomputes it once. Without a gradient tape (predict, evaluate) `f`
     just runs.

@@ -9,7 +9,7 @@ not implement layout propagation", where `stateless_uniform` (Keras'
 uniform, normal, dropout and shuffle draw with it and its kin) compiles.
 So Keras' gamma, beta and binomial cannot run in a tfpar step (tfpar
 refuses them with a ValueError when the step is traced,
-`tfpar._compat._refused_draw_in_step`).
+`tfpar.spmd_patches._refused_draw_in_step`).
 
 Run: python tests/dtensor_random_gamma_repro.py
 """

@@ -71,10 +71,10 @@ def _tensorflow():
 
 
 def _tfpar():
-    from tfpar import recompute  # noqa: PLC0415 (what a RematScope runs)
+    from tfpar import step_context  # noqa: PLC0415 (what a RematScope runs)
 
     open_stacks = {name: len(stack) for name, stack
-                   in vars(recompute._RECOMPUTING).items() if stack}  # noqa: SLF001
+                   in vars(step_context._RECOMPUTING).items() if stack}  # noqa: SLF001
     # tfpar's patches stay installed once made (by design): a patch made
     # since may appear (`changes` allows it), one in place may not change.
     patches = {f"tfpar patch {getattr(owner, '__name__', owner)}.{name}":

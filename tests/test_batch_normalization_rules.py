@@ -7,7 +7,7 @@ then minimised): a rule splitting `moving_mean` over any axis made DTensor
 ("EmitAllScatter was passed a desired_layout ... not more sharded"), the
 smallest case a Dense before it on model=2. In a step the batch statistics
 are laid out whole on every device
-(`tfpar._compat._replicated_batch_moments_in_step`); each device still holds
+(`tfpar.spmd_patches._replicated_batch_moments_in_step`); each device still holds
 only its block of the moving statistics.
 """
 

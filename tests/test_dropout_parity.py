@@ -5,7 +5,7 @@ and the device's place in the mesh), so Dropout on a data mesh kept other
 elements than one device and trained elsewhere (found by the fuzzing). In a
 tfpar step Keras' `random.dropout` draws its uniform numbers laid out whole
 on every device and cuts the mask to the input's blocks
-(`tfpar._compat._one_device_dropout_in_step`): the masks, the losses and
+(`tfpar.spmd_patches._one_device_dropout_in_step`): the masks, the losses and
 the weights are one device's, with the batch split over `data`, the
 activations over `model` (Megatron's column-parallel output), or fsdp. A
 pipeline's micro-batches draw their masks as one device with gradient

@@ -12,7 +12,7 @@ from tensorflow.python.framework import config as tf_config
 
 import process_state
 import tfpar
-from tfpar import _compat, recompute
+from tfpar import _compat, recompute, step_context
 
 
 def _leak_dtype_policy():
@@ -45,7 +45,7 @@ def _leak_a_replaced_hook():
 
 
 def _leak_a_recomputation_stack():
-    pushed = recompute.layout_free_draw()
+    pushed = step_context.layout_free_draw()
     pushed.__enter__()
     return lambda: pushed.__exit__(None, None, None)
 

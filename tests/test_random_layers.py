@@ -5,7 +5,7 @@ and the device's place in the mesh), so GaussianNoise on a data mesh added
 other noise than one device. In a tfpar step Keras' TF `random.normal`,
 `uniform`, `truncated_normal` and `randint` draw their numbers laid out
 whole on every device, cut to the consumer's blocks where used
-(`tfpar._compat._one_device_draw_in_step`, as Dropout's mask,
+(`tfpar.spmd_patches._one_device_draw_in_step`, as Dropout's mask,
 tests/test_dropout_parity.py): GaussianNoise, GaussianDropout,
 AlphaDropout, SpatialDropout1D (Keras' dropout) and a custom layer drawing
 with a `SeedGenerator` train as one device, with the batch split over
@@ -177,7 +177,7 @@ def test_shuffle_matches_one_device(axes, kwargs):
     """keras.random.shuffle of the batch (split over data) and of the
     features (split over model under COLUMN) in one model: one device's
     permutations (its uniform numbers drawn whole in a step,
-    `_compat._one_device_shuffle_in_step`; here DTensor laid Keras' own
+    `spmd_patches._one_device_shuffle_in_step`; here DTensor laid Keras' own
     draw out whole too, and it matched before: what the patch changes is
     recomputation, tests/test_recompute.py)."""
     def build(axis=0):

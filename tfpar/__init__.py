@@ -6,12 +6,12 @@
 
 `import tfpar` changes nothing in Keras or TensorFlow: tfpar's hooks into
 them (`tfpar/_compat.py`) are installed when the first `ParallelStrategy` is
-made. Two of them are also opt-ins without a strategy, installed when their
-module is imported (`import tfpar.keras_distribution`, or any use of
-`tfpar.keras_distribution`, which this package imports on first access;
-likewise `tfpar.recompute`): Keras' own distribution API
-(`keras.distribution.set_distribution`) reaching tfpar, and
-`keras.RematScope` working on TensorFlow.
+made. Two of them are also opt-ins without a strategy: Keras' own
+distribution API (`keras.distribution.set_distribution`) reaching tfpar,
+installed when `tfpar.keras_distribution` is imported (`import
+tfpar.keras_distribution`, or any use of `tfpar.keras_distribution`, which
+this package imports on first access), and `keras.RematScope` working on
+TensorFlow, installed by `tfpar.recompute.install()`.
 """
 
 import importlib
@@ -118,8 +118,8 @@ _LAZY_MODULES = ("keras_distribution", "recompute")  # imported on first access:
 
 
 def __getattr__(name):
-    """`tfpar.keras_distribution` and `tfpar.recompute`, imported (and
-    their Keras hooks installed) on first access (PEP 562)."""
+    """`tfpar.keras_distribution` (its Keras hooks installed) and
+    `tfpar.recompute`, imported on first access (PEP 562)."""
     if name in _LAZY_MODULES:
         return importlib.import_module(f"tfpar.{name}")
     raise AttributeError(f"module 'tfpar' has no attribute {name!r}")

@@ -32,6 +32,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import placement
+from tfpar import step_context
 
 
 # -- fsdp: weights stored split over the data axis -----------------------------
@@ -164,16 +165,12 @@ def _view(op):
 def step_mesh(tensor):
     """The DTensor mesh `tensor` lives on inside a tfpar step, or None when
     it is not on a mesh (e.g. Keras' symbolic build, a single device)."""
-    from tfpar import strategy as strategy_lib  # noqa: PLC0415 (a cycle)
-
     if tf.executing_eagerly():
         return dtensor.fetch_layout(tensor).mesh if dtensor.is_dtensor(tensor) else None
-    if strategy_lib.in_spmd_step():
-        # The whole mesh, or the pipeline stage being traced (None between
-        # a pipeline's parts: no tfpar relayout there).
-        mesh = tf.distribute.get_strategy().extended.registry.placement_mesh
-        return None if mesh is None else mesh.dtensor_mesh
-    return None
+    # The whole mesh, or the pipeline stage being traced (None between a
+    # pipeline's parts: no tfpar relayout there); None outside a step.
+    mesh = step_context.step_mesh()
+    return None if mesh is None else mesh.dtensor_mesh
 
 
 def gather_hidden(outputs):

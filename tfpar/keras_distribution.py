@@ -6,7 +6,7 @@ every batch over `d.batch_dim_name`. Keras 3.15's TensorFlow backend does
 neither: its `distribution_lib` is a "DO NOT USE" prototype and the
 distribution is silently ignored. After `import tfpar.keras_distribution`
 (an opt-in: `import tfpar` alone leaves Keras unchanged; importing this
-module installs the hook, `_compat.hook_keras_distribution`, and
+module installs the hook, `hook_keras_distribution`, and
 `tfpar.keras_distribution` imports it on first access) the same code trains
 sharded on TensorFlow: setting a distribution makes the
 `tfpar.ParallelStrategy` it stands for (`strategy_for(d)`) current, as
@@ -53,6 +53,7 @@ Example (8 devices):
 ('sequential/up/kernel', (None, 'model'), (16, 16))
 """
 
+import types
 import weakref
 
 import tensorflow as tf
@@ -62,7 +63,8 @@ from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar.mesh import Mesh
-from tfpar.strategy import ParallelStrategy, in_spmd_step
+from tfpar.step_context import in_spmd_step
+from tfpar.strategy import ParallelStrategy
 
 # A pipeline axis name no Keras mesh can have (axis names are identifiers):
 # Keras' distributions have no pipeline stages.
@@ -194,5 +196,62 @@ def _initialize(job_addresses=None, num_processes=None, process_id=None):
         "first thing, then build the mesh and distribution.")
 
 
-_compat.hook_keras_distribution(_on_set_distribution, distribute_tensor,
-                                _initialize)
+def _tf_distribution_lib():
+    return _compat.keras_module("backend.tensorflow.distribution_lib")
+
+
+def _announcing_distribution(original, hooks):
+    def set_global_attribute(name, value):
+        if name == "distribution":
+            hooks.on_set(value)
+        original(name, value)
+
+    return set_global_attribute
+
+
+def _device_count(_, hooks):
+    """Keras' `distribution_lib.get_device_count`, which Keras 3.15's TF
+    backend lacks: the devices its `list_devices` finds."""
+    library = _tf_distribution_lib()
+    return lambda device_type=None: len(library.list_devices(device_type))
+
+
+_KERAS_DISTRIBUTION_PATCHES = (
+    _compat.Patch("set_global_attribute", _compat.keras_global_state,
+                  "set_global_attribute", _announcing_distribution),
+    _compat.Patch("distribute_tensor", _tf_distribution_lib,
+                  "distribute_tensor",
+                  lambda _, hooks: hooks.distribute_tensor),
+    _compat.Patch("initialize", _tf_distribution_lib, "initialize",
+                  lambda _, hooks: hooks.initialize),
+    _compat.Patch("get_device_count", _tf_distribution_lib, "get_device_count",
+                  _device_count),
+)
+
+
+def hook_keras_distribution(on_set, distribute_tensor, initialize):
+    """Makes Keras' distribution API reach tfpar on the TF backend; once
+    (importing this module calls it; `_compat.uninstall` undoes it).
+
+    Keras keeps the current distribution in its global attribute
+    "distribution", written only by `keras.distribution.set_distribution`
+    (which `Distribution.scope()` calls on entry and exit) through
+    `global_state.set_global_attribute`: that writer is wrapped so that
+    `on_set(value)` runs first (and may refuse by raising), whichever
+    binding of `set_distribution` the user imported. Keras 3.15's TF
+    `distribution_lib` (a "DO NOT USE" prototype) lacks `distribute_tensor`,
+    `get_device_count` and `initialize`, which `keras.distribution` calls:
+    they are supplied (`_KERAS_DISTRIBUTION_PATCHES`). A distribution set
+    before this hook is installed is handed to `on_set` now.
+    """
+    if not _compat.install_group(
+            "keras_distribution", _KERAS_DISTRIBUTION_PATCHES,
+            types.SimpleNamespace(on_set=on_set, initialize=initialize,
+                                  distribute_tensor=distribute_tensor)):
+        return
+    current = _compat.keras_global_state().get_global_attribute("distribution")
+    if current is not None:
+        on_set(current)
+
+
+hook_keras_distribution(_on_set_distribution, distribute_tensor, _initialize)

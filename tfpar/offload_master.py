@@ -38,7 +38,7 @@ What a user reads is the master: `get_weights`, `weight.numpy()`,
 saved with "+master" restores without offload and back); `assign`,
 `set_weights`, `load_weights` and `restore_checkpoint` write w whole on
 the host and c from it. (Keras' TF Variable would cast the value to the
-storage dtype first: `tfpar._compat.MASTER_PATCHES`, installed on use.)
+storage dtype first: `MASTER_PATCHES`, installed on use.)
 A tensor or an expression of the weight (`keras.ops.convert_to_tensor(w)`,
 `kernel * 0.5` in a callback) is c, in the compute dtype: Keras computes
 in the dtype of the tf.Variable; write `kernel.numpy() * 0.5` for the
@@ -82,9 +82,31 @@ from tfpar import variables
 OPTION = "optimizer+master"
 
 
+# Keras' TF Variable casts every value it assigns to its tf.Variable's
+# dtype (`_direct_assign`). Under `offload="optimizer+master"` a weight's
+# tf.Variable is its compute-dtype copy (`tfpar.offload_master`), which
+# takes the float32 value whole into its host master and stores the cast;
+# the Keras cast would round the master first (installed by
+# `install`).
+def _master_direct_assign(original, _):
+    def direct_assign(self, value):
+        if getattr(self._value, "master", None) is not None:  # noqa: SLF001
+            return self._value.assign(value)  # noqa: SLF001
+        return original(self, value)
+
+    return direct_assign
+
+
+MASTER_PATCHES = (
+    _compat.Patch("master_assign", lambda: _compat.keras_module(
+        "backend.tensorflow.core").Variable, "_direct_assign",
+        _master_direct_assign),
+)
+
+
 def install():
-    """Installs `_compat.MASTER_PATCHES` (once; by `check`)."""
-    _compat.install_group("offload_master", _compat.MASTER_PATCHES, None)
+    """Installs `MASTER_PATCHES` (once; by `check`)."""
+    _compat.install_group("offload_master", MASTER_PATCHES, None)
 
 
 def check():

@@ -3,10 +3,12 @@
 Keras 3.15 rematerializes a layer on the TF backend with
 `tf.recompute_grad`, which refuses keyword arguments in graph mode and draws
 new Dropout masks in the recomputation. `recompute` takes its place, with
-the seed replay of `next_seed`: importing this module installs that hook
-(`install`), and so does making a `ParallelStrategy`. Without
-a strategy, `import tfpar.recompute` (or any use of `tfpar.recompute`) is
-what makes `keras.RematScope` work on TensorFlow.
+the seed replay of `next_seed` (`REMAT_PATCHES`): making a
+`ParallelStrategy` installs them (`install`); without a strategy,
+`tfpar.recompute.install()` is what makes `keras.RematScope` work on
+TensorFlow. Where a thread is in a recomputation (the stacks of
+checkpointed calls, replayed seeds and variable-read dependencies) is kept
+in `tfpar.step_context`.
 
 Example (a layer recomputed in the backward pass, the same gradients):
 
@@ -20,50 +22,19 @@ Example (a layer recomputed in the backward pass, the same gradients):
 [TensorShape([3, 4]), TensorShape([4])]
 """
 
-import contextlib
-import threading
+import functools
 import types
 
 import keras
 import tensorflow as tf
 
 from tfpar import _compat
+from tfpar import step_context
+from tfpar.step_context import pushed
 
-_RECOMPUTING = threading.local()
 # Keras' per-thread attributes a layer's call reads: its `training` value
 # and mixed-precision autocast. The recomputation runs with the forward's.
 _KERAS_CALL_CONTEXT = ("current_call_ctx", "autocast_scope")
-
-
-def _stack(name):
-    return _RECOMPUTING.__dict__.setdefault(name, [])
-
-
-@contextlib.contextmanager
-def _pushed(name, value):
-    """`value` on top of this thread's stack `name` inside the block."""
-    stack = _stack(name)
-    stack.append(value)
-    try:
-        yield value
-    finally:
-        stack.pop()
-
-
-def layout_free_draw():
-    """A context for drawing a seed whose random numbers do not depend on
-    how DTensor lays the tensor out (`_compat`'s one-device Dropout draws
-    them whole on every device): replaying it in a recomputation gives the
-    forward pass's mask on any mesh, so it is not refused."""
-    return _pushed("layout_free", True)
-
-
-def recompute_dependency():
-    """While a layer is recomputed in the backward pass (see `recompute`):
-    a scalar 0.0 computed from the upstream gradient. A variable read that
-    must run again there adds it to its value. None at any other time."""
-    stack = _stack("dependencies")
-    return stack[-1] if stack else None
 
 
 class _Seeds:
@@ -79,9 +50,9 @@ class _Seeds:
 def next_seed(generator, original, check_replay, ordered=True):
     """`keras.random.SeedGenerator.next`, replaying inside a recomputation
     (after `check_replay(generator)`, which may refuse)."""
-    frames = _stack("seeds")
+    frames = step_context.stack("seeds")
     if frames and frames[-1].replaying:
-        if not _stack("layout_free"):
+        if not step_context.layout_free():
             check_replay(generator)
         if not frames[-1].values:
             raise RuntimeError(
@@ -118,7 +89,7 @@ class _Call:
         for i, tensor in zip(self.at, tensors):
             filled[i] = tensor
         args, kwargs = tf.nest.pack_sequence_as(self.structure, filled)
-        with _pushed("checkpoints", self.f):
+        with pushed("checkpoints", self.f):
             return self.f(*args, **kwargs)
 
 
@@ -144,8 +115,8 @@ def _recomputed_gradients(call, tensors, seeds, context, upstream, variables):
             tf.GradientTape() as tape:
         tape.watch([t for t in again if t.dtype.is_floating])
         tape.watch(variables)
-        with _pushed("dependencies", zero), \
-                _pushed("seeds", _Seeds(seeds.values, True)) as replay, \
+        with pushed("dependencies", zero), \
+                pushed("seeds", _Seeds(seeds.values, True)) as replay, \
                 keras.StatelessScope():
             recomputed = call.run(*again)
     if replay.values:
@@ -178,7 +149,7 @@ def _checkpointed(call):
     @tf.custom_gradient
     def checkpointed(*tensors):
         # Keep no intermediate results; note the seeds drawn.
-        with _compat.stop_recording(), _pushed("seeds", _Seeds()) as seeds:
+        with _compat.stop_recording(), pushed("seeds", _Seeds()) as seeds:
             result = call.run(*tensors)
 
         def grad(*upstream, variables=None):
@@ -203,17 +174,18 @@ def recompute(f):
     mask); it waits for the upstream gradient through one all-reduced
     scalar, 0.0 (NaN if that gradient is NaN), where `tf.recompute_grad`
     takes the upstream gradient's first element, which DTensor turns into
-    an all-gather of the whole tensor; and `recompute_dependency()` hands
-    that scalar to variable reads, so an fsdp weight is gathered again in
-    the backward pass instead of the forward gather being kept (the
-    compiler merges identical reads). A checkpointed call inside another
+    an all-gather of the whole tensor; and
+    `step_context.recompute_dependency()` hands that scalar to variable
+    reads, so an fsdp weight is gathered again in the backward pass instead
+    of the forward gather being kept (the compiler merges identical
+    reads). A checkpointed call inside another
     (a recomputed layer's sublayers) runs plainly: the outer checkpoint
     recomputes it once. Without a gradient tape (predict, evaluate) `f`
     just runs.
     """
 
     def call(*args, **kwargs):
-        if not _compat.could_record() or _stack("checkpoints"):
+        if not _compat.could_record() or step_context.stack("checkpoints"):
             return f(*args, **kwargs)
         layer = getattr(f, "__self__", None)  # a Layer's call (or an op's)
         if not hasattr(layer, "losses"):
@@ -232,21 +204,73 @@ def recompute(f):
     return call
 
 
-def _check_replay(generator):
-    """Refuses a replayed random op where DTensor could draw another mask
-    (`tfpar.strategy._check_random_recomputation`)."""
-    from tfpar import strategy  # noqa: PLC0415 (strategy installs this module)
+def _check_random_recomputation(generator):
+    """Refuses to recompute a random op on a mesh that splits tensors over
+    more than the data (and pipeline) axis.
 
-    strategy._check_random_recomputation(generator)  # noqa: SLF001
+    A recomputation draws the forward pass's seed again, but DTensor
+    derives each device's random numbers from the seed and the tensor's
+    layout, and the recomputed tensor may be laid out otherwise: on
+    data=2×model=4, BatchNormalization then Dropout drew another mask in
+    the recomputation before Dropout drew its numbers whole. Keras'
+    dropout, normal, uniform, truncated_normal and randint now draw whole
+    on every device in a step (`step_context.layout_free_draw`, not checked
+    here: GaussianNoise, GaussianDropout, AlphaDropout, SpatialDropout...),
+    and so does shuffle's; gamma, beta and binomial are refused in any step
+    (DTensor cannot lay them out); other draws from a seed generator
+    (keras.random.categorical, a TF op on `SeedGenerator.next()`) may
+    still draw per block. On data (× pipe) meshes tensors are split by the
+    batch alone, and the numbers are the same.
+    """
+    extended = step_context.step_extended()
+    if extended is None:
+        return
+    other = extended.dims.model_axes
+    if other:
+        raise ValueError(
+            "A recomputed layer (keras.RematScope) draws random numbers "
+            f"(seed generator {generator.name!r}) with an op tfpar cannot "
+            "draw as one device (e.g. keras.random.categorical or a "
+            "tf.random op on the generator's seed; Keras' dropout, normal, "
+            "uniform, truncated_normal, randint and shuffle are fine, so are "
+            "the layers using them) on a mesh "
+            f"that also splits tensors over {other}: DTensor may lay the "
+            "recomputed tensor out differently from the forward pass and "
+            "draw another mask, so the gradients would be wrong. Leave "
+            "layers with random ops out of the RematScope (e.g. mode="
+            "'list_of_layers'), or recompute them on a data-only mesh. "
+            f"Received mesh: {extended.mesh!r}.")
+
+
+def _keras_tf_core():
+    return _compat.keras_module("backend.tensorflow.core")
+
+
+def _seed_generator():
+    return _compat.keras_module("random.seed_generator").SeedGenerator
+
+
+# Keras 3.15 rematerializes (`keras.RematScope`, `keras.remat`) with
+# `tf.recompute_grad(call)` called with the layer's keyword arguments, which
+# `tf.custom_gradient` refuses in graph mode: `RematScope(mode="full")` fails
+# in any `fit`, even on one device (tests/test_recompute.py), and new Dropout
+# masks would be drawn. `recompute` replaces Keras' TF `remat`, and
+# `SeedGenerator.next` replays seeds inside a recomputation (`next_seed`).
+REMAT_PATCHES = (
+    _compat.Patch("remat", _keras_tf_core, "remat",
+                  lambda _, hooks: hooks.recompute),
+    _compat.Patch("seed_next", _seed_generator, "next",
+                  lambda original, hooks: functools.partialmethod(
+                      hooks.next_seed, original, hooks.check_replay)),
+)
 
 
 def install():
-    """Installs `_compat.REMAT_PATCHES`: Keras' TF `remat` is `recompute`,
-    seeds replayed by `next_seed`; idempotent. Importing this module calls
-    it, so that `keras.RematScope` works on TensorFlow without a strategy
-    too; `_compat.install` (a strategy) does as well."""
-    _compat.install_group("remat", _compat.REMAT_PATCHES, types.SimpleNamespace(
-        recompute=recompute, next_seed=next_seed, check_replay=_check_replay))
-
-
-install()  # this module's opt-in
+    """Installs `REMAT_PATCHES`: Keras' TF `remat` is `recompute`, seeds
+    replayed by `next_seed` (refused by `_check_random_recomputation` where
+    DTensor could draw another mask); idempotent. Making a
+    `ParallelStrategy` calls it; without a strategy, calling it is the
+    opt-in that makes `keras.RematScope` work on TensorFlow."""
+    _compat.install_group("remat", REMAT_PATCHES, types.SimpleNamespace(
+        recompute=recompute, next_seed=next_seed,
+        check_replay=_check_random_recomputation))

@@ -1,6 +1,6 @@
 """Ops DTensor 2.21 can lay out, standing in for Keras/TF ones in a step.
 
-Inside a tfpar step (`tfpar/_compat.py` installs the hooks when the first
+Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
 TF's `ConcatV2`, RandomCrop's drawn window and TF's `tensor[key]` use

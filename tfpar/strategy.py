@@ -20,15 +20,19 @@ import types
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+import keras
+
 from tfpar import _compat
-from tfpar import collectives
 from tfpar import inputs
 from tfpar import layout as layout_lib
+from tfpar import patches
 from tfpar import placement
-from tfpar import styles
+from tfpar import recompute
+from tfpar import training
 from tfpar import variables as variables_lib
 from tfpar import parallel_dims
 from tfpar.parallel_dims import ParallelDims
+from tfpar.step_context import ReplicaScope
 from tfpar.variables import ShardedVariable
 
 
@@ -140,7 +144,7 @@ class ParallelStrategy(tf.distribute.Strategy):
                  virtual_stages=None, offload_devices=None):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
-        _compat.install()  # tfpar's Keras/TF hooks, once per process
+        _install_patches()  # tfpar's Keras/TF hooks, once per process
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
                             reshard_after_forward, offload, per_host_input,
                             model_axis, virtual_stages, offload_devices)
@@ -301,7 +305,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         """Enters the strategy scope and its single SPMD replica context."""
         self.check_context()
         self.registry.check_rules_used()
-        return _ReplicaScope(self._container_strategy())
+        return ReplicaScope(self._container_strategy())
 
 
     def replicate(self, value):
@@ -471,98 +475,57 @@ def _adopt_and_offload(model, strategy):
 
 
 def compat_hooks():
-    """What `tfpar._compat`'s patches of Keras ask tfpar (their `hooks`),
-    in one place: whether a strategy is tfpar's, whether a step is being
-    traced, and the functions the routed Keras entry points call."""
-    from tfpar import recompute  # noqa: PLC0415 (it imports this module)
-    from tfpar import training  # noqa: PLC0415 (training imports this module)
+    """What tfpar's patches of Keras ask the strategy (their `hooks`, see
+    `tfpar.patches`), in one place: whether a strategy is tfpar's, whether
+    a graph is traced under one, and the functions the routed Keras entry
+    points call."""
 
     def owns(candidate):
         return isinstance(candidate, ParallelStrategy)
 
     return types.SimpleNamespace(
-        function_for=training.keras_function_for,
+        function_for=keras_function_for,
         eager_call=training.eager_model_call,
         owns=owns,
-        in_step=in_spmd_step,
         in_graph_step=lambda: not tf.executing_eagerly() and owns(
             tf.distribute.get_strategy()),
-        strategy_of_layer=training.strategy_of_layer,
-        adopt_optimizer=_adopt_and_offload,
-        replicate_in_step=lambda: tf.distribute.get_strategy().extended.replicate
-        if in_spmd_step() else None,
-        layout_free_draw=recompute.layout_free_draw)
+        strategy_of_layer=strategy_of_layer,
+        adopt_optimizer=_adopt_and_offload)
 
 
-def _check_random_recomputation(generator):
-    """Refuses to recompute a random op on a mesh that splits tensors over
-    more than the data (and pipeline) axis.
-
-    A recomputation draws the forward pass's seed again, but DTensor
-    derives each device's random numbers from the seed and the tensor's
-    layout, and the recomputed tensor may be laid out otherwise: on
-    data=2×model=4, BatchNormalization then Dropout drew another mask in
-    the recomputation before Dropout drew its numbers whole. Keras'
-    dropout, normal, uniform, truncated_normal and randint now draw whole
-    on every device in a step (`recompute.layout_free_draw`, not checked
-    here: GaussianNoise, GaussianDropout, AlphaDropout, SpatialDropout...),
-    and so does shuffle's; gamma, beta and binomial are refused in any step
-    (DTensor cannot lay them out); other draws from a seed generator
-    (keras.random.categorical, a TF op on `SeedGenerator.next()`) may
-    still draw per block. On data (× pipe) meshes tensors are split by the
-    batch alone, and the numbers are the same.
-    """
-    context = tf.distribute.get_replica_context()
-    if not isinstance(context, _SPMDReplicaContext):
-        return
-    extended = context.strategy.extended
-    other = extended.dims.model_axes
-    if other:
-        raise ValueError(
-            "A recomputed layer (keras.RematScope) draws random numbers "
-            f"(seed generator {generator.name!r}) with an op tfpar cannot "
-            "draw as one device (e.g. keras.random.categorical or a "
-            "tf.random op on the generator's seed; Keras' dropout, normal, "
-            "uniform, truncated_normal, randint and shuffle are fine, so are "
-            "the layers using them) on a mesh "
-            f"that also splits tensors over {other}: DTensor may lay the "
-            "recomputed tensor out differently from the forward pass and "
-            "draw another mask, so the gradients would be wrong. Leave "
-            "layers with random ops out of the RematScope (e.g. mode="
-            "'list_of_layers'), or recompute them on a data-only mesh. "
-            f"Received mesh: {extended.mesh!r}.")
+def _install_patches():
+    """The strategy's patches (`tfpar.patches`) and recomputation's
+    (`tfpar.recompute`); once per process."""
+    patches.install(compat_hooks())
+    recompute.install()
 
 
-def in_spmd_step():
-    """Whether the code runs inside a tfpar SPMD step (a traced step)."""
-    return isinstance(tf.distribute.get_replica_context(), _SPMDReplicaContext)
+def keras_function_for(model, mode):
+    """`training.keras_function` under the strategy `model` belongs to; None
+    (Keras' own function) for a model of no ParallelStrategy."""
+    strategy = model.distribute_strategy
+    if not isinstance(strategy, ParallelStrategy):
+        # e.g. keras.Model(model.inputs, model.get_layer(...).output) made
+        # outside the scope from layers whose weights live on a mesh.
+        strategy = owning_strategy(model)
+    if strategy is None:
+        return None
+    return training.keras_function(strategy.extended, model, mode)
 
 
-class _SPMDReplicaContext(tf.distribute.ReplicaContext):
-    """The single replica of an SPMD program: reductions are identities."""
-
-    def __init__(self, strategy):
-        super().__init__(strategy, replica_id_in_sync_group=0)
-
-    def all_reduce(self, reduce_op, value, options=None):
-        return value
-
-    def all_gather(self, value, axis, options=None):
-        return value
+def owning_strategy(model):
+    """The ParallelStrategy that made `model`'s weights, or None."""
+    for weight in model.weights:
+        backing = _compat.backing_variable(weight)
+        if isinstance(backing, ShardedVariable):
+            extended = backing._tfpar_extended()  # noqa: SLF001
+            return None if extended is None else extended._container_strategy()  # noqa: SLF001
+    return None
 
 
-class _ReplicaScope:
-    """`with strategy.scope(), _SPMDReplicaContext(strategy):` as one."""
-
-    def __init__(self, strategy):
-        self._scope = strategy.scope()
-        self._context = _SPMDReplicaContext(strategy)
-
-    def __enter__(self):
-        self._scope.__enter__()
-        self._context.__enter__()
-
-    def __exit__(self, *exc):
-        self._context.__exit__(*exc)
-        self._scope.__exit__(*exc)
-
+def strategy_of_layer(owner):
+    """The ParallelStrategy that made the weights of Keras layer `owner`,
+    or None (not a layer, or weights not on a mesh)."""
+    if not isinstance(owner, keras.layers.Layer):
+        return None
+    return owning_strategy(owner)

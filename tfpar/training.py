@@ -2,8 +2,8 @@
 under a ParallelStrategy: the step runners and the routing to them.
 
 Keras builds its step functions for per-replica strategies. Under a
-`ParallelStrategy` tfpar builds them instead (`_compat` routes
-`make_train_function` and friends to `keras_function_for` here), because
+`ParallelStrategy` tfpar builds them instead (`tfpar.patches` routes
+`make_train_function` and friends to `keras_function` here), because
 one SPMD program needs its inputs placed on the mesh before the
 `tf.function` is entered, and because running several steps per call is the
 main lever on speed. One `Runner` base compiles the step (`tf.function`, or
@@ -37,6 +37,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import compile_errors
 from tfpar import inputs as inputs_lib
+from tfpar import logs
 from tfpar import placement
 
 
@@ -259,7 +260,7 @@ def make_function(model, extended, mode, runner=None):
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
-            with _compat.quiet_cpp_info_logs():
+            with logs.quiet_cpp_info_logs():
                 return runner.run([inputs_lib.host_batch(b) for b in data])
 
         return predict_function
@@ -274,7 +275,7 @@ def make_function(model, extended, mode, runner=None):
                 break
         if not batches:
             raise StopIteration
-        with _compat.quiet_cpp_info_logs():  # DTensor's per-shape INFO lines
+        with logs.quiet_cpp_info_logs():  # DTensor's per-shape INFO lines
             return runner.run(batches)
 
     return function
@@ -322,43 +323,6 @@ def keras_function(extended, model, mode):
         return make_generate_function(model, extended)
     return compile_errors.explaining(
         make_function(model, extended, mode), model, extended, mode)
-
-
-def keras_function_for(model, mode):
-    """`keras_function` under the strategy `model` belongs to; None (Keras'
-    own function) for a model of no ParallelStrategy."""
-    from tfpar import strategy as strategy_lib  # noqa: PLC0415 (a cycle)
-
-    strategy = model.distribute_strategy
-    if not isinstance(strategy, strategy_lib.ParallelStrategy):
-        # e.g. keras.Model(model.inputs, model.get_layer(...).output) made
-        # outside the scope from layers whose weights live on a mesh.
-        strategy = owning_strategy(model)
-    if strategy is None:
-        return None
-    return keras_function(strategy.extended, model, mode)
-
-
-def owning_strategy(model):
-    """The ParallelStrategy that made `model`'s weights, or None."""
-    from tfpar import strategy as strategy_lib  # noqa: PLC0415 (a cycle)
-
-    for weight in model.weights:
-        backing = _compat.backing_variable(weight)
-        if isinstance(backing, strategy_lib.ShardedVariable):
-            extended = backing._tfpar_extended()  # noqa: SLF001
-            return None if extended is None else extended._container_strategy()  # noqa: SLF001
-    return None
-
-
-def strategy_of_layer(owner):
-    """The ParallelStrategy that made the weights of Keras layer `owner`,
-    or None (not a layer, or weights not on a mesh)."""
-    import keras  # noqa: PLC0415
-
-    if not isinstance(owner, keras.layers.Layer):
-        return None
-    return owning_strategy(owner)
 
 
 def eager_model_call(strategy, call, model, args, kwargs):

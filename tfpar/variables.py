@@ -33,6 +33,7 @@ from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import collectives
 from tfpar import placement as placement_lib
+from tfpar import step_context
 from tfpar import styles
 from tfpar.keras_graph import owning_layers
 
@@ -82,12 +83,6 @@ def placement_of(variable):
     return getattr(_compat.backing_variable(variable), "placement", None)
 
 
-def _strategy_module():
-    from tfpar import strategy  # noqa: PLC0415 (strategy imports this module)
-
-    return strategy
-
-
 class ShardedVariable(_compat.DVariable):
     """A DTensor variable that accepts host values like a plain tf.Variable.
 
@@ -123,11 +118,9 @@ class ShardedVariable(_compat.DVariable):
         value = super()._read_variable_op(no_copy=no_copy)
         # In a step's replica context; optimizer updates run in the
         # cross-replica context (extended.update's merge_call).
-        strategy = _strategy_module()
         if (self.placement.gathered and not tf.executing_eagerly()
-                and strategy.in_spmd_step()):
-            from tfpar import recompute  # noqa: PLC0415 (imports us)
-            again = recompute.recompute_dependency()
+                and step_context.in_spmd_step()):
+            again = step_context.recompute_dependency()
             extended = self._tfpar_extended()
             reshard = (again is None and extended is not None
                        and extended.reshard_after_forward)

@@ -1,0 +1,390 @@
+"""Keras and TF ops replaced inside a tfpar step (installed with the
+strategy's patches, `tfpar.patches.install`).
+
+Inside a step (`tfpar.step_context.in_spmd_step`) each of these runs
+instead of Keras' or TF's op: ops DTensor 2.21 cannot lay out, or lays out
+wrongly, become the `tfpar.spmd_ops` that give the same values, and
+Keras' random draws give the numbers one device draws. Outside a step the
+original op runs, after one check (the fast path every Keras op takes).
+The factories' `hooks` are the strategy's (`tfpar.patches`): `owns` and
+`in_graph_step`.
+"""
+
+import functools
+
+import tensorflow as tf
+
+from tfpar import _compat
+from tfpar import spmd_ops
+from tfpar.step_context import in_spmd_step
+from tfpar.step_context import layout_free_draw
+from tfpar.step_context import replicate_in_step
+
+
+def _keras_random():
+    return _compat.keras_module("backend.tensorflow.random")
+
+
+def _keras_numpy():
+    return _compat.keras_module("backend.tensorflow.numpy")
+
+
+def _tf_core():
+    return _compat.keras_module("backend.tensorflow.core")
+
+
+def _gen_array_ops():
+    return _compat.tf_python_module("ops.gen_array_ops")
+
+
+def _batch_normalization():
+    return _compat.keras_module(
+        "layers.normalization.batch_normalization").BatchNormalization
+
+
+def _random_crop():
+    return _compat.keras_module(
+        "layers.preprocessing.image_preprocessing.random_crop").RandomCrop
+
+
+def _dense_slice_update_in_step(original, hooks):
+    """`keras.ops.slice_update` as `spmd_ops.dense_slice_update` in a step:
+    Keras' TF backend writes it with XLA's DynamicUpdateSlice, which
+    DTensor 2.21 cannot lay out ("'tf.XlaDynamicUpdateSlice' op does not
+    implement layout propagation"): keras-hub's KV cache updates failed in
+    `generate()` (tests/test_generate.py). Elsewhere Keras' op runs."""
+    def slice_update(inputs, start_indices, updates):
+        if in_spmd_step():
+            return spmd_ops.dense_slice_update(inputs, start_indices, updates)
+        return original(inputs, start_indices, updates)
+
+    return slice_update
+
+
+def _indexing_keeping_dims_in_step(original, hooks):
+    """`tensor[key]` as `spmd_ops.index_keeping_dims` in a step (when it
+    applies); elsewhere TF's indexing runs."""
+    def __getitem__(self, key):
+        if in_spmd_step():
+            result = spmd_ops.index_keeping_dims(self, key)
+            if result is not None:
+                return result
+        return original(self, key)
+
+    return __getitem__
+
+
+def _gumbel_categorical_in_step(original, hooks):
+    """`keras.random.categorical` as `spmd_ops.gumbel_categorical` in a
+    step: Keras' TF op is StatelessMultinomial, which DTensor 2.21 cannot
+    lay out ("'tf.StatelessMultinomial' op does not implement layout
+    propagation"): keras-hub's top-k, top-p and random samplers failed.
+    Elsewhere Keras' op runs."""
+    tf_random = _keras_random()
+
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        replicate = replicate_in_step()
+        if replicate is None:
+            return original(logits, num_samples, dtype=dtype, seed=seed)
+        seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        return tf.cast(spmd_ops.gumbel_categorical(
+            logits, num_samples, seed, replicate), dtype)
+
+    return categorical
+
+
+def _one_device_dropout_in_step(original, hooks):
+    """Keras' TF `random.dropout` in a step, with the mask one device draws.
+
+    DTensor draws a split tensor's random numbers block by block, from the
+    seed and the device's place in the mesh, so on a data mesh Dropout
+    kept other elements than one device (tests/test_fuzz_models.py). Here
+    the uniform numbers u are laid out whole on every device (`replicate`)
+    and the mask is cut to the input's blocks where it is used, so element
+    i is kept iff u_i >= rate as on one device, and the kept ones are
+    scaled by 1 / (1 - rate) (TF's `stateless_dropout`, the same op Keras
+    calls). Each device draws every number of the tensor (not only its
+    block's): the cost of the parity. The mask no longer depends on the
+    layout, so recomputing the layer (which replays its seed) is allowed on
+    any mesh. Outside a step Keras' op runs."""
+    tf_random = _keras_random()
+
+    @functools.wraps(original)
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        replicate = replicate_in_step()
+        if replicate is None or rate in (0.0, 1.0):
+            return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        with layout_free_draw():  # a recomputation may replay it
+            seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        noise_shape = tf_random._get_concrete_noise_shape(  # noqa: SLF001
+            inputs, noise_shape)
+
+        def whole_uniform(shape, dtype):
+            return replicate(tf.random.stateless_uniform(shape, seed=seed,
+                                                         dtype=dtype))
+
+        return tf.nn.experimental.general_dropout(
+            inputs, rate, whole_uniform, noise_shape=noise_shape)
+
+    return dropout
+
+
+# Keras' TF random ops that draw numbers of a given shape (no tensor input
+# but the shape and the seed): GaussianNoise, GaussianDropout (normal),
+# AlphaDropout, RandomFlip and the other preprocessing layers (uniform),
+# and layers of one's own with a SeedGenerator.
+SHAPED_DRAWS = ("normal", "uniform", "truncated_normal", "randint")
+
+
+def _one_device_draw_in_step(original, hooks):
+    """A Keras TF random op of `SHAPED_DRAWS` in a step, drawing the numbers
+    one device draws.
+
+    DTensor draws a split tensor's random numbers block by block, from the
+    seed and the device's place in the mesh, so GaussianNoise on a data
+    mesh added other noise than one device. Here the draw's only consumer
+    is `replicate`, so DTensor lays it out whole on every device: each
+    number n_i is TF's stateless draw at index i of the global shape from
+    Keras' seed, as on one device, and the ops using it cut it to their
+    operands' blocks. Each device draws every number of the tensor (not
+    only its block's): the cost of the parity. The numbers no longer depend
+    on the layout, so recomputing the layer (which replays its seed) is
+    allowed on any mesh. Outside a step Keras' op runs."""
+
+    @functools.wraps(original)
+    def draw(*args, **kwargs):
+        replicate = replicate_in_step()
+        if replicate is None:
+            return original(*args, **kwargs)
+        with layout_free_draw():  # a recomputation may replay it
+            return replicate(original(*args, **kwargs))
+
+    return draw
+
+
+def _one_device_shuffle_in_step(original, hooks):
+    """Keras' TF `random.shuffle` in a step, with one device's permutation:
+    Keras' own code (the argsort of uniform numbers, one per element along
+    `axis`, and a gather) with the uniform numbers laid out whole on every
+    device (`replicate`), as `_one_device_draw_in_step` draws them; DTensor
+    would otherwise draw them per block where the gather's operand is split.
+    Outside a step Keras' op runs."""
+    tf_random = _keras_random()
+
+    @functools.wraps(original)
+    def shuffle(x, axis=0, seed=None):
+        replicate = replicate_in_step()
+        if replicate is None:
+            return original(x, axis=axis, seed=seed)
+        with layout_free_draw():  # a recomputation may replay it
+            seed = tf_random._cast_seed(tf_random.draw_seed(seed))  # noqa: SLF001
+        x = tf.convert_to_tensor(x)
+        numbers = replicate(tf.random.stateless_uniform(
+            shape=[tf.shape(x)[axis]], seed=seed))
+        # Whole too: DTensor asked TopKV2 for a split output when recomputed
+        # under tensor parallelism ("The last dimensions of TopKV2Op
+        # outputs should be UNSHARDED").
+        return tf.gather(x, replicate(tf.argsort(numbers)), axis=axis)
+
+    return shuffle
+
+
+# Keras' TF random ops whose TF op DTensor 2.21 cannot lay out at all, not
+# even replicated ("does not implement layout propagation",
+# tests/dtensor_random_gamma_repro.py): refused when a step is traced.
+REFUSED_DRAWS = {"gamma": "StatelessRandomGammaV3",
+                 "beta": "StatelessRandomGammaV3",
+                 "binomial": "StatelessRandomBinomial"}
+
+
+def _refused_draw_in_step(name):
+    """The factory of a Keras random op of `REFUSED_DRAWS` that raises a
+    ValueError in a step (before the step runs: no weight changes), naming
+    the op, where it was called and what to do instead; elsewhere Keras'
+    op runs."""
+
+    def make(original, hooks):
+        @functools.wraps(original)
+        def draw(*args, **kwargs):
+            if not in_spmd_step():
+                return original(*args, **kwargs)
+            raise ValueError(
+                f"keras.random.{name} cannot run in a tfpar step: DTensor "
+                f"(TF 2.21) cannot lay out TF's {REFUSED_DRAWS[name]} op, "
+                "not even replicated (tests/dtensor_random_gamma_repro.py). "
+                "Draw these numbers outside the model, e.g. in the input "
+                "pipeline (tf.data .map with tf.random.stateless_"
+                f"{'binomial' if name == 'binomial' else 'gamma'}) and pass "
+                "them in as an input, or draw with an op tfpar runs as one "
+                "device (keras.random.normal, uniform, truncated_normal, "
+                "randint, dropout, shuffle). Received: keras.random."
+                f"{name} called under {tf.get_current_name_scope()!r}.")
+
+        return draw
+
+    return make
+
+
+def _gathered_flip_in_step(original, hooks):
+    """Keras' TF `numpy.flip` as `spmd_ops.reverse_by_gather` in a step
+    (DTensor cannot lay out TF's ReverseV2: RandomFlip failed); elsewhere
+    Keras' op runs."""
+    @functools.wraps(original)
+    def flip(x, axis=None):
+        if not in_spmd_step():
+            return original(x, axis=axis)
+        x = tf.convert_to_tensor(x)
+        return spmd_ops.reverse_by_gather(
+            x, range(x.shape.rank) if axis is None else axis)
+
+    return flip
+
+
+def _concat_whole_along_axis_in_step(original, hooks):
+    """TF's `ConcatV2` (`tf.concat`, Keras' `concatenate`, a user layer's
+    own `tf.concat(..., axis=-1)`) as `spmd_ops.concat_whole_along_axis` in
+    a graph step: DTensor 2.21 concatenated each device's blocks when a
+    consumer split the joined dimension and the axis was negative (a silent
+    wrong result found by the fuzzing, tests/dtensor_concat_axis_repro.py).
+    Elsewhere TF's op runs."""
+    @functools.wraps(original)
+    def concat_v2(values, axis, name=None):
+        if not hooks.in_graph_step():
+            return original(values, axis, name=name)
+        return spmd_ops.concat_whole_along_axis(
+            values, axis, functools.partial(original, name=name))
+
+    return concat_v2
+
+
+def _random_crop_under_tfpar(original, hooks):
+    """Keras' `RandomCrop.transform_images` under a tfpar strategy.
+
+    At inference (training=False): the largest centred window of the target
+    aspect ratio, resized to (height, width), as Keras' docstring says.
+    Keras 3.15 returns the image uncropped there (keras-team/keras#21868),
+    and under any tf.distribute strategy (tfpar's, MirroredStrategy) Keras
+    builds the model before `fit` with an inference call, so the next
+    layer, built for 6x6 images, saw 8x8 ones: a Keras shape error before
+    training (one device's `predict` fails the same way).
+    In training, in a step: the drawn window cut by
+    `spmd_ops.crop_by_gather` (the same values as Keras' slice, which
+    DTensor lays out wrongly). Elsewhere Keras' runs. (Bounding boxes and
+    segmentation masks are Keras' own: untested under tfpar.)"""
+    @functools.wraps(original)
+    def transform_images(self, images, transformation, training=True):
+        if not hooks.owns(tf.distribute.get_strategy()):
+            return original(self, images, transformation, training=training)
+        if not training:
+            images = self.backend.image.resize(
+                self.backend.cast(images, self.compute_dtype),
+                size=(self.height, self.width), crop_to_aspect_ratio=True,
+                data_format=self.data_format)
+        elif in_spmd_step() and all(
+                isinstance(s, tf.Tensor) for s in transformation):
+            images = spmd_ops.crop_by_gather(
+                images, transformation, (self.height, self.width),
+                (self.height_axis, self.width_axis))
+        else:
+            return original(self, images, transformation, training=training)
+        return self.backend.cast(images, self.compute_dtype)
+
+    return transform_images
+
+
+def _replicated_batch_moments_in_step(original, hooks):
+    """BatchNormalization's batch mean and variance (one number per
+    feature) laid out whole on every device in a step.
+
+    With `moving_mean` split by a rule (over any axis), DTensor 2.21 asks
+    the tf.Mean of a Dense's output for the moving mean's layout and fails
+    in its SPMD expansion ("EmitAllScatter was passed a desired_layout ...
+    not more sharded"; found by the fuzzing on extra=2 × model=2 × data=2,
+    minimal on model=2: Dense -> BatchNormalization,
+    tests/test_batch_normalization_rules.py). Replicated, the statistics are the same
+    numbers and the ops using them cut them to their operands' blocks: an
+    all-gather of a vector per feature at most. Only when `moving_mean` is
+    split (a split `moving_variance` alone trains as it is; with this
+    relayout some of those cases fail compiling, and DTensor's own errors
+    for gamma/beta rules stand); elsewhere Keras' runs."""
+
+    def split(variable):
+        place = getattr(_compat.backing_variable(variable), "placement", None)
+        return place is not None and any(place.spec)
+
+    @functools.wraps(original)
+    def _moments(self, inputs, mask):
+        mean, variance = original(self, inputs, mask)
+        replicate = replicate_in_step()
+        if replicate is None or not split(self.moving_mean):
+            return mean, variance
+        return replicate(mean), replicate(variance)
+
+    return _moments
+
+
+def _activation_einsum_in_step(original, hooks):
+    """Keras' TF `ops.einsum` of two activations (rank >= 4) as
+    `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
+    failed in keras-hub's cached Gemma attention split by heads ("TransposeOp
+    SPMD needs communication is not supported yet", tests/test_generate.py).
+    Elsewhere, and for weights (EinsumDense), Keras' einsum runs."""
+    @functools.wraps(original)
+    def einsum(subscripts, *operands, **kwargs):
+        if in_spmd_step() and len(operands) == 2 and not kwargs:
+            result = spmd_ops.activation_einsum(subscripts, *operands)
+            if result is not None:
+                return result
+        return original(subscripts, *operands, **kwargs)
+
+    return einsum
+
+
+def _static_sparse_division(original, hooks):
+    """Keras' TF `ops.divide(sparse, dense)` with static shapes in a graph
+    step.
+
+    Keras divides an IndexedSlices gradient by a dense tensor (Adagrad,
+    RMSprop, Adadelta: lr * g / sqrt(accumulator + eps)) inside a `tf.cond`
+    whose one branch adds the rows where the divisor is zero or NaN: a
+    dynamic number of rows, which DTensor 2.21 mis-expands when the table
+    is split over a model axis ("SPMD expansion resulted in op output
+    inconsistent with the provided layout"). `spmd_ops.sparse_quotient`
+    gives the same slices without the branch.
+    """
+    @functools.wraps(original)
+    def divide(x1, x2):
+        if (isinstance(x1, tf.IndexedSlices) and isinstance(x2, tf.Tensor)
+                and x2.shape.rank and x2.dtype.is_floating
+                and hooks.in_graph_step()):
+            return spmd_ops.sparse_quotient(x1, x2, original)
+        return original(x1, x2)
+
+    return divide
+
+
+PATCHES = (
+    _compat.Patch("divide", _keras_numpy, "divide", _static_sparse_division),
+    _compat.Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
+    _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
+    _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
+                  _concat_whole_along_axis_in_step),
+    _compat.Patch("slice_update", _tf_core, "slice_update",
+                  _dense_slice_update_in_step),
+    _compat.Patch("tensor_getitem", lambda: tf.Tensor, "__getitem__",
+                  _indexing_keeping_dims_in_step),
+    _compat.Patch("categorical", _keras_random, "categorical",
+                  _gumbel_categorical_in_step),
+    _compat.Patch("dropout", _keras_random, "dropout",
+                  _one_device_dropout_in_step),
+    *(_compat.Patch(name, _keras_random, name, _one_device_draw_in_step)
+      for name in SHAPED_DRAWS),
+    _compat.Patch("random_crop", _random_crop, "transform_images",
+                  _random_crop_under_tfpar),
+    _compat.Patch("shuffle", _keras_random, "shuffle",
+                  _one_device_shuffle_in_step),
+    *(_compat.Patch(name, _keras_random, name, _refused_draw_in_step(name))
+      for name in REFUSED_DRAWS),
+    _compat.Patch("batch_moments", _batch_normalization, "_moments",
+                  _replicated_batch_moments_in_step),
+)

@@ -422,7 +422,7 @@ def test_docstring_example_runs():
     mesh device, 1088 of float32 masters on its host device."""
     import doctest  # noqa: PLC0415
 
-    from tfpar import offload_master  # noqa: PLC0415
+    from tfpar.offload import master as offload_master  # noqa: PLC0415
 
     result = doctest.testmod(offload_master, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -24,8 +24,11 @@ from tfpar import _compat
 from tfpar import collectives
 from tfpar import inputs
 from tfpar import layout as layout_lib
+from tfpar import offload
 from tfpar import placement
+from tfpar import runners
 from tfpar import styles
+from tfpar import training
 from tfpar import variables as variables_lib
 from tfpar import parallel_dims
 from tfpar.parallel_dims import ParallelDims
@@ -423,6 +426,22 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             "strategy.distribute_datasets_from_function(fn) instead."
         )
 
+    # -- what a step runs on: the runner, the optimizer's state ----------------
+
+    def make_runner(self, model, mode):
+        """The `tfpar.training.Runner` of `model`'s Keras step `mode`
+        ("train", "test", "predict"), from the table of step runners
+        (`tfpar.runners.RUNNERS`)."""
+        return runners.make_runner(model, self, mode)
+
+    def place_optimizer_state(self, optimizer, mesh=None):
+        """Where (unbuilt) `optimizer` of the weights on `mesh` (the mesh,
+        or a pipeline stage's) keeps its state: under offload="optimizer"
+        its host devices (`tfpar.offload.attach`), else beside the weights
+        (nothing to do)."""
+        if self.dims.offload is not None:
+            offload.attach(optimizer, self._container_strategy(), mesh)
+
 
 def adopt_optimizer(model, strategy):
     """Makes sure `model.optimizer` was created under `strategy` (its
@@ -462,12 +481,9 @@ def _adopt_and_offload(model, strategy):
     """`adopt_optimizer`, then (offload="optimizer") hands the optimizer's
     state to the host devices before anything builds it (`tfpar.offload`)."""
     adopt_optimizer(model, strategy)
-    if strategy.dims.offload is not None:
-        from tfpar import offload  # noqa: PLC0415 (offload imports training)
-        from tfpar import training  # noqa: PLC0415 (training imports us)
-
-        if not isinstance(model, training.StagedModel):  # (per part instead)
-            offload.attach(getattr(model, "optimizer", None), strategy)
+    if not isinstance(model, training.StagedModel):  # (per part instead)
+        strategy.extended.place_optimizer_state(
+            getattr(model, "optimizer", None))
 
 
 def compat_hooks():

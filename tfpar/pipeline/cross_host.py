@@ -52,8 +52,6 @@ tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
 >>> pipe.fit(x, y, batch_size=16)                         # doctest: +SKIP
 """
 
-import functools
-
 import keras
 import numpy as np
 import tensorflow as tf

@@ -113,8 +113,8 @@ def count_ops(model, plan, x, y):
     optimizer, the rest)."""
     import tensorflow as tf  # noqa: PLC0415
 
-    from tfpar import training  # noqa: PLC0415
-    runner = training.make_runner(model, plan.strategy().extended, "train")
+    extended = plan.strategy().extended
+    runner = extended.make_runner(model, "train")
     if hasattr(runner, "traced_step"):
         concrete = runner.traced_step(
             tf.nest.map_structure(tf.convert_to_tensor, (x, y)))

@@ -28,7 +28,7 @@ over its rows, a replicated -> ("data", None) slice of a dynamic axis:
    slice on input axis 0 which is dynamic" (the error tfpar's offload
    raised for an fsdp Embedding);
 6. "slot_rows_split_shape_constant": the dense shape a constant of the
-   function (what `tfpar.offload._with_dense_shape` does): compiles;
+   function (what `tfpar.offload.host._with_dense_shape` does): compiles;
 7. "slot_columns_split_shape_argument": a column-split slot fails too
    ("operands don't have broadcast-compatible shapes": the unknown rows);
 8. "slot_columns_split_shape_constant": compiles.

@@ -177,8 +177,8 @@ def test_hooks_install_with_a_strategy_and_uninstall():
         "tfpar.use_virtual_cpus(8)\n"
         "tfpar.ParallelStrategy(tfpar.Mesh({'data': 8}))\n"
         "import tfpar.keras_distribution\n"  # its opt-in hook
-        "from tfpar import _compat\n"
-        "_compat.count_array_batches()\n"  # a per-host-input strategy's
+        "from tfpar import _compat, patches\n"
+        "patches.count_array_batches()\n"  # a per-host-input strategy's
         "during = snapshot()\n"
         "_compat.uninstall()\n"
         "after = snapshot()\n"

@@ -534,7 +534,7 @@ def test_a_step_copies_only_the_gradients_to_the_host(monkeypatch):
     import keras  # noqa: PLC0415
     from tensorflow.experimental import dtensor  # noqa: PLC0415
 
-    from tfpar import offload  # noqa: PLC0415
+    from tfpar.offload import host as offload  # noqa: PLC0415
 
     moves = []
     move = offload.move_blocks

@@ -1,7 +1,7 @@
 """`ParallelStrategy(offload="optimizer+master")` (issue 15, the second
 level): under mixed precision the mesh devices hold each weight only in the
 compute dtype; its float32 master and the optimizer's slots live on the
-host devices, where the update runs (`tfpar.offload_master`).
+host devices, where the update runs (`tfpar.offload.master`).
 
 As in tests/test_offload.py the "host" is other virtual CPUs of this
 process (CPU:4-7 for the mesh CPU:0-3); the 8-device meshes of the issue
@@ -210,7 +210,7 @@ def test_user_visible_weights_are_the_float32_masters(mixed):
     kernel.assign(kernel.numpy() * 3)
     np.testing.assert_array_equal(kernel.numpy(), values[0] * 3)
     # An expression of the weight computes in the devices' copy's dtype
-    # (Keras uses the tf.Variable's): documented in tfpar.offload_master.
+    # (Keras uses the tf.Variable's): documented in tfpar.offload.master.
     assert (kernel * 0.5).dtype == "bfloat16"
     assert not np.array_equal(
         values[0] * 3, values[0].astype("bfloat16").astype("float32") * 3)
@@ -418,11 +418,11 @@ def test_a_float32_layer_keeps_float32_weights_on_the_devices(mixed):
 
 
 def test_docstring_example_runs():
-    """tfpar.offload_master's example: 544 bytes of bfloat16 weights on a
+    """tfpar.offload.master's example: 544 bytes of bfloat16 weights on a
     mesh device, 1088 of float32 masters on its host device."""
     import doctest  # noqa: PLC0415
 
-    from tfpar import offload_master  # noqa: PLC0415
+    from tfpar.offload import master as offload_master  # noqa: PLC0415
 
     result = doctest.testmod(offload_master, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -1,7 +1,7 @@
 """`offload="optimizer+master"` with a `PipelineModel` (issue 15): each
 stage's devices hold its weights only in the compute dtype, each part's
 float32 masters and optimizer slots live on the host devices of its own
-stage's devices (`tfpar.offload_master`).
+stage's devices (`tfpar.offload.master`).
 
 pipe=2 x data=2 on CPU:0-3 (stage 0 on CPU:0,1, stage 1 on CPU:2,3), the
 host CPU:4-7 (`offload_devices`; CPU:4,5 hold stage 0's state, CPU:6,7

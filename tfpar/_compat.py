@@ -12,11 +12,10 @@ The patches themselves live with the features that own them, each a tuple
 of `Patch`es installed through `install_group`: routing and the SPMD
 stand-ins in `tfpar.patches` and `tfpar.spmd_patches` (installed by the
 first `ParallelStrategy`), `tfpar.recompute.REMAT_PATCHES` (the strategy,
-or `tfpar.recompute.install()`), `tfpar.offload_master.MASTER_PATCHES`
+or `tfpar.recompute.install()`), `tfpar.offload.master.MASTER_PATCHES`
 (a strategy with offload="optimizer+master"), and keras.distribution's in
-`tfpar.keras_distribution` (its import is the opt-in). Here: the two that
-publish the Keras variable being created (`VARIABLE_CREATION_PATCHES`, the
-strategy's) and Keras' array batch count (`count_array_batches`).
+`tfpar.keras_distribution` (its import is the opt-in). The two that publish
+the Keras variable being created are in `tfpar.variable_creation`.
 `tests/test_architecture.py` checks that no function here but a patch
 factory is over 15 lines.
 """
@@ -25,12 +24,9 @@ import collections
 import contextlib
 import functools
 import importlib
-import threading
-import weakref
 
 import keras
 import tensorflow as tf
-from tensorflow.experimental import dtensor
 from tensorflow.dtensor.python import d_variable
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import record
@@ -125,41 +121,6 @@ def uninstall():
     _installed.clear()
 
 
-def _counted_array_dataset(original, _):
-    """The tf.data dataset Keras builds from arrays, stating its batch
-    count (Keras knows it, `ArrayDataAdapter.num_batches`; its flat_map
-    pipeline hides it from `dataset.cardinality()`)."""
-
-    @functools.wraps(original)
-    def get_tf_dataset(self):
-        dataset = original(self)
-        if self.num_batches is None:
-            return dataset
-        return dataset.apply(
-            tf.data.experimental.assert_cardinality(self.num_batches))
-
-    return get_tf_dataset
-
-
-def _array_adapter():
-    return keras_module(
-        "trainers.data_adapters.array_data_adapter").ArrayDataAdapter
-
-
-def count_array_batches():
-    """Makes the tf.data datasets Keras builds from arrays state their
-    batch count (`_counted_array_dataset`).
-
-    Per-host input needs it: Keras stops each host after its own count, so
-    hosts must compare counts before the first step (`inputs`). Installed
-    once, by the first strategy with per-host input; the datasets are
-    unchanged but for their stated cardinality.
-    """
-    install_group("per_host_input", (Patch("get_tf_dataset", _array_adapter,
-                                    "get_tf_dataset", _counted_array_dataset),),
-           None)
-
-
 # -- recomputation (tfpar/recompute.py): Keras' per-thread state, TF's tape --
 
 
@@ -219,90 +180,6 @@ def keras_autocasts(variable):
 def rebind_keras_variable(keras_variable, tf_variable):
     """Makes `keras_variable` store its value in `tf_variable` from now on."""
     keras_variable._value = tf_variable  # noqa: SLF001
-
-
-_initializing = threading.local()
-
-
-def keras_variable_being_created():
-    """The Keras Variable whose backing tf.Variable is being created, or None.
-
-    A strategy's variable creator sees only tf.Variable kwargs; the Keras
-    path (`variable.path`, e.g. "model/dense/kernel") lives on the Keras
-    Variable, which Keras' TensorFlow backend wraps around the tf.Variable in
-    `Variable._initialize`. That method is wrapped (`install`) to publish
-    `self`.
-    """
-    stack = getattr(_initializing, "stack", None)
-    return stack[-1] if stack else None
-
-
-def keras_variable_layout(path):
-    """The spec of the layout given to the Keras Variable at `path` being
-    created (`keras.Variable(..., layout=TensorLayout(axes))`, stored as
-    its private `_layout`, which Keras' TF backend ignores), or None."""
-    variable = keras_variable_being_created()
-    layout = getattr(variable, "_layout", None)
-    if layout is None or variable.path != path:
-        return None
-    if isinstance(layout, dtensor.Layout):
-        return tuple(None if s == dtensor.UNSHARDED else s
-                     for s in layout.sharding_specs)
-    return tuple(layout.axes)
-
-
-def keras_layer_adding_weight():
-    """The Keras layer whose `add_weight` is running, or None. When Keras
-    defers a weight's initialisation (layers built by a symbolic call of a
-    subclassed model), the layer that added the weight being initialised."""
-    stack = getattr(_initializing, "layers", None)
-    if stack:
-        return stack[-1]
-    owner = getattr(keras_variable_being_created(), "_tfpar_owner", None)
-    return owner() if owner is not None else None
-
-
-def _publishing_adding_layer(original):
-    """`Layer.add_weight` that publishes the layer adding the weight
-    (`keras_layer_adding_weight`) and notes it on the variable."""
-
-    def add_weight(self, *args, **kwargs):
-        stack = _initializing.__dict__.setdefault("layers", [])
-        stack.append(self)
-        try:
-            variable = original(self, *args, **kwargs)
-        finally:
-            stack.pop()
-        variable._tfpar_owner = weakref.ref(self)  # noqa: SLF001
-        return variable
-
-    return add_weight
-
-
-def _publishing_variable(original):
-    """Keras' TF `Variable._initialize` that publishes the Keras Variable
-    whose tf.Variable is being created (`keras_variable_being_created`)."""
-
-    def _initialize(self, value):
-        stack = _initializing.__dict__.setdefault("stack", [])
-        stack.append(self)
-        try:
-            return original(self, value)
-        finally:
-            stack.pop()
-
-    return _initialize
-
-
-# The strategy's: Keras' `Layer.add_weight` and TF `Variable._initialize`
-# publish the layer and the Keras Variable being created (read by the
-# strategy's variable creator through `keras_variable_being_created`).
-VARIABLE_CREATION_PATCHES = (
-    Patch("add_weight", lambda: keras_module("layers.layer").Layer,
-          "add_weight", lambda original, _: _publishing_adding_layer(original)),
-    Patch("variable_initialize", lambda: _tf_core().Variable, "_initialize",
-          lambda original, _: _publishing_variable(original)),
-)
 
 
 def tf_initialized():

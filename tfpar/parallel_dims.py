@@ -53,7 +53,7 @@ class ParallelDims:
             backward pass.
         offload: None, "optimizer" (optimizer state and its update on
             the host devices, `tfpar.offload`) or "optimizer+master" (the
-            float32 master weights there too, `tfpar.offload_master`).
+            float32 master weights there too, `tfpar.offload.master`).
         offload_devices: the host devices offload moves each mesh device's
             blocks to (one per mesh device, in mesh order), or None: the
             DTensor host mesh of an accelerator mesh.

@@ -11,7 +11,7 @@ per process; `tfpar._compat.uninstall()` undoes it):
 - the SPMD stand-ins of `tfpar.spmd_patches` (ops DTensor cannot lay out,
   and draws made as one device makes them), with the two patches that
   publish the Keras variable being created
-  (`_compat.VARIABLE_CREATION_PATCHES`).
+  (`variable_creation.VARIABLE_CREATION_PATCHES`).
 
 What the routing asks tfpar is passed down as `hooks` (the strategy's
 `compat_hooks()`): `owns(strategy)`, whether a strategy is a
@@ -22,6 +22,7 @@ strategy)`; `in_graph_step()`, whether a graph is traced under a tfpar
 strategy. Nothing here imports the strategy.
 """
 
+import functools
 import types
 
 import numpy as np
@@ -30,6 +31,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import spmd_patches
+from tfpar import variable_creation
 
 
 def _base_trainer():
@@ -222,7 +224,45 @@ _ROUTING_PATCHES = (
 
 def install(hooks):
     """Installs the strategy's patches (routing, `spmd_patches.PATCHES`,
-    `_compat.VARIABLE_CREATION_PATCHES`) with `hooks`; once per process."""
+    `variable_creation.VARIABLE_CREATION_PATCHES`) with `hooks`; once per process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *spmd_patches.PATCHES,
-        *_compat.VARIABLE_CREATION_PATCHES), hooks)
+        *variable_creation.VARIABLE_CREATION_PATCHES), hooks)
+
+
+# -- per-host input: Keras' array datasets state their batch count --------
+
+
+def _counted_array_dataset(original, _):
+    """The tf.data dataset Keras builds from arrays, stating its batch
+    count (Keras knows it, `ArrayDataAdapter.num_batches`; its flat_map
+    pipeline hides it from `dataset.cardinality()`)."""
+
+    @functools.wraps(original)
+    def get_tf_dataset(self):
+        dataset = original(self)
+        if self.num_batches is None:
+            return dataset
+        return dataset.apply(
+            tf.data.experimental.assert_cardinality(self.num_batches))
+
+    return get_tf_dataset
+
+
+def _array_adapter():
+    return _compat.keras_module(
+        "trainers.data_adapters.array_data_adapter").ArrayDataAdapter
+
+
+def count_array_batches():
+    """Makes the tf.data datasets Keras builds from arrays state their
+    batch count (`_counted_array_dataset`).
+
+    Per-host input needs it: Keras stops each host after its own count, so
+    hosts must compare counts before the first step (`inputs`). Installed
+    once, by the first strategy with per-host input; the datasets are
+    unchanged but for their stated cardinality.
+    """
+    _compat.install_group("per_host_input", (_compat.Patch(
+        "get_tf_dataset", _array_adapter, "get_tf_dataset",
+        _counted_array_dataset),), None)

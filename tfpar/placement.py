@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import layout as layout_lib
+from tfpar.mesh import Mesh
 
 
 def block_index(shape, spec, axis_sizes, location):
@@ -141,8 +142,6 @@ def _sum_over_devices(array, contributes):
 @functools.lru_cache(maxsize=1)
 def _all_devices_mesh():
     """A 1-D DTensor mesh "tfpar_devices" over every device of the cluster."""
-    from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports TF only)
-
     return Mesh({"tfpar_devices": dtensor.num_global_devices(
         dtensor.preferred_device_type())}).dtensor_mesh
 

@@ -25,10 +25,13 @@ import keras
 from tfpar import _compat
 from tfpar import inputs
 from tfpar import layout as layout_lib
+from tfpar import offload
 from tfpar import patches
 from tfpar import placement
 from tfpar import recompute
+from tfpar import runners
 from tfpar import training
+from tfpar import variable_creation
 from tfpar import variables as variables_lib
 from tfpar import parallel_dims
 from tfpar.parallel_dims import ParallelDims
@@ -106,7 +109,7 @@ class ParallelStrategy(tf.distribute.Strategy):
             each stage's state on its own host). "optimizer+master":
             under a mixed policy the devices also keep each weight only
             in its compute dtype, its float32 master on the host devices
-            (`tfpar.offload_master`; refused under a float32 policy).
+            (`tfpar.offload.master`; refused under a float32 policy).
         offload_devices: the devices offload keeps the state on, one per
             mesh device in mesh order (device i's blocks go to
             offload_devices[i]), e.g. `[f"CPU:{i}" for i in range(8, 16)]`
@@ -250,7 +253,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             dims.mesh, dims.data_axis,
             per_host=dims.per_host_input and dtensor.num_clients() > 1)
         if self.input_placer.per_host:
-            _compat.count_array_batches()
+            patches.count_array_batches()
         self.registry = variables_lib.VariableRegistry(self)
         self._context = _compat.eager_context_token()
 
@@ -282,7 +285,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         colocate_with = kwargs.pop("colocate_with", None)
         for unsupported in ("use_resource", "expected_shape", "caching_device"):
             kwargs.pop(unsupported, None)
-        keras_variable = _compat.keras_variable_being_created()
+        keras_variable = variable_creation.keras_variable_being_created()
         if keras_variable is not None:
             path = keras_variable.path
         else:
@@ -427,6 +430,22 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             "strategy.distribute_datasets_from_function(fn) instead."
         )
 
+    # -- what a step runs on: the runner, the optimizer's state ----------------
+
+    def make_runner(self, model, mode):
+        """The `tfpar.training.Runner` of `model`'s Keras step `mode`
+        ("train", "test", "predict"), from the table of step runners
+        (`tfpar.runners.RUNNERS`)."""
+        return runners.make_runner(model, self, mode)
+
+    def place_optimizer_state(self, optimizer, mesh=None):
+        """Where (unbuilt) `optimizer` of the weights on `mesh` (the mesh,
+        or a pipeline stage's) keeps its state: under offload="optimizer"
+        its host devices (`tfpar.offload.attach`), else beside the weights
+        (nothing to do)."""
+        if self.dims.offload is not None:
+            offload.attach(optimizer, self._container_strategy(), mesh)
+
 
 def adopt_optimizer(model, strategy):
     """Makes sure `model.optimizer` was created under `strategy` (its
@@ -466,12 +485,9 @@ def _adopt_and_offload(model, strategy):
     """`adopt_optimizer`, then (offload="optimizer") hands the optimizer's
     state to the host devices before anything builds it (`tfpar.offload`)."""
     adopt_optimizer(model, strategy)
-    if strategy.dims.offload is not None:
-        from tfpar import offload  # noqa: PLC0415 (offload imports training)
-        from tfpar import training  # noqa: PLC0415 (training imports us)
-
-        if not isinstance(model, training.StagedModel):  # (per part instead)
-            offload.attach(getattr(model, "optimizer", None), strategy)
+    if not isinstance(model, training.StagedModel):  # (per part instead)
+        strategy.extended.place_optimizer_state(
+            getattr(model, "optimizer", None))
 
 
 def compat_hooks():

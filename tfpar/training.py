@@ -18,13 +18,18 @@ cases are
   last step. A batch the data axis does not divide (the last, partial batch
   of an epoch; any evaluate/predict batch) runs alone, replicated over the
   data axis (see `inputs`).
-- the pipeline step of a `StagedModel` (`tfpar.PipelineModel`), which
-  brings its own runner (`tfpar.pipeline.runner.PipelineRunner`).
+- the pipeline step of a `StagedModel` (`tfpar.PipelineModel`,
+  `tfpar.pipeline.runner.PipelineRunner`).
+
+Which runner a model gets (those two, the pipeline's host-driven form
+across hosts, and each one's offload form) is one table,
+`tfpar.runners.RUNNERS`, that the strategy consults
+(`ParallelExtended.make_runner`).
 
 Example (what `model.fit` calls under a strategy):
 
->>> runner = make_runner(model, strategy.extended, "train")  # doctest: +SKIP
->>> logs = runner.run([(x, y)])                              # doctest: +SKIP
+>>> runner = strategy.extended.make_runner(model, "train")  # doctest: +SKIP
+>>> logs = runner.run([(x, y)])                             # doctest: +SKIP
 """
 
 import abc
@@ -52,18 +57,15 @@ def _named_partial(method):
 
 class StagedModel(abc.ABC):
     """A Keras model whose steps run over pipeline stages (the protocol
-    `tfpar.PipelineModel` implements): it brings its own step runner, runs
-    eager calls itself, and keeps one optimizer per model part. The strategy
-    (step routing) and checkpoints (optimizer state) check for it with
-    `isinstance`.
+    `tfpar.PipelineModel` implements): its steps run on the pipeline's
+    runners (the table of step runners, `tfpar.runners`, picks them for
+    it), it runs eager calls itself, and keeps one optimizer per model
+    part. The runner table, the strategy and checkpoints (optimizer state)
+    check for it with `isinstance`.
 
     >>> issubclass(tfpar.PipelineModel, StagedModel)  # doctest: +SKIP
     True
     """
-
-    @abc.abstractmethod
-    def make_runner(self, mode):
-        """The `Runner` of Keras step `mode` ("train", "test", "predict")."""
 
     @abc.abstractmethod
     def eager_call(self, args, kwargs):
@@ -252,9 +254,10 @@ def _fetch_all(outputs):
 def make_function(model, extended, mode, runner=None):
     """The function Keras calls as `model.{train,test,predict}_function`.
 
-    `runner` (default: `make_runner`'s) is a `Runner`.
+    `runner` (default: the one the strategy chooses, `extended.make_runner`,
+    from the table of step runners `tfpar.runners.RUNNERS`) is a `Runner`.
     """
-    runner = runner or make_runner(model, extended, mode)
+    runner = runner or extended.make_runner(model, mode)
 
     if mode == "predict":
 
@@ -286,30 +289,6 @@ def _next_host_batch(iterator, check):
     if next_host is None:
         return inputs_lib.host_batch(next(iterator))
     return next_host(check=check)
-
-
-def make_runner(model, extended, mode):
-    """The `Runner` of `model`'s Keras step `mode`: a `StagedModel`'s own,
-    else the plain SPMD `StepRunner` (which a mesh with a pipeline axis
-    cannot run), or for training under offload `tfpar.offload`'s (a
-    `StagedModel`'s too)."""
-    offload = mode == "train" and extended.dims.offload is not None
-    if isinstance(model, StagedModel) and not offload:
-        return model.make_runner(mode)
-    if len(extended.stage_meshes) > 1 and not isinstance(model, StagedModel):
-        raise ValueError(
-            f"The mesh has a pipeline axis {extended.pipeline_axis!r} of size "
-            f"{len(extended.stage_meshes)}, so a model needs stages to run "
-            f"on it. Received: model {model.name!r} of type "
-            f"{type(model).__name__}. Wrap it in the scope: "
-            "`model = tfpar.PipelineModel(model, num_microbatches=...)`, "
-            "or drop the pipeline axis from the mesh."
-        )
-    if offload:
-        from tfpar import offload as offload_lib  # noqa: PLC0415 (imports us)
-
-        return offload_lib.make_runner(model, extended)
-    return StepRunner(model, extended, mode)
 
 
 def keras_function(extended, model, mode):

@@ -35,6 +35,7 @@ from tfpar import collectives
 from tfpar import placement as placement_lib
 from tfpar import step_context
 from tfpar import styles
+from tfpar import variable_creation
 from tfpar.keras_graph import owning_layers
 
 KINDS = ("params", "optimizer", "other")
@@ -106,9 +107,9 @@ class ShardedVariable(_compat.DVariable):
                  **kwargs):
         self.placement = placement
         # The dtype the layer adding it computes in (None: not a layer's
-        # weight); `tfpar.offload_master` keeps a weight in it on devices.
+        # weight); `tfpar.offload.master` keeps a weight in it on devices.
         self.compute_dtype = compute_dtype or getattr(
-            _compat.keras_layer_adding_weight(), "compute_dtype", None)
+            variable_creation.keras_layer_adding_weight(), "compute_dtype", None)
         self._tfpar_extended = weakref.ref(extended)
         spec = placement.spec
         self._split_rows = bool(spec) and spec[0] == extended.data_axis
@@ -251,7 +252,7 @@ def _on_host(host_creator, initial_value, kwargs, place, layer):
     """A weight made by `host_creator` on the host (CPU:0) until a
     `PipelineModel` moves it to its stage, noting its `place` and the
     compute dtype of `layer` for its ShardedVariable there
-    (`tfpar.offload_master` keeps a weight in it)."""
+    (`tfpar.offload.master` keeps a weight in it)."""
     with tf.device("CPU:0"):
         variable = host_creator(initial_value=initial_value, **kwargs)
     variable.placement = place
@@ -330,9 +331,9 @@ class VariableRegistry:
         reference = (None if colocate_with is None
                      else self.placement_of(colocate_with))
         mesh = self.placement_mesh if reference is None else reference.mesh
-        layer = _compat.keras_layer_adding_weight()
+        layer = variable_creation.keras_layer_adding_weight()
         plan = self._plan(path, shape, mesh, kwargs.get("trainable", True),
-                          layer, layout=_compat.keras_variable_layout(path),
+                          layer, layout=variable_creation.keras_variable_layout(path),
                           slot_of=reference)
         if layer is not None:
             self._weight_paths.add(path)  # a layer's weight, not state
@@ -572,7 +573,7 @@ def replace_storage(registry, variable, value, cls, **kwargs):
     """Makes Keras `variable` (made by `registry`, a VariableRegistry) hold
     `value` (a DTensor laid out like it, maybe of another dtype) in a new
     tracked `cls` (a ShardedVariable subclass taking more `kwargs`) with
-    the same placement; returns it (`tfpar.offload_master`)."""
+    the same placement; returns it (`tfpar.offload.master`)."""
     backing = _compat.backing_variable(variable)
     registry._rebind(variable, backing, backing.placement, value,  # noqa: SLF001
                      cls, dtype=value.dtype, **kwargs)

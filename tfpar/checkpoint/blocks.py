@@ -46,7 +46,7 @@ def host_value(backing):
 def save_variable(n, kind, key, variable, tmp):
     backing = _compat.backing_variable(variable)
     # offload="optimizer+master": the float32 master on the host devices,
-    # laid out like the devices' compute-dtype copy (`tfpar.offload_master`).
+    # laid out like the devices' compute-dtype copy (`tfpar.offload.master`).
     backing = getattr(backing, "master", backing)
     shape = tuple(backing.shape)
     spec, axis_sizes, layout = _layout_of(backing)

@@ -52,8 +52,6 @@ tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
 >>> pipe.fit(x, y, batch_size=16)                         # doctest: +SKIP
 """
 
-import functools
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -63,6 +61,7 @@ from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar.mesh import Mesh
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.pipeline.schedules import FORWARD
@@ -117,8 +116,6 @@ class Bridge:
         self._host = dtensor.client_id()
         self._per_host = dtensor.num_local_devices(
             dtensor.preferred_device_type())
-        from tfpar.mesh import Mesh  # noqa: PLC0415 (mesh imports placement)
-
         self._mesh = Mesh({"tfpar_hosts": self._hosts,
                            "tfpar_local": self._per_host}).dtensor_mesh
         self._gathers = {}
@@ -181,12 +178,6 @@ def _first_local(mesh, per_host):
     """The local position (on its host) of `mesh`'s first device."""
     return int(np.ravel(mesh.dtensor_mesh.global_device_ids()).min()) % \
         per_host
-
-
-def runner_class(extended):
-    """The runner of a `PipelineModel`'s steps: `CrossHostRunner` when its
-    stages live on different hosts, else `PipelineRunner`."""
-    return CrossHostRunner if spans_hosts(extended) else PipelineRunner
 
 
 class MetricsOnEveryHost:

@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from tfpar import _compat
 from tfpar import layout as layout_lib
+from tfpar import mesh as mesh_lib
 from tfpar import placement
 from tfpar import styles
 from tfpar import training
@@ -419,12 +420,13 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
         self.microbatching.expect_full_batch()
         return super().train_on_batch(*args, **kwargs)
 
-    # -- the protocol of `tfpar.training.StagedModel` ---------------------------
+    # -- the protocol of `tfpar.training.StagedModel`, and its runner ---------
 
     def make_runner(self, mode):
-        """The `PipelineRunner` of Keras step `mode` (across hosts its
-        host-driven form, `cross_host.CrossHostRunner`)."""
-        return cross_host.runner_class(self._extended)(self, mode)
+        """The runner of Keras step `mode` the strategy gives this model
+        (`tfpar.runners`: a `PipelineRunner`; across hosts its host-driven
+        form, `cross_host.CrossHostRunner`; each one's offload form)."""
+        return self._extended.make_runner(self, mode)
 
     def eager_call(self, args, kwargs):
         """`model(x)` on concrete inputs: the pipeline's forward pass."""
@@ -437,15 +439,12 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
 
 
 def _build_optimizer(pipeline, optimizer, part):
-    """Builds `optimizer` for `part`'s weights, on its mesh; under
-    `offload="optimizer"` first handed to the part's own host devices
-    (`tfpar.offload.attach`)."""
-    strategy = pipeline.distribute_strategy
-    if strategy.dims.offload is not None:  # the offload hook
-        from tfpar import offload  # noqa: PLC0415 (imports the runner)
-
-        offload.attach(optimizer, strategy, part.mesh)
-    with strategy.extended.registry.placing_on(part.mesh):
+    """Builds `optimizer` for `part`'s weights, on its mesh; its state
+    where the strategy keeps it (under `offload="optimizer"` the part's
+    own host devices: `ParallelExtended.place_optimizer_state`)."""
+    extended = pipeline.distribute_strategy.extended
+    extended.place_optimizer_state(optimizer, part.mesh)
+    with extended.registry.placing_on(part.mesh):
         optimizer.build(part.updated)
 
 
@@ -558,9 +557,7 @@ def _check_sequence_parallel(model, extended):
 
 
 def _device_range(mesh):
-    from tfpar.mesh import _device_range as device_range  # noqa: PLC0415
-
-    return device_range(mesh.devices)
+    return mesh_lib._device_range(mesh.devices)  # noqa: SLF001 (tfpar's own)
 
 
 def _measured_layer_times(model, extended, batch_size=32, repeats=3):

@@ -132,7 +132,7 @@ class ModelPart:
         sum, in the weight's dtype: under offload="optimizer+master" the
         devices hold the weight in its compute dtype and its gradient comes
         in that dtype; the sum is float32, as the gradient of a float32
-        weight's cast is (`tfpar.offload_master`)."""
+        weight's cast is (`tfpar.offload.master`)."""
         dtype = tf.as_dtype(self.updated[j].dtype)
         if isinstance(gradient, tf.IndexedSlices):
             gradient = tf.IndexedSlices(tf.cast(gradient.values, dtype),

@@ -308,7 +308,7 @@ def _new_copy(registry, weight, part):
     backing = _compat.backing_variable(variable)
     backing.placement = place.replace(path=variable.path, mesh=None)
     # Read by the weight's layer: in its compute dtype on the devices under
-    # offload="optimizer+master", as the weight (`tfpar.offload_master`).
+    # offload="optimizer+master", as the weight (`tfpar.offload.master`).
     backing.compute_dtype = getattr(_compat.backing_variable(weight),
                                     "compute_dtype", None)
     registry.move_to(variable, part.mesh)

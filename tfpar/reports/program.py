@@ -513,10 +513,10 @@ def keras_programs(model, x, y=None, sample_weight=None,
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
     # The step `fit` runs, built by the runner `fit` uses.
-    runner = training.make_runner(model, extended, "train")
+    runner = extended.make_runner(model, "train")
     state = _state_variables(model)
     # (Of an offload="optimizer+master" weight its float32 master:
-    # `tfpar.offload_master.ComputeCopy`.)
+    # `tfpar.offload.master.ComputeCopy`.)
     saved = [tf.identity(_saved_source(v).read_value()) for v in state]
     known = {id(v) for v in state}
     try:

@@ -1,90 +1,17 @@
-"""Optimizer offload (`ParallelStrategy(offload="optimizer")`): the
-optimizer's state and its update on host devices, ZeRO-Offload's split.
+"""The offload update (`tfpar.offload`, where the whole step is described):
+the host mesh of a mesh's weights (`host_mesh`), the block-by-block moves
+between the two (`move_blocks`, `move_alike`), and `Offload`, one
+optimizer's host copies of its weights and its update on the host devices
+(`attach` makes one); under a `LossScaleOptimizer` the scale the device
+step reads (`DeviceLossScale`).
 
-A step runs in three parts:
-
-1. the compiled step on the device mesh: Keras' `train_step` (or the
-   model's own) computes the loss, metrics and gradients; its call to the
-   optimizer only records the gradients (each laid out like its stored
-   weight: fsdp's reduce-scattered blocks), which the step returns;
-2. each gradient moves to the host mesh block by block (`move_blocks`):
-   the component a mesh device holds is copied to its host device
-   (`offload_devices[i]` for mesh device i) and the components are packed
-   into a DTensor of the same layout on the host mesh — no device and no
-   host ever holds more than its own block;
-3. a compiled function on the host mesh runs the optimizer's `apply` over
-   the host's copy of the weights (`mirror`s, one per trainable weight,
-   laid out like it), whose slots were made next to them (a slot follows
-   its weight's mesh); each updated weight moves back block by block and
-   is assigned to the device weight.
-
-The host copy stays current from the update itself: a step copies each
-gradient to the host and each updated weight back, nothing else. A device
-weight written by anything else — `set_weights`, `load_weights`,
-`restore_checkpoint`, `assign` in a callback or in the step itself — is
-copied into its host copy before the next update: every `ShardedVariable`
-counts its Python-level assignments (`writes`), and the offload keeps the
-count it last saw (`pull_weights`).
-
-Under `mixed_float16` a `LossScaleOptimizer`'s scale and counter live on
-the host too (its overflow check is part of the update); the device step
-scales the loss by a copy of the scale on the devices (`DeviceLossScale`).
-
-A `PipelineModel` has one optimizer per part (`stage_optimizers`); each
-gets its own `Offload` on the host devices of its stage's devices (the
-part's `host_mesh`), and the pipeline step — every stage, one program —
-returns each part's gradients to its host update (`OffloadPipelineRunner`).
-
-So the devices hold the weights, the gradients and the step's tensors, and
-no optimizer slot: per device, `strategy.memory_per_device()` drops by the
-slots' bytes (and the optimizer's two scalars, iterations and learning
-rate, which live with the slots). The host devices appear in the same
-report holding the weights' copy and the slots.
-
-Why not inside one step: DTensor 2.21 cannot `copy_to_mesh` a sharded
-value to another mesh (tests/dtensor_offload_repro.py, "copy_sharded");
-the route that compiles goes through a replicated value (every device
-holding the whole tensor). The eager per-device route above works
-("per_device_route" there), so the moves are eager, between compiled
-functions, and the host round trip is not overlapped with compute.
-
-On a CPU mesh the devices are the host: DTensor's host mesh is the mesh
-itself, and offload needs `offload_devices` naming other (virtual) CPUs.
-On this machine those share the devices' physical memory: the tests show
-placement and parity, not saved RAM. On GPU/TPU the default host is
-DTensor's host mesh (`Mesh.host_mesh()`, CPUs of the mesh's shape).
-
-Across hosts (`tfpar.connect_hosts`) every move stays inside a host: the
-mesh and the host mesh are "spread" meshes (the same local devices of
-every host, `tfpar.Mesh`), `offload_devices[i]` is on mesh device i's
-host, each host moves its own blocks and all hosts run the host update
-together (tests/test_offload_hosts.py). A pipeline whose stages live on
-different hosts (`tfpar.pipeline.cross_host`: one stage's mesh on one
-host, its host mesh on the same host's `offload_devices`) runs each
-part's update on its own host (`OffloadCrossHostRunner`): every host runs
-every part's moves and host update in the same order, the hosts without
-that stage on stand-ins (`move_blocks`), as they run its stage functions.
-
-Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
-
->>> import keras, numpy as np, tfpar
->>> tfpar.use_virtual_cpus(8)
->>> strategy = tfpar.ParallelStrategy(
-...     tfpar.Mesh({"data": 4}, devices=[f"CPU:{i}" for i in range(4)]),
-...     offload="optimizer",
-...     offload_devices=[f"CPU:{i}" for i in range(4, 8)])
->>> with strategy.scope():
-...     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16)])
-...     model.compile(optimizer="adam", loss="mse")
->>> x = np.ones((64, 16), "float32")
->>> history = model.fit(x, x, batch_size=16, verbose=0)
->>> memory = strategy.memory_per_device()
->>> memory["CPU:0"]["optimizer"], memory["CPU:4"]["optimizer"]  # Adam's m, v
-(0, 2176)
+It knows a strategy only by the objects it is given (its `dims`, its
+`extended.registry`, `scope()` and `replica_scope()`) and imports neither
+`tfpar.pipeline` nor `tfpar.training`: the runners that call it from a
+step are `tfpar.offload.runners`.
 """
 
 import contextlib
-import functools
 
 import keras
 import tensorflow as tf
@@ -92,12 +19,9 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import layout as layout_lib
-from tfpar import offload_master
 from tfpar import placement as placement_lib
-from tfpar import training
-from tfpar.pipeline import cross_host
-from tfpar.pipeline import runner as pipeline_runner
 from tfpar.mesh import Mesh, short_device_name
+from tfpar.offload import master as offload_master
 
 
 def host_mesh(dims, mesh=None):
@@ -449,135 +373,3 @@ class Offload:
             self.apply(grads, self.weights)
         return [offload_master.compute_cast(w, self.mirror(w))
                 for w in self.weights]
-
-
-class OffloadRunner(training.StepRunner):
-    """`fit`'s step under offload (see the module): the device step
-    returns its logs and gradients, then `Offload.apply_on_host` updates
-    the weights; one step per call (`steps_per_execution` batches run one
-    after another: the host round trip sits between steps). Between the
-    device step and the update, the weights something else wrote reach
-    the host copies (`pull_weights`; none in a plain `fit`)."""
-
-    def __init__(self, model, extended, offload):
-        super().__init__(model, extended, "train")
-        self._offload = offload
-
-    def _in_replica(self, batch):
-        with self._offload.capturing() as captured:
-            # (The base class named: AutoGraph converts this method, and
-            # a zero-argument super() is a closure it cannot convert.)
-            logs = training.StepRunner._in_replica(self, batch)
-        return logs, self._offload.step_gradients(captured)
-
-    def run_steps(self, host_batches):
-        logs = None
-        for batch in host_batches:
-            logs = self._one(self._placer.place(batch))
-        return logs
-
-    def _one(self, placed):
-        logs, grads = self._offload.device_step(
-            lambda: self._call(self._one_step, placed))
-        self._offload.pull_weights()
-        self._offload.apply_on_host(grads)
-        return logs
-
-    def traced_step(self, host_batch):
-        """Runs one step (device step and host update, as `fit`) and returns
-        the device step's concrete function (`tfpar.communication`)."""
-        placed = self._placer.place(host_batch)
-        self._one(placed)
-        return self._one_step.get_concrete_function(placed)
-
-
-class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
-    """A `PipelineModel`'s train step under offload: the pipeline step (all
-    stages, one program) returns its logs and each part's gradients, which
-    its optimizer's `Offload` applies on that part's host devices; each
-    part's weights written elsewhere (a tied copy's sync, `set_weights`)
-    reach its host copies first (`Offload.pull_weights`)."""
-
-    def __init__(self, pipeline):
-        super().__init__(pipeline, "train")
-
-    def _train(self, xs, targets, split):
-        offloads = part_offloads(self._model)
-        with contextlib.ExitStack() as stack:
-            captured = [stack.enter_context(offload.capturing())
-                        for offload in offloads]
-            logs = pipeline_runner.PipelineRunner._train(self, xs, targets,
-                                                         split)
-        return logs, [offload.step_gradients(calls) for offload, calls
-                      in zip(offloads, captured)]
-
-    def _run_batch(self, batch):
-        logs, grads = run_and_update(
-            self._model,
-            lambda: pipeline_runner.PipelineRunner._run_batch(self, batch))
-        return logs
-
-
-def part_offloads(pipeline):
-    """Each part's optimizer's `Offload` (building them on first use)."""
-    return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
-            for optimizer in pipeline.stage_optimizers]
-
-
-def run_and_update(pipeline, step):
-    """`step()` (a pipeline's device step, returning (anything, each part's
-    `step_gradients`)), then each part's host update; returns the step's
-    result. The weights the step or anything else wrote reach the host
-    copies first (`Offload.device_step`, `Offload.pull_weights`)."""
-    offloads = part_offloads(pipeline)
-    for offload in offloads:
-        step = functools.partial(offload.device_step, step)
-    result = step()
-    for offload, part_grads in zip(offloads, result[1]):
-        offload.pull_weights()
-        offload.apply_on_host(part_grads)
-    return result
-
-
-class OffloadCrossHostRunner(cross_host.CrossHostRunner):
-    """A `PipelineModel`'s train step under offload when its stages live on
-    different hosts (`tfpar.pipeline.cross_host`): after the host-driven
-    schedule, each part's "offload" function (on its stage's mesh) hands
-    its summed gradients over, laid out like its stored weights, and its
-    `Offload` runs the update on its stage's host devices — of its own
-    host (`offload_devices`). Every host runs every part's moves and
-    update in the same order; on the hosts without that stage they are
-    no-ops on stand-ins (`move_blocks`), as the stage's functions are."""
-
-    def __init__(self, pipeline):
-        super().__init__(pipeline, "train")
-
-    def _train(self, xs, targets, split, rows):
-        def step():
-            sums = self._gradient_sums(xs, targets, split, rows)
-            return None, [
-                self._stage_function("offload", k)(part_sums, factor)
-                for k, (part_sums, factor) in enumerate(
-                    zip(sums, self._overflow_factors(sums)))]
-
-        run_and_update(self._model, step)
-
-    def _offload_body(self, part, training, sums, factor):
-        """Traced: the part's optimizer call records its gradients (the
-        `Offload` captures it), which the function returns."""
-        offload = part.optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
-        with offload.capturing() as captured:
-            self._apply_body(part, training, sums, factor)
-        return offload.step_gradients(captured)
-
-
-def make_runner(model, extended):
-    """The train `Runner` of `model` under an offloading strategy (of a
-    `PipelineModel`: `OffloadPipelineRunner`, across hosts
-    `OffloadCrossHostRunner`)."""
-    if isinstance(model, training.StagedModel):
-        if cross_host.spans_hosts(extended):
-            return OffloadCrossHostRunner(model)
-        return OffloadPipelineRunner(model)
-    strategy = extended._container_strategy()  # noqa: SLF001
-    return OffloadRunner(model, extended, attach(model.optimizer, strategy))

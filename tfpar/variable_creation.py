@@ -1,0 +1,100 @@
+"""Which Keras variable, and which layer's `add_weight`, is being created
+on this thread: published by two patches the strategy installs
+(`VARIABLE_CREATION_PATCHES`: Keras' `Layer.add_weight` and its TF
+backend's `Variable._initialize`), read by the strategy's variable creator
+and the registry (`tfpar.variables`), which see only tf.Variable kwargs.
+
+>>> from tfpar import variable_creation
+>>> variable_creation.keras_variable_being_created() is None  # none now
+True
+"""
+
+import threading
+import weakref
+
+from tensorflow.experimental import dtensor
+
+from tfpar import _compat
+
+_initializing = threading.local()
+
+
+def keras_variable_being_created():
+    """The Keras Variable whose backing tf.Variable is being created, or None.
+
+    A strategy's variable creator sees only tf.Variable kwargs; the Keras
+    path (`variable.path`, e.g. "model/dense/kernel") lives on the Keras
+    Variable, which Keras' TensorFlow backend wraps around the tf.Variable in
+    `Variable._initialize`. That method is wrapped (`VARIABLE_CREATION_PATCHES`) to publish
+    `self`.
+    """
+    stack = getattr(_initializing, "stack", None)
+    return stack[-1] if stack else None
+
+
+def keras_variable_layout(path):
+    """The spec of the layout given to the Keras Variable at `path` being
+    created (`keras.Variable(..., layout=TensorLayout(axes))`, stored as
+    its private `_layout`, which Keras' TF backend ignores), or None."""
+    variable = keras_variable_being_created()
+    layout = getattr(variable, "_layout", None)
+    if layout is None or variable.path != path:
+        return None
+    if isinstance(layout, dtensor.Layout):
+        return tuple(None if s == dtensor.UNSHARDED else s
+                     for s in layout.sharding_specs)
+    return tuple(layout.axes)
+
+
+def keras_layer_adding_weight():
+    """The Keras layer whose `add_weight` is running, or None. When Keras
+    defers a weight's initialisation (layers built by a symbolic call of a
+    subclassed model), the layer that added the weight being initialised."""
+    stack = getattr(_initializing, "layers", None)
+    if stack:
+        return stack[-1]
+    owner = getattr(keras_variable_being_created(), "_tfpar_owner", None)
+    return owner() if owner is not None else None
+
+
+def _publishing_adding_layer(original):
+    """`Layer.add_weight` that publishes the layer adding the weight
+    (`keras_layer_adding_weight`) and notes it on the variable."""
+
+    def add_weight(self, *args, **kwargs):
+        stack = _initializing.__dict__.setdefault("layers", [])
+        stack.append(self)
+        try:
+            variable = original(self, *args, **kwargs)
+        finally:
+            stack.pop()
+        variable._tfpar_owner = weakref.ref(self)  # noqa: SLF001
+        return variable
+
+    return add_weight
+
+
+def _publishing_variable(original):
+    """Keras' TF `Variable._initialize` that publishes the Keras Variable
+    whose tf.Variable is being created (`keras_variable_being_created`)."""
+
+    def _initialize(self, value):
+        stack = _initializing.__dict__.setdefault("stack", [])
+        stack.append(self)
+        try:
+            return original(self, value)
+        finally:
+            stack.pop()
+
+    return _initialize
+
+
+# The strategy's: Keras' `Layer.add_weight` and TF `Variable._initialize`
+# publish the layer and the Keras Variable being created (read by the
+# strategy's variable creator through `keras_variable_being_created`).
+VARIABLE_CREATION_PATCHES = (
+    _compat.Patch("add_weight", lambda: _compat.keras_module("layers.layer").Layer,
+          "add_weight", lambda original, _: _publishing_adding_layer(original)),
+    _compat.Patch("variable_initialize", lambda: _compat.keras_module("backend.tensorflow.core").Variable, "_initialize",
+          lambda original, _: _publishing_variable(original)),
+)

@@ -5,8 +5,11 @@
 * `import tfpar` alone leaves Keras and TF as they were: tfpar's hooks are
   installed when a strategy is first made, and can be taken out again;
 * `_compat.py` holds shims and the patch registry, not features: no
-  function there over 15 lines but the patch factories (the functions a
-  `Patch(...)` of the registry names).
+  function there over 15 lines, no patch made there, no tfpar import;
+* the dependency rules of docs/architecture.md (read from its tables):
+  every module on one floor and in the module map, imports only down,
+  none inside a function, the named packages never importing the named
+  ones, patches installed only by the named modules.
 """
 
 import ast
@@ -64,42 +67,41 @@ def test_size_check_sees_a_long_function(tmp_path, monkeypatch):
 MAX_COMPAT_FUNCTION_LINES = 15
 
 
-def _patch_factories(tree):
-    """Names of the functions a `Patch(...)` call of the module names (the
-    factories of the registry's replacements)."""
-    names = set()
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "Patch"):
-            names.update(n.id for arg in node.args for n in ast.walk(arg)
-                         if isinstance(n, ast.Name))
-    return names
-
-
 def _features_in_compat(path):
-    """'name: n lines' of each top-level function of `path` longer than
-    MAX_COMPAT_FUNCTION_LINES that is no patch factory."""
+    """What `path` (`_compat.py`) holds beyond shims and the patch
+    registry: 'name: n lines' of each top-level function longer than
+    MAX_COMPAT_FUNCTION_LINES, and each patch made there ('Patch(...)
+    at line n': patches live with the features that own them)."""
     tree = ast.parse(path.read_text())
-    factories = _patch_factories(tree)
-    return [f"{node.name}: {_body_lines(node)} lines"
+    long = [f"{node.name}: {_body_lines(node)} lines"
             for node in tree.body
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.name not in factories
             and _body_lines(node) > MAX_COMPAT_FUNCTION_LINES]
+    patches = [f"Patch(...) at line {node.lineno}"
+               for node in ast.walk(tree)
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+               and node.func.id == "Patch"]
+    return long + patches
 
 
 def test_compat_holds_only_shims_and_the_patch_registry():
     assert _features_in_compat(PACKAGE / "_compat.py") == []
 
 
-def test_compat_check_sees_a_feature_but_not_a_patch_factory(tmp_path):
+def test_compat_check_sees_a_feature_and_a_patch(tmp_path):
     long_body = '    """doc"""\n' + "    x = 1\n" * 16
     source = tmp_path / "_compat.py"
     source.write_text(
-        f"def factory(original, hooks):\n{long_body}"
         f"def feature():\n{long_body}"
-        "PATCHES = (Patch('f', owner, 'f', factory),)\n")
-    assert _features_in_compat(source) == ["feature: 16 lines"]
+        "def short():\n    return 1\n"
+        "PATCHES = (Patch('f', owner, 'f', short),)\n")
+    assert _features_in_compat(source) == [
+        "feature: 16 lines", "Patch(...) at line 21"]
+
+
+def test_compat_imports_no_tfpar_module():
+    assert [target for module, target, _, _ in _imports()
+            if module == "_compat"] == []
 
 
 _KERAS_ENTRY_POINTS = """
@@ -226,3 +228,194 @@ def test_tests_import_their_helpers_as_top_level_modules():
             found += [f"{path.name}:{node.lineno}" for name in names
                       if name == "tests" or name.startswith("tests.")]
     assert not found, found
+
+
+# -- The dependency rules: read from docs/architecture.md, enforced here ------
+#
+# docs/architecture.md's "Dependency rules" section holds the rules as tables
+# (the floors, what a package never imports, which modules install patches);
+# the checks below read those tables, so the page and the test cannot drift.
+
+ARCHITECTURE_PAGE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _module_name(path, package=None):
+    """'pipeline.runner' for tfpar/pipeline/runner.py, 'pipeline' for its
+    __init__.py, '__init__' for tfpar/__init__.py."""
+    package = package or PACKAGE
+    parts = list(path.relative_to(package).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules(package=None):
+    package = package or PACKAGE
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def _imported(module, node, modules):
+    """tfpar modules (names as `_module_name` gives them) that the import
+    statement `node` in `module` loads."""
+    if isinstance(node, ast.Import):
+        bases = [a.name for a in node.names]
+        names = [[] for _ in bases]
+    else:
+        base = node.module or ""
+        if node.level:
+            here = module.split(".") if module != "__init__" else []
+            is_package = modules[module].name == "__init__.py"
+            here = here if is_package else here[:-1]
+            here = here[:len(here) - (node.level - 1)]
+            base = ".".join(["tfpar", *here, *([base] if base else [])])
+        bases = [base]
+        names = [[a.name for a in node.names]]
+    found = []
+    for base, members in zip(bases, names):
+        if base != "tfpar" and not base.startswith("tfpar."):
+            continue
+        inner = base[len("tfpar."):] if base != "tfpar" else "__init__"
+        submodules = [f"{inner}.{m}" if inner != "__init__" else m
+                      for m in members]
+        hits = [m for m in submodules if m in modules]
+        found += hits
+        if len(hits) < len(members) or not members:
+            found.append(inner if inner in modules else inner + ".__init__")
+    return [m for m in found if m in modules and m != module]
+
+
+def _imports(package=None):
+    """[(module, imported module, line, inside a function)] of every tfpar
+    import in `package`, those done inside functions included."""
+    modules = _modules(package)
+    edges = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        late = {id(n) for f in ast.walk(tree)
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges += [(module, target, node.lineno, id(node) in late)
+                          for target in _imported(module, node, modules)]
+    return edges
+
+
+def _section_tables(page, heading):
+    """The rows (lists of cells) of each Markdown table under `heading`."""
+    text = page.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ")[0]
+    tables, rows = [], None
+    for line in text.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if rows is None:
+                rows = []
+                tables.append(rows)
+            elif not set("".join(cells)) <= set("-: "):
+                rows.append(cells)
+        else:
+            rows = None
+    return tables
+
+
+def _names(cell):
+    """The `backticked` names of a table cell: "`a`, `b.c`" -> ['a', 'b.c']."""
+    return cell.split("`")[1::2]
+
+
+def dependency_rules(page=None):
+    """(floor of each module, {package: modules it never imports},
+    modules allowed to install patches), from the architecture page's
+    "Dependency rules" tables. A module on two floors is an error."""
+    floors_table, never_table, patch_table = _section_tables(
+        page or ARCHITECTURE_PAGE, "Dependency rules")
+    floors = {}
+    for row in floors_table:
+        for module in _names(row[1]):
+            assert module not in floors, f"{module} is on two floors"
+            floors[module] = int(row[0])
+    never = {_names(row[0])[0]: _names(row[1]) for row in never_table}
+    installers = set(_names(patch_table[0][1]))
+    return floors, never, installers
+
+
+def mapped_modules(page=None):
+    """The modules the architecture page's module map names."""
+    (table,) = _section_tables(page or ARCHITECTURE_PAGE, "The module map")
+    return {name for row in table for name in _names(row[0])}
+
+
+def _inside(module, package):
+    return module == package or module.startswith(package + ".")
+
+
+def rule_breaks(package=None, page=None):
+    floors, never, _ = dependency_rules(page)
+    breaks = []
+    for module, target, line, late in _imports(package):
+        where = f"{module}:{line} imports {target}"
+        if late and module != "__init__":
+            breaks.append(f"{where} inside a function")
+        if module not in floors or target not in floors:
+            continue  # test_every_module_has_a_floor reports it
+        if floors[target] >= floors[module]:
+            breaks.append(f"{where}: floor {floors[target]} is not below "
+                          f"{floors[module]}")
+        for owner, banned in never.items():
+            if _inside(module, owner) and any(_inside(target, b) for b in banned):
+                breaks.append(f"{where}: {owner} never imports {banned}")
+    return breaks
+
+
+def test_every_module_has_one_floor_on_the_architecture_page():
+    floors, _, _ = dependency_rules()
+    assert sorted(set(_modules()) - set(floors)) == []
+    assert sorted(set(floors) - set(_modules())) == []
+
+
+def test_every_module_is_in_the_module_map():
+    assert sorted(set(_modules()) - mapped_modules()) == []
+    assert sorted(mapped_modules() - set(_modules())) == []
+
+
+def test_imports_point_down_and_none_is_inside_a_function():
+    assert rule_breaks() == []
+
+
+def test_rule_check_sees_an_import_up_and_a_late_one(tmp_path):
+    package = tmp_path / "tfpar"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low.py").write_text(
+        "def f():\n    from tfpar import high\n")
+    (package / "high.py").write_text("from tfpar import low\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "part.py").write_text("from tfpar import high\n")
+    page = tmp_path / "architecture.md"
+    page.write_text(
+        "# x\n\n## Dependency rules\n\n"
+        "| floor | modules |\n|---|---|\n"
+        "| 0 | `low` |\n| 1 | `high`, `sub.part` |\n| 2 | `__init__`, `sub` |\n\n"
+        "| package | never imports |\n|---|---|\n| `sub` | `high` |\n\n"
+        "| rule | modules |\n|---|---|\n| install patches | `high` |\n")
+    breaks = rule_breaks(package, page)
+    assert breaks == [
+        "low:2 imports high inside a function",
+        "low:2 imports high: floor 1 is not below 0",
+        "sub.part:1 imports high: floor 1 is not below 1",
+        "sub.part:1 imports high: sub never imports ['high']"], breaks
+
+
+def _installs_patches(path):
+    """Whether `path` calls the patch registry's `install_group`."""
+    return any(isinstance(n, ast.Call) and (
+        getattr(n.func, "attr", None) == "install_group"
+        or getattr(n.func, "id", None) == "install_group")
+        for n in ast.walk(ast.parse(path.read_text())))
+
+
+def test_only_the_named_modules_install_patches():
+    _, _, installers = dependency_rules()
+    found = {m for m, p in _modules().items()
+             if m != "_compat" and _installs_patches(p)}
+    assert found == installers

@@ -283,7 +283,7 @@ def optimizer_learning_rate_variable(optimizer):
     return value if hasattr(value, "assign") else None
 
 
-# -- DTensor's compiled programs (tfpar/communication.py) -----------------
+# -- DTensor's compiled programs (tfpar/reports/program.py) -----------------
 
 
 def runtime_function_names():
@@ -369,7 +369,7 @@ def profiler_xspaces(directory):
     return spaces
 
 
-# Names in TF 2.21's DTensor-expanded programs (tfpar/communication.py):
+# Names in TF 2.21's DTensor-expanded programs (tfpar/reports/program.py):
 # tf.GradientTape puts gradient ops under this name scope; DTensor names the
 # nodes it inserts "<op>/DTensor<Collective>Op_<n>" and their group-key
 # lookups ".../group_key"; a zero-padded all-gather's blocks are written by

@@ -1,16 +1,11 @@
 """`tfpar.plan`: the search for an automatic parallel plan, returning a
-`Plan` (`tfpar/planner/result.py`).
+`Plan` (`tfpar/planner/result.py`, whose example applies one).
 
 Example (8 virtual CPUs):
 
 >>> plan = tfpar.plan(build_model, global_batch_size=64,
 ...                   memory_per_device=2e6)
->>> print(plan.explain())
->>> with plan.strategy().scope():
-...     model = plan.apply(build_model())    # a PipelineModel if pipe > 1
-...     model.compile(optimizer="adam", loss="mse")
->>> model.fit(x, y, batch_size=64)
->>> plan.save("plan.json"); tfpar.Plan.load("plan.json").axes
+>>> plan.axes        # e.g. {"data": 2, "model": 4}
 """
 
 import math

@@ -2,35 +2,40 @@
 
 Run it with
 
-    python benchmarks/compare_commits.py A B [--pairs 10]
+    python benchmarks/compare_commits.py A B [C ...] [--pairs 10]
         [--meshes model=8,data=2x4,data=8] [--steps 8] [--rounds 10]
+        [--ops-diff] [--json FILE]
 
-A and B are commits (or the word WORKTREE: this checkout's files as they
-are). Each commit's `tfpar/` is written into a temporary directory
-(`git archive`) once; then the two are run alternately, A B A B ...
-(`--pairs` times), each run a fresh subprocess of this Python
-(`sys.executable`) with that commit's tree first on PYTHONPATH. The
-measurement itself is this file's (`--worker`), the same for both commits:
-it trains benchmarks/step_time.py's MLP (batch 256, Adam) on one device
-and on each mesh, side by side in one process (a warm-up fit, then
-`--rounds` round-robin rounds of one fit of `--steps` steps each), and
-reports each mesh's step ÷ one device's: the median over the rounds of
-that round's ratio, by the wall clock and by this process' CPU time (all
-threads; steadier than the wall clock when other jobs share the cores).
+A is the reference; B (and C, ...) are compared with it. Each is a commit
+(or the word WORKTREE: this checkout's files as they are). Each commit's
+`tfpar/` is written into a temporary directory (`git archive`) once; then
+the commits are run in turn, A B A B ... (`--pairs` times), each run a
+fresh subprocess of this Python (`sys.executable`) with that commit's tree
+first on PYTHONPATH. The measurement itself is this file's (`--worker`),
+the same for every commit: it trains benchmarks/step_time.py's MLP (batch
+256, Adam) on one device and on each mesh, side by side in one process (a
+warm-up fit each, then `--rounds` round-robin rounds of one fit of
+`--steps` steps each), and reports each mesh's step ÷ one device's: the
+median over the rounds of that round's ratio, by the wall clock and by
+this process' CPU time (all threads; steadier than the wall clock when
+other jobs share the cores).
 
-Printed per mesh: every pair's ratio B/A of those step ratios, the median
-of the paired ratios (the figure to compare: 1.05 = B's mesh step is 5%
-slower relative to one device than A's), and each commit's op count of
-the compiled train step: the ops of the per-device program DTensor
-expanded the traced step into (every function it calls counted too), and
-of the traced step before expansion. Both are read the same way for every
-commit, through TF's function library only: the DTensor wrappers
-(`<traced>__func_...`) that appeared during the mesh's warm-up fit, the
-one with the most ops being the train step. `--ops-diff` prints the op
-types whose counts differ.
+Printed per mesh: each commit's median step ratio, the ratios of its runs
+to the reference's runs of the same pair, and the median of those paired
+ratios (the figure to compare: 1.05 = the commit's mesh step is 5% slower,
+relative to one device, than the reference's); then each commit's op
+count of the compiled train step: the ops of the per-device program
+DTensor expanded the traced step into (every function it calls counted
+too), and of the traced step before expansion. Both are read the same way
+for every commit, through TF's function library only (no tfpar internals):
+the DTensor wrappers (`<traced>__func_...`) that appeared during the
+mesh's warm-up fit, the one with the most ops being the train step.
+`--ops-diff` prints the op types whose counts differ from the reference's.
 
-The host is shared: the load average is printed before and after; pairs
-alternate so that a change of load hits both commits alike.
+The host is shared: the load average is printed before and after and with
+every run; the commits alternate so that a change of load hits them alike.
+A run takes ~25 s on a quiet 2-core host (single step ~23 ms), 60-130 s at
+load 10-20.
 """
 
 import argparse
@@ -126,7 +131,9 @@ def _round_ratio(mesh, single):
 
 
 def worker(args):
-    import tfpar  # noqa: PLC0415  (the commit's, first on PYTHONPATH)
+    # Imported here, not at the top: the driver runs no TensorFlow, and the
+    # worker's tfpar is the commit's tree, first on its PYTHONPATH.
+    import tfpar  # noqa: PLC0415
 
     tfpar.use_virtual_cpus(8)
     sys.path.insert(0, HERE)

@@ -40,7 +40,9 @@ passed to `compile` of every Keras config alike.
 
 The host has few cores and other processes (e.g. test runs) may compete for
 them: the load average is printed before and after; compare ratios from the
-same run only.
+same run only. To compare two commits' tfpar on this MLP (alternated runs,
+paired ratios, op counts of the compiled step), see
+benchmarks/compare_commits.py.
 """
 
 import argparse

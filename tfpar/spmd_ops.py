@@ -96,7 +96,7 @@ def index_keeping_dims(tensor, key):
     integer index i is taken as the slice i:i+1 and that dimension squeezed
     after, a tensor index is a `tf.gather` along its dimension. The same
     values. None when `key` needs the plain path (no integer index,
-    boolean or list indices, unknown rank).
+    boolean or list indices, unknown rank or rank below 2).
 
     DTensor 2.21 lays out a StridedSlice that drops a dimension d wrongly
     when a later dimension is sharded: the output keeps the sharding at the
@@ -107,7 +107,9 @@ def index_keeping_dims(tensor, key):
     """
     items = key if isinstance(key, tuple) else (key,)
     rank = tensor.shape.rank
-    if rank is None or not any(_is_scalar_index(i) for i in items) or not all(
+    # A tensor of rank 1 has no later dimension to mislay: the plain path
+    # (e.g. Keras' `tf.shape(y)[0]` in every step's metrics, no Squeeze).
+    if rank is None or rank < 2 or not any(_is_scalar_index(i) for i in items) or not all(
             i is None or i is Ellipsis or isinstance(i, slice)
             or _is_scalar_index(i) for i in items):
         return None

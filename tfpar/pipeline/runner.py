@@ -149,7 +149,7 @@ class PipelineRunner(training.Runner):
 
     def traced_step(self, host_batch):
         """Runs a step on `host_batch` as `fit` does; its concrete function
-        (`tfpar.pipeline.memory` reads its programs, one per stage)."""
+        (`tfpar.reports.pipeline_memory` reads its programs, one per stage)."""
         self._run_batch(host_batch)
         return self._function("train").get_concrete_function(
             *self._arguments(host_batch))

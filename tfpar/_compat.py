@@ -105,7 +105,9 @@ def tf_python_module(path):
     return importlib.import_module(f"tensorflow.python.{path}")
 
 
-def _tf_core():
+def keras_tf_core():
+    """Keras' TensorFlow backend core module (its `Variable`, `remat`,
+    `slice_update`): the owner several patches replace attributes of."""
     return keras_module("backend.tensorflow.core")
 
 
@@ -499,7 +501,7 @@ def remat_off():
     """Keras' rematerialization off for the block: its TF `remat(f)` (what
     `keras.RematScope` layers and `keras.remat` call, at call time) is `f`
     itself; restored after, whichever `remat` (TF's or tfpar's) it was."""
-    core = _tf_core()
+    core = keras_tf_core()
     current = core.remat
     core.remat = lambda f: f
     try:

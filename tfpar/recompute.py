@@ -242,10 +242,6 @@ def _check_random_recomputation(generator):
             f"Received mesh: {extended.mesh!r}.")
 
 
-def _keras_tf_core():
-    return _compat.keras_module("backend.tensorflow.core")
-
-
 def _seed_generator():
     return _compat.keras_module("random.seed_generator").SeedGenerator
 
@@ -257,7 +253,7 @@ def _seed_generator():
 # masks would be drawn. `recompute` replaces Keras' TF `remat`, and
 # `SeedGenerator.next` replays seeds inside a recomputation (`next_seed`).
 REMAT_PATCHES = (
-    _compat.Patch("remat", _keras_tf_core, "remat",
+    _compat.Patch("remat", _compat.keras_tf_core, "remat",
                   lambda _, hooks: hooks.recompute),
     _compat.Patch("seed_next", _seed_generator, "next",
                   lambda original, hooks: functools.partialmethod(

@@ -29,10 +29,6 @@ def _keras_numpy():
     return _compat.keras_module("backend.tensorflow.numpy")
 
 
-def _tf_core():
-    return _compat.keras_module("backend.tensorflow.core")
-
-
 def _gen_array_ops():
     return _compat.tf_python_module("ops.gen_array_ops")
 
@@ -369,7 +365,7 @@ PATCHES = (
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
-    _compat.Patch("slice_update", _tf_core, "slice_update",
+    _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",
                   _dense_slice_update_in_step),
     _compat.Patch("tensor_getitem", lambda: tf.Tensor, "__getitem__",
                   _indexing_keeping_dims_in_step),

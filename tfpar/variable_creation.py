@@ -93,8 +93,11 @@ def _publishing_variable(original):
 # publish the layer and the Keras Variable being created (read by the
 # strategy's variable creator through `keras_variable_being_created`).
 VARIABLE_CREATION_PATCHES = (
-    _compat.Patch("add_weight", lambda: _compat.keras_module("layers.layer").Layer,
-          "add_weight", lambda original, _: _publishing_adding_layer(original)),
-    _compat.Patch("variable_initialize", lambda: _compat.keras_module("backend.tensorflow.core").Variable, "_initialize",
-          lambda original, _: _publishing_variable(original)),
+    _compat.Patch("add_weight",
+                  lambda: _compat.keras_module("layers.layer").Layer,
+                  "add_weight",
+                  lambda original, _: _publishing_adding_layer(original)),
+    _compat.Patch("variable_initialize",
+                  lambda: _compat.keras_tf_core().Variable, "_initialize",
+                  lambda original, _: _publishing_variable(original)),
 )

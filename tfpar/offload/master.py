@@ -98,9 +98,8 @@ def _master_direct_assign(original, _):
 
 
 MASTER_PATCHES = (
-    _compat.Patch("master_assign", lambda: _compat.keras_module(
-        "backend.tensorflow.core").Variable, "_direct_assign",
-        _master_direct_assign),
+    _compat.Patch("master_assign", lambda: _compat.keras_tf_core().Variable,
+                  "_direct_assign", _master_direct_assign),
 )
 
 

@@ -29,7 +29,7 @@ class OffloadRunner(training.StepRunner):
     device step and the update, the weights something else wrote reach
     the host copies (`pull_weights`; none in a plain `fit`)."""
 
-    def __init__(self, model, extended, mode="train"):
+    def __init__(self, model, extended, mode):
         # (Attached at compile already: this finds that `Offload`.)
         self._offload = host.attach(model.optimizer,
                                     extended._container_strategy())  # noqa: SLF001
@@ -70,9 +70,6 @@ class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
     part's weights written elsewhere (a tied copy's sync, `set_weights`)
     reach its host copies first (`Offload.pull_weights`)."""
 
-    def __init__(self, pipeline, mode="train"):
-        super().__init__(pipeline, mode)
-
     def _train(self, xs, targets, split):
         offloads = part_offloads(self._model)
         with contextlib.ExitStack() as stack:
@@ -84,7 +81,7 @@ class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
                       in zip(offloads, captured)]
 
     def _run_batch(self, batch):
-        logs, grads = run_and_update(
+        logs, _ = run_and_update(
             self._model,
             lambda: pipeline_runner.PipelineRunner._run_batch(self, batch))
         return logs
@@ -120,9 +117,6 @@ class OffloadCrossHostRunner(cross_host.CrossHostRunner):
     host (`offload_devices`). Every host runs every part's moves and
     update in the same order; on the hosts without that stage they are
     no-ops on stand-ins (`move_blocks`), as the stage's functions are."""
-
-    def __init__(self, pipeline, mode="train"):
-        super().__init__(pipeline, mode)
 
     def _train(self, xs, targets, split, rows):
         def step():

@@ -169,7 +169,7 @@ def test_recomputed_gpt_trains_with_auto_rules_like_one_device():
     model, rules, losses, report = found[True]
     assert [(p, repr(s)) for p, s in rules.items()] == \
         [(p, repr(s)) for p, s in found[False][1].items()]
-    assert _compat._tf_core().remat is recompute.recompute  # noqa: SLF001
+    assert _compat.keras_tf_core().remat is recompute.recompute
     assert models.relative_error(want, losses) < 1e-4
     for a, b in zip(reference.weights, model.weights):
         if a.path.endswith("attn/key/bias"):

@@ -22,7 +22,7 @@ def run(script, *args):
 
 @pytest.mark.parametrize("script", ["quickstart.py", "gpt.py", "pipeline.py",
                                     "checkpoints.py", "hosts.py",
-                                    "keras_hub_llama.py"])
+                                    "keras_hub_llama.py", "does_not_fit.py"])
 def test_help(script):
     assert "usage:" in run(script, "--help")
 
@@ -36,6 +36,18 @@ def test_quickstart_reports_parity_and_placement():
     assert "parity with one device (losses and weights within 1e-4): OK" in out
     assert "bytes per device:" in out
     assert out.count("\n  CPU:") == 8  # one table row per device
+
+
+def test_does_not_fit_plans_trains_and_resumes_on_another_mesh_in_parity():
+    """The README's newcomer path: a keras-hub causal LM, `tfpar.plan` (as a
+    builder) under a memory limit plain data parallelism exceeds, `fit`,
+    and a checkpoint resumed on a data x model mesh, each beside one device."""
+    out = run("does_not_fit.py")
+    assert "Chosen: " in out and "memory limit 700.0 kB" in out
+    differences = [float(part.split()[0]) for part in
+                   out.split("largest relative loss difference:")[1:]]
+    assert len(differences) == 2 and max(differences) < 1e-4, out[-2000:]
+    assert "resumed step 1 from" in out
 
 
 @pytest.mark.slow  # its gpt.train is parity-tested in tests/test_gpt_example.py

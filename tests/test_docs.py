@@ -9,6 +9,7 @@ reach it, and `--quiet` hid all 75 of a fresh install's (2026-12-04).
 """
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -172,3 +173,21 @@ def test_readme_links_point_to_files():
     targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
     missing = [t for t in targets if not (ROOT / t).exists()]
     assert targets and not missing, missing
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs(tmp_path):
+    """The README's quickstart, as a reader copies it, trains (keras-hub
+    GPT-2 with auto_rules on data=2 x model=4 of 8 virtual CPUs)."""
+    quickstart = re.findall(r"```python\n(.*?)```", README.read_text(),
+                            re.S)[0]
+    assert "tfpar.auto_rules" in quickstart and "keras_hub" in quickstart
+    script = tmp_path / "quickstart.py"
+    script.write_text(quickstart + "\nprint('QUICKSTART DONE', "
+                      "model.history.history['loss'])\n")
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+        text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "QUICKSTART DONE" in result.stdout

@@ -124,6 +124,14 @@ def prepare_devices(virtual_cpus=8):
     chips and connected with `tfpar.connect_tpu`), else the GPUs, else the
     CPU split into `virtual_cpus` logical devices. Returns a list of notes
     (why a TPU found was not used), empty when there is nothing to say.
+
+    Example (on a host without TPU or GPU):
+
+    >>> from tfpar import smoke
+    >>> smoke.prepare_devices(8)
+    []
+    >>> tfpar.mesh.default_devices()[-1]
+    'CPU:7'
     """
     notes = []
     wants_tpu = os.environ.get("TPU_NAME") or _tpu._local_tpu_chips()
@@ -140,7 +148,14 @@ def prepare_devices(virtual_cpus=8):
 
 
 def checks_for(device_type, count):
-    """The checks `count` devices of `device_type` allow, in run order."""
+    """The checks `count` devices of `device_type` allow, in run order;
+    those it does not allow have `axes` None and say why.
+
+    Example:
+
+    >>> [(c.name, c.axes) for c in smoke.checks_for("GPU", 2)][:3]
+    [('data', {'data': 2}), ('tensor', {'data': 1, 'model': 2}), ('fsdp', {'data': 2})]
+    """
     model = next((m for m in (4, 2) if count % m == 0), None)
     tensor = {"data": count // model, "model": model} if model else None
     odd = "needs an even number of devices"
@@ -167,7 +182,17 @@ def checks_for(device_type, count):
 
 def run(names=None):
     """Runs the checks named in `names` (all of `CHECK_NAMES` by default)
-    on `tfpar.mesh.default_devices()` and returns a `SmokeResult`."""
+    on `tfpar.mesh.default_devices()` and returns a `SmokeResult`.
+
+    Example:
+
+    >>> result = smoke.run(["data", "tensor"])
+    >>> result.passed, [c.mesh for c in result.checks]
+    (True, ['data=8', 'data=2 × model=4'])
+    >>> print(result.markdown())             # doctest: +ELLIPSIS
+    **PASS**: 2 of 2 checks passed on 8 CPU device(s); one device = CPU:0.
+    ...
+    """
     unknown = sorted(set(names or ()) - set(CHECK_NAMES))
     if unknown:
         raise ValueError(f"unknown smoke check(s) {unknown}. Received: "
@@ -218,7 +243,8 @@ def _compile(model, policy):
 
 def _data(batch):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(PARITY_STEPS * batch, FEATURES)).astype("float32")
+    steps = PARITY_STEPS + TIMED_STEPS
+    x = rng.normal(size=(steps * batch, FEATURES)).astype("float32")
     y = np.tanh(x[:, :OUTPUTS] * x[:, OUTPUTS:2 * OUTPUTS]).astype("float32")
     return x, y, batch
 
@@ -241,14 +267,14 @@ class _Runs:
 
     def check(self, check):
         mesh = " × ".join(f"{axis}={n}" for axis, n in (check.axes or {}).items())
-        result = CheckResult(check.name, check.title, mesh or "-", "SKIP",
-                             failure=check.skip_reason)
+        result = CheckResult(check.name, check.title, mesh or "-", "SKIP")
         if check.axes is None:
+            result.failure = check.skip_reason
             return result
         try:
             reference = self.reference(check.policy)
-            trained = self.parallel(check)
             result.tolerance = self.tolerance(check.policy)
+            trained = self.parallel(check)
         except Exception as e:  # a report of it is the check's result
             result.status, result.failure = "FAIL", _describe(e)
             return result
@@ -285,16 +311,33 @@ class _Runs:
         return self.train(model)
 
     def train(self, model):
+        """One `fit` over PARITY_STEPS + TIMED_STEPS batches: the weights'
+        updates after the first PARITY_STEPS, and the median time between
+        the ends of two steps after the first (which compiles)."""
         x, y, batch = self.data
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        watch = _StepWatch(PARITY_STEPS)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[watch])
         updates = [np.asarray(w, "float64") - w0
-                   for w, w0 in zip(model.get_weights(), self.initial)]
-        times = []
-        for _ in range(TIMED_STEPS):  # after the parity steps: a copy's time
-            start = time.perf_counter()
-            model.train_on_batch(x[:batch], y[:batch])
-            times.append(1e3 * (time.perf_counter() - start))
-        return _Trained(updates, statistics.median(times))
+                   for w, w0 in zip(watch.weights, self.initial)]
+        return _Trained(updates, 1e3 * statistics.median(np.diff(watch.ends)))
+
+
+class _StepWatch(keras.callbacks.Callback):
+    """Each step's end time (the loss read first, so the step has run) and
+    the weights after step `weights_after`."""
+
+    def __init__(self, weights_after):
+        super().__init__()
+        self.weights_after = weights_after
+        self.ends = []
+        self.weights = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        float(logs["loss"])  # waits for the step's result
+        self.ends.append(time.perf_counter())
+        if batch + 1 == self.weights_after:
+            self.weights = self.model.get_weights()
 
 
 def _relative_difference(updates, reference_updates):
@@ -334,14 +377,17 @@ def _markdown_lines(result):
         "|---|---|---|---|---|---|---|",
     ]
     for c in result.checks:
-        status = c.status if c.status != "SKIP" else f"SKIP ({c.failure})"
+        status = {"SKIP": f"SKIP ({c.failure})",
+                  "FAIL": f"FAIL ({c.failure.split(':', 1)[0]})"}.get(
+                      c.status, c.status) if c.failure else c.status
         lines.append(
             f"| {c.name}: {c.title} | {c.mesh} | {status} "
             f"| {_number(c.error, '.2e')} | {_number(c.tolerance, '.1e')} "
             f"| {_number(c.step_ms, '.1f')} | {_number(c.reference_ms, '.1f')} |")
     lines += ["", "Error: the largest relative difference of a weight's "
               f"update after {PARITY_STEPS} steps from one device's; step "
-              f"time: median of {TIMED_STEPS} steps."]
+              f"time: the median of the {PARITY_STEPS + TIMED_STEPS - 1} "
+              "steps after the first (which compiles)."]
     for c in failed:
         lines += ["", f"### {c.name} failed", "", "```",
                   c.failure or (f"max rel. error {c.error:.2e} > tolerance "

@@ -255,7 +255,8 @@ def test_env_help_and_bad_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         env.main(["--help"])
     assert exit_info.value.code == 0
-    assert "--virtual-cpus N" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--virtual-cpus N" in help_text and "--smoke" in help_text
     with pytest.raises(SystemExit) as exit_info:
         env.main(["--virtual-cpus", "0"])
     assert exit_info.value.code == 2
@@ -420,6 +421,11 @@ def test_smoke_checks_follow_the_device_count():
         "data": {"data": 1}, "tensor": None, "fsdp": None, "pipeline": None,
         "bfloat16": {"data": 1}, "float16": {"data": 1}}
     assert axes("GPU", 2)["tensor"] == {"data": 1, "model": 2}
+    odd = {c.name: (c.title, c.axes, c.rules)
+           for c in smoke.checks_for("GPU", 3)}
+    assert odd["bfloat16"] == ("mixed_bfloat16, data parallel", {"data": 3},
+                               None)
+    assert odd["pipeline"][1] is None
     assert axes("TPU", 32)["pipeline"] == {"pipe": 2, "data": 16}
     assert axes("TPU", 32)["float16"] is None
     with pytest.raises(ValueError, match=r"unknown smoke check\(s\) \['dp'\]"

@@ -159,6 +159,10 @@ def checks_for(device_type, count):
     model = next((m for m in (4, 2) if count % m == 0), None)
     tensor = {"data": count // model, "model": model} if model else None
     odd = "needs an even number of devices"
+    # Mixed precision on the tensor-parallel mesh, else data parallel.
+    mixed, mixed_rules = (tensor, TENSOR_RULES) if tensor else (
+        {"data": count}, None)
+    split = "tensor parallel" if tensor else "data parallel"
     float16_skip = ("" if device_type == "GPU"
                     else f"float16 is for GPUs; {device_type} uses bfloat16")
     return [
@@ -170,13 +174,11 @@ def checks_for(device_type, count):
         Check("pipeline", f"pipeline, 2 stages, {MICROBATCHES} micro-batches",
               {"pipe": 2, "data": count // 2} if count % 2 == 0 else None,
               microbatches=MICROBATCHES, skip_reason=odd),
-        Check("bfloat16", "mixed_bfloat16, tensor parallel",
-              tensor or {"data": count}, TENSOR_RULES if tensor else None,
+        Check("bfloat16", f"mixed_bfloat16, {split}", mixed, mixed_rules,
               policy="mixed_bfloat16"),
-        Check("float16", "mixed_float16, tensor parallel",
-              (tensor or {"data": count}) if not float16_skip else None,
-              TENSOR_RULES if tensor else None, policy="mixed_float16",
-              skip_reason=float16_skip),
+        Check("float16", f"mixed_float16, {split}",
+              None if float16_skip else mixed, mixed_rules,
+              policy="mixed_float16", skip_reason=float16_skip),
     ]
 
 

@@ -1,15 +1,19 @@
-"""Device discovery on faked device lists, connect_tpu (mocked), tfpar.env."""
+"""Device discovery on faked device lists, connect_tpu (mocked), tfpar.env
+and its smoke check."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
+import keras
 import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfpar
-from tfpar import env, tpu
+from tfpar import env, smoke, tpu
 from tfpar.mesh import _pick_devices, default_device_type, default_devices
 
 
@@ -251,7 +255,8 @@ def test_env_help_and_bad_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         env.main(["--help"])
     assert exit_info.value.code == 0
-    assert "--virtual-cpus N" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--virtual-cpus N" in help_text and "--smoke" in help_text
     with pytest.raises(SystemExit) as exit_info:
         env.main(["--virtual-cpus", "0"])
     assert exit_info.value.code == 2
@@ -291,3 +296,159 @@ def test_import_turns_on_nccl_for_gpu_meshes_unless_the_user_chose(
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == expected
+
+
+# python -m tfpar.env --smoke
+
+
+def _smoke_rows(markdown):
+    """{check name: (mesh, result, error, tolerance)} from the report's
+    table, errors and tolerances as floats (None for "-")."""
+    rows = {}
+    for line in markdown.splitlines():
+        match = re.match(r"\| (\w+): [^|]+ \| ([^|]+) \| ([^|]+) \| ([^|]+) "
+                         r"\| ([^|]+) \|", line)
+        if match:
+            name, mesh, result, error, tolerance = (
+                g.strip() for g in match.groups())
+            rows[name] = (mesh, result, None if error == "-" else float(error),
+                          None if tolerance == "-" else float(tolerance))
+    return rows
+
+
+def test_python_m_tfpar_env_smoke_passes_on_virtual_cpus():
+    environ = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-m", "tfpar.env", "--smoke"],
+                            capture_output=True, text=True, env=environ,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    report = result.stdout
+    lines = report.splitlines()
+    assert lines[0] == "# tfpar smoke check"
+    assert f"- tensorflow: {tf.__version__}" in lines
+    assert "- logical devices: 8 CPU" in lines and "- CPU: CPU:0..CPU:7" in lines
+    assert ("**PASS**: 5 of 5 checks passed on 8 CPU device(s); one device = "
+            "CPU:0.") in lines
+    rows = _smoke_rows(report)
+    meshes = {"data": "data=8", "tensor": "data=2 × model=4", "fsdp": "data=8",
+              "pipeline": "pipe=2 × data=4", "bfloat16": "data=2 × model=4"}
+    for name, mesh in meshes.items():
+        row_mesh, status, error, tolerance = rows[name]
+        assert (row_mesh, status) == (mesh, "PASS"), (name, rows[name])
+        assert error <= tolerance, (name, rows[name])
+    for name in ("data", "tensor", "fsdp", "pipeline"):
+        assert rows[name][3] == smoke.FLOAT32_TOLERANCE
+    # bfloat16 moves the update by percents: its bound is 3 times that.
+    assert 1e-3 < rows["bfloat16"][3] / smoke.MIXED_SLACK < 1
+    assert rows["float16"][1].startswith("SKIP (float16 is for GPUs")
+    assert "FAIL" not in report
+
+
+def test_smoke_planted_failures_are_reported_and_exit_nonzero(
+        monkeypatch, capsys):
+    """A check that raises is FAIL with its exception and the next still
+    runs; a tensor-parallel run whose learning rate is 1% off is FAIL by
+    its error."""
+    def broken_step(runs, check):
+        raise RuntimeError("planted: the data-parallel step broke\nline 2")
+
+    original_compile = smoke._compile
+
+    def off_by_one_percent(model, policy):
+        if not tf.distribute.has_strategy():
+            return original_compile(model, policy)
+        model.compile(optimizer=keras.optimizers.SGD(0.0505, momentum=0.9),
+                      loss="mse")
+
+    original_parallel = smoke._Runs.parallel
+    monkeypatch.setattr(smoke._Runs, "parallel", lambda runs, check: (
+        broken_step if check.name == "data" else original_parallel)(
+            runs, check))
+    monkeypatch.setattr(smoke, "_compile", off_by_one_percent)
+    assert env.main(["--smoke", "--checks", "data,tensor"]) == 1
+    report = capsys.readouterr().out
+    assert ("**FAIL**: 0 of 2 checks passed on 8 CPU device(s); one device "
+            "= CPU:0.") in report.splitlines()
+    rows = _smoke_rows(report)
+    assert rows["data"] == ("data=8", "FAIL (RuntimeError)", None, 1e-4)
+    mesh, status, error, tolerance = rows["tensor"]
+    assert (mesh, status, tolerance) == ("data=2 × model=4", "FAIL", 1e-4)
+    assert 1e-3 < error < 0.1
+    failure = report.split("### data failed", 1)[1]
+    assert "RuntimeError: planted: the data-parallel step broke\nline 2" in failure
+    assert re.search(r"at .*test_env\.py:\d+ in broken_step", failure)
+    assert f"max rel. error {error:.2e} > tolerance 1.0e-04" in report
+
+
+def test_smoke_json_and_its_flags(capsys):
+    assert env.main(["--smoke", "--checks", "float16", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["passed"] is True and answer["device_type"] == "CPU"
+    assert answer["devices"] == [f"CPU:{i}" for i in range(8)]
+    assert [(c["name"], c["status"]) for c in answer["checks"]] == [
+        ("float16", "SKIP")]
+    assert answer["environment"][0] == f"tfpar: {tfpar.__version__}"
+    for argv, message in [
+            (["--smoke", "--checks", "data,bogus"],
+             "--checks takes names from data,tensor,fsdp,pipeline,bfloat16,"
+             "float16. Received: --checks data,bogus"),
+            (["--json"], "--checks and --json go with --smoke. Received: "
+             "--json")]:
+        with pytest.raises(SystemExit) as exit_info:
+            env.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smoke_float16_check_on_cpus(monkeypatch):
+    """The GPU-only mixed_float16 check (loss scaling), run on the CPUs."""
+    checks_for = smoke.checks_for
+    monkeypatch.setattr(smoke, "checks_for",
+                        lambda device_type, count: checks_for("GPU", count))
+    (check,) = smoke.run(["float16"]).checks
+    assert (check.mesh, check.status) == ("data=2 × model=4", "PASS")
+    assert 0 < check.error <= check.tolerance
+    # float16 moves one device's updates by percents (bfloat16: about 10%).
+    assert 1e-3 < check.tolerance / smoke.MIXED_SLACK < 0.05
+
+
+def test_smoke_checks_follow_the_device_count():
+    def axes(device_type, count):
+        return {c.name: c.axes for c in smoke.checks_for(device_type, count)}
+
+    assert axes("GPU", 1) == {
+        "data": {"data": 1}, "tensor": None, "fsdp": None, "pipeline": None,
+        "bfloat16": {"data": 1}, "float16": {"data": 1}}
+    assert axes("GPU", 2)["tensor"] == {"data": 1, "model": 2}
+    odd = {c.name: (c.title, c.axes, c.rules)
+           for c in smoke.checks_for("GPU", 3)}
+    assert odd["bfloat16"] == ("mixed_bfloat16, data parallel", {"data": 3},
+                               None)
+    assert odd["pipeline"][1] is None
+    assert axes("TPU", 32)["pipeline"] == {"pipe": 2, "data": 16}
+    assert axes("TPU", 32)["float16"] is None
+    with pytest.raises(ValueError, match=r"unknown smoke check\(s\) \['dp'\]"
+                       r"\. Received: names=\['dp'\]"):
+        smoke.run(["dp"])
+
+
+def test_report_names_each_gpu_and_the_driver(monkeypatch, tmp_path):
+    gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
+            for i in range(2)]
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda device_type=None: gpus)
+    monkeypatch.setattr(tf.config.experimental, "get_device_details",
+                        lambda gpu: {"device_name": "NVIDIA A100-SXM4-40GB",
+                                     "compute_capability": (8, 0)})
+    fake_smi = tmp_path / "nvidia-smi"
+    fake_smi.write_text("#!/bin/sh\necho 550.54.15\necho 550.54.15\n")
+    fake_smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    lines = env.report().splitlines()
+    assert "physical devices: 2 GPU" in lines
+    assert ("  /physical_device:GPU:1: NVIDIA A100-SXM4-40GB (compute "
+            "capability (8, 0))") in lines
+    assert "gpu driver: 550.54.15" in lines
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert "gpu driver: unknown (no nvidia-smi on PATH)" in env.report()

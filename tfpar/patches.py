@@ -124,6 +124,8 @@ def _routed_make_function(mode):
                 return getattr(self, attribute)
             function = hooks.function_for(self, mode)
             if function is None:
+                if mode == "train":  # a model of no ParallelStrategy
+                    hooks.warn_if_never_entered(self)
                 return original(self, force=force)
             setattr(self, attribute, function)
             return function

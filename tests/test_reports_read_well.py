@@ -233,7 +233,8 @@ def test_a_model_trained_outside_a_strategy_with_rules_warns_once(
     messages = _fit_plain_model()
     assert len(messages) == 1, messages
     assert "Model 'sequential" in messages[0]
-    assert "{'data': 2, 'model': 4} with 1 layout rule(s)" in messages[0]
+    assert ("{'data': 2, 'model': 4} whose layout rules match its weights "
+            "(e.g. '.*up/kernel')") in messages[0]
     assert "with strategy.scope():" in messages[0]
 
 
@@ -251,4 +252,7 @@ def test_no_warning_when_the_scope_was_entered_or_there_are_no_rules(
         model.fit(np.ones((8, 8)), np.ones((8, 16)), verbose=0)
     assert not [w for w in caught if "scope never entered" in str(w.message)]
     no_rules = tfpar.ParallelStrategy(tfpar.Mesh(MESH))  # noqa: F841
-    assert _fit_plain_model() == []  # a model of its own, no rules made
+    other_model = tfpar.ParallelStrategy(  # noqa: F841
+        tfpar.Mesh(MESH), rules={r".*attention/kernel": (None, "model")})
+    # Never entered, but no rule is for this model's weights.
+    assert _fit_plain_model() == []

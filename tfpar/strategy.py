@@ -502,19 +502,24 @@ _NEVER_ENTERED = weakref.WeakSet()
 
 def warn_if_never_entered(model):
     """Warns, once per strategy, when `model` (of no ParallelStrategy)
-    starts training while a ParallelStrategy with rules exists whose scope
-    was never entered: the model was most likely meant to be built in it,
-    and trains on one device (or under another strategy) with its rules
-    ignored."""
+    starts training while a ParallelStrategy exists whose scope was never
+    entered and whose rules match a weight of `model`: the model was most
+    likely meant to be built in it, and trains on one device (or under
+    another strategy) with those rules ignored."""
     for strategy in list(_NEVER_ENTERED):
+        matched = next((strategy.rules.pattern_for(weight.path)
+                        for weight in model.weights
+                        if strategy.rules.pattern_for(weight.path)), None)
+        if matched is None:
+            continue  # its rules are for another model
         _NEVER_ENTERED.discard(strategy)
         warnings.warn(
             f"Model {model.name!r} trains without tfpar (on one device, or "
-            f"under another tf.distribute strategy): it was built outside "
-            f"every tfpar.ParallelStrategy, while a ParallelStrategy on "
-            f"mesh {strategy.mesh.shape} with {len(strategy.rules)} layout rule(s) was "
-            "made and its scope never entered, so its rules lay out "
-            "nothing. Build and compile the model inside "
+            "under another tf.distribute strategy): it was built outside "
+            "every tfpar.ParallelStrategy, while a ParallelStrategy on mesh "
+            f"{strategy.mesh.shape} whose layout rules match its weights "
+            f"(e.g. {matched!r}) was made and its scope never entered, so "
+            "its rules lay out nothing. Build and compile the model inside "
             "`with strategy.scope():`.", UserWarning, stacklevel=4)
 
 

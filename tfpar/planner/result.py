@@ -46,7 +46,9 @@ class Plan:
             (m = 1 and boundaries None without a pipe axis).
         estimate: the chosen candidate's `Estimate`.
         candidates: every `Candidate` considered, best first.
-        info: model and search facts (parameters, FLOPs, search seconds).
+        info: model and search facts (parameters, FLOPs, search seconds;
+            on a shared host "calibration", the spread of the timings the
+            predictions come from: `tfpar.planner.calibrate.timing_spread`).
     """
 
     def __init__(self, chosen, candidates, rules, stage_starts, info):
@@ -230,8 +232,11 @@ class Plan:
             if c.to_dict() == chosen.to_dict():
                 chosen = c
                 break
+        # (A plan saved without its calibration's spread does not get
+        # this process' one.)
+        info = {"calibration": None, **d["info"]}
         return cls(chosen, candidates, layout_lib.LayoutRules(rules),
-                   d["stage_starts"], d["info"])
+                   d["stage_starts"], info)
 
     def __repr__(self):
         return (f"<Plan {self._chosen.label}: "

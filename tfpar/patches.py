@@ -19,7 +19,8 @@ What the routing asks tfpar is passed down as `hooks` (the strategy's
 model under one (None: Keras' own); `eager_call(strategy, call, model,
 args, kwargs)`; `strategy_of_layer(layer)`; `adopt_optimizer(model,
 strategy)`; `in_graph_step()`, whether a graph is traced under a tfpar
-strategy. Nothing here imports the strategy.
+strategy; `warn_if_never_entered(model)`, called when a model of no tfpar
+strategy starts training. Nothing here imports the strategy.
 """
 
 import functools

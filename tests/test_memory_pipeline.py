@@ -127,7 +127,11 @@ def test_peak_is_the_stage_programs_most_live_bytes(reports):
                                        + row["other"] + batch[stage] + live)
         assert max(report.live) == max(max(s.live) for s in report.stages)
     strategy, _, report = reports["1f1b"]
-    assert report.by_layer["a_1"]["activations"] == 4 * ROWS * 32
+    # Named as the layer's weights are ("mlp/a/kernel"), not by its scope
+    # in the step ("a_1").
+    model = reports["1f1b"][1]
+    assert "mlp/a/kernel" in [w.path for w in model.weights]
+    assert report.by_layer["mlp/a"]["activations"] == 4 * ROWS * 32
 
 
 def test_a_single_program_report_refuses_a_pipeline(reports):

@@ -8,6 +8,7 @@ the test; then a key output of each notebook is checked.
 """
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -148,6 +149,40 @@ def test_install_cell_is_well_formed(monkeypatch):
         source, monkeypatch, "git+https://github.com/someone/tfpar")
     assert result.success, result.error_in_exec
     assert pip_lines == ["install -q git+https://github.com/someone/tfpar"]
+
+
+def _keras_hub_pin():
+    pyproject = (COLAB.parent / "pyproject.toml").read_text()
+    return re.search(r'"(keras-hub==[^"]+)"', pyproject).group(1)
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS
+                                  if "import keras_hub" in p.read_text()],
+                         ids=lambda p: p.stem)
+def test_keras_hub_notebook_installs_it_when_missing(path, monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell  # noqa: PLC0415
+
+    nb = nbformat.read(path, as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    first = next(i for i, c in enumerate(code) if "import keras_hub" in c)
+    cell = code[first]
+    assert first >= 2, f"{path.name}: keras-hub installed before the setup"
+    monkeypatch.setitem(sys.modules, "keras_hub", None)  # not installed
+    pip_lines = []
+
+    def pip(line):
+        pip_lines.append(line)
+        sys.modules["keras_hub"] = type(sys)("keras_hub")  # "installed"
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.register_magic_function(pip, "line", "pip")
+        result = shell.run_cell(cell, silent=True)
+    finally:
+        InteractiveShell.clear_instance()
+    assert result.success, result.error_in_exec
+    # The version the tests run: the pin in pyproject.toml's test extra.
+    assert pip_lines == [f"install -q {_keras_hub_pin()}"]
 
 
 # The default profile runs the notebooks whose flow no default example

@@ -19,7 +19,8 @@ What the routing asks tfpar is passed down as `hooks` (the strategy's
 model under one (None: Keras' own); `eager_call(strategy, call, model,
 args, kwargs)`; `strategy_of_layer(layer)`; `adopt_optimizer(model,
 strategy)`; `in_graph_step()`, whether a graph is traced under a tfpar
-strategy. Nothing here imports the strategy.
+strategy; `warn_if_never_entered(model)`, called when a model of no tfpar
+strategy starts training. Nothing here imports the strategy.
 """
 
 import functools
@@ -124,6 +125,8 @@ def _routed_make_function(mode):
                 return getattr(self, attribute)
             function = hooks.function_for(self, mode)
             if function is None:
+                if mode == "train":  # a model of no ParallelStrategy
+                    hooks.warn_if_never_entered(self)
                 return original(self, force=force)
             setattr(self, attribute, function)
             return function

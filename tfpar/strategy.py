@@ -16,6 +16,8 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 
 import gc
 import types
+import warnings
+import weakref
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -155,11 +157,14 @@ class ParallelStrategy(tf.distribute.Strategy):
         # the model axis.
         rules = dims.bind_rules({} if rules is None else rules)
         super().__init__(ParallelExtended(self, dims, rules))
+        if len(rules):
+            _NEVER_ENTERED.add(self)
 
     def scope(self):
         """`tf.distribute.Strategy.scope`; a RuntimeError if TF's eager
         context was reset since this strategy was created."""
         self.extended.check_context()
+        _NEVER_ENTERED.discard(self)
         return super().scope()
 
     @property
@@ -490,6 +495,34 @@ def _adopt_and_offload(model, strategy):
             getattr(model, "optimizer", None))
 
 
+# Strategies with rules whose scope was never entered: a model trained
+# outside them ignores their rules (`warn_if_never_entered`).
+_NEVER_ENTERED = weakref.WeakSet()
+
+
+def warn_if_never_entered(model):
+    """Warns, once per strategy, when `model` (of no ParallelStrategy)
+    starts training while a ParallelStrategy exists whose scope was never
+    entered and whose rules match a weight of `model`: the model was most
+    likely meant to be built in it, and trains on one device (or under
+    another strategy) with those rules ignored."""
+    for strategy in list(_NEVER_ENTERED):
+        matched = next((strategy.rules.pattern_for(weight.path)
+                        for weight in model.weights
+                        if strategy.rules.pattern_for(weight.path)), None)
+        if matched is None:
+            continue  # its rules are for another model
+        _NEVER_ENTERED.discard(strategy)
+        warnings.warn(
+            f"Model {model.name!r} trains without tfpar (on one device, or "
+            "under another tf.distribute strategy): it was built outside "
+            "every tfpar.ParallelStrategy, while a ParallelStrategy on mesh "
+            f"{strategy.mesh.shape} whose layout rules match its weights "
+            f"(e.g. {matched!r}) was made and its scope never entered, so "
+            "its rules lay out nothing. Build and compile the model inside "
+            "`with strategy.scope():`.", UserWarning, stacklevel=4)
+
+
 def compat_hooks():
     """What tfpar's patches of Keras ask the strategy (their `hooks`, see
     `tfpar.patches`), in one place: whether a strategy is tfpar's, whether
@@ -506,7 +539,8 @@ def compat_hooks():
         in_graph_step=lambda: not tf.executing_eagerly() and owns(
             tf.distribute.get_strategy()),
         strategy_of_layer=strategy_of_layer,
-        adopt_optimizer=_adopt_and_offload)
+        adopt_optimizer=_adopt_and_offload,
+        warn_if_never_entered=warn_if_never_entered)
 
 
 def _install_patches():

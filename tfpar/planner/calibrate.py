@@ -32,6 +32,10 @@ and 15.3 ms with the batch split over 2, 4 and 8 — the same FLOPs). Both
 come from that conv timed on one device and with its batch split over
 all: the difference per added device is `conv_time`, the rest is FLOPs.
 
+The repeats of every micro-benchmark are kept (`timing_spread`): on a
+loaded host they spread, and so would another calibration's figures;
+`Plan.explain()` states that spread next to the predictions.
+
 Example:
 
 >>> tfpar.use_virtual_cpus(8)
@@ -42,6 +46,7 @@ Example:
 True
 """
 
+import os
 import time
 
 import keras
@@ -51,6 +56,27 @@ import tensorflow as tf
 from tfpar import mesh as mesh_lib
 
 _SMALL, _LARGE = 1 << 12, 1 << 22   # bytes per device
+# The repeats' seconds of every micro-benchmark timed in this process.
+_TIMINGS = []
+
+
+def timing_spread():
+    """{"spread", "timings", "load", "cores"} of the micro-benchmarks timed
+    in this process, None before any: `spread` is the median over them of
+    their repeats' half-range relative to its middle, (max − min) /
+    (max + min) (0.1: ±10%), `timings` how many repeats were timed,
+    `load` the host's 1-minute load average now and `cores` its CPUs.
+
+    >>> calibrate.timing_spread()["spread"] < 1
+    True
+    """
+    if not _TIMINGS:
+        return None
+    spreads = [(max(t) - min(t)) / max(max(t) + min(t), 1e-12)
+               for t in _TIMINGS]
+    return {"spread": float(np.median(spreads)),
+            "timings": sum(len(t) for t in _TIMINGS),
+            "load": os.getloadavg()[0], "cores": os.cpu_count()}
 
 
 def _best_seconds(fn, *args, repeats=9):
@@ -64,6 +90,7 @@ def _best_seconds(fn, *args, repeats=9):
         start = time.process_time()
         np.asarray(fn(*args))
         times.append(time.process_time() - start)
+    _TIMINGS.append(times)
     return float(np.min(times))
 
 

@@ -24,6 +24,7 @@ from tfpar import styles as tp
 from tfpar.auto_plan import auto_rules
 from tfpar.pipeline import split
 from tfpar.pipeline.model import PipelineModel
+from tfpar.planner import calibrate
 from tfpar.planner import search as search_lib
 from tfpar.planner.search import format_bytes as _gb
 from tfpar.strategy import ParallelStrategy
@@ -45,7 +46,9 @@ class Plan:
             (m = 1 and boundaries None without a pipe axis).
         estimate: the chosen candidate's `Estimate`.
         candidates: every `Candidate` considered, best first.
-        info: model and search facts (parameters, FLOPs, search seconds).
+        info: model and search facts (parameters, FLOPs, search seconds;
+            on a shared host "calibration", the spread of the timings the
+            predictions come from: `tfpar.planner.calibrate.timing_spread`).
     """
 
     def __init__(self, chosen, candidates, rules, stage_starts, info):
@@ -54,6 +57,9 @@ class Plan:
         self.rules = rules
         self._stage_starts = list(stage_starts)
         self.info = info
+        if "calibration" not in info and info.get("cluster", {}).get(
+                "shared_host"):
+            self.info = {**info, "calibration": calibrate.timing_spread()}
         self._strategy = None
 
     axes = property(lambda self: {k: v for k, v in self._chosen.axes.items()
@@ -86,7 +92,8 @@ class Plan:
             + ", ".join(f"{k} {_gb(v)}" for k, v in e.memory_per_device.items())
             + f"), {_gb(e.communication_bytes_per_device)} of collectives.",
             "Binding constraint: " + self._binding(),
-            "Runner-up (best other mesh shape): " + self._runner_up(), "",
+            "Runner-up (best other mesh shape): " + self._runner_up(),
+            *_timing_notes(i), "",
             f"{'#':>3s}  {'candidate':38s} {'step ms':>9s} {'measured':>9s} "
             f"{'memory':>10s} {'comm':>10s}  rejected"]
         shown = [x for x in self.candidates if x.estimate is not None][:top]
@@ -96,8 +103,7 @@ class Plan:
             measured = getattr(x, "measured_step_time_s", None)
             lines.append(
                 f"{k:3d}  {x.label:38s} "
-                f"{(est.step_time_s * 1e3 if est else float('nan')):9.3g} "
-                f"{(measured * 1e3 if measured else float('nan')):9.3g} "
+                f"{_ms(est.step_time_s if est else None)} {_ms(measured)} "
                 f"{_gb(est.total_memory) if est else '-':>10s} "
                 f"{_gb(est.communication_bytes_per_device) if est else '-':>10s}"
                 f"  {x.rejected or ''}")
@@ -226,8 +232,11 @@ class Plan:
             if c.to_dict() == chosen.to_dict():
                 chosen = c
                 break
+        # (A plan saved without its calibration's spread does not get
+        # this process' one.)
+        info = {"calibration": None, **d["info"]}
         return cls(chosen, candidates, layout_lib.LayoutRules(rules),
-                   d["stage_starts"], d["info"])
+                   d["stage_starts"], info)
 
     def __repr__(self):
         return (f"<Plan {self._chosen.label}: "
@@ -238,6 +247,32 @@ class Plan:
 def _devices(cluster):
     return (f"{cluster['num_hosts']} host(s) × {cluster['devices_per_host']} "
             f"devices")
+
+
+def _ms(seconds):
+    """A table cell in ms, or "-" (not costed, not timed)."""
+    return f"{seconds * 1e3:9.3g}" if seconds else f"{'-':>9s}"
+
+
+def _timing_notes(info):
+    """What the "measured" column shows, and the calibration's spread
+    when the predictions are timed on this (shared, perhaps loaded) host:
+    another calibration moves them by as much or more."""
+    timed = info.get("measured", 0)
+    notes = [f"measured: the {timed} best candidates timed here "
+             "(tfpar.plan(measure=k)); \"-\": not timed." if timed else
+             "measured: \"-\", not timed (tfpar.plan(measure=k) times the "
+             "k best on this machine's devices)."]
+    spread = info.get("calibration")
+    if spread:
+        notes.append(
+            f"Calibration spread ±{spread['spread'] * 100:.0f}% over "
+            f"{spread['timings']} timings (host load {spread['load']:.1f} on "
+            f"{spread['cores']} cores): predictions on a shared host come "
+            "from micro-benchmarks timed once per process, and another "
+            "process, at another load, can predict a candidate that much "
+            "(or more) faster or slower.")
+    return notes
 
 
 def _parts(e):

@@ -11,10 +11,12 @@ the backward pass reads (`saved_gathered`). Used by `tfpar.reports.memory`
 """
 
 import collections
+import re
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar import _compat
 from tfpar.reports import program as program_lib
 
 KINDS = ("params", "gradients", "optimizer", "other", "activations",
@@ -53,16 +55,21 @@ class MemoryReport(dict):
         self.stages = stages
 
     def __str__(self):
+        """One row per device, then one per layer, named in full (the
+        layer paths the weights' paths start with)."""
         mb = lambda n: f"{n / 2**20:10.3f}"  # noqa: E731
-        rows = [f"{'device (MiB)':44s}" + "".join(f" {k:>10s}" for k in KINDS)]
+        width = max([len("layer (MiB per device)"), *map(len, self),
+                     *map(len, self.by_layer)])
+        rows = [f"{'device (MiB)':{width}s}"
+                + "".join(f" {k:>10s}" for k in KINDS)]
         for device, kinds in self.items():
-            rows.append(f"{device:44s}" + "".join(
+            rows.append(f"{device:{width}s}" + "".join(
                 " " + mb(kinds[k]) for k in KINDS))
         if self.by_layer:
-            rows.append(f"{'layer (MiB per device)':44s}"
+            rows.append(f"{'layer (MiB per device)':{width}s}"
                         f" {'activations':>10s} {'gathered':>10s}")
             for layer, kinds in sorted(self.by_layer.items()):
-                rows.append(f"{layer[:44]:44s} {mb(kinds['activations'])} "
+                rows.append(f"{layer:{width}s} {mb(kinds['activations'])} "
                             f"{mb(kinds['gathered'])}")
         return "\n".join(rows)
 
@@ -135,6 +142,69 @@ def host_update_memory(held):
 def layer_scope(tensor_name):
     """"gpt_1/b0_up_1/MatMul:0" -> "gpt_1/b0_up_1" (the op's name scope)."""
     return tensor_name.split(":")[0].rsplit("/", 1)[0]
+
+
+# A name scope TF made unique in a graph: "query_1" for a second "query".
+_UNIQUIFIED = re.compile(r"_\d+$")
+
+
+class LayerPaths:
+    """Op names read as the paths of the layers that made them: the names
+    the layers' weights' paths start with (`layer.path`), not the name
+    scopes of the traced step, which TF made unique with `_1` suffixes.
+
+    "gpt2_causal_lm_1/gpt2_backbone_1/transformer_layer_0_1/
+    self_attention_1/query_1/einsum/Einsum:0" of a keras-hub GPT-2 reads
+    "transformer_layer_0/self_attention/query". Each scope component is
+    matched to a layer nested in the one before (by its name, else by its
+    name without the `_<n>` suffix TF added); what follows the innermost
+    layer (the op's own scopes) is dropped. A scope whose first component
+    is no layer of `model` keeps its first two components (e.g.
+    "compile_loss/sparse_categorical_crossentropy").
+
+    Example:
+
+    >>> paths = LayerPaths(model)
+    >>> paths("sequential_1/up_1/MatMul:0")
+    'up'
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._nested = {}  # id(layer) -> the layers nested in it
+
+    def __call__(self, tensor_name):
+        scope = layer_scope(tensor_name)
+        components = scope.split("/")
+        layer, path = self._model, None
+        if _matches(components[0], self._model.name):
+            components, path = components[1:], self._model.name
+        for component in components:
+            inner = self._find(layer, component)
+            if inner is None:
+                break
+            path = inner.path or (inner.name if layer is self._model
+                                  else f"{path}/{inner.name}")
+            layer = inner
+        if path is None:  # not a layer's: its first two scopes
+            return "/".join(scope.split("/")[:2])
+        return path
+
+    def _find(self, layer, component):
+        """The layer nested in `layer` that scope `component` names."""
+        if id(layer) not in self._nested:
+            self._nested[id(layer)] = _compat.all_layers(layer,
+                                                         include_self=False)
+        nested = self._nested[id(layer)]
+        return (next((inner for inner in nested if inner.name == component),
+                     None)
+                or next((inner for inner in nested
+                         if _matches(component, inner.name)), None))
+
+
+def _matches(component, name):
+    """Whether scope `component` is layer `name`'s, perhaps made unique."""
+    return component == name or _UNIQUIFIED.sub("", component) == name
 
 
 def saved_gathered(program, backward, from_batch=None):

@@ -63,6 +63,10 @@ Example:
 
 import collections
 
+import keras
+import numpy as np
+
+from tfpar import _compat
 from tfpar import training
 from tfpar.reports import buffers
 from tfpar.reports import pipeline_memory
@@ -70,19 +74,37 @@ from tfpar.reports import program as program_lib
 from tfpar.reports.communication import program_report
 
 
-def memory_report(model, x, y=None, sample_weight=None, path=None):
+def memory_report(model, x=None, y=None, sample_weight=None, path=None,
+                  batch_size=None):
     """Per-device memory of one training step of a model under a
     `tfpar.ParallelStrategy` (see the module docstring for each kind; a
     `tfpar.PipelineModel`: `tfpar.reports.pipeline_memory`).
 
     Compiles and runs one step on the global batch `(x, y)` as `fit` does,
     then puts every variable back. `path` also saves `report.plot(path)`.
+    The layer rows are named by the layers' paths, the names their
+    weights' paths start with.
+
+    Without `x`, the batch is made from the model's inputs (a functional
+    model's `model.inputs`, every dimension but the batch known): zeros
+    for integer inputs (valid token ids), ones for float ones, and targets
+    shaped like the outputs (without the last dimension, as integers, for
+    a sparse loss). Its size is `batch_size`, by default the smallest the
+    step accepts (the data axis' size, times the micro-batches of a
+    `PipelineModel`): activations grow with the batch, so pass your own
+    `batch_size` (or `x`, `y`) to read them for your training.
+
+    Example (a functional model, no data at hand):
+
+    >>> report = tfpar.memory_report(model, batch_size=64)
 
     Returns:
         A `tfpar.reports.buffers.MemoryReport`: {device name: {"params",
         "gradients", "optimizer", "other", "activations", "gathered",
         "peak": bytes}}.
     """
+    if x is None:
+        x, y = batch_from_inputs(model, batch_size, y)
     if isinstance(model, training.StagedModel):
         report = pipeline_memory.pipeline_report(model, x, y, sample_weight)
     else:
@@ -90,6 +112,56 @@ def memory_report(model, x, y=None, sample_weight=None, path=None):
     if path is not None:
         report.plot(path)
     return report
+
+
+def batch_from_inputs(model, batch_size=None, y=None):
+    """(x, y) of `batch_size` samples shaped like functional `model`'s
+    inputs and outputs (`memory_report` without `x`); `y` when given."""
+    strategy = model.distribute_strategy
+    smallest = strategy.data_parallel_size * getattr(
+        model, "num_microbatches", 1)
+    if batch_size is None:
+        batch_size = smallest
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1 or (
+            batch_size % smallest):
+        raise ValueError(
+            f"memory_report(batch_size) must be a positive multiple of "
+            f"{smallest} (the data axis' size, times the micro-batches of a "
+            f"PipelineModel). Received: batch_size={batch_size!r}")
+    graph = _compat.functional_of(getattr(model, "wrapped", model))
+    inputs = None if graph is None else _compat.inputs_struct(graph)
+    name = getattr(model, "name", type(model).__name__)
+    if inputs is None:
+        raise ValueError(
+            f"memory_report(model) without x: the inputs of {name!r} are "
+            "not known (a subclassed model has no model.inputs). Received: "
+            "x=None. Pass a batch: tfpar.memory_report(model, x, y).")
+    x = keras.tree.map_structure(
+        lambda t: _filled(t, batch_size, name, "x"), inputs)
+    if y is None:
+        sparse = "sparse" in str(getattr(model, "loss", "")).lower()
+        y = keras.tree.map_structure(
+            lambda t: _filled(t, batch_size, name, "y", sparse),
+            _compat.outputs_struct(graph))
+    return x, y
+
+
+def _filled(tensor, batch_size, name, argument, sparse=False):
+    """A host array of `batch_size` samples shaped like symbolic `tensor`:
+    zeros if integer (or `sparse` targets: integer, without the last
+    dimension), else ones."""
+    shape = tuple(tensor.shape[1:-1] if sparse else tensor.shape[1:])
+    if None in shape:
+        raise ValueError(
+            f"memory_report(model) without {argument}: {tensor.name!r} of "
+            f"{name!r} has shape {tuple(tensor.shape)}, a dimension other "
+            f"than the batch unknown (e.g. the sequence length). Received: "
+            f"{argument}=None. Pass a batch: tfpar.memory_report(model, x, "
+            "y), e.g. x of shape (batch, sequence length) for token ids.")
+    dtype = "int32" if sparse else str(tensor.dtype)
+    if "int" in dtype or "bool" in dtype:
+        return np.zeros((batch_size, *shape), dtype)
+    return np.ones((batch_size, *shape), dtype)
 
 
 def _step_report(model, x, y, sample_weight):
@@ -103,13 +175,13 @@ def _step_report(model, x, y, sample_weight):
     live = buffers.live_bytes(program, buffers.run_order(program))
     by_layer = collections.defaultdict(lambda: {"activations": 0,
                                                 "gathered": 0})
+    paths = buffers.LayerPaths(model)
     for kind, tensors in (
             ("activations", collectives.saved_activations),
             ("gathered", {f"{key[1]}:{index}": size
                           for (key, index), size in gathered.items()})):
         for name, (shape, dtype) in tensors.items():
-            by_layer[buffers.layer_scope(name)][kind] += program_lib.nbytes(
-                shape, dtype)
+            by_layer[paths(name)][kind] += program_lib.nbytes(shape, dtype)
     activations = sum(v["activations"] for v in by_layer.values())
     gathered_bytes = sum(v["gathered"] for v in by_layer.values())
     # The step's batch blocks, live for the whole step.

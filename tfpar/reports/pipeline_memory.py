@@ -105,8 +105,9 @@ def pipeline_report(model, x, y=None, sample_weight=None):
             held, stage.activations, stage.gathered,
             held_batch[device] + max(stage.live, default=0))
     top = max(stages, key=lambda stage: max(stage.live, default=0))
+    by_layer = _by_layer(saved, buffers.LayerPaths(model.wrapped))
     return buffers.MemoryReport(
-        per_device, _by_layer(saved), top.live, top.communication,
+        per_device, by_layer, top.live, top.communication,
         top.function_name, stages=list(stages))
 
 
@@ -201,14 +202,15 @@ def _most_live(tensors, readers, step):
     return best, chunks_then
 
 
-def _by_layer(saved):
-    """{layer scope: {"activations", "gathered": bytes}} of one
-    micro-batch (the largest), from every stage's saved tensors."""
+def _by_layer(saved, paths):
+    """{layer path: {"activations", "gathered": bytes}} of one
+    micro-batch (the largest), from every stage's saved tensors (`paths`:
+    a `tfpar.reports.buffers.LayerPaths` of the pipelined model)."""
     found = collections.defaultdict(collections.Counter)
     for tensors in (t for stage in saved for t in stage.items()):
         kind, owners = tensors
         for (key, _), (size, chunk) in owners.items():
-            layer = buffers.layer_scope(_FORWARD.sub("", key[1]))
+            layer = paths(_FORWARD.sub("", key[1]))
             found[(layer, kind)][chunk] += program_lib.nbytes(*size)
     by_layer = collections.defaultdict(lambda: {"activations": 0,
                                                 "gathered": 0})

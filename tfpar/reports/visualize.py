@@ -21,6 +21,7 @@ Example:
 """
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -387,7 +388,13 @@ class SummaryRows(list):
     text = None
 
 
-def summary(model, strategy=None, print_fn=print, include_optimizer=True):
+# Above this many variables listed, `summary` prints a compact table
+# (`compact=None`): a 2-layer keras-hub GPT-2 with Adam lists 114.
+COMPACT_ABOVE = 40
+
+
+def summary(model, strategy=None, print_fn=print, include_optimizer=True,
+            compact=None):
     """Prints where every variable of `model` lives and what each device holds.
 
     One row per variable of `model.weights`, then of
@@ -422,6 +429,8 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
             `model.distribute_strategy`.
         print_fn: called once per printed line; None prints nothing.
         include_optimizer: also list the optimizer's variables.
+        compact: True folds rows as above, False lists every variable,
+            None (the default) folds above `COMPACT_ABOVE` variables.
 
     Returns:
         A `SummaryRows`: a list with one dict per variable (keys "section"
@@ -451,7 +460,11 @@ def summary(model, strategy=None, print_fn=print, include_optimizer=True):
     for entry in totals.values():
         entry["total"] = sum(entry.values())
     rows.totals = totals
-    rows.text = _render_summary(model, rows, totals)
+    if compact is None:
+        compact = len(rows) > COMPACT_ABOVE
+    shown = _folded_rows(rows) if compact else rows
+    rows.text = _render_summary(model, shown, totals, folded=(
+        len(rows), len(shown)) if compact else None)
     if print_fn is not None:
         for line in rows.text.splitlines():
             print_fn(line)
@@ -539,12 +552,73 @@ _NOT_BUILT = {"section": "optimizer, once built",
               "bytes": 0, "bytes_per_device": 0, "devices": []}
 
 
-def _render_summary(model, rows, totals):
+# A number in a path: the block index that tells repeated weights apart.
+_NUMBER = re.compile(r"(\d+)")
+_SLOT_SECTIONS = ("optimizer", "optimizer, once built")
+
+
+def _folded_rows(rows):
+    """`summary`'s compact rows: one per group of `rows` alike but for a
+    number in their paths, one per kind of optimizer slot (its path's
+    last "_" word, e.g. "momentum"); bytes summed over the group."""
+    groups = {}
+    for row in rows:
+        if row["section"] in _SLOT_SECTIONS and row["kind"] == "optimizer" \
+                and "/" in row["path"]:
+            owner, name = row["path"].split("/", 1)
+            key = (row["section"], f"{owner}/*_{name.rsplit('_', 1)[-1]}")
+        else:
+            key = (row["section"], _NUMBER.sub("#", row["path"]),
+                   row["shape"], row["spec"], row["block_shape"],
+                   row["bytes_per_device"])
+        groups.setdefault(key, []).append(row)
+    return [group[0] if len(group) == 1 else _fold(group)
+            for group in groups.values()]
+
+
+def _fold(group):
+    """One row standing for `group`: the path with its varying numbers as
+    a range ("{0..11}", or "*" if not consecutive) or its slot pattern,
+    "(xN)", shape and spec shared or "(various)", bytes summed."""
+    parts = [_NUMBER.split(row["path"]) for row in group]
+    if all(len(p) == len(parts[0]) for p in parts):
+        path = "".join(_span([p[i] for p in parts]) if i % 2 else parts[0][i]
+                       for i in range(len(parts[0])))
+    else:  # optimizer slots of differently numbered weights
+        owner, name = group[0]["path"].split("/", 1)
+        path = f"{owner}/*_{name.rsplit('_', 1)[-1]}"
+
+    def shared(key):
+        values = {row[key] for row in group}
+        return values.pop() if len(values) == 1 else "(various)"
+
+    return {**group[0], "path": f"{path} (x{len(group)})",
+            "shape": shared("shape"), "spec": shared("spec"),
+            "block_shape": shared("block_shape"),
+            "bytes_per_device": sum(r["bytes_per_device"] for r in group)}
+
+
+def _span(numbers):
+    """"3" if all equal; "{0..11}" if consecutive; else "*"."""
+    values = sorted({int(n) for n in numbers})
+    if len(values) == 1:
+        return numbers[0]
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{{{values[0]}..{values[-1]}}}"
+    return "*"
+
+
+def _spec_text(spec):
+    if isinstance(spec, str):
+        return spec
+    return "replicated" if all(s is None for s in spec) else str(spec)
+
+
+def _render_summary(model, rows, totals, folded=None):
     header = ("variable", "shape", "spec", "block/device", "bytes/device")
     table = []
     for row in rows:
-        spec = "replicated" if all(s is None for s in row["spec"]) else str(
-            row["spec"])
+        spec = _spec_text(row["spec"])
         table.append((row["path"], str(row["shape"]), spec,
                       str(row["block_shape"]), f"{row['bytes_per_device']:,}"))
     widths = [max([len(header[i])] + [len(t[i]) for t in table])
@@ -556,8 +630,13 @@ def _render_summary(model, rows, totals):
             for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     rule = "-" * len(line(header))
-    lines = [f"Model {model.name!r}: where each variable lives", rule,
-             line(header)]
+    lines = [f"Model {model.name!r}: where each variable lives"]
+    if folded is not None:
+        lines.append(
+            f"(compact: {folded[0]} variables in {folded[1]} rows; a row "
+            "\"(xN)\" stands for N alike, its bytes their total; "
+            "summary(model, compact=False) lists each)")
+    lines += [rule, line(header)]
     section = None
     for row, cells in zip(rows, table):
         if row["section"] != section:

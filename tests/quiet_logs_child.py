@@ -6,9 +6,10 @@ verbose=1 (each traces its own steps: before tfpar's fix, two models made
 TF warn about retracing), with inference batch sizes the data axis does not
 divide, then prints the user's own warnings.
 
-`python quiet_logs_child.py hub [MEMORY_OPTIMIZATION]` plans a keras-hub
-GPT-2 with `tfpar.plan` (which calibrates this machine's devices), then
-trains it with `auto_rules` on a data x model mesh of 4 devices; with a
+`python quiet_logs_child.py hub [generate] [MEMORY_OPTIMIZATION]` plans a
+keras-hub GPT-2 with `tfpar.plan` (which calibrates this machine's
+devices), then trains it with `auto_rules` on a data x model mesh of 4
+devices (and generates from it, with `generate`); with a
 MEMORY_OPTIMIZATION (a `RewriterConfig.MemOptType` name) the user has
 chosen Grappler's memory optimization in the function-call config first.
 """
@@ -71,12 +72,24 @@ def plan_and_train_hub_gpt2():
         model.compile(optimizer="adam", loss=hub_models.loss("gpt2"))
     x, y = hub_models.data("gpt2", batch=8)
     model.fit(x, y, batch_size=8, epochs=1)
+    return model
+
+
+def generate(model):
+    print("GENERATE", file=sys.stderr, flush=True)
+    model.compile(sampler="greedy")
+    prompts = {"token_ids": np.ones((4, 8), "int32"),
+               "padding_mask": np.broadcast_to(np.arange(8) < 3, (4, 8))}
+    print(model.generate(prompts, stop_token_ids=None)["token_ids"].shape)
 
 
 if HUB:
-    if len(sys.argv) > 2:
-        choose_memory_optimization(sys.argv[2])
-    plan_and_train_hub_gpt2()
+    options = sys.argv[2:]
+    for name in set(options) - {"generate"}:
+        choose_memory_optimization(name)
+    trained = plan_and_train_hub_gpt2()
+    if "generate" in options:
+        generate(trained)
 else:
     train_dense_models(int(sys.argv[1]))
 warnings.warn("the user's own warning")

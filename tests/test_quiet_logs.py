@@ -58,6 +58,15 @@ def test_a_keras_hub_model_plans_and_trains_without_cost_model_errors():
 
 
 @pytest.mark.slow
+def test_a_keras_hub_model_generates_without_cost_model_errors():
+    # keras-hub's generate() on the tensor-parallel GPT-2: 16 cost-model
+    # errors and 2 DTensor INFO lines before the fix.
+    output = run_child("hub", "generate")
+    assert "(4, 8)" in output and "DONE" in output
+    assert COST_MODEL_ERROR not in output and DTENSOR_INFO not in output
+
+
+@pytest.mark.slow
 def test_a_users_memory_optimization_wins():
     # A user who chose a memory optimization for their function calls gets
     # it, and with it the cost model's errors (they exist, so the check

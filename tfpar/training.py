@@ -364,7 +364,8 @@ def make_generate_function(model, extended):
 
     def generate_function(inputs, *args, **kwargs):
         placed = extended.input_placer.place(inputs_lib.host_batch(inputs))
-        outputs = step(placed, *args, **kwargs)
+        with logs.quiet_steps():
+            outputs = step(placed, *args, **kwargs)
         return tf.nest.map_structure(
             lambda t: tf.constant(placement.fetch(t)), outputs)
 

@@ -8,13 +8,18 @@ two of TF's libraries start. On a machine with no GPU, the first device
 query adds "failed call to cuInit". `filtered_stderr` reads the process's
 stderr (file descriptor 2, where C++ and Python both write) through a pipe
 for the duration of a block and forwards every line except those matching
-the given patterns, as they arrive (nothing is held back: a crash inside
-the block loses at most a partial line). A user who asked TF for its INFO
-lines (`TF_CPP_MIN_LOG_LEVEL=0`, or any `TF_CPP_MAX_VLOG_LEVEL`) gets them:
-then nothing is filtered. (`TF_CPP_MIN_LOG_LEVEL=2`, the usual way to
+the given patterns, as they arrive; the filter is a process of its own,
+so a native abort inside the block loses no line (the ones before it are
+the ones that say why). A user who asked TF for its INFO lines
+(`TF_CPP_MIN_LOG_LEVEL=0`, or any `TF_CPP_MAX_VLOG_LEVEL`) gets them: then
+nothing is filtered. (`TF_CPP_MIN_LOG_LEVEL=2`, the usual way to
 quiet TF, does not reach these lines by itself; here it is honoured.)
-While tfpar runs its steps, `quiet_cpp_info_logs` drops DTensor's C++ INFO
-lines (one pair per SPMD expansion) by raising absl's minimum log level.
+While tfpar runs its steps and the planner's calibrations, `quiet_steps`
+drops DTensor's C++ INFO lines (one pair per SPMD expansion) by raising
+absl's minimum log level (`quiet_cpp_info_logs`), and turns off Grappler's
+memory optimizer, whose cost model logs "Incompatible Matrix dimensions"
+errors on DTensor's per-device graphs (`without_grappler_memory_optimizer`):
+the cause removed, not its lines filtered.
 
 >>> from tfpar import logs
 >>> with logs.filtered_stderr(logs.TENSORFLOW_IMPORT_LINES):
@@ -26,8 +31,8 @@ import ctypes
 import mmap
 import os
 import re
+import subprocess
 import sys
-import threading
 
 # An absl/TF C++ INFO line ("I0000 00:00:1796137006.143502   20382 port.cc:153]
 # ..."), the CPU feature guard's second line, and absl's pre-init notice.
@@ -50,26 +55,50 @@ def _user_wants_tf_info_lines():
             or "TF_CPP_MAX_VLOG_LEVEL" in os.environ)
 
 
-def _forward(read_end, out, patterns):
-    """Copies lines from `read_end` to file descriptor `out`, dropping
-    those a pattern matches (a final line without newline is kept)."""
-    with os.fdopen(read_end, "rb", buffering=0) as pipe:
-        pending = b""
-        while chunk := pipe.read(65536):
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            kept = [line + b"\n" for line in lines
-                    if not any(p.match(line) for p in patterns)]
-            if kept:
-                os.write(out, b"".join(kept))
-        if pending and not any(p.match(pending) for p in patterns):
-            os.write(out, pending)
+# The filter runs in a process of its own, reading the pipe that stands in
+# for stderr: when this process dies inside the block (a native abort, a
+# fatal CHECK while TensorFlow loads), the pipe still holds what was written
+# and the filter forwards all of it, to the end. (A reader thread would die
+# with the process, and the last lines, the ones that say why, with it.)
+# Ctrl-C is the program's to handle, so the filter ignores SIGINT.
+_FORWARDER = r"""
+import os, re, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+patterns = [re.compile(a.encode("latin-1")) for a in sys.argv[1:]]
+def write(data):
+    while data:
+        data = data[os.write(1, data):]
+def kept(line):
+    return not any(p.match(line) for p in patterns)
+pending = b""
+while chunk := os.read(0, 65536):
+    *lines, pending = (pending + chunk).split(b"\n")
+    write(b"".join(line + b"\n" for line in lines if kept(line)))
+if pending and kept(pending):
+    write(pending)
+"""
+
+
+def _start_forwarder(read_end, out, patterns):
+    """The filter process: copies `read_end` to file descriptor `out`,
+    dropping the lines a pattern matches; None if it cannot start (no
+    Python executable, as in a frozen or embedded interpreter)."""
+    if not sys.executable or getattr(sys, "frozen", False):
+        return None
+    args = [p.pattern.decode("latin-1") for p in patterns]
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _FORWARDER, *args],
+            stdin=read_end, stdout=out, stderr=out)
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
 def filtered_stderr(patterns):
     """Inside the block, lines of stderr that a pattern (bytes regexes,
-    `re.match`ed) matches are dropped; everything else passes through."""
+    `re.match`ed) matches are dropped; everything else passes through, as
+    it arrives, and all of it even if the process dies inside the block."""
     if _user_wants_tf_info_lines():
         yield
         return
@@ -81,9 +110,13 @@ def filtered_stderr(patterns):
     sys.stderr.flush()
     original = os.dup(stderr_fd)
     read_end, write_end = os.pipe()
-    reader = threading.Thread(target=_forward, args=(read_end, original, patterns),
-                              name="tfpar-stderr-filter", daemon=True)
-    reader.start()
+    forwarder = _start_forwarder(read_end, original, patterns)
+    os.close(read_end)
+    if forwarder is None:
+        os.close(write_end)
+        os.close(original)
+        yield
+        return
     os.dup2(write_end, stderr_fd)
     os.close(write_end)
     try:
@@ -91,7 +124,7 @@ def filtered_stderr(patterns):
     finally:
         sys.stderr.flush()
         os.dup2(original, stderr_fd)  # closes the pipe's last write end
-        reader.join()
+        forwarder.wait()  # until it has forwarded everything
         os.close(original)
 
 
@@ -171,3 +204,74 @@ def quiet_cpp_info_logs():
         yield
     finally:
         set_(before)
+
+
+# -- Grappler's memory optimizer on tfpar's steps -----------------------------
+
+# Grappler's memory optimizer (on by default) estimates each device's peak
+# memory by simulating the whole step with its analytical cost model, once
+# per device and function, to decide whether to swap tensors to the host
+# (GPUs only) or to accumulate a many-input AddN in place (when the estimate
+# passes 80% of a device's memory). Under DTensor its estimate is wrong: in
+# the per-device graph Grappler sees the variables' global shapes next to
+# the activations' local ones, so a row-parallel MatMul of a [32, 16] shard
+# by its [16, 32] kernel shard reads as [32, 16] x [64, 32], and the cost
+# model logs "E... op_level_cost_estimator.cc:1126] Incompatible Matrix
+# dimensions" for it: 40 lines for a 2-layer keras-hub GPT-2 on 8 devices.
+# Swap and AddN decisions taken on sizes the devices do not hold would be
+# wrong too, and on CPUs the simulation decides nothing (no GPU to swap
+# from, memory far below 80%). So tfpar calls its step functions with the
+# memory optimizer off (NO_MEM_OPT in the function-call config, which
+# Grappler reads when it optimizes a function), unless that config already
+# names another memory optimization: then it is the user's choice.
+def _without_memory_optimizer(options):
+    """A copy of `options` (a FunctionCallOptions) with NO_MEM_OPT, or None
+    when its config names a memory optimization."""
+    # TensorFlow is loaded by now (see `_absl_min_log_level_functions`).
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2  # noqa: PLC0415
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    config = config_pb2.ConfigProto.FromString(options.config_proto_serialized)
+    rewrite = config.graph_options.rewrite_options
+    if rewrite.memory_optimization != rewriter_config_pb2.RewriterConfig.DEFAULT_MEM_OPT:
+        return None
+    rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    return context.FunctionCallOptions(executor_type=options.executor_type,
+                                       config_proto=config)
+
+
+@contextlib.contextmanager
+def without_grappler_memory_optimizer():
+    """Functions first called inside the block (on this thread) are
+    optimized without Grappler's memory optimizer, unless the function-call
+    config already names a memory optimization."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    eager = context.context()
+    before = eager.function_call_options
+    options = _without_memory_optimizer(before)
+    if options is None:
+        yield
+        return
+    eager.function_call_options = options
+    try:
+        yield
+    finally:
+        eager.function_call_options = before
+
+
+@contextlib.contextmanager
+def quiet_steps():
+    """What tfpar runs its steps and calibrations in: TF's C++ INFO lines
+    dropped (`quiet_cpp_info_logs`) and Grappler's memory optimizer, whose
+    cost model logs errors on DTensor's graphs, off
+    (`without_grappler_memory_optimizer`).
+
+    >>> import tensorflow as tf
+    >>> from tfpar import logs
+    >>> with logs.quiet_steps():
+    ...     float(tf.function(lambda x: x + 1)(tf.constant(1.0)))
+    2.0
+    """
+    with quiet_cpp_info_logs(), without_grappler_memory_optimizer():
+        yield

@@ -263,7 +263,7 @@ def make_function(model, extended, mode, runner=None):
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
-            with logs.quiet_cpp_info_logs():
+            with logs.quiet_steps():
                 return runner.run([inputs_lib.host_batch(b) for b in data])
 
         return predict_function
@@ -278,7 +278,7 @@ def make_function(model, extended, mode, runner=None):
                 break
         if not batches:
             raise StopIteration
-        with logs.quiet_cpp_info_logs():  # DTensor's per-shape INFO lines
+        with logs.quiet_steps():  # no DTensor INFO lines, no cost-model errors
             return runner.run(batches)
 
     return function
@@ -364,7 +364,8 @@ def make_generate_function(model, extended):
 
     def generate_function(inputs, *args, **kwargs):
         placed = extended.input_placer.place(inputs_lib.host_batch(inputs))
-        outputs = step(placed, *args, **kwargs)
+        with logs.quiet_steps():
+            outputs = step(placed, *args, **kwargs)
         return tf.nest.map_structure(
             lambda t: tf.constant(placement.fetch(t)), outputs)
 

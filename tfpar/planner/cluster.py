@@ -23,6 +23,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfpar import logs
 from tfpar import mesh as mesh_lib
 from tfpar.planner import calibrate
 
@@ -166,7 +167,8 @@ class Cluster:
                         "inter_host_bandwidth": "measured (host memory copy)",
                         "device_memory": "looked up",
                         "latency": "looked up"})
-        return _shared_cpus(cls, tuple(devices))
+        with logs.quiet_steps():  # the calibrations' DTensor INFO lines
+            return _shared_cpus(cls, tuple(devices))
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,9 @@ import pytest
 
 import tfpar
 from tfpar import _compat
+from tfpar import compile_errors
 from tfpar.pipeline import split
+from tfpar.planner import measure
 
 import hub_models
 import models
@@ -105,3 +107,59 @@ def test_recomputation_in_tensor_parallel_pipeline_stages_matches_one_device(
     got = fit(recomputed_pipeline(build, strategy, 4), weights, x, y,
               batch_size=8)
     assert_same(want, got)
+
+
+def test_mixed_mesh_compile_error_names_each_input_and_no_rule_to_change():
+    """DTensor's "must have same mesh configuration" error lists its inputs
+    on the lines after the one the reason is read from: the text names
+    each input's op and devices instead of an empty list, and advises no
+    layout change a planner user could not make."""
+    def stage(*cpus):
+        return "|model=4|0,1|0,1|" + ",".join(
+            f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in cpus)
+
+    message = (
+        "error: 'tf_device.cluster' op failed during mesh propagation. All "
+        "inputs to `tf_device.Cluster` must have same mesh configuration. "
+        "List of found inputs:\nInput Cluster 0: %1 = \"tf_device.cluster\""
+        "() ({\n  %2 = \"tf.Reshape\"(%0, %9) : (tensor<8x32x64xf32>) -> "
+        "tensor<256x64xf32>\n}) {_mesh = \"" + stage(4, 5)
+        + "\"} : () -> tensor<256x64xf32>\nInput Cluster 1: %3 = "
+        "\"tf_device.cluster\"() ({\n  %4 = \"tf.Transpose\"(%5, %6) : "
+        "(tensor<256x64xf32>) -> tensor<64x256xf32>\n}) {_mesh = \""
+        + stage(0, 1) + "\"} : () -> tensor<64x256xf32>\n"
+        "tensorflow/dtensor/cc/dtensor_graph_to_mlir_pass.cc:152")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "model": 4}))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    text = compile_errors.explain(message, model, strategy.extended)
+    assert "an op reads tensors placed on different meshes" in text
+    assert "tf.Reshape on CPU:4..CPU:5 (model=4)" in text
+    assert "tf.Transpose on CPU:0..CPU:1 (model=4)" in text
+    assert "replicate one of them" not in text
+    assert "this is a tfpar bug" in text
+
+
+def test_pipeline_cuts_are_counted_as_pipeline_model_cuts():
+    """The planner's stage cuts use the graph PipelineModel cuts (the
+    task's backbone inlined: 7 layers), so pipe=4 is a candidate, and the
+    plan's stages are the ones PipelineModel makes from it."""
+    x, _ = token_data(2)
+    model = built(small_gpt2, x)
+    layers = split.model_graph(model)[1]
+    assert len(layers) == 7
+    plan = tfpar.plan(model, 16, memory_per_device=10e6, sequence_length=SEQ,
+                      check=False)
+    pipe4 = [c for c in plan.candidates
+             if c.axes["pipe"] == 4 and c.estimate is not None]
+    assert pipe4 and not any("layers" in (c.rejected or "")
+                             for c in plan.candidates
+                             if c.axes["pipe"] == 4)
+    chosen = pipe4[0]
+    assert chosen.stage_boundaries == [layers[i].name
+                                       for i in chosen.stage_starts[1:]]
+    trial = measure.candidate_plan(chosen, small_gpt2, 16)
+    with trial.strategy().scope():
+        pipe = trial.apply(built(small_gpt2, x))
+    assert [s.layer_names[0].rsplit("/", 1)[-1] for s in pipe.stages[1:]] \
+        == chosen.stage_boundaries

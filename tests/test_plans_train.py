@@ -14,6 +14,7 @@ import pytest
 import tfpar
 from tfpar import _compat
 from tfpar import compile_errors
+from tfpar import parallel_dims
 from tfpar.pipeline import split
 from tfpar.planner import measure
 
@@ -21,6 +22,10 @@ import hub_models
 import models
 
 RTOL = 1e-4
+# A described 8-device host: plans for it are not checked.
+HOST = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
+                     device_flops=1e10, intra_host_bandwidth=1e9,
+                     inter_host_bandwidth=1e9)
 # A key bias's true gradient is zero (softmax ignores a shift of every
 # logit of a query): both runs hold rounding noise there, compared
 # absolutely (as in tests/test_pipeline_nested.py).
@@ -45,12 +50,13 @@ def token_data(batch, seq=SEQ, vocab=VOCAB, seed=1):
     return x, rng.integers(0, vocab, (batch, seq))
 
 
-def fit(model, weights, x, y, batch_size):
+def fit(model, weights, x, y, batch_size, optimizer=None):
     """(per-step losses, final weights by path) of `model` from `weights`.
-    Adam at 1e-3: its first steps divide by |g|, which turns micro-batch
-    rounding (1e-7) of near-zero gradients into 1e-4 of a weight at 1e-2."""
+    Adam at 1e-3 by default: its first steps divide by |g|, which turns
+    micro-batch rounding (1e-7) of near-zero gradients into 1e-4 of a
+    weight at 1e-2."""
     model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3),
                   loss=hub_models.loss("gpt2"))
     losses = models.BatchLosses()
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
@@ -163,3 +169,80 @@ def test_pipeline_cuts_are_counted_as_pipeline_model_cuts():
         pipe = trial.apply(built(small_gpt2, x))
     assert [s.layer_names[0].rsplit("/", 1)[-1] for s in pipe.stages[1:]] \
         == chosen.stage_boundaries
+
+
+class FailsOnMesh(keras.layers.Layer):
+    """The identity, except that it raises when trained (not when built or
+    traced for a plan) inside a strategy whose mesh is `axes`: a candidate
+    planted not to train."""
+
+    def __init__(self, axes, **kwargs):
+        super().__init__(**kwargs)
+        self.planted = axes
+
+    def call(self, x, training=None):
+        dims = parallel_dims.current()
+        if training and dims is not None and dims.mesh.shape == self.planted:
+            raise ValueError(f"planted: no training on mesh {self.planted}")
+        return x
+
+
+def planted_mlp(axes):
+    def build():
+        x = keras.Input((32,))
+        h = keras.layers.Dense(64, activation="relu")(x)
+        h = FailsOnMesh(axes)(h)
+        return keras.Model(x, keras.layers.Dense(32)(h))
+    return build
+
+
+def test_self_check_falls_back_from_a_candidate_that_does_not_train():
+    first = tfpar.plan(planted_mlp(None), 64, check=False)
+    assert first.checked == "not checked (check=False)"
+    best = next(c for c in first.candidates if c.rejected is None)
+    plan = tfpar.plan(planted_mlp(first.axes), 64)
+    failed = [c for c in plan.candidates
+              if (c.rejected or "").startswith("fails to train here")]
+    # Two of the planted mesh shape fail; its other candidates are skipped.
+    assert len(failed) == 2 and failed[0].label == best.label
+    assert all(c.axes == best.axes for c in failed)
+    assert all("ValueError: planted: no training on mesh" in c.rejected
+               for c in failed), [c.rejected for c in failed]
+    assert plan.axes != first.axes
+    assert plan.checked.startswith("passed") and \
+        "after 2 candidate(s) failed" in plan.checked
+    text = plan.explain()
+    assert "Self-check: passed" in text
+    assert f"{best.label}" in text and "planted: no training" in text
+    described = tfpar.plan(planted_mlp(first.axes), 64, cluster=HOST)
+    assert described.checked.startswith("not checked: planned for a "
+                                        "described cluster")
+    assert "Self-check: not checked" in described.explain()
+
+
+@pytest.mark.parametrize("source, limit", [
+    ("builder", 700_000),
+    pytest.param("model", 700_000, marks=pytest.mark.slow),
+    pytest.param("builder", 620_000, marks=pytest.mark.slow),
+    pytest.param("model", 900_000, marks=pytest.mark.slow)])
+def test_newcomers_gpt2_plan_trains_like_one_device(source, limit):
+    """Issue 34's newcomer: keras-hub GPT-2 planned under a memory limit,
+    as a built task model or from a builder of the task (which compiles
+    in its constructor); the chosen plan (checked here) trains as one
+    device does."""
+    x, y = token_data(32)
+    weights = built(small_gpt2, x).get_weights()
+    planned = small_gpt2 if source == "builder" else built(small_gpt2, x)
+    plan = tfpar.plan(planned, 16, memory_per_device=limit,
+                      sequence_length=SEQ)
+    assert plan.checked.startswith("passed"), plan.explain()
+    assert plan.estimate.total_memory <= limit
+    # SGD: its update is linear in the gradient, where Adam's first steps
+    # divide by |g| and turn the rounding of the 8 micro-batches' sums of
+    # near-zero gradients (a zero-initialised bias's) into 1e-4 of it.
+    want = fit(built(small_gpt2, x), weights, x, y, 16,
+               keras.optimizers.SGD(0.5))
+    with plan.strategy().scope():
+        model = plan.apply(built(small_gpt2, x))
+    assert_same(want, fit(model, weights, x, y, 16,
+                          keras.optimizers.SGD(0.5)))

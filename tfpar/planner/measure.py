@@ -27,6 +27,7 @@ from tfpar.planner.profile import build_without_weights
 from tfpar.planner.result import Plan
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"[A-Za-z_.]*(Error|Exception): ")
 
 
 def synthetic_batch(model, batch, seed=0, sequence_length=None):
@@ -126,13 +127,21 @@ def _fresh(optimizer):
 
 
 def _first_line(error):
-    """The error's type and first line that says what failed (Keras'
-    "Exception encountered when calling ..." header and colour codes
-    skipped), at most 300 characters."""
+    """The error's type and first line that says what failed, at most 300
+    characters: colour codes and Keras' "Exception encountered when
+    calling ..." header skipped; for an error raised in a traced function
+    ("in user code:", then its stack) the original error's line."""
     lines = [_ANSI.sub("", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    kind = f"{type(error).__name__}: "
+    if lines and lines[0] == "in user code:":
+        raised = [k for k, line in enumerate(lines) if _RAISED.match(line)]
+        if raised:
+            kind = _RAISED.match(lines[raised[-1]])[0]
+            lines = [lines[raised[-1]][len(kind):]] + lines[raised[-1] + 1:]
     lines = [line for line in lines
-             if line and not line.startswith("Exception encountered")]
-    return f"{type(error).__name__}: {(lines or [''])[0][:300]}"
+             if not line.startswith("Exception encountered")]
+    return f"{kind}{(lines or [''])[0][:300]}"
 
 
 def interleaved(steppers, rounds=3, steps=2, seed=0):

@@ -24,8 +24,10 @@ from tfpar.planner.result import Plan
 from tfpar.planner.search import format_bytes as _gb
 
 
-# The most candidates the self-check builds and runs before giving up.
+# The most candidates the self-check builds and runs before giving up, and
+# the most of one mesh shape (its other candidates are then skipped).
 _MAX_CHECKS = 4
+_MAX_PER_MESH = 2
 
 
 def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
@@ -54,7 +56,8 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
             default cluster), build the chosen candidate and run one
             training step on synthetic data; if it fails (e.g. DTensor
             cannot compile it), reject it with the reason (shown in
-            `explain()`) and check the next best, up to 4. The model is
+            `explain()`) and check the next best (up to 4, at most 2 of
+            one mesh shape). The model is
             built with its weights for this. On a described cluster the
             plan is "not checked" (`Plan.checked`). False: no check.
 
@@ -134,7 +137,8 @@ def _rules(candidate, layouts):
 
 def _checked_choice(candidates, source, layouts, cluster, check, step):
     """(the best candidate that trains here, what the check found). Each
-    feasible candidate in rank order, up to `_MAX_CHECKS`, is built from
+    feasible candidate in rank order, up to `_MAX_CHECKS` and
+    `_MAX_PER_MESH` of one mesh shape, is built from
     `source` and run one step (`measure_lib.first_step_error` with `step`:
     global batch size, optimizer, sequence length); one that
     fails is rejected with the reason. Unchecked (first feasible chosen)
@@ -147,7 +151,11 @@ def _checked_choice(candidates, source, layouts, cluster, check, step):
             "not checked: planned for a described cluster, not this "
             "process's devices (tfpar.Cluster.local())")
     failures = []
-    for candidate in feasible[:_MAX_CHECKS]:
+    for candidate in feasible:
+        if len(failures) == _MAX_CHECKS:
+            break
+        if sum(c.axes == candidate.axes for c in failures) == _MAX_PER_MESH:
+            continue  # that mesh shape fails: try the next one
         trial = Plan(candidate, [candidate], _rules(candidate, layouts),
                      candidate.stage_starts or [0], info={})
         model, error = measure_lib.built_here(source, trial)

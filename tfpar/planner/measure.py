@@ -104,8 +104,9 @@ def first_step_error(plan, model, global_batch_size, optimizer="adam",
                      sequence_length=None):
     """None when `model` (built under `plan.strategy()`, `built_here`),
     laid out by `plan`, compiles and runs one training step on synthetic
-    data (`synthetic_batch`) here; else why not (the error's type and first line): DTensor
-    compiles a step's program the first time it runs."""
+    data (`synthetic_batch`) here; else why not (the error's type and
+    first line): DTensor compiles a step's program the first time it
+    runs."""
     x, y = synthetic_batch(model, global_batch_size,
                            sequence_length=sequence_length)
     try:

@@ -6,6 +6,7 @@ Example (8 virtual CPUs):
 >>> plan = tfpar.plan(build_model, global_batch_size=64,
 ...                   memory_per_device=2e6)
 >>> plan.axes        # e.g. {"data": 2, "model": 4}
+>>> plan.checked     # "passed: one training step compiled and ran ..."
 """
 
 import math
@@ -57,9 +58,9 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
             training step on synthetic data; if it fails (e.g. DTensor
             cannot compile it), reject it with the reason (shown in
             `explain()`) and check the next best (up to 4, at most 2 of
-            one mesh shape). The model is
-            built with its weights for this. On a described cluster the
-            plan is "not checked" (`Plan.checked`). False: no check.
+            one mesh shape). The model is built with its weights for
+            this. On a described cluster the plan is "not checked"
+            (`Plan.checked`). False: no check.
 
     Returns:
         A `Plan`. Raises ValueError when no candidate fits (with the
@@ -138,11 +139,11 @@ def _rules(candidate, layouts):
 def _checked_choice(candidates, source, layouts, cluster, check, step):
     """(the best candidate that trains here, what the check found). Each
     feasible candidate in rank order, up to `_MAX_CHECKS` and
-    `_MAX_PER_MESH` of one mesh shape, is built from
-    `source` and run one step (`measure_lib.first_step_error` with `step`:
-    global batch size, optimizer, sequence length); one that
-    fails is rejected with the reason. Unchecked (first feasible chosen)
-    when `check` is off or the cluster is not `Cluster.local()`."""
+    `_MAX_PER_MESH` of one mesh shape, is built from `source` and run one
+    step (`measure_lib.first_step_error` with `step`: global batch size,
+    optimizer, sequence length); one that fails is rejected with the
+    reason. Unchecked (first feasible chosen) when `check` is off or the
+    cluster is not `Cluster.local()`."""
     feasible = [c for c in candidates if c.rejected is None]
     if not check:
         return feasible[0], "not checked (check=False)"
@@ -159,9 +160,9 @@ def _checked_choice(candidates, source, layouts, cluster, check, step):
         trial = Plan(candidate, [candidate], _rules(candidate, layouts),
                      candidate.stage_starts or [0], info={})
         model, error = measure_lib.built_here(source, trial)
-        if error is not None:
-            return feasible[0], f"not checked: building the model failed: " \
-                f"{error}"
+        if error is not None:  # the same for every candidate
+            return candidate, ("not checked: building the model failed: "
+                               f"{error}")
         error = measure_lib.first_step_error(trial, model, *step)
         if error is None:
             return candidate, (

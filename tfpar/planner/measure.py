@@ -73,9 +73,19 @@ def build_and_apply(plan, source):
     """The model from `source` (a builder or a built model) under
     `plan.strategy()`, laid out by `plan`."""
     with plan.strategy().scope():
-        model = (keras.models.clone_model(source)
+        model = (_uncompiled_clone(source)
                  if isinstance(source, keras.Model) else source())
         return plan.apply(model)
+
+
+def _uncompiled_clone(model):
+    """`keras.models.clone_model(model)` (same layers, fresh weights), not
+    compiled: Keras compiles the clone of a compiled model (a keras-hub
+    task compiles in its constructor) and builds its optimizer, after
+    which its weights can no longer be laid out (`apply_rules`)."""
+    clone = keras.models.clone_model(model)
+    clone.optimizer, clone.compiled = None, False
+    return clone
 
 
 def build_candidate(candidate, source, global_batch_size, optimizer="adam"):
@@ -94,7 +104,7 @@ def built_here(source, plan):
     no candidate can be checked then)."""
     try:
         with plan.strategy().scope():
-            return (keras.models.clone_model(source)
+            return (_uncompiled_clone(source)
                     if isinstance(source, keras.Model) else source()), None
     except Exception as error:  # noqa: BLE001 (reported, not raised)
         return None, _first_line(error)

@@ -202,7 +202,10 @@ def recompute(f):
     `step_context.recompute_dependency()` hands that scalar to variable
     reads, so an fsdp weight is gathered again in the backward pass instead
     of the forward gather being kept (the compiler merges identical
-    reads). A checkpointed call inside another
+    reads); variables read through an enclosing `keras.StatelessScope`
+    (a pipeline stage's copy of a weight tied to an earlier stage) read
+    the same values in the recomputation and get their gradients. A
+    checkpointed call inside another
     (a recomputed layer's sublayers) runs plainly: the outer checkpoint
     recomputes it once. Without a gradient tape (predict, evaluate) `f`
     just runs.

@@ -63,6 +63,11 @@ _ADVICE = (
      "gradients split over another axis)."),
 )
 _MAX_LISTED = 12
+# "All inputs to `tf_device.Cluster` must have same mesh configuration":
+# DTensor lists each input's producing op and mesh on the lines after it.
+_MIXED_MESHES = "must have same mesh configuration"
+_INPUT_CLUSTER = re.compile(
+    r'Input Cluster \d+:.*?"tf\.(\w+)".*?_mesh = "([^"]*)"', re.DOTALL)
 
 
 def explaining(function, model, extended, mode):
@@ -85,8 +90,10 @@ def explain(message, model, extended, mode="train"):
     """The text of the error re-raised for DTensor's `message`."""
     reason = _REASON.search(message)
     reason = reason[1].strip() if reason else message.strip().splitlines()[0]
+    if _MIXED_MESHES in reason:
+        return _explain_mixed_meshes(message, model, extended, mode)
     operation = _OPERATION.search(message)
-    op = f"tf.{operation[1]}" if operation else "an"
+    op = f"its tf.{operation[1]} op" if operation else "an op"
     operands = set()
     if operation:
         signature = operation[2].rsplit("} : (", 1)[-1].split(") ->")[0]
@@ -126,8 +133,43 @@ def explain(message, model, extended, mode="train"):
         listed = "Every weight is replicated."
     return (
         f"DTensor could not compile the {mode} step of model "
-        f"{model.name!r} on {extended.mesh!r}: its {op} op failed: "
+        f"{model.name!r} on {extended.mesh!r}: {op} failed: "
         f"{reason}\n{listed}\nWhat to change: {advice}")
+
+
+def _explain_mixed_meshes(message, model, extended, mode):
+    """The text for an op whose inputs DTensor placed on different meshes
+    (sub-meshes: pipeline stages), naming each input's op and devices.
+    No layout rule makes or fixes this: a value made on one mesh was read
+    on another without being moved there."""
+    inputs = [f"  tf.{op} on {_mesh_devices(mesh)}"
+              for op, mesh in _INPUT_CLUSTER.findall(message)]
+    listed = ("Its inputs come from:\n" + "\n".join(inputs[:_MAX_LISTED])
+              if inputs else "DTensor named none of its inputs.")
+    return (
+        f"DTensor could not compile the {mode} step of model "
+        f"{model.name!r} on {extended.mesh!r}: an op reads tensors placed on "
+        f"different meshes (e.g. two pipeline stages' devices), which "
+        f"DTensor cannot run as one op.\n{listed}\nWhat to change: no "
+        "layout rule causes this: a tensor made on one mesh is read on "
+        "another without being moved there. If the plan or pipeline came "
+        "from tfpar (tfpar.plan, PipelineModel), this is a tfpar bug: "
+        "please report it with the model; meanwhile try the plan without "
+        "recomputation or another stage cut (stage_boundaries). In your "
+        "own code, move the tensor with tfpar.placement.relayout(tensor, "
+        "spec, mesh) first.")
+
+
+def _mesh_devices(mesh):
+    """"CPU:4..CPU:7 (model=4)" of DTensor's mesh string
+    "|model=4|0,1,2,3|0,1,2,3|/job:.../device:CPU:4,..."."""
+    fields = mesh.split("|")
+    if len(fields) < 5:
+        return mesh
+    devices = [d.rsplit("device:", 1)[-1] for d in fields[4].split(",")]
+    span = (devices[0] if len(devices) == 1
+            else f"{devices[0]}..{devices[-1]}")
+    return f"{span} ({fields[1]})"
 
 
 def _describe(weight, layer, info, shape, pattern=None):

@@ -103,13 +103,30 @@ def _upstream_zero(upstream):
     return tf.where(tf.equal(first, first), 0.0, float("nan"))
 
 
-def _recomputed_gradients(call, tensors, seeds, context, upstream, variables):
-    """The gradients of `call` at `tensors` (and `variables`), from running
-    it again in the forward pass's Keras `context` with its `seeds`,
-    state updates discarded."""
+def _scope_values():
+    """([id(variable)], [value]) of the Keras `StatelessScope` the forward
+    pass runs in (empty outside one): the values its variables read there,
+    e.g. a pipeline stage's copy of a weight tied to an earlier stage
+    (`keras_graph.reading_values`)."""
+    scope = _compat.keras_global("stateless_scope")
+    pairs = list(scope.state_mapping.items()) if scope is not None else []
+    return [key for key, _ in pairs], [value for _, value in pairs]
+
+
+def _recomputed_gradients(call, tensors, read, seeds, context, upstream,
+                          variables):
+    """The gradients of `call` at `tensors` (its own, then the values its
+    forward pass read through a StatelessScope, keyed by `read`) and
+    `variables`, from running it again in the forward pass's Keras
+    `context` with its `seeds`, state updates discarded. The recomputation
+    reads those values through a scope of its own (the backward runs
+    outside the forward's scope): a tied weight's copy gets its gradient
+    as an input does. The call's own tensors it does not reach get zeros;
+    values and variables it does not reach, None (no gradient)."""
     zero = _upstream_zero(upstream)
     again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t
              for t in tensors]
+    own = len(again) - len(read)
     variables = list(variables or ())
     with _compat.keras_globals(dict(zip(_KERAS_CALL_CONTEXT, context))), \
             tf.GradientTape() as tape:
@@ -117,8 +134,9 @@ def _recomputed_gradients(call, tensors, seeds, context, upstream, variables):
         tape.watch(variables)
         with pushed("dependencies", zero), \
                 pushed("seeds", _Seeds(seeds.values, True)) as replay, \
-                keras.StatelessScope():
-            recomputed = call.run(*again)
+                keras.StatelessScope() as stateless:
+            stateless.state_mapping.update(zip(read, again[own:]))
+            recomputed = call.run(*again[:own])
     if replay.values:
         raise RuntimeError(
             "A recomputed layer drew fewer random seeds in the backward pass "
@@ -134,31 +152,37 @@ def _recomputed_gradients(call, tensors, seeds, context, upstream, variables):
     # then (tests/test_recompute.py). Control inputs on the gradient ops
     # themselves, not an Identity after them: a new op would be laid out on
     # the step's mesh, not a pipeline stage's.
+    sources = again + variables
     with tf.control_dependencies(tf.nest.flatten(recomputed)):
         grads = tape.gradient(
-            recomputed, again + variables, output_gradients=upstream,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return grads[:len(again)], grads[len(again):]
+            recomputed, sources, output_gradients=upstream,
+            unconnected_gradients=tf.UnconnectedGradients.NONE)
+    inputs = [tf.zeros_like(t) if g is None and i < own else g
+              for i, (t, g) in enumerate(zip(again, grads))]
+    return inputs, grads[len(again):]
 
 
 def _checkpointed(call):
     """`call` run without keeping intermediate results; its gradient
-    recomputes it (`_recomputed_gradients`)."""
+    recomputes it (`_recomputed_gradients`). The values it reads through
+    an enclosing StatelessScope are inputs too, so they get gradients."""
     context = [_compat.keras_global(name) for name in _KERAS_CALL_CONTEXT]
+    read, values = _scope_values()
+    own = len(call.at)
 
     @tf.custom_gradient
     def checkpointed(*tensors):
         # Keep no intermediate results; note the seeds drawn.
         with _compat.stop_recording(), pushed("seeds", _Seeds()) as seeds:
-            result = call.run(*tensors)
+            result = call.run(*tensors[:own])
 
         def grad(*upstream, variables=None):
-            return _recomputed_gradients(call, tensors, seeds, context,
+            return _recomputed_gradients(call, tensors, read, seeds, context,
                                          upstream, variables)
 
         return result, grad
 
-    return checkpointed(*call.tensors())
+    return checkpointed(*call.tensors(), *values)
 
 
 def recompute(f):
@@ -178,7 +202,10 @@ def recompute(f):
     `step_context.recompute_dependency()` hands that scalar to variable
     reads, so an fsdp weight is gathered again in the backward pass instead
     of the forward gather being kept (the compiler merges identical
-    reads). A checkpointed call inside another
+    reads); variables read through an enclosing `keras.StatelessScope`
+    (a pipeline stage's copy of a weight tied to an earlier stage) read
+    the same values in the recomputation and get their gradients. A
+    checkpointed call inside another
     (a recomputed layer's sublayers) runs plainly: the outer checkpoint
     recomputes it once. Without a gradient tape (predict, evaluate) `f`
     just runs.

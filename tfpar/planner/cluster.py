@@ -69,6 +69,9 @@ class Cluster:
             (a shared host: every device of a mesh runs its own; 0: not
             counted, the default).
         source: {figure: "measured" | "looked up" | "given"}, for reports.
+        of_this_process: True for `Cluster.local()`, this process's own
+            devices (`tfpar.plan` checks its choice on them); False (the
+            default) for a described cluster.
     """
 
     num_hosts: int
@@ -86,6 +89,7 @@ class Cluster:
     conv_flops: float = 0.0
     conv_time: float = 0.0
     source: dict = dataclasses.field(default=None, compare=False)
+    of_this_process: bool = dataclasses.field(default=False, compare=False)
 
     def __post_init__(self):
         for name in ("num_hosts", "devices_per_host"):
@@ -162,6 +166,7 @@ class Cluster:
                 device_memory=float(_device_memory(devices[0])),
                 device_flops=_matmul_flops(devices[0]),
                 intra_host_bandwidth=copy, inter_host_bandwidth=copy,
+                of_this_process=True,
                 source={"device_flops": "measured (matmul)",
                         "intra_host_bandwidth": "measured (host memory copy)",
                         "inter_host_bandwidth": "measured (host memory copy)",
@@ -188,6 +193,7 @@ def _shared_cpus(cls, devices):
         op_time=calibrate.op_time(devices[0]),
         send_time=calibrate.send_time(devices),
         conv_flops=conv_flops / n, conv_time=conv_time,
+        of_this_process=True,
         source={"device_flops": "measured (matmul, host rate / devices)",
                 "intra_host_bandwidth": "measured (all-reduce on the mesh)",
                 "inter_host_bandwidth": "measured (all-reduce on the mesh)",

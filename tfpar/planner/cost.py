@@ -180,7 +180,8 @@ class Layout:
     """Per-layer costs of `profile` under tensor parallelism of size t.
 
     `rules` are auto_rules' LayoutRules for t (None: t = 1). Arrays hold one
-    entry per top-level op, per sample where sizes scale with the batch.
+    entry per op of the profile (a layer PipelineModel can cut before), per
+    sample where sizes scale with the batch.
     """
 
     def __init__(self, profile, rules, t, sequence_parallel=False):

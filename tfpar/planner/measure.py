@@ -1,5 +1,6 @@
 """Timing candidates on this machine's devices (`tfpar.plan(measure=k)`,
-`benchmarks/planner.py`).
+`benchmarks/planner.py`), and checking that one trains here
+(`first_step_error`: `tfpar.plan`'s self-check of its choice).
 
 Each candidate's model is built under its strategy (from the builder, or
 as a `keras.models.clone_model` of a built model: same layers, fresh
@@ -14,6 +15,7 @@ where one candidate after the other measures the load as much as the
 plan.
 """
 
+import re
 import time
 
 import keras
@@ -24,21 +26,27 @@ from tfpar.layout import LayoutRules
 from tfpar.planner.profile import build_without_weights
 from tfpar.planner.result import Plan
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"[A-Za-z_.]*(Error|Exception): ")
 
-def synthetic_batch(model, batch, seed=0):
+
+def synthetic_batch(model, batch, seed=0, sequence_length=None):
     """Random (x, y) for `model`'s inputs and outputs: floats N(0, 1),
-    integer inputs zeros (valid token ids)."""
+    integer inputs zeros (valid token ids), boolean ones True (padding
+    masks); unknown dimensions besides the batch `sequence_length` long."""
     rng = np.random.default_rng(seed)
 
     def make(tensor):
-        shape = (batch,) + tuple(tensor.shape[1:])
+        shape = (batch,) + tuple(sequence_length if d is None else d
+                                 for d in tensor.shape[1:])
         if "int" in str(tensor.dtype):
             return np.zeros(shape, str(tensor.dtype))
+        if "bool" in str(tensor.dtype):
+            return np.ones(shape, bool)
         return rng.standard_normal(shape).astype("float32")
 
-    xs = [make(t) for t in model.inputs]
-    ys = [make(t) for t in model.outputs]
-    return (xs[0] if len(xs) == 1 else xs), (ys[0] if len(ys) == 1 else ys)
+    return (keras.tree.map_structure(make, model.input),
+            keras.tree.map_structure(make, model.output))
 
 
 def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
@@ -65,9 +73,19 @@ def build_and_apply(plan, source):
     """The model from `source` (a builder or a built model) under
     `plan.strategy()`, laid out by `plan`."""
     with plan.strategy().scope():
-        model = (keras.models.clone_model(source)
+        model = (_uncompiled_clone(source)
                  if isinstance(source, keras.Model) else source())
         return plan.apply(model)
+
+
+def _uncompiled_clone(model):
+    """`keras.models.clone_model(model)` (same layers, fresh weights), not
+    compiled: Keras compiles the clone of a compiled model (a keras-hub
+    task compiles in its constructor) and builds its optimizer, after
+    which its weights can no longer be laid out (`apply_rules`)."""
+    clone = keras.models.clone_model(model)
+    clone.optimizer, clone.compiled = None, False
+    return clone
 
 
 def build_candidate(candidate, source, global_batch_size, optimizer="adam"):
@@ -78,6 +96,63 @@ def build_candidate(candidate, source, global_batch_size, optimizer="adam"):
     with plan.strategy().scope():
         model.compile(optimizer=optimizer, loss="mse")
     return model, plan
+
+
+def built_here(source, plan):
+    """The model from `source` built under `plan.strategy()` (not laid
+    out), or the error that building it raised (nothing candidate-specific:
+    no candidate can be checked then)."""
+    try:
+        with plan.strategy().scope():
+            return (_uncompiled_clone(source)
+                    if isinstance(source, keras.Model) else source()), None
+    except Exception as error:  # noqa: BLE001 (reported, not raised)
+        return None, _first_line(error)
+
+
+def first_step_error(plan, model, global_batch_size, optimizer="adam",
+                     sequence_length=None):
+    """None when `model` (built under `plan.strategy()`, `built_here`),
+    laid out by `plan`, compiles and runs one training step on synthetic
+    data (`synthetic_batch`) here; else why not (the error's type and
+    first line): DTensor compiles a step's program the first time it
+    runs."""
+    x, y = synthetic_batch(model, global_batch_size,
+                           sequence_length=sequence_length)
+    try:
+        with plan.strategy().scope():
+            model = plan.apply(model)
+            model.compile(optimizer=_fresh(optimizer), loss="mse")
+        model.train_on_batch(x, y)
+    except Exception as error:  # noqa: BLE001 (the reason is the result)
+        return _first_line(error)
+    return None
+
+
+def _fresh(optimizer):
+    """A new optimizer like `optimizer` (a name, or an instance whose
+    configuration is copied: an instance serves one model)."""
+    if isinstance(optimizer, str):
+        return optimizer
+    return type(optimizer).from_config(optimizer.get_config())
+
+
+def _first_line(error):
+    """The error's type and first line that says what failed, at most 300
+    characters: colour codes and Keras' "Exception encountered when
+    calling ..." header skipped; for an error raised in a traced function
+    ("in user code:", then its stack) the original error's line."""
+    lines = [_ANSI.sub("", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    kind = f"{type(error).__name__}: "
+    if lines and lines[0] == "in user code:":
+        raised = [k for k, line in enumerate(lines) if _RAISED.match(line)]
+        if raised:
+            kind = _RAISED.match(lines[raised[-1]])[0]
+            lines = [lines[raised[-1]][len(kind):]] + lines[raised[-1] + 1:]
+    lines = [line for line in lines
+             if not line.startswith("Exception encountered")]
+    return f"{kind}{(lines or [''])[0][:300]}"
 
 
 def interleaved(steppers, rounds=3, steps=2, seed=0):

@@ -6,6 +6,7 @@ Example (8 virtual CPUs):
 >>> plan = tfpar.plan(build_model, global_batch_size=64,
 ...                   memory_per_device=2e6)
 >>> plan.axes        # e.g. {"data": 2, "model": 4}
+>>> plan.checked     # "passed: one training step compiled and ran ..."
 """
 
 import math
@@ -24,8 +25,14 @@ from tfpar.planner.result import Plan
 from tfpar.planner.search import format_bytes as _gb
 
 
+# The most candidates the self-check builds and runs before giving up, and
+# the most of one mesh shape (its other candidates are then skipped).
+_MAX_CHECKS = 4
+_MAX_PER_MESH = 2
+
+
 def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
-         optimizer="adam", measure=0, sequence_length=None):
+         optimizer="adam", measure=0, sequence_length=None, check=True):
     """Chooses data × pipe × model, layouts, micro-batches, fsdp and
     recomputation for training `model` on `cluster`.
 
@@ -46,6 +53,14 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
             `tfpar.planner.measure.time_candidates`).
         sequence_length: the length of dimensions the model leaves unknown
             besides the batch (keras-hub models), for costing.
+        check: on this process's devices (`Cluster.local()`, the
+            default cluster), build the chosen candidate and run one
+            training step on synthetic data; if it fails (e.g. DTensor
+            cannot compile it), reject it with the reason (shown in
+            `explain()`) and check the next best (up to 4, at most 2 of
+            one mesh shape). The model is built with its weights for
+            this. On a described cluster the plan is "not checked"
+            (`Plan.checked`). False: no check.
 
     Returns:
         A `Plan`. Raises ValueError when no candidate fits (with the
@@ -87,28 +102,82 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
     if not feasible:
         _raise_nothing_fits(profile, candidates, global_batch_size, limit,
                             cluster)
+    source = build if build is not None else model
     if measure:
-        source = build if build is not None else model
-        timed = measure_lib.time_candidates(
-            feasible[:measure], source, int(global_batch_size),
-            optimizer=optimizer)
-        for c, seconds in zip(feasible[:measure], timed):
-            c.measured_step_time_s = seconds
-        feasible[:measure] = sorted(feasible[:measure],
-                                    key=lambda c: c.measured_step_time_s)
-        candidates = feasible[:measure] + [
-            c for c in candidates if c not in feasible[:measure]]
-    chosen = candidates[0]
-    t = chosen.axes["model"]
-    rules = (layouts[t, chosen.sequence_parallel].rules if t > 1
-             else layout_lib.LayoutRules({}))
-    return Plan(chosen, candidates, rules, chosen.stage_starts or [0],
+        candidates = _measured_first(candidates, feasible[:measure], source,
+                                     int(global_batch_size), optimizer)
+    chosen, checked = _checked_choice(
+        candidates, source, layouts, cluster, check,
+        (int(global_batch_size), optimizer, sequence_length))
+    return Plan(chosen, candidates, _rules(chosen, layouts),
+                chosen.stage_starts or [0],
                 info={"model": profile.name, "num_params": profile.num_params,
                       "forward_flops_per_sample": profile.total_flops,
                       "global_batch_size": int(global_batch_size),
                       "memory_limit": limit, "optimizer": str(optimizer),
                       "cluster": cluster.to_dict(), "search_s": seconds,
-                      "measured": int(measure)})
+                      "measured": int(measure), "checked": checked})
+
+
+def _measured_first(candidates, timed, source, batch, optimizer):
+    """`candidates` with the `timed` ones first, fastest measured first
+    (each `measured_step_time_s` set)."""
+    times = measure_lib.time_candidates(timed, source, batch,
+                                        optimizer=optimizer)
+    for c, step_s in zip(timed, times):
+        c.measured_step_time_s = step_s
+    timed = sorted(timed, key=lambda c: c.measured_step_time_s)
+    return timed + [c for c in candidates if c not in timed]
+
+
+def _rules(candidate, layouts):
+    t = candidate.axes["model"]
+    return (layouts[t, candidate.sequence_parallel].rules if t > 1
+            else layout_lib.LayoutRules({}))
+
+
+def _checked_choice(candidates, source, layouts, cluster, check, step):
+    """(the best candidate that trains here, what the check found). Each
+    feasible candidate in rank order, up to `_MAX_CHECKS` and
+    `_MAX_PER_MESH` of one mesh shape, is built from `source` and run one
+    step (`measure_lib.first_step_error` with `step`: global batch size,
+    optimizer, sequence length); one that fails is rejected with the
+    reason. Unchecked (first feasible chosen) when `check` is off or the
+    cluster is not `Cluster.local()`."""
+    feasible = [c for c in candidates if c.rejected is None]
+    if not check:
+        return feasible[0], "not checked (check=False)"
+    if not cluster.of_this_process:
+        return feasible[0], (
+            "not checked: planned for a described cluster, not this "
+            "process's devices (tfpar.Cluster.local())")
+    failures = []
+    for candidate in feasible:
+        if len(failures) == _MAX_CHECKS:
+            break
+        if sum(c.axes == candidate.axes for c in failures) == _MAX_PER_MESH:
+            continue  # that mesh shape fails: try the next one
+        trial = Plan(candidate, [candidate], _rules(candidate, layouts),
+                     candidate.stage_starts or [0], info={})
+        model, error = measure_lib.built_here(source, trial)
+        if error is not None:  # the same for every candidate
+            return candidate, ("not checked: building the model failed: "
+                               f"{error}")
+        error = measure_lib.first_step_error(trial, model, *step)
+        if error is None:
+            return candidate, (
+                "passed: one training step compiled and ran on this "
+                "machine's devices"
+                + (f" after {len(failures)} candidate(s) failed"
+                   if failures else ""))
+        candidate.rejected = f"fails to train here: {error}"
+        failures.append(candidate)
+    raise ValueError(
+        f"tfpar.plan: the {len(failures)} best candidates that fit all "
+        "failed to train one step on this machine: "
+        + "; ".join(f"{c.label}: {c.rejected}" for c in failures)
+        + ". Pass check=False to get the plan anyway, or report this as a "
+        "tfpar bug with the model.")
 
 
 def _raise_nothing_fits(profile, candidates, batch, limit, cluster):

@@ -2,8 +2,10 @@
 
 `profile_model(model)` walks a built Sequential or functional Keras model
 (nested functional models such as keras-hub backbones included) and
-records, for each top-level graph layer (the units a pipeline cut can
-separate), per *sample*:
+records, for each layer of the graph `PipelineModel` cuts (nested
+functional models such as a keras-hub task's backbone inlined:
+`pipeline.split.model_graph`; the units a pipeline cut can separate), per
+*sample*:
 
 - FLOPs of the forward pass: every kernel (a weight of rank >= 2 that is
   not an embedding table) costs 2 · size · tokens, where tokens is the
@@ -37,6 +39,7 @@ Example:
 >>> profile.total_flops, profile.num_params
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -45,6 +48,7 @@ import numpy as np
 
 from tfpar import _compat
 from tfpar import keras_graph
+from tfpar.pipeline import split
 
 
 @dataclasses.dataclass
@@ -65,7 +69,7 @@ class Weight:
 
 @dataclasses.dataclass
 class Op:
-    """One top-level layer of the graph (a possible pipeline stage start)."""
+    """One layer of the cut graph (a possible pipeline stage start)."""
     name: str
     layer: object
     weights: list
@@ -101,8 +105,11 @@ class ModelProfile:
 
 def build_without_weights(build):
     """Calls `build()` inside `keras.StatelessScope(initialize_variables=
-    False)`: every weight gets its shape and dtype but no memory."""
-    with keras.StatelessScope(initialize_variables=False):
+    False)`: every weight gets its shape and dtype but no memory. An
+    optimizer made inside (a keras-hub task compiles in its constructor)
+    is made outside the scope (`_optimizers_with_state`)."""
+    with _optimizers_with_state(), \
+            keras.StatelessScope(initialize_variables=False):
         model = build()
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -110,6 +117,28 @@ def build_without_weights(build):
             f"Received: {build!r} returned {type(model).__name__}.")
     _compat.forget_uninitialized_variables(model.weights)
     return model
+
+
+@contextlib.contextmanager
+def _optimizers_with_state():
+    """Keras optimizers made in the block are made outside any
+    `StatelessScope`: an optimizer's step counter and learning rate are
+    variables initialised from numbers, which a StatelessScope refuses
+    ("attempting to create a variable while in a stateless scope"), and
+    a keras-hub task (GPT2CausalLM, ...) compiles with one in its
+    constructor. Two scalars; the model's weights stay shape-only."""
+    base = _compat.keras_module("optimizers.base_optimizer").BaseOptimizer
+    original = base.__init__
+
+    def init(self, *args, **kwargs):
+        with _compat.keras_globals({"stateless_scope": None}):
+            original(self, *args, **kwargs)
+
+    base.__init__ = init
+    try:
+        yield
+    finally:
+        base.__init__ = original
 
 
 def profile_model(model, sequence_length=None):
@@ -135,26 +164,29 @@ def profile_model(model, sequence_length=None):
             "activation shapes and pipeline cuts from (a subclassed model, "
             "or a Sequential without keras.Input). Build it with the "
             "functional API or give the Sequential a keras.Input.")
-    nodes, inputs, outputs = graph
+    nodes, _, inputs, outputs, _ = split.model_graph(model)
     compute = keras.backend.standardize_dtype(
         getattr(model.dtype_policy, "compute_dtype", "float32"))
     itemsize = np.dtype(compute if compute != "bfloat16" else "float16").itemsize
     owners = keras_graph.owning_layers(model)
-    ops, index_of, seen = [], {}, set()
+    # runs_in[n]: the op whose stage runs node n, the last layer first
+    # called at or before it (a shared layer called again, e.g. a tied
+    # output head, runs where its call falls, as PipelineModel runs it).
+    ops, first_called, runs_in, seen = [], set(), [], set()
     for node in nodes:
         layer = node.operation
         shape = _output_shape(model, layer, node, sequence_length)
         tokens = _tokens(shape, sequence_length)
-        if id(layer) in index_of:  # a shared layer called again
-            op = ops[index_of[id(layer)]]
-            op.outputs += _float_bytes(node.outputs, itemsize,
-                                       sequence_length)
+        if id(layer) in first_called:  # a shared layer called again
+            ops[-1].outputs += _float_bytes(node.outputs, itemsize,
+                                            sequence_length)
+            runs_in.append(len(ops) - 1)
             continue
-        index_of[id(layer)] = len(ops)
-        op = _op(layer, node, tokens, owners, itemsize, seen,
-                 sequence_length)
-        ops.append(op)
-    _carried(ops, nodes, inputs, outputs, index_of, itemsize,
+        first_called.add(id(layer))
+        runs_in.append(len(ops))
+        ops.append(_op(layer, node, tokens, owners, itemsize, seen,
+                       sequence_length))
+    _carried(ops, nodes, runs_in, inputs, outputs, itemsize,
              sequence_length)
     seen_weights = False
     for op in ops:
@@ -370,16 +402,15 @@ def _nonlinear(owner):
         activation, "__name__", "linear") not in ("linear", "relu")
 
 
-def _carried(ops, nodes, inputs, outputs, index_of, itemsize, seq):
+def _carried(ops, nodes, runs_in, inputs, outputs, itemsize, seq):
     """op.carried_in: bytes per sample of the tensors made before op i and
     read at op i or later (what a pipeline cut before op i sends on)."""
     made = {id(t): -1 for t in inputs}
     size = {id(t): _float_bytes([t], itemsize, seq) or
             float(np.prod(_known(t.shape, seq)[1:])) * 4 for t in inputs}
     last_read = {}
-    for node in nodes:
-        i = index_of[id(node.operation)]
-        for t in keras_graph.node_inputs(node):
+    for node, i in zip(nodes, runs_in):
+        for t in node.inputs:
             last_read[id(t)] = max(last_read.get(id(t), -1), i)
             if made.get(id(t), -1) >= 0:
                 ops[made[id(t)]].consumers.add(i)

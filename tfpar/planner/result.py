@@ -49,6 +49,8 @@ class Plan:
         info: model and search facts (parameters, FLOPs, search seconds;
             on a shared host "calibration", the spread of the timings the
             predictions come from: `tfpar.planner.calibrate.timing_spread`).
+        checked: what `tfpar.plan`'s self-check found ("checked: ...", or
+            "not checked: ..." with the reason).
     """
 
     def __init__(self, chosen, candidates, rules, stage_starts, info):
@@ -71,6 +73,7 @@ class Plan:
     schedule = property(lambda self: self._chosen.schedule)
     stage_boundaries = property(lambda self: self._chosen.stage_boundaries)
     estimate = property(lambda self: self._chosen.estimate)
+    checked = property(lambda self: self.info.get("checked", "not checked"))
 
     def explain(self, top=12):
         """A readable table of the candidates, the binding constraint and
@@ -91,6 +94,7 @@ class Plan:
             f"step ({_parts(e)}), {_gb(e.total_memory)} per device ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in e.memory_per_device.items())
             + f"), {_gb(e.communication_bytes_per_device)} of collectives.",
+            "Self-check: " + i.get("checked", "not checked"),
             "Binding constraint: " + self._binding(),
             "Runner-up (best other mesh shape): " + self._runner_up(),
             *_timing_notes(i), "",
@@ -112,7 +116,8 @@ class Plan:
     def _binding(self):
         c = self._chosen
         faster = [x for x in self.candidates if x.estimate is not None
-                  and x.rejected and x.estimate.step_time_s < c.estimate.step_time_s]
+                  and (x.rejected or "").startswith("does not fit")
+                  and x.estimate.step_time_s < c.estimate.step_time_s]
         if faster:
             best = min(faster, key=lambda x: x.estimate.step_time_s)
             return (f"memory: {len(faster)} faster candidate(s) do not fit in "

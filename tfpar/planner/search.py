@@ -10,7 +10,8 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   sequence: every kept activation 1/t as large, Megatron-LM's sequence
   parallelism).
 - Stage cuts (Alpa's inter-op pass, simplified to one objective): for p
-  stages, the contiguous cut of the top-level layers minimising the
+  stages, the contiguous cut of the model's layers (those PipelineModel
+  cuts between) minimising the
   slowest stage's compute — the optimum of the dynamic programme
   best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)), found by
   bisection over the bottleneck (`min_max_cuts`).
@@ -214,8 +215,9 @@ def _reject_reason(axes, rule_error, global_batch_size, n_ops,
         return (f"global_batch_size {global_batch_size} does not split over "
                 f"data={d}")
     if p > n_ops:
-        return (f"pipe={p} needs at least {p} top-level layers; the model "
-                f"has {n_ops}")
+        return (f"pipe={p} needs at least {p} layers to cut between; the "
+                f"model has {n_ops} (PipelineModel's cut points: its layers, "
+                "nested functional models inlined)")
     if sequence_parallel and p > 1 and d == 1:
         # PipelineModel refuses it: DTensor (TF 2.21) crashes compiling it.
         return ("sequence parallelism inside pipeline stages needs a data "

@@ -132,6 +132,8 @@ class Estimate:
             each micro-batch's gradients).
         memory_by_stage: [{kind: bytes}] per pipeline stage (the devices of
             stage s), of which `memory_per_device` is the most loaded.
+        executed_flops: FLOPs a device executes per step, recomputation
+            included (`tfpar.estimate`'s roofline; 0: not counted).
     """
 
     step_time_s: float
@@ -140,6 +142,12 @@ class Estimate:
     communication_bytes_by_axis: dict
     time_s: dict
     memory_by_stage: list = None
+    executed_flops: float = 0.0
+
+    @property
+    def breakdown(self):
+        """{part: seconds} of the step time (`time_s`)."""
+        return self.time_s
 
     @property
     def total_memory(self):

@@ -35,9 +35,10 @@ the same for every row):
 Left out: K22-5 (Korthikanti's abstract states only MFU, no batch or
 step time).
 
-Fitted, once for all rows (a grid over two values each; not per row):
-the A100's and H100's large-GEMM efficiency and the skinny-GEMM constant
-`gemm_half` (shared). Every other figure is the vendor's or a cited
+Fitted, once for all rows of a hardware (a grid; not per row): the
+A100's and the H100's large-GEMM efficiency `gemm` and skinny-GEMM
+constant `gemm_half` (`tfpar/planner/hardware.py` holds the fitted values;
+`fit` here reproduces them). Every other figure is the vendor's or a cited
 measurement (`tfpar/planner/hardware.py`).
 
     python benchmarks/planner_published.py
@@ -149,6 +150,14 @@ ROWS = {
     "MLM20-5": ("S15", "a100-80gb", (42, 4096, 32, 1024, 51200), GPT, 2048,
                 None, 8, 1, 128, 1, False, "full", False, False, 1.380),
 }
+# Hardware a source describes beyond its preset: BLOOM's Jean Zay nodes
+# (BLOOM model card, "Technical Specifications": "8 GPUs per node using
+# NVLink 4 inter-gpu connects, 4 OmniPath links"): 4 NVLink3 links of 25
+# GB/s per direction per GPU (100 GB/s, where a DGX's NVSwitch gives 12:
+# 300 GB/s) and 4 Omni-Path links of 100 Gb/s per node of 8 GPUs (6.25
+# GB/s per GPU across nodes).
+LINKS = {"S5": {"intra_bandwidth": 4 * 25e9,
+                "inter_bandwidth": 4 * 100e9 / 8 / 8}}
 LEFT_OUT = {"K22-5": "the abstract states MFU only: no batch, no step time"}
 MEGATRON_SOURCES = ("S1", "S3", "S4", "S15")
 
@@ -159,6 +168,8 @@ def published_config(row_id, presets=None):
     (source, name, (L, h, a, s, V), kwargs, B, mb, t, p, d, v, sp,
      recompute, fsdp, flash, seconds) = ROWS[row_id]
     hw = (presets or hardware.PRESETS)[name]
+    if source in LINKS:
+        hw = dataclasses.replace(hw, **LINKS[source])
     if source in MEGATRON_SOURCES:
         V = -(-V // (128 * t)) * 128 * t
     model = roofline.Transformer(layers=L, hidden=h, heads=a, seq=s,
@@ -198,40 +209,80 @@ def summary(errs):
     return sum(values) / len(values), max(values)
 
 
-# The fitted constants' grid: (A100 gemm, H100 gemm, gemm_half).
-GRID = {"a100_gemm": (0.75, 0.8, 0.85, 0.9, 0.95),
-        "h100_gemm": (0.55, 0.6, 0.65, 0.7, 0.75, 0.8),
-        "gemm_half": (16.0, 32.0, 64.0, 128.0)}
+# The fitted constants: (gemm, gemm_half) of the A100 and of the H100, over
+# a grid (the same for every row); a hardware no remaining row uses keeps
+# its prior, the published figure: large-GEMM fraction 0.8 (A100 cuBLAS
+# fp16, 250 of 312 TFLOP/s) / 0.75 (H100 bf16, 740 of 989), gemm_half 128.
+GRID = {"gemm": (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9),
+        "gemm_half": (64.0, 128.0, 256.0, 512.0, 1024.0)}
+FITTED = ("a100-80gb", "h100-sxm")
+PRIORS = {"a100-80gb": (0.8, 128.0), "h100-sxm": (0.75, 128.0)}
 
 
-def with_constants(a100_gemm, h100_gemm, gemm_half):
+def with_constants(constants):
+    """The presets with {hardware name: (gemm, gemm_half)} replaced."""
     presets = dict(hardware.PRESETS)
-    for name, gemm in (("a100-80gb", a100_gemm), ("h100-sxm", h100_gemm)):
+    for name, (gemm, half) in constants.items():
         presets[name] = dataclasses.replace(presets[name], gemm=gemm,
-                                            gemm_half=gemm_half)
+                                            gemm_half=half)
     return presets
 
 
 def fit(rows):
-    """The grid point minimising the mean absolute error over `rows`
-    (ties: the first)."""
-    best = None
-    for point in itertools.product(*GRID.values()):
-        mae, _ = summary(errors(with_constants(*point), rows))
-        if best is None or mae < best[0]:
-            best = (mae, point)
-    return best[1]
+    """{hardware: (gemm, gemm_half)} minimising the mean absolute error of
+    `rows` on that hardware (each hardware's rows are fitted on their own:
+    the constants of one do not touch the other's rows); PRIORS for a
+    hardware none of `rows` uses."""
+    constants = dict(PRIORS)
+    for name in FITTED:
+        mine = [r for r in rows if ROWS[r][1] == name]
+        if not mine:
+            continue
+        best = None
+        for point in itertools.product(*GRID.values()):
+            mae, _ = summary(errors(with_constants({name: point}), mine))
+            if best is None or mae < best[0] - 1e-12:
+                best = (mae, point)
+        constants[name] = best[1]
+    return constants
 
 
 def leave_one_source_out():
-    """{source: MAE of its rows with the constants fitted on the others}."""
+    """{source: (MAE of its rows with the constants fitted on the other
+    sources, those constants)}."""
     out = {}
     for source in sorted({r[0] for r in ROWS.values()}):
         held = [k for k, r in ROWS.items() if r[0] == source]
-        rest = [k for k in ROWS if k not in held]
-        point = fit(rest)
-        out[source] = (summary(errors(with_constants(*point), held))[0], point)
+        constants = fit([k for k in ROWS if k not in held])
+        out[source] = (summary(errors(with_constants(constants), held))[0],
+                       constants)
     return out
+
+
+def constants_table():
+    """Markdown rows: every constant the estimates use, with its source."""
+    rows = []
+    for name in ("a100-80gb", "h100-sxm"):
+        hw = hardware.PRESETS[name]
+        rows += [
+            f"| {name} | peak dense bf16/fp16 | {hw.peak('bfloat16') / 1e12:.0f}"
+            " TFLOP/s | vendor datasheet |",
+            f"| {name} | HBM bandwidth × hbm | {hw.hbm_bandwidth / 1e12:.3g} "
+            f"TB/s × {hw.hbm} | datasheet; STREAM-like copies |",
+            f"| {name} | NVLink per direction × network_intra | "
+            f"{hw.intra_bandwidth / 1e9:.0f} GB/s × {hw.network_intra} | "
+            "datasheet; nccl-tests, Calculon |",
+            f"| {name} | InfiniBand per GPU × network_inter | "
+            f"{hw.inter_bandwidth / 1e9:.0f} GB/s × {hw.network_inter} | "
+            "DGX user guide; Calculon |",
+            f"| {name} | latency per ring step (NVLink, IB) | "
+            f"{hw.intra_latency * 1e6:.0f}, {hw.inter_latency * 1e6:.0f} µs |"
+            " NCCL tests; Calculon, llm-analysis |",
+            f"| {name} | flash attention fraction of peak | {hw.flash} | "
+            "FlashAttention-2 (Dao 2023) |",
+            f"| {name} | gemm, gemm_half | {hw.gemm}, {hw.gemm_half:.0f} | "
+            "fitted on the development set (all sources) |"]
+    return "\n".join(rows)
 
 
 def main():
@@ -249,10 +300,12 @@ def main():
     mae, worst = summary(errs)
     print(f"\nrows {len(errs)} of {len(errs) + len(LEFT_OUT)}; mean absolute "
           f"error {mae:.1%}; worst {worst:.1%}")
+    print(f"\nfitted on all rows: {fit(list(ROWS))}")
     print("\nleave-one-source-out (constants fitted on the other sources):")
-    for source, (err, point) in leave_one_source_out().items():
-        print(f"  {source}: MAE {err:.1%} (fitted a100 gemm, h100 gemm, "
-              f"gemm_half = {point})")
+    for source, (err, constants) in leave_one_source_out().items():
+        print(f"  {source}: MAE {err:.1%} with {constants}")
+    print("\n| hardware | figure | value | source |\n|---|---|---|---|")
+    print(constants_table())
 
 
 if __name__ == "__main__":

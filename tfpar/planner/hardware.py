@@ -30,22 +30,27 @@ latency inside a DGX is ~5–10 µs for 8 GPUs (NCCL tests; Calculon and
 llm-analysis take 5 µs NVLink, 10 µs InfiniBand, per step); ICI 5 µs.
 
 Achievable-efficiency constants (what the cost model multiplies peaks by):
-`gemm` is the fraction of peak a large dense GEMM reaches (cuBLAS fp16 on
-A100: 250–280 TFLOP/s of 312, ≈ 0.8–0.9, NVIDIA's and Calculon's A100
-matrix-efficiency tables; bf16 on H100: 600–750 of 989, ≈ 0.65–0.75, as
-Calculon's H100 file and llm-foundry's HFU ceilings show); `gemm_half` the
-GEMM dimension at which a skinny matmul runs at half of that (wave and
-tile quantisation: per dimension x the factor is x / (x + gemm_half));
-`hbm` the fraction of peak bandwidth a streaming elementwise kernel reaches
-(≈ 0.8–0.9: STREAM-like copies, llm-analysis' 0.85 default); `network_intra`
+`gemm` is the fraction of peak a large dense GEMM reaches and `gemm_half`
+the GEMM dimension at which a skinny one runs at half of that (wave and
+tile quantisation: per dimension x the factor is x / (x + gemm_half)).
+These two are fitted, once for all sources, on the development set of
+published runs (`benchmarks/planner_published.py`, which also reports
+them left out one source at a time): A100 0.85 and 256 (cuBLAS fp16 on
+A100 reaches 250–280 of 312 TFLOP/s on large GEMMs, 0.8–0.9; Calculon's
+a100 file 0.95 above 128 GFLOP), H100 0.7 and 1024 (bf16 cuBLAS 600–750
+of 989 TFLOP/s; its larger tiles lose more on skinny shapes). The others
+are published figures: `hbm` the fraction of peak bandwidth a streaming
+elementwise kernel reaches (≈ 0.8–0.9 in STREAM-like copies; llm-analysis
+and Calculon take 0.85–0.9 for large transfers); `network_intra`
 and `network_inter` the fractions of link bandwidth NCCL's ring reaches
 as bus bandwidth (nccl-tests on DGX A100 ≈ 210–230 of NVLink's 300 GB/s,
-Calculon's a100 file 0.65; InfiniBand ≈ 0.9 of line rate, Calculon 0.9); `flash` the
-fraction of peak a fused (flash) attention kernel's FLOPs reach (FA2 on
-A100 forward 50–70%, backward less; Dao 2023). The two GEMM constants are
-fitted, once for all sources, on the development set (see
-`benchmarks/planner_published.py`, which also reports them left out one
-source at a time); the others are the published figures.
+Calculon's a100 file 0.65; InfiniBand ≈ 0.9 of line rate, Calculon 0.9);
+`flash` the fraction of peak a fused (flash) attention kernel's FLOPs
+reach, forward and backward together (FlashAttention-2, Dao 2023: up to
+225 TFLOP/s on A100, 72% of peak, ≈ 0.6 over head widths and masks; up to
+335 TFLOP/s on H100 without Hopper-specific instructions, 34%). TPU v4
+and v5p have no published run in the development set: their GEMM
+constants are the A100's (not validated).
 
 >>> from tfpar.planner import hardware
 >>> hardware.PRESETS["a100-80gb"].peak_flops["bfloat16"]
@@ -87,12 +92,12 @@ class Hardware:
     inter_latency: float
     devices_per_host: int
     nics_shared: bool = True
-    gemm: float = 0.8
-    gemm_half: float = 64.0
+    gemm: float = 0.85
+    gemm_half: float = 256.0
     hbm: float = 0.85
     network_intra: float = 0.7
     network_inter: float = 0.9
-    flash: float = 0.55
+    flash: float = 0.6
 
     def peak(self, dtype):
         """Dense peak FLOP/s in `dtype` (float16 counts as bfloat16)."""
@@ -120,14 +125,12 @@ PRESETS = {
     "a100-80gb": Hardware("a100-80gb", _A100_FLOPS, 80e9, 2.039e12, 300e9,
                           25e9, **_GPU_LINKS),
     "h100-sxm": Hardware("h100-sxm", _H100_FLOPS, 80e9, 3.35e12, 450e9, 50e9,
-                         gemm=0.7, **_GPU_LINKS),
+                         gemm=0.7, gemm_half=1024.0, flash=0.34,
+                         **_GPU_LINKS),
     "h200": Hardware("h200", _H100_FLOPS, 141e9, 4.8e12, 450e9, 50e9,
-                     gemm=0.7, **_GPU_LINKS),
-    "tpu-v4": Hardware("tpu-v4", {"bfloat16": 275e12, "float32": 275e12 / 4},
-                       32 * 2**30, 1.2e12, 2400e9 / 8 / 3 / 2,
+                     gemm=0.7, gemm_half=1024.0, flash=0.34, **_GPU_LINKS),
+    "tpu-v4": Hardware("tpu-v4", {"bfloat16": 275e12}, 32 * 2**30, 1.2e12, 2400e9 / 8 / 3 / 2,
                        2400e9 / 8 / 3 / 2, **_TPU_LINKS),
-    "tpu-v5p": Hardware("tpu-v5p", {"bfloat16": 459e12,
-                                    "float32": 459e12 / 4},
-                        95e9, 2.765e12, 4800e9 / 8 / 3 / 2,
+    "tpu-v5p": Hardware("tpu-v5p", {"bfloat16": 459e12}, 95e9, 2.765e12, 4800e9 / 8 / 3 / 2,
                         4800e9 / 8 / 3 / 2, **_TPU_LINKS),
 }

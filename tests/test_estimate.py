@@ -40,7 +40,8 @@ def test_every_documented_preset_exists_with_its_platform_host(name):
     assert cluster.devices_per_host == per_host
     assert cluster.num_devices == 2 * per_host
     assert cluster.hardware is hardware.PRESETS[name]
-    assert cluster.device_flops == hardware.PRESETS[name].peak("bfloat16")
+    hw = hardware.PRESETS[name]
+    assert cluster.device_flops == hw.peak("bfloat16") * hw.gemm
     # documented: named in Cluster.preset's docstring and hardware's table
     assert f'"{name}"' in tfpar.Cluster.preset.__doc__
     assert tfpar.Cluster.preset(name, devices_per_host=2).devices_per_host == 2
@@ -141,3 +142,19 @@ def test_bad_configurations_are_refused_before_costing():
     e = tfpar.estimate(build, 16, cluster=cluster, axes={"data": 8},
                        num_microbatches=2, fsdp=True)
     assert e.step_time_s > 0 and e.memory_per_device["optimizer"] > 0
+
+
+def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
+    import keras_hub  # noqa: PLC0415 (installed; slow to import)
+
+    def build():
+        return keras_hub.models.LlamaBackbone(
+            vocabulary_size=1000, num_layers=2, num_query_heads=8,
+            num_key_value_heads=2, hidden_dim=256, intermediate_dim=688)
+    profiled = profile.profile_model(profile.build_without_weights(build),
+                                     sequence_length=128)
+    shape = estimator.transformer_of(profiled)
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads,
+            shape.ffn_width, shape.gated, shape.seq) == (
+                2, 256, 8, 2, 688, True, 128)
+    assert shape.num_params() == pytest.approx(profiled.num_params, rel=1e-2)

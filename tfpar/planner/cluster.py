@@ -138,11 +138,13 @@ class Cluster:
         hosts of 8 GPUs: NVLink inside, one InfiniBand port per GPU
         across), "tpu-v4", "tpu-v5p" (hosts of 4 chips; the ICI torus
         spans hosts, so groups inside and across hosts get the same link).
-        `device_flops` is the dense bf16 peak; `hardware` carries the
-        efficiency constants `tfpar.estimate` uses.
+        `device_flops` is the sustained rate of a large bf16 GEMM (the
+        dense peak × the hardware's fitted `gemm` efficiency, what
+        `tfpar.plan`'s cost model multiplies FLOPs by); `hardware` carries
+        the peaks and the efficiency constants `tfpar.estimate` uses.
 
         >>> dgx = tfpar.Cluster.preset("a100-80gb", num_hosts=4)
-        >>> dgx.num_devices, dgx.device_flops
+        >>> dgx.num_devices, dgx.hardware.peak("bfloat16")
         (32, 312000000000000.0)
         """
         if name not in hardware_lib.PRESETS:
@@ -155,7 +157,8 @@ class Cluster:
             num_hosts=num_hosts,
             devices_per_host=(hw.devices_per_host if devices_per_host is None
                               else devices_per_host),
-            device_memory=hw.memory, device_flops=hw.peak("bfloat16"),
+            device_memory=hw.memory,
+            device_flops=hw.peak("bfloat16") * hw.gemm,
             intra_host_bandwidth=hw.intra_bandwidth,
             inter_host_bandwidth=hw.inter_bandwidth,
             intra_host_latency=hw.intra_latency,

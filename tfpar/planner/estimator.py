@@ -213,10 +213,12 @@ def transformer_of(profile):
     hidden = profile_lib.attention_hidden(attention[0])
     heads = _heads(attention[0])
     vocab, positions, tied = _embeddings(profile, hidden)
+    inside = {id(sub) for layer in attention
+              for sub in profile_lib.sublayers(layer)}
     widths = collections.Counter()
     for op in profile.ops:
         for w in op.weights:
-            if w.flops and not profile_lib.is_attention(w.owner):
+            if w.flops and id(w.owner) not in inside:
                 i = profile_lib.in_width(w.owner, w.shape)
                 o = profile_lib.out_width(w.owner, w.shape)
                 if i == hidden and o not in (hidden, vocab):

@@ -49,8 +49,9 @@ memory-bound by whichever is larger.
   attention core (QKᵀ, softmax, dropout, attention over V) again; nothing
   with a fused kernel, which recomputes it anyway.
 - Data parallelism: the gradients' all-reduce (or, ZeRO-1, a
-  reduce-scatter and an all-gather: the same ring time) over d, bucketed
-  so that the backward pass of the last micro-batch hides part of it;
+  reduce-scatter and an all-gather: the same ring time) over d, one
+  bucket per block (each paying the ring's latency), so that the
+  backward pass of the last micro-batch hides part of it;
   with fsdp (ZeRO-3) every micro-batch all-gathers the weights for the
   forward and again for the backward pass and reduce-scatters the
   gradients, prefetched under that micro-batch's compute (only what
@@ -230,14 +231,15 @@ def link(cluster, hw, n, stride):
     return hw.inter_latency, beta
 
 
-def ring(kind, nbytes, n, alpha_beta):
-    """Seconds of a ring all-reduce (2(n-1) steps) or all-gather /
-    reduce-scatter ((n-1) steps) of `nbytes` per device over n."""
+def ring(kind, nbytes, n, alpha_beta, count=1):
+    """Seconds of `count` ring all-reduces (2(n-1) steps each) or
+    all-gathers / reduce-scatters ((n-1) steps) moving `nbytes` per device
+    in all over n."""
     if n <= 1:
         return 0.0
     alpha, beta = alpha_beta
     steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
-    return steps * alpha + steps / n * nbytes / beta
+    return count * steps * alpha + steps / n * nbytes / beta
 
 
 def _gemm_shapes(model, cfg):
@@ -411,16 +413,19 @@ def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
     the last micro-batch's backward pass, or fsdp's two gathers and one
     reduce-scatter per micro-batch beyond that micro-batch's compute
     (`backward`: one micro-batch's backward seconds, its forward half of
-    them) plus the first block's gather, which nothing hides."""
+    them) plus the first block's gather, which nothing hides. Each block's
+    weights are one collective (a gradient bucket, an fsdp unit): its
+    latency is paid per block."""
     d = cfg.data
     if d == 1:
         return 0.0
     ab = link(cluster, hw, d, cfg.model * cfg.pipe)
     nbytes = params / cfg.model * model.compute_bytes
+    units = max(1, round(params / model.block_params()))
     if not cfg.fsdp:
-        return max(0.0, ring("all-reduce", nbytes, d, ab) - backward)
-    per_microbatch = (2 * ring("all-gather", nbytes, d, ab)
-                      + ring("reduce-scatter", nbytes, d, ab))
+        return max(0.0, ring("all-reduce", nbytes, d, ab, units) - backward)
+    per_microbatch = (2 * ring("all-gather", nbytes, d, ab, units)
+                      + ring("reduce-scatter", nbytes, d, ab, units))
     first_gather = ring("all-gather", nbytes / model.layers, d, ab)
     return first_gather + microbatches * max(
         0.0, per_microbatch - 1.5 * backward)

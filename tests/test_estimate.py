@@ -158,3 +158,19 @@ def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
             shape.ffn_width, shape.gated, shape.seq) == (
                 2, 256, 8, 2, 688, True, 128)
     assert shape.num_params() == pytest.approx(profiled.num_params, rel=1e-2)
+
+
+def test_plan_on_a_preset_is_costed_by_the_roofline_and_beats_the_paper():
+    """Narayanan's 1.7B row: tfpar.plan on the preset A100 cluster chooses
+    a configuration whose roofline estimate is at most the published
+    configuration's (t=1, p=1, data 32, full recomputation)."""
+    build = gpt_builder(2304, 24, 24)
+    cluster = tfpar.Cluster.preset("a100-80gb", num_hosts=4)
+    plan = tfpar.plan(build, 512, cluster=cluster)
+    published = tfpar.estimate(build, 512, cluster=cluster,
+                               axes={"data": 32}, recompute="full")
+    chosen = plan.estimate
+    assert chosen.executed_flops > 0  # costed by the roofline
+    assert chosen.step_time_s == pytest.approx(sum(chosen.breakdown.values()))
+    assert chosen.step_time_s <= published.step_time_s
+    assert "memory_bound" in plan.explain()

@@ -14,8 +14,6 @@ model far larger than this host is read without allocating a weight.
 >>> e.step_time_s, e.breakdown["compute"]
 """
 
-import collections
-
 import keras
 import numpy as np
 
@@ -24,6 +22,7 @@ from tfpar.planner import hardware as hardware_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import roofline
 from tfpar.planner.cluster import Cluster
+from tfpar.planner.transformer import transformer_of
 
 AXES = ("data", "pipe", "model")
 _LATER_AXES = ("expert", "context")
@@ -194,81 +193,3 @@ def _axes(axes, cluster):
             f" devices; the cluster has {cluster.num_devices}. Make data · "
             "pipe · model equal to it.")
     return sizes
-
-
-def transformer_of(profile):
-    """The `roofline.Transformer` of a profiled Keras model: its attention
-    layers are the blocks; a ValueError for a model without attention."""
-    attention = [sub for op in profile.ops
-                 for sub in profile_lib.sublayers(op.layer)
-                 if profile_lib.is_attention(sub)]
-    tokens = [op.tokens for op in profile.ops
-              if any(profile_lib.is_attention(s)
-                     for s in profile_lib.sublayers(op.layer))]
-    if not attention:
-        raise ValueError(
-            f"tfpar.estimate costs transformer stacks: model "
-            f"{profile.name!r} has no attention layer. Use tfpar.plan for "
-            "other models.")
-    hidden = profile_lib.attention_hidden(attention[0])
-    heads = _heads(attention[0])
-    vocab, positions, tied = _embeddings(profile, hidden)
-    inside = {id(sub) for layer in attention
-              for sub in profile_lib.sublayers(layer)}
-    widths = collections.Counter()
-    for op in profile.ops:
-        for w in op.weights:
-            if w.flops and id(w.owner) not in inside:
-                i = profile_lib.in_width(w.owner, w.shape)
-                o = profile_lib.out_width(w.owner, w.shape)
-                if i == hidden and o not in (hidden, vocab):
-                    widths[o] += 1
-    ffn, kernels = widths.most_common(1)[0] if widths else (4 * hidden, 0)
-    return roofline.Transformer(
-        layers=len(attention), hidden=hidden, heads=heads, seq=max(tokens),
-        vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
-        gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
-        tied=tied, position_embedding=positions,
-        compute_bytes=profile.compute_itemsize,
-        param_bytes=max(w.itemsize for op in profile.ops for w in op.weights))
-
-
-def _heads(layer):
-    for name in ("num_heads", "num_query_heads", "_num_heads",
-                 "_num_query_heads"):
-        if isinstance(getattr(layer, name, None), int):
-            return getattr(layer, name)
-    raise ValueError(f"tfpar.estimate cannot read the heads of attention "
-                     f"layer {layer.name!r} ({type(layer).__name__}).")
-
-
-def _kv_heads(layer, heads):
-    for name in ("num_key_value_heads", "_num_key_value_heads"):
-        if isinstance(getattr(layer, name, None), int):
-            return getattr(layer, name)
-    return heads
-
-
-def _embeddings(profile, hidden):
-    """(vocabulary, whether a position table of width `hidden` exists,
-    whether the logits reuse the token table)."""
-    tables = [w.shape for op in profile.ops for w in op.weights
-              if w.path.rsplit("/", 1)[-1] == "embeddings" and len(w.shape) == 2
-              and w.shape[1] == hidden]
-    if not tables:
-        raise ValueError(f"tfpar.estimate found no token embedding of width "
-                         f"{hidden} in model {profile.name!r}.")
-    vocab = max(rows for rows, _ in tables)
-    heads = [w for op in profile.ops for w in op.weights if w.flops
-             and profile_lib.out_width(w.owner, w.shape) == vocab]
-    return vocab, len(tables) > 1, not heads
-
-
-def _dropout(profile):
-    for layer in profile.layers_by_path.values():
-        rate = getattr(layer, "rate", None) if isinstance(
-            layer, keras.layers.Dropout) else getattr(layer, "_dropout", None)
-        if isinstance(rate, (int, float)) and rate > 0:
-            return True
-    return False
-

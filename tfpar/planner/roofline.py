@@ -132,18 +132,6 @@ class Transformer:
         return (self.layers * self.block_params() + self.embedding_params()
                 + head + 2 * self.hidden)
 
-    def model_flops(self, samples):
-        """Forward + backward FLOPs of `samples` (no recomputation):
-        Korthikanti's 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) generalised to
-        any MLP width and key/value heads."""
-        h, s = self.hidden, self.seq
-        kv = (self.kv_heads or self.heads) * self.head_dim
-        gemm = 2 * (h * (h + 2 * kv) + h * h
-                    + (3 if self.gated else 2) * h * self.ffn_width)
-        attention = 4 * s * h
-        per_token = self.layers * (gemm + attention) + 2 * h * self.vocab
-        return 3 * per_token * s * samples
-
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:

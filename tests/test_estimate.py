@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
 from gpt import build_gpt  # noqa: E402
+import planner_heldout  # noqa: E402
 import planner_published  # noqa: E402
 
 PRESETS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "tpu-v4", "tpu-v5p")
@@ -174,3 +175,41 @@ def test_plan_on_a_preset_is_costed_by_the_roofline_and_beats_the_paper():
     assert chosen.step_time_s == pytest.approx(sum(chosen.breakdown.values()))
     assert chosen.step_time_s <= published.step_time_s
     assert "memory_bound" in plan.explain()
+
+
+def test_the_held_out_set_is_within_the_issue_mean_bound():
+    """Published runs not in the development set (Megatron-Core H100,
+    llm-foundry FSDP on A100/H100, BLOOM's topology benchmarks): mean
+    absolute error <= 15% with the development set's constants."""
+    errors = planner_heldout.errors()
+    mae, _ = planner_published.summary(errors)
+    assert len(errors) >= 40
+    assert {planner_heldout.ROWS[r][0] for r in errors} == {"MC", "LF", "BL"}
+    assert mae <= 0.15, errors
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known shortfall: llm-foundry's MPT-70B on 64 A100-40GB (micro-batch 2)"
+    " ran 37% slower than estimated; the model exposes no FSDP cost there"))
+def test_no_held_out_run_is_off_by_more_than_35_percent():
+    _, worst = planner_published.summary(planner_heldout.errors())
+    assert worst <= 0.35
+
+
+def test_held_out_pairs_of_fsdp_configurations_are_ordered_as_published():
+    """llm-foundry: two configurations of one MPT size on one GPU type whose
+    published tokens/s per GPU differ by >= 10%: the faster one is
+    estimated faster."""
+    pairs = [p for p in planner_heldout.pairs()
+             if planner_heldout.ROWS[p[0]][0] == "LF"]
+    _, _, wrong = planner_heldout.pair_agreement()
+    assert len(pairs) >= 5
+    assert not [p for p in wrong if p in pairs]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known shortfall: BLOOM's 181B with data 24 x pipe 2 ran 20-30% "
+    "slower than with pipe 4-12; the model orders 34 of its 49 pairs"))
+def test_every_held_out_pair_is_ordered_as_published():
+    agree, total, _ = planner_heldout.pair_agreement()
+    assert agree == total

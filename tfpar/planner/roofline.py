@@ -37,7 +37,10 @@ memory-bound by whichever is larger.
   backward pass (with sequence parallelism a reduce-scatter and an
   all-gather each, the same ring time), plus the embedding's forward and
   the logits' backward one; a ring over t: 2(t-1)/t · bytes/β + 2(t-1)·α,
-  exposed (Megatron does not overlap them).
+  exposed (Megatron-LM does not overlap them); with `tp_overlap`
+  (Megatron-Core's `--tp-comm-overlap`: Transformer Engine splits each
+  all-gather / reduce-scatter into chunks pipelined with the GEMM that
+  consumes / produces it) only what exceeds the block's GEMM time shows.
 - Pipeline: each micro-batch sends T·h forward and its gradient back per
   stage boundary (1/t of it over the inter-stage link when t > 1, then an
   all-gather inside the host: Narayanan's scatter-gather), v times with v
@@ -147,6 +150,7 @@ class Parallel:
     recompute: str = None        # None, "selective", "full"
     fsdp: bool = False           # ZeRO-3
     flash: bool = False          # fused attention kernel
+    tp_overlap: bool = False     # --tp-comm-overlap (Transformer Engine)
     optimizer_slots: int = 2
 
 
@@ -340,6 +344,10 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
     work.merge(parts["backward"].scaled(blocks))
     tp_block, tp_edge = parts["tensor_parallel"]
     model_axis = blocks * 2 * tp_block
+    if cfg.tp_overlap:  # only what exceeds the block's GEMMs shows
+        gemms = (parts["forward"].parts["compute"]
+                 + parts["backward"].parts["compute"])
+        model_axis = blocks * max(0.0, 2 * tp_block - gemms)
     for flag, name in ((first, "embedding"), (last, "logits")):
         if flag:
             work.merge(parts[name + "_forward"])

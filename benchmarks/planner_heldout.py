@@ -234,9 +234,14 @@ LINKS = {"BL": dev.LINKS["S5"],
          "TT": {"hbm_bandwidth": 2.4e12, "memory": 96e9}}
 NOT_COUNTED = {"TT": "hardware not a preset: 500 W H100 with HBM2e, peak "
                      "unstated by the source"}
-# What a source's runtime overlaps, as it states it: Megatron-Core's table
-# ran with --tp-comm-overlap.
-RUNTIME = {"MC": {"tp_overlap": True}}
+# What a source's runtime does, as it states it: Megatron-Core's table ran
+# with --tp-comm-overlap and --overlap-param-gather (which requires its
+# distributed optimizer: megatron/training/arguments.py); BLOOM with
+# DeepSpeed's pipeline engine and ZeRO stage 1 (gradients reduced after
+# the last micro-batch: planner_published.RUNTIME["S5"]); PyTorch FSDP
+# (llm-foundry, torchtitan) overlaps.
+RUNTIME = {"MC": {"tp_overlap": True, "zero1": True},
+           "BL": dev.RUNTIME["S5"]}
 TABLE = dict(rows=ROWS, links=LINKS, megatron_sources=(), runtime=RUNTIME)
 
 

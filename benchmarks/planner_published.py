@@ -31,6 +31,10 @@ the same for every row):
 - precision: half-precision activations and GEMMs (fp16 or bf16: the same
   peak), fp32 master weights.
 - dropout as the source's model has it (GPT/BLOOM 0.1; MPT none).
+- what the runtime overlaps, read from its code (`RUNTIME`): Megatron-LM
+  of 2020-2022 and DeepSpeed's pipeline engine reduce the gradients after
+  the last micro-batch (exposed); PyTorch FSDP prefetches (overlapped,
+  paying the cores NCCL takes from the compute beside it).
 
 Left out: K22-5 (Korthikanti's abstract states only MFU, no batch or
 step time).
@@ -161,10 +165,19 @@ LINKS = {"S5": {"intra_bandwidth": 4 * 25e9,
                 "inter_bandwidth": 4 * 100e9 / 8 / 8}}
 LEFT_OUT = {"K22-5": "the abstract states MFU only: no batch, no step time"}
 MEGATRON_SOURCES = ("S1", "S3", "S4", "S15")
+# What each source's runtime overlaps (not fitted: read from its code).
+# Megatron-LM before 2023 all-reduced the gradients after the last
+# micro-batch (`--DDP-impl local`, its default: megatron/training.py
+# `model_module.allreduce_gradients()` after forward_backward_func); so
+# did DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py:
+# TrainSchedule issues ReduceGrads after the last micro-batch), with ZeRO
+# stage 1 for BLOOM. llm-foundry's FSDP overlaps (the default).
+RUNTIME = {source: {"grad_overlap": False} for source in MEGATRON_SOURCES}
+RUNTIME["S5"] = {"grad_overlap": False, "zero1": True}
 
 
 def published_config(row_id, presets=None, rows=None, links=None,
-                     megatron_sources=MEGATRON_SOURCES, runtime=None):
+                     megatron_sources=MEGATRON_SOURCES, runtime=RUNTIME):
     """(Transformer, Parallel, Hardware, global batch, published seconds)
     of a row (of `rows`, default ROWS), the rule applied to what it leaves
     unstated; `links` ({source: Hardware fields}) the hardware a source
@@ -222,19 +235,21 @@ def summary(errs):
 # same for every row); without A100 rows it keeps its prior, the published
 # figure: large-GEMM fraction 0.8 (cuBLAS fp16, 250 of 312 TFLOP/s),
 # gemm_half 128. The H100 keeps its hardware figures (hardware.py): 0.7
-# (bf16 cuBLAS 600-750 of 989), gemm_half 512 (twice the A100's tile).
+# (bf16 cuBLAS 600-750 of 989), gemm_half 256 (twice the A100's tile).
 GRID = {"gemm": (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9),
         "gemm_half": (64.0, 128.0, 256.0, 512.0, 1024.0)}
 FITTED = ("a100-80gb",)
-PRIORS = {"a100-80gb": (0.8, 128.0), "h100-sxm": (0.7, 512.0)}
+SAME_CHIP = {"a100-80gb": ("a100-40gb",)}   # one chip, one GEMM
+PRIORS = {"a100-80gb": (0.8, 128.0), "h100-sxm": (0.7, 256.0)}
 
 
 def with_constants(constants):
     """The presets with {hardware name: (gemm, gemm_half)} replaced."""
     presets = dict(hardware.PRESETS)
     for name, (gemm, half) in constants.items():
-        presets[name] = dataclasses.replace(presets[name], gemm=gemm,
-                                            gemm_half=half)
+        for chip in (name,) + SAME_CHIP.get(name, ()):
+            presets[chip] = dataclasses.replace(presets[chip], gemm=gemm,
+                                                gemm_half=half)
     return presets
 
 

@@ -177,23 +177,19 @@ def test_plan_on_a_preset_is_costed_by_the_roofline_and_beats_the_paper():
     assert "memory_bound" in plan.explain()
 
 
-def test_the_held_out_set_is_within_the_issue_mean_bound():
-    """Published runs not in the development set (Megatron-Core H100,
-    llm-foundry FSDP on A100/H100, BLOOM's topology benchmarks): mean
-    absolute error <= 15% with the development set's constants."""
+def test_the_held_out_set_is_within_the_issue_bounds():
+    """Published runs not in the development set (Megatron-Core H100 with
+    tensor/pipeline parallelism, llm-foundry FSDP on A100/H100, BLOOM's
+    topology benchmarks): mean absolute error <= 15%, none off by more
+    than 35%, with the development set's constants."""
     errors = planner_heldout.errors()
-    mae, _ = planner_published.summary(errors)
+    mae, worst = planner_published.summary(errors)
     assert len(errors) >= 40
     assert {planner_heldout.ROWS[r][0] for r in errors} == {"MC", "LF", "BL"}
+    assert {planner_heldout.ROWS[r][1] for r in errors} == {
+        "a100-40gb", "a100-80gb", "h100-sxm"}
     assert mae <= 0.15, errors
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "known shortfall: llm-foundry's MPT-70B on 64 A100-40GB (micro-batch 2)"
-    " ran 37% slower than estimated; the model exposes no FSDP cost there"))
-def test_no_held_out_run_is_off_by_more_than_35_percent():
-    _, worst = planner_published.summary(planner_heldout.errors())
-    assert worst <= 0.35
+    assert worst <= 0.35, errors
 
 
 def test_held_out_pairs_of_fsdp_configurations_are_ordered_as_published():
@@ -208,8 +204,9 @@ def test_held_out_pairs_of_fsdp_configurations_are_ordered_as_published():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "known shortfall: BLOOM's 181B with data 24 x pipe 2 ran 20-30% "
-    "slower than with pipe 4-12; the model orders 34 of its 49 pairs"))
+    "known shortfall: BLOOM's 181B ran faster with larger micro-batches and"
+    " slower with data 24 x pipe 2 than the roofline says; it orders 28 of "
+    "its 49 pairs"))
 def test_every_held_out_pair_is_ordered_as_published():
     agree, total, _ = planner_heldout.pair_agreement()
     assert agree == total

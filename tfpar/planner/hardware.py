@@ -35,16 +35,17 @@ the GEMM dimension at which a skinny one runs at half of that (wave and
 tile quantisation: per dimension x the factor is x / (x + gemm_half)).
 The A100's two are fitted, once for all sources, on the development
 set of published runs (`benchmarks/planner_published.py`, which also
-reports them left out one source at a time): 0.85 and 256 (cuBLAS fp16
-on A100 reaches 250–280 of 312 TFLOP/s on large GEMMs, 0.8–0.9;
-Calculon's a100 file 0.95 above 128 GFLOP). The H100's are not fitted:
-the development set has one H100 source (llm-foundry's MPT on PyTorch
-FSDP), and fitting two constants to it (0.7 and 1024) made Megatron-Core's
-H100 table (`benchmarks/planner_heldout.py`) 14–88% too slow — a fit to
-one trainer, not a hardware fact. They are: `gemm` 0.7 (bf16 cuBLAS
-600–750 of 989 TFLOP/s on large GEMMs), `gemm_half` 512, the A100's 256
-scaled by Hopper's tile (a warpgroup MMA tile of 128×256 against
-Ampere's 128×128: twice the quantisation length). The others
+reports them left out one source at a time): 0.75 and 128 (cuBLAS fp16
+on A100 reaches 230–280 of 312 TFLOP/s on large GEMMs, 0.75–0.9;
+Calculon's a100 file 0.95 above 128 GFLOP), for both A100 presets (one
+chip). The H100's are not fitted: the development set has one H100
+source (llm-foundry's MPT on PyTorch FSDP), and fitting two constants to
+it (0.7 and 1024) made Megatron-Core's H100 table
+(`benchmarks/planner_heldout.py`) 14–88% too slow — a fit to one
+trainer, not a hardware fact. They are: `gemm` 0.7 (bf16 cuBLAS 600–750
+of 989 TFLOP/s on large GEMMs), `gemm_half` 256, the A100's 128 scaled
+by Hopper's tile (a warpgroup MMA tile of 128×256 against Ampere's
+128×128: twice the quantisation length). The others
 are published figures: `hbm` the fraction of peak bandwidth a streaming
 elementwise kernel reaches (≈ 0.8–0.9 in STREAM-like copies; llm-analysis
 and Calculon take 0.85–0.9 for large transfers); `network_intra`
@@ -86,6 +87,9 @@ class Hardware:
         gemm, gemm_half, hbm, network_intra, network_inter, flash:
             achievable-efficiency
             constants (module docstring).
+        collective_share: the fraction of the device's cores a collective's
+            kernels occupy while it overlaps compute (NCCL runs on the SMs:
+            the compute beside it slows by that much).
     """
 
     name: str
@@ -98,12 +102,13 @@ class Hardware:
     inter_latency: float
     devices_per_host: int
     nics_shared: bool = True
-    gemm: float = 0.85
-    gemm_half: float = 256.0
+    gemm: float = 0.75
+    gemm_half: float = 128.0
     hbm: float = 0.85
     network_intra: float = 0.7
     network_inter: float = 0.9
     flash: float = 0.6
+    collective_share: float = 0.0
 
     def peak(self, dtype):
         """Dense peak FLOP/s in `dtype` (float16 counts as bfloat16)."""
@@ -120,6 +125,11 @@ _A100_FLOPS = {"bfloat16": 312e12, "tensorfloat32": 156e12, "float32": 19.5e12}
 _H100_FLOPS = {"bfloat16": 989e12, "float8": 1979e12, "tensorfloat32": 495e12,
                "float32": 67e12}
 _GPU_LINKS = dict(intra_latency=5e-6, inter_latency=1e-5, devices_per_host=8)
+# NCCL's all-gather launched 24 thread blocks beside a GEMM on an H100
+# (Nsight Systems, NVIDIA developer forum "Compute-Communication Overlap
+# Causes Severe GEMM Performance Degradation because of Tail Effect"):
+# 24 of the A100's 108 SMs, of the H100 SXM's 132 (datasheets).
+_NCCL_BLOCKS = 24
 # TPU ICI: per chip 2,400 Gb/s (v4) / 4,800 Gb/s (v5p) over 6 torus links;
 # a ring along one axis uses 2 of them (a third), per direction half.
 _TPU_LINKS = dict(intra_latency=5e-6, inter_latency=5e-6, devices_per_host=4,
@@ -127,14 +137,17 @@ _TPU_LINKS = dict(intra_latency=5e-6, inter_latency=5e-6, devices_per_host=4,
 
 PRESETS = {
     "a100-40gb": Hardware("a100-40gb", _A100_FLOPS, 40e9, 1.555e12, 300e9,
-                          25e9, **_GPU_LINKS),
+                          25e9, collective_share=_NCCL_BLOCKS / 108,
+                          **_GPU_LINKS),
     "a100-80gb": Hardware("a100-80gb", _A100_FLOPS, 80e9, 2.039e12, 300e9,
-                          25e9, **_GPU_LINKS),
+                          25e9, collective_share=_NCCL_BLOCKS / 108,
+                          **_GPU_LINKS),
     "h100-sxm": Hardware("h100-sxm", _H100_FLOPS, 80e9, 3.35e12, 450e9, 50e9,
-                         gemm=0.7, gemm_half=512.0, flash=0.34,
-                         **_GPU_LINKS),
+                         gemm=0.7, gemm_half=256.0, flash=0.34,
+                         collective_share=_NCCL_BLOCKS / 132, **_GPU_LINKS),
     "h200": Hardware("h200", _H100_FLOPS, 141e9, 4.8e12, 450e9, 50e9,
-                     gemm=0.7, gemm_half=512.0, flash=0.34, **_GPU_LINKS),
+                     gemm=0.7, gemm_half=256.0, flash=0.34,
+                     collective_share=_NCCL_BLOCKS / 132, **_GPU_LINKS),
     "tpu-v4": Hardware("tpu-v4", {"bfloat16": 275e12}, 32 * 2**30, 1.2e12, 2400e9 / 8 / 3 / 2,
                        2400e9 / 8 / 3 / 2, **_TPU_LINKS),
     "tpu-v5p": Hardware("tpu-v5p", {"bfloat16": 459e12}, 95e9, 2.765e12, 4800e9 / 8 / 3 / 2,

@@ -61,7 +61,9 @@ memory-bound by whichever is larger.
   exceeds it shows).
 - Optimizer update: Adam on the local weights streams 22 + 8·slots bytes
   per parameter (fp32 weight, gradient, slots; the half-precision copy;
-  the gradient norm), split over d with fsdp.
+  the gradient norm), split over d with fsdp or `zero1` (Megatron's
+  distributed optimizer, DeepSpeed ZeRO-1: the fp32 master weights and
+  slots sharded over d, also in `memory`).
 
 Links: a group of n devices whose members are `stride` apart (axes laid
 out data, pipe, model: model groups are neighbours) uses NVLink when it
@@ -151,6 +153,8 @@ class Parallel:
     fsdp: bool = False           # ZeRO-3
     flash: bool = False          # fused attention kernel
     tp_overlap: bool = False     # --tp-comm-overlap (Transformer Engine)
+    zero1: bool = False          # optimizer sharded over data (ZeRO-1)
+    grad_overlap: bool = True    # data-axis reduction under the backward
     optimizer_slots: int = 2
 
 
@@ -404,27 +408,43 @@ def stage_params(model, blocks, first, last):
     return params
 
 
+def _overlapped(comm, compute, share):
+    """Exposed seconds of `comm` run under `compute`: what exceeds it, and
+    the compute the collective's kernels take from it while they overlap
+    (`share`: the fraction of the device's cores they occupy)."""
+    hidden = min(comm, compute)
+    return comm - hidden + hidden * share
+
+
 def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
-    """Exposed seconds of the data axis: the gradients' all-reduce beyond
-    the last micro-batch's backward pass, or fsdp's two gathers and one
+    """Exposed seconds of the data axis: the gradients' all-reduce (or
+    ZeRO-1's reduce-scatter and all-gather, the same ring time) beyond the
+    last micro-batch's backward pass — all of it without `grad_overlap`
+    (Megatron-LM's local DDP before 2023 and DeepSpeed's pipeline engine
+    reduce after the last micro-batch) — or fsdp's two gathers and one
     reduce-scatter per micro-batch beyond that micro-batch's compute
     (`backward`: one micro-batch's backward seconds, its forward half of
-    them) plus the first block's gather, which nothing hides. Each block's
-    weights are one collective (a gradient bucket, an fsdp unit): its
-    latency is paid per block."""
+    them) plus each micro-batch's first gather, which nothing hides. What
+    overlaps costs the compute it runs beside `hw.collective_share` of its
+    time (the cores NCCL's kernels occupy). Each block's weights are one
+    collective (a gradient bucket, an fsdp unit): its latency is paid per
+    block."""
     d = cfg.data
     if d == 1:
         return 0.0
     ab = link(cluster, hw, d, cfg.model * cfg.pipe)
     nbytes = params / cfg.model * model.compute_bytes
     units = max(1, round(params / model.block_params()))
+    share = hw.collective_share
     if not cfg.fsdp:
-        return max(0.0, ring("all-reduce", nbytes, d, ab, units) - backward)
+        reduce = ring("all-reduce", nbytes, d, ab, units)
+        return _overlapped(reduce, backward if cfg.grad_overlap else 0.0,
+                           share)
     per_microbatch = (2 * ring("all-gather", nbytes, d, ab, units)
                       + ring("reduce-scatter", nbytes, d, ab, units))
     first_gather = ring("all-gather", nbytes / model.layers, d, ab)
-    return first_gather + microbatches * max(
-        0.0, per_microbatch - 1.5 * backward)
+    return microbatches * (first_gather + _overlapped(
+        per_microbatch, 1.5 * backward, share))
 
 
 def step_time(model, cfg, hw, global_batch, devices_per_host=None):
@@ -448,7 +468,8 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
         params = stage_params(model, blocks, first, last)
         data = _data_axis(model, cfg, cluster, hw, params, backward=backward,
                           microbatches=m)
-        local = params / cfg.model / (cfg.data if cfg.fsdp else 1)
+        local = params / cfg.model / (
+            cfg.data if cfg.fsdp or cfg.zero1 else 1)
         update = local * (22 + 8 * cfg.optimizer_slots) / dev.bandwidth
         bubble = per_microbatch * (p - 1) / v
         total = m * per_microbatch + bubble + data + update
@@ -491,9 +512,15 @@ def memory(model, cfg, global_batch):
     workspace = (34.0 + scores) * sbh if cfg.recompute == "full" else 0.0
     if p == 1:  # the logits and their gradient, fp32
         workspace += 8.0 * model.seq * cfg.microbatch * model.vocab / t
-    return {"params": params * model.param_bytes / trainable_split,
+    # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
+    # and the slots sharded over data, the half-precision copy whole.
+    master = model.param_bytes - model.compute_bytes
+    param_bytes = (model.compute_bytes + master / d if cfg.zero1
+                   else model.param_bytes)
+    optimizer_split = d if cfg.zero1 else trainable_split
+    return {"params": params * param_bytes / trainable_split,
             "gradients": params * 4 / trainable_split,
-            "optimizer": params * 4 * cfg.optimizer_slots / trainable_split,
+            "optimizer": params * 4 * cfg.optimizer_slots / optimizer_split,
             "activations": activations, "workspace": workspace}
 
 

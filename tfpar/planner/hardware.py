@@ -55,7 +55,13 @@ Calculon's a100 file 0.65; InfiniBand ≈ 0.9 of line rate, Calculon 0.9);
 `flash` the fraction of peak a fused (flash) attention kernel's FLOPs
 reach, forward and backward together (FlashAttention-2, Dao 2023: up to
 225 TFLOP/s on A100, 72% of peak, ≈ 0.6 over head widths and masks; up to
-335 TFLOP/s on H100 without Hopper-specific instructions, 34%). TPU v4
+335 TFLOP/s on H100 without Hopper-specific instructions, 34%).
+`collective_share` the
+fraction of a GPU's SMs NCCL's kernels occupy while a collective overlaps
+compute (24 thread blocks beside a GEMM on an H100 in Nsight Systems,
+NVIDIA developer forum "Compute-Communication Overlap Causes Severe GEMM
+Performance Degradation because of Tail Effect": 24/108 on A100, 24/132
+on H100; 0 on a TPU: not measured). TPU v4
 and v5p have no published run in the development set: their GEMM
 constants are the A100's (not validated).
 

@@ -54,11 +54,16 @@ memory-bound by whichever is larger.
 - Data parallelism: the gradients' all-reduce (or, ZeRO-1, a
   reduce-scatter and an all-gather: the same ring time) over d, one
   bucket per block (each paying the ring's latency), so that the
-  backward pass of the last micro-batch hides part of it;
-  with fsdp (ZeRO-3) every micro-batch all-gathers the weights for the
+  backward pass of the last micro-batch hides part of it — none of it
+  without `grad_overlap` (Megatron-LM's local DDP before 2023 and
+  DeepSpeed's pipeline engine reduce after the last micro-batch); with
+  fsdp (ZeRO-3) every micro-batch all-gathers the weights for the
   forward and again for the backward pass and reduce-scatters the
-  gradients, prefetched under that micro-batch's compute (only what
-  exceeds it shows).
+  gradients, prefetched under that micro-batch's compute (what exceeds
+  it shows, and each micro-batch's first gather). A collective that
+  overlaps compute still costs `collective_share` of its time: NCCL's
+  kernels occupy that fraction of the SMs (24 thread blocks: 22% of an
+  A100's, 18% of an H100's), which the compute beside them loses.
 - Optimizer update: Adam on the local weights streams 22 + 8·slots bytes
   per parameter (fp32 weight, gradient, slots; the half-precision copy;
   the gradient norm), split over d with fsdp or `zero1` (Megatron's

@@ -77,7 +77,7 @@ from tfpar.styles import (  # noqa: E402
 )
 from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
-from tfpar.planner import Cluster, Plan, plan  # noqa: E402
+from tfpar.planner import Cluster, Plan, estimate, plan  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
 from tfpar.reports.visualize import summary, visualize_layout  # noqa: E402
 
@@ -98,6 +98,7 @@ __all__ = [
     "communication_report",
     "connect_hosts",
     "connect_tpu",
+    "estimate",
     "get_schedule",
     "keras_distribution",
     "latest_checkpoint",

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tfpar import logs
 from tfpar import mesh as mesh_lib
 from tfpar.planner import calibrate
+from tfpar.planner import hardware as hardware_lib
 
 
 _ZERO_OK = ("update_bandwidth", "op_time", "send_time", "conv_flops",
@@ -72,6 +73,8 @@ class Cluster:
         of_this_process: True for `Cluster.local()`, this process's own
             devices (`tfpar.plan` checks its choice on them); False (the
             default) for a described cluster.
+        hardware: the `hardware.Hardware` of a preset (vendor figures and
+            efficiency constants for `tfpar.estimate`'s roofline), or None.
     """
 
     num_hosts: int
@@ -90,6 +93,7 @@ class Cluster:
     conv_time: float = 0.0
     source: dict = dataclasses.field(default=None, compare=False)
     of_this_process: bool = dataclasses.field(default=False, compare=False)
+    hardware: object = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         for name in ("num_hosts", "devices_per_host"):
@@ -129,6 +133,44 @@ class Cluster:
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+    @classmethod
+    def preset(cls, name, num_hosts=1, devices_per_host=None):
+        """A cluster of `num_hosts` hosts of a known accelerator, in its
+        vendor's figures (`tfpar/planner/hardware.py` cites each).
+
+        Names: "a100-40gb", "a100-80gb", "h100-sxm", "h200" (DGX-style
+        hosts of 8 GPUs: NVLink inside, one InfiniBand port per GPU
+        across), "tpu-v4", "tpu-v5p" (hosts of 4 chips; the ICI torus
+        spans hosts, so groups inside and across hosts get the same link).
+        `device_flops` is the sustained rate of a large bf16 GEMM (the
+        dense peak × the hardware's fitted `gemm` efficiency, what
+        `tfpar.plan`'s cost model multiplies FLOPs by); `hardware` carries
+        the peaks and the efficiency constants `tfpar.estimate` uses.
+
+        >>> dgx = tfpar.Cluster.preset("a100-80gb", num_hosts=4)
+        >>> dgx.num_devices, dgx.hardware.peak("bfloat16")
+        (32, 312000000000000.0)
+        """
+        if name not in hardware_lib.PRESETS:
+            raise ValueError(
+                f"Cluster.preset(name) does not know {name!r}. Known: "
+                f"{', '.join(sorted(hardware_lib.PRESETS))}; describe other "
+                "hardware with tfpar.Cluster(...).")
+        hw = hardware_lib.PRESETS[name]
+        return cls(
+            num_hosts=num_hosts,
+            devices_per_host=(hw.devices_per_host if devices_per_host is None
+                              else devices_per_host),
+            device_memory=hw.memory,
+            device_flops=hw.peak("bfloat16") * hw.gemm,
+            intra_host_bandwidth=hw.intra_bandwidth,
+            inter_host_bandwidth=hw.inter_bandwidth,
+            intra_host_latency=hw.intra_latency,
+            inter_host_latency=hw.inter_latency,
+            source={"all": f"preset {name!r} (vendor figures: "
+                           "tfpar/planner/hardware.py)"},
+            hardware=hw)
 
     @classmethod
     def local(cls):

@@ -23,6 +23,11 @@ per device):
 - pipe axis p: each stage sends the tensors a cut carries to the next
   stage per micro-batch, and their gradients back.
 
+On a preset cluster (`Cluster.preset`, which carries vendor figures and
+efficiencies) a transformer's step time is the per-op roofline of
+`roofline.py` (the one `tfpar.estimate` uses) instead of what follows;
+memory and message bytes stay this module's.
+
 Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half
 of that; α and β are the cluster's intra- or inter-host figures,
@@ -87,6 +92,8 @@ import numpy as np
 from tfpar import layout as layout_lib
 from tfpar import styles as tp
 from tfpar.planner import profile as profile_lib
+from tfpar.planner import roofline
+from tfpar.planner import transformer as transformer_lib
 
 KINDS = ("params", "gradients", "optimizer", "activations", "workspace")
 _SLOTS = {"adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "lamb": 2,
@@ -132,6 +139,8 @@ class Estimate:
             each micro-batch's gradients).
         memory_by_stage: [{kind: bytes}] per pipeline stage (the devices of
             stage s), of which `memory_per_device` is the most loaded.
+        executed_flops: FLOPs a device executes per step, recomputation
+            included (`tfpar.estimate`'s roofline; 0: not counted).
     """
 
     step_time_s: float
@@ -140,6 +149,12 @@ class Estimate:
     communication_bytes_by_axis: dict
     time_s: dict
     memory_by_stage: list = None
+    executed_flops: float = 0.0
+
+    @property
+    def breakdown(self):
+        """{part: seconds} of the step time (`time_s`)."""
+        return self.time_s
 
     @property
     def total_memory(self):
@@ -188,6 +203,9 @@ class Layout:
         self.t = t
         self.rules = rules
         self.sequence_parallel = sequence_parallel
+        # The model's transformer dimensions (None: no attention), for the
+        # roofline of a preset cluster (`_roofline_time`).
+        self.transformer = transformer_lib.read(profile)
         n = len(profile.ops)
         self.flops_split, self.flops_repl = np.zeros(n), np.zeros(n)
         # Convolutions' part of them, and per op its convolution kernels and
@@ -599,6 +617,9 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
                                      m=m, r=r, slots=slots, cluster=cluster)
     step, time_s = (_shared_step(parts, m=m) if shared
                     else _step(parts, m=m, p=p, r=r))
+    step, time_s, executed = _roofline_time(
+        layout, (step, time_s), d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
+        recompute=recompute, batch=batch, cluster=cluster, slots=slots)
     w = int(np.argmax(sum(memory.values())))
     return Estimate(
         step_time_s=float(step),
@@ -607,7 +628,28 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
         time_s=time_s,
         memory_by_stage=[{kind: float(v[i]) for kind, v in memory.items()}
-                         for i in range(p)])
+                         for i in range(p)],
+        executed_flops=executed)
+
+
+def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
+                   batch, cluster, slots):
+    """(step seconds, {part: seconds}, executed FLOPs per device) of a
+    transformer on a preset cluster (`Cluster.preset`: vendor figures and
+    efficiencies), from the per-op roofline `tfpar.estimate` uses
+    (`roofline.py`; a candidate's recomputation is full); otherwise the
+    α-β model's (step, parts) in `alpha_beta`, FLOPs not counted."""
+    if cluster.hardware is None or layout.transformer is None:
+        return (*alpha_beta, 0.0)
+    cfg = roofline.Parallel(
+        data=d, pipe=p, model=layout.t, microbatch=max(1, batch // (d * m)),
+        schedule=schedule, sequence_parallel=layout.sequence_parallel,
+        recompute="full" if recompute else None, fsdp=fsdp,
+        optimizer_slots=slots)
+    parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
+                               batch, cluster.devices_per_host)
+    step = parts.pop("total")
+    return step, parts, parts.pop("executed_flops")
 
 
 def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,

@@ -1,0 +1,212 @@
+"""tfpar.estimate and tfpar.Cluster.preset (issue 35): the roofline cost
+model against the development set of published training runs
+(`benchmarks/planner_published.py`), never above peak, a trillion-parameter
+GPT read from a builder in seconds."""
+
+import os
+import sys
+import time
+
+import keras
+import pytest
+
+import tfpar
+from tfpar.planner import estimator, hardware, profile, roofline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
+from gpt import build_gpt  # noqa: E402
+import planner_heldout  # noqa: E402
+import planner_published  # noqa: E402
+
+PRESETS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "tpu-v4", "tpu-v5p")
+
+
+def gpt_builder(dim, heads, layers, vocab=51200, seq_len=2048):
+    def build():
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            return build_gpt(vocab=vocab, seq_len=seq_len, dim=dim,
+                             heads=heads, layers=layers)
+        finally:
+            keras.config.set_dtype_policy("float32")
+    return build
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_documented_preset_exists_with_its_platform_host(name):
+    cluster = tfpar.Cluster.preset(name, num_hosts=2)
+    per_host = 4 if name.startswith("tpu") else 8
+    assert cluster.devices_per_host == per_host
+    assert cluster.num_devices == 2 * per_host
+    assert cluster.hardware is hardware.PRESETS[name]
+    hw = hardware.PRESETS[name]
+    assert cluster.device_flops == hw.peak("bfloat16") * hw.gemm
+    # documented: named in Cluster.preset's docstring and hardware's table
+    assert f'"{name}"' in tfpar.Cluster.preset.__doc__
+    assert tfpar.Cluster.preset(name, devices_per_host=2).devices_per_host == 2
+
+
+def test_an_unknown_preset_names_the_known_ones():
+    with pytest.raises(ValueError, match="a100-80gb.*tpu-v5p"):
+        tfpar.Cluster.preset("a100")
+
+
+def test_the_development_set_is_estimated_within_the_issue_bounds():
+    errors = planner_published.errors()
+    mae, worst = planner_published.summary(errors)
+    assert len(errors) >= 30
+    assert len(errors) + len(planner_published.LEFT_OUT) == 35
+    assert mae <= 0.10, errors
+    assert worst <= 0.25, errors
+
+
+def test_no_published_configuration_runs_above_peak():
+    for row in planner_published.ROWS:
+        _, _, executed, peak = planner_published.estimate_row(row)
+        assert 0 < executed <= peak, row
+
+
+@pytest.mark.parametrize("row", [r for r in planner_published.ROWS
+                                 if r.startswith("N21-T1")])
+def test_narayanan_table1_published_configuration_within_25_percent(row):
+    estimated, published, _, _ = planner_published.estimate_row(row)
+    assert abs(estimated / published - 1) <= 0.25
+
+
+def test_the_fit_reproduces_the_preset_constants():
+    constants = planner_published.fit(list(planner_published.ROWS))
+    for name, (gemm, half) in constants.items():
+        assert (hardware.PRESETS[name].gemm,
+                hardware.PRESETS[name].gemm_half) == (gemm, half)
+
+
+def test_trillion_parameter_gpt_from_a_builder_in_seconds():
+    start = time.perf_counter()
+    e = tfpar.estimate(
+        gpt_builder(25600, 160, 128), 3072,
+        cluster=tfpar.Cluster.preset("a100-80gb", num_hosts=384),
+        axes={"data": 6, "pipe": 64, "model": 8}, recompute="full")
+    seconds = time.perf_counter() - start
+    assert seconds < 30
+    assert e.step_time_s == pytest.approx(sum(e.breakdown.values()))
+    assert e.executed_flops / e.step_time_s <= 312e12
+    assert 60 < e.step_time_s < 150  # published (Narayanan): 102.6 s
+
+
+def test_a_builder_is_read_as_its_transformer_dimensions():
+    model = profile.build_without_weights(gpt_builder(2304, 24, 24))
+    profiled = profile.profile_model(model)
+    shape = estimator.transformer_of(profiled)
+    assert (shape.layers, shape.hidden, shape.heads, shape.seq, shape.vocab,
+            shape.ffn_width) == (24, 2304, 24, 2048, 51200, 4 * 2304)
+    assert not shape.tied and shape.position_embedding and not shape.dropout
+    assert shape.num_params() == pytest.approx(
+        profiled.num_params, rel=1e-3)
+
+
+def test_recomputation_and_schedules_order_the_step_times():
+    gpt = roofline.Transformer(layers=96, hidden=12288, heads=96, seq=2048,
+                               vocab=51200)
+    hw = hardware.PRESETS["a100-80gb"]
+
+    def step(**kw):
+        cfg = roofline.Parallel(pipe=8, model=8, **kw)
+        return roofline.step_time(gpt, cfg, hw, 64)
+
+    none, selective, full = (step(recompute=r) for r in roofline.RECOMPUTE)
+    assert none["total"] < selective["total"] < full["total"]
+    assert selective["recompute"] < 0.2 * full["recompute"]
+    interleaved = step(recompute="full", virtual_stages=3)
+    assert interleaved["bubble"] == pytest.approx(full["bubble"] / 3, rel=0.05)
+    memory = [sum(roofline.memory(gpt, roofline.Parallel(
+        pipe=8, model=8, recompute=r), 64).values())
+        for r in roofline.RECOMPUTE]
+    assert memory[0] > memory[1] > memory[2]
+
+
+def test_bad_configurations_are_refused_before_costing():
+    cluster = tfpar.Cluster.preset("h100-sxm")
+    build = gpt_builder(64, 4, 2, vocab=128, seq_len=16)
+    with pytest.raises(ValueError, match="uses 4 devices; the cluster has 8"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 4})
+    with pytest.raises(ValueError, match="expert.*not costed yet"):
+        tfpar.estimate(build, 8, cluster=cluster,
+                       axes={"data": 4, "expert": 2})
+    with pytest.raises(ValueError, match="recompute"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
+                       recompute="attention")
+    with pytest.raises(ValueError, match="num_microbatches=3"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
+                       num_microbatches=3)
+    e = tfpar.estimate(build, 16, cluster=cluster, axes={"data": 8},
+                       num_microbatches=2, fsdp=True)
+    assert e.step_time_s > 0 and e.memory_per_device["optimizer"] > 0
+
+
+def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
+    import keras_hub  # noqa: PLC0415 (installed; slow to import)
+
+    def build():
+        return keras_hub.models.LlamaBackbone(
+            vocabulary_size=1000, num_layers=2, num_query_heads=8,
+            num_key_value_heads=2, hidden_dim=256, intermediate_dim=688)
+    profiled = profile.profile_model(profile.build_without_weights(build),
+                                     sequence_length=128)
+    shape = estimator.transformer_of(profiled)
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads,
+            shape.ffn_width, shape.gated, shape.seq) == (
+                2, 256, 8, 2, 688, True, 128)
+    assert shape.num_params() == pytest.approx(profiled.num_params, rel=1e-2)
+
+
+def test_plan_on_a_preset_is_costed_by_the_roofline_and_beats_the_paper():
+    """Narayanan's 1.7B row: tfpar.plan on the preset A100 cluster chooses
+    a configuration whose roofline estimate is at most the published
+    configuration's (t=1, p=1, data 32, full recomputation)."""
+    build = gpt_builder(2304, 24, 24)
+    cluster = tfpar.Cluster.preset("a100-80gb", num_hosts=4)
+    plan = tfpar.plan(build, 512, cluster=cluster)
+    published = tfpar.estimate(build, 512, cluster=cluster,
+                               axes={"data": 32}, recompute="full")
+    chosen = plan.estimate
+    assert chosen.executed_flops > 0  # costed by the roofline
+    assert chosen.step_time_s == pytest.approx(sum(chosen.breakdown.values()))
+    assert chosen.step_time_s <= published.step_time_s
+    assert "memory_bound" in plan.explain()
+
+
+def test_the_held_out_set_is_within_the_issue_bounds():
+    """Published runs not in the development set (Megatron-Core H100 with
+    tensor/pipeline parallelism, llm-foundry FSDP on A100/H100, BLOOM's
+    topology benchmarks): mean absolute error <= 15%, none off by more
+    than 35%, with the development set's constants."""
+    errors = planner_heldout.errors()
+    mae, worst = planner_published.summary(errors)
+    assert len(errors) >= 40
+    assert {planner_heldout.ROWS[r][0] for r in errors} == {"MC", "LF", "BL"}
+    assert {planner_heldout.ROWS[r][1] for r in errors} == {
+        "a100-40gb", "a100-80gb", "h100-sxm"}
+    assert mae <= 0.15, errors
+    assert worst <= 0.35, errors
+
+
+def test_held_out_pairs_of_fsdp_configurations_are_ordered_as_published():
+    """llm-foundry: two configurations of one MPT size on one GPU type whose
+    published tokens/s per GPU differ by >= 10%: the faster one is
+    estimated faster."""
+    pairs = [p for p in planner_heldout.pairs()
+             if planner_heldout.ROWS[p[0]][0] == "LF"]
+    _, _, wrong = planner_heldout.pair_agreement()
+    assert len(pairs) >= 5
+    assert not [p for p in wrong if p in pairs]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known shortfall: BLOOM's 181B ran faster with larger micro-batches and"
+    " slower with data 24 x pipe 2 than the roofline says; it orders 28 of "
+    "its 49 pairs"))
+def test_every_held_out_pair_is_ordered_as_published():
+    agree, total, _ = planner_heldout.pair_agreement()
+    assert agree == total

@@ -1,0 +1,195 @@
+"""`tfpar.estimate`: the predicted step time and memory of exactly one
+training configuration (no search), from the per-op roofline of
+`roofline.py`.
+
+The model's transformer dimensions (blocks L, width h, heads a, MLP width
+f, sequence s, vocabulary V, tied logits, position embedding, dropout)
+are read from its layers (`profile.py`'s inspection), so a builder of a
+model far larger than this host is read without allocating a weight.
+
+>>> gpt = lambda: build_gpt(vocab=51200, seq_len=2048, dim=2304, heads=24,
+...                         layers=24)
+>>> e = tfpar.estimate(gpt, 512, cluster=tfpar.Cluster.preset(
+...     "a100-80gb", num_hosts=4), axes={"data": 32}, recompute="full")
+>>> e.step_time_s, e.breakdown["compute"]
+"""
+
+import keras
+import numpy as np
+
+from tfpar.planner import cost as cost_lib
+from tfpar.planner import hardware as hardware_lib
+from tfpar.planner import profile as profile_lib
+from tfpar.planner import roofline
+from tfpar.planner.cluster import Cluster
+from tfpar.planner.transformer import transformer_of
+
+AXES = ("data", "pipe", "model")
+_LATER_AXES = ("expert", "context")
+_RECOMPUTE = {None: None, False: None, "none": None, "selective": "selective",
+              "full": "full", True: "full"}
+# A described Cluster (no preset): its device_flops is taken as the rate
+# GEMMs reach and its HBM streams at device_flops / 150 bytes/s (the
+# A100's ridge point: 312 TFLOP/s over 2.04 TB/s ≈ 153 FLOP/byte).
+_RIDGE_FLOPS_PER_BYTE = 150.0
+
+
+def estimate(model, global_batch_size, *, cluster, axes,
+             num_microbatches=None, schedule="1f1b", virtual_stages=1,
+             sequence_parallel=False, recompute=None, fsdp=False,
+             optimizer="adam", sequence_length=None):
+    """The `Estimate` of training `model` in one given configuration.
+
+    Args:
+        model: a built Keras transformer (functional; keras-hub backbones
+            and `examples/gpt.py`'s GPT included) or a zero-argument
+            function building one (built without allocating a weight).
+        global_batch_size: samples per step over all devices.
+        cluster: a `tfpar.Cluster`; `Cluster.preset(...)` carries the
+            vendor figures and efficiencies the roofline uses.
+        axes: {"data": d, "pipe": p, "model": t} (missing axes are 1);
+            d · p · t must be the cluster's device count.
+        num_microbatches: micro-batches per step (gradient-accumulation
+            steps without a pipe axis). None: micro-batches of one sample
+            with a pipe axis, else one micro-batch.
+        schedule: "1f1b", "gpipe" or "interleaved" (1F1B with
+            `virtual_stages` chunks per device).
+        virtual_stages: chunks per device of an interleaved schedule.
+        sequence_parallel: Megatron-LM's sequence parallelism over model.
+        recompute: None, "selective" (the attention core recomputed in the
+            backward pass) or "full" (every block's forward again).
+        fsdp: weights, gradients and optimizer state sharded over data
+            (ZeRO-3), gathered per micro-batch.
+        optimizer: its name or a Keras optimizer (slots per weight).
+        sequence_length: for models that leave the sequence unknown.
+
+    Returns:
+        A `cost.Estimate`: `step_time_s`, `memory_per_device` (first
+        stage), `breakdown` ({compute, memory_bound, recompute, model,
+        pipe, data, bubble, update}: seconds adding up to the step) and
+        `executed_flops` (per device per step, recomputation included).
+    """
+    if not isinstance(cluster, Cluster):
+        raise TypeError(
+            "tfpar.estimate(cluster) needs a tfpar.Cluster, e.g. "
+            f"tfpar.Cluster.preset('a100-80gb'). Received: {cluster!r}")
+    batch = _positive_int("global_batch_size", global_batch_size)
+    shape = _axes(axes, cluster)
+    if isinstance(model, keras.Model) or not callable(model):
+        built = model
+    else:
+        built = profile_lib.build_without_weights(model)
+    profile = profile_lib.profile_model(built, sequence_length)
+    transformer = transformer_of(profile)
+    cfg = configuration(
+        shape, batch, num_microbatches=num_microbatches, schedule=schedule,
+        virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
+        recompute=recompute, fsdp=fsdp,
+        slots=cost_lib.optimizer_slots(optimizer),
+        flash=keras.config.is_flash_attention_enabled() is True)
+    return estimate_transformer(transformer, cfg, batch, cluster)
+
+
+def estimate_transformer(transformer, cfg, global_batch_size, cluster):
+    """The `Estimate` of a `roofline.Transformer` trained as `cfg` (a
+    `roofline.Parallel`) on `cluster`."""
+    hw = hardware_of(cluster)
+    parts = roofline.step_time(transformer, cfg, hw, global_batch_size,
+                               cluster.devices_per_host)
+    step = parts.pop("total")
+    executed = parts.pop("executed_flops")
+    comm = roofline.communication_bytes(transformer, cfg, global_batch_size)
+    return cost_lib.Estimate(
+        step_time_s=step,
+        memory_per_device=roofline.memory(transformer, cfg,
+                                          global_batch_size),
+        communication_bytes_per_device=float(sum(comm.values())),
+        communication_bytes_by_axis=comm, time_s=parts,
+        executed_flops=executed)
+
+
+def hardware_of(cluster):
+    """The cluster's preset `Hardware`, or one made of its own figures:
+    `device_flops` as the rate GEMMs reach (efficiency 1, no shape
+    penalty), HBM at device_flops / 150 bytes/s, its links."""
+    if cluster.hardware is not None:
+        return cluster.hardware
+    flops = cluster.device_flops
+    return hardware_lib.Hardware(
+        name="described", peak_flops={"bfloat16": flops, "float32": flops},
+        memory=cluster.device_memory,
+        hbm_bandwidth=flops / _RIDGE_FLOPS_PER_BYTE,
+        intra_bandwidth=cluster.intra_host_bandwidth,
+        inter_bandwidth=cluster.inter_host_bandwidth,
+        intra_latency=cluster.intra_host_latency,
+        inter_latency=cluster.inter_host_latency,
+        devices_per_host=cluster.devices_per_host, gemm=1.0, gemm_half=0.0,
+        hbm=1.0, network_intra=1.0, network_inter=1.0, flash=1.0)
+
+
+def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
+                  virtual_stages=1, sequence_parallel=False, recompute=None,
+                  fsdp=False, slots=2, flash=False):
+    """The `roofline.Parallel` of `estimate`'s arguments, checked."""
+    d, p, t = (axes.get(k, 1) for k in AXES)
+    if batch % d:
+        raise ValueError(
+            f"tfpar.estimate: global_batch_size={batch} does not split over "
+            f"data={d}; use a multiple of {d}.")
+    if num_microbatches is None:
+        num_microbatches = batch // d if p > 1 else 1
+    m = _positive_int("num_microbatches", num_microbatches)
+    if (batch // d) % m:
+        raise ValueError(
+            f"tfpar.estimate: num_microbatches={m} does not split the "
+            f"{batch // d} samples per data replica; use a divisor of it.")
+    if schedule not in roofline.SCHEDULES:
+        raise ValueError(
+            f"tfpar.estimate(schedule) must be one of {roofline.SCHEDULES}. "
+            f"Received: schedule={schedule!r}")
+    v = _positive_int("virtual_stages", virtual_stages)
+    if v > 1 and schedule == "gpipe":
+        raise ValueError(
+            "tfpar.estimate: virtual_stages > 1 is an interleaved 1F1B "
+            f"schedule; received schedule='gpipe', virtual_stages={v}.")
+    if recompute not in _RECOMPUTE:
+        raise ValueError(
+            "tfpar.estimate(recompute) must be None, 'selective' or 'full'. "
+            f"Received: recompute={recompute!r}")
+    if fsdp and d == 1:
+        raise ValueError("tfpar.estimate(fsdp=True) needs a data axis > 1; "
+                         f"received axes data={d}.")
+    return roofline.Parallel(
+        data=d, pipe=p, model=t, microbatch=batch // d // m,
+        virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
+        sequence_parallel=bool(sequence_parallel and t > 1),
+        recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
+        optimizer_slots=slots)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"tfpar.estimate({name}) must be a positive "
+                         f"integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _axes(axes, cluster):
+    """{data, pipe, model} sizes, checked against the cluster."""
+    if not isinstance(axes, dict):
+        raise TypeError("tfpar.estimate(axes) must be a dict such as "
+                        f"{{'data': 4, 'model': 8}}. Received: {axes!r}")
+    unknown = sorted(set(axes) - set(AXES))
+    if unknown:
+        later = [k for k in unknown if k in _LATER_AXES]
+        raise ValueError(
+            f"tfpar.estimate(axes) has {unknown}: it knows {list(AXES)}"
+            + (f" ({later} are not costed yet)" if later else "") + ".")
+    sizes = {k: _positive_int(f"axes[{k!r}]", axes.get(k, 1)) for k in AXES}
+    if int(np.prod(list(sizes.values()))) != cluster.num_devices:
+        raise ValueError(
+            f"tfpar.estimate(axes={axes}) uses {np.prod(list(sizes.values()))}"
+            f" devices; the cluster has {cluster.num_devices}. Make data · "
+            "pipe · model equal to it.")
+    return sizes

@@ -1,0 +1,99 @@
+"""A Keras model read as the transformer dimensions the roofline costs
+(`roofline.Transformer`): its attention layers are the blocks.
+
+>>> transformer_of(profile_model(build_without_weights(build_gpt)))
+Transformer(layers=24, hidden=2304, heads=24, ...)
+"""
+
+import collections
+
+import keras
+
+from tfpar.planner import profile as profile_lib
+from tfpar.planner import roofline
+
+
+def read(profile):
+    """`transformer_of(profile)`, or None for a model without attention."""
+    try:
+        return transformer_of(profile)
+    except ValueError:
+        return None
+
+
+def transformer_of(profile):
+    """The `roofline.Transformer` of a profiled Keras model: its attention
+    layers are the blocks; a ValueError for a model without attention."""
+    attention = [sub for op in profile.ops
+                 for sub in profile_lib.sublayers(op.layer)
+                 if profile_lib.is_attention(sub)]
+    tokens = [op.tokens for op in profile.ops
+              if any(profile_lib.is_attention(s)
+                     for s in profile_lib.sublayers(op.layer))]
+    if not attention:
+        raise ValueError(
+            f"tfpar.estimate costs transformer stacks: model "
+            f"{profile.name!r} has no attention layer. Use tfpar.plan for "
+            "other models.")
+    hidden = profile_lib.attention_hidden(attention[0])
+    heads = _heads(attention[0])
+    vocab, positions, tied = _embeddings(profile, hidden)
+    inside = {id(sub) for layer in attention
+              for sub in profile_lib.sublayers(layer)}
+    widths = collections.Counter()
+    for op in profile.ops:
+        for w in op.weights:
+            if w.flops and id(w.owner) not in inside:
+                i = profile_lib.in_width(w.owner, w.shape)
+                o = profile_lib.out_width(w.owner, w.shape)
+                if i == hidden and o not in (hidden, vocab):
+                    widths[o] += 1
+    ffn, kernels = widths.most_common(1)[0] if widths else (4 * hidden, 0)
+    return roofline.Transformer(
+        layers=len(attention), hidden=hidden, heads=heads, seq=max(tokens),
+        vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
+        gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
+        tied=tied, position_embedding=positions,
+        compute_bytes=profile.compute_itemsize,
+        param_bytes=max(w.itemsize for op in profile.ops for w in op.weights))
+
+
+def _heads(layer):
+    for name in ("num_heads", "num_query_heads", "_num_heads",
+                 "_num_query_heads"):
+        if isinstance(getattr(layer, name, None), int):
+            return getattr(layer, name)
+    raise ValueError(f"tfpar.estimate cannot read the heads of attention "
+                     f"layer {layer.name!r} ({type(layer).__name__}).")
+
+
+def _kv_heads(layer, heads):
+    for name in ("num_key_value_heads", "_num_key_value_heads"):
+        if isinstance(getattr(layer, name, None), int):
+            return getattr(layer, name)
+    return heads
+
+
+def _embeddings(profile, hidden):
+    """(vocabulary, whether a position table of width `hidden` exists,
+    whether the logits reuse the token table)."""
+    tables = [w.shape for op in profile.ops for w in op.weights
+              if w.path.rsplit("/", 1)[-1] == "embeddings" and len(w.shape) == 2
+              and w.shape[1] == hidden]
+    if not tables:
+        raise ValueError(f"tfpar.estimate found no token embedding of width "
+                         f"{hidden} in model {profile.name!r}.")
+    vocab = max(rows for rows, _ in tables)
+    heads = [w for op in profile.ops for w in op.weights if w.flops
+             and profile_lib.out_width(w.owner, w.shape) == vocab]
+    return vocab, len(tables) > 1, not heads
+
+
+def _dropout(profile):
+    for layer in profile.layers_by_path.values():
+        rate = getattr(layer, "rate", None) if isinstance(
+            layer, keras.layers.Dropout) else getattr(layer, "_dropout", None)
+        if isinstance(rate, (int, float)) and rate > 0:
+            return True
+    return False
+

@@ -41,7 +41,7 @@ def small_gpt():
     return build_gpt(vocab=1024, seq_len=128, dim=256, heads=4, layers=2)
 
 
-def test_fit_logs_measured_next_to_predicted_under_a_strategy():
+def test_fit_logs_measured_next_to_predicted_under_a_strategy(capsys):
     """A data=2 × model=4 MLP fit for 2 epochs of 8 steps: the monitor
     logs every key into Keras' History, and MFU is the achieved model
     FLOP/s (hand-counted FLOPs over the measured time) over the peak."""
@@ -50,7 +50,7 @@ def test_fit_logs_measured_next_to_predicted_under_a_strategy():
     candidate = next(c for c in plan.candidates if c.estimate is not None
                      and c.axes == {"data": 2, "pipe": 1, "model": 4})
     monitor = tfpar.StepTimeMonitor(candidate.estimate, cluster=local,
-                                    global_batch_size=BATCH, verbose=0)
+                                    global_batch_size=BATCH)
     with pytest.warns(UserWarning, match="output head"):
         rules = tfpar.auto_rules(mlp(), axis_size=4)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}),
@@ -82,6 +82,9 @@ def test_fit_logs_measured_next_to_predicted_under_a_strategy():
         for key in monitor_lib.LOG_KEYS[:-1]:
             assert history.history[key][epoch] == r[key]
     assert monitor.measured_step_time_s > 0
+    printed = capsys.readouterr().out
+    assert "StepTimeMonitor epoch 2: measured" in printed
+    assert f"MFU {monitor.history[1]['mfu']:.1%}" in printed
 
 
 def test_steps_per_execution_count_as_their_steps():
@@ -165,6 +168,26 @@ def test_calibration_of_a_described_cluster_scales_its_device_rates():
     assert tuned.device_flops > described.device_flops
     assert dataclasses.replace(tuned, device_flops=1e10,
                                source=None) == described
+
+
+def test_calibration_of_a_plans_candidate_on_this_host():
+    """tfpar.plan's α-β estimate on the measured virtual CPUs: the same
+    candidate re-planned on the calibrated cluster predicts the
+    measurement; the per-op runtime cost slows with the device rates."""
+    local = tfpar.Cluster.local()
+    label = tfpar.plan(mlp, BATCH, cluster=local).candidates[0].label
+
+    def same(cluster):
+        return next(c.estimate for c in tfpar.plan(
+            mlp, BATCH, cluster=cluster).candidates if c.label == label)
+
+    measured = 4 * same(local).step_time_s
+    tuned = local.calibrated(measured, same)
+    assert same(tuned).step_time_s == pytest.approx(measured, rel=1e-6)
+    speed = tuned.device_flops / local.device_flops
+    assert speed < 1
+    assert tuned.op_time == pytest.approx(local.op_time / speed)
+    assert tuned.intra_host_bandwidth == local.intra_host_bandwidth
 
 
 def test_bad_input_is_refused_with_what_to_pass():

@@ -104,6 +104,7 @@ class StepTimeMonitor(keras.callbacks.Callback):
             raise ValueError("StepTimeMonitor(warmup_steps) must be an "
                              f"integer >= 0. Received: {warmup_steps!r}")
         self.global_batch_size = batch
+        self._given_flops = flops    # None: counted from the model fit
         self.model_flops_per_step = flops
         self.warmup_steps = int(warmup_steps)
         self.verbose = verbose
@@ -126,9 +127,9 @@ class StepTimeMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.history, self._all_steps, self._steps_seen = [], [], 0
-        if self.model_flops_per_step is None:
-            self.model_flops_per_step = 3.0 * _forward_flops_per_sample(
-                self.model) * self.global_batch_size
+        self.model_flops_per_step = self._given_flops or (
+            3.0 * _forward_flops_per_sample(self.model)
+            * self.global_batch_size)
         self.peak_flops = peak_flops(self.cluster,
                                      self.model.dtype_policy.compute_dtype)
 
@@ -183,8 +184,8 @@ def peak_flops(cluster, compute_dtype):
     if hw is None:
         return cluster.device_flops
     if compute_dtype == "float32":
-        if ("tensorfloat32" in hw.peak_flops
-                and tf.config.experimental.tensor_float_32_execution_enabled()):
+        tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+        if tf32 and "tensorfloat32" in hw.peak_flops:
             return hw.peak_flops["tensorfloat32"]
         if "float32" not in hw.peak_flops:
             return hw.peak("bfloat16")
@@ -229,7 +230,8 @@ def _forward_flops_per_sample(model):
     except (ValueError, TypeError, AttributeError, KeyError) as error:
         raise ValueError(
             f"StepTimeMonitor could not count the FLOPs of model "
-            f"{model.name!r} ({error}); pass model_flops_per_step=.") from error
+            f"{model.name!r} ({error}); pass model_flops_per_step=."
+        ) from error
 
 
 def _positive(name, value):
@@ -246,6 +248,14 @@ def _line(epoch, steps, r):
             f"{r['step_time_s'] * 1e3:.4g} ms/step (median of {steps}), "
             f"predicted {r['predicted_step_time_s'] * 1e3:.4g} ms (measured "
             f"/ predicted {r['step_time_ratio']:.3g}); "
-            f"{r['model_flops_per_s'] / 1e12:.4g} TFLOP/s of model FLOPs per "
-            f"device, MFU {r['mfu']:.1%} (predicted {r['predicted_mfu']:.1%})"
+            f"{_rate(r['model_flops_per_s'])} of model FLOPs per device, "
+            f"MFU {r['mfu']:.1%} (predicted {r['predicted_mfu']:.1%})"
             + (f", HFU {r['hfu']:.1%}" if "hfu" in r else ""))
+
+
+def _rate(flops_per_s):
+    """FLOP/s in the largest unit (T, G, M) that keeps it at least 1."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if flops_per_s >= scale:
+            return f"{flops_per_s / scale:.4g} {unit}FLOP/s"
+    return f"{flops_per_s:.4g} FLOP/s"

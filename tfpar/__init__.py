@@ -78,6 +78,7 @@ from tfpar.styles import (  # noqa: E402
 from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
 from tfpar.planner import Cluster, Plan, estimate, plan  # noqa: E402
+from tfpar.planner.monitor import StepTimeMonitor  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
 from tfpar.reports.visualize import summary, visualize_layout  # noqa: E402
 
@@ -92,6 +93,7 @@ __all__ = [
     "Replicated",
     "RowParallel",
     "SequenceParallel",
+    "StepTimeMonitor",
     "auto_rules",
     "checkpoint",
     "communication",

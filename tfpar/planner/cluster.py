@@ -172,6 +172,56 @@ class Cluster:
                            "tfpar/planner/hardware.py)"},
             hardware=hw)
 
+    def calibrated(self, measured_step_time_s, estimate):
+        """This cluster with its devices' speed scaled so that `estimate`
+        of it predicts `measured_step_time_s` (e.g. a `StepTimeMonitor`'s
+        `measured_step_time_s`).
+
+        One measured step fits one number, k, the factor of the device's
+        kernel speed; hardware facts (peaks, HBM and link bandwidths and
+        latencies, memory) are kept. A preset's kernel efficiencies `gemm`,
+        `flash` and `hbm` become k × theirs, each at most 1 (never above
+        the vendor peak), and `device_flops` its bf16 peak × the new
+        `gemm`; a described cluster's device rates (`device_flops`,
+        `conv_flops`, `update_bandwidth`) are multiplied by k and its
+        per-op times (`op_time`, `conv_time`) divided by k. Links are not
+        touched: a step that is mostly exposed communication calibrates
+        badly. k is solved (regula falsi, Illinois) on re-estimates, so
+        `estimate(cluster.calibrated(t, estimate)).step_time_s` is t to
+        1e-9; `source["calibrated"]` records k.
+
+        Args:
+            measured_step_time_s: seconds per training step, measured.
+            estimate: a function of a `Cluster` returning the `Estimate`
+                of the configuration that was measured (an `Estimate`
+                alone cannot be re-costed).
+
+        >>> dgx = tfpar.Cluster.preset("a100-80gb")
+        >>> same = lambda c: tfpar.estimate(gpt, 64, cluster=c,
+        ...                                 axes={"data": 8})
+        >>> tuned = dgx.calibrated(1.3 * same(dgx).step_time_s, same)
+        >>> same(tuned).step_time_s / same(dgx).step_time_s   # 1.3
+        """
+        if isinstance(measured_step_time_s, bool) or not isinstance(
+                measured_step_time_s, (int, float, np.number)) or not (
+                0 < measured_step_time_s < float("inf")):
+            raise ValueError(
+                "Cluster.calibrated(measured_step_time_s) must be a positive "
+                f"number of seconds. Received: {measured_step_time_s!r}")
+        if not callable(estimate):
+            raise TypeError(
+                "Cluster.calibrated(estimate) must be a function of a "
+                "Cluster returning the Estimate of the measured "
+                "configuration, e.g. lambda c: tfpar.estimate(model, 512, "
+                "cluster=c, axes={'data': 8}); an Estimate alone cannot be "
+                f"re-costed. Received: {estimate!r}")
+        k = _solve_speed(self, float(measured_step_time_s), estimate)
+        tuned = _faster(self, k)
+        note = (f"kernel speed x {k:.4g} to a measured step of "
+                f"{measured_step_time_s:.4g} s")
+        return dataclasses.replace(
+            tuned, source={**(self.source or {}), "calibrated": note})
+
     @classmethod
     def local(cls):
         """This machine's devices (tfpar's default devices: TPU > GPU > CPU).
@@ -287,3 +337,75 @@ def _host_memory():
 def _device_memory(device):
     info = tf.config.experimental.get_memory_info(device.split("device:")[-1])
     return info.get("limit") or info.get("peak")
+
+
+def _faster(cluster, k):
+    """`cluster` with its devices' kernels k times as fast (each preset
+    efficiency at most 1)."""
+    hw = cluster.hardware
+    if hw is None:
+        return dataclasses.replace(
+            cluster, device_flops=cluster.device_flops * k,
+            conv_flops=cluster.conv_flops * k,
+            update_bandwidth=cluster.update_bandwidth * k,
+            op_time=cluster.op_time / k, conv_time=cluster.conv_time / k)
+    faster = dataclasses.replace(hw, gemm=min(1.0, hw.gemm * k),
+                                 flash=min(1.0, hw.flash * k),
+                                 hbm=min(1.0, hw.hbm * k))
+    return dataclasses.replace(
+        cluster, hardware=faster,
+        device_flops=faster.peak("bfloat16") * faster.gemm)
+
+
+def _solve_speed(cluster, measured, estimate, tolerance=1e-9):
+    """k with estimate(_faster(cluster, k)).step_time_s == measured: the
+    step time falls as k grows; bracketed by doubling (or halving) k, then
+    regula falsi in 1/k (Illinois), in which the device's share of the
+    step is linear."""
+    def excess(k):
+        return estimate(_faster(cluster, k)).step_time_s - measured
+
+    hw = cluster.hardware
+    fastest = (float("inf") if hw is None
+               else 1.0 / min(hw.gemm, hw.flash, hw.hbm))
+    a, fa = 1.0, excess(1.0)
+    b, fb = a, fa
+    for _ in range(80):          # k within 2^±80 of the estimate's
+        if fa * fb <= 0:
+            return _illinois(excess, a, fa, b, fb, tolerance * measured)
+        a, fa = b, fb
+        b = min(b * (2.0 if fa > 0 else 0.5), fastest)
+        fb = excess(b)
+        if fb > 0 and b == fastest:
+            break
+    raise ValueError(
+        f"Cluster.calibrated: the measured step ({measured:.4g} s) is "
+        f"faster than the estimate allows with the fastest kernels "
+        f"({fb + measured:.4g} s; a preset's every efficiency at 1). Check "
+        "the measurement (warm-up steps left out?) and the configuration "
+        "estimated (axes, recomputation, flash attention, links).")
+
+
+def _illinois(excess, a, fa, b, fb, tolerance):
+    """The root of excess(k) between a and b (signs of fa, fb differ),
+    by regula falsi in u = 1/k, halving the stale end's value when the
+    same end moves twice (Illinois)."""
+    for k, fk in ((a, fa), (b, fb)):
+        if abs(fk) <= tolerance:
+            return k
+    ua, ub, side = 1.0 / a, 1.0 / b, 0
+    for _ in range(200):
+        u = (ua * fb - ub * fa) / (fb - fa)
+        fu = excess(1.0 / u)
+        if abs(fu) <= tolerance:
+            return 1.0 / u
+        if fu * fb > 0:          # u on b's side: b moves
+            ub, fb = u, fu
+            fa = fa / 2 if side == -1 else fa
+            side = -1
+        else:                    # u on a's side: a moves
+            ua, fa = u, fu
+            fb = fb / 2 if side == 1 else fb
+            side = 1
+    raise ValueError("Cluster.calibrated: the re-estimates did not settle "
+                     f"on the measured step time (last excess {fu:.3g} s).")

@@ -82,9 +82,27 @@ class StepTimeMonitor(keras.callbacks.Callback):
     device), `mfu` (that / peak), `predicted_mfu` (at the predicted step
     time) and `hfu` (executed FLOPs / measured / peak, when known).
 
-    >>> monitor = tfpar.StepTimeMonitor(plan)       # a tfpar.plan result
-    >>> model.fit(x, y, batch_size=64, epochs=2, callbacks=[monitor])
-    >>> monitor.history[-1]["step_time_ratio"]
+    Example (8 virtual CPUs; on a GPU cluster use its `Cluster.preset`):
+
+    ```python
+    import keras, numpy as np, tfpar
+    tfpar.use_virtual_cpus(8)
+
+    def build():
+        inputs = keras.Input((32,))
+        hidden = keras.layers.Dense(128, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4)(hidden))
+
+    plan = tfpar.plan(build, 64)
+    with plan.strategy().scope():
+        model = plan.apply(build())
+        model.compile(optimizer="adam", loss="mse")
+    monitor = tfpar.StepTimeMonitor(plan)       # the plan's estimate
+    x, y = np.ones((640, 32), "float32"), np.ones((640, 4), "float32")
+    model.fit(x, y, batch_size=64, epochs=2, callbacks=[monitor])
+    last = monitor.history[-1]
+    print(last["step_time_s"], last["step_time_ratio"], last["mfu"])
+    ```
     """
 
     def __init__(self, estimate, *, cluster=None, global_batch_size=None,

@@ -68,6 +68,28 @@ def estimate(model, global_batch_size, *, cluster, axes,
         stage), `breakdown` ({compute, memory_bound, recompute, model,
         pipe, data, bubble, update}: seconds adding up to the step) and
         `executed_flops` (per device per step, recomputation included).
+
+    Attention is costed with a fused kernel when Keras' flash attention is
+    on (`keras.config.enable_flash_attention()`), else as two batched
+    matmuls and a softmax over the whole s × s scores.
+
+    Example (a few seconds; nothing is allocated):
+
+    ```python
+    import keras_hub, tfpar
+
+    def llama_8b():                      # Llama 3 8B's shape
+        return keras_hub.models.LlamaBackbone(
+            vocabulary_size=128256, num_layers=32, num_query_heads=32,
+            num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14336)
+
+    cluster = tfpar.Cluster.preset("h100-sxm", num_hosts=4)   # 32 GPUs
+    estimate = tfpar.estimate(
+        llama_8b, 256, cluster=cluster, sequence_length=8192,
+        axes={"data": 8, "model": 4}, num_microbatches=8,
+        recompute="selective")
+    print(f"{estimate.step_time_s:.2f} s per step", estimate.breakdown)
+    ```
     """
     if not isinstance(cluster, Cluster):
         raise TypeError(

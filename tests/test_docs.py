@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import textwrap
 import sys
 import venv
 from pathlib import Path
@@ -191,3 +192,20 @@ def test_readme_quickstart_runs(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "QUICKSTART DONE" in result.stdout
+
+
+@pytest.mark.slow  # its path runs in the default profile: examples/does_not_fit.py
+def test_readme_does_not_fit_plan_runs(tmp_path):
+    """The README's "does not fit" step 3 (tfpar.plan under a memory limit,
+    then fit), run after the quickstart's definitions as a reader would."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    planned = textwrap.dedent(next(b for b in blocks if "tfpar.plan(" in b))
+    script = tmp_path / "does_not_fit.py"
+    script.write_text(blocks[0] + planned + "\nprint('PLAN DONE', plan, "
+                      "model.history.history['loss'])\n")
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+        text=True, timeout=1200,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PLAN DONE" in result.stdout and "Self-check: passed" in result.stdout

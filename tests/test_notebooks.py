@@ -108,21 +108,18 @@ def _install_cell(path):
     return next(c for c in nb.cells if c.cell_type == "code").source
 
 
-def _run_install_cell(source, monkeypatch, tfpar_source=None):
-    """Runs the install cell in an IPython shell where tfpar is not
-    importable and `%pip` only records its (variable-expanded) line and
-    makes tfpar importable. Returns (the cell's result, the pip lines)."""
+def _run_cell_without(module, source, monkeypatch):
+    """Runs `source` in an IPython shell where `module` is not importable
+    and `%pip` only records its (variable-expanded) line and makes `module`
+    importable. Returns (the cell's result, the pip lines)."""
     from IPython.core.interactiveshell import InteractiveShell  # noqa: PLC0415
 
-    if tfpar_source is not None:
-        source = source.replace('TFPAR_SOURCE = ""',
-                                f"TFPAR_SOURCE = {tfpar_source!r}", 1)
-    monkeypatch.setitem(sys.modules, "tfpar", None)  # import tfpar fails
+    monkeypatch.setitem(sys.modules, module, None)  # importing it fails
     pip_lines = []
 
     def pip(line):
         pip_lines.append(line)
-        sys.modules["tfpar"] = type(sys)("tfpar")  # "installed"
+        sys.modules[module] = type(sys)(module)  # "installed"
 
     shell = InteractiveShell.instance()
     try:
@@ -130,6 +127,15 @@ def _run_install_cell(source, monkeypatch, tfpar_source=None):
         return shell.run_cell(source, silent=True), pip_lines
     finally:
         InteractiveShell.clear_instance()
+
+
+def _run_install_cell(source, monkeypatch, tfpar_source=None):
+    """The install cell run where tfpar is not installed (`TFPAR_SOURCE`
+    set to `tfpar_source` when given)."""
+    if tfpar_source is not None:
+        source = source.replace('TFPAR_SOURCE = ""',
+                                f"TFPAR_SOURCE = {tfpar_source!r}", 1)
+    return _run_cell_without("tfpar", source, monkeypatch)
 
 
 def test_install_cell_is_well_formed(monkeypatch):
@@ -160,26 +166,11 @@ def _keras_hub_pin():
                                   if "import keras_hub" in p.read_text()],
                          ids=lambda p: p.stem)
 def test_keras_hub_notebook_installs_it_when_missing(path, monkeypatch):
-    from IPython.core.interactiveshell import InteractiveShell  # noqa: PLC0415
-
     nb = nbformat.read(path, as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     first = next(i for i, c in enumerate(code) if "import keras_hub" in c)
-    cell = code[first]
     assert first >= 2, f"{path.name}: keras-hub installed before the setup"
-    monkeypatch.setitem(sys.modules, "keras_hub", None)  # not installed
-    pip_lines = []
-
-    def pip(line):
-        pip_lines.append(line)
-        sys.modules["keras_hub"] = type(sys)("keras_hub")  # "installed"
-
-    shell = InteractiveShell.instance()
-    try:
-        shell.register_magic_function(pip, "line", "pip")
-        result = shell.run_cell(cell, silent=True)
-    finally:
-        InteractiveShell.clear_instance()
+    result, pip_lines = _run_cell_without("keras_hub", code[first], monkeypatch)
     assert result.success, result.error_in_exec
     # The version the tests run: the pin in pyproject.toml's test extra.
     assert pip_lines == [f"install -q {_keras_hub_pin()}"]

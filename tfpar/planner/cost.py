@@ -567,9 +567,16 @@ def _gathers_before_sends(layout, lo, *, d, m, batch, link):
 
 
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
-             batch, cluster, slots):
+             batch, cluster, slots, virtual_stages=1):
     """The `Estimate` of one candidate; `stages` are the first op index of
-    each of the p stages. Vectorised over stages (prefix sums)."""
+    each of the p stages. Vectorised over stages (prefix sums).
+
+    With `virtual_stages` v > 1 (interleaved 1F1B: stage s holds parts s,
+    s + p, ... of v·p) each stage is costed as the contiguous `stages` span
+    holding the same share of the layers: its sends v times as many, its
+    bubble (p-1)/(v·m), its activations in flight × (1 + (p-1)/(p·v))
+    (Narayanan et al. 2021, section 2.2.2)."""
+    v = virtual_stages
     t = layout.t
     lo = np.asarray(stages)
     hi = np.append(lo[1:], len(layout.flops_split))
@@ -593,17 +600,18 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],
         span=(lo, hi), shared=shared, combined=fixed)
     send = cluster.send_time * d * t if fixed and cluster.send_time else None
-    before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
+    before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m * v, mb=mb,
                                           link=links["pipe"], send=send)
     if send is not None:
         pipe_time = pipe_time + _gathers_before_sends(
             layout, lo, d=d, m=m, batch=batch, link=cluster.link(d * t, p))
     memory = _memory(layout, total, before=before, recompute=recompute,
                      d=d, fsdp=fsdp, span=(lo, hi), schedule=schedule, m=m,
-                     mb=mb, slots=slots, workspace=workspace)
+                     mb=mb, slots=slots, workspace=workspace,
+                     virtual_stages=v)
     comm = {"model": model_bytes if t > 1 else np.zeros(p),
             "data": np.asarray(data_bytes, float),
-            "pipe": (before + after) * b * 2}
+            "pipe": (before + after) * b * 2 * v}
     parts = {"compute": compute, "model": model_time, "data": data_time,
              "pipe": pipe_time,
              "update": _update_time(trainable, slots, cluster)}
@@ -616,10 +624,11 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         parts["fixed"] = _fixed_time(layout, total, lo, hi, devices=d * t,
                                      m=m, r=r, slots=slots, cluster=cluster)
     step, time_s = (_shared_step(parts, m=m) if shared
-                    else _step(parts, m=m, p=p, r=r))
+                    else _step(parts, m=m * v, p=p, r=r))
     step, time_s, executed = _roofline_time(
         layout, (step, time_s), d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
-        recompute=recompute, batch=batch, cluster=cluster, slots=slots)
+        recompute=recompute, batch=batch, cluster=cluster, slots=slots,
+        virtual_stages=v)
     w = int(np.argmax(sum(memory.values())))
     return Estimate(
         step_time_s=float(step),
@@ -633,7 +642,7 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
 
 
 def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
-                   batch, cluster, slots):
+                   batch, cluster, slots, virtual_stages=1):
     """(step seconds, {part: seconds}, executed FLOPs per device) of a
     transformer on a preset cluster (`Cluster.preset`: vendor figures and
     efficiencies), from the per-op roofline `tfpar.estimate` uses
@@ -643,7 +652,9 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         return (*alpha_beta, 0.0)
     cfg = roofline.Parallel(
         data=d, pipe=p, model=layout.t, microbatch=max(1, batch // (d * m)),
-        schedule=schedule, sequence_parallel=layout.sequence_parallel,
+        virtual_stages=virtual_stages,
+        schedule="interleaved" if virtual_stages > 1 else schedule,
+        sequence_parallel=layout.sequence_parallel,
         recompute="full" if recompute else None, fsdp=fsdp,
         optimizer_slots=slots)
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
@@ -653,7 +664,7 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
 
 
 def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
-            mb, slots, workspace):
+            mb, slots, workspace, virtual_stages=1):
     """{kind: bytes per device} per stage."""
     p = len(before)
     s = np.arange(p)
@@ -663,6 +674,8 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
     internal = _internals(layout, total, recompute=recompute, d=d, fsdp=fsdp,
                           span=span)
     in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
+    if virtual_stages > 1:  # Megatron's interleaved warm-up, in stages' worth
+        in_flight = in_flight * (1 + (p - 1) / (p * virtual_stages))
     # Every micro-batch in flight keeps its layers' outputs (the next
     # layers' inputs) and, without recomputation, their internals. With it
     # the internals are transient: only the one layer being recomputed holds

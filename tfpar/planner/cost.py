@@ -569,15 +569,11 @@ def _gathers_before_sends(layout, lo, *, d, m, batch, link):
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
              batch, cluster, slots, virtual_stages=1):
     """The `Estimate` of one candidate; `stages` are the first op index of
-    each of the p stages. Vectorised over stages (prefix sums).
-
-    With `virtual_stages` v > 1 (interleaved 1F1B: stage s holds parts s,
-    s + p, ... of v·p) each stage is costed as the contiguous `stages` span
-    holding the same share of the layers: its sends v times as many, its
-    bubble (p-1)/(v·m), its activations in flight × (1 + (p-1)/(p·v))
-    (Narayanan et al. 2021, section 2.2.2)."""
-    v = virtual_stages
-    t = layout.t
+    each of the p stages (vectorised over stages: prefix sums). Interleaved
+    (`virtual_stages` v > 1: stage s holds parts s, s + p, ... of v·p): a
+    stage costed as its span, v times the sends, bubble (p-1)/(v·m),
+    activations in flight × (1 + (p-1)/(p·v)) (Narayanan et al. 2021)."""
+    v, t = virtual_stages, layout.t
     lo = np.asarray(stages)
     hi = np.append(lo[1:], len(layout.flops_split))
     b = batch / d          # samples per device per step
@@ -594,7 +590,7 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     compute = _compute_time(total, t=t, work=(3 + r) * b, cluster=cluster)
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
                                           link=links["model"], shared=shared)
-    stored, trainable = total("stored"), total("trainable")
+    trainable = total("trainable")
     fixed = shared and cluster.op_time > 0  # the runtime's fixed costs
     data_bytes, data_time, workspace = _data_axis(
         layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],
@@ -629,15 +625,22 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         layout, (step, time_s), d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
         recompute=recompute, batch=batch, cluster=cluster, slots=slots,
         virtual_stages=v)
+    return _per_device(step, time_s, executed, memory, comm)
+
+
+def _per_device(step, time_s, executed, memory, comm):
+    """The `Estimate` of per-stage `memory` and `comm` arrays: those of the
+    stage with the most memory (what must fit on every device)."""
     w = int(np.argmax(sum(memory.values())))
+    stages = len(memory["params"])
     return Estimate(
         step_time_s=float(step),
-        memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
-        communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
-        communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
+        memory_per_device={kind: float(x[w]) for kind, x in memory.items()},
+        communication_bytes_per_device=float(sum(x[w] for x in comm.values())),
+        communication_bytes_by_axis={a: float(x[w]) for a, x in comm.items()},
         time_s=time_s,
-        memory_by_stage=[{kind: float(v[i]) for kind, v in memory.items()}
-                         for i in range(p)],
+        memory_by_stage=[{kind: float(x[i]) for kind, x in memory.items()}
+                         for i in range(stages)],
         executed_flops=executed)
 
 

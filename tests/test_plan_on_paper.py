@@ -65,7 +65,19 @@ def test_plan_is_at_least_as_fast_as_the_published_configuration(row):
     assert abs(reference.step_time_s / published - 1) <= 0.25
     plan = tfpar.plan(build, batch, cluster=cluster)
     assert plan.estimate.step_time_s <= reference.step_time_s * (1 + 1e-9)
+    # The same cost model: tfpar.estimate of the chosen configuration is
+    # the plan's estimate, and fits by its own (Korthikanti's) memory too.
+    chosen = tfpar.estimate(
+        build, batch, cluster=cluster, axes=plan.axes,
+        num_microbatches=plan.num_microbatches,
+        virtual_stages=plan.virtual_stages,
+        sequence_parallel=plan.sequence_parallel, fsdp=plan.fsdp,
+        recompute={False: None, True: "full"}.get(plan.recompute,
+                                                  plan.recompute))
+    assert chosen.step_time_s == pytest.approx(plan.estimate.step_time_s,
+                                               rel=1e-9)
     assert plan.estimate.total_memory <= cluster.device_memory
+    assert chosen.total_memory <= cluster.device_memory
     difference = plan.compare(reference)
     term, seconds = next(iter(difference.items()))
     assert term in reference.breakdown and seconds != 0

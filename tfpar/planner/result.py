@@ -179,9 +179,11 @@ class Plan:
         """explain()'s line comparing the chosen plan with `reference`."""
         diff = self.compare(reference)
         chosen, other = self.estimate.step_time_s, reference.step_time_s
+        slower = other / chosen - 1
         head = (f"Against the given configuration: predicted "
-                f"{other * 1e3:.4g} ms per step, the chosen plan "
-                f"{chosen * 1e3:.4g} ms ({(other / chosen - 1) * 100:+.1f}%)")
+                f"{other * 1e3:.4g} ms per step, {abs(slower) * 100:.1f}% "
+                f"{'slower' if slower >= 0 else 'faster'} than the chosen "
+                f"plan's {chosen * 1e3:.4g} ms")
         term, delta = next(iter(diff.items()))
         if abs(delta) <= 1e-9 * max(chosen, other):
             return head + "; no term of the step differs."

@@ -567,10 +567,13 @@ def _gathers_before_sends(layout, lo, *, d, m, batch, link):
 
 
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
-             batch, cluster, slots):
+             batch, cluster, slots, virtual_stages=1):
     """The `Estimate` of one candidate; `stages` are the first op index of
-    each of the p stages. Vectorised over stages (prefix sums)."""
-    t = layout.t
+    each of the p stages (vectorised over stages: prefix sums). Interleaved
+    (`virtual_stages` v > 1: stage s holds parts s, s + p, ... of v·p): a
+    stage costed as its span, v times the sends, bubble (p-1)/(v·m),
+    activations in flight × (1 + (p-1)/(p·v)) (Narayanan et al. 2021)."""
+    v, t = virtual_stages, layout.t
     lo = np.asarray(stages)
     hi = np.append(lo[1:], len(layout.flops_split))
     b = batch / d          # samples per device per step
@@ -587,23 +590,24 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     compute = _compute_time(total, t=t, work=(3 + r) * b, cluster=cluster)
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
                                           link=links["model"], shared=shared)
-    stored, trainable = total("stored"), total("trainable")
+    trainable = total("trainable")
     fixed = shared and cluster.op_time > 0  # the runtime's fixed costs
     data_bytes, data_time, workspace = _data_axis(
         layout, total, d=d, m=m, r=r, fsdp=fsdp, link=links["data"],
         span=(lo, hi), shared=shared, combined=fixed)
     send = cluster.send_time * d * t if fixed and cluster.send_time else None
-    before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m, mb=mb,
+    before, after, pipe_time = _pipe_axis(layout, lo, hi, m=m * v, mb=mb,
                                           link=links["pipe"], send=send)
     if send is not None:
         pipe_time = pipe_time + _gathers_before_sends(
             layout, lo, d=d, m=m, batch=batch, link=cluster.link(d * t, p))
     memory = _memory(layout, total, before=before, recompute=recompute,
                      d=d, fsdp=fsdp, span=(lo, hi), schedule=schedule, m=m,
-                     mb=mb, slots=slots, workspace=workspace)
+                     mb=mb, slots=slots, workspace=workspace,
+                     virtual_stages=v)
     comm = {"model": model_bytes if t > 1 else np.zeros(p),
             "data": np.asarray(data_bytes, float),
-            "pipe": (before + after) * b * 2}
+            "pipe": (before + after) * b * 2 * v}
     parts = {"compute": compute, "model": model_time, "data": data_time,
              "pipe": pipe_time,
              "update": _update_time(trainable, slots, cluster)}
@@ -616,24 +620,32 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
         parts["fixed"] = _fixed_time(layout, total, lo, hi, devices=d * t,
                                      m=m, r=r, slots=slots, cluster=cluster)
     step, time_s = (_shared_step(parts, m=m) if shared
-                    else _step(parts, m=m, p=p, r=r))
+                    else _step(parts, m=m * v, p=p, r=r))
     step, time_s, executed = _roofline_time(
         layout, (step, time_s), d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
-        recompute=recompute, batch=batch, cluster=cluster, slots=slots)
+        recompute=recompute, batch=batch, cluster=cluster, slots=slots,
+        virtual_stages=v)
+    return _per_device(step, time_s, executed, memory, comm)
+
+
+def _per_device(step, time_s, executed, memory, comm):
+    """The `Estimate` of per-stage `memory` and `comm` arrays: those of the
+    stage with the most memory (what must fit on every device)."""
     w = int(np.argmax(sum(memory.values())))
+    stages = len(memory["params"])
     return Estimate(
         step_time_s=float(step),
-        memory_per_device={kind: float(v[w]) for kind, v in memory.items()},
-        communication_bytes_per_device=float(sum(v[w] for v in comm.values())),
-        communication_bytes_by_axis={a: float(v[w]) for a, v in comm.items()},
+        memory_per_device={kind: float(x[w]) for kind, x in memory.items()},
+        communication_bytes_per_device=float(sum(x[w] for x in comm.values())),
+        communication_bytes_by_axis={a: float(x[w]) for a, x in comm.items()},
         time_s=time_s,
-        memory_by_stage=[{kind: float(v[i]) for kind, v in memory.items()}
-                         for i in range(p)],
+        memory_by_stage=[{kind: float(x[i]) for kind, x in memory.items()}
+                         for i in range(stages)],
         executed_flops=executed)
 
 
 def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
-                   batch, cluster, slots):
+                   batch, cluster, slots, virtual_stages=1):
     """(step seconds, {part: seconds}, executed FLOPs per device) of a
     transformer on a preset cluster (`Cluster.preset`: vendor figures and
     efficiencies), from the per-op roofline `tfpar.estimate` uses
@@ -643,7 +655,9 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         return (*alpha_beta, 0.0)
     cfg = roofline.Parallel(
         data=d, pipe=p, model=layout.t, microbatch=max(1, batch // (d * m)),
-        schedule=schedule, sequence_parallel=layout.sequence_parallel,
+        virtual_stages=virtual_stages,
+        schedule="interleaved" if virtual_stages > 1 else schedule,
+        sequence_parallel=layout.sequence_parallel,
         recompute="full" if recompute else None, fsdp=fsdp,
         optimizer_slots=slots)
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
@@ -653,7 +667,7 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
 
 
 def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
-            mb, slots, workspace):
+            mb, slots, workspace, virtual_stages=1):
     """{kind: bytes per device} per stage."""
     p = len(before)
     s = np.arange(p)
@@ -663,6 +677,8 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
     internal = _internals(layout, total, recompute=recompute, d=d, fsdp=fsdp,
                           span=span)
     in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
+    if virtual_stages > 1:  # Megatron's interleaved warm-up, in stages' worth
+        in_flight = in_flight * (1 + (p - 1) / (p * virtual_stages))
     # Every micro-batch in flight keeps its layers' outputs (the next
     # layers' inputs) and, without recomputation, their internals. With it
     # the internals are transient: only the one layer being recomputed holds

@@ -25,6 +25,7 @@ from tfpar.auto_plan import auto_rules
 from tfpar.pipeline import split
 from tfpar.pipeline.model import PipelineModel
 from tfpar.planner import calibrate
+from tfpar.planner import cost as cost_lib
 from tfpar.planner import search as search_lib
 from tfpar.planner.search import format_bytes as _gb
 from tfpar.strategy import ParallelStrategy
@@ -44,6 +45,9 @@ class Plan:
             the rules hold `SequenceParallel` norms).
         num_microbatches, schedule, stage_boundaries: the pipeline's
             (m = 1 and boundaries None without a pipe axis).
+        virtual_stages: model parts per pipeline stage (v > 1: interleaved
+            1F1B, the model cut into v × pipe parts at `stage_boundaries`;
+            searched on preset clusters).
         estimate: the chosen candidate's `Estimate`.
         candidates: every `Candidate` considered, best first.
         info: model and search facts (parameters, FLOPs, search seconds;
@@ -72,12 +76,17 @@ class Plan:
     num_microbatches = property(lambda self: self._chosen.num_microbatches)
     schedule = property(lambda self: self._chosen.schedule)
     stage_boundaries = property(lambda self: self._chosen.stage_boundaries)
+    virtual_stages = property(lambda self: self._chosen.virtual_stages)
     estimate = property(lambda self: self._chosen.estimate)
     checked = property(lambda self: self.info.get("checked", "not checked"))
 
-    def explain(self, top=12):
+    def explain(self, top=12, against=None):
         """A readable table of the candidates, the binding constraint and
-        why the runner-up lost."""
+        why the runner-up lost; with `against` (an `Estimate`, e.g.
+        `tfpar.estimate` of a published or hand-written configuration on
+        the same cluster) also that configuration's step time next to the
+        chosen one's and the breakdown term that makes the difference
+        (`compare`)."""
         i = self.info
         c = self._chosen
         e = c.estimate
@@ -97,8 +106,9 @@ class Plan:
             "Self-check: " + i.get("checked", "not checked"),
             "Binding constraint: " + self._binding(),
             "Runner-up (best other mesh shape): " + self._runner_up(),
+            *([self._against(against)] if against is not None else []),
             *_timing_notes(i), "",
-            f"{'#':>3s}  {'candidate':38s} {'step ms':>9s} {'measured':>9s} "
+            f"{'#':>3s}  {'candidate':50s} {'step ms':>9s} {'measured':>9s} "
             f"{'memory':>10s} {'comm':>10s}  rejected"]
         shown = [x for x in self.candidates if x.estimate is not None][:top]
         shown += [x for x in self.candidates if x.estimate is None][:4]
@@ -106,7 +116,7 @@ class Plan:
             est = x.estimate
             measured = getattr(x, "measured_step_time_s", None)
             lines.append(
-                f"{k:3d}  {x.label:38s} "
+                f"{k:3d}  {x.label:50s} "
                 f"{_ms(est.step_time_s if est else None)} {_ms(measured)} "
                 f"{_gb(est.total_memory) if est else '-':>10s} "
                 f"{_gb(est.communication_bytes_per_device) if est else '-':>10s}"
@@ -144,6 +154,45 @@ class Plan:
             why += (f"; measured {r.measured_step_time_s * 1e3:.3g} ms vs "
                     f"{c.measured_step_time_s * 1e3:.3g} ms")
         return f"{r.label}, predicted {slower:.1f}% slower: {why}."
+
+    def compare(self, reference):
+        """{term: reference seconds − chosen seconds} over the step time's
+        breakdown (`Estimate.breakdown`: compute, memory_bound, recompute,
+        model, pipe, data, bubble, update, ...), the largest difference in
+        size first: the first term is the one that makes the difference.
+
+        >>> ref = tfpar.estimate(build, 512, cluster=cluster,
+        ...                      axes={"data": 32}, recompute="full")
+        >>> next(iter(plan.compare(ref)))      # e.g. "compute"
+        """
+        if not isinstance(reference, cost_lib.Estimate):
+            raise TypeError(
+                "Plan.compare(reference) / explain(against=) needs an "
+                "Estimate, e.g. tfpar.estimate(model, batch, cluster=..., "
+                f"axes=...). Received: {type(reference).__name__}")
+        mine, theirs = self.estimate.breakdown, reference.breakdown
+        terms = list(mine) + [k for k in theirs if k not in mine]
+        diff = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in terms}
+        return dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
+
+    def _against(self, reference):
+        """explain()'s line comparing the chosen plan with `reference`."""
+        diff = self.compare(reference)
+        chosen, other = self.estimate.step_time_s, reference.step_time_s
+        slower = other / chosen - 1
+        head = (f"Against the given configuration: predicted "
+                f"{other * 1e3:.4g} ms per step, {abs(slower) * 100:.1f}% "
+                f"{'slower' if slower >= 0 else 'faster'} than the chosen "
+                f"plan's {chosen * 1e3:.4g} ms")
+        term, delta = next(iter(diff.items()))
+        if abs(delta) <= 1e-9 * max(chosen, other):
+            return head + "; no term of the step differs."
+        mine = self.estimate.breakdown.get(term, 0.0)
+        return (head + f"; the term that makes the difference: {term} "
+                f"({(mine + delta) * 1e3:.4g} ms vs {mine * 1e3:.4g} ms); "
+                "by term (given − chosen, ms): " + ", ".join(
+                    f"{k} {v * 1e3:+.3g}" for k, v in diff.items() if v)
+                + ".")
 
     def mesh(self):
         """The `tfpar.Mesh` of this plan on this machine's devices."""
@@ -200,7 +249,8 @@ class Plan:
             boundaries = [layers[i].name for i in self._stage_starts[1:]]
             model = PipelineModel(model, self.num_microbatches,
                                   schedule=self.schedule,
-                                  stage_boundaries=boundaries)
+                                  stage_boundaries=boundaries,
+                                  virtual_stages=self.virtual_stages)
         return model
 
     def to_dict(self):

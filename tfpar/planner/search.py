@@ -16,7 +16,9 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)), found by
   bisection over the bottleneck (`min_max_cuts`).
 - Micro-batches m: the powers of two (and the largest count) that split
-  the per-replica batch, from 1 up; schedules 1F1B and GPipe.
+  the per-replica batch, from 1 up; schedules 1F1B and GPipe, and on a
+  preset cluster (`Cluster.preset`, whose roofline prices them) interleaved
+  1F1B with v = 2 or 4 virtual stages per device (`_interleaved`).
 - Deterministic: candidates are built in a fixed order and ranked by
   (predicted step time, memory, that order).
 """
@@ -53,13 +55,18 @@ class Candidate:
     # that leaves layers unnamed names them anew at every call (add, add_1,
     # ...), so a model built again is cut by position, not by these names.
     stage_starts: list = None
+    # Model parts per pipeline stage (interleaved 1F1B when > 1): the model
+    # is cut into virtual_stages × pipe parts at `stage_boundaries`.
+    virtual_stages: int = 1
 
     @property
     def label(self):
         axes = "×".join(f"{k}{v}" for k, v in self.axes.items())
         extra = []
         if self.axes.get("pipe", 1) > 1:
-            extra.append(f"m={self.num_microbatches} {self.schedule}")
+            extra.append(f"m={self.num_microbatches} {self.schedule}"
+                         + (f" interleaved v={self.virtual_stages}"
+                            if self.virtual_stages > 1 else ""))
         if self.sequence_parallel:
             extra.append("sp")
         if self.fsdp:
@@ -230,10 +237,7 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
     """Every (micro-batches, schedule, fsdp, recompute) choice on one mesh
     shape, estimated; those over `memory_limit` marked rejected."""
     d, p, t = axes["data"], axes["pipe"], axes["model"]
-    stages = [0]
-    if p > 1:
-        stage_cost = layout.flops_split / t + layout.flops_repl + 1e-9
-        stages = _cuts(stage_cost.tobytes(), p)
+    stages = _cuts(_stage_cost(layout), p) if p > 1 else [0]
     boundaries = [profile.ops[i].name for i in stages[1:]] if p > 1 else None
     found = []
     for m, schedule, fsdp, recompute in itertools.product(
@@ -247,12 +251,65 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
             layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
             recompute=recompute, batch=global_batch_size, cluster=cluster,
             slots=slots)
-        need = c.estimate.total_memory
-        if need > memory_limit:
-            c.rejected = (f"does not fit: needs {format_bytes(need)} per "
-                          f"device, limit {format_bytes(memory_limit)}")
+        _reject_unfit(c, memory_limit)
         found.append(c)
-    return found
+    return found + _interleaved(profile, layout, found, stages,
+                                global_batch_size, cluster, memory_limit,
+                                slots)
+
+
+def _stage_cost(layout):
+    """Per-op FLOPs per device (bytes of float64, for `_cuts`): what a
+    stage cut balances."""
+    return (layout.flops_split / layout.t + layout.flops_repl
+            + 1e-9).tobytes()
+
+
+def _reject_unfit(candidate, memory_limit):
+    """Marks `candidate` rejected when its estimate exceeds the limit."""
+    need = candidate.estimate.total_memory
+    if need > memory_limit:
+        candidate.rejected = (f"does not fit: needs {format_bytes(need)} per "
+                              f"device, limit {format_bytes(memory_limit)}")
+
+
+# Virtual stages per device tried (Narayanan et al. 2021 use 2-4 chunks).
+VIRTUAL_STAGES = (2, 4)
+
+
+def _interleaved(profile, layout, found, stages, global_batch_size,
+                 cluster, memory_limit, slots):
+    """Interleaved 1F1B copies of the 1F1B candidates in `found`, with v in
+    `VIRTUAL_STAGES`: the model cut into v·p parts (min-max over the same
+    per-op costs), part k on stage k mod p; only where PipelineModel runs
+    it (m a multiple of p, v·p parts no more than the model's cut points,
+    and v·p dividing its transformer blocks) and on a preset cluster, whose
+    roofline prices the schedule (the α-β model of a described or local
+    cluster does not count the extra moves' fixed costs). `stages`: the
+    1F1B candidates' p stage starts, the span each stage is costed as."""
+    model = layout.transformer
+    if len(stages) < 2 or cluster.hardware is None or model is None:
+        return []
+    out = []
+    for v in VIRTUAL_STAGES:
+        for c in found:
+            p, m = c.axes["pipe"], c.num_microbatches
+            if (c.schedule != "1f1b" or m % p or v * p > len(profile.ops)
+                    or model.layers % (v * p)):
+                continue
+            parts = _cuts(_stage_cost(layout), v * p)
+            x = dataclasses.replace(
+                c, estimate=None, rejected=None, virtual_stages=v,
+                stage_boundaries=[profile.ops[i].name for i in parts[1:]],
+                stage_starts=[int(i) for i in parts])
+            d = c.axes["data"]
+            x.estimate = cost_lib.estimate(
+                layout, stages, d=d, p=p, m=m, schedule="1f1b",
+                fsdp=c.fsdp, recompute=c.recompute, batch=global_batch_size,
+                cluster=cluster, slots=slots, virtual_stages=v)
+            _reject_unfit(x, memory_limit)
+            out.append(x)
+    return out
 
 
 def format_bytes(nbytes):

@@ -118,6 +118,7 @@ def test_compare_refuses_what_is_not_an_estimate():
     assert "no term of the step differs" in plan.explain(against=plan.estimate)
 
 
+@pytest.mark.slow  # interleaved PipelineModel parity: tests/test_pipeline.py
 def test_an_interleaved_plan_applies_trains_in_parity_and_saves(tmp_path):
     """An interleaved candidate of a 4-block GPT (data 4 × pipe 2, v = 2:
     the model cut into 4 parts, parts 0 and 2 on stage 0) applied by

@@ -13,12 +13,16 @@ import numpy as np
 import pytest
 
 import tfpar
+from tfpar.planner import measure
 from tfpar.recompute import set_recompute
 
 import models
 
 SEQ, HEADS, DIM, VOCAB = 8, 8, 32, 32
 AXES = {"data": 2, "model": 4}
+HOST = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
+                     device_flops=1e10, intra_host_bandwidth=1e9,
+                     inter_host_bandwidth=1e9)
 
 
 def build_gpt(dropout=0.1):
@@ -45,16 +49,22 @@ def corpus(n=32):
     return x[:, :-1].astype("int32"), x[:, 1:].astype("int32")
 
 
-def train(strategy, mode, weights):
+def train(strategy, mode, weights, plan=None):
     """(model, per-batch losses, captured programs) of two epochs of Adam
-    with `mode` recomputation, auto_rules under `strategy`."""
+    with `mode` recomputation, auto_rules under `strategy` (or `plan`
+    applied)."""
+    if plan is not None:
+        strategy = plan.strategy()
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_gpt()
         model.set_weights(weights)
-        if strategy:
+        if plan is not None:
+            model = plan.apply(model)
+        elif strategy:
             strategy.apply_rules(model, tfpar.auto_rules(
                 model, mesh=strategy.mesh))
-        set_recompute(model, mode)
+        if plan is None:
+            set_recompute(model, mode)
         model.compile(optimizer=keras.optimizers.Adam(3e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(
                           from_logits=True))
@@ -91,6 +101,36 @@ def test_selective_recomputation_matches_one_device_and_keeps_less():
     assert square["selective"] == [] and square["full"] == []
     nbytes = {m: r.saved_activation_bytes for m, r in saved.items()}
     assert nbytes["full"] < nbytes["selective"] < nbytes[None], nbytes
+
+
+def test_a_selective_plan_applies_saves_and_trains_in_parity(tmp_path):
+    plan = tfpar.plan(build_gpt, 16, cluster=HOST)
+    assert {c.recompute for c in plan.candidates} == {None, "selective",
+                                                      "full"}
+    full_axes = {"data": 2, "pipe": 1, "model": 4}
+    candidate = next(c for c in plan.candidates if c.axes == full_axes
+                     and c.recompute == "selective" and not c.fsdp
+                     and not c.sequence_parallel)
+    assert candidate.label == "data2×pipe1×model4 selective recompute"
+    # The cost model: selective keeps less than none, more than full, and
+    # runs the attention core's forward again (less than full's forward).
+    same = {c.recompute: c.estimate for c in plan.candidates
+            if c.axes == full_axes and not c.fsdp and not c.sequence_parallel}
+    kept = {r: e.memory_per_device["activations"] for r, e in same.items()}
+    assert kept["full"] < kept["selective"] < kept[None]
+    seconds = {r: e.time_s["compute"] for r, e in same.items()}
+    assert seconds[None] < seconds["selective"] < seconds["full"]
+    applied = measure.candidate_plan(candidate, build_gpt, 16)
+    applied.save(tmp_path / "plan.json")
+    loaded = tfpar.Plan.load(tmp_path / "plan.json")
+    assert loaded.recompute == "selective"
+    keras.utils.set_random_seed(0)
+    weights = build_gpt().get_weights()
+    _, want, _ = train(None, None, weights)
+    model, got, _ = train(None, None, weights, plan=loaded)
+    assert models.relative_error(want, got) < 1e-4
+    attention = model.get_layer("attn")
+    assert "_compute_attention" in vars(attention)  # its core recomputed
 
 
 def test_selective_needs_an_attention_core_it_knows():

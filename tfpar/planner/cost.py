@@ -603,12 +603,8 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     links = {"model": cluster.link(t, 1), "pipe": cluster.link(p, t),
              "data": cluster.link(d, t * p)}
     shared = cluster.shared_host
-    # Full recomputation runs every layer's forward (and its collectives)
-    # again; selective only the attention cores' forward, which has none.
-    r = 1 if recompute == "full" else 0
-    compute = _compute_time(total, t=t, work=(3 + r) * b, cluster=cluster)
-    if recompute == "selective":
-        compute = compute + total("attention_flops") * b / cluster.device_flops
+    r = 1 if recompute == "full" else 0  # collectives run again too
+    compute = _stage_compute(total, t, b, recompute, cluster)
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
                                           link=links["model"], shared=shared)
     stored, trainable = total("stored"), total("trainable")
@@ -734,6 +730,18 @@ def _fixed_time(layout, total, lo, hi, *, devices, m, r, slots, cluster):
     # forward third when recomputing).
     convs = m * total("convs") * (3 + r) / 3 * cluster.conv_time
     return (ops * cluster.op_time + convs) * devices
+
+
+def _stage_compute(total, t, b, recompute, cluster):
+    """Seconds per stage of FLOPs for b samples per device: forward and
+    backward (3 × forward), the forward again with full recomputation;
+    selective recomputation runs the attention cores' forward again (QKᵀ
+    and attention over V, no collective)."""
+    full = 1 if recompute == "full" else 0
+    seconds = _compute_time(total, t=t, work=(3 + full) * b, cluster=cluster)
+    if recompute == "selective":
+        seconds = seconds + total("attention_flops") * b / cluster.device_flops
+    return seconds
 
 
 def _compute_time(total, *, t, work, cluster):

@@ -10,6 +10,10 @@ TensorFlow. Where a thread is in a recomputation (the stacks of
 checkpointed calls, replayed seeds and variable-read dependencies) is kept
 in `tfpar.step_context`.
 
+`set_recompute(model, mode)` chooses what a model recomputes: nothing,
+each attention layer's core (`"selective"`, Korthikanti et al.) or every
+layer (`"full"`); `tfpar.Plan.apply` sets a plan's with it.
+
 Example (a layer recomputed in the backward pass, the same gradients):
 
 >>> import keras, numpy as np, tensorflow as tf

@@ -148,3 +148,30 @@ def test_selective_needs_an_attention_core_it_knows():
     with pytest.raises(ValueError, match="Received: mode=True"):
         set_recompute(dense, True)
     set_recompute(model, "full")  # no attention core needed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_keras_hub_attention_cores_recomputed_in_parity(name):
+    """keras-hub's GPT-2 (CachedMultiHeadAttention) and Llama with grouped
+    queries: their `_compute_attention` recomputed, auto_rules on
+    data=2 × model=4, the losses of one device without recomputation."""
+    import hub_models  # noqa: PLC0415 (keras-hub only for this test)
+
+    x, y = hub_models.data(name, batch=32)
+    losses = {}
+    for axes in (None, AXES):
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes)) if axes else None
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = hub_models.build(name)
+            if strategy:
+                strategy.apply_rules(model, tfpar.auto_rules(
+                    model, mesh=strategy.mesh))
+                set_recompute(model, "selective")
+            model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                          loss=hub_models.loss(name), weighted_metrics=[])
+        batches = models.BatchLosses()
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[batches])
+        losses[axes is None] = batches.losses
+    assert models.relative_error(losses[True], losses[False]) < 1e-4

@@ -351,8 +351,8 @@ def test_stage_cuts_equal_the_exact_partition():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("axes,fsdp,recompute,m", [
-    ({"data": 8, "pipe": 1, "model": 1}, True, True, 1),
-    ({"data": 2, "pipe": 2, "model": 2}, False, False, 4)])
+    ({"data": 8, "pipe": 1, "model": 1}, True, "full", 1),
+    ({"data": 2, "pipe": 2, "model": 2}, False, None, 4)])
 def test_applied_candidates_train_in_parity(axes, fsdp, recompute, m):
     """Plan.apply's recomputation and pipeline paths, against one device."""
     plan = tfpar.plan(mlp, 64, cluster=HOST)

@@ -10,6 +10,10 @@ TensorFlow. Where a thread is in a recomputation (the stacks of
 checkpointed calls, replayed seeds and variable-read dependencies) is kept
 in `tfpar.step_context`.
 
+`set_recompute(model, mode)` chooses what a model recomputes: nothing,
+each attention layer's core (`"selective"`, Korthikanti et al.) or every
+layer (`"full"`); `tfpar.Plan.apply` sets a plan's with it.
+
 Example (a layer recomputed in the backward pass, the same gradients):
 
 >>> import keras, numpy as np, tensorflow as tf
@@ -297,3 +301,159 @@ def install():
     _compat.install_group("remat", REMAT_PATCHES, types.SimpleNamespace(
         recompute=recompute, next_seed=next_seed,
         check_replay=_check_random_recomputation))
+
+
+# -- tfpar's recomputation modes: none, selective (the attention core), full --
+
+RECOMPUTE_MODES = (None, "selective", "full")
+
+# The attention core's method: Keras' MultiHeadAttention and
+# GroupedQueryAttention and keras-hub's attention layers (GPT-2's
+# CachedMultiHeadAttention, Llama, Gemma, Mistral, Qwen, ...) compute
+# softmax(Q K^T / sqrt(d) + mask) (dropout) V from projected Q, K, V there.
+_CORE_METHOD = "_compute_attention"
+# Layers that are an attention core whole (no projections):
+# keras.layers.Attention, AdditiveAttention.
+_WHOLE_CORES = (keras.layers.Attention,)
+
+
+def _attention_cores(model):
+    """The (layer, kind) pairs of `model`'s attention cores: "method" (a
+    layer with `_compute_attention`) or "whole" (a layer that is a core);
+    raises for a layer named like attention whose core is neither."""
+    layers = _compat.all_layers(model, include_self=False)
+    cores = []
+    for layer in layers:
+        if callable(getattr(type(layer), _CORE_METHOD, None)):
+            cores.append((layer, "method"))
+        elif isinstance(layer, _WHOLE_CORES):
+            cores.append((layer, "whole"))
+    found = {id(layer) for layer, _ in cores}
+    for layer in layers:
+        inner = _compat.all_layers(layer, include_self=False)
+        if ("attention" in type(layer).__name__.lower()
+                and id(layer) not in found
+                and not any(id(x) in found for x in inner)):
+            raise ValueError(_unsupported(layer, model))
+    if not cores:
+        raise ValueError(
+            "set_recompute(mode='selective') recomputes the attention core "
+            f"of each attention layer, but model {model.name!r} has none. "
+            f"Supported: {_SUPPORTED}. Use mode='full' to recompute its "
+            "layers whole, or None.")
+    return cores
+
+
+_SUPPORTED = ("layers with a `_compute_attention(query, key, value, ...)` "
+              "method (keras.layers.MultiHeadAttention, "
+              "keras.layers.GroupedQueryAttention, keras-hub's "
+              "CachedMultiHeadAttention and its Llama, Gemma, Mistral, Qwen, "
+              "Phi-3, GPT-NeoX attention layers) and keras.layers.Attention "
+              "/ AdditiveAttention")
+
+
+def _unsupported(layer, model):
+    return (
+        f"set_recompute(mode='selective'): layer {layer.name!r} of model "
+        f"{model.name!r} (class {type(layer).__name__}) looks like attention, "
+        "but tfpar cannot find its attention core (QK^T, softmax, dropout, "
+        f"attention over V) to recompute. Supported: {_SUPPORTED}. Give the "
+        "class a `_compute_attention(query, key, value, ...)` method holding "
+        "that core, or use mode='full'.")
+
+
+def _full_layers(model):
+    """The layers `model`'s graph calls (nested functional models opened),
+    those with trainable weights: what mode="full" recomputes whole."""
+    out = []
+    for layer in getattr(model, "layers", ()):
+        graph = _compat.functional_of(layer) if isinstance(
+            layer, keras.Model) else None
+        if graph is not None and _compat.nodes_by_depth(graph) is not None:
+            out.extend(_full_layers(layer))
+        elif layer.trainable_weights:
+            out.append(layer)
+    return out
+
+
+def _recomputed_core(method):
+    """`method` (an attention core) under `recompute`, which takes tensors
+    out only: its `None` outputs (Keras' attention scores when not asked
+    for) are put back in place after."""
+    last = {}
+
+    def tensors_out(*args, **kwargs):
+        last["structure"] = method(*args, **kwargs)
+        return [t for t in tf.nest.flatten(last["structure"]) if t is not None]
+
+    checkpointed = recompute(tensors_out)
+
+    def core(*args, **kwargs):
+        flat = iter(checkpointed(*args, **kwargs))
+        return tf.nest.map_structure(
+            lambda t: None if t is None else next(flat), last["structure"])
+
+    return core
+
+
+def _reset(model):
+    """Every layer of `model` back to no recomputation."""
+    for layer in _compat.all_layers(model):
+        if _compat.remat_mode(layer) is not None:
+            _compat.set_remat_mode(layer, None)
+        if _CORE_METHOD in vars(layer):  # the instance's recomputed core
+            delattr(layer, _CORE_METHOD)
+
+
+def set_recompute(model, mode):
+    """Sets what `model` recomputes in the backward pass instead of keeping:
+    `None` (nothing), `"selective"` or `"full"`. Call it before `compile`
+    (or after, then compile again); it replaces any earlier mode.
+
+    - `"selective"` (Korthikanti et al., "Reducing Activation
+      Recomputation in Large Transformer Models", 2022): each attention
+      layer's core - QK^T, softmax, dropout, attention over V - is
+      recomputed (`recompute`, seeds replayed: the same dropout mask); the
+      Q, K, V and output projections and every other layer keep their
+      activations. A layer's s×s scores, softmax and dropout output and
+      mask (5·a·s²·b bytes per layer in fp16, a heads, s sequence length,
+      b batch) are no longer kept, for one more forward pass of the core
+      (its FLOPs: 4·b·s²·h of the layer's 24·b·s·h² + 4·b·s²·h). Supported
+      attention: a layer with a `_compute_attention` method (Keras'
+      MultiHeadAttention, GroupedQueryAttention, keras-hub's attention
+      layers) or `keras.layers.Attention`; another layer named like
+      attention raises a ValueError naming it.
+    - `"full"`: every layer the model's graph calls that has weights is
+      recomputed whole (`keras.RematScope(mode="full")`): only the layers'
+      inputs are kept.
+
+    It installs tfpar's recomputation (`install`), so it also works on one
+    device without a `ParallelStrategy`.
+
+    Example (a transformer block's attention core recomputed):
+
+    >>> import keras
+    >>> from tfpar.recompute import set_recompute
+    >>> x = keras.Input((8, 16))
+    >>> a = keras.layers.MultiHeadAttention(2, 8, dropout=0.1)(x, x)
+    >>> model = keras.Model(x, keras.layers.Dense(4)(a))
+    >>> set_recompute(model, "selective")
+    >>> model.compile(optimizer="adam", loss="mse")
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            "set_recompute(mode) must be None, 'selective' (the attention "
+            "core recomputed) or 'full' (every layer recomputed). "
+            f"Received: mode={mode!r}")
+    cores = _attention_cores(model) if mode == "selective" else ()
+    install()
+    _reset(model)
+    for layer, kind in cores:
+        if kind == "whole":
+            _compat.set_remat_mode(layer, "full")
+        else:  # the bound method, recomputed; looked up on the instance
+            method = getattr(type(layer), _CORE_METHOD).__get__(layer)
+            setattr(layer, _CORE_METHOD, _recomputed_core(method))
+    if mode == "full":
+        for layer in _full_layers(model):
+            _compat.set_remat_mode(layer, "full")

@@ -36,8 +36,11 @@ data, pipe, model: model groups are neighbours). The data axis'
 gradient reduction overlaps the backward pass (only what exceeds the
 backward compute shows, as in DDP's and Megatron-LM's bucketed
 reduction). Compute costs
-(3 + recompute) × forward FLOPs / device FLOP/s (backward = 2 × forward),
-with the split part of each layer divided by t. A pipeline takes
+(3 + recompute) × forward FLOPs / device FLOP/s (backward = 2 × forward;
+recompute 1 for full recomputation), with the split part of each layer
+divided by t; selective recomputation adds the attention cores' forward
+FLOPs once more (4·s·width per token per attention layer: QKᵀ and
+attention over V) and no collective (the core has none). A pipeline takes
 (m + p - 1)/m × the slowest stage (the bubble (p-1)/(m+p-1) is the same
 for GPipe and 1F1B); nothing overlaps communication with compute.
 
@@ -75,12 +78,15 @@ Memory per device (the most loaded stage), by kind: params (stored
 blocks), gradients (same blocks), optimizer (slots × trainable blocks),
 activations (kept for the backward pass: per micro-batch of b/(d·m)
 samples, times the micro-batches in flight: m for GPipe, p - s on stage s
-for 1F1B; with recomputation only each layer's inputs; with sequence
+for 1F1B; with full recomputation only each layer's inputs; with selective
+recomputation all but the attention cores' scores and probabilities
+(2·heads·s² per sample per attention layer, Korthikanti et al.'s 5·a·s²·b
+in fp16 with the dropout mask); with sequence
 parallelism every kept activation 1/t as large, plus the gathered inputs of
 column-parallel layers when not recomputing) and workspace (transient:
 fsdp's gathered weights — every weight of the stage whole for the step, or
-two layers' worth with recomputation — and the internals of the one layer
-being recomputed, for one micro-batch).
+two layers' worth with full recomputation — and the internals of the one
+layer, or attention core, being recomputed, for one micro-batch).
 """
 
 import dataclasses
@@ -215,6 +221,11 @@ class Layout:
                                for op in profile.ops], float)
         self.layer_ops = np.array([op.layer_ops for op in profile.ops], float)
         self.kept, self.internal = np.zeros(n), np.zeros(n)
+        # The attention core's part of `internal` (scores and softmax, per
+        # device) and its forward FLOPs per device: what selective
+        # recomputation drops and runs again.
+        self.attention_internal = np.zeros(n)
+        self.attention_flops = np.zeros(n)
         self.tp_bytes_fwd, self.tp_bytes_bwd = np.zeros(n), np.zeros(n)
         self.tp_count_fwd, self.tp_count_bwd = np.zeros(n), np.zeros(n)
         # Under sequence parallelism: each hidden-split embedding's output
@@ -271,12 +282,16 @@ class Layout:
                 self.flops_repl[i] += w.flops
                 self.conv_repl[i] += w.flops * w.conv
         att = op.attention_flops
+        share = 1.0
         if attention_split and att:
             self.flops_split[i] += att
             internal -= op.attention_internal * (1 - 1 / t)
+            share = 1 / t
         else:
             self.flops_repl[i] += att
         self.internal[i] = internal + op.attention_internal
+        self.attention_internal[i] = op.attention_internal * share
+        self.attention_flops[i] = att * share
         return blocks
 
     def _add_collectives(self, i, op, entries, itemsize):
@@ -360,7 +375,8 @@ class Layout:
                 "flops_split", "flops_repl", "conv_split", "conv_repl",
                 "convs", "layer_ops", "tp_bytes_fwd", "tp_bytes_bwd",
                 "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
-                "resplit_count", "kept", "internal")}
+                "resplit_count", "kept", "internal", "attention_internal",
+                "attention_flops")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3],
                           weighted=(state[:, 3] > 0).astype(float))
@@ -485,16 +501,20 @@ def _model_axis(layout, total, *, r, b, m, link, shared):
 
 
 def _internals(layout, total, *, recompute, d, fsdp, span):
-    """Bytes per sample kept inside a stage's layers: all of them, or with
+    """Bytes per sample kept inside a stage's layers: all of them, without
+    the attention cores' with selective recomputation, or with full
     recomputation the largest one layer's (recomputed one at a time)."""
-    if recompute:
+    if recompute == "full":
         return layout.stage_max("internal", d, fsdp, *span)
+    internal = total("internal")
+    if recompute == "selective":
+        internal = internal - total("attention_internal")
     if layout.sequence_parallel:
         # Sequence parallelism gathers the split tokens before a column-
         # parallel layer (the input its backward all-reduce has): that layer
         # keeps the gathered input whole.
-        return total("internal") + total("tp_bytes_bwd")
-    return total("internal")
+        return internal + total("tp_bytes_bwd")
+    return internal
 
 
 def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared,
@@ -586,8 +606,8 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     links = {"model": cluster.link(t, 1), "pipe": cluster.link(p, t),
              "data": cluster.link(d, t * p)}
     shared = cluster.shared_host
-    r = 1 if recompute else 0
-    compute = _compute_time(total, t=t, work=(3 + r) * b, cluster=cluster)
+    r = 1 if recompute == "full" else 0  # collectives run again too
+    compute = _stage_compute(total, t, b, recompute, cluster)
     model_bytes, model_time = _model_axis(layout, total, r=r, b=b, m=m,
                                           link=links["model"], shared=shared)
     trainable = total("trainable")
@@ -649,7 +669,7 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
     """(step seconds, {part: seconds}, executed FLOPs per device) of a
     transformer on a preset cluster (`Cluster.preset`: vendor figures and
     efficiencies), from the per-op roofline `tfpar.estimate` uses
-    (`roofline.py`; a candidate's recomputation is full); otherwise the
+    (`roofline.py`); otherwise the
     α-β model's (step, parts) in `alpha_beta`, FLOPs not counted."""
     if cluster.hardware is None or layout.transformer is None:
         return (*alpha_beta, 0.0)
@@ -658,7 +678,7 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         virtual_stages=virtual_stages,
         schedule="interleaved" if virtual_stages > 1 else schedule,
         sequence_parallel=layout.sequence_parallel,
-        recompute="full" if recompute else None, fsdp=fsdp,
+        recompute=recompute, fsdp=fsdp,
         optimizer_slots=slots)
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
                                batch, cluster.devices_per_host)
@@ -680,11 +700,15 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
     if virtual_stages > 1:  # Megatron's interleaved warm-up, in stages' worth
         in_flight = in_flight * (1 + (p - 1) / (p * virtual_stages))
     # Every micro-batch in flight keeps its layers' outputs (the next
-    # layers' inputs) and, without recomputation, their internals. With it
-    # the internals are transient: only the one layer being recomputed holds
+    # layers' inputs) and, without full recomputation, their internals
+    # (selective: not the attention cores'). Recomputed internals are
+    # transient: only the one layer (attention core) being recomputed holds
     # them, for one micro-batch at a time (workspace, as fsdp's gathers).
-    saved_internal = 0.0 if recompute else internal * in_flight
-    recomputing = internal if recompute else 0.0
+    full = recompute == "full"
+    saved_internal = 0.0 if full else internal * in_flight
+    recomputing = internal if full else 0.0
+    if recompute == "selective":
+        recomputing = layout.stage_max("attention_internal", d, fsdp, *span)
     return {"params": stored, "gradients": trainable,
             "optimizer": slots * trainable,
             "activations": (kept * in_flight + saved_internal) * mb,
@@ -722,6 +746,18 @@ def _fixed_time(layout, total, lo, hi, *, devices, m, r, slots, cluster):
     # forward third when recomputing).
     convs = m * total("convs") * (3 + r) / 3 * cluster.conv_time
     return (ops * cluster.op_time + convs) * devices
+
+
+def _stage_compute(total, t, b, recompute, cluster):
+    """Seconds per stage of FLOPs for b samples per device: forward and
+    backward (3 × forward), the forward again with full recomputation;
+    selective recomputation runs the attention cores' forward again (QKᵀ
+    and attention over V, no collective)."""
+    full = 1 if recompute == "full" else 0
+    seconds = _compute_time(total, t=t, work=(3 + full) * b, cluster=cluster)
+    if recompute == "selective":
+        seconds = seconds + total("attention_flops") * b / cluster.device_flops
+    return seconds
 
 
 def _compute_time(total, *, t, work, cluster):

@@ -195,8 +195,9 @@ def _raise_nothing_fits(profile, candidates, batch, limit, cluster):
     if not smallest.fsdp:
         helps.append("fsdp (a data axis splitting weights and optimizer "
                      "state)")
-    if not smallest.recompute:
-        helps.append("recomputation")
+    if smallest.recompute != "full":
+        helps.append("full recomputation" if smallest.recompute
+                     else "recomputation")
     helps.append("a smaller global_batch_size (activations)")
     raise ValueError(
         f"No plan for model {profile.name!r} fits in memory_per_device="

@@ -17,9 +17,9 @@ import json
 
 import numpy as np
 
-from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import mesh as mesh_lib
+from tfpar import recompute
 from tfpar import styles as tp
 from tfpar.auto_plan import auto_rules
 from tfpar.pipeline import split
@@ -41,8 +41,11 @@ class Plan:
         axes: ordered mesh axes of size > 1, e.g. {"data": 2, "pipe": 2,
             "model": 2} ({"data": 1} for one device).
         rules: `tfpar.LayoutRules` for the model axis (auto_rules' plan).
-        fsdp, recompute, sequence_parallel: bools (sequence parallelism:
-            the rules hold `SequenceParallel` norms).
+        fsdp, sequence_parallel: bools (sequence parallelism: the rules
+            hold `SequenceParallel` norms).
+        recompute: None, "selective" (each attention layer's core
+            recomputed) or "full" (every layer recomputed): what
+            `apply` sets with `tfpar.recompute.set_recompute`.
         num_microbatches, schedule, stage_boundaries: the pipeline's
             (m = 1 and boundaries None without a pipe axis).
         virtual_stages: model parts per pipeline stage (v > 1: interleaved
@@ -226,9 +229,7 @@ class Plan:
                 "mesh). Build it there, then call plan.apply(model).")
         layers = split.model_graph(model)[1]
         if self.recompute:
-            for layer in layers:  # Keras ops in the graph have no weights
-                if getattr(layer, "trainable_weights", None):
-                    _compat.set_remat_mode(layer, "full")
+            recompute.set_recompute(model, self.recompute)
         if "model" in self.axes:
             rules = auto_rules(model, mesh=strategy.mesh,
                                sequence_parallel=self.sequence_parallel)

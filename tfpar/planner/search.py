@@ -43,7 +43,7 @@ class Candidate:
 
     axes: dict
     fsdp: bool
-    recompute: bool
+    recompute: str  # None, "selective" (the attention core) or "full"
     num_microbatches: int
     schedule: str
     stage_boundaries: list
@@ -72,7 +72,8 @@ class Candidate:
         if self.fsdp:
             extra.append("fsdp")
         if self.recompute:
-            extra.append("recompute")
+            extra.append({"selective": "selective recompute",
+                          "full": "recompute"}[self.recompute])
         return " ".join([axes] + extra)
 
     def to_dict(self):
@@ -83,9 +84,15 @@ class Candidate:
     @classmethod
     def from_dict(cls, d):
         d = dict(d)
+        # Plans saved when recompute was a bool: True was full.
+        d["recompute"] = _OLD_RECOMPUTE.get(d.get("recompute"),
+                                            d.get("recompute"))
         if d.get("estimate"):
             d["estimate"] = cost_lib.Estimate.from_dict(d["estimate"])
         return cls(**d)
+
+
+_OLD_RECOMPUTE = {True: "full", False: None}
 
 
 def factorisations(n):
@@ -185,7 +192,7 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                                         sp)
                 if reject:
                     candidates.append(Candidate(
-                        axes, False, False, 1, "1f1b", None, rejected=reject,
+                        axes, False, None, 1, "1f1b", None, rejected=reject,
                         sequence_parallel=sp))
                     continue
                 candidates += _candidates(profile, layouts[key], axes,
@@ -240,10 +247,13 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
     stages = _cuts(_stage_cost(layout), p) if p > 1 else [0]
     boundaries = [profile.ops[i].name for i in stages[1:]] if p > 1 else None
     found = []
+    # Selective recomputation only where there is attention to recompute.
+    recomputes = ((None, "selective", "full") if layout.attention_flops.any()
+                  else (None, "full"))
     for m, schedule, fsdp, recompute in itertools.product(
             microbatch_counts(global_batch_size // d, p),
             ("1f1b", "gpipe") if p > 1 else ("1f1b",),
-            (False, True) if d > 1 else (False,), (False, True)):
+            (False, True) if d > 1 else (False,), recomputes):
         c = Candidate(dict(axes), fsdp, recompute, m, schedule, boundaries,
                       sequence_parallel=layout.sequence_parallel,
                       stage_starts=[int(i) for i in stages] if p > 1 else None)

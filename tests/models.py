@@ -323,3 +323,27 @@ def host_deep_mlp():
         for width, name in ((32, "up0"), (16, "down0"), (32, "up1"),
                             (16, "down1"))] + [
         keras.layers.Dense(3, name="head")], name="deep_mlp")
+
+
+def train_plan_beside_one_device(plan, build, vocab=64, seq_len=16):
+    """Fits `build()` on one device and `plan.apply(build())` (in the plan's
+    scope, from the same initial weights) one epoch of 32 random token
+    sequences, batch 16, with SGD. Returns (the planned model, the one-device
+    model, the planned losses, the one-device losses)."""
+    keras.utils.set_random_seed(0)
+    reference = build()
+    weights = reference.get_weights()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, (32, seq_len)).astype("int32")
+    y = rng.integers(0, vocab, (32, seq_len)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference.compile(optimizer="sgd", loss=loss)
+    expected = reference.fit(x, y, batch_size=16, shuffle=False,
+                             verbose=0).history["loss"]
+    with plan.strategy().scope():
+        model = build()
+        model.set_weights(weights)
+        model = plan.apply(model)
+        model.compile(optimizer="sgd", loss=loss)
+    got = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    return model, reference, got, expected

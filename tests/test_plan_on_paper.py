@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
 from gpt import build_gpt  # noqa: E402
+from models import train_plan_beside_one_device  # noqa: E402
 import planner_published  # noqa: E402
 
 TABLE1 = [r for r in planner_published.ROWS if r.startswith("N21-T1")]
@@ -137,24 +138,10 @@ def test_an_interleaved_plan_applies_trains_in_parity_and_saves(tmp_path):
     assert loaded.virtual_stages == 2
     assert loaded.stage_boundaries == applied.stage_boundaries
     assert "interleaved v=2" in repr(loaded)
-    keras.utils.set_random_seed(0)
-    reference = build()
-    weights = reference.get_weights()
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 64, (32, 16)).astype("int32")
-    y = rng.integers(0, 64, (32, 16)).astype("int32")
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    reference.compile(optimizer="sgd", loss=loss)
-    expected = reference.fit(x, y, batch_size=16, shuffle=False,
-                             verbose=0).history["loss"]
-    with applied.strategy().scope():
-        model = build()
-        model.set_weights(weights)
-        model = applied.apply(model)
-        assert isinstance(model, tfpar.PipelineModel)
-        assert model.virtual_stages == 2
-        model.compile(optimizer="sgd", loss=loss)
-    got = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    model, reference, got, expected = train_plan_beside_one_device(
+        applied, build)
+    assert isinstance(model, tfpar.PipelineModel)
+    assert model.virtual_stages == 2
     np.testing.assert_allclose(got, expected, rtol=1e-4)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
 from gpt import build_gpt  # noqa: E402
+from models import train_plan_beside_one_device  # noqa: E402
 from planner_paper import a100_cluster as _a100s  # noqa: E402
 from planner_paper import paper_gpt as _paper_gpt  # noqa: E402
 
@@ -375,22 +376,8 @@ def test_sequence_parallel_candidate_applies_and_trains_in_parity():
     assert applied.sequence_parallel
     assert any(isinstance(s, tfpar.SequenceParallel)
                for _, s in applied.rules.items())
-    keras.utils.set_random_seed(0)
-    reference = build()
-    weights = reference.get_weights()
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 64, (32, 16)).astype("int32")
-    y = rng.integers(0, 64, (32, 16)).astype("int32")
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    reference.compile(optimizer="sgd", loss=loss)
-    expected = reference.fit(x, y, batch_size=16, shuffle=False,
-                             verbose=0).history["loss"]
-    with applied.strategy().scope():
-        model = build()
-        model.set_weights(weights)
-        model = applied.apply(model)
-        model.compile(optimizer="sgd", loss=loss)
-    got = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    model, reference, got, expected = train_plan_beside_one_device(
+        applied, build)
     np.testing.assert_allclose(got, expected, rtol=1e-4)
     for a, b in zip(model.weights, reference.weights):
         assert a.path == b.path

@@ -82,6 +82,28 @@ def test_memory_report_names_layers_by_their_weights_paths(strategy):
         report[device]["activations"])
 
 
+def test_memory_report_keeps_auto_named_layers_apart():
+    """Keras names them dense, dense_1, ...; the traced step's scope of
+    layer "dense" is "dense_1" (TF's suffix), which is not layer dense_1."""
+    def four_dense():
+        return keras.Sequential(
+            [keras.Input((8,))]
+            + [keras.layers.Dense(16, activation="relu") for _ in range(4)])
+
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH))
+    model = compiled(strategy, four_dense)
+    report = tfpar.memory_report(model, np.ones((16, 8), "float32"),
+                                 np.ones((16, 16), "float32"))
+    names = [layer.name for layer in model.layers]
+    assert names[1:] == [f"{names[0]}_{i}" for i in (1, 2, 3)], names
+    layers = {name for name in report.by_layer
+              if not name.startswith("compile_loss/")}
+    assert layers == {layer.path for layer in model.layers}, layers
+    device = strategy.mesh.devices[0]
+    assert sum(v["activations"] for v in report.by_layer.values()) == (
+        report[device]["activations"])
+
+
 def test_layer_paths_of_a_keras_hub_step_are_the_weights_paths():
     import hub_models  # noqa: PLC0415
 

@@ -5,6 +5,7 @@ and with the calibration's spread, and the warning for a strategy with
 rules whose scope was never entered.
 """
 
+import math
 import warnings
 import weakref
 
@@ -185,6 +186,28 @@ def test_summary_is_compact_above_forty_variables(strategy):
     assert len(full.text.splitlines()) - len(text) >= len(rows) - 30
     assert all(row["path"] in full.text for row in full)
     assert [r["path"] for r in full] == [r["path"] for r in rows]
+
+
+def test_compact_summary_labels_slot_groups_and_keeps_devices_apart():
+    def slot(path, shape, devices):
+        return {"section": "optimizer", "kind": "optimizer", "path": path,
+                "shape": shape, "spec": (None,) * len(shape),
+                "block_shape": shape, "bytes_per_device": 4 * math.prod(shape),
+                "devices": devices}
+
+    stage_0, stage_1 = ["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]
+    rows = [slot(f"sgd/{name}{i}_{weight}_momentum", shape, stage_0)
+            for i in range(2)
+            for name, weight, shape in (("up", "kernel", (8, 8)),
+                                        ("up", "bias", (8,)),
+                                        ("down", "kernel", (8, 8)))]
+    rows += [slot("sgd/head_kernel_momentum", (8, 4), stage_1),
+             slot("sgd/head_bias_momentum", (4,), stage_1)]
+    folded = visualize._folded_rows(rows)
+    # One row per stage, labelled by the slot kind, not by its first row.
+    assert [(r["path"], r["devices"], r["bytes_per_device"]) for r in folded
+            ] == [("sgd/*_momentum (x6)", stage_0, 4 * 2 * (64 + 8 + 64)),
+                  ("sgd/*_momentum (x2)", stage_1, 4 * (32 + 4))]
 
 
 def test_summary_of_a_small_model_lists_every_variable(strategy):

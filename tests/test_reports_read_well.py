@@ -266,8 +266,7 @@ def _fit_plain_model():
         for _ in range(2):
             model.fit(np.ones((8, 8)), np.ones((8, 16)), verbose=0)
             model.train_function = None  # made again by the next fit
-    return [str(w.message) for w in caught
-            if "scope never entered" in str(w.message)]
+    return [w for w in caught if "scope never entered" in str(w.message)]
 
 
 def test_a_model_trained_outside_a_strategy_with_rules_warns_once(
@@ -275,8 +274,11 @@ def test_a_model_trained_outside_a_strategy_with_rules_warns_once(
     monkeypatch.setattr(strategy_lib, "_NEVER_ENTERED", weakref.WeakSet())
     forgotten = tfpar.ParallelStrategy(tfpar.Mesh(MESH),  # noqa: F841
                                        rules={r".*up/kernel": (None, "model")})
-    messages = _fit_plain_model()
+    caught = _fit_plain_model()
+    messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
+    # It points at the user's line (here, `fit` in this file), not Keras'.
+    assert caught[0].filename == __file__, caught[0].filename
     assert "Model 'sequential" in messages[0]
     assert ("{'data': 2, 'model': 4} whose layout rules match its weights "
             "(e.g. '.*up/kernel')") in messages[0]

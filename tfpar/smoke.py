@@ -289,8 +289,9 @@ class _Runs:
             _relative_differences(trained.updates, reference.updates),
             tolerances)
         result.step_ms, result.reference_ms = trained.step_ms, reference.step_ms
-        passed = math.isfinite(result.error) and result.error <= result.tolerance
-        result.status = "PASS" if passed else "FAIL"
+        within = math.isfinite(result.error) and (
+            result.error <= result.tolerance)
+        result.status = "PASS" if within else "FAIL"
         return result
 
     def reference(self, policy):

@@ -160,9 +160,9 @@ class LayerPaths:
     without the `_<n>` suffix TF added: the bare name first when the
     model's own scope had that suffix (then "dense_1" is auto-named layer
     "dense"'s scope, not layer "dense_1"'s), else the name as it is; what
-    follows the innermost layer (the op's own scopes) is dropped. A scope whose first component
-    is no layer of `model` keeps its first two components (e.g.
-    "compile_loss/sparse_categorical_crossentropy").
+    follows the innermost layer (the op's own scopes) is dropped. A scope
+    whose first component is no layer of `model` keeps its first two
+    components (e.g. "compile_loss/sparse_categorical_crossentropy").
 
     Example:
 

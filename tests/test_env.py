@@ -2,12 +2,14 @@
 and its smoke check."""
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -378,6 +380,43 @@ def test_smoke_planted_failures_are_reported_and_exit_nonzero(
     assert "RuntimeError: planted: the data-parallel step broke\nline 2" in failure
     assert re.search(r"at .*test_env\.py:\d+ in broken_step", failure)
     assert f"max rel. error {error:.2e} > tolerance 1.0e-04" in report
+
+
+def test_smoke_nan_or_inf_in_any_weight_update_fails():
+    """A NaN after the first weight used to vanish in max(); now any
+    non-finite update is an infinite error, and the check FAILs."""
+    reference = [np.ones((2, 2)), np.ones(3), np.ones(3)]
+    for bad in (np.nan, np.inf):
+        updates = [np.ones((2, 2)), np.array([1.0, bad, 1.0]), np.ones(3)]
+        assert smoke._relative_differences(updates, reference) == [
+            0.0, math.inf, 0.0]
+    runs = smoke._Runs(initial=[np.zeros(3)] * 3, data=None,
+                       reference_device="CPU:0")
+    runs.references["float32"] = smoke._Trained(reference, 1.0)
+    runs.parallel = lambda check: smoke._Trained(updates, 1.0)
+    check = smoke.Check("data", "data parallel", {"data": 8})
+    result = runs.check(check)
+    assert (result.status, result.error, result.tolerance) == (
+        "FAIL", math.inf, smoke.FLOAT32_TOLERANCE)
+
+
+def test_smoke_mixed_precision_bound_is_per_weight(monkeypatch):
+    """bfloat16: a 5% error planted in one kernel's update FAILs, though
+    the first kernel's own bfloat16 rounding moves its update ~10% (one
+    bound for all weights let it pass)."""
+    names = [w.path for w in smoke._build("float32").weights]
+    planted = names.index("smoke_mlp/down1/kernel")
+    original_parallel = smoke._Runs.parallel
+
+    def five_percent_off(runs, check):
+        trained = original_parallel(runs, check)
+        trained.updates[planted] = trained.updates[planted] * 1.05
+        return trained
+
+    monkeypatch.setattr(smoke._Runs, "parallel", five_percent_off)
+    (check,) = smoke.run(["bfloat16"]).checks
+    assert check.status == "FAIL", check
+    assert 0.04 < check.error < 0.07 and check.tolerance < 0.04, check
 
 
 def test_smoke_json_and_its_flags(capsys):

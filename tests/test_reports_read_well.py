@@ -5,6 +5,7 @@ and with the calibration's spread, and the warning for a strategy with
 rules whose scope was never entered.
 """
 
+import math
 import warnings
 import weakref
 
@@ -77,6 +78,28 @@ def test_memory_report_names_layers_by_their_weights_paths(strategy):
     for name in layers:
         assert any(line.startswith(name + " ") for line in text.splitlines())
     # Renaming loses no byte.
+    device = strategy.mesh.devices[0]
+    assert sum(v["activations"] for v in report.by_layer.values()) == (
+        report[device]["activations"])
+
+
+def test_memory_report_keeps_auto_named_layers_apart():
+    """Keras names them dense, dense_1, ...; the traced step's scope of
+    layer "dense" is "dense_1" (TF's suffix), which is not layer dense_1."""
+    def four_dense():
+        return keras.Sequential(
+            [keras.Input((8,))]
+            + [keras.layers.Dense(16, activation="relu") for _ in range(4)])
+
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH))
+    model = compiled(strategy, four_dense)
+    report = tfpar.memory_report(model, np.ones((16, 8), "float32"),
+                                 np.ones((16, 16), "float32"))
+    names = [layer.name for layer in model.layers]
+    assert names[1:] == [f"{names[0]}_{i}" for i in (1, 2, 3)], names
+    layers = {name for name in report.by_layer
+              if not name.startswith("compile_loss/")}
+    assert layers == {layer.path for layer in model.layers}, layers
     device = strategy.mesh.devices[0]
     assert sum(v["activations"] for v in report.by_layer.values()) == (
         report[device]["activations"])
@@ -165,6 +188,28 @@ def test_summary_is_compact_above_forty_variables(strategy):
     assert [r["path"] for r in full] == [r["path"] for r in rows]
 
 
+def test_compact_summary_labels_slot_groups_and_keeps_devices_apart():
+    def slot(path, shape, devices):
+        return {"section": "optimizer", "kind": "optimizer", "path": path,
+                "shape": shape, "spec": (None,) * len(shape),
+                "block_shape": shape, "bytes_per_device": 4 * math.prod(shape),
+                "devices": devices}
+
+    stage_0, stage_1 = ["CPU:0", "CPU:1"], ["CPU:2", "CPU:3"]
+    rows = [slot(f"sgd/{name}{i}_{weight}_momentum", shape, stage_0)
+            for i in range(2)
+            for name, weight, shape in (("up", "kernel", (8, 8)),
+                                        ("up", "bias", (8,)),
+                                        ("down", "kernel", (8, 8)))]
+    rows += [slot("sgd/head_kernel_momentum", (8, 4), stage_1),
+             slot("sgd/head_bias_momentum", (4,), stage_1)]
+    folded = visualize._folded_rows(rows)
+    # One row per stage, labelled by the slot kind, not by its first row.
+    assert [(r["path"], r["devices"], r["bytes_per_device"]) for r in folded
+            ] == [("sgd/*_momentum (x6)", stage_0, 4 * 2 * (64 + 8 + 64)),
+                  ("sgd/*_momentum (x2)", stage_1, 4 * (32 + 4))]
+
+
 def test_summary_of_a_small_model_lists_every_variable(strategy):
     model = compiled(strategy, lambda: blocks_model(1))
     rows = tfpar.summary(model, print_fn=None)
@@ -221,8 +266,7 @@ def _fit_plain_model():
         for _ in range(2):
             model.fit(np.ones((8, 8)), np.ones((8, 16)), verbose=0)
             model.train_function = None  # made again by the next fit
-    return [str(w.message) for w in caught
-            if "scope never entered" in str(w.message)]
+    return [w for w in caught if "scope never entered" in str(w.message)]
 
 
 def test_a_model_trained_outside_a_strategy_with_rules_warns_once(
@@ -230,8 +274,11 @@ def test_a_model_trained_outside_a_strategy_with_rules_warns_once(
     monkeypatch.setattr(strategy_lib, "_NEVER_ENTERED", weakref.WeakSet())
     forgotten = tfpar.ParallelStrategy(tfpar.Mesh(MESH),  # noqa: F841
                                        rules={r".*up/kernel": (None, "model")})
-    messages = _fit_plain_model()
+    caught = _fit_plain_model()
+    messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
+    # It points at the user's line (here, `fit` in this file), not Keras'.
+    assert caught[0].filename == __file__, caught[0].filename
     assert "Model 'sequential" in messages[0]
     assert ("{'data': 2, 'model': 4} whose layout rules match its weights "
             "(e.g. '.*up/kernel')") in messages[0]

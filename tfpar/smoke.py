@@ -5,10 +5,11 @@ into an issue. Each check trains a small MLP (up/down pairs, a layer norm)
 for a few steps under tfpar on one way of splitting it over the devices —
 data parallel, tensor parallel, fsdp, a 2-stage pipeline, mixed precision —
 and the same steps on one device from the same weights, then compares the
-two. A check PASSes when the largest relative difference of the weights'
-updates is within its tolerance; one that raises is reported FAIL with its
-exception, and the others still run. Each check's median step time is
-timed next to one device's.
+two. A check PASSes when each weight's update is within that weight's
+tolerance of one device's (relative difference; a NaN or an infinity
+FAILs; the report shows the weight nearest its bound); one that raises
+is reported FAIL with its exception, and the others still run. Each
+check's median step time is timed next to one device's.
 
 The devices are TensorFlow's: the TPU cores if a TPU was connected
 (`tfpar.connect_tpu`), else the GPUs, else the CPU split into virtual CPUs
@@ -26,6 +27,7 @@ Example (on 8 virtual CPUs, as the tests run it):
 """
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -43,10 +45,12 @@ from tfpar.strategy import ParallelStrategy
 
 # float32: the house parity bound, relative to one device's weight update.
 FLOAT32_TOLERANCE = 1e-4
-# Mixed precision: the sharded run may differ from one device's mixed run by
-# up to this many times one device's own mixed-vs-float32 difference (the
-# mesh sums partial gradients in the low precision: a few more roundings).
+# Mixed precision: each weight's sharded update may differ from one device's
+# mixed one by up to this many times that weight's own one-device
+# mixed-vs-float32 difference (the mesh sums partial gradients in the low
+# precision: a few more roundings), plus MIXED_FLOOR.
 MIXED_SLACK = 3.0
+MIXED_FLOOR = 1e-3
 PARITY_STEPS = 4
 TIMED_STEPS = 5
 SAMPLES_PER_DEVICE = 8
@@ -275,14 +279,19 @@ class _Runs:
             return result
         try:
             reference = self.reference(check.policy)
-            result.tolerance = self.tolerance(check.policy)
+            tolerances = self.tolerances(check.policy)
+            result.tolerance = min(tolerances)
             trained = self.parallel(check)
         except Exception as e:  # a report of it is the check's result
             result.status, result.failure = "FAIL", _describe(e)
             return result
-        result.error = _relative_difference(trained.updates, reference.updates)
+        result.error, result.tolerance = _worst_weight(
+            _relative_differences(trained.updates, reference.updates),
+            tolerances)
         result.step_ms, result.reference_ms = trained.step_ms, reference.step_ms
-        result.status = "PASS" if result.error <= result.tolerance else "FAIL"
+        within = math.isfinite(result.error) and (
+            result.error <= result.tolerance)
+        result.status = "PASS" if within else "FAIL"
         return result
 
     def reference(self, policy):
@@ -294,12 +303,13 @@ class _Runs:
                 self.references[policy] = self.train(model)
         return self.references[policy]
 
-    def tolerance(self, policy):
+    def tolerances(self, policy):
+        """Each weight's bound on its update's relative difference."""
         if policy == "float32":
-            return FLOAT32_TOLERANCE
-        precision = _relative_difference(self.reference(policy).updates,
-                                         self.reference("float32").updates)
-        return MIXED_SLACK * precision
+            return [FLOAT32_TOLERANCE] * len(self.initial)
+        precision = _relative_differences(self.reference(policy).updates,
+                                          self.reference("float32").updates)
+        return [MIXED_SLACK * p + MIXED_FLOOR for p in precision]
 
     def parallel(self, check):
         strategy = ParallelStrategy(_mesh.Mesh(check.axes), rules=check.rules,
@@ -342,11 +352,26 @@ class _StepWatch(keras.callbacks.Callback):
             self.weights = self.model.get_weights()
 
 
-def _relative_difference(updates, reference_updates):
-    """max over weights of max|u - r| / max|r|: how far each weight's update
-    is from one device's, relative to the size of that update."""
-    return max(float(np.max(np.abs(u - r)) / max(np.max(np.abs(r)), 1e-30))
-               for u, r in zip(updates, reference_updates))
+def _relative_differences(updates, reference_updates):
+    """Each weight's max|u - r| / max|r|: how far its update is from one
+    device's, relative to the size of that update; inf when either update
+    holds a NaN or an infinity (a NaN would otherwise compare as small)."""
+    differences = []
+    for u, r in zip(updates, reference_updates):
+        if not (np.all(np.isfinite(u)) and np.all(np.isfinite(r))):
+            differences.append(float("inf"))
+            continue
+        scale = max(float(np.max(np.abs(r), initial=0.0)), 1e-30)
+        differences.append(float(np.max(np.abs(u - r), initial=0.0)) / scale)
+    return differences
+
+
+def _worst_weight(errors, tolerances):
+    """(error, tolerance) of the weight with the largest error / tolerance:
+    the check passes when that weight's error is within its tolerance. A
+    non-finite error is the worst."""
+    return max(zip(errors, tolerances), key=lambda pair: (
+        pair[0] / pair[1] if math.isfinite(pair[0]) else math.inf))
 
 
 def _describe(error, lines=8, frames=3):

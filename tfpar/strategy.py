@@ -15,6 +15,8 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 """
 
 import gc
+import os
+import sys
 import types
 import warnings
 import weakref
@@ -498,6 +500,21 @@ def _adopt_and_offload(model, strategy):
 # Strategies with rules whose scope was never entered: a model trained
 # outside them ignores their rules (`warn_if_never_entered`).
 _NEVER_ENTERED = weakref.WeakSet()
+# The libraries between a user's `fit` and tfpar's warnings about it.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (keras.__file__, tf.__file__, __file__))
+
+
+def _user_stacklevel():
+    """`warnings.warn`'s stacklevel (for a call made by this function's
+    caller) of the first frame outside keras, TensorFlow and tfpar: the
+    user's line that started it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(
+            _LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def warn_if_never_entered(model):
@@ -520,7 +537,8 @@ def warn_if_never_entered(model):
             f"{strategy.mesh.shape} whose layout rules match its weights "
             f"(e.g. {matched!r}) was made and its scope never entered, so "
             "its rules lay out nothing. Build and compile the model inside "
-            "`with strategy.scope():`.", UserWarning, stacklevel=4)
+            "`with strategy.scope():`.", UserWarning,
+            stacklevel=_user_stacklevel())
 
 
 def compat_hooks():

@@ -156,11 +156,13 @@ class LayerPaths:
     "gpt2_causal_lm_1/gpt2_backbone_1/transformer_layer_0_1/
     self_attention_1/query_1/einsum/Einsum:0" of a keras-hub GPT-2 reads
     "transformer_layer_0/self_attention/query". Each scope component is
-    matched to a layer nested in the one before (by its name, else by its
-    name without the `_<n>` suffix TF added); what follows the innermost
-    layer (the op's own scopes) is dropped. A scope whose first component
-    is no layer of `model` keeps its first two components (e.g.
-    "compile_loss/sparse_categorical_crossentropy").
+    matched to a layer nested in the one before, by its name or by its name
+    without the `_<n>` suffix TF added: the bare name first when the
+    model's own scope had that suffix (then "dense_1" is auto-named layer
+    "dense"'s scope, not layer "dense_1"'s), else the name as it is; what
+    follows the innermost layer (the op's own scopes) is dropped. A scope
+    whose first component is no layer of `model` keeps its first two
+    components (e.g. "compile_loss/sparse_categorical_crossentropy").
 
     Example:
 
@@ -177,10 +179,12 @@ class LayerPaths:
         scope = layer_scope(tensor_name)
         components = scope.split("/")
         layer, path = self._model, None
+        uniquified = False  # whether TF suffixed the model's own scope
         if _matches(components[0], self._model.name):
+            uniquified = components[0] != self._model.name
             components, path = components[1:], self._model.name
         for component in components:
-            inner = self._find(layer, component)
+            inner = self._find(layer, component, uniquified)
             if inner is None:
                 break
             path = inner.path or (inner.name if layer is self._model
@@ -190,16 +194,20 @@ class LayerPaths:
             return "/".join(scope.split("/")[:2])
         return path
 
-    def _find(self, layer, component):
-        """The layer nested in `layer` that scope `component` names."""
+    def _find(self, layer, component, uniquified):
+        """The layer nested in `layer` that scope `component` names; its
+        name without TF's suffix is tried first when `uniquified`."""
         if id(layer) not in self._nested:
             self._nested[id(layer)] = _compat.all_layers(layer,
                                                          include_self=False)
         nested = self._nested[id(layer)]
-        return (next((inner for inner in nested if inner.name == component),
-                     None)
-                or next((inner for inner in nested
-                         if _matches(component, inner.name)), None))
+        bare = _UNIQUIFIED.sub("", component)
+        for name in ((bare, component) if uniquified else (component, bare)):
+            inner = next((inner for inner in nested if inner.name == name),
+                         None)
+            if inner is not None:
+                return inner
+        return None
 
 
 def _matches(component, name):

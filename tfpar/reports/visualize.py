@@ -560,33 +560,42 @@ _SLOT_SECTIONS = ("optimizer", "optimizer, once built")
 def _folded_rows(rows):
     """`summary`'s compact rows: one per group of `rows` alike but for a
     number in their paths, one per kind of optimizer slot (its path's
-    last "_" word, e.g. "momentum"); bytes summed over the group."""
+    last "_" word, e.g. "momentum"), each group's rows on the same devices
+    (a pipeline's stages fold apart); bytes summed over the group."""
     groups = {}
     for row in rows:
-        if row["section"] in _SLOT_SECTIONS and row["kind"] == "optimizer" \
-                and "/" in row["path"]:
-            owner, name = row["path"].split("/", 1)
-            key = (row["section"], f"{owner}/*_{name.rsplit('_', 1)[-1]}")
+        devices = tuple(row["devices"])
+        slots = _slot_pattern(row)
+        if slots is not None:
+            key = (row["section"], slots, devices)
         else:
             key = (row["section"], _NUMBER.sub("#", row["path"]),
                    row["shape"], row["spec"], row["block_shape"],
-                   row["bytes_per_device"])
+                   row["bytes_per_device"], devices)
         groups.setdefault(key, []).append(row)
     return [group[0] if len(group) == 1 else _fold(group)
             for group in groups.values()]
 
 
+def _slot_pattern(row):
+    """"sgd/*_momentum" for an optimizer slot's row, else None."""
+    if (row["section"] not in _SLOT_SECTIONS or row["kind"] != "optimizer"
+            or "/" not in row["path"]):
+        return None
+    owner, name = row["path"].split("/", 1)
+    return f"{owner}/*_{name.rsplit('_', 1)[-1]}"
+
+
 def _fold(group):
-    """One row standing for `group`: the path with its varying numbers as
-    a range ("{0..11}", or "*" if not consecutive) or its slot pattern,
+    """One row standing for `group`: its slot pattern, or the path with its
+    varying numbers as a range ("{0..11}", or "*" if not consecutive),
     "(xN)", shape and spec shared or "(various)", bytes summed."""
-    parts = [_NUMBER.split(row["path"]) for row in group]
-    if all(len(p) == len(parts[0]) for p in parts):
-        path = "".join(_span([p[i] for p in parts]) if i % 2 else parts[0][i]
-                       for i in range(len(parts[0])))
-    else:  # optimizer slots of differently numbered weights
-        owner, name = group[0]["path"].split("/", 1)
-        path = f"{owner}/*_{name.rsplit('_', 1)[-1]}"
+    path = _slot_pattern(group[0])
+    if path is None:  # alike paths: the same numbers of parts
+        parts = [_NUMBER.split(row["path"]) for row in group]
+        path = "".join(
+            _span([p[i] for p in parts]) if i % 2 else parts[0][i]
+            for i in range(len(parts[0])))
 
     def shared(key):
         values = {row[key] for row in group}

@@ -210,3 +210,16 @@ def test_held_out_pairs_of_fsdp_configurations_are_ordered_as_published():
 def test_every_held_out_pair_is_ordered_as_published():
     agree, total, _ = planner_heldout.pair_agreement()
     assert agree == total
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_stage_parameters_sum_to_the_model_with_and_without_a_pipeline(tied):
+    """A tied head is the embedding table: counted once on one stage (p=1:
+    first and last at once), the stages summing to num_params."""
+    model = roofline.Transformer(layers=4, hidden=256, heads=4, seq=128,
+                                 vocab=1000, tied=tied)
+    assert roofline.stage_params(model, 4, True, True) == model.num_params()
+    for p in (2, 4):
+        blocks = roofline._stage_blocks(model.layers, p)
+        assert sum(roofline.stage_params(model, n, s == 0, s == p - 1)
+                   for s, n in enumerate(blocks)) == model.num_params()

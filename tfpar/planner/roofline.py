@@ -407,9 +407,9 @@ def stage_params(model, blocks, first, last):
     params = blocks * model.block_params()
     if first:
         params += model.embedding_params()
-    if last:
+    if last:  # the final norm; a tied head is the first stage's table
         params += 2 * model.hidden + (
-            0 if model.tied and not first else model.vocab * model.hidden)
+            0 if model.tied else model.vocab * model.hidden)
     return params
 
 

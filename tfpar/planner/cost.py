@@ -93,6 +93,7 @@ import dataclasses
 import math
 import re
 
+import keras
 import numpy as np
 
 from tfpar import layout as layout_lib
@@ -678,12 +679,19 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         virtual_stages=virtual_stages,
         schedule="interleaved" if virtual_stages > 1 else schedule,
         sequence_parallel=layout.sequence_parallel,
-        recompute=recompute, fsdp=fsdp,
+        recompute=recompute, fsdp=fsdp, flash=flash_attention(),
         optimizer_slots=slots)
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
                                batch, cluster.devices_per_host)
     step = parts.pop("total")
     return step, parts, parts.pop("executed_flops")
+
+
+def flash_attention():
+    """Whether the roofline costs attention as a fused kernel: Keras'
+    flash attention explicitly on (`is_flash_attention_enabled()` is True;
+    None, its default, is "when the backend can", not costed as fused)."""
+    return keras.config.is_flash_attention_enabled() is True
 
 
 def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,

@@ -108,7 +108,7 @@ def estimate(model, global_batch_size, *, cluster, axes,
         virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
         recompute=recompute, fsdp=fsdp,
         slots=cost_lib.optimizer_slots(optimizer),
-        flash=keras.config.is_flash_attention_enabled() is True)
+        flash=cost_lib.flash_attention())
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 

@@ -3,6 +3,7 @@ model against the development set of published training runs
 (`benchmarks/planner_published.py`), never above peak, a trillion-parameter
 GPT read from a builder in seconds."""
 
+import dataclasses
 import os
 import sys
 import time
@@ -119,7 +120,7 @@ def test_recomputation_and_schedules_order_the_step_times():
     assert none["total"] < selective["total"] < full["total"]
     assert selective["recompute"] < 0.2 * full["recompute"]
     interleaved = step(recompute="full", virtual_stages=3)
-    assert interleaved["bubble"] == pytest.approx(full["bubble"] / 3, rel=0.05)
+    assert interleaved["bubble"] == pytest.approx(full["bubble"] / 3, rel=0.01)
     memory = [sum(roofline.memory(gpt, roofline.Parallel(
         pipe=8, model=8, recompute=r), 64).values())
         for r in roofline.RECOMPUTE]
@@ -223,3 +224,20 @@ def test_stage_parameters_sum_to_the_model_with_and_without_a_pipeline(tied):
         blocks = roofline._stage_blocks(model.layers, p)
         assert sum(roofline.stage_params(model, n, s == 0, s == p - 1)
                    for s, n in enumerate(blocks)) == model.num_params()
+
+
+def test_fsdp_first_gather_is_one_block_of_the_stage():
+    """With fsdp each micro-batch's first gather (nothing hides it) moves
+    one block's weights: a stage of 4 blocks of an 8-block model with a
+    pipe axis gathers as much as a 4-block model without one."""
+    hw = dataclasses.replace(hardware.PRESETS["a100-80gb"],
+                             collective_share=0.0)  # what overlaps is free
+
+    def first_gather(layers, pipe):
+        model = roofline.Transformer(layers=layers, hidden=1024, heads=16,
+                                     seq=2048, vocab=128,
+                                     position_embedding=False)
+        cfg = roofline.Parallel(data=2, pipe=pipe, microbatch=8, fsdp=True)
+        return roofline.step_time(model, cfg, hw, 16 * pipe)["data"] / pipe
+
+    assert first_gather(8, 2) == pytest.approx(first_gather(4, 1), rel=0.01)

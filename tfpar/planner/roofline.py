@@ -421,7 +421,8 @@ def _overlapped(comm, compute, share):
     return comm - hidden + hidden * share
 
 
-def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
+def _data_axis(model, cfg, cluster, hw, params, *, blocks, backward,
+               microbatches):
     """Exposed seconds of the data axis: the gradients' all-reduce (or
     ZeRO-1's reduce-scatter and all-gather, the same ring time) beyond the
     last micro-batch's backward pass — all of it without `grad_overlap`
@@ -433,7 +434,7 @@ def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
     overlaps costs the compute it runs beside `hw.collective_share` of its
     time (the cores NCCL's kernels occupy). Each block's weights are one
     collective (a gradient bucket, an fsdp unit): its latency is paid per
-    block."""
+    block; the first gather is one of the stage's `blocks` blocks."""
     d = cfg.data
     if d == 1:
         return 0.0
@@ -447,7 +448,7 @@ def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
                            share)
     per_microbatch = (2 * ring("all-gather", nbytes, d, ab, units)
                       + ring("reduce-scatter", nbytes, d, ab, units))
-    first_gather = ring("all-gather", nbytes / model.layers, d, ab)
+    first_gather = ring("all-gather", nbytes / max(1, blocks), d, ab)
     return microbatches * (first_gather + _overlapped(
         per_microbatch, 1.5 * backward, share))
 
@@ -471,8 +472,8 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
         backward = (parts["backward"].total() * blocks
                     + recompute.total() + model_axis / 2)
         params = stage_params(model, blocks, first, last)
-        data = _data_axis(model, cfg, cluster, hw, params, backward=backward,
-                          microbatches=m)
+        data = _data_axis(model, cfg, cluster, hw, params, blocks=blocks,
+                          backward=backward, microbatches=m)
         local = params / cfg.model / (
             cfg.data if cfg.fsdp or cfg.zero1 else 1)
         update = local * (22 + 8 * cfg.optimizer_slots) / dev.bandwidth

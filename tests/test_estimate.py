@@ -241,3 +241,20 @@ def test_fsdp_first_gather_is_one_block_of_the_stage():
         return roofline.step_time(model, cfg, hw, 16 * pipe)["data"] / pipe
 
     assert first_gather(8, 2) == pytest.approx(first_gather(4, 1), rel=0.01)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_full_recomputation_rebuilds_one_block_of_activations(
+        sequence_parallel):
+    """Full recomputation's workspace is one block's activations as stored
+    without recomputation (Korthikanti: 10 + 24/t + 5as/(ht), 34/t + ...
+    with sequence parallelism), here with t = 8."""
+    model = roofline.Transformer(layers=8, hidden=1024, heads=16, seq=2048,
+                                 vocab=1000)
+
+    def memory(recompute):  # pipe 2, one micro-batch in flight
+        cfg = roofline.Parallel(pipe=2, model=8, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
+        return roofline.memory(model, cfg, 1)
+    stored = memory(None)["activations"] / 4  # 4 blocks on the stage
+    assert memory("full")["workspace"] == pytest.approx(stored)

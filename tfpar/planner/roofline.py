@@ -504,18 +504,20 @@ def memory(model, cfg, global_batch):
     trainable_split = d if cfg.fsdp else 1
     m = global_batch // (d * cfg.microbatch)
     sbh = model.seq * cfg.microbatch * model.hidden
-    scores = 5.0 * model.heads * model.seq / model.hidden / t
-    if cfg.recompute == "full":
-        per_block = 2.0
-    else:
-        per_block = 34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t
-        if cfg.recompute is None and not cfg.flash:
-            per_block += scores
+    # Korthikanti's bytes per s·b·h of one block: what it stores without
+    # recomputation (the scores dropped by a fused kernel), what a full
+    # recomputation rebuilds one block at a time (the workspace).
+    scores = 0.0 if cfg.flash else (
+        5.0 * model.heads * model.seq / model.hidden / t)
+    whole_block = scores + (
+        34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
+    per_block = {None: whole_block, "selective": whole_block - scores,
+                 "full": 2.0}[cfg.recompute]
     in_flight = m if cfg.schedule == "gpipe" else min(m, p)
     if v > 1:
         in_flight *= 1 + (p - 1) / (p * v)
     activations = per_block * sbh * blocks * in_flight
-    workspace = (34.0 + scores) * sbh if cfg.recompute == "full" else 0.0
+    workspace = whole_block * sbh if cfg.recompute == "full" else 0.0
     if p == 1:  # the logits and their gradient, fp32
         workspace += 8.0 * model.seq * cfg.microbatch * model.vocab / t
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights

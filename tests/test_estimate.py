@@ -6,6 +6,7 @@ GPT read from a builder in seconds."""
 import dataclasses
 import os
 import sys
+import threading
 import time
 
 import keras
@@ -258,3 +259,32 @@ def test_full_recomputation_rebuilds_one_block_of_activations(
         return roofline.memory(model, cfg, 1)
     stored = memory(None)["activations"] / 4  # 4 blocks on the stage
     assert memory("full")["workspace"] == pytest.approx(stored)
+
+
+def test_concurrent_builds_leave_the_optimizer_constructor_as_it_was():
+    """Two threads building without weights at once (the first finishing
+    while the second is inside): BaseOptimizer.__init__ ends as Keras'
+    own, and an optimizer made inside either build works."""
+    base = keras.src.optimizers.base_optimizer.BaseOptimizer
+    original = base.__init__
+    inside, built = threading.Event(), []
+
+    def build_after(seconds, signal=None):
+        def build():
+            if signal is not None:
+                signal.set()
+            keras.optimizers.Adam()  # its step counter is a variable
+            time.sleep(seconds)
+            return build_gpt(vocab=128, seq_len=16, dim=64, heads=4,
+                             layers=2)
+        return lambda: built.append(profile.build_without_weights(build))
+
+    first = threading.Thread(target=build_after(0.2, inside))
+    second = threading.Thread(target=build_after(0.5))
+    first.start()
+    inside.wait(10)
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert len(built) == 2
+    assert base.__init__ is original

@@ -147,6 +147,30 @@ def test_bad_configurations_are_refused_before_costing():
     assert e.step_time_s > 0 and e.memory_per_device["optimizer"] > 0
 
 
+def test_interleaved_configurations_are_checked_as_the_planner_builds_them():
+    cluster = tfpar.Cluster.preset("h100-sxm")
+    build = gpt_builder(64, 4, 4, vocab=128, seq_len=16)  # 4 blocks
+    axes = {"data": 4, "pipe": 2}
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       schedule="interleaved")
+    with pytest.raises(ValueError, match="num_microbatches=1. Use a multip"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       num_microbatches=1, virtual_stages=2)
+    with pytest.raises(ValueError, match="4 blocks do not split into"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       virtual_stages=4)
+    with pytest.raises(ValueError, match="needs axes with 'pipe' > 1"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
+                       virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       virtual_stages=1.5)
+    e = tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       virtual_stages=2)
+    assert e.step_time_s > 0
+
+
 def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
     import keras_hub  # noqa: PLC0415 (installed; slow to import)
 

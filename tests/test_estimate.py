@@ -312,3 +312,21 @@ def test_concurrent_builds_leave_the_optimizer_constructor_as_it_was():
     second.join(30)
     assert len(built) == 2
     assert base.__init__ is original
+
+
+def test_interleaved_end_stages_send_the_wrap_around_too():
+    """pipe 2, v = 2: chunks 0..3 on stages 0, 1, 0, 1; each stage sends
+    3 times per micro-batch (chunk 1 -> 2 wraps around) against once
+    without interleaving."""
+    model = roofline.Transformer(layers=8, hidden=1024, heads=16, seq=2048,
+                                 vocab=1000)
+    hw = hardware.PRESETS["a100-80gb"]
+
+    def pipe(v):
+        cfg = roofline.Parallel(data=4, pipe=2, virtual_stages=v,
+                                schedule="interleaved" if v > 1 else "1f1b")
+        return (roofline.step_time(model, cfg, hw, 16)["pipe"],
+                roofline.communication_bytes(model, cfg, 16)["pipe"])
+    (seconds, nbytes), (seconds_v, nbytes_v) = pipe(1), pipe(2)
+    assert seconds_v == pytest.approx(3 * seconds)
+    assert nbytes_v == pytest.approx(3 * nbytes)

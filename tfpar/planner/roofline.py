@@ -44,7 +44,8 @@ memory-bound by whichever is larger.
 - Pipeline: each micro-batch sends T·h forward and its gradient back per
   stage boundary (1/t of it over the inter-stage link when t > 1, then an
   all-gather inside the host: Narayanan's scatter-gather), v times with v
-  virtual stages; the step is (m + (p-1)/v) micro-batches of the slowest
+  virtual stages (and the chunks' wrap-around from the last stage to the
+  first: 2v - 1 sends on the end stages, 2v on the others); the step is (m + (p-1)/v) micro-batches of the slowest
   stage (1F1B, interleaved 1F1B and GPipe alike): the bubble is
   (p-1)/v of them.
 - Recomputation: "full" runs each block's forward again (with its
@@ -373,12 +374,15 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
 
 def _pipe_seconds(model, cfg, cluster, hw, stage):
     """Seconds per micro-batch of a stage's sends (activations forward,
-    gradients back) to its neighbours; v times with v virtual stages."""
+    gradients back) to its neighbours. With v virtual stages chunk k lives
+    on stage k mod p and each of the v·p chunks sends to the next and
+    previous one but the ends: 2v sends per stage, one fewer on the first
+    and on the last stage (2v - 1 for those: the wrap-around sends)."""
     p, t = cfg.pipe, cfg.model
     if p == 1:
         return 0.0
     nbytes = cfg.microbatch * model.seq * model.hidden * model.compute_bytes
-    sends = cfg.virtual_stages * ((stage > 0) + (stage < p - 1))
+    sends = 2 * cfg.virtual_stages - (stage == 0) - (stage == p - 1)
     if t * p <= cluster.devices_per_host:
         alpha, beta = hw.intra_latency, hw.intra_bandwidth * hw.network_intra
         gather = 0.0
@@ -546,5 +550,7 @@ def communication_bytes(model, cfg, global_batch):
     return {"model": (blocks * passes + 1) * activation * m
             if cfg.model > 1 else 0.0,
             "data": float(data),
-            "pipe": 2.0 * activation * m * cfg.virtual_stages
+            # first stage: v chunks send forward and receive gradients,
+            # v - 1 receive activations and send gradients.
+            "pipe": (4.0 * cfg.virtual_stages - 2) * activation * m
             if cfg.pipe > 1 else 0.0}

@@ -330,3 +330,22 @@ def test_interleaved_end_stages_send_the_wrap_around_too():
     (seconds, nbytes), (seconds_v, nbytes_v) = pipe(1), pipe(2)
     assert seconds_v == pytest.approx(3 * seconds)
     assert nbytes_v == pytest.approx(3 * nbytes)
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_a_float32_model_is_costed_at_its_peak_with_its_activations(tf32):
+    """float32 compute on an A100: GEMMs at the TF32 peak (156 TFLOP/s)
+    when TensorFlow allows TF32, else at the fp32 one (19.5), never at
+    bf16's 312; activations twice the bf16 model's bytes."""
+    half = roofline.Transformer(layers=4, hidden=2048, heads=16, seq=2048,
+                                vocab=51200)
+    full = dataclasses.replace(half, compute_bytes=4)
+    hw = hardware.PRESETS["a100-80gb"]
+    cfg = roofline.Parallel(data=8, microbatch=4, tf32=tf32)
+    step = roofline.step_time(full, cfg, hw, 32)
+    peak = hw.peak_flops["tensorfloat32" if tf32 else "float32"]
+    assert step["executed_flops"] / step["compute"] <= peak
+    bf16 = roofline.step_time(half, cfg, hw, 32)
+    assert bf16["executed_flops"] / bf16["compute"] > peak
+    assert roofline.memory(full, cfg, 32)["activations"] == pytest.approx(
+        2 * roofline.memory(half, cfg, 32)["activations"])

@@ -110,7 +110,8 @@ def estimate(model, global_batch_size, *, cluster, axes,
         virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
         recompute=recompute, fsdp=fsdp,
         slots=cost_lib.optimizer_slots(optimizer),
-        flash=cost_lib.flash_attention(), layers=transformer.layers)
+        flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
+        layers=transformer.layers)
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 
@@ -153,7 +154,8 @@ def hardware_of(cluster):
 
 def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False, recompute=None,
-                  fsdp=False, slots=2, flash=False, layers=None):
+                  fsdp=False, slots=2, flash=False, tf32=False,
+                  layers=None):
     """The `roofline.Parallel` of `estimate`'s arguments, checked
     (`layers`: the model's transformer blocks, when known)."""
     d, p, t = (axes.get(k, 1) for k in AXES)
@@ -181,7 +183,7 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
         sequence_parallel=bool(sequence_parallel and t > 1),
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
-        optimizer_slots=slots)
+        tf32=tf32, optimizer_slots=slots)
 
 
 def _interleaving(schedule, virtual_stages, *, p, m, layers):

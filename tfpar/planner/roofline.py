@@ -158,6 +158,7 @@ class Parallel:
     recompute: str = None        # None, "selective", "full"
     fsdp: bool = False           # ZeRO-3
     flash: bool = False          # fused attention kernel
+    tf32: bool = False           # float32 matmuls as TF32
     tp_overlap: bool = False     # --tp-comm-overlap (Transformer Engine)
     zero1: bool = False          # optimizer sharded over data (ZeRO-1)
     grad_overlap: bool = True    # data-axis reduction under the backward
@@ -193,9 +194,10 @@ class _Time:
 class _Device:
     """The roofline of one device: GEMMs, streams, collectives."""
 
-    def __init__(self, hw, dtype="bfloat16"):
+    def __init__(self, hw, compute_bytes=2, tf32=False):
         self.hw = hw
-        self.peak = hw.peak(dtype)
+        dtype = "float32" if compute_bytes >= 4 else "bfloat16"
+        self.peak = hw.compute_peak(dtype, tf32)
         self.bandwidth = hw.hbm_bandwidth * hw.hbm
 
     def gemm(self, time, m, n, k, count=1.0, itemsize=2):
@@ -462,7 +464,7 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
     under "total"), and "executed_flops" per device (recomputation
     included)."""
     cluster = _Host(devices_per_host or hw.devices_per_host)
-    dev = _Device(hw)
+    dev = _Device(hw, model.compute_bytes, cfg.tf32)
     parts = _parts(dev, model, cfg, cluster)
     m = global_batch // (cfg.data * cfg.microbatch)
     p, v = cfg.pipe, cfg.virtual_stages
@@ -507,8 +509,9 @@ def memory(model, cfg, global_batch):
     params = stage_params(model, blocks, True, p == 1) / t
     trainable_split = d if cfg.fsdp else 1
     m = global_batch // (d * cfg.microbatch)
-    sbh = model.seq * cfg.microbatch * model.hidden
-    # Korthikanti's bytes per s·b·h of one block: what it stores without
+    sbh = model.seq * cfg.microbatch * model.hidden * model.compute_bytes / 2
+    # Korthikanti's bytes per s·b·h (2-byte activations; `sbh` scales them
+    # to the compute dtype) of one block: what it stores without
     # recomputation (the scores dropped by a fused kernel), what a full
     # recomputation rebuilds one block at a time (the workspace).
     scores = 0.0 if cfg.flash else (

@@ -14,7 +14,8 @@ memory-bound by whichever is larger.
   projection T×(h/t)×h, MLP T×h×f/t and T×(f/t)×h, gated MLPs one more)
   reach `peak × gemm × Π_x x/(x + gemm_half)` over their three dimensions
   (skinny or small matmuls — a tensor-parallel slice, attention's head
-  width — run below peak). Backward: the data and weight gradients, two
+  width — run below peak; `peak` is the compute dtype's: bf16's, float32
+  as TF32 when `Parallel.tf32`). Backward: the data and weight gradients, two
   GEMMs of the same FLOPs each.
 - Attention without a fused kernel: QKᵀ and the product with V are
   batched GEMMs over b·a/t heads (s×s×dₕ: memory-bound below dₕ ≈ 156 on
@@ -43,11 +44,11 @@ memory-bound by whichever is larger.
   consumes / produces it) only what exceeds the block's GEMM time shows.
 - Pipeline: each micro-batch sends T·h forward and its gradient back per
   stage boundary (1/t of it over the inter-stage link when t > 1, then an
-  all-gather inside the host: Narayanan's scatter-gather), v times with v
-  virtual stages (and the chunks' wrap-around from the last stage to the
-  first: 2v - 1 sends on the end stages, 2v on the others); the step is (m + (p-1)/v) micro-batches of the slowest
-  stage (1F1B, interleaved 1F1B and GPipe alike): the bubble is
-  (p-1)/v of them.
+  all-gather inside the host: Narayanan's scatter-gather), 2v - 1 times
+  on the end stages and 2v on the others with v virtual stages (the
+  chunks wrap around from the last stage to the first); the step is
+  (m + (p-1)/v) micro-batches of the slowest stage (1F1B, interleaved
+  1F1B and GPipe alike): the bubble is (p-1)/v of them.
 - Recomputation: "full" runs each block's forward again (with its
   tensor-parallel all-reduces) before its backward; "selective" runs the
   attention core (QKᵀ, softmax, dropout, attention over V) again; nothing
@@ -81,7 +82,9 @@ Memory per device (Korthikanti et al. 2022, eq. 1-2 and their Table 2):
 activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
 bytes, 34/t + 5as/(ht) with sequence parallelism, without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
-with full recomputation; the first stage holds p micro-batches of its
+with full recomputation (plus one block's whole activations, rebuilt
+for its backward pass); × compute bytes / 2 for other than 16-bit
+activations; the first stage holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
 fsdp), and the last stage's fp32 logits.

@@ -3,8 +3,10 @@ model against the development set of published training runs
 (`benchmarks/planner_published.py`), never above peak, a trillion-parameter
 GPT read from a builder in seconds."""
 
+import dataclasses
 import os
 import sys
+import threading
 import time
 
 import keras
@@ -119,7 +121,7 @@ def test_recomputation_and_schedules_order_the_step_times():
     assert none["total"] < selective["total"] < full["total"]
     assert selective["recompute"] < 0.2 * full["recompute"]
     interleaved = step(recompute="full", virtual_stages=3)
-    assert interleaved["bubble"] == pytest.approx(full["bubble"] / 3, rel=0.05)
+    assert interleaved["bubble"] == pytest.approx(full["bubble"] / 3, rel=0.01)
     memory = [sum(roofline.memory(gpt, roofline.Parallel(
         pipe=8, model=8, recompute=r), 64).values())
         for r in roofline.RECOMPUTE]
@@ -143,6 +145,30 @@ def test_bad_configurations_are_refused_before_costing():
     e = tfpar.estimate(build, 16, cluster=cluster, axes={"data": 8},
                        num_microbatches=2, fsdp=True)
     assert e.step_time_s > 0 and e.memory_per_device["optimizer"] > 0
+
+
+def test_interleaved_configurations_are_checked_as_the_planner_builds_them():
+    cluster = tfpar.Cluster.preset("h100-sxm")
+    build = gpt_builder(64, 4, 4, vocab=128, seq_len=16)  # 4 blocks
+    axes = {"data": 4, "pipe": 2}
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       schedule="interleaved")
+    with pytest.raises(ValueError, match="num_microbatches=1. Use a multip"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       num_microbatches=1, virtual_stages=2)
+    with pytest.raises(ValueError, match="4 blocks do not split into"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       virtual_stages=4)
+    with pytest.raises(ValueError, match="needs axes with 'pipe' > 1"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
+                       virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       virtual_stages=1.5)
+    e = tfpar.estimate(build, 8, cluster=cluster, axes=axes,
+                       virtual_stages=2)
+    assert e.step_time_s > 0
 
 
 def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
@@ -210,3 +236,116 @@ def test_held_out_pairs_of_fsdp_configurations_are_ordered_as_published():
 def test_every_held_out_pair_is_ordered_as_published():
     agree, total, _ = planner_heldout.pair_agreement()
     assert agree == total
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_stage_parameters_sum_to_the_model_with_and_without_a_pipeline(tied):
+    """A tied head is the embedding table: counted once on one stage (p=1:
+    first and last at once), the stages summing to num_params."""
+    model = roofline.Transformer(layers=4, hidden=256, heads=4, seq=128,
+                                 vocab=1000, tied=tied)
+    assert roofline.stage_params(model, 4, True, True) == model.num_params()
+    for p in (2, 4):
+        blocks = roofline._stage_blocks(model.layers, p)
+        assert sum(roofline.stage_params(model, n, s == 0, s == p - 1)
+                   for s, n in enumerate(blocks)) == model.num_params()
+
+
+def test_fsdp_first_gather_is_one_block_of_the_stage():
+    """With fsdp each micro-batch's first gather (nothing hides it) moves
+    one block's weights: a stage of 4 blocks of an 8-block model with a
+    pipe axis gathers as much as a 4-block model without one."""
+    hw = dataclasses.replace(hardware.PRESETS["a100-80gb"],
+                             collective_share=0.0)  # what overlaps is free
+
+    def first_gather(layers, pipe):
+        model = roofline.Transformer(layers=layers, hidden=1024, heads=16,
+                                     seq=2048, vocab=128,
+                                     position_embedding=False)
+        cfg = roofline.Parallel(data=2, pipe=pipe, microbatch=8, fsdp=True)
+        return roofline.step_time(model, cfg, hw, 16 * pipe)["data"] / pipe
+
+    assert first_gather(8, 2) == pytest.approx(first_gather(4, 1), rel=0.01)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_full_recomputation_rebuilds_one_block_of_activations(
+        sequence_parallel):
+    """Full recomputation's workspace is one block's activations as stored
+    without recomputation (Korthikanti: 10 + 24/t + 5as/(ht), 34/t + ...
+    with sequence parallelism), here with t = 8."""
+    model = roofline.Transformer(layers=8, hidden=1024, heads=16, seq=2048,
+                                 vocab=1000)
+
+    def memory(recompute):  # pipe 2, one micro-batch in flight
+        cfg = roofline.Parallel(pipe=2, model=8, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
+        return roofline.memory(model, cfg, 1)
+    stored = memory(None)["activations"] / 4  # 4 blocks on the stage
+    assert memory("full")["workspace"] == pytest.approx(stored)
+
+
+def test_concurrent_builds_leave_the_optimizer_constructor_as_it_was():
+    """Two threads building without weights at once (the first finishing
+    while the second is inside): BaseOptimizer.__init__ ends as Keras'
+    own, and an optimizer made inside either build works."""
+    base = keras.src.optimizers.base_optimizer.BaseOptimizer
+    original = base.__init__
+    inside, built = threading.Event(), []
+
+    def build_after(seconds, signal=None):
+        def build():
+            if signal is not None:
+                signal.set()
+            keras.optimizers.Adam()  # its step counter is a variable
+            time.sleep(seconds)
+            return build_gpt(vocab=128, seq_len=16, dim=64, heads=4,
+                             layers=2)
+        return lambda: built.append(profile.build_without_weights(build))
+
+    first = threading.Thread(target=build_after(0.2, inside))
+    second = threading.Thread(target=build_after(0.5))
+    first.start()
+    inside.wait(10)
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert len(built) == 2
+    assert base.__init__ is original
+
+
+def test_interleaved_end_stages_send_the_wrap_around_too():
+    """pipe 2, v = 2: chunks 0..3 on stages 0, 1, 0, 1; each stage sends
+    3 times per micro-batch (chunk 1 -> 2 wraps around) against once
+    without interleaving."""
+    model = roofline.Transformer(layers=8, hidden=1024, heads=16, seq=2048,
+                                 vocab=1000)
+    hw = hardware.PRESETS["a100-80gb"]
+
+    def pipe(v):
+        cfg = roofline.Parallel(data=4, pipe=2, virtual_stages=v,
+                                schedule="interleaved" if v > 1 else "1f1b")
+        return (roofline.step_time(model, cfg, hw, 16)["pipe"],
+                roofline.communication_bytes(model, cfg, 16)["pipe"])
+    (seconds, nbytes), (seconds_v, nbytes_v) = pipe(1), pipe(2)
+    assert seconds_v == pytest.approx(3 * seconds)
+    assert nbytes_v == pytest.approx(3 * nbytes)
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_a_float32_model_is_costed_at_its_peak_with_its_activations(tf32):
+    """float32 compute on an A100: GEMMs at the TF32 peak (156 TFLOP/s)
+    when TensorFlow allows TF32, else at the fp32 one (19.5), never at
+    bf16's 312; activations twice the bf16 model's bytes."""
+    half = roofline.Transformer(layers=4, hidden=2048, heads=16, seq=2048,
+                                vocab=51200)
+    full = dataclasses.replace(half, compute_bytes=4)
+    hw = hardware.PRESETS["a100-80gb"]
+    cfg = roofline.Parallel(data=8, microbatch=4, tf32=tf32)
+    step = roofline.step_time(full, cfg, hw, 32)
+    peak = hw.peak_flops["tensorfloat32" if tf32 else "float32"]
+    assert step["executed_flops"] / step["compute"] <= peak
+    bf16 = roofline.step_time(half, cfg, hw, 32)
+    assert bf16["executed_flops"] / bf16["compute"] > peak
+    assert roofline.memory(full, cfg, 32)["activations"] == pytest.approx(
+        2 * roofline.memory(half, cfg, 32)["activations"])

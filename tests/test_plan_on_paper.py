@@ -119,6 +119,42 @@ def test_compare_refuses_what_is_not_an_estimate():
     assert "no term of the step differs" in plan.explain(against=plan.estimate)
 
 
+def test_compare_refuses_a_plan_of_a_described_cluster():
+    """A described cluster's plan is costed by the alpha-beta model, an
+    Estimate by the roofline: comparing them would mix two cost models."""
+    described = tfpar.Cluster(num_hosts=1, devices_per_host=8,
+                              device_memory=1e9, device_flops=1e10,
+                              intra_host_bandwidth=1e9,
+                              inter_host_bandwidth=1e9)
+    plan = tfpar.plan(lambda: build_gpt(layers=2), 16, cluster=described)
+    with pytest.raises(ValueError, match=r"against=.*Cluster\.preset"):
+        plan.explain(against=plan.estimate)
+    with pytest.raises(ValueError, match="described cluster"):
+        plan.compare(plan.estimate)
+
+
+def test_plan_and_estimate_agree_with_flash_attention_on(monkeypatch):
+    """One configuration costed by tfpar.plan on a preset and by
+    tfpar.estimate: the same roofline, fused attention in both."""
+    build = lambda: build_gpt(layers=2, seq_len=512)  # noqa: E731
+    cluster = tfpar.Cluster.preset("a100-80gb")
+
+    def both():
+        plan = tfpar.plan(build, 16, cluster=cluster)
+        c = plan._chosen
+        return plan.estimate, tfpar.estimate(
+            build, 16, cluster=cluster, axes=c.axes,
+            num_microbatches=c.num_microbatches, schedule=c.schedule,
+            virtual_stages=c.virtual_stages, recompute=c.recompute,
+            sequence_parallel=c.sequence_parallel, fsdp=c.fsdp)
+    unfused = both()[1]
+    monkeypatch.setattr(keras.config, "is_flash_attention_enabled",
+                        lambda: True)
+    planned, estimated = both()
+    assert planned.time_s == pytest.approx(estimated.time_s, rel=1e-9)
+    assert estimated.step_time_s != pytest.approx(unfused.step_time_s)
+
+
 @pytest.mark.slow  # interleaved PipelineModel parity: tests/test_pipeline.py
 def test_an_interleaved_plan_applies_trains_in_parity_and_saves(tmp_path):
     """An interleaved candidate of a 4-block GPT (data 4 × pipe 2, v = 2:

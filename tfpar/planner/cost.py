@@ -93,7 +93,9 @@ import dataclasses
 import math
 import re
 
+import keras
 import numpy as np
+import tensorflow as tf
 
 from tfpar import layout as layout_lib
 from tfpar import styles as tp
@@ -678,12 +680,26 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         virtual_stages=virtual_stages,
         schedule="interleaved" if virtual_stages > 1 else schedule,
         sequence_parallel=layout.sequence_parallel,
-        recompute=recompute, fsdp=fsdp,
-        optimizer_slots=slots)
+        recompute=recompute, fsdp=fsdp, flash=flash_attention(),
+        tf32=tf32(), optimizer_slots=slots)
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
                                batch, cluster.devices_per_host)
     step = parts.pop("total")
     return step, parts, parts.pop("executed_flops")
+
+
+def flash_attention():
+    """Whether the roofline costs attention as a fused kernel: Keras'
+    flash attention explicitly on (`is_flash_attention_enabled()` is True;
+    None, its default, is "when the backend can", not costed as fused)."""
+    return keras.config.is_flash_attention_enabled() is True
+
+
+def tf32():
+    """Whether TensorFlow computes float32 matmuls as TF32 (its default
+    on Ampere and later; `tf.config.experimental.
+    enable_tensor_float_32_execution`)."""
+    return bool(tf.config.experimental.tensor_float_32_execution_enabled())
 
 
 def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,

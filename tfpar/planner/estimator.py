@@ -54,7 +54,9 @@ def estimate(model, global_batch_size, *, cluster, axes,
             with a pipe axis, else one micro-batch.
         schedule: "1f1b", "gpipe" or "interleaved" (1F1B with
             `virtual_stages` chunks per device).
-        virtual_stages: chunks per device of an interleaved schedule.
+        virtual_stages: chunks per device of an interleaved schedule
+            (pipe > 1, micro-batches a multiple of pipe, blocks a multiple
+            of pipe × virtual_stages).
         sequence_parallel: Megatron-LM's sequence parallelism over model.
         recompute: None, "selective" (the attention core recomputed in the
             backward pass) or "full" (every block's forward again).
@@ -108,7 +110,8 @@ def estimate(model, global_batch_size, *, cluster, axes,
         virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
         recompute=recompute, fsdp=fsdp,
         slots=cost_lib.optimizer_slots(optimizer),
-        flash=keras.config.is_flash_attention_enabled() is True)
+        flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
+        layers=transformer.layers)
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 
@@ -151,8 +154,10 @@ def hardware_of(cluster):
 
 def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False, recompute=None,
-                  fsdp=False, slots=2, flash=False):
-    """The `roofline.Parallel` of `estimate`'s arguments, checked."""
+                  fsdp=False, slots=2, flash=False, tf32=False,
+                  layers=None):
+    """The `roofline.Parallel` of `estimate`'s arguments, checked
+    (`layers`: the model's transformer blocks, when known)."""
     d, p, t = (axes.get(k, 1) for k in AXES)
     if batch % d:
         raise ValueError(
@@ -165,15 +170,7 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         raise ValueError(
             f"tfpar.estimate: num_microbatches={m} does not split the "
             f"{batch // d} samples per data replica; use a divisor of it.")
-    if schedule not in roofline.SCHEDULES:
-        raise ValueError(
-            f"tfpar.estimate(schedule) must be one of {roofline.SCHEDULES}. "
-            f"Received: schedule={schedule!r}")
-    v = _positive_int("virtual_stages", virtual_stages)
-    if v > 1 and schedule == "gpipe":
-        raise ValueError(
-            "tfpar.estimate: virtual_stages > 1 is an interleaved 1F1B "
-            f"schedule; received schedule='gpipe', virtual_stages={v}.")
+    v = _interleaving(schedule, virtual_stages, p=p, m=m, layers=layers)
     if recompute not in _RECOMPUTE:
         raise ValueError(
             "tfpar.estimate(recompute) must be None, 'selective' or 'full'. "
@@ -186,7 +183,45 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
         sequence_parallel=bool(sequence_parallel and t > 1),
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
-        optimizer_slots=slots)
+        tf32=tf32, optimizer_slots=slots)
+
+
+def _interleaving(schedule, virtual_stages, *, p, m, layers):
+    """The virtual stages v of `schedule`, checked as `tfpar.plan` builds
+    an interleaved schedule: v · p chunks of whole blocks, micro-batches
+    in groups of p, a pipe axis to interleave over."""
+    if schedule not in roofline.SCHEDULES:
+        raise ValueError(
+            f"tfpar.estimate(schedule) must be one of {roofline.SCHEDULES}. "
+            f"Received: schedule={schedule!r}")
+    v = _positive_int("virtual_stages", virtual_stages)
+    if v > 1 and schedule == "gpipe":
+        raise ValueError(
+            "tfpar.estimate: virtual_stages > 1 is an interleaved 1F1B "
+            f"schedule; received schedule='gpipe', virtual_stages={v}.")
+    if schedule == "interleaved" and v == 1:
+        raise ValueError(
+            "tfpar.estimate(schedule='interleaved') needs virtual_stages >= "
+            "2 (chunks per device); received virtual_stages=1. Pass e.g. "
+            "virtual_stages=2, or schedule='1f1b'.")
+    if v == 1:
+        return v
+    if p == 1:
+        raise ValueError(
+            f"tfpar.estimate(virtual_stages={v}) interleaves pipeline "
+            "stages: it needs axes with 'pipe' > 1; received pipe=1.")
+    if m % p:
+        raise ValueError(
+            f"tfpar.estimate(virtual_stages={v}): the interleaved schedule "
+            f"runs micro-batches in groups of pipe={p}; received "
+            f"num_microbatches={m}. Use a multiple of {p}.")
+    if layers is not None and layers % (p * v):
+        raise ValueError(
+            f"tfpar.estimate(virtual_stages={v}): the model's {layers} "
+            f"blocks do not split into pipe × virtual_stages = {p * v} "
+            "chunks; choose virtual_stages so that it divides "
+            f"{layers} // {p}.")
+    return v
 
 
 def _positive_int(name, value):

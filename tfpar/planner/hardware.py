@@ -126,6 +126,18 @@ class Hardware:
                 f"{dtype!r}; it knows {sorted(self.peak_flops)}.")
         return self.peak_flops[key]
 
+    def compute_peak(self, compute_dtype, tf32=False):
+        """Dense peak FLOP/s of matmuls computed in `compute_dtype`:
+        float32 as TF32 when `tf32` (TensorFlow allows it) and the device
+        has it, else at its float32 peak, or as bf16 passes where it has
+        none (TPUs); half precision at the bf16 peak."""
+        if compute_dtype == "float32":
+            if tf32 and "tensorfloat32" in self.peak_flops:
+                return self.peak_flops["tensorfloat32"]
+            if "float32" not in self.peak_flops:
+                return self.peak("bfloat16")
+        return self.peak(compute_dtype)
+
 
 _A100_FLOPS = {"bfloat16": 312e12, "tensorfloat32": 156e12, "float32": 19.5e12}
 _H100_FLOPS = {"bfloat16": 989e12, "float8": 1979e12, "tensorfloat32": 495e12,

@@ -42,7 +42,6 @@ import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tfpar.planner import cost as cost_lib
 from tfpar.planner import hardware as hardware_lib
@@ -198,16 +197,9 @@ class StepTimeMonitor(keras.callbacks.Callback):
 def peak_flops(cluster, compute_dtype):
     """Dense peak FLOP/s per device of `cluster` in `compute_dtype` (see
     the module docstring)."""
-    hw = cluster.hardware
-    if hw is None:
+    if cluster.hardware is None:
         return cluster.device_flops
-    if compute_dtype == "float32":
-        tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
-        if tf32 and "tensorfloat32" in hw.peak_flops:
-            return hw.peak_flops["tensorfloat32"]
-        if "float32" not in hw.peak_flops:
-            return hw.peak("bfloat16")
-    return hw.peak(compute_dtype)
+    return cluster.hardware.compute_peak(compute_dtype, cost_lib.tf32())
 
 
 def _prediction(estimate, cluster, batch):

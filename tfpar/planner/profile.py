@@ -42,6 +42,7 @@ Example:
 import contextlib
 import dataclasses
 import math
+import threading
 
 import keras
 import numpy as np
@@ -119,6 +120,12 @@ def build_without_weights(build):
     return model
 
 
+# Held while BaseOptimizer.__init__ is swapped: two builds at once (two
+# threads planning) would otherwise restore each other's wrapper and leave
+# one installed. Re-entrant: a builder may build another without weights.
+_OPTIMIZER_PATCH = threading.RLock()
+
+
 @contextlib.contextmanager
 def _optimizers_with_state():
     """Keras optimizers made in the block are made outside any
@@ -128,17 +135,18 @@ def _optimizers_with_state():
     a keras-hub task (GPT2CausalLM, ...) compiles with one in its
     constructor. Two scalars; the model's weights stay shape-only."""
     base = _compat.keras_module("optimizers.base_optimizer").BaseOptimizer
-    original = base.__init__
 
     def init(self, *args, **kwargs):
         with _compat.keras_globals({"stateless_scope": None}):
             original(self, *args, **kwargs)
 
-    base.__init__ = init
-    try:
-        yield
-    finally:
-        base.__init__ = original
+    with _OPTIMIZER_PATCH:
+        original = base.__init__
+        base.__init__ = init
+        try:
+            yield
+        finally:
+            base.__init__ = original
 
 
 def profile_model(model, sequence_length=None):

@@ -173,6 +173,17 @@ class Plan:
                 "Plan.compare(reference) / explain(against=) needs an "
                 "Estimate, e.g. tfpar.estimate(model, batch, cluster=..., "
                 f"axes=...). Received: {type(reference).__name__}")
+        cluster = self.info.get("cluster", {})
+        if cluster.get("hardware") is None:
+            raise ValueError(
+                "Plan.compare(reference) / explain(against=) compares with "
+                "tfpar.estimate's roofline, which costs this plan only on a "
+                "tfpar.Cluster.preset(...) cluster; this plan was made on a "
+                "described cluster (no hardware preset: "
+                f"{_devices(cluster)}, device_flops="
+                f"{cluster.get('device_flops'):.3g}), costed by another "
+                "model. Plan again with cluster=tfpar.Cluster.preset(name, "
+                "num_hosts=...) to compare.")
         mine, theirs = self.estimate.breakdown, reference.breakdown
         terms = list(mine) + [k for k in theirs if k not in mine]
         diff = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in terms}

@@ -14,7 +14,8 @@ memory-bound by whichever is larger.
   projection T×(h/t)×h, MLP T×h×f/t and T×(f/t)×h, gated MLPs one more)
   reach `peak × gemm × Π_x x/(x + gemm_half)` over their three dimensions
   (skinny or small matmuls — a tensor-parallel slice, attention's head
-  width — run below peak). Backward: the data and weight gradients, two
+  width — run below peak; `peak` is the compute dtype's: bf16's, float32
+  as TF32 when `Parallel.tf32`). Backward: the data and weight gradients, two
   GEMMs of the same FLOPs each.
 - Attention without a fused kernel: QKᵀ and the product with V are
   batched GEMMs over b·a/t heads (s×s×dₕ: memory-bound below dₕ ≈ 156 on
@@ -43,10 +44,11 @@ memory-bound by whichever is larger.
   consumes / produces it) only what exceeds the block's GEMM time shows.
 - Pipeline: each micro-batch sends T·h forward and its gradient back per
   stage boundary (1/t of it over the inter-stage link when t > 1, then an
-  all-gather inside the host: Narayanan's scatter-gather), v times with v
-  virtual stages; the step is (m + (p-1)/v) micro-batches of the slowest
-  stage (1F1B, interleaved 1F1B and GPipe alike): the bubble is
-  (p-1)/v of them.
+  all-gather inside the host: Narayanan's scatter-gather), 2v - 1 times
+  on the end stages and 2v on the others with v virtual stages (the
+  chunks wrap around from the last stage to the first); the step is
+  (m + (p-1)/v) micro-batches of the slowest stage (1F1B, interleaved
+  1F1B and GPipe alike): the bubble is (p-1)/v of them.
 - Recomputation: "full" runs each block's forward again (with its
   tensor-parallel all-reduces) before its backward; "selective" runs the
   attention core (QKᵀ, softmax, dropout, attention over V) again; nothing
@@ -80,7 +82,9 @@ Memory per device (Korthikanti et al. 2022, eq. 1-2 and their Table 2):
 activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
 bytes, 34/t + 5as/(ht) with sequence parallelism, without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
-with full recomputation; the first stage holds p micro-batches of its
+with full recomputation (plus one block's whole activations, rebuilt
+for its backward pass); × compute bytes / 2 for other than 16-bit
+activations; the first stage holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
 fsdp), and the last stage's fp32 logits.
@@ -157,6 +161,7 @@ class Parallel:
     recompute: str = None        # None, "selective", "full"
     fsdp: bool = False           # ZeRO-3
     flash: bool = False          # fused attention kernel
+    tf32: bool = False           # float32 matmuls as TF32
     tp_overlap: bool = False     # --tp-comm-overlap (Transformer Engine)
     zero1: bool = False          # optimizer sharded over data (ZeRO-1)
     grad_overlap: bool = True    # data-axis reduction under the backward
@@ -192,9 +197,10 @@ class _Time:
 class _Device:
     """The roofline of one device: GEMMs, streams, collectives."""
 
-    def __init__(self, hw, dtype="bfloat16"):
+    def __init__(self, hw, compute_bytes=2, tf32=False):
         self.hw = hw
-        self.peak = hw.peak(dtype)
+        dtype = "float32" if compute_bytes >= 4 else "bfloat16"
+        self.peak = hw.compute_peak(dtype, tf32)
         self.bandwidth = hw.hbm_bandwidth * hw.hbm
 
     def gemm(self, time, m, n, k, count=1.0, itemsize=2):
@@ -373,12 +379,15 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
 
 def _pipe_seconds(model, cfg, cluster, hw, stage):
     """Seconds per micro-batch of a stage's sends (activations forward,
-    gradients back) to its neighbours; v times with v virtual stages."""
+    gradients back) to its neighbours. With v virtual stages chunk k lives
+    on stage k mod p and each of the v·p chunks sends to the next and
+    previous one but the ends: 2v sends per stage, one fewer on the first
+    and on the last stage (2v - 1 for those: the wrap-around sends)."""
     p, t = cfg.pipe, cfg.model
     if p == 1:
         return 0.0
     nbytes = cfg.microbatch * model.seq * model.hidden * model.compute_bytes
-    sends = cfg.virtual_stages * ((stage > 0) + (stage < p - 1))
+    sends = 2 * cfg.virtual_stages - (stage == 0) - (stage == p - 1)
     if t * p <= cluster.devices_per_host:
         alpha, beta = hw.intra_latency, hw.intra_bandwidth * hw.network_intra
         gather = 0.0
@@ -407,9 +416,9 @@ def stage_params(model, blocks, first, last):
     params = blocks * model.block_params()
     if first:
         params += model.embedding_params()
-    if last:
+    if last:  # the final norm; a tied head is the first stage's table
         params += 2 * model.hidden + (
-            0 if model.tied and not first else model.vocab * model.hidden)
+            0 if model.tied else model.vocab * model.hidden)
     return params
 
 
@@ -421,7 +430,8 @@ def _overlapped(comm, compute, share):
     return comm - hidden + hidden * share
 
 
-def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
+def _data_axis(model, cfg, cluster, hw, params, *, blocks, backward,
+               microbatches):
     """Exposed seconds of the data axis: the gradients' all-reduce (or
     ZeRO-1's reduce-scatter and all-gather, the same ring time) beyond the
     last micro-batch's backward pass — all of it without `grad_overlap`
@@ -433,7 +443,7 @@ def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
     overlaps costs the compute it runs beside `hw.collective_share` of its
     time (the cores NCCL's kernels occupy). Each block's weights are one
     collective (a gradient bucket, an fsdp unit): its latency is paid per
-    block."""
+    block; the first gather is one of the stage's `blocks` blocks."""
     d = cfg.data
     if d == 1:
         return 0.0
@@ -447,7 +457,7 @@ def _data_axis(model, cfg, cluster, hw, params, *, backward, microbatches):
                            share)
     per_microbatch = (2 * ring("all-gather", nbytes, d, ab, units)
                       + ring("reduce-scatter", nbytes, d, ab, units))
-    first_gather = ring("all-gather", nbytes / model.layers, d, ab)
+    first_gather = ring("all-gather", nbytes / max(1, blocks), d, ab)
     return microbatches * (first_gather + _overlapped(
         per_microbatch, 1.5 * backward, share))
 
@@ -457,7 +467,7 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
     under "total"), and "executed_flops" per device (recomputation
     included)."""
     cluster = _Host(devices_per_host or hw.devices_per_host)
-    dev = _Device(hw)
+    dev = _Device(hw, model.compute_bytes, cfg.tf32)
     parts = _parts(dev, model, cfg, cluster)
     m = global_batch // (cfg.data * cfg.microbatch)
     p, v = cfg.pipe, cfg.virtual_stages
@@ -471,8 +481,8 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
         backward = (parts["backward"].total() * blocks
                     + recompute.total() + model_axis / 2)
         params = stage_params(model, blocks, first, last)
-        data = _data_axis(model, cfg, cluster, hw, params, backward=backward,
-                          microbatches=m)
+        data = _data_axis(model, cfg, cluster, hw, params, blocks=blocks,
+                          backward=backward, microbatches=m)
         local = params / cfg.model / (
             cfg.data if cfg.fsdp or cfg.zero1 else 1)
         update = local * (22 + 8 * cfg.optimizer_slots) / dev.bandwidth
@@ -502,19 +512,22 @@ def memory(model, cfg, global_batch):
     params = stage_params(model, blocks, True, p == 1) / t
     trainable_split = d if cfg.fsdp else 1
     m = global_batch // (d * cfg.microbatch)
-    sbh = model.seq * cfg.microbatch * model.hidden
-    scores = 5.0 * model.heads * model.seq / model.hidden / t
-    if cfg.recompute == "full":
-        per_block = 2.0
-    else:
-        per_block = 34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t
-        if cfg.recompute is None and not cfg.flash:
-            per_block += scores
+    sbh = model.seq * cfg.microbatch * model.hidden * model.compute_bytes / 2
+    # Korthikanti's bytes per s·b·h (2-byte activations; `sbh` scales them
+    # to the compute dtype) of one block: what it stores without
+    # recomputation (the scores dropped by a fused kernel), what a full
+    # recomputation rebuilds one block at a time (the workspace).
+    scores = 0.0 if cfg.flash else (
+        5.0 * model.heads * model.seq / model.hidden / t)
+    whole_block = scores + (
+        34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
+    per_block = {None: whole_block, "selective": whole_block - scores,
+                 "full": 2.0}[cfg.recompute]
     in_flight = m if cfg.schedule == "gpipe" else min(m, p)
     if v > 1:
         in_flight *= 1 + (p - 1) / (p * v)
     activations = per_block * sbh * blocks * in_flight
-    workspace = (34.0 + scores) * sbh if cfg.recompute == "full" else 0.0
+    workspace = whole_block * sbh if cfg.recompute == "full" else 0.0
     if p == 1:  # the logits and their gradient, fp32
         workspace += 8.0 * model.seq * cfg.microbatch * model.vocab / t
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
@@ -543,5 +556,7 @@ def communication_bytes(model, cfg, global_batch):
     return {"model": (blocks * passes + 1) * activation * m
             if cfg.model > 1 else 0.0,
             "data": float(data),
-            "pipe": 2.0 * activation * m * cfg.virtual_stages
+            # first stage: v chunks send forward and receive gradients,
+            # v - 1 receive activations and send gradients.
+            "pipe": (4.0 * cfg.virtual_stages - 2) * activation * m
             if cfg.pipe > 1 else 0.0}

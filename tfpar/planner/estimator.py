@@ -71,8 +71,10 @@ def estimate(model, global_batch_size, *, cluster, axes,
         pipe, data, bubble, update}: seconds adding up to the step) and
         `executed_flops` (per device per step, recomputation included).
 
-    Attention is costed with a fused kernel when Keras' flash attention is
-    on (`keras.config.enable_flash_attention()`), else as two batched
+    Attention is costed with a fused kernel only when Keras' flash-attention
+    flag is explicitly True (`keras.config.is_flash_attention_enabled()`;
+    its default None, "when the backend can", and Keras' TensorFlow backend
+    has no fused kernel), else as two batched
     matmuls and a softmax over the whole s × s scores.
 
     Example (a few seconds; nothing is allocated):

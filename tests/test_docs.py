@@ -176,6 +176,19 @@ def test_readme_links_point_to_files():
     assert targets and not missing, missing
 
 
+def _run_as_a_reader(tmp_path, code, timeout):
+    """Runs README code as a script in an empty folder (tfpar from this
+    checkout); asserts it succeeds and returns its standard output."""
+    script = tmp_path / "readme_code.py"
+    script.write_text(code)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+        text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.slow
 def test_readme_quickstart_runs(tmp_path):
     """The README's quickstart, as a reader copies it, trains (keras-hub
@@ -183,15 +196,9 @@ def test_readme_quickstart_runs(tmp_path):
     quickstart = re.findall(r"```python\n(.*?)```", README.read_text(),
                             re.S)[0]
     assert "tfpar.auto_rules" in quickstart and "keras_hub" in quickstart
-    script = tmp_path / "quickstart.py"
-    script.write_text(quickstart + "\nprint('QUICKSTART DONE', "
-                      "model.history.history['loss'])\n")
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-        text=True, timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "QUICKSTART DONE" in result.stdout
+    out = _run_as_a_reader(tmp_path, quickstart + "\nprint('QUICKSTART DONE', "
+                           "model.history.history['loss'])\n", timeout=900)
+    assert "QUICKSTART DONE" in out
 
 
 @pytest.mark.slow  # its path runs in the default profile: examples/does_not_fit.py
@@ -200,12 +207,6 @@ def test_readme_does_not_fit_plan_runs(tmp_path):
     then fit), run after the quickstart's definitions as a reader would."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     planned = textwrap.dedent(next(b for b in blocks if "tfpar.plan(" in b))
-    script = tmp_path / "does_not_fit.py"
-    script.write_text(blocks[0] + planned + "\nprint('PLAN DONE', plan, "
-                      "model.history.history['loss'])\n")
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-        text=True, timeout=1200,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "PLAN DONE" in result.stdout and "Self-check: passed" in result.stdout
+    out = _run_as_a_reader(tmp_path, blocks[0] + planned + "\nprint('PLAN DONE', "
+                           "plan, model.history.history['loss'])\n", timeout=1200)
+    assert "PLAN DONE" in out and "Self-check: passed" in out

@@ -114,7 +114,14 @@ def route(logits, top_k, router="softmax", normalize=True):
     experts of each token and their probabilities, divided by their sum
     when `normalize` (Mixtral, Qwen3-MoE), else the probabilities."""
     probabilities = router_probabilities(logits, router)
-    weights, chosen = tf.math.top_k(probabilities, k=top_k)
+    # The choice carries no gradient; the weights are read back from the
+    # probabilities by a one-hot product (TopKV2's own gradient, a
+    # ScatterNd over flattened indices, is wrong on a batch-split DTensor:
+    # "indices[255] = [511] does not index into shape [64]").
+    chosen = tf.math.top_k(tf.stop_gradient(probabilities), k=top_k).indices
+    weights = tf.reduce_sum(
+        tf.one_hot(chosen, probabilities.shape[-1], dtype=tf.float32)
+        * probabilities[..., None, :], axis=-1)
     if normalize:
         weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
     return Routing(probabilities, weights, chosen)

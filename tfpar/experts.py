@@ -77,6 +77,7 @@ import tensorflow as tf
 from tfpar import collectives
 
 ROUTERS = ("softmax", "sigmoid")
+DEFAULT_EXPERT_AXIS = "expert"
 
 Routing = collections.namedtuple("Routing", "probabilities weights experts")
 Routing.__doc__ = """The router's choice for each token: `probabilities`
@@ -242,3 +243,29 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     return MoEOutput(tf.reshape(outputs, [-1, seq, hidden]),
                      load_balancing_loss(routing, num_experts), plan.dropped,
                      slots, routing)
+
+
+def expert_axis_of(dims):
+    """The expert axis name of `dims` (a `ParallelDims`, or None)."""
+    return getattr(dims, "expert_axis", DEFAULT_EXPERT_AXIS)
+
+
+def check_expert_axis_used(dims, specs):
+    """Raises when the mesh of `dims` has an expert axis of more than one
+    device and none of `specs` (the variables' layouts) splits anything
+    over it: no mixture-of-experts layer and no rule for expert banks, so
+    every device of that axis would repeat the same work. Called by the
+    strategy when a model is compiled or a step starts."""
+    axis = expert_axis_of(dims)
+    mesh = dims.mesh
+    if axis not in mesh.axis_names or mesh.axis_size(axis) < 2:
+        return
+    if any(axis in spec for spec in specs):
+        return
+    raise ValueError(
+        f"The mesh's expert axis {axis!r} has {mesh.axis_size(axis)} "
+        "devices, but no weight is split over it: the model has no "
+        "mixture-of-experts layer (tfpar.layers.MixtureOfExperts, built in "
+        "the strategy's scope) and no layout rule for expert banks. "
+        f"Received: mesh axes {mesh.shape}. Drop the {axis!r} axis (or "
+        "give its devices to the data axis), or add MoE layers.")

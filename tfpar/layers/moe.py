@@ -16,20 +16,12 @@ import tensorflow as tf
 from tfpar import experts
 from tfpar import parallel_dims
 
-DEFAULT_EXPERT_AXIS = "expert"
-
-
-def expert_axis_of(dims):
-    """The expert axis name of `dims` (a `ParallelDims`, or None)."""
-    return getattr(dims, "expert_axis", DEFAULT_EXPERT_AXIS)
-
-
 def expert_split(dims):
     """(axis, size) of the expert axis of `dims`' mesh when it has more
     than one device, else (None, 1)."""
     if dims is None:
         return None, 1
-    axis = expert_axis_of(dims)
+    axis = experts.expert_axis_of(dims)
     if axis not in dims.mesh.axis_names or dims.mesh.axis_size(axis) < 2:
         return None, 1
     return axis, dims.mesh.axis_size(axis)
@@ -211,7 +203,8 @@ class MixtureOfExperts(keras.layers.Layer):
             inputs, self.router_kernel, self._experts, self.num_experts,
             self.top_k, capacity_factor=self.capacity_factor,
             group_size=self.group_size, router=self.router,
-            normalize=self.normalize_top_k, expert_axis=expert_axis_of(dims),
+            normalize=self.normalize_top_k,
+            expert_axis=experts.expert_axis_of(dims),
             batch_axis=getattr(dims, "data_axis", None))
         if self.aux_loss_coef:
             self.add_loss(self.aux_loss_coef * result.aux_loss)

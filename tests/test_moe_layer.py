@@ -9,6 +9,8 @@ one device's results are the reference, within 1e-4 relative (fp32).
 """
 
 import contextlib
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,6 +202,49 @@ def test_mixed_bfloat16_on_data2_expert4_is_one_devices_mixed_run():
         budget = distance(exact[1][path], value)
         assert 0 < budget and distance(value, got[1][path]) <= 3 * budget, (
             path, distance(value, got[1][path]), budget)
+
+
+def load_benchmark():
+    """benchmarks/moe.py as a module (not on sys.path: its directory holds
+    a keras_hub.py that would shadow the package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+    spec = importlib.util.spec_from_file_location("moe_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_expert_flops_per_device_with_capacity_are_k_cf_over_e_of_masked():
+    """From the compiled steps (forward and backward): per device, the
+    expert FFN FLOPs of data=2 x expert=4 with capacity_factor=1.25 are
+    at most top_k x 1.25 / experts of the masked computation's on data=8
+    (keras-hub Mixtral's expert bank, every expert on every token) for
+    the same global batch. Capacity: ceil(1.25 * 2 * 16 / 8) = 5 slots,
+    exactly 1.25 x the balanced share, so the ratio is exactly 0.3125."""
+    bench = load_benchmark()
+    size = bench.QUICK
+    x, y = bench.data(size)
+    flops = {}
+    for mode, axes in (("masked", {"data": 8}),
+                       (1.25, {"data": 2, "expert": 4})):
+        keras.utils.set_random_seed(0)
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes))
+        with strategy.scope():
+            model = bench.build(mode, size)
+            model.compile(optimizer="adam", loss="mse")
+        program = tfpar.reports.program.keras_program(
+            model, x[:size["batch"]], y[:size["batch"]])
+        flops[mode] = (bench.matmul_flops(program, bench.EXPERT_NODES),
+                       bench.matmul_flops(program, r"^(?!gradient_tape).*("
+                                          + bench.EXPERT_NODES + ")"))
+        assert not bench.unknown_nodes(program, bench.EXPERT_NODES)
+    e, t = size["experts"], size["batch"] * size["seq"]
+    # Masked, forward: 3 products of E x (tokens / 8) x hidden x width.
+    assert flops["masked"][1] == 3 * 2 * e * (t // 8) * size["hidden"] * (
+        size["intermediate"])
+    ratio = flops[1.25][0] / flops["masked"][0]
+    assert ratio == pytest.approx(size["top_k"] * 1.25 / e, rel=1e-9)
 
 
 # -- the math ------------------------------------------------------------------

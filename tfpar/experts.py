@@ -25,7 +25,9 @@ by the router's probabilities. Here, as in GShard, with static shapes
    assignments.
 4. `moe`: the block. tokens [groups, g, hidden] -> per-expert buffers
    [groups, experts, capacity, hidden] (dispatch einsum) -> the expert
-   FFN (`expert_ffn`, or the caller's) -> combine einsum back to tokens.
+   FFN (`expert_ffn`, or the caller's) -> combine einsum back to tokens,
+   in name scopes "router", "dispatch", "expert_ffn" and "combine" (the
+   compiled step's nodes, forward and backward, carry them).
 
 **The dispatch group** (which tokens compete for capacity): `group_size`
 consecutive tokens of one sequence (default: the whole sequence). It is
@@ -226,20 +228,26 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     seq, hidden = inputs.shape[1], inputs.shape[2]
     group = seq if group_size is None else group_size
     groups = tf.reshape(inputs, [-1, group, hidden])
-    logits = tf.matmul(tf.cast(groups, tf.float32),
-                       tf.cast(router_kernel, tf.float32))
-    routing = route(logits, top_k, router, normalize)
     slots = capacity(group, num_experts, top_k, capacity_factor)
-    plan = dispatch_plan(routing, num_experts, slots)
+    with tf.name_scope("router"):
+        logits = tf.matmul(tf.cast(groups, tf.float32),
+                           tf.cast(router_kernel, tf.float32))
+        routing = route(logits, top_k, router, normalize)
+        plan = dispatch_plan(routing, num_experts, slots)
     combine, dispatch = plan.combine, tf.stop_gradient(plan.dispatch)
     if expert_axis is not None:  # each device: its experts' slots only
         combine = collectives.split_along(combine, 2, expert_axis, batch_axis)
         dispatch = collectives.split_along(dispatch, 2, expert_axis,
                                            batch_axis)
     dtype = inputs.dtype
-    gathered = tf.einsum("gsec,gsh->gech", tf.cast(dispatch, dtype), groups)
-    computed = expert_fn(gathered)
-    outputs = tf.einsum("gech,gsec->gsh", computed, tf.cast(combine, dtype))
+    with tf.name_scope("dispatch"):
+        gathered = tf.einsum("gsec,gsh->gech", tf.cast(dispatch, dtype),
+                             groups)
+    with tf.name_scope("expert_ffn"):
+        computed = expert_fn(gathered)
+    with tf.name_scope("combine"):
+        outputs = tf.einsum("gech,gsec->gsh", computed,
+                            tf.cast(combine, dtype))
     return MoEOutput(tf.reshape(outputs, [-1, seq, hidden]),
                      load_balancing_loss(routing, num_experts), plan.dropped,
                      slots, routing)

@@ -10,6 +10,8 @@ one device's results are the reference, within 1e-4 relative (fp32).
 
 import contextlib
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ import keras
 from keras_hub.src.models.mixtral import mixtral_decoder
 
 import tfpar
-from tfpar import experts
+from tfpar import experts, placement
 
 import models
 
@@ -315,6 +317,54 @@ def test_aux_loss_is_mixtrals():
         tf.constant(logits), EXPERTS, TOP_K)
     got = experts.load_balancing_loss(experts.route(logits, TOP_K), EXPERTS)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+# -- what DTensor 2.21 cannot do, which the design works around ---------------
+
+
+def test_dtensor_splits_one_dimension_over_one_mesh_axis_only():
+    """Why tokens are split over data only (tfpar.experts): a batch split
+    over data and expert together is no DTensor layout."""
+    mesh = tfpar.Mesh({"data": 2, "expert": 4}).dtensor_mesh
+    with pytest.raises(ValueError, match="must either be a valid mesh "
+                                         "dimension or UNSHARDED"):
+        dtensor.Layout(["data,expert", dtensor.UNSHARDED], mesh)
+
+
+def test_top_k_gradient_fails_on_a_batch_split_and_route_does_not():
+    """TopKV2's gradient (a ScatterNd over flattened indices) fails on a
+    batch split over data (tests/dtensor_top_k_gradient_repro.py, pure
+    TF + DTensor, in a child process: the failed collective poisons the
+    process's executor); `experts.route` reads the top-k weights by a
+    one-hot product instead, whose gradient in a tfpar step on data=8 is
+    one device's. If the repro starts printing "top_k: right" on a newer
+    TF, route may use tf.math.top_k's values again."""
+    repro = Path(__file__).with_name("dtensor_top_k_gradient_repro.py")
+    result = subprocess.run([sys.executable, str(repro)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == (
+        "top_k: InvalidArgumentError"), result.stdout + result.stderr[-2000:]
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    logits = np.random.RandomState(0).normal(size=(16, 8, 4)).astype("f4")
+
+    def squared_weights(z):
+        return tf.reduce_sum(experts.route(z, TOP_K, normalize=False)
+                             .weights ** 2)
+
+    def step(z):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            total = squared_weights(z)
+        return strategy.extended.replicate(tape.gradient(total, z))
+
+    placed = placement.put(logits, ("data", None, None), strategy.mesh)
+    got = tf.function(lambda z: strategy.run(step, args=(z,)))(placed)
+    z = tf.constant(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(z)
+        total = squared_weights(z)
+    np.testing.assert_allclose(placement.fetch(got),
+                               tape.gradient(total, z), rtol=1e-5, atol=1e-7)
 
 
 # -- config, saving and errors -------------------------------------------------

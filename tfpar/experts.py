@@ -53,10 +53,10 @@ the data shard's tokens), an all-reduce of tokens x hidden each way —
 less than two exchanges of tokens x top_k x capacity_factor x hidden
 each gathered n times. The cost: the router, the dispatch bookkeeping
 and every layer outside the MoE blocks run on the data shard's tokens
-on every device of the expert axis (x-fold repeated work) unless that
-axis also splits them: name the model axis the expert axis
-(`expert_axis="model"`) so attention is tensor parallel over the same
-devices.
+on every device of the expert axis (x-fold repeated work, x the expert
+axis size) — on data=2 x expert=4 attention and embeddings cost what
+they cost on data=2. Not split further here: a batch split over data
+and expert needs a tensor dimension on two mesh axes.
 
 Example (one device; in a tfpar step give `expert_axis` and
 `batch_axis`):

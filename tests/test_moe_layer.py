@@ -206,6 +206,31 @@ def test_mixed_bfloat16_on_data2_expert4_is_one_devices_mixed_run():
             path, distance(value, got[1][path]), budget)
 
 
+@pytest.mark.slow
+def test_the_step_exchanges_tokens_over_expert_as_documented():
+    """tfpar.experts: forward, one all-reduce over `expert` of the data
+    shard's token outputs (groups, group tokens, hidden) — the combine's
+    sum over experts; backward (the block's input is data: no input
+    gradient), one all-gather of the combine weights' gradient (groups,
+    group tokens, experts, capacity) for the router."""
+    keras.utils.set_random_seed(0)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "expert": 4}))
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((BATCH, SEQ, HIDDEN), "f4")
+    program = tfpar.reports.program.keras_program(
+        model, x, np.zeros((BATCH, SEQ, 3), "f4"))
+    # Bytes: the message (the whole gathered tensor for a gather).
+    over_expert = [(c.phase, c.purpose, c.bytes) for c in
+                   program.collectives(program.backward_nodes())
+                   if "expert" in (c.axes or ())]
+    capacity = experts.capacity(SEQ, EXPERTS, TOP_K, 1.0)
+    assert over_expert == [
+        ("forward", "all-reduce", BATCH // 2 * SEQ * HIDDEN * 4),
+        ("backward", "all-gather", BATCH // 2 * SEQ * EXPERTS * capacity * 4)]
+
+
 def load_benchmark():
     """benchmarks/moe.py as a module (not on sys.path: its directory holds
     a keras_hub.py that would shadow the package)."""

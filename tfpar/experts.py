@@ -46,8 +46,9 @@ token dispatcher after its gather): each cuts the combine weights to its
 own experts (`collectives.split_along`: a slice, no communication),
 gathers its experts' slots and runs its experts only, and the combine
 einsum's sum over experts is one all-reduce over the expert axis of the
-tokens' outputs [tokens, hidden] (and one of their gradient in the
-backward pass). Per device and MoE block: expert FLOPs of
+tokens' outputs [tokens, hidden]; backward, one all-reduce of their
+gradient (when the block's input needs one) and one all-gather of the
+combine weights' gradient [tokens, experts, capacity] (for the router). Per device and MoE block: expert FLOPs of
 top_k * capacity_factor / num_experts of the masked computation's (for
 the data shard's tokens), an all-reduce of tokens x hidden each way —
 less than two exchanges of tokens x top_k x capacity_factor x hidden

@@ -356,6 +356,7 @@ def test_dtensor_splits_one_dimension_over_one_mesh_axis_only():
         dtensor.Layout(["data,expert", dtensor.UNSHARDED], mesh)
 
 
+@pytest.mark.slow  # a child process importing TF: ~10 s
 def test_top_k_gradient_fails_on_a_batch_split_and_route_does_not():
     """TopKV2's gradient (a ScatterNd over flattened indices) fails on a
     batch split over data (tests/dtensor_top_k_gradient_repro.py, pure

@@ -333,7 +333,7 @@ def _choose_on_host0(directory, step, allow_older_format):
 
 def _locate(directory, step, allow_older_format):
     """(checkpoint path, its manifest) for a root or a ckpt-<step> dir."""
-    if os.path.isfile(os.path.join(directory, files.MANIFEST)):
+    if os.path.lexists(os.path.join(directory, files.MANIFEST)):
         path = directory
     elif step is not None:
         there = os.path.isdir(directory)
@@ -361,7 +361,7 @@ def _locate(directory, step, allow_older_format):
 def _find_chosen(directory, step, crc, allow_older_format):
     """A host but 0: the checkpoint of `step` whose manifest's CRC-32 is
     `crc` (host 0's choice) in `directory` as this host sees it."""
-    if os.path.isfile(os.path.join(directory, files.MANIFEST)):
+    if os.path.lexists(os.path.join(directory, files.MANIFEST)):
         found = [directory]
     else:
         found = root.candidates(directory, step) if os.path.isdir(

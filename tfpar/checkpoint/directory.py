@@ -35,7 +35,8 @@ _LEFTOVER = re.compile(r"ckpt-(\d+)\.(tmp|old)-(\d+)")
 
 
 def _complete(directory, name):
-    return os.path.isfile(os.path.join(directory, name, files.MANIFEST))
+    """A manifest is there (whatever it is: reading it checks it)."""
+    return os.path.lexists(os.path.join(directory, name, files.MANIFEST))
 
 
 def pointed(directory):

@@ -103,9 +103,11 @@ def decode(data, file, allow_older_format=False):
     manifest = parse_json(data, file)
     version = (manifest.get("format_version") if isinstance(manifest, dict)
                else None)
+    # (A manifest carrying a checksum has it checked first, in _problem.)
     if (version in READABLE_VERSIONS and type(version) is int
             and version < FORMAT_VERSION and not allow_older_format
-            and manifest.get("format") == FORMAT):
+            and manifest.get("format") == FORMAT
+            and _CHECKSUM not in manifest):
         raise ValueError(
             f"Checkpoint manifest {file!r} is in the older format_version "
             f"{version} (no {'block or ' if version < 2 else ''}manifest "
@@ -125,7 +127,7 @@ def decode(data, file, allow_older_format=False):
     return manifest
 
 
-def _problem(manifest, allow_older_format):  # noqa: ARG001 (see decode)
+def _problem(manifest, allow_older_format):
     """What is wrong with a parsed manifest, or None."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"it is not a {FORMAT} manifest"
@@ -134,13 +136,18 @@ def _problem(manifest, allow_older_format):  # noqa: ARG001 (see decode)
         return (f"format_version {version!r} is not one of "
                 f"{READABLE_VERSIONS} that this tfpar reads (written by "
                 f"tfpar {_writer(manifest)}; use that version to restore it)")
-    if version >= 3:
+    # Whatever version it claims: a manifest that carries a checksum is
+    # checked (an edit of format_version cannot skip it).
+    if version >= 3 or _CHECKSUM in manifest:
         recorded = manifest.get(_CHECKSUM)
         if recorded != zlib.crc32(_canonical(manifest)):
             return (f"its {_CHECKSUM} ({recorded!r}) does not match its "
                     "contents: the manifest was edited or damaged after it "
                     "was written. Copy the checkpoint again from a good source "
                     "or restore an older one")
+    if version < FORMAT_VERSION and not allow_older_format:
+        return (f"format_version {version} is read only with "
+                "restore_checkpoint(..., allow_older_format=True)")
     step = manifest["step"]
     if type(step) is not int or step < 0:
         return f"its step {step!r} is not an integer >= 0"

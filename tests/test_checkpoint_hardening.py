@@ -34,6 +34,7 @@ import pytest
 
 import tfpar
 from tfpar import checkpoint
+from tfpar import launch
 from tfpar.checkpoint import api as checkpoint_api
 from tfpar.checkpoint import directory as checkpoint_directory
 from tfpar.checkpoint import manifest as checkpoint_manifest
@@ -215,6 +216,44 @@ def test_every_host_restores_the_step_host0_chose(model, tmp_path,
     assert_unchanged(model)
     monkeypatch.undo()
     assert restored_version(model, host0, step=4) == (4, 1)
+
+
+@pytest.mark.slow
+def test_two_hosts_with_different_views_restore_host0s_choice(tmp_path):
+    """A real two-host job (two processes, `tfpar.connect_hosts`): host 1's
+    copy of the directory is stale (pointer at step 4); both restore step
+    8, host 0's choice. Without ckpt-8 in host 1's copy, both raise (host 1
+    naming the step, host 0 pointing at host 1) and nothing changes."""
+    child = os.path.join(os.path.dirname(__file__), "checkpoint_crash_child.py")
+    addresses = ",".join(f"localhost:{p}" for p in launch.free_ports(2))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTENSOR_")}
+    env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(
+                   [os.path.dirname(__file__)] + sys.path))
+    processes = [subprocess.Popen(
+        [sys.executable, child, "hosts", str(i), addresses, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=400)[0] for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    first, second = (json.loads((tmp_path / f"host{i}.json").read_text())
+                     for i in range(2))
+    assert first["own_latest"].endswith("shared/ckpt-8")
+    assert second["own_latest"].endswith("view1/ckpt-4")
+    for host in (first, second):
+        assert host["step"] == 8 and host["weights_are_v2"]
+        assert host["unchanged"]
+    assert second["failed"].startswith(
+        "FileNotFoundError: No complete checkpoint of step 8 as host 0 chose")
+    assert first["failed"].startswith(
+        "RuntimeError: restore_checkpoint failed on another host while "
+        "reading the checkpoint")
 
 
 def test_hosts_records_must_describe_the_same_variables(tmp_path):

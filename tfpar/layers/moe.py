@@ -96,8 +96,10 @@ class MixtureOfExperts(keras.layers.Layer):
     keras-hub's Mixtral) is added with `add_loss`, so `fit` minimises it.
 
     Saving: registered as "tfpar>MixtureOfExperts"; a `.keras` file
-    holding it loads where `tfpar` is imported (without it, Keras fails
-    with "Could not locate class 'MixtureOfExperts'").
+    holding it loads where `tfpar` is imported (without it, Keras'
+    `load_model` raises a TypeError whose message says "Could not locate
+    class 'MixtureOfExperts'"). Loaded or built outside a strategy's
+    scope, the banks are whole on every device (as Keras made them).
 
     Example:
 

@@ -264,7 +264,8 @@ def check_expert_axis_used(dims, specs):
     device and none of `specs` (the variables' layouts) splits anything
     over it: no mixture-of-experts layer and no rule for expert banks, so
     every device of that axis would repeat the same work. Called by the
-    strategy when a model is compiled or a step starts."""
+    strategy when a train/test/predict function is made or a step starts
+    (not at compile: keras-hub tasks compile in their constructor)."""
     axis = expert_axis_of(dims)
     mesh = dims.mesh
     if axis not in mesh.axis_names or mesh.axis_size(axis) < 2:

@@ -67,7 +67,7 @@ def _routed_compile(original, hooks):
             result = original(self, *args, **kwargs)
             hooks.adopt_optimizer(self, strategy)
             if self.built:
-                strategy.extended.registry.check_rules_used()
+                strategy.extended.registry.check_rules_used(expert_axis=False)
         route_generate_function(self, hooks.function_for)
         return result
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import moe_keras_hub
 from tfpar import spmd_patches
 from tfpar import variable_creation
 
@@ -227,10 +228,12 @@ _ROUTING_PATCHES = (
 
 def install(hooks):
     """Installs the strategy's patches (routing, `spmd_patches.PATCHES`,
-    `variable_creation.VARIABLE_CREATION_PATCHES`) with `hooks`; once per process."""
+    `variable_creation.VARIABLE_CREATION_PATCHES`, keras-hub's MoE blocks'
+    `moe_keras_hub.PATCHES`) with `hooks`; once per process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *spmd_patches.PATCHES,
-        *variable_creation.VARIABLE_CREATION_PATCHES), hooks)
+        *variable_creation.VARIABLE_CREATION_PATCHES,
+        *moe_keras_hub.PATCHES), hooks)
 
 
 # -- per-host input: Keras' array datasets state their batch count --------

@@ -101,9 +101,11 @@ def auto(model, mesh):
         return tfpar.auto_rules(model, mesh=mesh)
 
 
-def train(name, optimizer, mesh_shape=None, policy=None):
+def train(name, optimizer, mesh_shape=None, policy=None, dispatch=None):
     """(model, per-step losses, strategy, router margins) after STEPS
-    batches of fit (margins only for the one-device run)."""
+    batches of fit (margins only for the one-device run). `dispatch`:
+    keyword arguments of `tfpar.moe_keras_hub.dispatch_experts`, or None
+    (the blocks' masked computation)."""
     weights = hub_models.build(name).get_weights()
     x, y = hub_models.data(name, batch=BATCH * STEPS)
     strategy = None if mesh_shape is None else tfpar.ParallelStrategy(
@@ -115,6 +117,9 @@ def train(name, optimizer, mesh_shape=None, policy=None):
         def build():
             model = hub_models.build(name)
             model.set_weights(weights)
+            if dispatch is not None:
+                assert tfpar.moe_keras_hub.dispatch_experts(
+                    model, **dispatch) == 2
             if strategy is not None:
                 strategy.apply_rules(model, auto(model, strategy.mesh))
             model.compile(optimizer=test_keras_hub.OPTIMIZERS[optimizer](),
@@ -161,12 +166,17 @@ def same_weight(path, other):
     return BLOCK_COUNTER.sub("", path) == BLOCK_COUNTER.sub("", other)
 
 
-def check_parity(name, optimizer, mesh_id, policy=None):
-    reference, ref_losses, _, margins = train(name, optimizer, policy=policy)
+def check_parity(name, optimizer, mesh_id, policy=None, dispatch=None,
+                 reference_dispatch=None):
+    """The model on `mesh_id` (its blocks dispatching with `dispatch`, or
+    masked) against one device (dispatching with `reference_dispatch`, or
+    masked)."""
+    reference, ref_losses, _, margins = train(
+        name, optimizer, policy=policy, dispatch=reference_dispatch)
     assert len(margins) == STEPS * 2  # two MoE layers, every step
     assert min(margins) > ROUTER_MARGIN, margins  # routing cannot flip
     model, losses, strategy, _ = train(name, optimizer, MESHES[mesh_id],
-                                       policy=policy)
+                                       policy=policy, dispatch=dispatch)
     tolerance = 1e-4 if policy is None else 2e-2
     assert models.relative_error(ref_losses, losses) < tolerance, (
         ref_losses, losses)
@@ -188,6 +198,44 @@ def check_parity(name, optimizer, mesh_id, policy=None):
 def test_mixtral_data2_expert4_adam():
     """The default case: Mixtral, data=2 x expert=4, Adam."""
     check_parity("mixtral", "adam", "2x4")
+
+
+def test_mixtral_dispatch_data2_expert4_matches_masked_one_device():
+    """Dropless dispatch (`dispatch_experts`) on data=2 x expert=4, SGD,
+    against keras-hub's masked block on one device."""
+    check_parity("mixtral", "sgd", "2x4", dispatch={})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("mesh_id", list(MESHES))
+def test_dispatch_matrix(name, mesh_id):
+    """Dropless dispatch with Adam against the masked block on one device,
+    and capacity_factor=1.0 (tokens dropped) against one device's
+    dispatch with the same capacity."""
+    check_parity(name, "adam", mesh_id, dispatch={})
+    capped = {"capacity_factor": 1.0}
+    check_parity(name, "sgd", mesh_id, dispatch=capped,
+                 reference_dispatch=capped)
+
+
+def test_dispatch_drops_past_capacity_and_refuses_bad_input():
+    """A capacity of one slot per expert drops assignments (counted); a
+    model with no dispatchable block and a bad factor are errors."""
+    model = hub_models.build("mixtral")
+    tfpar.moe_keras_hub.dispatch_experts(model, capacity_factor=0.1)
+    x, _ = hub_models.data("mixtral", batch=2)
+    whole = model(x)
+    blocks = [b for b in model._flatten_layers()  # noqa: SLF001
+              if hasattr(b, "tfpar_dropped")]
+    assert len(blocks) == 2
+    # 8 tokens x top-2 = 16 assignments, 8 experts x 1 slot per sequence.
+    assert all(int(b.tfpar_dropped) >= 16 for b in blocks)
+    assert whole.shape == (2, hub_models.SEQ_LEN, hub_models.VOCAB)
+    with pytest.raises(ValueError, match="capacity_factor=0"):
+        tfpar.moe_keras_hub.dispatch_experts(model, capacity_factor=0)
+    with pytest.raises(ValueError, match="no keras-hub MoE block"):
+        tfpar.moe_keras_hub.dispatch_experts(hub_models.build("gpt2"))
 
 
 @pytest.mark.slow

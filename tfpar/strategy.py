@@ -14,6 +14,7 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 `tfpar.variables.VariableRegistry` (`strategy.extended.registry`).
 """
 
+import functools
 import gc
 import os
 import sys
@@ -577,10 +578,66 @@ def compat_hooks():
 
 
 def _install_patches():
-    """The strategy's patches (`tfpar.patches`) and recomputation's
-    (`tfpar.recompute`); once per process."""
+    """The strategy's patches (`tfpar.patches`), recomputation's
+    (`tfpar.recompute`) and the optimizer's host gradients (below); once
+    per process."""
     patches.install(compat_hooks())
     recompute.install()
+    _compat.install_group("strategy.host_gradients", (_HOST_GRADIENTS,),
+                          None)
+
+
+def _host_gradients_placed(original, _hooks):
+    """`TFOptimizer.apply` that first lays host gradients out like their
+    variables when its optimizer was made under a ParallelStrategy.
+
+    The tf.distribute contract Keras' own tests use: in the scope, eagerly
+    (`strategy.run(fn)` or plain code), `optimizer.apply_gradients` with
+    gradients computed on the host (tf.constant, numpy). DTensor ops do not
+    mix a DTensor variable with a regular tensor, so each such gradient is
+    given every device (replicated) and relaid out to its variable's
+    layout: one SPMD replica, the gradient is the global gradient (as
+    single-device Keras; MirroredStrategy would sum one per replica).
+    Gradients that are DTensors already (a compiled step's) pass as they
+    are.
+    """
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        strategy = getattr(self, "_distribution_strategy", None)
+        targets = (trainable_variables if trainable_variables is not None
+                   else getattr(self, "_trainable_variables", None))
+        if isinstance(strategy, ParallelStrategy) and tf.executing_eagerly():
+            grads = list(grads)
+            targets = list(targets or ())
+            if len(grads) == len(targets):
+                grads = [_like_variable(g, v) for g, v in zip(grads, targets)]
+        return original(self, grads, trainable_variables)
+
+    return apply
+
+
+def _like_variable(gradient, variable):
+    """Host `gradient` laid out like DTensor `variable` (else unchanged)."""
+    backing = _compat.backing_variable(variable)
+    if (gradient is None or isinstance(gradient, tf.IndexedSlices)
+            or dtensor.is_dtensor(gradient)
+            or not isinstance(backing, _compat.DVariable)):
+        return gradient
+    layout = dtensor.fetch_layout(backing)
+    value = tf.convert_to_tensor(gradient)
+    local = layout.mesh.local_device_ids()
+    if not local:   # another host's pipeline stage: it holds none of it
+        return placement.stand_in(layout, value.shape, value.dtype)
+    replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+    return dtensor.relayout(dtensor.pack([value] * len(local), replicated),
+                            layout)
+
+
+_HOST_GRADIENTS = _compat.Patch(
+    "optimizer_host_gradients",
+    lambda: _compat.keras_module("backend.tensorflow.optimizer").TFOptimizer,
+    "apply", _host_gradients_placed)
 
 
 def keras_function_for(model, mode):

@@ -60,6 +60,8 @@ MOE_BLOCKS = (
     ("keras_hub.src.models.qwen_moe.qwen_moe_decoder", "QwenSparseMoeBlock"),
     ("keras_hub.src.models.qwen3_moe.qwen3_moe_decoder",
      "Qwen3SparseMoeBlock"),
+    ("keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder",
+     "Qwen3_5MoeSparseMoeBlock"),
     ("keras_hub.src.models.gpt_oss.gpt_oss_decoder", "GptOssSparseMoeBlock"),
 )
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import moe_keras_hub
 from tfpar import spmd_patches
 from tfpar import variable_creation
 
@@ -249,10 +250,13 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
     `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`)
-    with `hooks`; once per process."""
+    with `hooks`, and keras-hub's MoE blocks' (`moe_keras_hub.install`, a
+    group of their own, also installed by `dispatch_experts` without a
+    strategy); once per process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES), hooks)
+    moe_keras_hub.install()
 
 
 # -- per-host input: Keras' array datasets state their batch count --------

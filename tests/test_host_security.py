@@ -145,3 +145,24 @@ def test_strangers_against_a_launched_job_end_nothing(tmp_path):
     assert job.returncode == 0, out[-4000:]
     assert "host 0 attempt 0 done" in out and "host 1 attempt 0 done" in out
     assert "TFPAR_JOB_SECRET is not set" not in out
+
+
+@pytest.mark.parametrize("addresses,host_id,environ,want", [
+    (["localhost:1", "127.0.0.1:2"], 1, {}, "127.0.0.1"),
+    (["localhost:1", "10.0.0.2:2"], 1, {}, "10.0.0.2"),
+    (["localhost:1", "10.0.0.2:2"], 1,
+     {host_auth.BIND_VARIABLE: "10.1.1.1"}, "10.1.1.1"),
+])
+def test_tfpar_sockets_bind_to_the_hosts_own_address(
+        monkeypatch, addresses, host_id, environ, want):
+    monkeypatch.delenv(host_auth.BIND_VARIABLE, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert host_auth.bind_address(addresses, host_id) == want
+
+
+def test_a_short_secret_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(host_auth.SECRET_VARIABLE, "short")
+    with pytest.raises(ValueError, match="at least 16 characters.*"
+                       "Received: a secret of 5 characters"):
+        host_auth.job_secret()

@@ -84,7 +84,16 @@ def connect_hosts(addresses=None, host_id=None, job_name="worker",
     (`LOST_HOST_EXIT_CODE`), from inside whatever collective it waits in.
     A host that leaves normally tells the others first (no error); one
     that ends with an uncaught exception tells them too, and they exit
-    with the same error naming it.
+    with the same error naming it. A host seen alive whose heartbeat port
+    then refuses connections is lost at once.
+
+    tfpar's own messages (this handshake, the heartbeats) are bound to this
+    host's address from `addresses` (127.0.0.1 when all are localhost;
+    `TFPAR_BIND_ADDRESS` overrides) and authenticated with the job secret
+    `TFPAR_JOB_SECRET` (the same on every host; `tfpar.launch` sets one;
+    without it tfpar warns once): see `tfpar.host_auth` and the security
+    section of docs/guides/hosts.md. TensorFlow's own server on the same
+    port is not protected: trusted, isolated networks only.
 
     Sets DTensor's multi-client environment (`DTENSOR_JOBS`,
     `DTENSOR_CLIENT_ID`, `DTENSOR_NUM_CLIENTS`, `DTENSOR_JOB_NAME`) and

@@ -16,8 +16,11 @@ import threading
 import time
 from pathlib import Path
 
+import keras
+import numpy as np
 import pytest
 
+import models
 from tfpar import host_auth, host_watch
 
 TESTS = Path(__file__).resolve().parent
@@ -108,11 +111,19 @@ def listening_address(port):
     return None
 
 
+def given_data(tmp_path):
+    """tests/test_launch.py's workdir fixture: weights and data."""
+    keras.utils.set_random_seed(0)
+    weights = models.host_mlp().get_weights()
+    x, y = models.mlp_data(n=96)
+    np.savez(tmp_path / "given.npz", x=x, y=y,
+             **{f"w{i}": w for i, w in enumerate(weights)})
+    return tmp_path
+
+
 @pytest.mark.slow  # two TF processes; the in-process case above is fast
 def test_strangers_against_a_launched_job_end_nothing(tmp_path):
-    import test_launch  # noqa: PLC0415 (its fixture's data)
-
-    workdir = test_launch.workdir.__wrapped__(tmp_path)
+    workdir = given_data(tmp_path)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DTENSOR_", "TFPAR_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent)])

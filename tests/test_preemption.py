@@ -7,6 +7,7 @@ and those weights. A host that never begins a step ends the job within the
 `StepWatchdog` timeout, named; a host that exits cleanly is named so.
 """
 
+import os
 import signal
 
 import numpy as np
@@ -41,8 +42,6 @@ def test_sigterm_saves_every_host_at_one_step_and_the_job_resumes(workdir):
 
 
 def launch_with_step_timeout(workdir, mode, seconds):
-    import os  # noqa: PLC0415
-
     os.environ["STEP_TIMEOUT"] = str(seconds)
     try:
         return launch(workdir, mode, "--grace", "120", heartbeat=600)

@@ -184,6 +184,8 @@ class Watch:
 
     def _step_timed_out(self, timeout):
         step = self.steps_begun
+        for other in sorted(set(self._peers) - set(self._departed)):
+            self._ping_one(other)  # fresh progress before naming anyone
         missing = [h for h in sorted(self._peers)
                    if h not in self._departed
                    and self.progress.get(h, 0) < step]

@@ -20,7 +20,10 @@ c' > c) already knows t and does not; two proposals made without knowing
 of each other are therefore made at the same c, and agree. On one host
 the save happens at the end of the step that is running.
 
-The next start restores the latest checkpoint of `directory` (if any) at
+A signal within the last two steps of `fit` (or outside `fit`) saves
+nothing here: no step is left to agree on without a collective, and the
+script's own end-of-training save applies (`callback.requested` says a
+signal came). The next start restores the latest checkpoint of `directory` (if any) at
 the beginning of training: `restored_step` says which step (the data
 position is the script's: e.g. `fit(initial_epoch=step // steps_per_epoch)`).
 
@@ -73,6 +76,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self._target = None
         self._completed = 0
         self._previous = {}
+
+    @property
+    def requested(self):
+        """Whether a preemption signal (or a peer's notice) came."""
+        return self._requested.is_set()
 
     # -- Keras callbacks ------------------------------------------------------
 

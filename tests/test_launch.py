@@ -143,7 +143,15 @@ def test_a_host_that_raises_stops_the_others_at_once(workdir):
     status, out, _ = launch(workdir, "fail", heartbeat=600)
     assert status != 0, out[-4000:]
     assert "host 1 fails on purpose" in out
-    assert "tfpar: host 1 (localhost:" in out and "ended with an error" in out
+    assert "tfpar: host 1 (localhost:" in out, out[-4000:]
+    # Host 1's "fail" is heard at once unless host 0 then waits inside an
+    # eager DTensor collective (e.g. `dtensor.unpack` of a weight
+    # assignment), which holds the GIL: host 0's heartbeat threads then
+    # run only once host 1's exit fails that collective, and the verdict
+    # is TF's (or the closed port's).
+    assert ("ended with an error" in out
+            or "TensorFlow's collective with it failed" in out
+            or "refuses connections on its heartbeat port" in out), out[-4000:]
 
 
 def test_one_script_runs_alone_without_a_cluster(workdir):

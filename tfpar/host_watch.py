@@ -45,6 +45,7 @@ from tfpar import host_auth
 
 LOST_HOST_EXIT_CODE = 70  # EX_SOFTWARE
 INTERVAL = 1.0  # seconds between pings
+_TELL_TIMEOUT = 5.0  # seconds for a bye, fail, abort or preempt
 _current = []  # the Watch of this process, once started
 
 
@@ -113,6 +114,8 @@ class Watch:
         _current[:] = [self]
 
     def close(self, tell=False):
+        if self._stop.is_set():
+            return
         if tell and self._state == "alive":
             self._state = "bye"
             self.tell_others("bye")
@@ -205,20 +208,25 @@ class Watch:
 
     # -- helpers --------------------------------------------------------------
 
-    def _send(self, other, word, arg=0):
+    def _send(self, other, word, arg=0, timeout=host_auth.READ_TIMEOUT):
         """Sends `word arg` to host `other`; its answer (state, steps
         begun), or None. Raises host_auth.Refused."""
         return host_auth.request(self.addresses, self.host_id, other, word,
-                                 arg, port=self._peers[other])
+                                 arg, port=self._peers[other],
+                                 timeout=timeout)
 
     def tell_others(self, word, arg=0):
         """Sends `word arg` to every host still running (and waits for
         each one's answer: it has handled the message)."""
         for other in sorted(set(self._peers) - set(self._departed)):
-            try:
-                self._send(other, word, arg)
-            except host_auth.Refused:
-                pass
+            # Patient (a loaded peer may take seconds to serve), and once
+            # more on silence: this host may exit right after.
+            for _ in range(2):
+                try:
+                    if self._send(other, word, arg, _TELL_TIMEOUT):
+                        break
+                except host_auth.Refused:
+                    break
 
     def _heard_departure(self, other, word):
         self._departed.setdefault(other, word)

@@ -9,6 +9,11 @@ begun; a step still running after `timeout` seconds ends every host with
 status 70 and an error naming the hosts that have not begun it (or that
 exited cleanly), like PyTorch's collective watchdog.
 
+Limit: it watches `fit`'s steps, which run as `tf.function`s (TF
+releases Python's lock while they wait); an eager DTensor collective
+outside a step (a weight assignment, `get_weights`) holds the lock while
+it waits, so no tfpar thread runs until it returns.
+
 The default timeout is generous (`TFPAR_STEP_TIMEOUT`, else 1800 s: the
 first step also compiles), and the watchdog is off in an interactive
 session (a Python prompt or notebook) unless `timeout` is given. On one

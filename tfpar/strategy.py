@@ -14,6 +14,7 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 `tfpar.variables.VariableRegistry` (`strategy.extended.registry`).
 """
 
+import functools
 import gc
 import os
 import sys
@@ -142,22 +143,33 @@ class ParallelStrategy(tf.distribute.Strategy):
             the same name), declared once here; None (default): each
             PipelineModel's own argument (default 1). A PipelineModel
             passing another v is an error naming both.
+        expert_axis: the mesh axis mixture-of-experts layers split their
+            expert banks over.
+        context_axis: the mesh axis long sequences are split over.
+
+    Every mesh axis of size > 1 must play a role: be the data, pipeline,
+    model, expert or context axis (by name or as declared above) or be
+    named by `rules`; another axis is a ValueError naming it (it would copy
+    each tensor, the batch included, to all of its devices).
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
                  pipeline_axis="pipe", fsdp=False,
                  reshard_after_forward=False, offload=None,
                  per_host_input=False, model_axis="model",
-                 virtual_stages=None, offload_devices=None):
+                 virtual_stages=None, offload_devices=None,
+                 expert_axis="expert", context_axis="context"):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
         _install_patches()  # tfpar's Keras/TF hooks, once per process
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
                             reshard_after_forward, offload, per_host_input,
-                            model_axis, virtual_stages, offload_devices)
+                            model_axis, virtual_stages, offload_devices,
+                            expert_axis, context_axis)
         # This strategy's own copy (its own usage record), styles bound to
         # the model axis.
         rules = dims.bind_rules({} if rules is None else rules)
+        dims.check_roles(rules)
         super().__init__(ParallelExtended(self, dims, rules))
         if len(rules):
             _NEVER_ENTERED.add(self)
@@ -186,6 +198,10 @@ class ParallelStrategy(tf.distribute.Strategy):
         "the forward pass.")
     model_axis = _from_dims(
         "model_axis", "The mesh axis tensor-parallel styles split over.")
+    expert_axis = _from_dims(
+        "expert_axis", "The mesh axis expert banks are split over.")
+    context_axis = _from_dims(
+        "context_axis", "The mesh axis sequences are split over.")
     offload = _from_dims(
         "offload", "None, \"optimizer\" (optimizer state on the host) or "
         "\"optimizer+master\" (the float32 weights too).")
@@ -562,10 +578,66 @@ def compat_hooks():
 
 
 def _install_patches():
-    """The strategy's patches (`tfpar.patches`) and recomputation's
-    (`tfpar.recompute`); once per process."""
+    """The strategy's patches (`tfpar.patches`), recomputation's
+    (`tfpar.recompute`) and the optimizer's host gradients (below); once
+    per process."""
     patches.install(compat_hooks())
     recompute.install()
+    _compat.install_group("strategy.host_gradients", (_HOST_GRADIENTS,),
+                          None)
+
+
+def _host_gradients_placed(original, _hooks):
+    """`TFOptimizer.apply` that first lays host gradients out like their
+    variables when its optimizer was made under a ParallelStrategy.
+
+    The tf.distribute contract Keras' own tests use: in the scope, eagerly
+    (`strategy.run(fn)` or plain code), `optimizer.apply_gradients` with
+    gradients computed on the host (tf.constant, numpy). DTensor ops do not
+    mix a DTensor variable with a regular tensor, so each such gradient is
+    given every device (replicated) and relaid out to its variable's
+    layout: one SPMD replica, the gradient is the global gradient (as
+    single-device Keras; MirroredStrategy would sum one per replica).
+    Gradients that are DTensors already (a compiled step's) pass as they
+    are.
+    """
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        strategy = getattr(self, "_distribution_strategy", None)
+        targets = (trainable_variables if trainable_variables is not None
+                   else getattr(self, "_trainable_variables", None))
+        if isinstance(strategy, ParallelStrategy) and tf.executing_eagerly():
+            grads = list(grads)
+            targets = list(targets or ())
+            if len(grads) == len(targets):
+                grads = [_like_variable(g, v) for g, v in zip(grads, targets)]
+        return original(self, grads, trainable_variables)
+
+    return apply
+
+
+def _like_variable(gradient, variable):
+    """Host `gradient` laid out like DTensor `variable` (else unchanged)."""
+    backing = _compat.backing_variable(variable)
+    if (gradient is None or isinstance(gradient, tf.IndexedSlices)
+            or dtensor.is_dtensor(gradient)
+            or not isinstance(backing, _compat.DVariable)):
+        return gradient
+    layout = dtensor.fetch_layout(backing)
+    value = tf.convert_to_tensor(gradient)
+    local = layout.mesh.local_device_ids()
+    if not local:   # another host's pipeline stage: it holds none of it
+        return placement.stand_in(layout, value.shape, value.dtype)
+    replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+    return dtensor.relayout(dtensor.pack([value] * len(local), replicated),
+                            layout)
+
+
+_HOST_GRADIENTS = _compat.Patch(
+    "optimizer_host_gradients",
+    lambda: _compat.keras_module("backend.tensorflow.optimizer").TFOptimizer,
+    "apply", _host_gradients_placed)
 
 
 def keras_function_for(model, mode):

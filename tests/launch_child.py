@@ -25,8 +25,9 @@ SIGTERM to the launcher, its parent, at the end of step 2; a
 `PreemptionCheckpoint` saves to WORKDIR/preempt and each host writes
 WORKDIR/preempt-host<I>-attempt<R>.npz: the saved step and its weights),
 "resume" (the next start: the restored step and weights), "hang" (host 1
-sleeps before beginning step 3, under a `StepWatchdog` of STEP_TIMEOUT
-seconds) and "exit-early" (host 1 exits cleanly before step 3).
+sleeps before beginning step 3; every step is watched, TFPAR_STEP_TIMEOUT
+set to STEP_TIMEOUT seconds) and "exit-early" (host 1 exits cleanly before
+step 3, under a `StepWatchdog` of STEP_TIMEOUT seconds).
 """
 
 import importlib
@@ -143,7 +144,9 @@ callbacks = [backup, Misbehave(), CheckpointThenDie(), Issue38()]
 preemption = tfpar.PreemptionCheckpoint(os.path.join(workdir, "preempt"))
 if mode in ("preempt", "resume"):
     callbacks = [preemption, Misbehave(), Issue38()]
-if mode in ("hang", "exit-early"):
+if mode == "hang":  # every step is watched: the timeout from the environment
+    os.environ["TFPAR_STEP_TIMEOUT"] = os.environ["STEP_TIMEOUT"]
+if mode == "exit-early":  # a fit's own timeout
     callbacks.append(tfpar.StepWatchdog(float(os.environ["STEP_TIMEOUT"])))
 model.fit(given["x"], given["y"], batch_size=32, epochs=4, shuffle=False,
           verbose=0, callbacks=callbacks)

@@ -4,7 +4,8 @@ SIGTERM to the launcher (host 0 sends it to its parent at the end of
 step 2): forwarded to both hosts, which save one checkpoint at one agreed
 step under `tfpar.PreemptionCheckpoint`; the next start restores that step
 and those weights. A host that never begins a step ends the job within the
-`StepWatchdog` timeout, named; a host that exits cleanly is named so.
+step timeout (every step on several hosts is watched: TFPAR_STEP_TIMEOUT),
+named; a host that exits cleanly (under a `StepWatchdog`) is named so.
 """
 
 import os

@@ -44,6 +44,7 @@ from tfpar import compile_errors
 from tfpar import inputs as inputs_lib
 from tfpar import logs
 from tfpar import placement
+from tfpar import watchdog
 
 
 def _named_partial(method):
@@ -263,7 +264,7 @@ def make_function(model, extended, mode, runner=None):
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
-            with logs.quiet_steps():
+            with logs.quiet_steps(), watchdog.watched_step():
                 return runner.run([inputs_lib.host_batch(b) for b in data])
 
         return predict_function
@@ -278,7 +279,9 @@ def make_function(model, extended, mode, runner=None):
                 break
         if not batches:
             raise StopIteration
-        with logs.quiet_steps():  # no DTensor INFO lines, no cost-model errors
+        # quiet: no DTensor INFO lines, no cost-model errors; watched: on
+        # several hosts a step over its timeout ends the job
+        with logs.quiet_steps(), watchdog.watched_step():
             return runner.run(batches)
 
     return function

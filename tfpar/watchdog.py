@@ -1,31 +1,34 @@
-"""`StepWatchdog`: a training step that does not finish in time ends the job.
+"""The step watchdog: a step that does not finish in time ends the job.
 
 A TensorFlow collective has no timeout: a host that is alive (it answers
 heartbeats) but never joins a step — stuck in its input pipeline, in a
 deadlock of its own, or in a different branch of the program — leaves the
-others waiting forever. Under `StepWatchdog` each host tells the others,
-through its heartbeat answers (`tfpar.host_watch`), how many steps it has
-begun; a step still running after `timeout` seconds ends every host with
-status 70 and an error naming the hosts that have not begun it (or that
-exited cleanly), like PyTorch's collective watchdog.
+others waiting forever. On several hosts (`tfpar.connect_hosts`) every
+step tfpar runs for `fit`, `evaluate` and `predict` is watched
+(`watched_step`, around each call of the step function): each host tells
+the others, through its heartbeat answers (`tfpar.host_watch`), how many
+steps it has begun; a step still running after the timeout ends every
+host with status 70 and an error naming the hosts that have not begun it
+(or that exited cleanly), like PyTorch's collective watchdog.
 
-Limit: it watches `fit`'s steps, which run as `tf.function`s (TF
-releases Python's lock while they wait); an eager DTensor collective
-outside a step (a weight assignment, `get_weights`) holds the lock while
-it waits, so no tfpar thread runs until it returns.
+The timeout is generous by default (`TFPAR_STEP_TIMEOUT`, else 1800 s:
+the first step also compiles), and off in an interactive session (a
+Python prompt or notebook) unless set; `StepWatchdog(timeout)`, a Keras
+callback, sets another one for a `fit`. On one host nothing is watched.
 
-The default timeout is generous (`TFPAR_STEP_TIMEOUT`, else 1800 s: the
-first step also compiles), and the watchdog is off in an interactive
-session (a Python prompt or notebook) unless `timeout` is given. On one
-host (no `connect_hosts`) it does nothing.
+Limit: steps run as `tf.function`s (TF releases Python's lock while they
+wait); an eager DTensor collective outside a step (a weight assignment,
+`get_weights`) holds the lock while it waits, so no tfpar thread runs
+until it returns, and such a wait is not watched.
 
 Example:
 
->>> model.fit(x, y, callbacks=[tfpar.StepWatchdog()])  # doctest: +SKIP
+>>> model.fit(x, y, callbacks=[tfpar.StepWatchdog(600)])  # doctest: +SKIP
 >>> tfpar.StepWatchdog(timeout=600)  # doctest: +ELLIPSIS
 <...StepWatchdog object at ...>
 """
 
+import contextlib
 import os
 import sys
 
@@ -41,20 +44,47 @@ def _interactive():
         "ipykernel" in sys.modules)
 
 
+def default_timeout():
+    """Seconds a step may take: `TFPAR_STEP_TIMEOUT`, else 1800; None (not
+    watched) in an interactive session without the variable."""
+    setting = os.environ.get("TFPAR_STEP_TIMEOUT")
+    if setting is None and _interactive():
+        return None
+    return float(setting or DEFAULT_TIMEOUT)
+
+
+@contextlib.contextmanager
+def watched_step():
+    """One step, begun and ended on the host watch (several hosts only),
+    under its timeout: a `StepWatchdog`'s, else `default_timeout()`."""
+    watch = host_watch.current()
+    if watch is None:
+        yield
+        return
+    if watch.step_timeout is None:
+        watch.step_timeout = default_timeout()
+    watch.begin_step()
+    try:
+        yield
+    finally:
+        watch.end_step()
+
+
 class StepWatchdog(keras.callbacks.Callback):
-    """Ends every host when a training step exceeds `timeout` seconds.
+    """Sets the step timeout of a `fit` (every step on several hosts is
+    watched, see the module docstring): a step over `timeout` seconds ends
+    every host, naming the hosts that did not arrive.
 
     Args:
-        timeout: seconds a step may take; None: `TFPAR_STEP_TIMEOUT`, else
-            1800, and off in an interactive session.
+        timeout: seconds a step may take; None: `default_timeout()`
+            (`TFPAR_STEP_TIMEOUT`, else 1800, off in an interactive
+            session).
     """
 
     def __init__(self, timeout=None):
         super().__init__()
         if timeout is None:
-            setting = os.environ.get("TFPAR_STEP_TIMEOUT")
-            timeout = None if _interactive() and setting is None else float(
-                setting or DEFAULT_TIMEOUT)
+            timeout = default_timeout()
         elif isinstance(timeout, bool) or not isinstance(
                 timeout, (int, float)) or not timeout > 0:
             raise ValueError(
@@ -66,16 +96,6 @@ class StepWatchdog(keras.callbacks.Callback):
         watch = host_watch.current()
         if watch is not None:
             watch.step_timeout = self.timeout
-
-    def on_train_batch_begin(self, batch, logs=None):
-        watch = host_watch.current()
-        if watch is not None:
-            watch.begin_step()
-
-    def on_train_batch_end(self, batch, logs=None):
-        watch = host_watch.current()
-        if watch is not None:
-            watch.end_step()
 
     def on_train_end(self, logs=None):
         watch = host_watch.current()

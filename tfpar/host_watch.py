@@ -170,7 +170,7 @@ class Watch:
     # -- the step watchdog ----------------------------------------------------
 
     def begin_step(self):
-        """This host enters its next step (`watchdog.watched_step`)."""
+        """This host enters its next step (`watchdog.run_watched`)."""
         self.steps_begun += 1
         self._step_began_at = time.monotonic()
 

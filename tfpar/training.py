@@ -264,8 +264,9 @@ def make_function(model, extended, mode, runner=None):
 
         def predict_function(data):
             # Keras passes a list of up to steps_per_execution batches.
-            with logs.quiet_steps(), watchdog.watched_step():
-                return runner.run([inputs_lib.host_batch(b) for b in data])
+            with logs.quiet_steps():
+                return watchdog.run_watched(lambda: runner.run(
+                    [inputs_lib.host_batch(b) for b in data]))
 
         return predict_function
 
@@ -281,8 +282,8 @@ def make_function(model, extended, mode, runner=None):
             raise StopIteration
         # quiet: no DTensor INFO lines, no cost-model errors; watched: on
         # several hosts a step over its timeout ends the job
-        with logs.quiet_steps(), watchdog.watched_step():
-            return runner.run(batches)
+        with logs.quiet_steps():
+            return watchdog.run_watched(lambda: runner.run(batches))
 
     return function
 

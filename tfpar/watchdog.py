@@ -5,7 +5,7 @@ heartbeats) but never joins a step — stuck in its input pipeline, in a
 deadlock of its own, or in a different branch of the program — leaves the
 others waiting forever. On several hosts (`tfpar.connect_hosts`) every
 step tfpar runs for `fit`, `evaluate` and `predict` is watched
-(`watched_step`, around each call of the step function): each host tells
+(`run_watched`, around each call of the step function): each host tells
 the others, through its heartbeat answers (`tfpar.host_watch`), how many
 steps it has begun; a step still running after the timeout ends every
 host with status 70 and an error naming the hosts that have not begun it
@@ -28,11 +28,12 @@ Example:
 <...StepWatchdog object at ...>
 """
 
-import contextlib
 import os
 import sys
 
 import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import host_watch
 
@@ -53,21 +54,40 @@ def default_timeout():
     return float(setting or DEFAULT_TIMEOUT)
 
 
-@contextlib.contextmanager
-def watched_step():
-    """One step, begun and ended on the host watch (several hosts only),
-    under its timeout: a `StepWatchdog`'s, else `default_timeout()`."""
+def run_watched(step):
+    """`step()` (one call of a step function), begun and ended on the host
+    watch (several hosts only) under its timeout: a `StepWatchdog`'s, else
+    `default_timeout()`. TF runs a step asynchronously — the call returns
+    before its collectives complete — so the step ends when its first
+    output is computed (`_wait_for`), not when it is dispatched."""
     watch = host_watch.current()
     if watch is None:
-        yield
-        return
+        return step()
     if watch.step_timeout is None:
         watch.step_timeout = default_timeout()
     watch.begin_step()
     try:
-        yield
+        outputs = step()
+        _wait_for(outputs)
+        return outputs
     finally:
         watch.end_step()
+
+
+def _wait_for(outputs):
+    """Blocks until the first replicated tensor of `outputs` (a step's
+    logs: its loss) is computed — the outputs of one step's program are
+    computed together — by reading it to the host as Keras reads its logs
+    (`numpy()` of the global tensor, which lets tfpar's threads run while
+    it waits; `dtensor.unpack` would hold Python's lock)."""
+    for leaf in tf.nest.flatten(outputs):
+        if not isinstance(leaf, tf.Tensor):
+            continue
+        if dtensor.is_dtensor(leaf) and not dtensor.fetch_layout(
+                leaf).is_fully_replicated():
+            continue
+        leaf.numpy()
+        return
 
 
 class StepWatchdog(keras.callbacks.Callback):

@@ -14,6 +14,7 @@ import pytest
 
 import tfpar
 from tfpar.planner import estimator, hardware, profile, roofline
+from tfpar.planner.transformer import transformer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -133,9 +134,17 @@ def test_bad_configurations_are_refused_before_costing():
     build = gpt_builder(64, 4, 2, vocab=128, seq_len=16)
     with pytest.raises(ValueError, match="uses 4 devices; the cluster has 8"):
         tfpar.estimate(build, 8, cluster=cluster, axes={"data": 4})
-    with pytest.raises(ValueError, match="expert.*not costed yet"):
+    with pytest.raises(ValueError, match=(
+            "expert=2, but the model has no mixture-of-experts layer")):
         tfpar.estimate(build, 8, cluster=cluster,
                        axes={"data": 4, "expert": 2})
+    with pytest.raises(ValueError, match=(
+            "context=8 does not divide the sequence length 12")):
+        tfpar.estimate(gpt_builder(64, 4, 2, vocab=128, seq_len=12), 8,
+                       cluster=cluster, axes={"context": 8})
+    with pytest.raises(ValueError, match=r"capacity_factor\) must be None"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
+                       capacity_factor=0)
     with pytest.raises(ValueError, match="recompute"):
         tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
                        recompute="attention")
@@ -349,3 +358,101 @@ def test_a_float32_model_is_costed_at_its_peak_with_its_activations(tf32):
     assert bf16["executed_flops"] / bf16["compute"] > peak
     assert roofline.memory(full, cfg, 32)["activations"] == pytest.approx(
         2 * roofline.memory(half, cfg, 32)["activations"])
+
+
+MOE = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
+                           vocab=32000, ffn=3584, gated=True, dropout=False,
+                           tied=False, position_embedding=False, experts=8,
+                           top_k=2)
+
+
+def _expert_ffn_flops(model, cfg):
+    """FLOPs of one block's expert GEMMs on one device, forward (the
+    router and dispatch einsums left out)."""
+    rows = roofline.capacity(model, cfg) * cfg.expert
+    up = 2 * model.ffn_width
+    return (model.experts / cfg.expert) * 2.0 * rows * model.hidden * (
+        up + model.ffn_width) / cfg.model
+
+
+def test_expert_axis_costs_the_routed_work_and_the_exchange_by_formula():
+    """Issue 36 item 5: per-device expert FLOPs on data=2 x expert=4 with
+    capacity_factor=1.25 are k·1.25/E of keras-hub's masked computation
+    (every expert on every token: dropless under static shapes) on data=8,
+    the same tokens per device; the dispatch all-to-all moves
+    tokens × hidden × k × cf × bytes per device, 4 times per block."""
+    hw = hardware.PRESETS["h100-sxm"]
+    masked = roofline.Parallel(data=8, microbatch=1)
+    routed = roofline.Parallel(data=2, expert=4, microbatch=1,
+                               capacity_factor=1.25)
+    assert roofline.tokens(MOE, masked) == roofline.tokens(MOE, routed)
+    ratio = _expert_ffn_flops(MOE, routed) / _expert_ffn_flops(MOE, masked)
+    assert ratio == pytest.approx(MOE.top_k * 1.25 / MOE.experts)
+    # The whole step executes less too (attention and router unchanged).
+    batch = 16
+    fast = roofline.step_time(MOE, routed, hw, batch)
+    slow = roofline.step_time(MOE, masked, hw, batch)
+    assert fast["executed_flops"] < 0.6 * slow["executed_flops"]
+    assert fast["expert"] > 0 and slow["expert"] == 0
+    tokens = MOE.seq  # b = 1
+    per_exchange = tokens * MOE.hidden * MOE.top_k * 1.25 * 2
+    m = batch // (2 * 4)
+    sent = roofline.communication_bytes(MOE, routed, batch)["expert"]
+    assert sent == pytest.approx(MOE.layers * 4 * per_exchange * m)
+    # Banks split over expert: the expert bank bytes per device drop 4x.
+    params = {a: roofline.memory(MOE, cfg, batch)["params"]
+              for a, cfg in (("masked", masked), ("routed", routed))}
+    banks = MOE.layers * MOE.bank_params() * MOE.param_bytes
+    assert params["masked"] - params["routed"] == pytest.approx(
+        banks * 3 / 4)
+
+
+def test_context_axis_splits_activations_and_gathers_keys_by_formula():
+    """Issue 39 item 4: on context=4 a device computes (s/4) x s scores,
+    holds at most 0.4x the activations of data=2 alone with the same
+    samples per device, and gathers b·s·2·kv·dₕ keys and values per block
+    forward (reduce-scattered backward)."""
+    llama = dataclasses.replace(MOE, experts=0, top_k=0, kv_heads=4)
+    alone = roofline.Parallel(data=2, microbatch=1)
+    split = roofline.Parallel(data=2, context=4, microbatch=1)
+    acts = {name: roofline.memory(llama, cfg, 2)["activations"]
+            for name, cfg in (("alone", alone), ("split", split))}
+    assert acts["split"] <= 0.4 * acts["alone"]
+    dev = roofline._Device(hardware.PRESETS["h100-sxm"])
+    flops = [roofline._attention_core(dev, llama, cfg).flops
+             for cfg in (alone, split)]
+    assert flops[1] == pytest.approx(flops[0] / 4)
+    kv = llama.kv_heads * llama.head_dim
+    gathered = llama.seq * 2 * kv * 2            # bytes, b = 1
+    sent = roofline.communication_bytes(llama, split, 8)["context"]
+    m = 8 // 2                                   # micro-batches of b = 1
+    assert sent == pytest.approx(llama.layers * 2 * gathered * m)
+    cluster = tfpar.Cluster.preset("h100-sxm")
+    e = estimator.estimate_transformer(llama, split, 8, cluster)
+    assert e.breakdown["context"] > 0
+    assert e.communication_bytes_by_axis["context"] == sent
+
+
+def test_a_keras_hub_mixtral_is_read_with_its_experts_and_estimated():
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def mixtral():
+        return keras_hub.models.MixtralBackbone(
+            vocabulary_size=32000, num_layers=32, num_query_heads=32,
+            num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14336,
+            num_experts=8, top_k=2)
+
+    model = profile.build_without_weights(mixtral)
+    read = transformer_of(profile.profile_model(model, 4096))
+    assert (read.experts, read.top_k, read.ffn, read.gated) == (
+        8, 2, 14336, True)
+    cluster = tfpar.Cluster.preset("h100-sxm", num_hosts=4)
+    start = time.perf_counter()
+    routed = tfpar.estimate(mixtral, 64, cluster=cluster,
+                            sequence_length=4096, capacity_factor=1.25,
+                            axes={"data": 4, "expert": 8},
+                            recompute="full")
+    assert time.perf_counter() - start < 30
+    assert routed.breakdown["expert"] > 0
+    # 47B parameters, banks 45B: split 8 ways they fit an 80 GB H100.
+    assert routed.memory_per_device["params"] < 0.25 * read.num_params() * 4

@@ -143,22 +143,33 @@ class ParallelStrategy(tf.distribute.Strategy):
             the same name), declared once here; None (default): each
             PipelineModel's own argument (default 1). A PipelineModel
             passing another v is an error naming both.
+        expert_axis: the mesh axis mixture-of-experts layers split their
+            expert banks over.
+        context_axis: the mesh axis long sequences are split over.
+
+    Every mesh axis of size > 1 must play a role: be the data, pipeline,
+    model, expert or context axis (by name or as declared above) or be
+    named by `rules`; another axis is a ValueError naming it (it would copy
+    each tensor, the batch included, to all of its devices).
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
                  pipeline_axis="pipe", fsdp=False,
                  reshard_after_forward=False, offload=None,
                  per_host_input=False, model_axis="model",
-                 virtual_stages=None, offload_devices=None):
+                 virtual_stages=None, offload_devices=None,
+                 expert_axis="expert", context_axis="context"):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
         _install_patches()  # tfpar's Keras/TF hooks, once per process
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
                             reshard_after_forward, offload, per_host_input,
-                            model_axis, virtual_stages, offload_devices)
+                            model_axis, virtual_stages, offload_devices,
+                            expert_axis, context_axis)
         # This strategy's own copy (its own usage record), styles bound to
         # the model axis.
         rules = dims.bind_rules({} if rules is None else rules)
+        dims.check_roles(rules)
         super().__init__(ParallelExtended(self, dims, rules))
         if len(rules):
             _NEVER_ENTERED.add(self)
@@ -187,6 +198,10 @@ class ParallelStrategy(tf.distribute.Strategy):
         "the forward pass.")
     model_axis = _from_dims(
         "model_axis", "The mesh axis tensor-parallel styles split over.")
+    expert_axis = _from_dims(
+        "expert_axis", "The mesh axis expert banks are split over.")
+    context_axis = _from_dims(
+        "context_axis", "The mesh axis sequences are split over.")
     offload = _from_dims(
         "offload", "None, \"optimizer\" (optimizer state on the host) or "
         "\"optimizer+master\" (the float32 weights too).")

@@ -64,24 +64,29 @@ def visible_blocks(query_positions, key_positions, block_size, causal):
     blocks = key_blocks(key_positions, block_size)
     if not causal:
         return blocks
-    first_query_seen = np.max(query_positions)
+    latest_query = np.max(query_positions)
     return [(start, stop) for start, stop in blocks
-            if np.min(key_positions[start:stop]) <= first_query_seen]
+            if np.min(key_positions[start:stop]) <= latest_query]
 
 
 def unmasked_block_counts(query_positions_per_device, key_positions,
                           block_size):
-    """How many key blocks hold at least one allowed (causal) pair, per
-    device: the work a device needs, given the global positions of the
-    queries each holds.
+    """How many (query block, key block) pairs of `block_size` rows hold
+    at least one allowed (causal) pair, per device: the work a device
+    needs, given the global positions of the queries it holds.
 
     >>> unmasked_block_counts([np.arange(4), np.arange(4, 8)],
-    ...                       np.arange(8), 4)
-    [1, 2]
+    ...                       np.arange(8), 2)
+    [3, 7]
     """
-    return [len(visible_blocks(np.asarray(positions), key_positions,
-                               block_size, causal=True))
-            for positions in query_positions_per_device]
+    counts = []
+    for positions in query_positions_per_device:
+        positions = np.asarray(positions)
+        counts.append(sum(
+            len(visible_blocks(positions[start:start + block_size],
+                               key_positions, block_size, causal=True))
+            for start in range(0, len(positions), block_size)))
+    return counts
 
 
 def _additive_mask(query_positions, key_positions, causal, mask):

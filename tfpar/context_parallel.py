@@ -52,6 +52,7 @@ class ContextSplit:
         self.axis = axis
         self.size = size
         self.load_balance = bool(load_balance)
+        self._lengths = set()  # the sequence lengths of the inputs placed
 
     @property
     def divisor(self):
@@ -103,14 +104,18 @@ class ContextSplit:
                 f"(batch, sequence, ...) inputs, or use a mesh without the "
                 f"{self.axis!r} axis for this model.")
         for path, tensor in tensors:
-            self.check_sequence(tf.convert_to_tensor(tensor), _name(path))
+            tensor = tf.convert_to_tensor(tensor)
+            self.check_sequence(tensor, _name(path))
+            if tensor.shape.rank >= 2:
+                self._lengths.add(tensor.shape[1])
         if not self.load_balance:
             return batch
         return tf.nest.map_structure(lambda t: self._permuted(t, False),
                                      batch)
 
     def restore(self, outputs):
-        """Predictions back in natural order (inverse of `reorder_batch`)."""
+        """Predictions back in natural order (inverse of `reorder_batch`):
+        the outputs whose dimension 1 is as long as an input's sequence."""
         if not self.load_balance:
             return outputs
         return tf.nest.map_structure(lambda t: self._permuted(t, True),
@@ -119,6 +124,8 @@ class ContextSplit:
     def _permuted(self, tensor, inverse):
         if tensor is None or not hasattr(tensor, "shape") or len(
                 tensor.shape) < 2 or tensor.shape[1] is None:
+            return tensor
+        if inverse and tensor.shape[1] not in self._lengths:
             return tensor
         order = self.order(tensor.shape[1])
         if inverse:

@@ -178,6 +178,13 @@ class InputPlacer:
                 "drop_remainder=True) on every host).")
         return batch
 
+    def restore(self, outputs):
+        """Predictions (host arrays) in the order the inputs were given:
+        undoes the context axis' load-balance reordering, if any."""
+        if self.context is None:
+            return outputs
+        return self.context.restore(outputs)
+
     def place_arrays(self, structure):
         """Like `place`, for host arrays only (Python values, symbolic
         KerasTensors and DTensors pass through)."""

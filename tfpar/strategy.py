@@ -275,7 +275,7 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.input_placer = inputs.InputPlacer(
             dims.mesh, dims.data_axis,
             per_host=dims.per_host_input and dtensor.num_clients() > 1,
-            context=context_parallel.split_of(dims.mesh))
+            context=context_parallel.split_of(dims.mesh, dims.context_axis))
         if self.input_placer.per_host:
             patches.count_array_batches()
         self.registry = variables_lib.VariableRegistry(self)

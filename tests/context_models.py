@@ -7,10 +7,11 @@ import numpy as np
 
 
 def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
-                       dropout=0.0):
+                       dropout=0.0, mask_zero=False):
     tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
     positions = keras.Input((seq_len,), dtype="int32", name="positions")
-    h = keras.layers.Embedding(vocab, dim, name="tok_embed")(tokens)
+    h = keras.layers.Embedding(vocab, dim, mask_zero=mask_zero,
+                               name="tok_embed")(tokens)
     h = h + keras.layers.Embedding(seq_len, dim, name="pos_embed")(positions)
     for i in range(layers):
         a = keras.layers.LayerNormalization(name=f"b{i}_ln1")(h)

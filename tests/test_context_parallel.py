@@ -192,9 +192,7 @@ def test_padded_sequences(corpus):
         x["tokens"][row, length:] = 0
 
     def build():
-        model = context_models.causal_transformer(**CONFIG)
-        model.get_layer("tok_embed").mask_zero = True
-        return keras.Model(model.inputs, model(model.inputs))
+        return context_models.causal_transformer(**CONFIG, mask_zero=True)
 
     x["tokens"][:, 0] = np.maximum(x["tokens"][:, 0], 1)
     reference, ref_losses = train(None, weights, x, y, build=build)
@@ -231,3 +229,12 @@ def test_saved_activations_at_most_0_4_of_data_parallel(corpus):
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
         saved[len(axes)] = programs.train_report().saved_activation_bytes
     assert saved[2] <= 0.4 * saved[1], saved
+
+
+def test_auto_rules_on_a_data_context_mesh_split_no_weight():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    with strategy.scope():
+        model = context_models.causal_transformer(**CONFIG)
+        rules = tfpar.auto_rules(model, mesh=strategy.mesh)
+        strategy.apply_rules(model, rules)
+    assert dict(rules.items()) == {}

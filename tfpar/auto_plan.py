@@ -148,6 +148,8 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             f"auto_rules needs a built model; {model.name!r} is not built. "
             "Call it on data or build it with keras.Input first."
         )
+    if _mesh_lacks(axis, mesh):
+        return LayoutRules({})  # nothing to split over (issue 39)
     plan, whole = _plan(model, axis, axis_size, sequence_parallel)
     if whole:
         listed = "".join(f"\n  {path} ({type(layer).__name__}): {reason}"
@@ -158,6 +160,16 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             stacklevel=2,
         )
     return LayoutRules({re.escape(path): style for path, style in plan.items()})
+
+
+def _mesh_lacks(axis, mesh):
+    """Whether the mesh (given, or the current strategy's) has no `axis`:
+    then no weight is split, e.g. on Mesh({"data": 2, "context": 4}) (a
+    context-parallel mesh, issue 39), and the rules are empty."""
+    dims = parallel_dims.current()
+    if mesh is None and dims is not None:
+        mesh = dims.mesh
+    return mesh is not None and axis not in mesh.shape
 
 
 def _axis_and_size(axis, axis_size, mesh):

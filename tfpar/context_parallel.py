@@ -74,27 +74,28 @@ class ContextSplit:
         """[the global positions of the rows device r holds] for each r."""
         return np.split(self.order(length), self.size)
 
-    def check_sequence(self, tensor, name):
-        """Raises ValueError unless `tensor` has a sequence dimension the
-        context axis divides; `name` names the input."""
+    def check_sequence(self, tensor, name, dim=1):
+        """Raises ValueError unless `tensor` has a sequence dimension `dim`
+        the context axis divides; `name` names the input."""
         rank = tensor.shape.rank
-        if rank is None or rank < 2 or tensor.shape[1] is None:
+        if rank is None or rank <= dim or tensor.shape[dim] is None:
             return
-        if tensor.shape[1] % self.divisor:
+        if tensor.shape[dim] % self.divisor:
             balance = " times 2 (load balance)" if self.load_balance else ""
             raise ValueError(
                 f"Context parallelism splits input {name!r} along its "
-                f"sequence dimension (dimension 1) over the axis "
+                f"sequence dimension (dimension {dim}) over the axis "
                 f"{self.axis!r} of size {self.size}{balance}, which must "
                 f"divide it. Received: shape {tuple(tensor.shape)}. Pad the "
                 f"sequences to a multiple of {self.divisor}.")
 
-    def reorder_batch(self, batch):
+    def reorder_batch(self, batch, dim=1):
         """`batch` checked (`check_sequence`, and a sequence dimension at
-        all), its sequence dimensions in `order`."""
+        all), its sequence dimensions (`dim`: 2 for batches stacked by
+        steps) in `order`."""
         flat = keras.tree.flatten_with_path(batch)
         tensors = [(path, t) for path, t in flat if t is not None]
-        if tensors and not any(tf.convert_to_tensor(t).shape.rank >= 2
+        if tensors and not any(tf.convert_to_tensor(t).shape.rank > dim
                                for _, t in tensors):
             path, first = tensors[0]
             raise ValueError(
@@ -105,13 +106,13 @@ class ContextSplit:
                 f"{self.axis!r} axis for this model.")
         for path, tensor in tensors:
             tensor = tf.convert_to_tensor(tensor)
-            self.check_sequence(tensor, _name(path))
-            if tensor.shape.rank >= 2:
-                self._lengths.add(tensor.shape[1])
+            self.check_sequence(tensor, _name(path), dim)
+            if tensor.shape.rank > dim:
+                self._lengths.add(tensor.shape[dim])
         if not self.load_balance:
             return batch
-        return tf.nest.map_structure(lambda t: self._permuted(t, False),
-                                     batch)
+        return tf.nest.map_structure(
+            lambda t: self._permuted(t, False, dim), batch)
 
     def restore(self, outputs):
         """Predictions back in natural order (inverse of `reorder_batch`):
@@ -121,18 +122,21 @@ class ContextSplit:
         return tf.nest.map_structure(lambda t: self._permuted(t, True),
                                      outputs)
 
-    def _permuted(self, tensor, inverse):
+    def _permuted(self, tensor, inverse, dim=1):
         if tensor is None or not hasattr(tensor, "shape") or len(
-                tensor.shape) < 2 or tensor.shape[1] is None:
+                tensor.shape) <= dim or tensor.shape[dim] is None:
             return tensor
-        if inverse and tensor.shape[1] not in self._lengths:
+        if inverse and tensor.shape[dim] not in self._lengths:
             return tensor
-        order = self.order(tensor.shape[1])
+        if dtensor.is_dtensor(tensor):  # placed, so reordered, already
+            return tensor
+        order = self.order(tensor.shape[dim])
         if inverse:
             order = np.argsort(order)
         if isinstance(tensor, np.ndarray):
-            return tensor[:, order]
-        return tf.gather(tensor, order, axis=1)
+            return np.take(tensor, order, axis=dim)
+        # On the host (numpy): a TF op here could run on the mesh's device.
+        return tf.constant(np.take(tensor.numpy(), order, axis=dim))
 
 
 def _name(path):

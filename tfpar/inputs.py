@@ -80,7 +80,7 @@ class InputPlacer:
             return self._place_share(batch, batch_dim)
         split = self._data_size > 1 and self.splits_evenly(batch, batch_dim)
         if self.context is not None:
-            batch = self.context.reorder_batch(batch)
+            batch = self.context.reorder_batch(batch, batch_dim + 1)
 
         def put(tensor):
             if tensor is None:

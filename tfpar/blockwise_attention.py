@@ -114,9 +114,11 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
 
     Args:
         query: (batch, q, heads, key_dim).
-        key: (batch, s, heads, key_dim); value: (batch, s, heads, value_dim).
-        query_positions, key_positions: numpy int arrays (q,) and (s,): the
-            global positions of the rows, for the causal mask.
+        key: (batch, s, heads, key_dim).
+        value: (batch, s, heads, value_dim).
+        query_positions: a numpy int array (q,): the global position of
+            each query row, for the causal mask.
+        key_positions: the same (s,) for the key rows.
         scale: the factor of the scores (1/sqrt(key_dim)).
         causal: whether query i sees key j only if its position is >= j's.
         mask: None or a bool (batch, q, s) tensor: False where masked

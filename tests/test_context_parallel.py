@@ -238,3 +238,32 @@ def test_auto_rules_on_a_data_context_mesh_split_no_weight():
         rules = tfpar.auto_rules(model, mesh=strategy.mesh)
         strategy.apply_rules(model, rules)
     assert dict(rules.items()) == {}
+
+
+@pytest.mark.slow
+def test_mixed_bfloat16_within_the_precision_of_one_device(corpus):
+    """The oracle of test_mixed_precision: the mesh's mixed_bfloat16 run is
+    within SLACK times one device's own mixed-vs-float32 difference of one
+    device's mixed_bfloat16 run (blockwise attention computes in float32,
+    Keras' attention in bfloat16), per weight and for the losses."""
+    weights, x, y = corpus
+    slack = 3.0
+
+    def run(strategy, policy):
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            model, losses = train(strategy, weights, x, y, "sgd")
+            return [w.numpy() for w in model.weights], losses
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+    exact, exact_losses = run(None, "float32")
+    one, one_losses = run(None, "mixed_bfloat16")
+    mesh, mesh_losses = run(tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "context": 4})), "mixed_bfloat16")
+    assert models.relative_error(one_losses, mesh_losses) <= slack * max(
+        models.relative_error(exact_losses, one_losses), 1e-4)
+    for i, (e, o, m) in enumerate(zip(exact, one, mesh)):
+        precision = max(models.relative_error(e, o), 1e-4)
+        assert models.relative_error(o, m) <= slack * precision, i

@@ -206,10 +206,10 @@ def _pinned(tensor, sequence_spec, extended):
 
 
 def _pinned_mask(mask, split, extended):
+    """An attention mask (batch or 1, queries, keys) split like the
+    queries: each device keeps the rows of its queries."""
     specs = [_batch_spec(mask, extended), split.axis, dtensor.UNSHARDED]
     mesh = extended.registry.placement_mesh.dtensor_mesh
-    mask = tf.broadcast_to(mask, (mask.shape[0], mask.shape[1],
-                                  mask.shape[2]))
     return dtensor.relayout(mask, dtensor.Layout(specs, mesh))
 
 

@@ -55,7 +55,7 @@ if "tensorflow" not in sys.modules:
         import tensorflow  # noqa: E402, F401
 
 from tfpar.layout import LayoutRules  # noqa: E402
-from tfpar import checkpoint, pipeline  # noqa: E402
+from tfpar import checkpoint, layers, pipeline  # noqa: E402
 # The reports' old import paths (aliases of tfpar.reports.*).
 from tfpar import communication, memory, visualize  # noqa: E402, F401
 from tfpar.checkpoint import (  # noqa: E402
@@ -77,6 +77,8 @@ from tfpar.styles import (  # noqa: E402
 )
 from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
+from tfpar.preemption import PreemptionCheckpoint  # noqa: E402
+from tfpar.watchdog import StepWatchdog  # noqa: E402
 from tfpar.planner import Cluster, Plan, estimate, plan  # noqa: E402
 from tfpar.planner.monitor import StepTimeMonitor  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
@@ -99,10 +101,13 @@ __all__ = [
     "communication",
     "communication_report",
     "connect_hosts",
+    "PreemptionCheckpoint",
+    "StepWatchdog",
     "connect_tpu",
     "estimate",
     "get_schedule",
     "keras_distribution",
+    "layers",
     "latest_checkpoint",
     "memory_report",
     "pipeline",

@@ -575,7 +575,8 @@ def compat_hooks():
             tf.distribute.get_strategy()),
         strategy_of_layer=strategy_of_layer,
         adopt_optimizer=_adopt_and_offload,
-        warn_if_never_entered=warn_if_never_entered)
+        warn_if_never_entered=warn_if_never_entered,
+        place_host_gradients=place_host_gradients)
 
 
 def _install_patches():
@@ -583,6 +584,48 @@ def _install_patches():
     (`tfpar.recompute`); once per process."""
     patches.install(compat_hooks())
     recompute.install()
+
+
+def place_host_gradients(optimizer, grads, targets):
+    """`grads` for `optimizer.apply` (`patches`' host-gradient patch):
+    each one computed on the host laid out like its variable, when the
+    optimizer was made under a ParallelStrategy and runs eagerly; else
+    `grads` unchanged.
+
+    The tf.distribute contract Keras' own tests use: in the scope, eagerly
+    (`strategy.run(fn)` or plain code), `optimizer.apply_gradients` with
+    gradients computed on the host (tf.constant, numpy). DTensor ops do not
+    mix a DTensor variable with a regular tensor, so each such gradient is
+    given every device (replicated) and relaid out to its variable's
+    layout: one SPMD replica, the gradient is the global gradient (as
+    single-device Keras; MirroredStrategy would sum one per replica).
+    Gradients that are DTensors already (a compiled step's) pass as they
+    are.
+    """
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not isinstance(strategy, ParallelStrategy) or not tf.executing_eagerly():
+        return grads
+    grads, targets = list(grads), list(targets or ())
+    if len(grads) != len(targets):
+        return grads
+    return [_like_variable(g, v) for g, v in zip(grads, targets)]
+
+
+def _like_variable(gradient, variable):
+    """Host `gradient` laid out like DTensor `variable` (else unchanged)."""
+    backing = _compat.backing_variable(variable)
+    if (gradient is None or isinstance(gradient, tf.IndexedSlices)
+            or dtensor.is_dtensor(gradient)
+            or not isinstance(backing, _compat.DVariable)):
+        return gradient
+    layout = dtensor.fetch_layout(backing)
+    value = tf.convert_to_tensor(gradient)
+    local = layout.mesh.local_device_ids()
+    if not local:   # another host's pipeline stage: it holds none of it
+        return placement.stand_in(layout, value.shape, value.dtype)
+    replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+    return dtensor.relayout(dtensor.pack([value] * len(local), replicated),
+                            layout)
 
 
 def keras_function_for(model, mode):

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import context_parallel
 from tfpar import placement
 
 
@@ -26,11 +27,13 @@ class InputPlacer:
     and the global batch is host 0's rows, then host 1's, and so on.
     """
 
-    def __init__(self, mesh, data_axis, per_host=False):
+    def __init__(self, mesh, data_axis, per_host=False, context=None):
         self.mesh = mesh
         self._data_axis = data_axis
         self._data_size = mesh.axis_size(data_axis)
         self.per_host = per_host
+        # Splits sequences over the context axis (None: no such axis).
+        self.context = context
         if per_host:
             self._first_block, self._local_blocks = _host_blocks(
                 mesh, data_axis)
@@ -76,6 +79,8 @@ class InputPlacer:
         if self.per_host:
             return self._place_share(batch, batch_dim)
         split = self._data_size > 1 and self.splits_evenly(batch, batch_dim)
+        if self.context is not None:
+            batch = self.context.reorder_batch(batch, batch_dim + 1)
 
         def put(tensor):
             if tensor is None:
@@ -91,6 +96,8 @@ class InputPlacer:
             spec = [None] * tensor.shape.rank
             if split:
                 spec[batch_dim] = self._data_axis
+            if self.context is not None and tensor.shape.rank > batch_dim + 1:
+                spec[batch_dim + 1] = self.context.axis
             return placement.put(tensor, tuple(spec), self.mesh)
 
         return tf.nest.map_structure(put, batch)
@@ -170,6 +177,13 @@ class InputPlacer:
                 "dataset.shard(num_hosts, host_id).batch(b, "
                 "drop_remainder=True) on every host).")
         return batch
+
+    def restore(self, outputs):
+        """Predictions (host arrays) in the order the inputs were given:
+        undoes the context axis' load-balance reordering, if any."""
+        if self.context is None:
+            return outputs
+        return self.context.restore(outputs)
 
     def place_arrays(self, structure):
         """Like `place`, for host arrays only (Python values, symbolic

@@ -11,7 +11,9 @@ per process; `tfpar._compat.uninstall()` undoes it):
 - the SPMD stand-ins of `tfpar.spmd_patches` (ops DTensor cannot lay out,
   and draws made as one device makes them), with the two patches that
   publish the Keras variable being created
-  (`variable_creation.VARIABLE_CREATION_PATCHES`).
+  (`variable_creation.VARIABLE_CREATION_PATCHES`);
+- context parallelism's (`context_parallel.PATCHES`: attention computed
+  blockwise across the sequence split; inert without a context axis).
 
 What the routing asks tfpar is passed down as `hooks` (the strategy's
 `compat_hooks()`): `owns(strategy)`, whether a strategy is a
@@ -31,6 +33,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import context_parallel
 from tfpar import moe_keras_hub
 from tfpar import spmd_patches
 from tfpar import variable_creation
@@ -249,13 +252,14 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
-    `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`)
-    with `hooks`, and keras-hub's MoE blocks' (`moe_keras_hub.install`, a
-    group of their own, also installed by `dispatch_experts` without a
-    strategy); once per process."""
+    `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`,
+    `context_parallel.PATCHES`) with `hooks`, and keras-hub's MoE blocks'
+    (`moe_keras_hub.install`, a group of their own, also installed by
+    `dispatch_experts` without a strategy); once per process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
-        *variable_creation.VARIABLE_CREATION_PATCHES), hooks)
+        *variable_creation.VARIABLE_CREATION_PATCHES,
+        *context_parallel.PATCHES), hooks)
     moe_keras_hub.install()
 
 

@@ -27,6 +27,7 @@ from tensorflow.experimental import dtensor
 import keras
 
 from tfpar import _compat
+from tfpar import context_parallel
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import offload
@@ -273,7 +274,8 @@ class ParallelExtended(_compat.StrategyExtendedV2):
         self.rules = rules
         self.input_placer = inputs.InputPlacer(
             dims.mesh, dims.data_axis,
-            per_host=dims.per_host_input and dtensor.num_clients() > 1)
+            per_host=dims.per_host_input and dtensor.num_clients() > 1,
+            context=context_parallel.split_of(dims.mesh, dims.context_axis))
         if self.input_placer.per_host:
             patches.count_array_batches()
         self.registry = variables_lib.VariableRegistry(self)

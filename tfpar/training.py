@@ -192,8 +192,8 @@ class StepRunner(Runner):
         return outputs
 
     def predict_batch(self, host_batch):
-        return _fetch_all(self._call(self._one_step,
-                                     self._placer.place(host_batch)))
+        return self._placer.restore(_fetch_all(self._call(
+            self._one_step, self._placer.place(host_batch))))
 
     def run_steps(self, host_batches):
         outputs = None

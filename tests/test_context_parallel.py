@@ -1,0 +1,269 @@
+"""Context parallelism: sequences split over a `context` mesh axis.
+
+A plain Keras causal transformer (MultiHeadAttention, tests/context_models)
+trains on data × context meshes in parity with one device from the same
+weights and data; each device holds only its (b/data, s/context) block of
+the inputs, and attention is computed blockwise (no device holds an
+s/cp × s score matrix), read from the compiled step.
+"""
+
+import keras
+import numpy as np
+import pytest
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar import blockwise_attention
+from tfpar import context_parallel
+from tfpar.inputs import host_batch
+
+import context_models
+import models
+
+SEQ, BATCH, N = 32, 16, 32
+CONFIG = dict(vocab=32, seq_len=SEQ, dim=32, heads=4, layers=1)
+
+
+def compile_model(model, optimizer="adam"):
+    model.compile(
+        optimizer=(keras.optimizers.Adam(3e-3) if optimizer == "adam"
+                   else keras.optimizers.SGD(0.1)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def train(strategy, weights, x, y, optimizer="adam", build=None):
+    """(model, per-batch losses): built from `weights` (in `strategy`'s
+    scope unless None), 2 epochs in order."""
+    build = build or (lambda: context_models.causal_transformer(**CONFIG))
+    if strategy is None:
+        model = build()
+    else:
+        with strategy.scope():
+            model = build()
+    model.set_weights(weights)
+    compile_model(model, optimizer)
+    losses = models.BatchLosses()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return model, losses.losses
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    x, y = context_models.corpus(N, seq_len=SEQ)
+    keras.utils.set_random_seed(0)
+    weights = context_models.causal_transformer(**CONFIG).get_weights()
+    return weights, x, y
+
+
+@pytest.fixture(scope="module")
+def one_device(corpus):
+    weights, x, y = corpus
+    return train(None, weights, x, y)
+
+
+def assert_parity(reference, ref_losses, model, losses):
+    assert models.relative_error(ref_losses, losses) < 1e-4, (ref_losses,
+                                                              losses)
+    for a, b in zip(reference.weights, model.weights):
+        if a.path.endswith("attn/key/bias"):
+            # Analytically zero gradient (softmax is shift invariant): Adam
+            # normalises float32 noise there (as in test_sequence_parallel).
+            continue
+        assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
+
+
+def test_causal_transformer_data2_context4_parity_and_split(corpus,
+                                                             one_device):
+    weights, x, y = corpus
+    reference, ref_losses = one_device
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    with tfpar.communication.capture() as programs:
+        model, losses = train(strategy, weights, x, y)
+    assert_parity(reference, ref_losses, model, losses)
+
+    # Each device holds its (b/data, s/context) block of every input.
+    placed = strategy.extended.input_placer.place(
+        host_batch({"tokens": x["tokens"][:BATCH]}))["tokens"]
+    blocks = dtensor.unpack(placed)
+    block = SEQ // 4
+    for device, got in enumerate(blocks):
+        d, c = divmod(device, 4)
+        np.testing.assert_array_equal(
+            got.numpy(), x["tokens"][d * 8:(d + 1) * 8,
+                                     c * block:(c + 1) * block])
+
+    # Attention is blockwise: score blocks (b/data, heads, s/cp, s/cp) per
+    # device, never a (.., s/cp, s) matrix; the norms and MLP keep s/cp.
+    report = programs.train_report()
+    scores = {n: s for n, s in report.forward_shapes(r"b0_attn").items()
+              if len(s) == 4 and n.endswith("Einsum")}
+    assert (8, 4, block, block) in scores.values(), scores
+    assert all(s[-1] < SEQ for s in scores.values()), scores
+    per_token = {n: s for n, s in report.forward_shapes(
+        r"(b0_ln\d|b0_up|b0_down|ln_f|lm_head)(_\d+)?/").items()
+        if len(s) == 3}
+    assert per_token and {s[1] for s in per_token.values()} == {block}, (
+        per_token)
+
+
+def test_blockwise_attention_counts_unmasked_blocks():
+    """In (query block, key block) pairs of s/(2cp) rows: without balance
+    device r needs 4r+3 of them (the last one 5 times the first one's);
+    with it every device needs 2cp+1 = 9. One SPMD
+    program computes all of them on every device (see
+    tests/dtensor_ring_permute_repro.py: DTensor 2.21 cannot branch per
+    device)."""
+    keys = np.arange(64)
+    natural = context_parallel.ContextSplit("context", 4)
+    balanced = context_parallel.ContextSplit("context", 4, load_balance=True)
+    count = blockwise_attention.unmasked_block_counts
+    assert count(natural.positions_per_device(64), keys, 8) == [3, 7, 11, 15]
+    assert count(balanced.positions_per_device(64), keys, 8) == [9] * 4
+    # With balance, the unmasked (query, key) pairs are equal too.
+    pairs = [int(np.sum(p[:, None] >= keys[None, :]))
+             for p in balanced.positions_per_device(64)]
+    assert len(set(pairs)) == 1, pairs
+
+
+def test_sequence_the_axis_does_not_divide_is_refused_naming_the_input():
+    placer = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "context": 4})).extended.input_placer
+    x = {"tokens": np.zeros((4, 6), "int32")}
+    with pytest.raises(ValueError, match=r"'tokens'.*size 4.*\(4, 6\)"):
+        placer.place(host_batch(x))
+    with pytest.raises(ValueError, match=r"no input has one.*\(4,\)"):
+        placer.place(host_batch({"features": np.zeros((4,), "float32")}))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    context_parallel.load_balance(strategy)
+    with pytest.raises(ValueError, match=r"times 2 \(load balance\)"):
+        strategy.extended.input_placer.place(
+            host_batch({"tokens": np.zeros((4, 12), "int32")}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_load_balance_parity_and_predictions_in_order(corpus, optimizer):
+    weights, x, y = corpus
+    reference, ref_losses = train(None, weights, x, y, optimizer)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    context_parallel.load_balance(strategy)
+    model, losses = train(strategy, weights, x, y, optimizer)
+    assert_parity(reference, ref_losses, model, losses)
+    want = reference.predict(x, batch_size=BATCH, verbose=0)
+    got = model.predict(x, batch_size=BATCH, verbose=0)
+    assert models.relative_error(want, got) < 1e-4
+
+
+@pytest.mark.slow
+def test_sgd_data2_context4(corpus):
+    weights, x, y = corpus
+    reference, ref_losses = train(None, weights, x, y, "sgd")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    model, losses = train(strategy, weights, x, y, "sgd")
+    assert_parity(reference, ref_losses, model, losses)
+
+
+@pytest.mark.slow
+def test_context2_model2_data2_with_auto_rules(corpus, one_device):
+    weights, x, y = corpus
+    reference, ref_losses = one_device
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "context": 2, "model": 2}))
+
+    def build():
+        model = context_models.causal_transformer(**CONFIG)
+        strategy.apply_rules(model, tfpar.auto_rules(model,
+                                                     mesh=strategy.mesh))
+        return model
+
+    model, losses = train(strategy, weights, x, y, build=build)
+    assert_parity(reference, ref_losses, model, losses)
+
+
+@pytest.mark.slow
+def test_padded_sequences(corpus):
+    """Embedding(mask_zero=True): Keras' padding mask reaches attention
+    (query and key masks) and the loss; padded tails of random length."""
+    weights, x, y = corpus
+    rng = np.random.RandomState(1)
+    x = dict(x, tokens=x["tokens"].copy())
+    for row, length in enumerate(rng.randint(SEQ // 2, SEQ + 1, size=N)):
+        x["tokens"][row, length:] = 0
+
+    def build():
+        return context_models.causal_transformer(**CONFIG, mask_zero=True)
+
+    x["tokens"][:, 0] = np.maximum(x["tokens"][:, 0], 1)
+    reference, ref_losses = train(None, weights, x, y, build=build)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    model, losses = train(strategy, weights, x, y, build=build)
+    assert_parity(reference, ref_losses, model, losses)
+
+
+@pytest.mark.slow
+def test_attention_dropout_is_refused_naming_the_layer(corpus):
+    weights, x, y = corpus
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    with pytest.raises(ValueError, match=r"'b0_attn'.*dropout=0.1"):
+        train(strategy, weights, x, y, build=lambda: (
+            context_models.causal_transformer(**CONFIG, dropout=0.1)))
+
+
+@pytest.mark.slow
+def test_saved_activations_at_most_0_4_of_data_parallel(corpus):
+    """Same samples per device (8): data=2 alone vs data=2 × context=4, at
+    a sequence of 64; read from the compiled steps."""
+    seq = 64
+    x, y = context_models.corpus(BATCH, seq_len=seq)
+    config = dict(CONFIG, seq_len=seq)
+    saved = {}
+    for axes in ({"data": 2}, {"data": 2, "context": 4}):
+        devices = tfpar.mesh.default_devices()[:int(np.prod(list(
+            axes.values())))]
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices))
+        with strategy.scope():
+            model = context_models.causal_transformer(**config)
+        compile_model(model)
+        with tfpar.communication.capture() as programs:
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        saved[len(axes)] = programs.train_report().saved_activation_bytes
+    assert saved[2] <= 0.4 * saved[1], saved
+
+
+def test_auto_rules_on_a_data_context_mesh_split_no_weight():
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    with strategy.scope():
+        model = context_models.causal_transformer(**CONFIG)
+        rules = tfpar.auto_rules(model, mesh=strategy.mesh)
+        strategy.apply_rules(model, rules)
+    assert dict(rules.items()) == {}
+
+
+@pytest.mark.slow
+def test_mixed_bfloat16_within_the_precision_of_one_device(corpus):
+    """The oracle of test_mixed_precision: the mesh's mixed_bfloat16 run is
+    within SLACK times one device's own mixed-vs-float32 difference of one
+    device's mixed_bfloat16 run (blockwise attention computes in float32,
+    Keras' attention in bfloat16), per weight and for the losses."""
+    weights, x, y = corpus
+    slack = 3.0
+
+    def run(strategy, policy):
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            model, losses = train(strategy, weights, x, y, "sgd")
+            return [w.numpy() for w in model.weights], losses
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+    exact, exact_losses = run(None, "float32")
+    one, one_losses = run(None, "mixed_bfloat16")
+    mesh, mesh_losses = run(tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "context": 4})), "mixed_bfloat16")
+    assert models.relative_error(one_losses, mesh_losses) <= slack * max(
+        models.relative_error(exact_losses, one_losses), 1e-4)
+    for i, (e, o, m) in enumerate(zip(exact, one, mesh)):
+        precision = max(models.relative_error(e, o), 1e-4)
+        assert models.relative_error(o, m) <= slack * precision, i

@@ -1,0 +1,207 @@
+"""Attention computed over key/value blocks with an online softmax.
+
+The math of flash attention (and of ring attention's inner loop), written
+with plain TF ops so that DTensor lays it out: for a query block Q (here the
+queries a device holds, s/cp of them under context parallelism) and key /
+value blocks K_j, V_j (j = 1..n),
+
+    S_j = scale · Q K_jᵀ + A_j          (A_j: 0 where allowed, -1e9 where
+                                         masked: Keras' additive mask)
+    m_j = max(m_{j-1}, rowmax S_j)      (running maximum)
+    l_j = l_{j-1}·exp(m_{j-1} - m_j) + rowsum exp(S_j - m_j)
+    O_j = O_{j-1}·exp(m_{j-1} - m_j) + exp(S_j - m_j) V_j
+    O   = O_n / l_n                     (m_n and l_n kept)
+
+so only one (q × block) score matrix exists at a time, never (q × s). The
+backward pass recomputes each block's probabilities from L instead of
+keeping them (P_j = exp(S_j - m_n) / l_n), with D = rowsum(dO ∘ O):
+
+    dV_j = P_jᵀ dO,   dS_j = P_j ∘ (dO V_jᵀ - D),
+    dQ = scale · Σ_j dS_j K_j,   dK_j = scale · dS_jᵀ Q.
+
+It keeps Q, K, V, O, m and l for the backward pass: O(q + s) per row of heads,
+not O(q·s). Masks are given by position: `query_positions[i] >=
+key_positions[j]` (causal), so a device holding a permuted (load-balanced)
+piece of the sequence masks by global position. A key block no query may
+see (every pair masked, known when tracing) is skipped.
+
+Example (one device, against plain softmax attention):
+
+>>> import numpy as np, tensorflow as tf
+>>> q, k, v = (tf.random.normal((1, 8, 2, 4), seed=i) for i in range(3))
+>>> out = blockwise_attention(q, k, v, np.arange(8), np.arange(8),
+...                           scale=0.5, causal=True, block_size=2)
+>>> s = tf.einsum("btnh,bsnh->bnts", q, k) * 0.5
+>>> s += np.where(np.tril(np.ones((8, 8))) > 0, 0.0, -1e9)
+>>> want = tf.einsum("bnts,bsnh->btnh", tf.nn.softmax(s), v)
+>>> bool(np.allclose(out, want, atol=1e-5))
+True
+"""
+
+import numpy as np
+import tensorflow as tf
+
+# Keras' additive mask value for float32 scores (`Softmax`'s adder).
+MASKED = -1e9
+
+
+def key_blocks(key_positions, block_size):
+    """[(start, stop)] of the key blocks, `block_size` keys each."""
+    length = len(key_positions)
+    if block_size is None or block_size >= length:
+        return [(0, length)]
+    if length % block_size:
+        raise ValueError(
+            f"blockwise_attention: block_size={block_size} does not divide "
+            f"the key length {length}. Use a block size dividing it.")
+    return [(start, start + block_size)
+            for start in range(0, length, block_size)]
+
+
+def visible_blocks(query_positions, key_positions, block_size, causal):
+    """The key blocks at least one query may see (all when not causal):
+    the blocks the step computes."""
+    blocks = key_blocks(key_positions, block_size)
+    if not causal:
+        return blocks
+    latest_query = np.max(query_positions)
+    return [(start, stop) for start, stop in blocks
+            if np.min(key_positions[start:stop]) <= latest_query]
+
+
+def unmasked_block_counts(query_positions_per_device, key_positions,
+                          block_size):
+    """How many (query block, key block) pairs of `block_size` rows hold
+    at least one allowed (causal) pair, per device: the work a device
+    needs, given the global positions of the queries it holds.
+
+    >>> unmasked_block_counts([np.arange(4), np.arange(4, 8)],
+    ...                       np.arange(8), 2)
+    [3, 7]
+    """
+    counts = []
+    for positions in query_positions_per_device:
+        positions = np.asarray(positions)
+        counts.append(sum(
+            len(visible_blocks(positions[start:start + block_size],
+                               key_positions, block_size, causal=True))
+            for start in range(0, len(positions), block_size)))
+    return counts
+
+
+def _additive_mask(query_positions, key_positions, causal, mask):
+    """A_j of the module docstring: (batch or 1, 1, q, block) float32."""
+    adder = None
+    if causal:
+        allowed = np.asarray(query_positions)[:, None] >= np.asarray(
+            key_positions)[None, :]
+        adder = tf.constant(np.where(allowed, 0.0, MASKED)[None, None],
+                            tf.float32)
+    if mask is not None:
+        padding = (1.0 - tf.cast(mask, tf.float32)[:, None]) * MASKED
+        adder = padding if adder is None else tf.minimum(adder, padding)
+    return adder
+
+
+def _scores(query, key_block, scale, adder):
+    scores = tf.einsum("btnh,bsnh->bnts", query, key_block) * scale
+    return scores if adder is None else scores + adder
+
+
+def blockwise_attention(query, key, value, query_positions, key_positions,
+                        scale, causal=True, mask=None, block_size=None):
+    """softmax(scale · Q Kᵀ + mask) V over key blocks (module docstring).
+
+    Args:
+        query: (batch, q, heads, key_dim).
+        key: (batch, s, heads, key_dim).
+        value: (batch, s, heads, value_dim).
+        query_positions: a numpy int array (q,): the global position of
+            each query row, for the causal mask.
+        key_positions: the same (s,) for the key rows.
+        scale: the factor of the scores (1/sqrt(key_dim)).
+        causal: whether query i sees key j only if its position is >= j's.
+        mask: None or a bool (batch, q, s) tensor: False where masked
+            (padding), combined with the causal mask.
+        block_size: keys per block (None: one block).
+
+    Returns (batch, q, heads, value_dim) in the query's dtype; computed in
+    float32.
+    """
+    dtype = query.dtype
+    query, key, value = (tf.cast(t, tf.float32) for t in (query, key, value))
+    key_positions = np.asarray(key_positions)
+    blocks = visible_blocks(np.asarray(query_positions), key_positions,
+                            block_size, causal)
+
+    def adder(start, stop):
+        block_mask = None if mask is None else mask[:, :, start:stop]
+        return _additive_mask(query_positions, key_positions[start:stop],
+                              causal, block_mask)
+
+    @tf.custom_gradient
+    def attend(q, k, v):
+        out, stats = _forward(q, k, v, scale, blocks, adder)
+
+        def grad(d_out):
+            return _backward(q, k, v, out, stats, d_out, scale, blocks,
+                             adder)
+
+        return out, grad
+
+    return tf.cast(attend(query, key, value), dtype)
+
+
+def _forward(q, k, v, scale, blocks, adder):
+    """(O, L) of the module docstring's recursion over `blocks`."""
+    running_max = running_sum = acc = None
+    for start, stop in blocks:
+        scores = _scores(q, k[:, start:stop], scale, adder(start, stop))
+        block_max = tf.reduce_max(scores, axis=-1)
+        if running_max is None:
+            new_max = block_max
+        else:
+            new_max = tf.maximum(running_max, block_max)
+        probs = tf.exp(scores - new_max[..., None])
+        block_out = tf.einsum("bnts,bsnh->bnth", probs, v[:, start:stop])
+        if running_max is None:
+            running_sum = tf.reduce_sum(probs, axis=-1)
+            acc = block_out
+        else:
+            correction = tf.exp(running_max - new_max)
+            running_sum = running_sum * correction + tf.reduce_sum(
+                probs, axis=-1)
+            acc = acc * correction[..., None] + block_out
+        running_max = new_max
+    out = acc / running_sum[..., None]
+    return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
+
+
+def _backward(q, k, v, out, stats, d_out, scale, blocks, adder):
+    """(dQ, dK, dV) of the module docstring, block by block. P_j is
+    exp(S_j - m) / l rather than exp(S_j - L): a row every key of which is
+    masked has S ≈ -1e9, where float32's spacing is 64, and only S - m
+    (both rounded alike) keeps the forward pass's values."""
+    row_max, row_sum = stats
+    d_out = tf.cast(d_out, tf.float32)
+    row_dot = tf.einsum("btnh,btnh->bnt", d_out, out)
+    d_query = tf.zeros_like(q)
+    d_keys, d_values = [], []
+    covered = 0
+    for start, stop in blocks:
+        if start > covered:  # skipped keys: no gradient
+            d_keys.append(tf.zeros_like(k[:, covered:start]))
+            d_values.append(tf.zeros_like(v[:, covered:start]))
+        key_block, value_block = k[:, start:stop], v[:, start:stop]
+        probs = tf.exp(_scores(q, key_block, scale, adder(start, stop))
+                       - row_max[..., None]) / row_sum[..., None]
+        d_values.append(tf.einsum("bnts,btnh->bsnh", probs, d_out))
+        d_probs = tf.einsum("btnh,bsnh->bnts", d_out, value_block)
+        d_scores = probs * (d_probs - row_dot[..., None])
+        d_query += tf.einsum("bnts,bsnh->btnh", d_scores, key_block) * scale
+        d_keys.append(tf.einsum("bnts,btnh->bsnh", d_scores, q) * scale)
+        covered = stop
+    if covered < k.shape[1]:
+        d_keys.append(tf.zeros_like(k[:, covered:]))
+        d_values.append(tf.zeros_like(v[:, covered:]))
+    return d_query, tf.concat(d_keys, axis=1), tf.concat(d_values, axis=1)

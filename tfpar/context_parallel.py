@@ -1,0 +1,358 @@
+"""Context parallelism: sequences split over a `context` mesh axis.
+
+On `tfpar.Mesh({"data": 2, "context": 4})` every input with a sequence
+dimension (dimension 1: token ids, embeddings, labels, sample weights) is
+placed split along it over the context axis, as the batch is over the data
+axis: a device holds (b/data, s/context) of it. DTensor keeps the split
+through every op acting per token (embeddings, norms, MLPs, residual adds,
+the loss), keeps weights whole on each context coordinate and sums their
+gradients over the axis (the all-reduce it inserts for any split operand,
+as for the data axis). Attention is the one op mixing tokens: inside a step
+Keras' `MultiHeadAttention` runs `blockwise_attention` instead (its patch
+here, `PATCHES`): the keys and values are gathered over the context axis
+(all-gather), each device keeps its own queries and attends to key blocks
+with an online softmax, masks applied by global position.
+
+Causal load balance (`load_balance(strategy)`): the sequence is cut into
+2·cp chunks and device r holds chunks r and 2cp−1−r, so causal attention
+gives every device the same number of visible key blocks. The batch is
+reordered on the host (every tensor with a sequence dimension alike),
+attention masks by the chunks' global positions, predictions are restored
+to the natural order; per-token losses are sums over tokens, so they do not
+change. A model computing positions itself (`ops.arange(seq_len)`, e.g.
+learned position embeddings) would see them in the natural order while its
+tokens are permuted: load balance is for models without such positions.
+
+Example:
+
+>>> import tfpar
+>>> tfpar.use_virtual_cpus(8)
+>>> split = ContextSplit("context", 4, load_balance=True)
+>>> split.order(16).tolist()
+[0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar import _compat
+from tfpar import blockwise_attention as blockwise
+from tfpar import step_context
+
+DEFAULT_CONTEXT_AXIS = "context"
+
+
+class ContextSplit:
+    """How sequences are split over the context axis `axis` of size `size`
+    (> 1), in natural order or load balanced (`order`)."""
+
+    def __init__(self, axis, size, load_balance=False):
+        self.axis = axis
+        self.size = size
+        self.load_balance = bool(load_balance)
+        self._lengths = set()  # the sequence lengths of the inputs placed
+
+    @property
+    def divisor(self):
+        """What must divide a sequence length: cp, or 2·cp balanced."""
+        return 2 * self.size if self.load_balance else self.size
+
+    def order(self, length):
+        """The global position of each row as stored (device r holds rows
+        [r·s/cp, (r+1)·s/cp)): the identity, or balanced chunks r and
+        2cp−1−r for device r."""
+        if not self.load_balance:
+            return np.arange(length)
+        chunks = np.arange(length).reshape(2 * self.size, -1)
+        return np.concatenate([
+            np.concatenate([chunks[r], chunks[2 * self.size - 1 - r]])
+            for r in range(self.size)])
+
+    def positions_per_device(self, length):
+        """[the global positions of the rows device r holds] for each r."""
+        return np.split(self.order(length), self.size)
+
+    def check_sequence(self, tensor, name, dim=1):
+        """Raises ValueError unless `tensor` has a sequence dimension `dim`
+        the context axis divides; `name` names the input."""
+        rank = tensor.shape.rank
+        if rank is None or rank <= dim or tensor.shape[dim] is None:
+            return
+        if tensor.shape[dim] % self.divisor:
+            balance = " times 2 (load balance)" if self.load_balance else ""
+            raise ValueError(
+                f"Context parallelism splits input {name!r} along its "
+                f"sequence dimension (dimension {dim}) over the axis "
+                f"{self.axis!r} of size {self.size}{balance}, which must "
+                f"divide it. Received: shape {tuple(tensor.shape)}. Pad the "
+                f"sequences to a multiple of {self.divisor}.")
+
+    def reorder_batch(self, batch, dim=1):
+        """`batch` checked (`check_sequence`, and a sequence dimension at
+        all), its sequence dimensions (`dim`: 2 for batches stacked by
+        steps) in `order`."""
+        flat = keras.tree.flatten_with_path(batch)
+        tensors = [(path, t) for path, t in flat if t is not None]
+        if tensors and not any(tf.convert_to_tensor(t).shape.rank > dim
+                               for _, t in tensors):
+            path, first = tensors[0]
+            raise ValueError(
+                f"Context parallelism splits inputs along their sequence "
+                f"dimension (dimension 1), but no input has one. Received: "
+                f"input {_name(path)!r} of shape {tuple(first.shape)}. Feed "
+                f"(batch, sequence, ...) inputs, or use a mesh without the "
+                f"{self.axis!r} axis for this model.")
+        for path, tensor in tensors:
+            tensor = tf.convert_to_tensor(tensor)
+            self.check_sequence(tensor, _name(path), dim)
+            if tensor.shape.rank > dim:
+                self._lengths.add(tensor.shape[dim])
+        if not self.load_balance:
+            return batch
+        return tf.nest.map_structure(
+            lambda t: self._permuted(t, False, dim), batch)
+
+    def restore(self, outputs):
+        """Predictions back in natural order (inverse of `reorder_batch`):
+        the outputs whose dimension 1 is as long as an input's sequence."""
+        if not self.load_balance:
+            return outputs
+        return tf.nest.map_structure(lambda t: self._permuted(t, True),
+                                     outputs)
+
+    def _permuted(self, tensor, inverse, dim=1):
+        if tensor is None or not hasattr(tensor, "shape") or len(
+                tensor.shape) <= dim or tensor.shape[dim] is None:
+            return tensor
+        if inverse and tensor.shape[dim] not in self._lengths:
+            return tensor
+        if dtensor.is_dtensor(tensor):  # placed, so reordered, already
+            return tensor
+        order = self.order(tensor.shape[dim])
+        if inverse:
+            order = np.argsort(order)
+        if isinstance(tensor, np.ndarray):
+            return np.take(tensor, order, axis=dim)
+        # On the host (numpy): a TF op here could run on the mesh's device.
+        return tf.constant(np.take(tensor.numpy(), order, axis=dim))
+
+
+def _name(path):
+    return "/".join(str(p) for p in path) or "inputs"
+
+
+def split_of(mesh, axis=DEFAULT_CONTEXT_AXIS, load_balance=False):
+    """The `ContextSplit` of `mesh`'s context axis, or None when it lacks
+    one (or has one of size 1)."""
+    if axis not in mesh.shape or mesh.axis_size(axis) < 2:
+        return None
+    return ContextSplit(axis, mesh.axis_size(axis), load_balance)
+
+
+def load_balance(strategy, enabled=True):
+    """Turns the causal load balance on (or off) for `strategy`'s context
+    axis; call before the model first trains (module docstring).
+
+    >>> import tfpar
+    >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    >>> tfpar.context_parallel.load_balance(strategy).divisor
+    8
+    """
+    placer = strategy.extended.input_placer
+    if placer.context is None:
+        raise ValueError(
+            "load_balance needs a context axis of size > 1 on the strategy's "
+            f"mesh. Received: mesh {strategy.mesh!r}. Add one, e.g. "
+            "tfpar.Mesh({'data': 2, 'context': 4}).")
+    placer.context = ContextSplit(placer.context.axis, placer.context.size,
+                                  enabled)
+    return placer.context
+
+
+def context_in_step():
+    """The `ContextSplit` of the strategy whose step is being traced, or
+    None (no step, no context axis)."""
+    extended = step_context.step_extended()
+    if extended is None:
+        return None
+    return getattr(extended.input_placer, "context", None)
+
+
+# -- attention across the split (patches of Keras' MultiHeadAttention) ------
+
+
+def _batch_spec(tensor, extended):
+    """The data axis when it divides the batch (as the inputs are split),
+    else whole."""
+    data_axis = extended.dims.data_axis
+    size = extended.mesh.axis_size(data_axis)
+    batch = tensor.shape[0]
+    if size > 1 and batch is not None and batch % size == 0:
+        return data_axis
+    return dtensor.UNSHARDED
+
+
+def _pinned(tensor, sequence_spec, extended):
+    """`tensor` (batch, sequence, heads, dim) laid out with the sequence
+    `sequence_spec` (the context axis: split; UNSHARDED: an all-gather over
+    it), the batch as the inputs, the heads as they are (split over the
+    model axis by tensor parallelism, or whole). Gradient: DTensor's."""
+    specs = [_batch_spec(tensor, extended), sequence_spec, dtensor.MATCH]
+    specs += [dtensor.UNSHARDED] * (tensor.shape.rank - 3)
+    mesh = extended.registry.placement_mesh.dtensor_mesh
+    return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
+
+
+def _pinned_mask(mask, split, extended):
+    """An attention mask (batch or 1, queries, keys) split like the
+    queries: each device keeps the rows of its queries."""
+    specs = [_batch_spec(mask, extended), split.axis, dtensor.UNSHARDED]
+    mesh = extended.registry.placement_mesh.dtensor_mesh
+    return dtensor.relayout(mask, dtensor.Layout(specs, mesh))
+
+
+def _check_attention(layer, query, training, return_scores):
+    """Raises a ValueError naming `layer` for what context parallelism
+    cannot split."""
+    problem = None
+    if return_scores:
+        problem = ("return_attention_scores=True (the whole score matrix is "
+                   "what blockwise attention never builds)")
+    elif query.shape.rank != 4 or tuple(layer._attention_axes) != (1,):  # noqa: SLF001
+        problem = (f"attention over axes {layer._attention_axes} of a rank-"  # noqa: SLF001
+                   f"{query.shape.rank} query (only the sequence, axis 1)")
+    elif layer.dropout > 0 and training:
+        problem = f"dropout={layer.dropout} on the attention probabilities"
+    if problem:
+        raise ValueError(
+            f"Context parallelism cannot split layer {layer.name!r} "
+            f"({type(layer).__name__}) along the sequence: {problem}. Use "
+            "dropout=0.0, default attention axes, no attention scores, or a "
+            "mesh without a context axis.")
+
+
+def _context_attention(original, hooks):
+    """`MultiHeadAttention._compute_attention` in a step on a mesh with a
+    context axis: the keys and values gathered over it, the queries kept
+    split, `blockwise_attention` by global position (module docstring).
+    Elsewhere Keras' own."""
+
+    def _compute_attention(self, query, key, value, attention_mask=None,
+                           training=None, return_attention_scores=False,
+                           use_causal_mask=False):
+        split = context_in_step()
+        if split is None or not step_context.in_spmd_step():
+            return original(self, query, key, value, attention_mask,
+                            training, return_attention_scores,
+                            use_causal_mask=use_causal_mask)
+        _check_attention(self, query, training, return_attention_scores)
+        extended = step_context.step_extended()
+        query = _pinned(query, split.axis, extended)
+        key = _pinned(key, dtensor.UNSHARDED, extended)
+        value = _pinned(value, dtensor.UNSHARDED, extended)
+        if attention_mask is not None:
+            attention_mask = _pinned_mask(attention_mask, split, extended)
+        key_positions = split.order(key.shape[1])
+        output = blockwise.blockwise_attention(
+            query, key, value, split.order(query.shape[1]), key_positions,
+            scale=self._inverse_sqrt_key_dim, causal=use_causal_mask,  # noqa: SLF001
+            mask=attention_mask,
+            block_size=key.shape[1] // split.size)
+        return _pinned(output, split.axis, extended), None
+
+    return _compute_attention
+
+
+def _context_causal_mask(original, hooks):
+    """`MultiHeadAttention._compute_causal_mask` by global position when the
+    sequence is load balanced (Keras' own mask assumes natural order)."""
+
+    def _compute_causal_mask(self, query, value=None):
+        split = context_in_step()
+        if split is None or not step_context.in_spmd_step():
+            return original(self, query, value)
+        value = query if value is None else value
+        allowed = split.order(query.shape[1])[:, None] >= split.order(
+            value.shape[1])[None, :]
+        return tf.constant(allowed[None])
+
+    return _compute_causal_mask
+
+
+def _sequence_split_in_step(*tensors):
+    """Whether a step on a context-split mesh runs and every tensor is a
+    dense one of rank >= 3 (batch, sequence, ...)."""
+    return (step_context.in_spmd_step() and context_in_step() is not None
+            and all(isinstance(t, tf.Tensor) and t.shape.rank is not None
+                    and t.shape.rank >= 3 for t in tensors))
+
+
+def _per_token_matmul(original, hooks):
+    """`keras.ops.matmul(x, kernel)` of a (batch, sequence, ..., in) x as an
+    einsum on a context-split mesh: Keras' TF backend writes it as
+    `tf.tensordot`, which reshapes x to (batch·sequence, in), and DTensor
+    2.21 all-gathers the sequence to merge the two split dimensions (Dense
+    layers then computed on the whole sequence on every device)."""
+
+    def matmul(x1, x2):
+        if (_sequence_split_in_step(x1) and len(getattr(x2, "shape", ()))
+                == 2 and x1.dtype == x2.dtype):
+            dims = "abcdefgh"[:x1.shape.rank - 1]
+            return tf.einsum(f"{dims}i,io->{dims}o", x1,
+                             tf.convert_to_tensor(x2))
+        return original(x1, x2)
+
+    return matmul
+
+
+def _per_token_sparse_crossentropy(original, hooks):
+    """`sparse_categorical_crossentropy` of (batch, sequence, classes)
+    outputs as -Σ one_hot(target) · log_softmax(output) on a context-split
+    mesh: TF's fused op reshapes to (batch·sequence, classes), which DTensor
+    2.21 can do only by all-gathering the sequence (as `_per_token_matmul`)."""
+
+    def sparse_categorical_crossentropy(target, output, from_logits=False,
+                                        axis=-1):
+        if axis != -1 or not _sequence_split_in_step(output):
+            return original(target, output, from_logits=from_logits,
+                            axis=axis)
+        target = tf.convert_to_tensor(target)
+        if target.shape.rank == output.shape.rank and target.shape[-1] == 1:
+            target = tf.squeeze(target, axis=-1)
+        if from_logits:
+            log_probs = tf.nn.log_softmax(output, axis=-1)
+        else:
+            log_probs = tf.math.log(tf.clip_by_value(
+                output, keras.backend.epsilon(), 1 - keras.backend.epsilon()))
+        chosen = tf.one_hot(tf.cast(target, tf.int32), output.shape[-1],
+                            dtype=log_probs.dtype)
+        return -tf.reduce_sum(chosen * log_probs, axis=-1)
+
+    return sparse_categorical_crossentropy
+
+
+def _multi_head_attention():
+    return keras.layers.MultiHeadAttention
+
+
+def _keras_numpy():
+    return _compat.keras_module("backend.tensorflow.numpy")
+
+
+def _keras_nn():
+    return _compat.keras_module("backend.tensorflow.nn")
+
+
+PATCHES = (
+    _compat.Patch("mha_context_attention", _multi_head_attention,
+                  "_compute_attention", _context_attention),
+    _compat.Patch("mha_context_causal_mask", _multi_head_attention,
+                  "_compute_causal_mask", _context_causal_mask),
+    _compat.Patch("per_token_matmul", _keras_numpy, "matmul",
+                  _per_token_matmul),
+    _compat.Patch("per_token_sparse_crossentropy", _keras_nn,
+                  "sparse_categorical_crossentropy",
+                  _per_token_sparse_crossentropy),
+)

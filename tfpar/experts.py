@@ -222,6 +222,8 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         expert_axis: in a tfpar step, the mesh axis the expert banks are
             split over (None or absent from the mesh: nothing is split).
         batch_axis: the mesh axis the batch is split over (the data axis).
+            When it is `expert_axis`, GShard's placement: slots are
+            exchanged over it (module docstring).
 
     Returns:
         `MoEOutput(outputs, aux_loss, dropped, capacity, routing)`.
@@ -236,7 +238,8 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         routing = route(logits, top_k, router, normalize)
         plan = dispatch_plan(routing, num_experts, slots)
     combine, dispatch = plan.combine, tf.stop_gradient(plan.dispatch)
-    if expert_axis is not None:  # each device: its experts' slots only
+    folded = expert_axis is not None and expert_axis == batch_axis
+    if expert_axis is not None and not folded:  # its experts' slots only
         combine = collectives.split_along(combine, 2, expert_axis, batch_axis)
         dispatch = collectives.split_along(dispatch, 2, expert_axis,
                                            batch_axis)
@@ -244,9 +247,13 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     with tf.name_scope("dispatch"):
         gathered = tf.einsum("gsec,gsh->gech", tf.cast(dispatch, dtype),
                              groups)
+        if folded:  # each device: every group's slots of its experts
+            gathered = collectives.all_to_all(gathered, 1, 0, expert_axis)
     with tf.name_scope("expert_ffn"):
         computed = expert_fn(gathered)
     with tf.name_scope("combine"):
+        if folded:  # back: each device, its groups' slots of every expert
+            computed = collectives.all_to_all(computed, 0, 1, expert_axis)
         outputs = tf.einsum("gech,gsec->gsh", computed,
                             tf.cast(combine, dtype))
     return MoEOutput(tf.reshape(outputs, [-1, seq, hidden]),
@@ -267,6 +274,8 @@ def check_expert_axis_used(dims, specs):
     strategy when a model is compiled or a step starts."""
     axis = expert_axis_of(dims)
     mesh = dims.mesh
+    if getattr(dims, "experts_carry_data", False):
+        return  # the axis splits the batch: nothing is repeated
     if axis not in mesh.axis_names or mesh.axis_size(axis) < 2:
         return
     if any(axis in spec for spec in specs):

@@ -282,8 +282,8 @@ def dtype_policy(name):
 def test_mixed_bfloat16_with_experts_split_is_one_devices_mixed_run(
         axes, options, num_experts):
     """Under mixed_bfloat16 the router still computes in float32 (its
-    kernel is not autocast), and data=2 x expert=4 stays within the
-    suite's mixed-precision oracle (tests/test_mixed_precision.py): 3 x
+    kernel is not autocast), and a mesh splitting the experts stays
+    within the suite's mixed-precision oracle (tests/test_mixed_precision.py): 3 x
     the distance between one device's float32 and bfloat16 runs, per
     weight and for the losses, with SGD with momentum (the combine's sum
     over the expert axis is a bfloat16 all-reduce of partial sums; with

@@ -68,6 +68,31 @@ def _vit():
         backbone, num_classes=NUM_CLASSES, preprocessor=None)
 
 
+def _mixtral():
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=8,
+        hidden_dim=32, intermediate_dim=64, num_key_value_heads=4,
+        num_experts=8, top_k=2, sliding_window=SEQ_LEN)
+    return keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_moe():
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, hidden_dim=32, intermediate_dim=64,
+        moe_intermediate_dim=32, num_experts=8, head_dim=8, top_k=2,
+        norm_top_k_prob=True)
+    return keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+
+
+def _gpt_oss():
+    backbone = keras_hub.models.GptOssBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=8,
+        hidden_dim=32, intermediate_dim=32, num_key_value_heads=4,
+        num_experts=8, top_k=2, head_dim=8, sliding_window=SEQ_LEN)
+    return keras_hub.models.GptOssCausalLM(backbone, preprocessor=None)
+
+
 BUILDERS = {
     "gpt2": _gpt2,
     "llama": lambda: _llama(8),
@@ -77,6 +102,16 @@ BUILDERS = {
     "bert": _bert,
     "vit": _vit,
 }
+# Mixture-of-experts causal LMs (tests/test_moe_keras_hub.py), apart from
+# BUILDERS, whose every model has a Megatron plan: 8 experts (every expert
+# axis of 2, 4 or 8 divides them), top-2 routing, expert banks
+# [experts, in, out].
+MOE_BUILDERS = {
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "gpt_oss": _gpt_oss,
+}
+MOE_LMS = tuple(MOE_BUILDERS)
 CAUSAL_LMS = ("gpt2", "llama", "llama_gqa", "gemma", "mistral")
 
 # Hand-written Megatron plans (attention by heads, MLP column -> row) that
@@ -113,7 +148,7 @@ def megatron_rules(name):
 def build(name, seed=0):
     """The model `name` (a key of BUILDERS), built, with seeded weights."""
     keras.utils.set_random_seed(seed)
-    model = BUILDERS[name]()
+    model = {**BUILDERS, **MOE_BUILDERS}[name]()
     if not model.built:  # keras-hub's functional models build in __init__
         x, _ = data(name, batch=2)
         model(x)

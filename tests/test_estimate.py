@@ -135,7 +135,8 @@ def test_bad_configurations_are_refused_before_costing():
     with pytest.raises(ValueError, match="uses 4 devices; the cluster has 8"):
         tfpar.estimate(build, 8, cluster=cluster, axes={"data": 4})
     with pytest.raises(ValueError, match=(
-            "expert=2, but the model has no mixture-of-experts layer")):
+            "expert parallelism of 2, but the model has no "
+            "mixture-of-experts layer")):
         tfpar.estimate(build, 8, cluster=cluster,
                        axes={"data": 4, "expert": 2})
     with pytest.raises(ValueError, match=(
@@ -368,42 +369,72 @@ MOE = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
 
 def _expert_ffn_flops(model, cfg):
     """FLOPs of one block's expert GEMMs on one device, forward (the
-    router and dispatch einsums left out)."""
-    rows = roofline.capacity(model, cfg) * cfg.expert
-    up = 2 * model.ffn_width
-    return (model.experts / cfg.expert) * 2.0 * rows * model.hidden * (
-        up + model.ffn_width) / cfg.model
+    router and dispatch einsums left out), from the roofline."""
+    dev = roofline._Device(hardware.PRESETS["h100-sxm"])
+    time = roofline._Time()
+    e, cap = cfg.expert, roofline.capacity(model, cfg)
+    rows = e * cap if cfg.expert_on_data else cap
+    for n, k in ((2 * model.ffn_width, model.hidden),
+                 (model.hidden, model.ffn_width)):
+        dev.gemm(time, rows, n / cfg.model, k, count=model.experts / e)
+    return time.flops
 
 
-def test_expert_axis_costs_the_routed_work_and_the_exchange_by_formula():
-    """Issue 36 item 5: per-device expert FLOPs on data=2 x expert=4 with
-    capacity_factor=1.25 are k·1.25/E of keras-hub's masked computation
-    (every expert on every token: dropless under static shapes) on data=8,
-    the same tokens per device; the dispatch all-to-all moves
-    tokens × hidden × k × cf × bytes per device, 4 times per block."""
+def test_expert_placements_cost_the_routed_work_and_exchanges_by_formula():
+    """Issue 36 item 5: with capacity_factor=1.25 a device computes
+    k·1.25/E of keras-hub's masked expert FLOPs (every expert on every
+    token: dropless under static shapes) on data=8 — with the banks over
+    the data axis at the same tokens per device, with a separate expert
+    axis (data=2 x expert=4, 4x the tokens per device) at the same global
+    batch, whose devices repeat the attention; the exchanges' bytes are
+    their formulas."""
     hw = hardware.PRESETS["h100-sxm"]
+    batch, T, h = 16, MOE.seq, MOE.hidden                   # b = 1
     masked = roofline.Parallel(data=8, microbatch=1)
-    routed = roofline.Parallel(data=2, expert=4, microbatch=1,
-                               capacity_factor=1.25)
-    assert roofline.tokens(MOE, masked) == roofline.tokens(MOE, routed)
-    ratio = _expert_ffn_flops(MOE, routed) / _expert_ffn_flops(MOE, masked)
-    assert ratio == pytest.approx(MOE.top_k * 1.25 / MOE.experts)
-    # The whole step executes less too (attention and router unchanged).
-    batch = 16
-    fast = roofline.step_time(MOE, routed, hw, batch)
-    slow = roofline.step_time(MOE, masked, hw, batch)
-    assert fast["executed_flops"] < 0.6 * slow["executed_flops"]
-    assert fast["expert"] > 0 and slow["expert"] == 0
-    tokens = MOE.seq  # b = 1
-    per_exchange = tokens * MOE.hidden * MOE.top_k * 1.25 * 2
-    m = batch // (2 * 4)
-    sent = roofline.communication_bytes(MOE, routed, batch)["expert"]
-    assert sent == pytest.approx(MOE.layers * 4 * per_exchange * m)
-    # Banks split over expert: the expert bank bytes per device drop 4x.
-    params = {a: roofline.memory(MOE, cfg, batch)["params"]
-              for a, cfg in (("masked", masked), ("routed", routed))}
+    folded = roofline.Parallel(data=8, expert=8, expert_on_data=True,
+                               microbatch=1, capacity_factor=1.25)
+    separate = roofline.Parallel(data=2, expert=4, microbatch=1,
+                                 capacity_factor=1.25)
+    masked_flops = _expert_ffn_flops(MOE, masked) / MOE.experts  # E·T rows
+    bound = MOE.top_k * 1.25 / MOE.experts
+    assert _expert_ffn_flops(MOE, folded) / (
+        masked_flops * MOE.experts) == pytest.approx(bound)
+    # a separate axis: 4x the micro-batches per device (8 vs 2), the same
+    # per-device work per step
+    per_step = {name: roofline.microbatches(cfg, batch)
+                * _expert_ffn_flops(MOE, cfg)
+                for name, cfg in (("masked", masked), ("separate", separate))}
+    assert per_step["separate"] / per_step["masked"] == pytest.approx(bound)
+    steps = {name: roofline.step_time(MOE, cfg, hw, batch)
+             for name, cfg in (("masked", masked), ("folded", folded),
+                               ("separate", separate))}
+    assert steps["folded"]["executed_flops"] < 0.6 * steps["masked"][
+        "executed_flops"]
+    assert steps["separate"]["executed_flops"] > steps["folded"][
+        "executed_flops"]   # attention repeated on the expert axis
+    assert steps["masked"]["expert"] == 0 < steps["folded"]["expert"]
+    cap = roofline.capacity(MOE, folded)
+    assert cap == 1.25 * MOE.top_k * T / MOE.experts        # 640, exact
+    # Experts over data: 4 exchanges of the [E, C, h] blocks per block and
+    # micro-batch, each an all-gather of the 8 devices' blocks.
+    m = batch // 8
+    sent = roofline.communication_bytes(MOE, folded, batch)["expert"]
+    assert sent == pytest.approx(MOE.layers * m * 4 * 8 * (
+        MOE.experts * cap * h * 2))
+    assert 8 * MOE.experts * cap * h == 8 * T * h * MOE.top_k * 1.25
+    # A separate axis: the combine's all-reduce of T x h forward, the
+    # combine weights' gradient (T x E x C, float32) gathered backward.
+    m = batch // 2
+    sent = roofline.communication_bytes(MOE, separate, batch)["expert"]
+    assert sent == pytest.approx(MOE.layers * m * (
+        T * h * 2 + T * MOE.experts * cap * 4))
+    # Banks split 8 or 4 ways.
     banks = MOE.layers * MOE.bank_params() * MOE.param_bytes
-    assert params["masked"] - params["routed"] == pytest.approx(
+    params = {name: roofline.memory(MOE, cfg, batch)["params"]
+              for name, cfg in (("masked", masked), ("folded", folded),
+                                ("separate", separate))}
+    assert params["masked"] - params["folded"] == pytest.approx(banks * 7 / 8)
+    assert params["masked"] - params["separate"] == pytest.approx(
         banks * 3 / 4)
 
 
@@ -446,13 +477,29 @@ def test_a_keras_hub_mixtral_is_read_with_its_experts_and_estimated():
     read = transformer_of(profile.profile_model(model, 4096))
     assert (read.experts, read.top_k, read.ffn, read.gated) == (
         8, 2, 14336, True)
-    cluster = tfpar.Cluster.preset("h100-sxm", num_hosts=4)
+    cluster = tfpar.Cluster.preset("h100-sxm")              # 8 GPUs
     start = time.perf_counter()
     routed = tfpar.estimate(mixtral, 64, cluster=cluster,
                             sequence_length=4096, capacity_factor=1.25,
-                            axes={"data": 4, "expert": 8},
+                            axes={"data": 8}, expert_axis="data",
                             recompute="full")
+    separate = tfpar.estimate(mixtral, 64, cluster=cluster,
+                              sequence_length=4096, capacity_factor=1.25,
+                              axes={"data": 2, "expert": 4},
+                              recompute="full")
     assert time.perf_counter() - start < 30
     assert routed.breakdown["expert"] > 0
-    # 47B parameters, banks 45B: split 8 ways they fit an 80 GB H100.
-    assert routed.memory_per_device["params"] < 0.25 * read.num_params() * 4
+    # the separate axis repeats attention on its 8 devices
+    assert separate.executed_flops > routed.executed_flops
+    with pytest.raises(ValueError, match="expert=4 too"):
+        tfpar.estimate(mixtral, 64, cluster=cluster, sequence_length=4096,
+                       axes={"data": 2, "expert": 4}, expert_axis="data")
+    with pytest.raises(ValueError, match=(
+            "expert parallelism of 16 does not divide the model's 8")):
+        tfpar.estimate(mixtral, 64, cluster=tfpar.Cluster.preset(
+            "h100-sxm", num_hosts=2), sequence_length=4096,
+            axes={"data": 16}, expert_axis="data")
+    # 47B parameters, of which 45B in the banks: split 8 or 4 ways.
+    whole = read.num_params() * 4
+    assert routed.memory_per_device["params"] < 0.2 * whole
+    assert 0.2 * whole < separate.memory_per_device["params"] < 0.3 * whole

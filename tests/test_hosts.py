@@ -21,7 +21,7 @@ import pytest
 
 import models
 import tfpar
-from tfpar import hosts, launch
+from tfpar import host_watch, hosts, launch
 
 CHILD = Path(__file__).with_name("hosts_child.py")
 RTOL = 1e-4
@@ -215,3 +215,54 @@ def test_a_missing_host_times_out_naming_it():
 
 def test_one_host_is_the_default():
     assert (hosts.num_hosts(), hosts.host_id()) == (1, 0)
+
+
+def in_process_watches(monkeypatch, timeout=60):
+    """Two started heartbeat Watches in this process; each one's verdict
+    is recorded in `verdicts` instead of ending the process."""
+    monkeypatch.setenv("TFPAR_JOB_SECRET", "0123456789abcdef0123456789abcdef")
+    addresses = ["localhost:1", "localhost:2"]
+    watches = [host_watch.Watch(addresses, h, timeout) for h in (0, 1)]
+    verdicts = {0: [], 1: []}
+    for h, watch in enumerate(watches):
+        monkeypatch.setattr(watch, "_exit", verdicts[h].append)
+        monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    watches[0].start({1: watches[1].port})
+    watches[1].start({0: watches[0].port})
+    return watches, verdicts
+
+
+def test_a_peer_whose_port_refuses_is_lost_at_once_and_a_late_step_named(
+        monkeypatch):
+    """In-process heartbeats (60 s timeout): host 1 begins 2 steps, host 0
+    a 3rd that exceeds its 1 s step timeout, naming host 1 as not arrived;
+    then host 1's port closes without a word: host 0 loses it within two
+    pings, not after 60 s."""
+    watches, verdicts = in_process_watches(monkeypatch)
+    try:
+        for _ in range(2):
+            watches[1].begin_step()
+            watches[0].begin_step()
+        watches[0].begin_step()
+        watches[0].step_timeout = 1.0
+        deadline = time.monotonic() + 10
+        while not verdicts[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert verdicts[0] and "step 3 did not finish within 1 s: host 1 " \
+            "(localhost:2) has not arrived (at step 2)" in verdicts[0][0]
+        assert verdicts[1] and "host 0 (localhost:1) ended the job" \
+            in verdicts[1][0]
+        watches[0].step_timeout = None
+        time.sleep(1.0)  # the watchdog's last look
+        verdicts[0].clear()
+        start = time.monotonic()
+        watches[1].close()  # no "bye": as if killed
+        while not verdicts[0] and time.monotonic() - start < 10:
+            time.sleep(0.1)
+        assert verdicts[0] and "refuses connections on its heartbeat port" \
+            in verdicts[0][0]
+        assert time.monotonic() - start < 5
+    finally:
+        for watch in watches:
+            watch.close()
+        host_watch._current[:] = []

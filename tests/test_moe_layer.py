@@ -535,12 +535,19 @@ def test_experts_not_dividing_over_the_expert_axis_are_refused():
             keras.Input((SEQ, HIDDEN)))
 
 
-def test_an_expert_axis_no_layer_uses_is_refused_at_compile():
+def test_an_expert_axis_no_layer_uses_is_refused_before_the_first_step():
+    """Not at compile: keras-hub tasks compile in their constructor,
+    before `apply_rules` splits their banks."""
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "expert": 4}))
     with strategy.scope():
         model = keras.Sequential([keras.Input((HIDDEN,)),
                                   keras.layers.Dense(3)])
-        with pytest.raises(ValueError, match=r"expert axis 'expert' has 4 "
-                                             r"devices, but no weight is "
-                                             r"split over it"):
-            model.compile(optimizer="sgd", loss="mse")
+        model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"expert axis 'expert' has 4 "
+                                         r"devices, but no weight is "
+                                         r"split over it"):
+        model.fit(np.ones((8, HIDDEN), "float32"),
+                  np.ones((8, 3), "float32"), verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)

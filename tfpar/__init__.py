@@ -77,6 +77,8 @@ from tfpar.styles import (  # noqa: E402
 )
 from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
+from tfpar.preemption import PreemptionCheckpoint  # noqa: E402
+from tfpar.watchdog import StepWatchdog  # noqa: E402
 from tfpar.planner import Cluster, Plan, estimate, plan  # noqa: E402
 from tfpar.planner.monitor import StepTimeMonitor  # noqa: E402
 from tfpar.tpu import connect_tpu  # noqa: E402
@@ -99,6 +101,8 @@ __all__ = [
     "communication",
     "communication_report",
     "connect_hosts",
+    "PreemptionCheckpoint",
+    "StepWatchdog",
     "connect_tpu",
     "estimate",
     "get_schedule",

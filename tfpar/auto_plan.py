@@ -46,10 +46,11 @@ _KERAS_NORMS = (
 # LlamaLayerNorm, MistralLayerNormalization, ...), known by name: they
 # normalize each token over its last axis with 1-D weights.
 _NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
+DEFAULT_EXPERT_AXIS = "expert"
 
 
 def auto_rules(model, axis=None, axis_size=None, mesh=None,
-               sequence_parallel=False):
+               sequence_parallel=False, expert_axis=None):
     """LayoutRules for the standard tensor-parallel patterns of `model`.
 
     Plans every layer that owns weights, however deeply it is nested in
@@ -89,6 +90,22 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
     - **Norms** (Keras' and other libraries' LayerNormalization /
       RMSNormalization, known by class) stay whole, or `SequenceParallel`
       with `sequence_parallel=True`.
+    - **Expert banks** of mixture-of-experts blocks (a layer with a
+      `num_experts` attribute whose own weights all lead with that many
+      experts, e.g. keras-hub's Mixtral, Qwen-MoE, Qwen3-MoE and GPT-OSS
+      `[experts, in, out]` kernels and `[experts, out]` biases) are split
+      along the experts dimension over the expert axis
+      (`ParallelStrategy(expert_axis=...)`, default "expert"): each device
+      holds E / n whole experts. The routers (other projections of the same
+      MoE block outside an MLP pattern, e.g. `sparse_feedforward_gate_dense`,
+      GPT-OSS' `router_dense`, Qwen-MoE's `shared_expert_gate_dense`) stay
+      whole on every device, silently; a shared-expert MLP is an MLP. A
+      mesh without the expert axis keeps the banks whole (named in the
+      warning); a mesh without the model axis gets no tensor-parallel rule.
+    - **Per-head norms inside attention** (Qwen3's query/key norms between
+      the projections and the attention core) are looked through: the
+      projections they norm are still split by heads, and the norms' 1-D
+      scales stay whole (never `SequenceParallel`).
 
     A subclassed *model* has no input signature to trace: there, consecutive
     Dense layers whose widths chain are paired, in attribute order.
@@ -127,6 +144,10 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
         mesh: a `tfpar.Mesh` to read `axis_size` from.
         sequence_parallel: also split the activations between the
             tensor-parallel layers along the sequence (dimension 1).
+        expert_axis: the mesh axis expert banks split over; None: the
+            current strategy's (`ParallelStrategy(expert_axis=...)`),
+            "expert" outside a strategy. Its size is read from `mesh` (or
+            the strategy's mesh); without either the banks stay whole.
 
     Returns:
         `tfpar.LayoutRules` with one exact-path rule per sharded layer.
@@ -136,6 +157,8 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             "auto_rules(sequence_parallel) must be True or False. Received: "
             f"sequence_parallel={sequence_parallel!r}"
         )
+    experts = _expert_axis_and_size(expert_axis, mesh)
+    tensor_parallel = _has_model_axis(axis, mesh)
     axis, axis_size = _axis_and_size(axis, axis_size, mesh)
     if axis_size is None:
         raise ValueError(
@@ -148,7 +171,8 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             f"auto_rules needs a built model; {model.name!r} is not built. "
             "Call it on data or build it with keras.Input first."
         )
-    plan, whole = _plan(model, axis, axis_size, sequence_parallel)
+    plan, whole, banks = _plan(model, axis, axis_size, sequence_parallel,
+                               experts, tensor_parallel)
     if whole:
         listed = "".join(f"\n  {path} ({type(layer).__name__}): {reason}"
                          for path, (layer, reason) in whole.items())
@@ -157,7 +181,36 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             f"device:{listed}",
             stacklevel=2,
         )
-    return LayoutRules({re.escape(path): style for path, style in plan.items()})
+    return LayoutRules({re.escape(path): style for path, style
+                        in {**plan, **banks}.items()})
+
+
+def _expert_axis_and_size(expert_axis, mesh):
+    """(expert axis, its size or None) of `auto_rules`' arguments, the
+    current strategy's dims filling in what is not given."""
+    dims = parallel_dims.current()
+    declared = getattr(dims, "expert_axis", None)
+    if expert_axis is None:
+        expert_axis = declared or DEFAULT_EXPERT_AXIS
+    elif declared is not None and expert_axis != declared:
+        raise ValueError(
+            f"auto_rules(expert_axis={expert_axis!r}) contradicts the "
+            f"strategy's expert axis ParallelStrategy(expert_axis="
+            f"{declared!r}). Received: expert_axis={expert_axis!r}. Leave "
+            "it out, or declare it once on the strategy.")
+    if mesh is None and dims is not None:
+        mesh = dims.mesh
+    return expert_axis, None if mesh is None else mesh.axis_size(expert_axis)
+
+
+def _has_model_axis(axis, mesh):
+    """False when the mesh `auto_rules` plans for (given, or the current
+    strategy's) lacks the model axis: no tensor-parallel rule can name it."""
+    dims = parallel_dims.current()
+    if mesh is None and dims is not None:
+        mesh, axis = dims.mesh, dims.resolve_model_axis(axis, "auto_rules")
+    axis = parallel_dims.DEFAULT_MODEL_AXIS if axis is None else axis
+    return mesh is None or axis in mesh.axis_names
 
 
 def _axis_and_size(axis, axis_size, mesh):
@@ -175,30 +228,97 @@ def _axis_and_size(axis, axis_size, mesh):
     return axis, axis_size
 
 
-def _plan(model, axis, axis_size, sequence_parallel):
-    """({path: style}, {path: (layer, why it stays whole)}) of `model`."""
+def _plan(model, axis, axis_size, sequence_parallel, experts,
+          tensor_parallel=True):
+    """({layer path: style}, {path: (layer, why it stays whole)},
+    {expert bank weight path: spec}) of `model`."""
     column = ColumnParallel(axis, sequence_parallel=sequence_parallel)
     row = RowParallel(axis, sequence_parallel=sequence_parallel)
     units = _weight_owners(model)
     flow = _Dataflow.trace(model, units)
     plan, whole = {}, {}
+    banks, silent = _plan_experts(units, experts, whole)
     for projection, sources in flow.attention():
         _plan_attention(projection, sources, column, row, axis_size, plan,
                         whole)
-    for sources, target in flow.mlps(exclude=set(plan)):
+    for sources, target in flow.mlps(exclude=set(plan) | silent):
         for source in sources:
             _check_divides(source, _split_size(source, row=False), axis,
                            axis_size, "units")
             plan[source.path] = column
         plan[target.path] = row
+    silent |= _routers(units, set(plan)) | flow.head_norms
     for layer in units:
-        if layer.path not in plan and layer.path not in whole:
+        if layer.path not in plan and layer.path not in set(whole) | silent:
             _plan_unpaired(layer, flow, column, axis_size, plan, whole)
+    if not tensor_parallel:  # no model axis: only the expert banks split
+        plan = {}
+        whole = {path: why for path, why in whole.items()
+                 if path in _bank_paths(units)}
     if sequence_parallel:
         for layer in units:
             if layer.path in plan:
                 _check_sequence_divides(layer, axis, axis_size)
-    return plan, whole
+    return plan, whole, banks
+
+
+def _expert_bank_weights(layer):
+    """The weights `layer` owns itself when it is an expert bank (an int
+    `num_experts` attribute, every own weight of rank >= 2 leading with
+    that many experts, one of rank 3: `[experts, in, out]`), else []."""
+    experts = getattr(layer, "num_experts", None)
+    own = _own_weights(layer)
+    if (not isinstance(experts, int) or isinstance(experts, bool)
+            or not own or not any(len(w.shape) == 3 for w in own)
+            or any(len(w.shape) < 2 or w.shape[0] != experts for w in own)):
+        return []
+    return own
+
+
+def _plan_experts(units, experts, whole):
+    """({bank weight path: spec}, {bank layer paths}): every expert bank's
+    weights split along their experts dimension over the expert axis
+    (`experts` = (axis, size or None)); without that axis the banks stay
+    whole, in `whole` with the reason."""
+    axis, size = experts
+    specs, bank_layers = {}, set()
+    for layer in units:
+        own = _expert_bank_weights(layer)
+        if not own:
+            continue
+        bank_layers.add(layer.path)
+        if size is None or size == 1:
+            whole[layer.path] = (layer, (
+                f"an expert bank of {layer.num_experts} experts: split over "
+                f"the expert axis {axis!r} when the mesh has one"))
+            continue
+        _check_divides(layer, layer.num_experts, axis, size, "num_experts")
+        for weight in own:
+            specs[weight.path] = (axis,) + (None,) * (len(weight.shape) - 1)
+    return specs, bank_layers
+
+
+def _bank_paths(units):
+    """Paths of the bank layers among `units` (planned or kept whole)."""
+    return {layer.path for layer in units if _expert_bank_weights(layer)}
+
+
+def _routers(units, planned):
+    """Paths of the routers: projections of an MoE block (under the parent
+    path of an expert bank) outside any planned pattern. They stay whole:
+    every device routes its tokens over all experts."""
+    blocks = {path.rsplit("/", 1)[0] + "/" for path in
+              _bank_paths(units)}
+    return {layer.path for layer in units
+            if _is_projection(layer) and layer.path not in planned
+            and any(layer.path.startswith(b) for b in blocks)}
+
+
+def _own_weights(layer):
+    """The weights `layer` owns itself (not through sublayers)."""
+    inner = {id(w) for sub in _compat.all_layers(layer, include_self=False)
+             for w in sub.weights}
+    return [w for w in layer.weights if id(w) not in inner]
 
 
 def _plan_attention(projection, sources, column, row, axis_size, plan, whole):
@@ -375,6 +495,7 @@ class _Dataflow:
     def __init__(self, units, calls=None, outputs=()):
         self.units = units
         self.calls = calls
+        self.head_norms = set()  # per-head norms inside attention
         self.producer = {}
         for layer in units:
             for _, made in (calls or {}).get(id(layer), []):
@@ -450,12 +571,28 @@ class _Dataflow:
             if not (isinstance(layer, keras.layers.EinsumDense)
                     and _contracts(layer) >= 2):
                 continue
-            sources, _ = self._reads(self._first_input(layer),
-                                     elementwise=False)
+            sources = self._through_head_norms(self._reads(
+                self._first_input(layer), elementwise=False)[0])
             if sources and all(isinstance(s, keras.layers.EinsumDense)
                                and _makes(s) >= 2 for s in sources):
                 found.append((layer, sources))
         return found
+
+    def _through_head_norms(self, sources):
+        """`sources` with each norm replaced by what it reads (Qwen3's
+        query/key norms sit between the projections and the attention
+        core); the norms looked through are kept in `head_norms`."""
+        out = []
+        for source in sources:
+            if not _is_norm(source):
+                out.append(source)
+                continue
+            read = self._reads(self._first_input(source), elementwise=False)[0]
+            if read and all(isinstance(r, keras.layers.EinsumDense)
+                            for r in read):
+                self.head_norms.add(source.path)
+            out.extend(read)
+        return out
 
     def mlps(self, exclude):
         """[([column layers], row layer)]: Megatron MLPs, plain or gated."""

@@ -301,7 +301,8 @@ def check_expert_axis_used(dims, specs):
     over it: no mixture-of-experts layer and no rule for expert banks, so
     every device of that axis would repeat the same work (never when the
     expert axis is the data axis: its devices split the batch). Called by
-    the strategy when a model is compiled or a step starts."""
+    the strategy when a train/test/predict function is made or a step
+    starts (not at compile: keras-hub tasks compile in their constructor)."""
     axis = expert_axis_of(dims)
     mesh = dims.mesh
     if getattr(dims, "experts_carry_data", False):

@@ -47,14 +47,13 @@ reordering of the devices (`Mesh` refuses them on every host);
 import json
 import os
 import re
-import socket
-import threading
 import time
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import host_auth
 from tfpar import host_watch
 from tfpar import mesh
 from tfpar.host_watch import LOST_HOST_EXIT_CODE  # noqa: F401 (public)
@@ -85,7 +84,16 @@ def connect_hosts(addresses=None, host_id=None, job_name="worker",
     (`LOST_HOST_EXIT_CODE`), from inside whatever collective it waits in.
     A host that leaves normally tells the others first (no error); one
     that ends with an uncaught exception tells them too, and they exit
-    with the same error naming it.
+    with the same error naming it. A host seen alive whose heartbeat port
+    then refuses connections is lost at once.
+
+    tfpar's own messages (this handshake, the heartbeats) are bound to this
+    host's address from `addresses` (127.0.0.1 when all are localhost;
+    `TFPAR_BIND_ADDRESS` overrides) and authenticated with the job secret
+    `TFPAR_JOB_SECRET` (the same on every host; `tfpar.launch` sets one;
+    without it tfpar warns once): see `tfpar.host_auth` and the security
+    section of docs/guides/hosts.md. TensorFlow's own server on the same
+    port is not protected: trusted, isolated networks only.
 
     Sets DTensor's multi-client environment (`DTENSOR_JOBS`,
     `DTENSOR_CLIENT_ID`, `DTENSOR_NUM_CLIENTS`, `DTENSOR_JOB_NAME`) and
@@ -279,23 +287,26 @@ def _wait_for_hosts(addresses, host_id, timeout, heartbeat_port=0):
     """Returns once this host has reached every other host's port and been
     reached by every other host; raises TimeoutError naming the missing.
 
-    Each host listens on its own port (TF's server binds it afterwards; a
-    thread answers) and connects to every other one, sending its id and the
-    port its heartbeat listens on; a host counts as reached when it answers
-    "ok" (else the id is sent again). A host that has both reached and
-    heard everyone is done; every other host has then reached it too, so
-    none waits on a closed port. Returns {other host id: its heartbeat
-    port}.
+    Each host serves its own cluster port (`host_auth.Server`, on this
+    host's address; TF's server binds it afterwards) and sends every other
+    one "join <its heartbeat port>" (authenticated, see `host_auth`); a
+    host counts as reached when it answers "ok" (else it is asked again).
+    A host that has both reached and heard everyone is done; every other
+    host has then reached it too, so none waits on a closed port. Returns
+    {other host id: its heartbeat port}.
     """
     n = len(addresses)
-    listener = _listen(addresses, host_id)
     heard, reached = {host_id}, {host_id}
     heartbeat_ports = {}
-    stop = threading.Event()
-    answering = threading.Thread(
-        target=_answer_hosts, args=(listener, n, heard, heartbeat_ports, stop),
-        daemon=True)
-    answering.start()
+
+    def joined(sender, word, arg):
+        if word != "join" or not 0 < arg < 65536:
+            return "no", 0
+        heartbeat_ports[sender] = arg
+        heard.add(sender)
+        return "ok", 0
+
+    server = _serve(addresses, host_id, joined)
     deadline = time.monotonic() + timeout
     try:
         while len(reached) < n or len(heard) < n:
@@ -305,75 +316,36 @@ def _wait_for_hosts(addresses, host_id, timeout, heartbeat_port=0):
                     f"connect_hosts(): host {host_id} waited {timeout} s for "
                     f"hosts {missing} ({[addresses[i] for i in missing]}). "
                     "Start the same program on every host, with its own "
-                    "host_id and the same addresses.")
+                    f"host_id, the same addresses and the same "
+                    f"{host_auth.SECRET_VARIABLE}.")
             reached.update(
                 i for i in sorted(set(range(n)) - reached)
-                if _reach(addresses[i], host_id, heartbeat_port))
+                if _reach(addresses, host_id, i, heartbeat_port))
             time.sleep(0.05)
     finally:
-        stop.set()
-        answering.join()
-        listener.close()
+        server.close()
     return heartbeat_ports
 
 
-def _listen(addresses, host_id):
-    """A socket listening on this host's port (0.2 s accept timeout)."""
+def _serve(addresses, host_id, handler):
+    """A `host_auth.Server` on this host's cluster port."""
     _, port = addresses[host_id].rsplit(":", 1)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind(("", int(port)))
+        return host_auth.Server(addresses, host_id, int(port), handler)
     except OSError as error:
-        listener.close()
         raise RuntimeError(
             f"connect_hosts(): host {host_id} cannot listen on "
             f"{addresses[host_id]} ({error}). Choose a free port.") from None
-    listener.listen(len(addresses))
-    listener.settimeout(0.2)
-    return listener
 
 
-def _answer_hosts(listener, n, heard, heartbeat_ports, stop):
-    """Until `stop`: records in `heard` (and their heartbeat ports in
-    `heartbeat_ports`) the hosts that reach `listener`, answering "ok"."""
-    while not stop.is_set():
-        try:
-            connection, _ = listener.accept()
-        except OSError:  # timeout, or closed
-            continue
-        with connection:
-            connection.settimeout(2.0)
-            message = b""
-            try:
-                while chunk := connection.recv(64):  # to the sender's EOF
-                    message += chunk
-                match = re.fullmatch(rb"tfpar-host (\d+) (\d+)\n", message)
-                if match and int(match[1]) < n:
-                    connection.sendall(b"ok")
-                    heartbeat_ports[int(match[1])] = int(match[2])
-                    heard.add(int(match[1]))
-            except OSError:
-                pass
-
-
-def _reach(address, host_id, heartbeat_port):
-    """Whether the host at `address` answered "ok" to this host's id and
-    heartbeat port."""
-    name, port = address.rsplit(":", 1)
+def _reach(addresses, host_id, other, heartbeat_port):
+    """Whether host `other` answered "ok" to this host's join."""
     try:
-        with socket.create_connection((name, int(port)),
-                                      timeout=0.5) as connection:
-            connection.sendall(
-                f"tfpar-host {host_id} {heartbeat_port}\n".encode())
-            connection.shutdown(socket.SHUT_WR)
-            connection.settimeout(2.0)
-            answer = b""
-            while len(answer) < 2 and (chunk := connection.recv(2)):
-                answer += chunk
-            return answer == b"ok"
-    except OSError:
+        answer = host_auth.request(addresses, host_id, other, "join",
+                                   heartbeat_port)
+    except host_auth.Refused:
         return False
+    return answer == ("ok", 0)
 
 
 def num_hosts():

@@ -5,8 +5,10 @@
 
 Each host is a process running `train.py ARGS` with the cluster in its
 environment: `TFPAR_HOSTS` (every host's "localhost:port"), `TFPAR_HOST_ID`,
-`TFPAR_VIRTUAL_CPUS` (with `--virtual-cpus`) and `TFPAR_RESTART` (0 for the
-first attempt). The script calls `tfpar.connect_hosts()` with no arguments,
+`TFPAR_VIRTUAL_CPUS` (with `--virtual-cpus`), `TFPAR_RESTART` (0 for the
+first attempt) and `TFPAR_JOB_SECRET` (a fresh random secret for the job,
+which authenticates tfpar's messages between hosts: `tfpar.host_auth`;
+one already in the launcher's environment is passed on instead). The script calls `tfpar.connect_hosts()` with no arguments,
 which reads them — and runs unchanged alone (no variables: one host) or on a
 real cluster, where the scheduler's job script sets the same variables (see
 the README: Slurm and Kubernetes examples), or DTensor's `DTENSOR_JOBS` /
@@ -20,6 +22,14 @@ new ports: a script that resumes from its last checkpoint (Keras'
 `BackupAndRestore`, or `tfpar.restore_checkpoint`) then continues where
 the failed attempt left off. The launcher's exit status is 0 when an
 attempt succeeded, else the failing host's status.
+
+SIGTERM or SIGINT to the launcher (a scheduler's preemption, Ctrl-C) is
+forwarded to every host, once; the hosts get `--signal-grace` seconds to
+save and exit (`tfpar.PreemptionCheckpoint` saves all hosts at one step),
+then are killed; no restart follows, and the launcher exits with 128 + the
+signal's number. Hosts run in their own process group, so a terminal's
+Ctrl-C reaches them only through the launcher. A launcher killed outright
+(SIGKILL) takes its hosts with it (Linux: PR_SET_PDEATHSIG).
 """
 
 import argparse
@@ -30,6 +40,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from tfpar.host_auth import new_secret
 
 
 def main(argv=None):
@@ -50,6 +62,9 @@ def main(argv=None):
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds the other hosts get to exit after a "
                              "failure before they are killed")
+    parser.add_argument("--signal-grace", type=float, default=60.0,
+                        help="seconds the hosts get to save and exit after "
+                             "the launcher forwards them SIGTERM/SIGINT")
     parser.add_argument("script", help="the Python script every host runs")
     parser.add_argument("args", nargs=argparse.REMAINDER,
                         help="arguments for the script")
@@ -64,15 +79,18 @@ def main(argv=None):
                      f"{options.max_restarts}")
     if not os.path.isfile(options.script):
         parser.error(f"no such script: {options.script!r}")
+    options.secret = os.environ.get("TFPAR_JOB_SECRET") or new_secret()
     status = 0
     for attempt in range(options.max_restarts + 1):
+        if _signalled:
+            break
         if attempt:
             print(f"[launch] restarting all {options.hosts} hosts (restart "
                   f"{attempt} of {options.max_restarts})", flush=True)
         status = run_group(options, attempt)
-        if status == 0:
+        if status == 0 and not _signalled:
             return 0
-    return status
+    return 128 + _signalled[0] if _signalled else status
 
 
 def run_group(options, attempt):
@@ -83,6 +101,7 @@ def run_group(options, attempt):
                    and k != "TF_CONFIG"}
     environment["TFPAR_HOSTS"] = ",".join(f"localhost:{p}" for p in ports)
     environment["TFPAR_RESTART"] = str(attempt)
+    environment["TFPAR_JOB_SECRET"] = options.secret
     if options.virtual_cpus:
         environment["TFPAR_VIRTUAL_CPUS"] = str(options.virtual_cpus)
     processes, printers = [], []
@@ -96,18 +115,49 @@ def run_group(options, attempt):
         printer.start()
         processes.append(process)
         printers.append(printer)
-    status = _wait(processes, options.grace)
+    forward = _forwarding(processes)
+    try:
+        status = _wait(processes, options.grace, options.signal_grace)
+    finally:
+        for number, previous in forward.items():
+            signal.signal(number, previous)
     for printer in printers:
         printer.join()
     return status
 
 
-def _wait(processes, grace):
+_signalled = []  # the signal the launcher received (forwarded to hosts)
+_signalled_at = []
+
+
+def _forwarding(processes):
+    """Installs SIGTERM/SIGINT handlers that forward the signal to every
+    running host, once; returns the previous handlers."""
+    def forward(number, _frame):
+        if _signalled:
+            return  # forwarded already; the grace period runs
+        _signalled.append(number)
+        _signalled_at.append(time.monotonic())
+        print(f"[launch] received {signal.Signals(number).name}: forwarded "
+              "to every host", flush=True)
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(number)
+
+    return {number: signal.signal(number, forward)
+            for number in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _wait(processes, grace, signal_grace=60.0):
     """Waits for all; after the first failure gives the others `grace`
-    seconds, then kills them (a host stuck in a collective ignores
-    SIGTERM). The first failing exit status, else 0."""
+    seconds (after a forwarded signal, `signal_grace`), then kills them (a
+    host stuck in a collective ignores SIGTERM). The first failing exit
+    status, else 0."""
     failed_at, status, reported = None, 0, set()
     while len(reported) < len(processes):
+        if _signalled_at and time.monotonic() - _signalled_at[0] > (
+                signal_grace):
+            failed_at, grace = _signalled_at[0], signal_grace
         for host, process in enumerate(processes):
             code = process.poll()
             if code is None or host in reported:
@@ -128,8 +178,11 @@ def _wait(processes, grace):
 
 
 def _die_with_launcher():
-    """In the child: SIGKILL when the launcher dies (Linux), so hosts stuck
-    in a collective do not outlive a launcher that was killed."""
+    """In the child: its own process group (a terminal's Ctrl-C reaches it
+    through the launcher only), and SIGKILL when the launcher dies (Linux),
+    so hosts stuck in a collective do not outlive a launcher that was
+    killed."""
+    os.setpgrp()
     try:
         import ctypes  # noqa: PLC0415
 

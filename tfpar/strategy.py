@@ -14,7 +14,6 @@ The options are validated once into a `tfpar.parallel_dims.ParallelDims`
 `tfpar.variables.VariableRegistry` (`strategy.extended.registry`).
 """
 
-import functools
 import gc
 import os
 import sys
@@ -574,22 +573,22 @@ def compat_hooks():
             tf.distribute.get_strategy()),
         strategy_of_layer=strategy_of_layer,
         adopt_optimizer=_adopt_and_offload,
-        warn_if_never_entered=warn_if_never_entered)
+        warn_if_never_entered=warn_if_never_entered,
+        place_host_gradients=place_host_gradients)
 
 
 def _install_patches():
-    """The strategy's patches (`tfpar.patches`), recomputation's
-    (`tfpar.recompute`) and the optimizer's host gradients (below); once
-    per process."""
+    """The strategy's patches (`tfpar.patches`) and recomputation's
+    (`tfpar.recompute`); once per process."""
     patches.install(compat_hooks())
     recompute.install()
-    _compat.install_group("strategy.host_gradients", (_HOST_GRADIENTS,),
-                          None)
 
 
-def _host_gradients_placed(original, _hooks):
-    """`TFOptimizer.apply` that first lays host gradients out like their
-    variables when its optimizer was made under a ParallelStrategy.
+def place_host_gradients(optimizer, grads, targets):
+    """`grads` for `optimizer.apply` (`patches`' host-gradient patch):
+    each one computed on the host laid out like its variable, when the
+    optimizer was made under a ParallelStrategy and runs eagerly; else
+    `grads` unchanged.
 
     The tf.distribute contract Keras' own tests use: in the scope, eagerly
     (`strategy.run(fn)` or plain code), `optimizer.apply_gradients` with
@@ -601,20 +600,13 @@ def _host_gradients_placed(original, _hooks):
     Gradients that are DTensors already (a compiled step's) pass as they
     are.
     """
-
-    @functools.wraps(original)
-    def apply(self, grads, trainable_variables=None):
-        strategy = getattr(self, "_distribution_strategy", None)
-        targets = (trainable_variables if trainable_variables is not None
-                   else getattr(self, "_trainable_variables", None))
-        if isinstance(strategy, ParallelStrategy) and tf.executing_eagerly():
-            grads = list(grads)
-            targets = list(targets or ())
-            if len(grads) == len(targets):
-                grads = [_like_variable(g, v) for g, v in zip(grads, targets)]
-        return original(self, grads, trainable_variables)
-
-    return apply
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not isinstance(strategy, ParallelStrategy) or not tf.executing_eagerly():
+        return grads
+    grads, targets = list(grads), list(targets or ())
+    if len(grads) != len(targets):
+        return grads
+    return [_like_variable(g, v) for g, v in zip(grads, targets)]
 
 
 def _like_variable(gradient, variable):
@@ -632,12 +624,6 @@ def _like_variable(gradient, variable):
     replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
     return dtensor.relayout(dtensor.pack([value] * len(local), replicated),
                             layout)
-
-
-_HOST_GRADIENTS = _compat.Patch(
-    "optimizer_host_gradients",
-    lambda: _compat.keras_module("backend.tensorflow.optimizer").TFOptimizer,
-    "apply", _host_gradients_placed)
 
 
 def keras_function_for(model, mode):

@@ -551,26 +551,34 @@ class VariableRegistry:
                                       dtype=backing.dtype)
             self._rebind(variable, backing, place.replace(mesh=mesh), value)
 
-    def check_rules_used(self):
-        """Raises when a layout rule matched no weight (once per strategy).
-
-        Called when a model is compiled or its train/test/predict function
-        is made (outside any traced function), and when a step starts.
-        """
-        if self._rules_checked:
+    def check_rules_used(self, expert_axis=True):
+        """Raises when a layout rule matched no weight, and (`expert_axis`)
+        when an expert axis splits no weight (`experts.
+        check_expert_axis_used`); each once per strategy. Called when a
+        model is compiled (without the expert check: keras-hub tasks
+        compile in their constructor, before `apply_rules` splits their
+        banks), when its train/test/predict function is made and when a
+        step starts."""
+        done = self._rules_checked
+        if done == "all" or (done and not expert_axis):
             return
-        unmatched = self._rules.unmatched()
-        if unmatched:
-            raise ValueError(
-                f"Layout rule(s) {unmatched} matched no variable. Rules are "
-                "re.fullmatch'ed against the model's weight paths; nearest "
-                f"first: {_nearest(unmatched[0], self._weight_paths)}. Fix "
-                "or remove those rules."
-            )
+        _check_rules_matched(self._rules, self._weight_paths)
         specs = [place.spec for place, _ in self.entries()]
         if specs:  # no variable yet: checked again when there are some
-            experts.check_expert_axis_used(self._dims, specs)
-            self._rules_checked = True
+            if expert_axis:
+                experts.check_expert_axis_used(self._dims, specs)
+            self._rules_checked = "all" if expert_axis else "rules"
+
+
+def _check_rules_matched(rules, weight_paths):
+    """Raises when a rule of `rules` matched no weight."""
+    unmatched = rules.unmatched()
+    if unmatched:
+        raise ValueError(
+            f"Layout rule(s) {unmatched} matched no variable. Rules are "
+            "re.fullmatch'ed against the model's weight paths; nearest "
+            f"first: {_nearest(unmatched[0], weight_paths)}. Fix or remove "
+            "those rules.")
 
 
 def replace_storage(registry, variable, value, cls, **kwargs):

@@ -36,7 +36,8 @@ _RIDGE_FLOPS_PER_BYTE = 150.0
 def estimate(model, global_batch_size, *, cluster, axes,
              num_microbatches=None, schedule="1f1b", virtual_stages=1,
              sequence_parallel=False, recompute=None, fsdp=False,
-             optimizer="adam", sequence_length=None, capacity_factor=None):
+             optimizer="adam", sequence_length=None, capacity_factor=None,
+             expert_axis="expert"):
     """The `Estimate` of training `model` in one given configuration.
 
     Args:
@@ -48,10 +49,10 @@ def estimate(model, global_batch_size, *, cluster, axes,
             vendor figures and efficiencies the roofline uses.
         axes: {"data": d, "pipe": p, "model": t, "expert": e,
             "context": c} (missing axes are 1); their product must be the
-            cluster's device count. The batch is split over data × expert
-            (tokens outside the mixture-of-experts blocks), expert banks
-            over expert (a model without experts refuses e > 1), the
-            sequence over context (s a multiple of c).
+            cluster's device count. The batch is split over data, expert
+            banks over expert (its devices hold the same tokens: every op
+            outside the expert FFNs runs on each; a model without experts
+            refuses e > 1), the sequence over context (s a multiple of c).
         num_microbatches: micro-batches per step (gradient-accumulation
             steps without a pipe axis). None: micro-batches of one sample
             with a pipe axis, else one micro-batch.
@@ -71,6 +72,10 @@ def estimate(model, global_batch_size, *, cluster, axes,
             as a multiple of their fair share k·T/E; None: dropless (every
             routed token computed; under static shapes as costly as
             computing every expert on every token).
+        expert_axis: "expert" (a separate expert axis, `axes["expert"]`)
+            or "data": the expert banks split over the data axis (as
+            `ParallelStrategy(expert_axis="data")`: each device routes its
+            own tokens, exchanged with the devices holding their experts).
 
     Returns:
         A `cost.Estimate`: `step_time_s`, `memory_per_device` (first
@@ -122,7 +127,7 @@ def estimate(model, global_batch_size, *, cluster, axes,
         slots=cost_lib.optimizer_slots(optimizer),
         flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=transformer.layers, capacity_factor=capacity_factor,
-        transformer=transformer)
+        transformer=transformer, expert_axis=expert_axis)
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 
@@ -166,17 +171,21 @@ def hardware_of(cluster):
 def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False, recompute=None,
                   fsdp=False, slots=2, flash=False, tf32=False,
-                  layers=None, capacity_factor=None, transformer=None):
+                  layers=None, capacity_factor=None, transformer=None,
+                  expert_axis="expert"):
     """The `roofline.Parallel` of `estimate`'s arguments, checked
     (`layers`: the model's transformer blocks, when known; `transformer`:
     its `roofline.Transformer`, to check the expert and context axes)."""
     d, p, t, e, c = (axes.get(k, 1) for k in AXES)
+    on_data = _expert_placement(expert_axis, axes)
+    if on_data:
+        e = d
     _check_expert_and_context(transformer, e, c, capacity_factor)
-    replicas = d * e
+    replicas = d
     if batch % replicas:
         raise ValueError(
             f"tfpar.estimate: global_batch_size={batch} does not split over "
-            f"data × expert = {replicas}; use a multiple of {replicas}.")
+            f"data={replicas}; use a multiple of {replicas}.")
     if num_microbatches is None:
         num_microbatches = batch // replicas if p > 1 else 1
     m = _positive_int("num_microbatches", num_microbatches)
@@ -194,7 +203,7 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         raise ValueError("tfpar.estimate(fsdp=True) needs a data axis > 1; "
                          f"received axes data={d}.")
     return roofline.Parallel(
-        data=d, pipe=p, model=t, expert=e, context=c,
+        data=d, pipe=p, model=t, expert=e, expert_on_data=on_data, context=c,
         capacity_factor=capacity_factor, microbatch=batch // replicas // m,
         virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
         sequence_parallel=bool(sequence_parallel and t > 1),
@@ -240,6 +249,20 @@ def _interleaving(schedule, virtual_stages, *, p, m, layers):
     return v
 
 
+def _expert_placement(expert_axis, axes):
+    """Whether the expert banks are split over the data axis."""
+    if expert_axis not in ("expert", "data"):
+        raise ValueError(
+            "tfpar.estimate(expert_axis) is 'expert' (a separate axis) or "
+            f"'data' (the data axis splits the banks). Received: "
+            f"expert_axis={expert_axis!r}")
+    if expert_axis == "data" and axes.get("expert", 1) > 1:
+        raise ValueError(
+            "tfpar.estimate(expert_axis='data') splits the banks over the "
+            f"data axis; axes has expert={axes['expert']} too. Drop one.")
+    return expert_axis == "data"
+
+
 def _check_expert_and_context(transformer, e, c, capacity_factor):
     """An expert axis needs experts it divides; a context axis a sequence
     it divides; a capacity factor is a positive number."""
@@ -254,13 +277,14 @@ def _check_expert_and_context(transformer, e, c, capacity_factor):
         return
     if e > 1 and not transformer.experts:
         raise ValueError(
-            f"tfpar.estimate(axes) has expert={e}, but the model has no "
-            "mixture-of-experts layer (a layer with num_experts and top_k) "
+            f"tfpar.estimate: expert parallelism of {e}, but the model has "
+            "no mixture-of-experts layer (a layer with num_experts and top_k) "
             "whose banks it would split. Drop the expert axis or use data.")
     if transformer.experts and transformer.experts % e:
         raise ValueError(
-            f"tfpar.estimate(axes): expert={e} does not divide the model's "
-            f"{transformer.experts} experts; use a divisor of it.")
+            f"tfpar.estimate: expert parallelism of {e} does not divide "
+            f"the model's {transformer.experts} experts; use a divisor of "
+            "it.")
     if transformer.seq % c:
         raise ValueError(
             f"tfpar.estimate(axes): context={c} does not divide the "

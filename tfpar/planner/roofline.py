@@ -73,19 +73,28 @@ memory-bound by whichever is larger.
   slots sharded over d, also in `memory`).
 
 - Expert parallelism (mixture-of-experts blocks: E experts of MLP width f,
-  top-k routing, the banks split over the expert axis e): tokens are split
-  over data × expert outside the MoE blocks, so a device holds T = b·s/c
-  tokens of a micro-batch. Its dispatch group is those T tokens; each
-  expert takes at most C = ⌈cf·k·T/E⌉ of them (`capacity_factor` cf;
-  dropless: C = T, which under static shapes computes as much as masking
-  every expert on every token). Per block: the router GEMM T×E×h (float32),
-  GShard's dispatch and combine einsums (E·C × h × T each), an all-to-all
-  of the dispatched [E, C, h] block over e before the expert FFN and one
-  after (their transposes backward: 4 per block, exposed), and the expert
-  GEMMs on the E/e local experts × e·C tokens (cf·k·T token-experts: the
-  routed work, E/(cf·k) times less than masking when cf is set).
-  Expert banks' gradients are reduced over data (× context), the other
-  weights' over data × expert (× context).
+  top-k routing, the banks split e ways), in tfpar's two placements. A
+  device's dispatch group is its T = b·s/c tokens; each expert takes at
+  most C = ⌈cf·k·T/E⌉ of them (`capacity_factor` cf; dropless: C = T,
+  which under static shapes computes as much as masking every expert on
+  every token). Per block: the router GEMM T×E×h (float32), GShard's
+  dispatch and combine einsums, and the expert GEMMs.
+  * A separate expert axis (`expert_on_data=False`): tokens are split
+    over data only, so every device of the expert axis holds the same
+    tokens and repeats every op outside the expert GEMMs (DTensor maps a
+    tensor dimension to one mesh axis); each runs its E/e experts on C
+    slots each (cf·k·T/e token-experts) and the combine is one
+    all-reduce of T×h over e forward; backward an all-gather of the
+    combine weights' gradient (T×E×C float32) for the router.
+  * Experts over the data axis (`expert_on_data=True`, e = d, GShard's
+    placement): each device routes its own tokens, the dispatched
+    [E, C, h] block is exchanged over the data axis before the expert
+    FFN and back after it (tfpar's all-to-all is an all-gather of the n
+    blocks and a slice under DTensor 2.21: n× a true all-to-all's
+    bytes), 4 exchanges per block, exposed; each device runs its E/e
+    experts on e·C slots. Nothing outside the MoE blocks is repeated.
+  Expert banks' gradients are reduced over data (× context) with a
+  separate axis and not at all over the data axis that owns them.
 - Context parallelism (the sequence split over c, Megatron-Core's
   all-gather mode): every token op runs on s/c tokens; each block
   all-gathers its keys and values over c (b·s·2·kv·dₕ/t elements per
@@ -200,14 +209,22 @@ class Parallel:
     grad_overlap: bool = True    # data-axis reduction under the backward
     optimizer_slots: int = 2
     expert: int = 1              # expert banks split e ways (EP)
+    expert_on_data: bool = False  # the data axis splits the banks (e = d)
     context: int = 1             # sequences split c ways (CP)
     capacity_factor: float = None  # tokens per expert ÷ k·T/E (None: dropless)
 
     @property
     def replicas(self):
         """Devices holding other samples or tokens of one stage's weights:
-        data × expert × context (the gradients' reduction group)."""
-        return self.data * self.expert * self.context
+        data × context (the gradients' reduction group; the devices of a
+        separate expert axis hold the same tokens)."""
+        return self.data * self.context
+
+    @property
+    def expert_axis_size(self):
+        """The separate expert axis' size (1 when the banks are split over
+        the data axis, or not at all)."""
+        return 1 if self.expert_on_data else self.expert
 
 
 def tokens(model, cfg):
@@ -320,8 +337,10 @@ def _gemm_shapes(model, cfg):
 
 def _experts(dev, model, cfg, backward=False):
     """A mixture-of-experts MLP of one micro-batch on one device: router,
-    dispatch and combine einsums, the E/e local experts' GEMMs on e·C
-    tokens each (the all-to-alls are `_exchanges`')."""
+    dispatch and combine einsums (over all E experts' slots with experts
+    on the data axis, the E/e local ones' with a separate axis), the E/e
+    local experts' GEMMs on e·C (resp. C) slots each; the exchanges are
+    `_exchanges`'."""
     time = _Time()
     if not model.experts:
         return time
@@ -330,11 +349,13 @@ def _experts(dev, model, cfg, backward=False):
     cap = capacity(model, cfg)
     h, f = model.hidden, model.ffn_width
     up = (2 if model.gated else 1) * f
+    slots = E * cap if cfg.expert_on_data else E / e * cap
+    per_expert = e * cap if cfg.expert_on_data else cap
     shapes = [((rows, E, h), 1, 4),                 # router, float32
-              ((E * cap, h, rows), 1, c),           # dispatch einsum
-              ((rows, h, E * cap), 1, c),           # combine einsum
-              ((e * cap, up / t, h), E / e, c),     # expert FFN, per expert
-              ((e * cap, h, f / t), E / e, c)]
+              ((slots, h, rows), 1, c),             # dispatch einsum
+              ((rows, h, slots), 1, c),             # combine einsum
+              ((per_expert, up / t, h), E / e, c),  # expert FFN, per expert
+              ((per_expert, h, f / t), E / e, c)]
     for (m, n, k), count, itemsize in shapes:
         if backward:
             dev.gemm(time, m, k, n, count=count, itemsize=itemsize)
@@ -342,7 +363,7 @@ def _experts(dev, model, cfg, backward=False):
         else:
             dev.gemm(time, m, n, k, count=count, itemsize=itemsize)
     act = (5 if backward else 3) if model.gated else (3 if backward else 2)
-    dev.stream(time, E * cap * act * f / t * c)
+    dev.stream(time, E / e * per_expert * act * f / t * c)
     return time
 
 
@@ -432,12 +453,23 @@ def _tensor_parallel(model, cfg, cluster, hw):
 
 
 def expert_exchange_bytes(model, cfg):
-    """Bytes of one all-to-all over the expert axis per device: the
-    dispatched [E, C, h] block, cf·k·T·h elements (E·T·h dropless)."""
+    """{"forward", "backward"}: bytes each device receives per MoE block
+    (one micro-batch) in the exchanges over its expert group. Experts on
+    the data axis: two exchanges of the dispatched [E, C, h] blocks each
+    way, each an all-gather of the e devices' blocks (e · E·C·h elements;
+    a true all-to-all would take 1/e of it: E·C·h = cf·k·T·h). A
+    separate expert axis: the combine's all-reduce of T×h forward, the
+    all-gather of the combine weights' gradient (T×E×C, float32)
+    backward."""
     if not model.experts or cfg.expert == 1:
-        return 0.0
-    return model.experts * capacity(model, cfg) * model.hidden * (
+        return {"forward": 0.0, "backward": 0.0}
+    rows, cap, c = tokens(model, cfg), capacity(model, cfg), (
         model.compute_bytes)
+    if cfg.expert_on_data:
+        one = cfg.expert * model.experts * cap * model.hidden * c
+        return {"forward": 2 * one, "backward": 2 * one}
+    return {"forward": rows * model.hidden * c,
+            "backward": rows * model.experts * cap * 4.0}
 
 
 def context_gather_bytes(model, cfg):
@@ -460,16 +492,25 @@ def all_to_all(nbytes, n, alpha_beta):
 
 
 def _exchanges(model, cfg, cluster, hw):
-    """(expert, context) seconds of one block's forward pass (its backward
-    costs the same): the dispatch and combine all-to-alls over e (the
-    model axis innermost, then expert, then context), the keys' and
-    values' all-gather over c."""
+    """(expert forward, expert backward, context) seconds of one block:
+    the exchanges over the expert group (`expert_exchange_bytes`: on the
+    data axis, whose members are t·p apart, or on a separate expert axis
+    inside it: model innermost, then expert, then context) and the keys'
+    and values' all-gather over c (its backward reduce-scatter costs the
+    same)."""
     t, e, c = cfg.model, cfg.expert, cfg.context
-    expert = 2 * all_to_all(expert_exchange_bytes(model, cfg), e,
-                            link(cluster, hw, e, t))
+    sizes = expert_exchange_bytes(model, cfg)
+    if cfg.expert_on_data:
+        group = link(cluster, hw, e, t * cfg.pipe * c)
+        forward = backward = 2 * ring("all-gather", sizes["forward"] / 2, e,
+                                      group)
+    else:
+        group = link(cluster, hw, e, t)
+        forward = ring("all-reduce", sizes["forward"], e, group)
+        backward = ring("all-gather", sizes["backward"], e, group)
     context = ring("all-gather", context_gather_bytes(model, cfg), c,
-                   link(cluster, hw, c, t * e))
-    return expert, context
+                   link(cluster, hw, c, t * cfg.expert_axis_size))
+    return forward, backward, context
 
 
 def _stage_blocks(layers, p):
@@ -489,8 +530,8 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
     work = parts["forward"].scaled(blocks)
     work.merge(parts["backward"].scaled(blocks))
     tp_block, tp_edge = parts["tensor_parallel"]
-    expert, context = parts["exchanges"]
-    work.add(blocks * 2 * expert, "expert")
+    expert, expert_back, context = parts["exchanges"]
+    work.add(blocks * (expert + expert_back), "expert")
     work.add(blocks * 2 * context, "context")
     model_axis = blocks * 2 * tp_block
     if cfg.tp_overlap:  # only what exceeds the block's GEMMs shows
@@ -581,15 +622,18 @@ def _data_axis(model, cfg, cluster, hw, params, *, blocks, backward,
     block; the first gather is one of the stage's `blocks` blocks.
 
     With expert or context axes the reduction group grows: the weights
-    outside the expert banks over data × expert × context, the banks (split
-    over expert) over data × context; fsdp gathers over data alone."""
+    outside the expert banks over data × context (the devices of a separate
+    expert axis compute the same gradients), the banks over data × context
+    with a separate expert axis and over context alone when the data axis
+    splits them; fsdp gathers over data alone."""
     d, share = cfg.data, hw.collective_share
     banks = blocks * model.bank_params()
     reduce, gathers, first_gather = 0.0, 0.0, 0.0
     for weights, n, split, units in (
             (params - banks, cfg.replicas, 1,
              max(1, round(params / model.block_params()))),
-            (banks, d * cfg.context, cfg.expert, max(1, blocks))):
+            (banks, cfg.context if cfg.expert_on_data else d * cfg.context,
+             cfg.expert, max(1, blocks))):
         if weights <= 0 or n == 1:
             continue
         ab = _reduction_link(cluster, hw, cfg, n)
@@ -614,7 +658,7 @@ def _reduction_link(cluster, hw, cfg, n):
     (outermost: its members t·p apart), or, with expert or context axes,
     a group whose first members are t apart (an approximation: the
     expert and context coordinates are neighbours, the data ones far)."""
-    if n == cfg.data or cfg.expert * cfg.context == 1:
+    if n == cfg.data or cfg.context == 1:
         return link(cluster, hw, n, cfg.model * cfg.pipe)
     return link(cluster, hw, n, cfg.model)
 
@@ -655,9 +699,10 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
 
 
 def microbatches(cfg, global_batch):
-    """m, micro-batches per step: the batch is split over data × expert
-    (tokens outside the MoE blocks), each replica's share into m of b."""
-    return global_batch // (cfg.data * cfg.expert * cfg.microbatch)
+    """m, micro-batches per step: the batch is split over data (a
+    separate expert axis holds the same samples), each replica's share
+    into m of b."""
+    return global_batch // (cfg.data * cfg.microbatch)
 
 
 def _local_params(model, cfg, params, blocks):
@@ -722,7 +767,9 @@ def _moe_and_context_activations(model, cfg):
     (2·kv·dₕ·s·b elements against T·h)."""
     t, extra = cfg.model, 0.0
     if model.experts:
-        routed = model.experts * capacity(model, cfg) / tokens(model, cfg)
+        slots = model.experts * capacity(model, cfg) / (
+            1 if cfg.expert_on_data else cfg.expert)
+        routed = slots / tokens(model, cfg)
         width = model.ffn_width / (4.0 * model.hidden) * (
             1.5 if model.gated else 1.0)
         extra += (routed - 1) * (2.0 + 16.0 / t * width)
@@ -730,6 +777,14 @@ def _moe_and_context_activations(model, cfg):
         kv = (model.kv_heads or model.heads) * model.head_dim
         extra += 4.0 * kv * cfg.context / (model.hidden * t)
     return extra
+
+
+def _expert_bytes_per_block(model, cfg):
+    """One micro-batch's expert-group bytes of a block: forward and
+    backward, and the forward again under full recomputation."""
+    sizes = expert_exchange_bytes(model, cfg)
+    again = sizes["forward"] if cfg.recompute == "full" else 0.0
+    return sizes["forward"] + sizes["backward"] + again
 
 
 def communication_bytes(model, cfg, global_batch):
@@ -750,7 +805,7 @@ def communication_bytes(model, cfg, global_batch):
             "data": float(data),
             # dispatch and combine, forward and backward (and again when
             # a full recomputation reruns the forward pass)
-            "expert": blocks * passes * expert_exchange_bytes(model, cfg) * m,
+            "expert": blocks * m * _expert_bytes_per_block(model, cfg),
             # the keys' and values' gather forward, their gradients'
             # reduce-scatter backward
             "context": blocks * (2 + full) * context_gather_bytes(model, cfg)

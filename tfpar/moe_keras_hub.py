@@ -1,0 +1,311 @@
+"""keras-hub's mixture-of-experts blocks in tfpar: their masked
+computation with the expert banks split, or token dispatch.
+
+keras-hub 0.32's sparse MoE blocks (Mixtral's `MixtralSparseMoeBlock`,
+Qwen-MoE's `QwenSparseMoeBlock`, Qwen3-MoE's `Qwen3SparseMoeBlock`,
+GPT-OSS' `GptOssSparseMoeBlock` with its `GptOssTopKRouter`) compute every
+expert on every token and mask the result with the routing weights, built
+with `top_k` and `one_hot`. With the expert banks split over an "expert"
+mesh axis (`tfpar.auto_rules`), DTensor 2.21 lays those out with the
+experts dimension split too, and fails: `tf.OneHot` does not compile under
+that layout ("SPMD expansion resulted in op output inconsistent with the
+provided layout ... non-broadcastable operands", a Mixtral block on data=2
+x expert=4), and TopKV2's gradient scatters by global positions into local
+blocks ("indices[255] = [1019] does not index into shape [512]"). Inside a
+tfpar step, while one of these blocks runs (its router and aux loss
+included), this module's patches compute both by equality: `one_hot` as
+`indices[..., None] == range(depth)`, `top_k`'s values as
+`sum_e x[..., e] * [e == index]` (TF's top-k indices, no gradient through
+them): the same values and gradients, laid out like any product. So each
+device computes its own experts on every token (E/n of the banks' FLOPs
+and memory) and DTensor sums the experts dimension over "expert". Outside
+a step or outside these blocks, TF's own ops run.
+
+`dispatch_experts(model, capacity_factor=None)` makes Mixtral's and
+Qwen3-MoE's blocks run `tfpar.experts.moe` (GShard dispatch to per-expert
+slots, the experts on their slots, the weighted combine) instead.
+
+The patches (`PATCHES`) join the strategy's group (`tfpar.patches.install`);
+`dispatch_experts` installs them too (`install`), for one device. A Python
+without keras-hub gets none of the block patches.
+
+Example:
+
+>>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "expert": 4}))
+>>> with strategy.scope():
+...     lm = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+...     tfpar.moe_keras_hub.dispatch_experts(lm)       # optional
+...     strategy.apply_rules(lm, tfpar.auto_rules(lm))  # banks over expert
+...     lm.compile(optimizer="adam", loss=loss)
+>>> lm.fit(token_ids, targets)
+"""
+
+import collections
+import functools
+import importlib
+import sys
+import threading
+
+import keras
+import tensorflow as tf
+
+from tfpar import _compat
+from tfpar import experts
+from tfpar import parallel_dims
+from tfpar import step_context
+
+# (keras-hub module, MoE block class) whose `call` builds a one-hot mask.
+MOE_BLOCKS = (
+    ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralSparseMoeBlock"),
+    ("keras_hub.src.models.qwen_moe.qwen_moe_decoder", "QwenSparseMoeBlock"),
+    ("keras_hub.src.models.qwen3_moe.qwen3_moe_decoder",
+     "Qwen3SparseMoeBlock"),
+    ("keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder",
+     "Qwen3_5MoeSparseMoeBlock"),
+    ("keras_hub.src.models.gpt_oss.gpt_oss_decoder", "GptOssSparseMoeBlock"),
+)
+
+_inside = threading.local()  # depth of MoE block calls on this thread
+
+
+class _Absent:
+    """The owner patched when keras-hub (or one of its models) is absent."""
+
+
+def _block_class(module, name):
+    """keras-hub's class `name` of `module`, or `_Absent`."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return _Absent
+
+
+def in_moe_block():
+    """Whether one of keras-hub's MoE blocks is running on this thread."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+def _marked_call(original, hooks):
+    """The block's `call`, marked as running (`in_moe_block`) while it
+    runs, so that its one-hot masks become equalities in a step; a block
+    `dispatch_experts` chose runs `_dispatched_call` instead (on a static
+    sequence length: a symbolic trace of unknown length runs the masked
+    call, whose layers and shapes are the same)."""
+    if original is None:
+        return None
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            if _dispatches(self, args, kwargs):
+                return _dispatched_call(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+        finally:
+            _inside.depth -= 1
+
+    return call
+
+
+# -- token dispatch (tfpar.experts) instead of the masked einsums -----------
+
+Dispatch = collections.namedtuple("Dispatch", "capacity_factor group_size")
+Dispatch.__doc__ = """How a block dispatches its tokens (`dispatch_experts`)."""
+_DISPATCH = "_tfpar_dispatch"  # the block attribute holding its Dispatch
+# The blocks whose dispatched call is written below: Mixtral's and
+# Qwen3-MoE's (SwiGLU experts, softmax router without bias).
+DISPATCHABLE = ("MixtralSparseMoeBlock", "Qwen3SparseMoeBlock")
+
+
+def dispatch_experts(model, capacity_factor=None, group_size=None):
+    """Runs the keras-hub MoE blocks of `model` (Mixtral's, Qwen3-MoE's)
+    with GShard token dispatch (`tfpar.experts.moe`) instead of their
+    masked einsums, on one device and under any tfpar mesh alike.
+
+    Dropless by default (`capacity_factor=None`): every expert gets a slot
+    for every token of its dispatch group, so the results are the masked
+    model's (the same sums in another order: float32 rounding), and, with
+    static shapes, so is the cost. With a `capacity_factor` (e.g. 1.25)
+    each expert takes at most ceil(factor * top_k * group / experts)
+    tokens of each group (`group_size` consecutive tokens of a sequence,
+    default the whole sequence); the assignments past that are dropped:
+    they add nothing, the token keeps its residual. Each block keeps the
+    count of its last call's dropped assignments in `tfpar_dropped`. The
+    router's logits (returned, and read by the load-balancing aux loss,
+    computed by keras-hub's own function as before) are the block's; the
+    routing itself runs in float32.
+
+    >>> n = tfpar.moe_keras_hub.dispatch_experts(lm, capacity_factor=1.25)
+
+    Args:
+        model: a Keras model holding keras-hub MoE blocks.
+        capacity_factor: None (dropless) or a float > 0.
+        group_size: tokens of a dispatch group (a divisor of the sequence
+            length), or None: one group per sequence.
+
+    Returns:
+        The number of blocks that now dispatch.
+    """
+    if capacity_factor is not None and (
+            isinstance(capacity_factor, bool)
+            or not isinstance(capacity_factor, (int, float))
+            or capacity_factor <= 0):
+        raise ValueError(
+            "dispatch_experts(capacity_factor) must be None (dropless) or "
+            f"a number > 0. Received: capacity_factor={capacity_factor!r}")
+    blocks = [layer for layer in _compat.all_layers(model, include_self=False)
+              if type(layer).__name__ in DISPATCHABLE]
+    if not blocks:
+        raise ValueError(
+            f"dispatch_experts found no keras-hub MoE block of {DISPATCHABLE} "
+            f"in model {model.name!r}. Received: a {type(model).__name__}. "
+            "Pass a Mixtral or Qwen3-MoE model (other MoE blocks run their "
+            "masked computation).")
+    for block in blocks:
+        if getattr(block, "router_jitter_noise", 0):
+            raise ValueError(
+                f"dispatch_experts: block {block.path!r} has "
+                f"router_jitter_noise={block.router_jitter_noise}, which "
+                "the dispatched call does not draw. Build the model with "
+                "router_jitter_noise=0.")
+        setattr(block, _DISPATCH, Dispatch(capacity_factor, group_size))
+    install()
+    return len(blocks)
+
+
+def _dispatches(block, args, kwargs):
+    """Whether `block`, called with `args`/`kwargs`, dispatches."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    return (getattr(block, _DISPATCH, None) is not None
+            and None not in tuple(getattr(hidden, "shape", (None,)))[1:])
+
+
+def install():
+    """Installs this module's patches (once per process): what
+    `dispatch_experts` does, so that a dispatching block also runs so on
+    one device with no strategy. The strategy installs them with its own
+    group (`tfpar.patches.install`)."""
+    _compat.install_group("moe_keras_hub", PATCHES, None)
+
+
+def _dispatched_call(block, hidden_states, attention_mask=None,
+                     training=None):
+    """The block's (outputs, router logits) by `experts.moe`: the router
+    logits from the block's own router, its aux loss from keras-hub's
+    function (when training), the experts on their dispatched slots."""
+    settings = getattr(block, _DISPATCH)
+    router = block._sparse_feedforward_gate_dense  # noqa: SLF001
+    flat = keras.ops.reshape(hidden_states, (-1, block.hidden_dim))
+    logits = router(flat)
+    dims = (parallel_dims.current() if step_context.in_spmd_step()
+            else None)
+    out = experts.moe(
+        tf.convert_to_tensor(hidden_states),
+        tf.convert_to_tensor(router.kernel), _expert_fn(block),
+        block.num_experts, block.top_k,
+        capacity_factor=settings.capacity_factor,
+        group_size=settings.group_size,
+        normalize=getattr(block, "norm_top_k_prob", True),
+        expert_axis=None if dims is None else dims.expert_axis,
+        batch_axis=None if dims is None else dims.data_axis)
+    block.tfpar_dropped = out.dropped
+    if training:
+        loss = sys.modules[type(block).__module__].compute_load_balancing_loss
+        coefficient = getattr(block, "router_aux_loss_coef", None)
+        if coefficient is None:
+            coefficient = block.router_aux_loss_coefficient
+        block.add_loss(coefficient * loss(
+            router_logits=logits, num_experts=block.num_experts,
+            top_k=block.top_k, attention_mask=attention_mask))
+    return out.outputs, logits
+
+
+def _expert_fn(block):
+    """[groups, experts, capacity, hidden] -> the same, by the block's
+    bank: Mixtral's separate gate / intermediate / output kernels, or
+    Qwen3-MoE's fused gate-up kernel (gate first) and output kernel."""
+    bank = block.expert_bank
+    down = tf.convert_to_tensor(bank._expert_feedforward_output_dense)  # noqa: SLF001
+    if hasattr(bank, "_expert_feedforward_intermediate_dense"):
+        up = tf.convert_to_tensor(
+            bank._expert_feedforward_intermediate_dense)  # noqa: SLF001
+        gate = tf.convert_to_tensor(bank._expert_feedforward_gate_dense)  # noqa: SLF001
+        return lambda slots: experts.expert_ffn(slots, up, gate, down)
+    gate_up = tf.convert_to_tensor(bank._expert_feedforward_gate_dense)  # noqa: SLF001
+
+    def fused(slots):
+        both = tf.einsum("gech,ehf->gecf", slots,
+                         tf.cast(gate_up, slots.dtype))
+        gate, up = tf.split(both, 2, axis=-1)
+        return tf.einsum("gecf,efh->gech", up * tf.nn.silu(gate),
+                         tf.cast(down, slots.dtype))
+
+    return fused
+
+
+def _equality_mask(indices, depth, dtype):
+    """`one_hot(indices, depth)` as `indices[..., None] == range(depth)`."""
+    return tf.cast(tf.equal(indices[..., None],
+                            tf.range(depth, dtype=indices.dtype)), dtype)
+
+
+def _in_block_step():
+    return in_moe_block() and step_context.in_spmd_step()
+
+
+def _mask_by_equality(original, hooks):
+    """`tf.one_hot` (Keras' TF `one_hot` calls it) computed as
+    `indices[..., None] == range(depth)` inside an MoE block in a tfpar
+    step, for the default on/off values and the last axis; TF's own
+    elsewhere."""
+
+    @functools.wraps(original)
+    def one_hot(indices, depth, on_value=None, off_value=None, axis=None,
+                dtype=None, name=None):
+        if (not _in_block_step() or on_value is not None
+                or off_value is not None or axis not in (None, -1)):
+            return original(indices, depth, on_value=on_value,
+                            off_value=off_value, axis=axis, dtype=dtype,
+                            name=name)
+        indices = tf.convert_to_tensor(indices)
+        if not indices.dtype.is_integer:
+            indices = tf.cast(indices, "int32")
+        return _equality_mask(indices, int(depth), dtype or tf.float32)
+
+    return one_hot
+
+
+def _top_k_by_mask(original, hooks):
+    """`tf.math.top_k` inside an MoE block in a tfpar step: the indices
+    of TF's top-k (no gradient through them), the values as
+    `sum_e x[..., e] * [e == index]` (exactly x at the indices: x times 1
+    plus zeros), whose gradient is the mask, laid out like x. (TopKV2's
+    own gradient scatters into the flattened input by global position,
+    which DTensor 2.21 expands wrongly once the experts dimension is laid
+    out split: "indices[255] = [1019] does not index into shape [512]".)
+    TF's own elsewhere."""
+
+    @functools.wraps(original)
+    def top_k(input, k=1, sorted=True, index_type=tf.int32, name=None):  # noqa: A002
+        if not _in_block_step():
+            return original(input, k, sorted=sorted, index_type=index_type,
+                            name=name)
+        x = tf.convert_to_tensor(input)
+        indices = original(tf.stop_gradient(x), k, sorted=sorted,
+                           index_type=index_type).indices
+        mask = _equality_mask(indices, x.shape[-1], x.dtype)
+        return TopK(tf.reduce_sum(x[..., None, :] * mask, axis=-1), indices)
+
+    return top_k
+
+
+TopK = collections.namedtuple("TopK", "values indices")
+
+
+PATCHES = (
+    *(_compat.Patch(f"moe_block:{name}",
+                    functools.partial(_block_class, module, name), "call",
+                    _marked_call) for module, name in MOE_BLOCKS),
+    _compat.Patch("moe_one_hot", lambda: tf, "one_hot", _mask_by_equality),
+    _compat.Patch("moe_top_k", lambda: tf.math, "top_k", _top_k_by_mask),
+)

@@ -9,6 +9,7 @@ one device's results are the reference, within 1e-4 relative (fp32).
 """
 
 import contextlib
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -33,11 +34,11 @@ BATCH, STEPS = 8, 3
 MARGIN = 1e-3
 
 
-def build(**options):
+def build(num_experts=EXPERTS, **options):
     options = dict(dict(capacity_factor=1.0), **options)
     tokens = keras.Input((SEQ, HIDDEN))
-    mixed = tfpar.layers.MixtureOfExperts(EXPERTS, TOP_K, WIDTH, name="moe",
-                                          **options)(tokens)
+    mixed = tfpar.layers.MixtureOfExperts(num_experts, TOP_K, WIDTH,
+                                          name="moe", **options)(tokens)
     out = keras.layers.Dense(3, name="head")(keras.layers.Add()([tokens,
                                                                  mixed]))
     return keras.Model(tokens, out)
@@ -138,6 +139,101 @@ def test_data2_expert4_trains_as_one_device_with_adam_banks_split():
         layer.router_kernel.value.read_value())} == {(HIDDEN, EXPERTS)}
 
 
+def folded_strategy():
+    """GShard's placement: 8 devices, the data axis also the expert axis."""
+    return tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}), expert_axis="data")
+
+
+def test_experts_on_the_data_axis_train_as_one_device_with_adam():
+    """expert_axis="data" on Mesh({"data": 8}), 8 experts (one of each
+    bank per device), capacity factor 1.0 (assignments dropped)."""
+    want = train(num_experts=8)
+    assert want[2] > 0
+    got = train(folded_strategy(), num_experts=8)
+    assert_same(want, got)
+    layer = got[3].get_layer("moe")
+    for bank in (layer.up_kernel, layer.gate_kernel, layer.down_kernel):
+        blocks = dtensor.unpack(bank.value.read_value())
+        assert {tuple(b.shape) for b in blocks} == {(1,) + tuple(
+            bank.shape[1:])} and len(blocks) == 8
+        np.testing.assert_array_equal(  # device i holds expert i
+            np.concatenate([b.numpy() for b in blocks]), bank.numpy())
+
+
+def test_banks_on_the_data_axis_are_computed_split_not_gathered():
+    """A weight split over the data axis is gathered in a step (fsdp's
+    reads), unless the expert axis is the data axis and the split is of
+    the first (experts) dimension."""
+    mesh = tfpar.Mesh({"data": 8})
+    plan = functools.partial(tfpar.layout.plan_specs, "moe/up_kernel",
+                             (8, HIDDEN, WIDTH), mesh,
+                             layout=("data", None, None))
+    assert plan(expert_axis="data").compute_spec == ("data", None, None)
+    assert plan(expert_axis="expert").compute_spec == (None, None, None)
+    assert plan(expert_axis="data", layout=(None, "data", None)
+                ).compute_spec == (None, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,options", [
+    ("sgd", {}),
+    ("adam", dict(capacity_factor=None)),
+])
+def test_experts_on_the_data_axis_in_more_modes(optimizer, options):
+    want = train(None, optimizer, num_experts=8, **options)
+    got = train(folded_strategy(), optimizer, num_experts=8, **options)
+    assert_same(want, got)
+
+
+def compiled_step(strategy, num_experts=8):
+    """The `Program` of the model's compiled training step on `strategy`."""
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = build(num_experts=num_experts)
+        model.compile(optimizer="adam", loss="mse")
+    return tfpar.reports.program.keras_program(
+        model, np.zeros((BATCH, SEQ, HIDDEN), "f4"),
+        np.zeros((BATCH, SEQ, 3), "f4"))
+
+
+@pytest.mark.slow
+def test_experts_on_the_data_axis_exchange_slots_and_repeat_nothing():
+    """GShard's placement on Mesh({"data": 8}), 8 experts: inside the MoE
+    block, over `data`, forward the exchange of the dispatched slots
+    (groups, experts, capacity, hidden) to each device's expert and back,
+    backward the reverse of the second (the block's input is data: no
+    input gradient), besides the aux loss's means and the dropped count —
+    no all-reduce of the tokens' outputs, no gather of a bank, no
+    reduction of a bank's gradient (each device owns its expert). Each
+    exchange is a gather whose message is every group's slots: global
+    tokens x top_k x capacity_factor x hidden x 4 bytes, 8 times what a
+    true all-to-all would send per device (`collectives.all_to_all`).
+    And the layer outside the block (the head) costs each device 1/4 of
+    its FLOPs on data=2 x expert=4, where it is repeated on the 4
+    devices of the expert axis."""
+    folded = compiled_step(folded_strategy())
+    in_block = [(c.phase, c.purpose, c.shape, c.bytes,
+                 c.name.split("/moe_1/")[1].split("/")[0])
+                for c in folded.collectives(folded.backward_nodes())
+                if "/moe_1/" in c.name]
+    assert all(c.axes == ("data",) for c in folded.collectives(set()))
+    slots = BATCH * SEQ * TOP_K * HIDDEN * 4  # capacity factor 1.0: exact
+    groups = (BATCH, 8, experts.capacity(SEQ, 8, TOP_K, 1.0), HIDDEN)
+    assert in_block == [
+        ("forward", "all-reduce", (8,), 32, "Mean_1"),  # aux loss: f_e
+        ("forward", "all-reduce", (8,), 32, "Mean"),  # and P_e
+        ("forward", "all-gather", groups, slots, "dispatch"),
+        ("forward", "all-reduce", (), 4, "router"),  # dropped count
+        ("forward", "all-gather", groups, slots, "expert_ffn"),
+        ("backward", "all-gather", groups, slots, "combine"),
+        ("backward", "all-reduce", (HIDDEN, 8), HIDDEN * 8 * 4, "router")]
+    separate = compiled_step(tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "expert": 4})))
+    bench = load_benchmark()
+    head = [bench.matmul_flops(p, "head") for p in (folded, separate)]
+    assert head[0] > 0 and head[0] * 4 == head[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("axes,optimizer,options", [
     ({"data": 8}, "adam", {}),
@@ -179,18 +275,24 @@ def dtype_policy(name):
 
 
 @pytest.mark.slow
-def test_mixed_bfloat16_on_data2_expert4_is_one_devices_mixed_run():
+@pytest.mark.parametrize("axes,options,num_experts", [
+    ({"data": 2, "expert": 4}, {}, EXPERTS),
+    ({"data": 8}, dict(expert_axis="data"), 8),  # GShard's placement
+])
+def test_mixed_bfloat16_with_experts_split_is_one_devices_mixed_run(
+        axes, options, num_experts):
     """Under mixed_bfloat16 the router still computes in float32 (its
-    kernel is not autocast), and data=2 x expert=4 stays within the
-    suite's mixed-precision oracle (tests/test_mixed_precision.py): 3 x
+    kernel is not autocast), and a mesh splitting the experts stays
+    within the suite's mixed-precision oracle (tests/test_mixed_precision.py): 3 x
     the distance between one device's float32 and bfloat16 runs, per
     weight and for the losses, with SGD with momentum (the combine's sum
-    over the expert axis is a bfloat16 all-reduce of partial sums)."""
-    exact = train(optimizer="sgd")
+    over the expert axis is a bfloat16 all-reduce of partial sums; with
+    the experts on the data axis, bfloat16 slots are exchanged)."""
+    exact = train(optimizer="sgd", num_experts=num_experts)
     with dtype_policy("mixed_bfloat16"):
-        want = train(optimizer="sgd")
-        got = train(tfpar.ParallelStrategy(
-            tfpar.Mesh({"data": 2, "expert": 4})), optimizer="sgd")
+        want = train(optimizer="sgd", num_experts=num_experts)
+        got = train(tfpar.ParallelStrategy(tfpar.Mesh(axes), **options),
+                    optimizer="sgd", num_experts=num_experts)
         assert got[3].get_layer("moe").router_kernel.dtype == "float32"
 
     def distance(a, b):

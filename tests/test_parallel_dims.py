@@ -190,3 +190,23 @@ def test_every_role_has_one_axis_and_each_axis_one_role():
         ParallelDims(tfpar.Mesh({"model": 8}), expert_axis="model")
     with pytest.raises(TypeError, match=r"context_axis\) needs a mesh axis"):
         ParallelDims(tfpar.Mesh({"data": 8}), context_axis=3)
+
+
+def test_the_expert_axis_may_be_the_data_axis_and_no_other_role_may():
+    """GShard's placement: expert_axis == data_axis is allowed (the data
+    axis also splits the expert banks); its role stays "data"; any other
+    pair of equal role axes is still an error."""
+    dims = ParallelDims(tfpar.Mesh({"data": 8}), expert_axis="data")
+    assert dims.experts_carry_data and dims.role_of("data") == "data"
+    assert (dims.data_parallel_size, dims.expert_parallel_size) == (8, 8)
+    assert not ParallelDims(tfpar.Mesh({"data": 2, "expert": 4})
+                            ).experts_carry_data
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"batch": 8}),
+                                      data_axis="batch", expert_axis="batch")
+    assert strategy.dims.experts_carry_data
+    for options, pair in ((dict(context_axis="data"), "data and context"),
+                          (dict(expert_axis="data", context_axis="data"),
+                           "data and context"),
+                          (dict(expert_axis="pipe"), "pipe and expert")):
+        with pytest.raises(ValueError, match=f"different {pair} axes"):
+            ParallelDims(tfpar.Mesh({"data": 8}), **options)

@@ -34,30 +34,59 @@ consecutive tokens of one sequence (default: the whole sequence). It is
 a property of the model, not of the mesh, so which tokens drop is the
 same on one device and on every mesh.
 
-**On a mesh with an expert axis** (`expert_axis`): the expert banks
-[experts, in, out] are split over it along the experts. Tokens are split
-over the data axis only: DTensor 2.21 maps one tensor dimension to at
-most one mesh axis, so the batch cannot be split over data and expert
-together, and its all-to-all relayout is off in tfpar (wrong on rank-4
-tensors), so an exchange of token blocks between devices of the expert
-axis costs a gather of n blocks (`collectives.all_to_all`). The devices
-of an expert axis hold the same tokens (as Megatron-Core's all-gather
-token dispatcher after its gather): each cuts the combine weights to its
-own experts (`collectives.split_along`: a slice, no communication),
-gathers its experts' slots and runs its experts only, and the combine
-einsum's sum over experts is one all-reduce over the expert axis of the
-tokens' outputs [tokens, hidden]; backward, one all-reduce of their
-gradient (when the block's input needs one) and one all-gather of the
-combine weights' gradient [tokens, experts, capacity] (for the router). Per device and MoE block: expert FLOPs of
-top_k * capacity_factor / num_experts of the masked computation's (for
-the data shard's tokens), an all-reduce of tokens x hidden each way —
-less than two exchanges of tokens x top_k x capacity_factor x hidden
-each gathered n times. The cost: the router, the dispatch bookkeeping
-and every layer outside the MoE blocks run on the data shard's tokens
-on every device of the expert axis (x-fold repeated work, x the expert
-axis size) — on data=2 x expert=4 attention and embeddings cost what
-they cost on data=2. Not split further here: a batch split over data
-and expert needs a tensor dimension on two mesh axes.
+**On a mesh with an expert axis** (`expert_axis`) the expert banks
+[experts, in, out] are split over it along the experts, in one of two
+placements (DTensor 2.21 maps one tensor dimension to at most one mesh
+axis, so the batch cannot be split over a data and a separate expert
+axis together):
+
+* A separate expert axis (`Mesh({"data": 2, "expert": 4})`): tokens are
+  split over data only, and the devices of the expert axis hold the same
+  tokens (as Megatron-Core's all-gather token dispatcher after its
+  gather). Each cuts the combine weights to its own experts
+  (`collectives.split_along`: a slice, no communication), gathers its
+  experts' slots and runs its experts only; the combine einsum's sum
+  over experts is one all-reduce over the expert axis of the tokens'
+  outputs [tokens, hidden]; backward, one all-reduce of their gradient
+  (when the block's input needs one) and one all-gather of the combine
+  weights' gradient [tokens, experts, capacity] (for the router). The
+  cost: the router, the dispatch bookkeeping and every layer outside the
+  MoE blocks run on the data shard's tokens on every device of the
+  expert axis (x-fold repeated work, x the expert axis size): on
+  data=2 x expert=4 attention and embeddings cost what they cost on
+  data=2.
+* The expert axis is the data axis (GShard's and DeepSpeed-MoE's
+  placement: `ParallelStrategy(Mesh({"data": 8}), expert_axis="data")`,
+  `dims.experts_carry_data`): each device has its own tokens and its own
+  experts. It dispatches its groups locally to [groups, experts,
+  capacity, hidden], the slots are exchanged over data so that each
+  device holds its experts' slots of every group (`collectives.all_to_all`
+  from the groups to the experts dimension), it runs its experts, the
+  slots go back (the reverse move) and it combines locally: no all-reduce
+  of the outputs, and the banks' gradients need no reduction over data
+  (each device owns its experts; their reads are not gathered:
+  `tfpar.layout.plan_specs`). Backward, the reverse of each exchange
+  (the dispatch side's only when the block's input needs a gradient).
+  Nothing outside the MoE blocks is repeated.
+
+Measured (tests/test_moe_layer.py, compiled steps, float32): per MoE
+block and device, the separate axis moves one all-reduce over expert of
+the data shard's tokens x hidden forward; the folded placement moves two
+exchanges over data forward, each, in DTensor 2.21, a gather whose
+message is every group's slots, global tokens x top_k x capacity_factor
+x hidden (n times what a true all-to-all sends per device: tfpar keeps
+DTensor's all-to-all relayout off, wrong on rank-4 tensors). On 8
+devices, 8 experts, top 2, capacity factor 1.0, 64 tokens of hidden 16:
+8 KiB per exchange folded, against 2 KiB per all-reduce on data=2 x
+expert=4 — while the layers outside the block cost each device 1/4 of
+their FLOPs there. When to use which: the folded placement when the
+layers outside the MoE blocks (attention, embeddings) are a large share
+of the step or memory for their activations is short; a separate expert
+axis when the expert axis is small and the exchanges' n-fold gather
+would dominate (the gather grows with the data axis, the all-reduce
+does not). Both split the banks and compute top_k * capacity_factor /
+num_experts of the masked computation's expert FLOPs for the tokens a
+device holds.
 
 Example (one device; in a tfpar step give `expert_axis` and
 `batch_axis`):
@@ -222,6 +251,8 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         expert_axis: in a tfpar step, the mesh axis the expert banks are
             split over (None or absent from the mesh: nothing is split).
         batch_axis: the mesh axis the batch is split over (the data axis).
+            When it is `expert_axis`, GShard's placement: slots are
+            exchanged over it (module docstring).
 
     Returns:
         `MoEOutput(outputs, aux_loss, dropped, capacity, routing)`.
@@ -236,7 +267,8 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         routing = route(logits, top_k, router, normalize)
         plan = dispatch_plan(routing, num_experts, slots)
     combine, dispatch = plan.combine, tf.stop_gradient(plan.dispatch)
-    if expert_axis is not None:  # each device: its experts' slots only
+    folded = expert_axis is not None and expert_axis == batch_axis
+    if expert_axis is not None and not folded:  # its experts' slots only
         combine = collectives.split_along(combine, 2, expert_axis, batch_axis)
         dispatch = collectives.split_along(dispatch, 2, expert_axis,
                                            batch_axis)
@@ -244,9 +276,13 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     with tf.name_scope("dispatch"):
         gathered = tf.einsum("gsec,gsh->gech", tf.cast(dispatch, dtype),
                              groups)
+        if folded:  # each device: every group's slots of its experts
+            gathered = collectives.all_to_all(gathered, 1, 0, expert_axis)
     with tf.name_scope("expert_ffn"):
         computed = expert_fn(gathered)
     with tf.name_scope("combine"):
+        if folded:  # back: each device, its groups' slots of every expert
+            computed = collectives.all_to_all(computed, 0, 1, expert_axis)
         outputs = tf.einsum("gech,gsec->gsh", computed,
                             tf.cast(combine, dtype))
     return MoEOutput(tf.reshape(outputs, [-1, seq, hidden]),
@@ -263,11 +299,14 @@ def check_expert_axis_used(dims, specs):
     """Raises when the mesh of `dims` has an expert axis of more than one
     device and none of `specs` (the variables' layouts) splits anything
     over it: no mixture-of-experts layer and no rule for expert banks, so
-    every device of that axis would repeat the same work. Called by the
-    strategy when a train/test/predict function is made or a step starts
-    (not at compile: keras-hub tasks compile in their constructor)."""
+    every device of that axis would repeat the same work (never when the
+    expert axis is the data axis: its devices split the batch). Called by
+    the strategy when a train/test/predict function is made or a step
+    starts (not at compile: keras-hub tasks compile in their constructor)."""
     axis = expert_axis_of(dims)
     mesh = dims.mesh
+    if getattr(dims, "experts_carry_data", False):
+        return  # the axis splits the batch: nothing is repeated
     if axis not in mesh.axis_names or mesh.axis_size(axis) < 2:
         return
     if any(axis in spec for spec in specs):

@@ -324,7 +324,8 @@ it over the data axis)."""
 
 
 def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
-               data_axis="data", fsdp=False, layout=None, slot_of=None):
+               data_axis="data", fsdp=False, layout=None, slot_of=None,
+               expert_axis=None):
     """How a variable is laid out: a pure function of what it is and of the
     parallel dimensions, called by `ParallelStrategy` for every variable it
     makes or re-lays out, and callable without a strategy (e.g. to plan a
@@ -340,7 +341,11 @@ def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
 
     In a step the data axis splits the batch, so a variable split over it
     (by fsdp or a rule) is computed with whole over that axis (its
-    `compute_spec` drops the axis; a gather in the step). With `fsdp`, a
+    `compute_spec` drops the axis; a gather in the step) — except, when
+    `expert_axis` is the data axis (GShard's placement), a split of the
+    first dimension over it, which is an expert bank's split along its
+    experts: each device computes with its own experts (`tfpar.experts`),
+    so nothing is gathered. With `fsdp`, a
     "params" variable is also stored split over the data axis on its first
     dimension the rule leaves whole and the axis divides
     (`fully_sharded_spec`).
@@ -364,6 +369,7 @@ def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
         fsdp: whether trainable weights are also split over `data_axis`.
         layout: an explicit spec for it, or None.
         slot_of: for an optimizer slot, its weight's plan; else None.
+        expert_axis: the mesh axis expert banks are split over, or None.
 
     Returns:
         A `SpecPlan(kind, spec, compute_spec)`.
@@ -378,7 +384,9 @@ def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
     kind = "params" if trainable else "other"
     compute = spec
     if mesh.axis_size(data_axis) > 1:
-        compute = tuple(None if axis == data_axis else axis for axis in spec)
+        banks = expert_axis == data_axis  # dimension 0 stays split
+        compute = tuple(axis if axis != data_axis or (banks and d == 0)
+                        else None for d, axis in enumerate(spec))
     if fsdp and kind == "params":
         spec = fully_sharded_spec(spec, shape, data_axis, mesh)
     return SpecPlan(kind, spec, compute)

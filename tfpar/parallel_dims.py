@@ -70,14 +70,23 @@ class ParallelDims:
             `tfpar.PipelineModel` (an int >= 1), or None: not declared
             (the PipelineModel's own argument, default 1).
         expert_axis: the axis mixture-of-experts layers split their expert
-            banks over (absent: size 1).
+            banks over (absent: size 1). It may be the data axis
+            (`experts_carry_data`): GShard's placement, the data axis then
+            also splits the expert banks along their experts and each
+            device dispatches its own tokens to every expert (two token
+            exchanges over data per MoE block, no layer repeated; see
+            `tfpar.experts`).
         context_axis: the axis long sequences are split over (absent:
             size 1).
 
     Axis roles, one rule: every mesh axis of size > 1 plays a role — it is
     the data, pipeline, model, expert or context axis (by its conventional
     name or as declared here), or the strategy's layout rules name it (an
-    extra axis weights are split over). Any other axis is an error
+    extra axis weights are split over). The axes of different roles
+    differ, with one exception: `expert_axis` may equal `data_axis` (the
+    batch and the expert banks split over the same devices, as GShard and
+    DeepSpeed-MoE place experts across data-parallel ranks; `role_of`
+    answers "data" for it). Any other axis is an error
     (`check_roles`): it would copy every tensor to each of its devices,
     e.g. `Mesh({"batch": 4})` with the default `data_axis="data"` would
     train the whole batch on every device.
@@ -122,11 +131,14 @@ class ParallelDims:
         _check_offload(self.offload, self.offload_devices, self.mesh)
 
     def _check_axes(self):
-        """Axis names are strings; the axes of different roles differ."""
+        """Axis names are strings; the axes of different roles differ, but
+        the expert axis may be the data axis (`experts_carry_data`)."""
         named = {}
         for role, option in ROLE_OPTIONS.items():
             value = getattr(self, option)
             _check_axis_name(option, value)
+            if role == "expert" and named.get(value) == "data":
+                continue  # GShard's placement: experts across data ranks
             if value in named:
                 raise ValueError(
                     f"ParallelStrategy needs different {named[value]} and "
@@ -177,6 +189,13 @@ class ParallelDims:
         """How many ways expert banks are split (the expert axis size, 1
         without one)."""
         return self.mesh.axis_size(self.expert_axis)
+
+    @property
+    def experts_carry_data(self):
+        """Whether the expert axis is the data axis: each device holds its
+        own tokens and its own experts, and MoE blocks exchange token slots
+        over data (`tfpar.experts`)."""
+        return self.expert_axis == self.data_axis
 
     @property
     def context_parallel_size(self):

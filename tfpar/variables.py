@@ -312,10 +312,10 @@ class VariableRegistry:
         if self._placing and isinstance(self._placing[-1], Placement):
             return self._placing[-1]
         plan = layout_lib.plan_specs(
-            path, shape, mesh or self._dims.stage_meshes[0],
-            rules=self._rules if rules is None else rules, layer=layer,
-            trainable=trainable, data_axis=self._dims.data_axis,
-            fsdp=self._dims.fsdp, layout=layout, slot_of=slot_of)
+            path, shape, mesh or self._dims.stage_meshes[0], layer=layer,
+            rules=self._rules if rules is None else rules, layout=layout,
+            trainable=trainable, slot_of=slot_of, fsdp=self._dims.fsdp,
+            data_axis=self._dims.data_axis, expert_axis=self._dims.expert_axis)
         if rules is None and layout is None and slot_of is None:
             styles.apply_styles(self._rules, [(path, shape, layer)])
         return plan

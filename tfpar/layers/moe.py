@@ -80,7 +80,11 @@ class MixtureOfExperts(keras.layers.Layer):
     expert banks are split over it along the experts (build the model in
     the strategy's scope) and each device computes only its experts'
     tokens; elsewhere (one device, data-only meshes) the same results.
-    How tokens are dispatched and what it costs: `tfpar.experts`.
+    With `ParallelStrategy(mesh, expert_axis="data")` the data axis also
+    splits the banks (GShard's placement): each device routes its own
+    tokens and slots are exchanged over data, so nothing outside the MoE
+    layers is repeated. How tokens are dispatched and what each placement
+    costs: `tfpar.experts`.
 
     Capacity: with `capacity_factor` None (the default) no token is
     dropped and each expert computes as many slots as a group has tokens:

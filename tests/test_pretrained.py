@@ -224,7 +224,8 @@ def test_unnamed_functional_model_builds_again_with_the_same_paths():
     def build():
         inputs = keras.Input((16,))
         hidden = keras.layers.Dense(64, activation="relu")(inputs)
-        return keras.Model(inputs, keras.layers.Dense(16)(hidden))
+        hidden = keras.layers.Dense(16)(hidden)
+        return keras.Model(inputs, keras.layers.Dense(4)(hidden))
 
     mesh = tfpar.Mesh({"data": 2, "model": 4})
     rules = tfpar.auto_rules(build, mesh=mesh)
@@ -235,7 +236,8 @@ def test_unnamed_functional_model_builds_again_with_the_same_paths():
         model.compile(optimizer="sgd", loss="mse")  # checks every rule matched
     specs = {path: spec for path, spec, _ in strategy.placements()}
     kernels = [w.path for w in model.weights if w.path.endswith("kernel")]
-    assert [specs[p] for p in kernels] == [(None, "model"), ("model", None)]
+    assert [specs[p] for p in kernels] == [(None, "model"), ("model", None),
+                                           (None, None)]
 
 
 @pytest.mark.slow
@@ -257,10 +259,11 @@ def test_plan_of_a_builder_gives_a_strategy_with_its_rules(tmp_path):
     assert plan.axes.get("model", 1) > 1, plan.axes
     with strategy.scope():
         model = keras_hub.models.Llama3Backbone.from_preset(preset)
-        before = strategy.placements()
+        before = [(p, spec) for p, spec, _ in strategy.placements()]
         plan.apply(model)
-    assert strategy.placements() == before
-    assert any(any(spec) for _, spec, _ in before)
+    assert [(p, spec) for p, spec, _ in strategy.placements()] == before
+    split = [p for p, spec in before if any(spec)]
+    assert len(split) == len(plan.rules) + 1, split  # + reverse embeddings
 
 
 HF_FAMILIES = {
@@ -349,3 +352,17 @@ def test_load_memory_in_a_fresh_process(tmp_path, size):
         assert r["per_device_bytes"] <= 0.25 * r["checkpoint_bytes"], r
         assert r["growth"] <= 1.6 * r["checkpoint_bytes"], r
         assert r.get("export_equal", True), r
+
+
+@pytest.mark.slow
+def test_keras_hub_converter_bugs_still_reproduce():
+    """The four keras-hub 0.32 bugs tfpar works around still happen
+    (tests/keras_hub_hf_converters_repro.py): once one prints "ok", its
+    workaround in tfpar/pretrained.py can go."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(HERE, "keras_hub_hf_converters_repro.py")],
+        capture_output=True, text=True, timeout=600)
+    lines = [line for line in result.stdout.splitlines()
+             if line.startswith(("BUG", "ok"))]
+    assert len(lines) == 4 and all(line.startswith("BUG") for line in lines), \
+        result.stdout + result.stderr[-2000:]

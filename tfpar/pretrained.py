@@ -34,6 +34,7 @@ Example (8 virtual CPUs):
 """
 
 import contextlib
+import ctypes
 import importlib
 import inspect
 import json
@@ -124,24 +125,51 @@ def load_weights(model, path):
         _load_keras_weights(model, _weights_file(path))
 
 
-def assign_blocks(variable, array):
-    """`variable` = host `array`: a weight of a tfpar strategy gets a value
-    laid out as it is (each device only its block, `placement.put`),
-    assigned as is; others their own assign. (Keras' assign converts the
-    whole array to a tensor first: three more copies of the largest
-    tensor at the peak of a load.)"""
+def assign_blocks(variable, read):
+    """`variable` = the host array `read()` makes: a weight of a tfpar
+    strategy gets a value laid out as it is (each device only its block,
+    `placement.put`), assigned as is, the array freed before the assign;
+    others their own assign. (Keras' assign converts the whole array to a
+    tensor first: three more copies of the largest tensor at the peak of
+    a load.)"""
     backing = _compat.backing_variable(variable)
     place = getattr(backing, "placement", None)
     if place is None or place.mesh is None:
-        variable.assign(array)
+        variable.assign(read())
         return
+    array = read()
     if tuple(array.shape) != tuple(backing.shape):
         raise ValueError(
             f"Weight {variable.path!r} has shape {tuple(backing.shape)}; the "
             f"checkpoint's value has {tuple(array.shape)}.")
     value = placement.put(array, place.spec, place.mesh, dtype=backing.dtype)
+    large = array.nbytes >= _TRIM_BYTES
     del array
     backing.assign(value)
+    del value
+    if large:
+        _give_back_freed_memory()
+
+
+# After a tensor of at least this many bytes, freed heap memory goes back
+# to the system: glibc keeps what a load frees for reuse, and a load's
+# reads and blocks of every size leave the heap fragmented (measured on
+# the 150M-parameter Llama3: 0.12 GB of 0.59 GB held at the end).
+_TRIM_BYTES = 1 << 20
+
+
+def _give_back_freed_memory():
+    """glibc's `malloc_trim(0)`: the heap's free pages returned to the
+    system (resident memory drops); nothing where there is no glibc."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+try:
+    _LIBC = ctypes.CDLL(None)
+except OSError:  # no C library to load symbols from (not on Linux)
+    _LIBC = None
 
 
 def check_checkpoint(model, path):
@@ -281,7 +309,7 @@ def _load_keras_weights(model, weights_file):
     h5py = importlib.import_module("h5py")
     with h5py.File(weights_file, "r") as f:
         for name, variable in paths.items():
-            assign_blocks(variable, f[name][()])
+            assign_blocks(variable, lambda d=f[name]: d[()])
 
 
 def _check_keras_weights(model, weights_file):

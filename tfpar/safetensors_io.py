@@ -65,7 +65,7 @@ class SafetensorsCheckpoint:
     def __init__(self, directory, keep_precision=False, assign=None):
         self.directory = directory
         self.keep_precision = keep_precision
-        self._assign = assign or (lambda variable, value: variable.assign(value))
+        self._assign = assign or (lambda variable, read: variable.assign(read()))
         index = os.path.join(directory, INDEX_FILE)
         if os.path.exists(index):
             with open(index) as f:
@@ -129,13 +129,19 @@ class SafetensorsCheckpoint:
     def port_weight(self, keras_variable, hf_weight_key, hook_fn=None):
         """keras-hub's loader call: tensor `hf_weight_key`, through
         `hook_fn(tensor, keras shape)`, assigned to `keras_variable` by
-        the `assign(variable, array)` given (default: its own assign)."""
-        tensor = self.get_tensor(hf_weight_key)
-        if self.keep_precision:
-            tensor = tensor.view(KeepPrecision)
-        if hook_fn is not None:
-            tensor = hook_fn(tensor, list(keras_variable.shape))
-        self._assign(keras_variable, np.asarray(tensor))
+        the `assign(variable, read)` given (default: its own assign of
+        `read()`), `read` making the array when called, so that the
+        assign holds its only reference and can free it early."""
+
+        def read():
+            tensor = self.get_tensor(hf_weight_key)
+            if self.keep_precision:
+                tensor = tensor.view(KeepPrecision)
+            if hook_fn is not None:
+                tensor = hook_fn(tensor, list(keras_variable.shape))
+            return np.asarray(tensor)
+
+        self._assign(keras_variable, read)
 
 
 class KeepPrecision(np.ndarray):

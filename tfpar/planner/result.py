@@ -226,9 +226,8 @@ class Plan:
             # A plan of a builder (`tfpar.plan(builder)`): its rules name
             # the paths the builder's next build has, so the strategy
             # creates every split weight already split (no device ever
-            # holds it whole); weights of a pipeline wait on the host.
-            rules = (self.rules if self.info.get("rules_at_creation")
-                     and "pipe" not in self.axes else None)
+            # holds it whole; a pipeline's wait on the host, laid out).
+            rules = self.rules if self.info.get("rules_at_creation") else None
             self._strategy = ParallelStrategy(self.mesh(), rules=rules,
                                               fsdp=self.fsdp)
         return self._strategy

@@ -114,6 +114,7 @@ def load_weights(model, path):
             `.weights.h5` file.
     """
     kind = check_checkpoint(model, path)
+    _give_back_freed_memory()  # what building the model freed, first
     if kind == "transformers":
         config = _read_json(os.path.join(path, _HF_CONFIG))
         checkpoint = safetensors_io.SafetensorsCheckpoint(

@@ -367,7 +367,7 @@ def test_damaged_checkpoint_changes_nothing(saved, tmp_path, how):
 def test_block_files_carry_their_crc32(saved):
     """The manifest holds, per block, the CRC-32 of the file's bytes."""
     info = manifest(saved["path"])
-    assert info["format_version"] == 2
+    assert info["format_version"] == 3
     blocks = [b for r in info["variables"] for b in r["blocks"]]
     assert len(blocks) == len(os.listdir(saved["path"])) - 1
     for block in blocks:
@@ -410,24 +410,29 @@ def test_a_flipped_byte_changes_nothing(saved, tmp_path):
 
 
 def test_format_1_without_checksums_still_restores(saved, tmp_path):
-    """A version-1 manifest (no crc32) is read, without the check."""
+    """A version-1 manifest (no crc32) is read, without the check, when
+    asked for (allow_older_format=True)."""
     path = str(tmp_path / "ckpt-4")
     shutil.copytree(saved["path"], path)
     info = manifest(path)
     info["format_version"] = 1
+    del info["manifest_crc32"]     # format 1 had none (nor block checksums)
     for record in info["variables"]:
         for block in record["blocks"]:
             del block["crc32"]
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(info, f)
     model = build("model=8", seed=7)
-    assert checkpoint.restore_checkpoint(model, path) == 4
+    with pytest.raises(ValueError, match="allow_older_format=True"):
+        checkpoint.restore_checkpoint(model, path)
+    assert checkpoint.restore_checkpoint(model, path,
+                                         allow_older_format=True) == 4
     assert_same_state(saved["state"], state(model))
-    info["format_version"] = 3
+    info["format_version"] = 4
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(info, f)
-    with pytest.raises(ValueError, match="format_version 3 is not one of"):
-        checkpoint.restore_checkpoint(model, path)
+    with pytest.raises(ValueError, match="format_version 4 is not one of"):
+        checkpoint.restore_checkpoint(model, path, allow_older_format=True)
 
 
 def test_restore_keeps_few_files_open(saved, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 import tfpar
 from tfpar.planner import estimator, hardware, profile, roofline
+from tfpar.planner.transformer import transformer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -133,9 +134,18 @@ def test_bad_configurations_are_refused_before_costing():
     build = gpt_builder(64, 4, 2, vocab=128, seq_len=16)
     with pytest.raises(ValueError, match="uses 4 devices; the cluster has 8"):
         tfpar.estimate(build, 8, cluster=cluster, axes={"data": 4})
-    with pytest.raises(ValueError, match="expert.*not costed yet"):
+    with pytest.raises(ValueError, match=(
+            "expert parallelism of 2, but the model has no "
+            "mixture-of-experts layer")):
         tfpar.estimate(build, 8, cluster=cluster,
                        axes={"data": 4, "expert": 2})
+    with pytest.raises(ValueError, match=(
+            "context=8 does not divide the sequence length 12")):
+        tfpar.estimate(gpt_builder(64, 4, 2, vocab=128, seq_len=12), 8,
+                       cluster=cluster, axes={"context": 8})
+    with pytest.raises(ValueError, match=r"capacity_factor\) must be None"):
+        tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
+                       capacity_factor=0)
     with pytest.raises(ValueError, match="recompute"):
         tfpar.estimate(build, 8, cluster=cluster, axes={"data": 8},
                        recompute="attention")
@@ -349,3 +359,147 @@ def test_a_float32_model_is_costed_at_its_peak_with_its_activations(tf32):
     assert bf16["executed_flops"] / bf16["compute"] > peak
     assert roofline.memory(full, cfg, 32)["activations"] == pytest.approx(
         2 * roofline.memory(half, cfg, 32)["activations"])
+
+
+MOE = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
+                           vocab=32000, ffn=3584, gated=True, dropout=False,
+                           tied=False, position_embedding=False, experts=8,
+                           top_k=2)
+
+
+def _expert_ffn_flops(model, cfg):
+    """FLOPs of one block's expert GEMMs on one device, forward (the
+    router and dispatch einsums left out), from the roofline."""
+    dev = roofline._Device(hardware.PRESETS["h100-sxm"])
+    time = roofline._Time()
+    e, cap = cfg.expert, roofline.capacity(model, cfg)
+    rows = e * cap if cfg.expert_on_data else cap
+    for n, k in ((2 * model.ffn_width, model.hidden),
+                 (model.hidden, model.ffn_width)):
+        dev.gemm(time, rows, n / cfg.model, k, count=model.experts / e)
+    return time.flops
+
+
+def test_expert_placements_cost_the_routed_work_and_exchanges_by_formula():
+    """Issue 36 item 5: with capacity_factor=1.25 a device computes
+    k·1.25/E of keras-hub's masked expert FLOPs (every expert on every
+    token: dropless under static shapes) on data=8 — with the banks over
+    the data axis at the same tokens per device, with a separate expert
+    axis (data=2 x expert=4, 4x the tokens per device) at the same global
+    batch, whose devices repeat the attention; the exchanges' bytes are
+    their formulas."""
+    hw = hardware.PRESETS["h100-sxm"]
+    batch, T, h = 16, MOE.seq, MOE.hidden                   # b = 1
+    masked = roofline.Parallel(data=8, microbatch=1)
+    folded = roofline.Parallel(data=8, expert=8, expert_on_data=True,
+                               microbatch=1, capacity_factor=1.25)
+    separate = roofline.Parallel(data=2, expert=4, microbatch=1,
+                                 capacity_factor=1.25)
+    masked_flops = _expert_ffn_flops(MOE, masked) / MOE.experts  # E·T rows
+    bound = MOE.top_k * 1.25 / MOE.experts
+    assert _expert_ffn_flops(MOE, folded) / (
+        masked_flops * MOE.experts) == pytest.approx(bound)
+    # a separate axis: 4x the micro-batches per device (8 vs 2), the same
+    # per-device work per step
+    per_step = {name: roofline.microbatches(cfg, batch)
+                * _expert_ffn_flops(MOE, cfg)
+                for name, cfg in (("masked", masked), ("separate", separate))}
+    assert per_step["separate"] / per_step["masked"] == pytest.approx(bound)
+    steps = {name: roofline.step_time(MOE, cfg, hw, batch)
+             for name, cfg in (("masked", masked), ("folded", folded),
+                               ("separate", separate))}
+    assert steps["folded"]["executed_flops"] < 0.6 * steps["masked"][
+        "executed_flops"]
+    assert steps["separate"]["executed_flops"] > steps["folded"][
+        "executed_flops"]   # attention repeated on the expert axis
+    assert steps["masked"]["expert"] == 0 < steps["folded"]["expert"]
+    cap = roofline.capacity(MOE, folded)
+    assert cap == 1.25 * MOE.top_k * T / MOE.experts        # 640, exact
+    # Experts over data: 4 exchanges of the [E, C, h] blocks per block and
+    # micro-batch, each an all-gather of the 8 devices' blocks.
+    m = batch // 8
+    sent = roofline.communication_bytes(MOE, folded, batch)["expert"]
+    assert sent == pytest.approx(MOE.layers * m * 4 * 8 * (
+        MOE.experts * cap * h * 2))
+    assert 8 * MOE.experts * cap * h == 8 * T * h * MOE.top_k * 1.25
+    # A separate axis: the combine's all-reduce of T x h forward, the
+    # combine weights' gradient (T x E x C, float32) gathered backward.
+    m = batch // 2
+    sent = roofline.communication_bytes(MOE, separate, batch)["expert"]
+    assert sent == pytest.approx(MOE.layers * m * (
+        T * h * 2 + T * MOE.experts * cap * 4))
+    # Banks split 8 or 4 ways.
+    banks = MOE.layers * MOE.bank_params() * MOE.param_bytes
+    params = {name: roofline.memory(MOE, cfg, batch)["params"]
+              for name, cfg in (("masked", masked), ("folded", folded),
+                                ("separate", separate))}
+    assert params["masked"] - params["folded"] == pytest.approx(banks * 7 / 8)
+    assert params["masked"] - params["separate"] == pytest.approx(
+        banks * 3 / 4)
+
+
+def test_context_axis_splits_activations_and_gathers_keys_by_formula():
+    """Issue 39 item 4: on context=4 a device computes (s/4) x s scores,
+    holds at most 0.4x the activations of data=2 alone with the same
+    samples per device, and gathers b·s·2·kv·dₕ keys and values per block
+    forward (reduce-scattered backward)."""
+    llama = dataclasses.replace(MOE, experts=0, top_k=0, kv_heads=4)
+    alone = roofline.Parallel(data=2, microbatch=1)
+    split = roofline.Parallel(data=2, context=4, microbatch=1)
+    acts = {name: roofline.memory(llama, cfg, 2)["activations"]
+            for name, cfg in (("alone", alone), ("split", split))}
+    assert acts["split"] <= 0.4 * acts["alone"]
+    dev = roofline._Device(hardware.PRESETS["h100-sxm"])
+    flops = [roofline._attention_core(dev, llama, cfg).flops
+             for cfg in (alone, split)]
+    assert flops[1] == pytest.approx(flops[0] / 4)
+    kv = llama.kv_heads * llama.head_dim
+    gathered = llama.seq * 2 * kv * 2            # bytes, b = 1
+    sent = roofline.communication_bytes(llama, split, 8)["context"]
+    m = 8 // 2                                   # micro-batches of b = 1
+    assert sent == pytest.approx(llama.layers * 2 * gathered * m)
+    cluster = tfpar.Cluster.preset("h100-sxm")
+    e = estimator.estimate_transformer(llama, split, 8, cluster)
+    assert e.breakdown["context"] > 0
+    assert e.communication_bytes_by_axis["context"] == sent
+
+
+def test_a_keras_hub_mixtral_is_read_with_its_experts_and_estimated():
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def mixtral():
+        return keras_hub.models.MixtralBackbone(
+            vocabulary_size=32000, num_layers=32, num_query_heads=32,
+            num_key_value_heads=8, hidden_dim=4096, intermediate_dim=14336,
+            num_experts=8, top_k=2)
+
+    model = profile.build_without_weights(mixtral)
+    read = transformer_of(profile.profile_model(model, 4096))
+    assert (read.experts, read.top_k, read.ffn, read.gated) == (
+        8, 2, 14336, True)
+    cluster = tfpar.Cluster.preset("h100-sxm")              # 8 GPUs
+    start = time.perf_counter()
+    routed = tfpar.estimate(mixtral, 64, cluster=cluster,
+                            sequence_length=4096, capacity_factor=1.25,
+                            axes={"data": 8}, expert_axis="data",
+                            recompute="full")
+    separate = tfpar.estimate(mixtral, 64, cluster=cluster,
+                              sequence_length=4096, capacity_factor=1.25,
+                              axes={"data": 2, "expert": 4},
+                              recompute="full")
+    assert time.perf_counter() - start < 30
+    assert routed.breakdown["expert"] > 0
+    # the separate axis repeats attention on its 8 devices
+    assert separate.executed_flops > routed.executed_flops
+    with pytest.raises(ValueError, match="expert=4 too"):
+        tfpar.estimate(mixtral, 64, cluster=cluster, sequence_length=4096,
+                       axes={"data": 2, "expert": 4}, expert_axis="data")
+    with pytest.raises(ValueError, match=(
+            "expert parallelism of 16 does not divide the model's 8")):
+        tfpar.estimate(mixtral, 64, cluster=tfpar.Cluster.preset(
+            "h100-sxm", num_hosts=2), sequence_length=4096,
+            axes={"data": 16}, expert_axis="data")
+    # 47B parameters, of which 45B in the banks: split 8 or 4 ways.
+    whole = read.num_params() * 4
+    assert routed.memory_per_device["params"] < 0.2 * whole
+    assert 0.2 * whole < separate.memory_per_device["params"] < 0.3 * whole

@@ -155,3 +155,38 @@ def test_dims_validate_and_derive_the_dimensions():
     # Outside any strategy, styles and auto_rules default to "model".
     assert tfpar.ColumnParallel().axis == "model"
     assert tfpar.ColumnParallel() == tfpar.ColumnParallel("model")
+
+
+def test_an_axis_with_no_role_is_an_error_naming_it():
+    """Issue 38 item 5: `Mesh({"batch": 4})` with the default data_axis
+    used to copy the whole batch to every device and train on."""
+    with pytest.raises(ValueError, match=(
+            r"Mesh axes \{'batch': 8\} play no role(?s:.*)"
+            r"data_axis='data'(?s:.*)data_axis='batch'")):
+        tfpar.ParallelStrategy(tfpar.Mesh({"batch": 8}))
+    with pytest.raises(ValueError, match=r"\{'tp': 4\} play no role"):
+        tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "tp": 4}))
+    # Declared, by convention, named by a rule, or of size 1: valid.
+    assert tfpar.ParallelStrategy(
+        tfpar.Mesh({"batch": 8}), data_axis="batch").dims.data_parallel_size == 8
+    tfpar.ParallelStrategy(tfpar.Mesh({"model": 8}))
+    tfpar.ParallelStrategy(tfpar.Mesh({"extra": 2, "data": 4}),
+                           rules={r"d0/kernel": (None, "extra")})
+    tfpar.ParallelStrategy(tfpar.Mesh({"batch": 1, "data": 8}))
+
+
+def test_every_role_has_one_axis_and_each_axis_one_role():
+    dims = ParallelDims(tfpar.Mesh({"data": 2, "expert": 2, "context": 2}))
+    assert [dims.role_of(a) for a in ("data", "expert", "context", "pipe",
+                                      "model", "other")] == [
+        "data", "expert", "context", "pipe", "model", None]
+    assert (dims.data_parallel_size, dims.expert_parallel_size,
+            dims.context_parallel_size) == (2, 2, 2)
+    dims = ParallelDims(tfpar.Mesh({"data": 2, "ep": 4}), expert_axis="ep")
+    assert dims.role_of("ep") == "expert" and dims.expert_parallel_size == 4
+    with pytest.raises(ValueError, match=(
+            r"different model and expert axes. Received: "
+            r"model_axis='model', expert_axis='model'")):
+        ParallelDims(tfpar.Mesh({"model": 8}), expert_axis="model")
+    with pytest.raises(TypeError, match=r"context_axis\) needs a mesh axis"):
+        ParallelDims(tfpar.Mesh({"data": 8}), context_axis=3)

@@ -24,22 +24,12 @@ sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
 from gpt import build_gpt  # noqa: E402
 from models import train_plan_beside_one_device  # noqa: E402
 import planner_published  # noqa: E402
+from test_estimate import gpt_builder  # noqa: E402  (mixed_bfloat16 GPT)
 
 TABLE1 = [r for r in planner_published.ROWS if r.startswith("N21-T1")]
 # One data-parallel row (1.7B, 32 GPUs), one with tensor and pipeline
 # parallelism (39B, 512 GPUs); the rest (up to 1T on 3072 GPUs) are slow.
 DEFAULT = ("N21-T1-1", "N21-T1-5")
-
-
-def _gpt(hidden, heads, layers, vocab, seq_len):
-    def build():
-        keras.config.set_dtype_policy("mixed_bfloat16")
-        try:
-            return build_gpt(vocab=vocab, seq_len=seq_len, dim=hidden,
-                             heads=heads, layers=layers)
-        finally:
-            keras.config.set_dtype_policy("float32")
-    return build
 
 
 def _published(row):
@@ -53,7 +43,7 @@ def _published(row):
     cluster = tfpar.Cluster.preset(hardware, num_hosts=t * p * d // 8)
     kwargs = dict(axes={"data": d, "pipe": p, "model": t}, recompute="full",
                   num_microbatches=batch // (d * cfg.microbatch))
-    return (_gpt(hidden, heads, layers, vocab, seq), cluster, batch, kwargs,
+    return (gpt_builder(hidden, heads, layers, vocab, seq), cluster, batch, kwargs,
             seconds)
 
 

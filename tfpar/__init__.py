@@ -55,7 +55,7 @@ if "tensorflow" not in sys.modules:
         import tensorflow  # noqa: E402, F401
 
 from tfpar.layout import LayoutRules  # noqa: E402
-from tfpar import checkpoint, pipeline, pretrained  # noqa: E402
+from tfpar import checkpoint, layers, pipeline, pretrained  # noqa: E402
 # The reports' old import paths (aliases of tfpar.reports.*).
 from tfpar import communication, memory, visualize  # noqa: E402, F401
 from tfpar.checkpoint import (  # noqa: E402
@@ -103,6 +103,7 @@ __all__ = [
     "estimate",
     "get_schedule",
     "keras_distribution",
+    "layers",
     "latest_checkpoint",
     "memory_report",
     "pipeline",

@@ -13,6 +13,8 @@ A relayout only moves data, so values are unchanged.
 | `gather_sequence`         | all-gather (sequence)   | reduce-scatter        |
 | `scatter_sequence`        | reduce-scatter / slice  | all-gather            |
 | `whole_along`             | all-gather (one dim)    | pinned the same way, then DTensor's slice |
+| `all_to_all`              | a split moved from one dimension to another (gather + slice) | the reverse move |
+| `split_along`             | slice (one dim split over an axis) | all-gather back to whole |
 | `move_to_mesh` (pipeline) | copy to another stage's mesh; its backward is an explicit move back |
 
 The styles (`tfpar.styles`) install the activation ones on layers; the
@@ -353,6 +355,162 @@ def _check_sequence_shape(tensor, axis, size, layer, where):
             f"{tensor.shape}. Use a sequence length that is a multiple of "
             f"{size}, or sequence_parallel=False."
         )
+
+
+# -- expert and context parallelism: moving a split between dimensions -------
+
+
+def _pinned_relayout(tensor, source, target):
+    """`tensor` relaid out from `source` to `target` (DTensor layouts); its
+    gradient moved back from `target` to `source` the same way. A
+    relayout that moves a split between two dimensions goes through the
+    layout where neither is split (`source` and `target` each split one
+    of them): an all-gather, then a local slice."""
+    mesh = source.mesh
+    whole = dtensor.Layout(
+        [a if a == b else dtensor.UNSHARDED
+         for a, b in zip(source.sharding_specs, target.sharding_specs)],
+        mesh)
+
+    def move(value, to):
+        return dtensor.relayout(dtensor.relayout(value, whole), to)
+
+    @tf.custom_gradient
+    def relayout(x):
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):
+                dy = tf.convert_to_tensor(dy)
+            return move(dy, source)
+        return move(x, target), grad
+
+    return relayout(tensor)
+
+
+def _move_specs(rank, mesh_axis, split_dim, mesh, others):
+    """A layout of rank `rank` with dimension `split_dim` (or none: None)
+    split over `mesh_axis` and the dimensions in `others` (the batch:
+    dimension 0 unless moved) split as `others` maps them."""
+    specs = [dtensor.UNSHARDED] * rank
+    for dim, axis in others.items():
+        specs[dim] = axis
+    if split_dim is not None:
+        specs[split_dim] = mesh_axis
+    return dtensor.Layout(specs, mesh)
+
+
+def _step_axis(tensor, mesh_axis):
+    """The DTensor mesh of `tensor` in a step when `mesh_axis` is one of
+    its axes with more than one device, else None (nothing to move)."""
+    mesh = step_mesh(tensor)
+    if mesh is None or mesh_axis not in mesh.dim_names:
+        return None
+    return mesh if mesh.dim_size(mesh_axis) > 1 else None
+
+
+def _check_dims(tensor, mesh, mesh_axis, dims, what):
+    rank = tensor.shape.rank
+    size = mesh.dim_size(mesh_axis)
+    for name, dim in dims.items():
+        if dim is None:
+            continue
+        if not 0 <= dim < rank:
+            raise ValueError(
+                f"{what}: {name}={dim} is not a dimension of a tensor of "
+                f"rank {rank} (shape {tensor.shape}). Give one in "
+                f"[0, {rank}).")
+        if tensor.shape[dim] is not None and tensor.shape[dim] % size:
+            raise ValueError(
+                f"{what}: dimension {name}={dim} of shape {tensor.shape} "
+                f"does not divide over mesh axis {mesh_axis!r} of size "
+                f"{size}. Use a size that is a multiple of {size}.")
+
+
+def all_to_all(tensor, split_dim, concat_dim, mesh_axis, batch_axis=None):
+    """`tensor`, split over `mesh_axis` along `concat_dim`, returned split
+    over it along `split_dim` instead (the names of `tf.raw_ops.AllToAll`:
+    each device cuts its block along `split_dim` into one piece per device
+    and concatenates what it receives along `concat_dim`). Values are
+    unchanged; dimension 0, when it is neither of the two, stays split over
+    `batch_axis` (e.g. "data"; None: whole); every other dimension is
+    whole. Outside a step, or when `mesh_axis` is not an axis of the step's
+    mesh with more than one device: `tensor` itself.
+
+    How: a relayout through the layout where neither dimension is split
+    (an all-gather over `mesh_axis`, then a local slice); the gradient is
+    the reverse move, built the same way. DTensor 2.21's own all-to-all
+    relayout is off in tfpar (it returns wrong values on rank-4 tensors:
+    tests/dtensor_all_to_all_repro.py), and a relayout between two splits
+    with it off is this same gather-and-slice, so the explicit
+    intermediate changes no byte and stays right if the switch is turned
+    on. Measured (tests/test_all_to_all.py): one collective over
+    `mesh_axis` per move, whose message is the block with `concat_dim`
+    whole — n times the per-device block a true all-to-all sends (n: the
+    axis size; on CPU DTensor runs the gather as an all-reduce of
+    zero-padded blocks, ring bytes 2(n-1)/n of that message).
+
+    Example (inside a step on Mesh({"data": 2, "context": 4})): Ulysses'
+    move from sequence-split to head-split of (batch, seq, heads, dim):
+
+    >>> moved = collectives.all_to_all(q, split_dim=2, concat_dim=1,
+    ...                                mesh_axis="context",
+    ...                                batch_axis="data")
+
+    Args:
+        tensor: a tensor of rank >= 2.
+        split_dim: the dimension split over `mesh_axis` afterwards.
+        concat_dim: the dimension split over it before (whole afterwards).
+        mesh_axis: the mesh axis whose split moves.
+        batch_axis: the mesh axis dimension 0 stays split over, or None.
+    """
+    mesh = _step_axis(tensor, mesh_axis)
+    if mesh is None:
+        return tensor
+    what = f"all_to_all over {mesh_axis!r}"
+    _check_dims(tensor, mesh, mesh_axis,
+                {"split_dim": split_dim, "concat_dim": concat_dim}, what)
+    if split_dim == concat_dim:
+        raise ValueError(f"{what}: split_dim and concat_dim are both "
+                         f"{split_dim}. Give two different dimensions.")
+    others = _batch_split(mesh, batch_axis, (split_dim, concat_dim))
+    rank = tensor.shape.rank
+    return _pinned_relayout(
+        tensor, _move_specs(rank, mesh_axis, concat_dim, mesh, others),
+        _move_specs(rank, mesh_axis, split_dim, mesh, others))
+
+
+def split_along(tensor, dim, mesh_axis, batch_axis=None):
+    """`tensor`, whole along `dim`, returned split over `mesh_axis` along
+    it: each device keeps its block (a local slice, no communication).
+    Dimension 0, when it is not `dim`, stays split over `batch_axis`
+    (None: whole); the rest is whole. Backward: the gradient's blocks are
+    all-gathered back to whole (one collective over `mesh_axis`). Outside
+    a step, or when `mesh_axis` is not an axis of the step's mesh with
+    more than one device: `tensor` itself.
+
+    Example: the combine weights of a mixture of experts, (groups,
+    tokens, experts, capacity), cut to each device's experts:
+
+    >>> local = collectives.split_along(combine, 2, "expert", "data")
+    """
+    mesh = _step_axis(tensor, mesh_axis)
+    if mesh is None:
+        return tensor
+    _check_dims(tensor, mesh, mesh_axis, {"dim": dim},
+                f"split_along over {mesh_axis!r}")
+    others = _batch_split(mesh, batch_axis, (dim,))
+    rank = tensor.shape.rank
+    return _pinned_relayout(
+        tensor, _move_specs(rank, mesh_axis, None, mesh, others),
+        _move_specs(rank, mesh_axis, dim, mesh, others))
+
+
+def _batch_split(mesh, batch_axis, moved):
+    """{0: batch_axis} when dimension 0 is not moved and `batch_axis` is
+    an axis of `mesh` with more than one device, else {}."""
+    if (0 in moved or batch_axis is None or batch_axis not in mesh.dim_names
+            or mesh.dim_size(batch_axis) == 1):
+        return {}
+    return {0: batch_axis}
 
 
 # --- stage-to-stage moves (pipeline) ---

@@ -36,6 +36,11 @@ from tfpar.mesh import Mesh, default_devices, short_device_name
 
 OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
 DEFAULT_MODEL_AXIS = "model"
+# The roles a mesh axis can play, each with the option declaring its axis
+# (and the conventional name it defaults to).
+ROLE_OPTIONS = {"data": "data_axis", "pipe": "pipeline_axis",
+                "model": "model_axis", "expert": "expert_axis",
+                "context": "context_axis"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,18 @@ class ParallelDims:
         virtual_stages: model parts per pipeline stage of a
             `tfpar.PipelineModel` (an int >= 1), or None: not declared
             (the PipelineModel's own argument, default 1).
+        expert_axis: the axis mixture-of-experts layers split their expert
+            banks over (absent: size 1).
+        context_axis: the axis long sequences are split over (absent:
+            size 1).
+
+    Axis roles, one rule: every mesh axis of size > 1 plays a role — it is
+    the data, pipeline, model, expert or context axis (by its conventional
+    name or as declared here), or the strategy's layout rules name it (an
+    extra axis weights are split over). Any other axis is an error
+    (`check_roles`): it would copy every tensor to each of its devices,
+    e.g. `Mesh({"batch": 4})` with the default `data_axis="data"` would
+    train the whole batch on every device.
     """
 
     mesh: Mesh
@@ -76,6 +93,8 @@ class ParallelDims:
     model_axis: str = DEFAULT_MODEL_AXIS
     virtual_stages: object = None
     offload_devices: object = None
+    expert_axis: str = "expert"
+    context_axis: str = "context"
 
     def __post_init__(self):
         check_mesh(self.mesh)
@@ -103,22 +122,67 @@ class ParallelDims:
         _check_offload(self.offload, self.offload_devices, self.mesh)
 
     def _check_axes(self):
-        """Axis names are strings; data, pipeline and model axes differ."""
+        """Axis names are strings; the axes of different roles differ."""
         named = {}
-        for option in ("data_axis", "pipeline_axis", "model_axis"):
+        for role, option in ROLE_OPTIONS.items():
             value = getattr(self, option)
             _check_axis_name(option, value)
             if value in named:
                 raise ValueError(
                     f"ParallelStrategy needs different {named[value]} and "
-                    f"{option.replace('_axis', '')} axes. Received: "
-                    f"{named[value]}_axis={value!r}, {option}={value!r}")
-            named[value] = option.replace("_axis", "")
+                    f"{role} axes. Received: "
+                    f"{ROLE_OPTIONS[named[value]]}={value!r}, "
+                    f"{option}={value!r}")
+            named[value] = role
+
+    def role_of(self, axis):
+        """The role ("data", "pipe", "model", "expert", "context") the mesh
+        axis named `axis` plays by declaration or convention, else None."""
+        for role, option in ROLE_OPTIONS.items():
+            if getattr(self, option) == axis:
+                return role
+        return None
+
+    def check_roles(self, rules):
+        """Raises unless every mesh axis of size > 1 plays a role: a role
+        axis (`role_of`) or an axis `rules` (a `LayoutRules`) names."""
+        named = set(rules.axes_used())
+        idle = {axis: self.mesh.axis_size(axis)
+                for axis in self.mesh.axis_names
+                if self.mesh.axis_size(axis) > 1
+                and self.role_of(axis) is None and axis not in named}
+        if not idle:
+            return
+        declared = ", ".join(f"{option}={getattr(self, option)!r}"
+                             for option in ROLE_OPTIONS.values())
+        first = next(iter(idle))
+        raise ValueError(
+            f"Mesh axes {idle} play no role: they are not the data, "
+            "pipeline, model, expert or context axis and no layout rule "
+            "names them, so every tensor would be copied whole to each of "
+            "their devices (the batch too: each device would train on all "
+            f"of it). Received: mesh={self.mesh!r} with {declared}. Declare "
+            f"the role, e.g. ParallelStrategy(..., data_axis={first!r}) to "
+            "split the batch over it, name the axis in a layout rule, or "
+            "use a conventional axis name (data, pipe, model, expert, "
+            "context).")
 
     @property
     def data_parallel_size(self):
         """How many ways the batch is split (the data axis size, or 1)."""
         return self.mesh.axis_size(self.data_axis)
+
+    @property
+    def expert_parallel_size(self):
+        """How many ways expert banks are split (the expert axis size, 1
+        without one)."""
+        return self.mesh.axis_size(self.expert_axis)
+
+    @property
+    def context_parallel_size(self):
+        """How many ways sequences are split (the context axis size, 1
+        without one)."""
+        return self.mesh.axis_size(self.context_axis)
 
     @property
     def num_stages(self):

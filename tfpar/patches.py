@@ -225,11 +225,33 @@ _ROUTING_PATCHES = (
 )
 
 
+def _host_gradients_placed(original, hooks):
+    """`TFOptimizer.apply` whose gradients the strategy lays out first
+    (`hooks.place_host_gradients`: host gradients given eagerly in the
+    scope, as Keras' tf.distribute tests give them)."""
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        targets = (trainable_variables if trainable_variables is not None
+                   else getattr(self, "_trainable_variables", None))
+        grads = hooks.place_host_gradients(self, grads, targets)
+        return original(self, grads, trainable_variables)
+
+    return apply
+
+
+_HOST_GRADIENT_PATCHES = (_compat.Patch(
+    "optimizer_host_gradients",
+    lambda: _compat.keras_module("backend.tensorflow.optimizer").TFOptimizer,
+    "apply", _host_gradients_placed),)
+
+
 def install(hooks):
-    """Installs the strategy's patches (routing, `spmd_patches.PATCHES`,
-    `variable_creation.VARIABLE_CREATION_PATCHES`) with `hooks`; once per process."""
+    """Installs the strategy's patches (routing, host gradients,
+    `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`)
+    with `hooks`; once per process."""
     _compat.install_group("strategy", (
-        *_ROUTING_PATCHES, *spmd_patches.PATCHES,
+        *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES), hooks)
 
 

@@ -142,22 +142,33 @@ class ParallelStrategy(tf.distribute.Strategy):
             the same name), declared once here; None (default): each
             PipelineModel's own argument (default 1). A PipelineModel
             passing another v is an error naming both.
+        expert_axis: the mesh axis mixture-of-experts layers split their
+            expert banks over.
+        context_axis: the mesh axis long sequences are split over.
+
+    Every mesh axis of size > 1 must play a role: be the data, pipeline,
+    model, expert or context axis (by name or as declared above) or be
+    named by `rules`; another axis is a ValueError naming it (it would copy
+    each tensor, the batch included, to all of its devices).
     """
 
     def __init__(self, mesh, rules=None, data_axis="data",
                  pipeline_axis="pipe", fsdp=False,
                  reshard_after_forward=False, offload=None,
                  per_host_input=False, model_axis="model",
-                 virtual_stages=None, offload_devices=None):
+                 virtual_stages=None, offload_devices=None,
+                 expert_axis="expert", context_axis="context"):
         parallel_dims.check_mesh(mesh)
         _compat.ensure_dtensor_device()  # also after an eager context reset
         _install_patches()  # tfpar's Keras/TF hooks, once per process
         dims = ParallelDims(mesh, data_axis, pipeline_axis, fsdp,
                             reshard_after_forward, offload, per_host_input,
-                            model_axis, virtual_stages, offload_devices)
+                            model_axis, virtual_stages, offload_devices,
+                            expert_axis, context_axis)
         # This strategy's own copy (its own usage record), styles bound to
         # the model axis.
         rules = dims.bind_rules({} if rules is None else rules)
+        dims.check_roles(rules)
         super().__init__(ParallelExtended(self, dims, rules))
         if len(rules):
             _NEVER_ENTERED.add(self)
@@ -186,6 +197,10 @@ class ParallelStrategy(tf.distribute.Strategy):
         "the forward pass.")
     model_axis = _from_dims(
         "model_axis", "The mesh axis tensor-parallel styles split over.")
+    expert_axis = _from_dims(
+        "expert_axis", "The mesh axis expert banks are split over.")
+    context_axis = _from_dims(
+        "context_axis", "The mesh axis sequences are split over.")
     offload = _from_dims(
         "offload", "None, \"optimizer\" (optimizer state on the host) or "
         "\"optimizer+master\" (the float32 weights too).")
@@ -558,7 +573,8 @@ def compat_hooks():
             tf.distribute.get_strategy()),
         strategy_of_layer=strategy_of_layer,
         adopt_optimizer=_adopt_and_offload,
-        warn_if_never_entered=warn_if_never_entered)
+        warn_if_never_entered=warn_if_never_entered,
+        place_host_gradients=place_host_gradients)
 
 
 def _install_patches():
@@ -566,6 +582,48 @@ def _install_patches():
     (`tfpar.recompute`); once per process."""
     patches.install(compat_hooks())
     recompute.install()
+
+
+def place_host_gradients(optimizer, grads, targets):
+    """`grads` for `optimizer.apply` (`patches`' host-gradient patch):
+    each one computed on the host laid out like its variable, when the
+    optimizer was made under a ParallelStrategy and runs eagerly; else
+    `grads` unchanged.
+
+    The tf.distribute contract Keras' own tests use: in the scope, eagerly
+    (`strategy.run(fn)` or plain code), `optimizer.apply_gradients` with
+    gradients computed on the host (tf.constant, numpy). DTensor ops do not
+    mix a DTensor variable with a regular tensor, so each such gradient is
+    given every device (replicated) and relaid out to its variable's
+    layout: one SPMD replica, the gradient is the global gradient (as
+    single-device Keras; MirroredStrategy would sum one per replica).
+    Gradients that are DTensors already (a compiled step's) pass as they
+    are.
+    """
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    if not isinstance(strategy, ParallelStrategy) or not tf.executing_eagerly():
+        return grads
+    grads, targets = list(grads), list(targets or ())
+    if len(grads) != len(targets):
+        return grads
+    return [_like_variable(g, v) for g, v in zip(grads, targets)]
+
+
+def _like_variable(gradient, variable):
+    """Host `gradient` laid out like DTensor `variable` (else unchanged)."""
+    backing = _compat.backing_variable(variable)
+    if (gradient is None or isinstance(gradient, tf.IndexedSlices)
+            or dtensor.is_dtensor(gradient)
+            or not isinstance(backing, _compat.DVariable)):
+        return gradient
+    layout = dtensor.fetch_layout(backing)
+    value = tf.convert_to_tensor(gradient)
+    local = layout.mesh.local_device_ids()
+    if not local:   # another host's pipeline stage: it holds none of it
+        return placement.stand_in(layout, value.shape, value.dtype)
+    replicated = dtensor.Layout.replicated(layout.mesh, value.shape.rank)
+    return dtensor.relayout(dtensor.pack([value] * len(local), replicated),
+                            layout)
 
 
 def keras_function_for(model, mode):

@@ -30,6 +30,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import experts
 from tfpar import layout as layout_lib
 from tfpar import collectives
 from tfpar import placement as placement_lib
@@ -566,7 +567,10 @@ class VariableRegistry:
                 f"first: {_nearest(unmatched[0], self._weight_paths)}. Fix "
                 "or remove those rules."
             )
-        self._rules_checked = True
+        specs = [place.spec for place, _ in self.entries()]
+        if specs:  # no variable yet: checked again when there are some
+            experts.check_expert_axis_used(self._dims, specs)
+            self._rules_checked = True
 
 
 def replace_storage(registry, variable, value, cls, **kwargs):

@@ -4,21 +4,26 @@ A checkpoint is a directory of `.npy` block files plus a `manifest.json`:
 
     directory/
       checkpoint                  pointer: {"latest": "ckpt-12", "step": 12}
+                                  (the commit marker of a re-saved step)
       ckpt-8/                     an older complete checkpoint
       ckpt-12/
         manifest.json             written last: the directory is complete;
-                                  per block: file, index, crc32
+                                  per block: file, index, crc32; its own
+                                  manifest_crc32
         v0000_mlp_up_kernel.b0.npy ... one file per distinct block
-      ckpt-16.tmp-4242/           a save that never finished: ignored
+      ckpt-16.tmp-4242/           a save that never finished: ignored, and
+                                  deleted by the next save once pid 4242
+                                  is gone
 
 Saving never assembles a sharded variable anywhere: each device's block is
 read from that device's own component (`dtensor.unpack`) and written to its
 own file; devices holding the same block (replicas) write it once. The
 manifest records the CRC-32 of every file's bytes, computed from memory while
 the file is written. Restoring works onto any mesh and layout: first the
-manifest, the model's variables and every block file are checked (header,
-size, CRC-32 of all bytes, streamed in chunks), so a damaged checkpoint
-raises a ValueError naming the file and leaves the model untouched. Then,
+manifest (its own CRC-32, every field), the model's variables and every
+block file are checked (regular file, header, size, CRC-32 of all bytes,
+streamed in chunks), so a damaged checkpoint raises a ValueError naming
+the file and leaves the model untouched. Then,
 one variable at a time, every device's target block is cut out of the saved
 blocks that overlap it (memory-mapped, so only the needed slices are read),
 the blocks are packed onto the mesh and the variable is assigned: restoring
@@ -28,8 +33,10 @@ Across several hosts (`tfpar.connect_hosts`) every host saves into the same
 directory (which all must see): each writes the blocks its own devices own
 (a block several devices hold is written by the lowest-numbered one, file
 `<stem>.b<device>.npy`), host 0 merges the hosts' records into the
-manifest and publishes; every step is agreed on, so a failure on any host
-raises on all and publishes nothing.
+manifest (after checking that the hosts' records name the same variables)
+and publishes; every step is agreed on, so a failure on any host raises on
+all and publishes nothing. On restore host 0 chooses the checkpoint and
+every host restores that one (or all raise).
 
 Variable keys (stable across meshes, optimizer names and rebuilds):
 
@@ -62,10 +69,12 @@ True
 >>> checkpoint.restore_checkpoint(model, "/tmp/run")   # any mesh works
 0
 
-The package: `api` (save, restore, latest; every step agreed on by all
-hosts), `keys` (which variables, under which keys), `blocks` (each device's
-block on save, resharding on restore), `files` (the `.npy` block files,
-CRC-32, fsync, the manifest).
+The package: `api` (save, restore; every step agreed on by all hosts),
+`directory` (publishing, the pointer, latest, stale temporaries,
+`max_to_keep`), `keys` (which variables, under which keys), `blocks` (each
+device's block on save, resharding on restore), `manifest` (its fields,
+checksum and checks), `files` (the `.npy` block files, CRC-32, fsync,
+regular files only).
 """
 
 from tfpar.checkpoint.api import (
@@ -73,11 +82,10 @@ from tfpar.checkpoint.api import (
     restore_checkpoint,
     save_checkpoint,
 )
-from tfpar.checkpoint.files import (
+from tfpar.checkpoint.files import MANIFEST, POINTER
+from tfpar.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
-    POINTER,
     READABLE_VERSIONS,
 )
 

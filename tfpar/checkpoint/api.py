@@ -1,16 +1,18 @@
 """Saving, restoring and finding checkpoints; every step agreed by all hosts.
 
 `save_checkpoint` writes each device's blocks (`blocks`) into a temporary
-directory, the manifest last (`files`), and publishes it by an atomic
-rename; `restore_checkpoint` checks the manifest, the model's variables
-(`keys`) and every block file before the first variable changes, then
-restores one variable at a time. Across hosts each phase runs on every host
-and is agreed on (`_agreed`): a failure anywhere raises everywhere.
+directory, the manifest last (`manifest`), and publishes it (`directory`:
+atomic renames, the pointer as commit marker, stale temporaries and
+`max_to_keep`); `restore_checkpoint` checks the manifest, the model's
+variables (`keys`) and every block file before the first variable changes,
+then restores one variable at a time. Across hosts each phase runs on every
+host and is agreed on (`_agreed`): a failure anywhere raises everywhere.
+Host 0 chooses the checkpoint to restore; every host restores that one.
 """
 
 import json
+import numbers
 import os
-import re
 import shutil
 
 import numpy as np
@@ -21,27 +23,33 @@ from tfpar import _compat
 from tfpar import placement
 from tfpar import training
 from tfpar.checkpoint import blocks
+from tfpar.checkpoint import directory as root
 from tfpar.checkpoint import files
 from tfpar.checkpoint import keys
+from tfpar.checkpoint import manifest as manifest_lib
 
-_CKPT_DIR = re.compile(r"ckpt-(\d+)")
+latest_checkpoint = root.latest_checkpoint
 
 
-def save_checkpoint(model, directory, optimizer=True, step=None):
+def save_checkpoint(model, directory, optimizer=True, step=None,
+                    max_to_keep=None):
     """Saves `model` (and its optimizer state) as `directory/ckpt-<step>/`.
 
     Every device's block of a sharded variable is written from that device
     (one `.npy` per distinct block); replicated variables are written once.
-    The files go to `ckpt-<step>.tmp-<pid>/`, are fsync'ed, the manifest is
-    written last, the directory is renamed atomically to `ckpt-<step>`, and
-    only then is the `checkpoint` pointer file replaced. A crash at any
+    The files go to `ckpt-<step>.tmp-<pid>/`, are fsync'ed, the manifest
+    (with its own CRC-32) is written last, the directory is renamed
+    atomically to `ckpt-<step>`, and only then is the `checkpoint` pointer
+    file replaced. Re-saving an existing step commits the new directory
+    through the pointer before the old one is moved away. A crash at any
     point leaves the previous checkpoints intact and `latest_checkpoint`
-    pointing at a complete one.
+    pointing at a complete one. Leftover temporaries of saves whose process
+    is gone are deleted first.
 
     Example:
 
-    >>> path = save_checkpoint(model, "/tmp/run")  # step = iterations
-    >>> os.path.basename(path)
+    >>> path = save_checkpoint(model, "/tmp/run", max_to_keep=3)
+    >>> os.path.basename(path)   # step = model.optimizer.iterations
     'ckpt-0'
 
     Args:
@@ -49,21 +57,28 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
         directory: the checkpoint root (created if needed).
         optimizer: also save `model.optimizer.variables` (the optimizer is
             built first if it is not yet).
-        step: int for the directory name; defaults to
+        step: an int >= 0 for the directory name; defaults to
             `model.optimizer.iterations`.
+        max_to_keep: None (keep all) or an int >= 1: after the save, only
+            this checkpoint and the `max_to_keep - 1` others with the
+            highest steps are kept.
 
     Returns:
         The path of the complete checkpoint directory.
 
     Raises:
-        ValueError: no optimizer to save or to take the step from, or two
-            variables with the same key.
+        ValueError: `step` or `max_to_keep` out of range or not an int, no
+            optimizer to save or to take the step from, two variables with
+            the same key, hosts whose records of the variables differ.
     """
+    if max_to_keep is not None:
+        _nonnegative_int(max_to_keep, "save_checkpoint", "max_to_keep",
+                         minimum=1)
+    if step is not None:
+        _nonnegative_int(step, "save_checkpoint", "step")
     entries = keys.entries(model, optimizer)
     step = _checkpoint_step(model, step)
     directory = os.fspath(directory)
-    name = f"ckpt-{step}"
-    final = os.path.join(directory, name)
     # Several hosts (`tfpar.connect_hosts`, a directory they all see): each
     # writes the blocks its devices own into host 0's temporary directory,
     # then host 0 merges their records and publishes. Every step is agreed
@@ -71,11 +86,12 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
     # is published.
     hosts, host = dtensor.num_clients(), dtensor.client_id()
     tag = int(placement.same_on_every_host(np.array(os.getpid(), np.int64)))
-    tmp = os.path.join(directory, f"{name}.tmp-{tag}")
+    tmp = os.path.join(directory, f"ckpt-{step}.tmp-{tag}")
 
     def create():
         os.makedirs(directory, exist_ok=True)
         if host == 0:
+            root.remove_stale(directory)
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
@@ -88,7 +104,7 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
                              json.dumps(records).encode())
         return records
 
-    def publish():  # host 0: the manifest, then the rename
+    def publish():  # host 0: the manifest, then the renames
         if host != 0:
             return
         try:
@@ -96,8 +112,10 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        # A failed publish leaves both directories for inspection.
-        _publish(directory, name, final, tmp, step)
+        # A failed publish leaves the directories for inspection.
+        root.publish(directory, step, tmp)
+        if max_to_keep is not None:
+            root.keep_newest(directory, max_to_keep, step)
 
     _agreed(create, "save_checkpoint failed on another host while creating "
             f"{tmp!r}; nothing was written (see that host's error).")
@@ -112,7 +130,18 @@ def save_checkpoint(model, directory, optimizer=True, step=None):
     _agreed(publish, "save_checkpoint: host 0 failed to publish the "
             "checkpoint (see its error); the previous checkpoint is still "
             "the latest.")
-    return final
+    return os.path.join(directory, f"ckpt-{step}")
+
+
+def _nonnegative_int(value, function, argument, minimum=0):
+    """`value` as an int >= `minimum`, else a ValueError naming it."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or int(value) < minimum):
+        raise ValueError(
+            f"{function}({argument}) must be an integer >= {minimum}. "
+            f"Received: {argument}={value!r} ({type(value).__name__}). "
+            f"Pass a Python int, e.g. {argument}={max(minimum, 1)}.")
+    return int(value)
 
 
 def _checkpoint_step(model, step):
@@ -125,10 +154,7 @@ def _checkpoint_step(model, step):
                 "Pass step=<int>.")
         step = int(blocks.host_value(_compat.backing_variable(
             model.optimizer._iterations)))  # noqa: SLF001 (raw counter)
-    step = int(step)
-    if step < 0:
-        raise ValueError(f"save_checkpoint(step) must be >= 0. Received: {step}")
-    return step
+    return _nonnegative_int(step, "save_checkpoint", "step")
 
 
 def _agreed(function, failed_elsewhere):
@@ -150,85 +176,52 @@ def _agreed(function, failed_elsewhere):
 def _write_manifest(tmp, step, model, records, hosts):
     """Host 0: `tmp`'s manifest, with every host's block records, fsync'ed."""
     mesh = getattr(model.distribute_strategy, "mesh", None)
-    manifest = files.manifest_header(step,
-                                     None if mesh is None else mesh.shape)
+    manifest = manifest_lib.header(step,
+                                   None if mesh is None else mesh.shape)
     manifest["variables"] = (_merge_host_records(tmp, hosts) if hosts > 1
                              else records)
     files.write_file(os.path.join(tmp, files.MANIFEST),
-                     json.dumps(manifest, indent=1).encode())
+                     manifest_lib.encode(manifest))
     files.fsync_dir(tmp)
 
 
 def _merge_host_records(tmp, hosts):
     """Host 0: every variable's record with the blocks of all hosts (each
-    host wrote the blocks its devices own; the other fields agree)."""
+    host wrote the blocks its devices own). The hosts' records must name
+    the same variables, in the same order, with the same shape, dtype and
+    layout; the merged blocks must tile every variable."""
     parts = []
     for h in range(hosts):
         part = os.path.join(tmp, f"host{h}.json")
-        with open(part, "rb") as f:
-            parts.append(json.loads(f.read()))
+        with files.open_regular(part, "Host record file") as f:
+            parts.append(manifest_lib.parse_json(f.read(), part))
         os.remove(part)
     merged = parts[0]
-    for other in parts[1:]:
+    for h, other in enumerate(parts[1:], start=1):
+        _check_same_records(merged, other, h)
         for record, more in zip(merged, other):
             record["blocks"] += more["blocks"]
+    for record in merged:
+        manifest_lib.check_record(record, checksums=True)
     return merged
 
 
-def _publish(directory, name, final, tmp, step):
-    """Renames the complete `tmp` to `final`, then points `checkpoint` at
-    it (each step fsync'ed)."""
-    # An atomic rename makes the complete directory appear at once.
-    # Re-saving a step moves the old directory aside first (rename cannot
-    # replace a non-empty directory).
-    old = None
-    if os.path.exists(final):
-        old = os.path.join(directory, f"{name}.old-{os.getpid()}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    files.fsync_dir(directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    files.write_file(os.path.join(directory, files.POINTER),
-                     json.dumps({"latest": name, "step": step}).encode(),
-                     atomic=True)
-    files.fsync_dir(directory)
+def _check_same_records(first, other, host):
+    """ValueError unless host `host`'s records describe host 0's variables."""
+    fields = ("kind", "key", "shape", "dtype", "spec")
+    described = [[r.get(k) for k in fields] for r in first]
+    theirs = [[r.get(k) for k in fields] for r in other]
+    if described != theirs:
+        differ = [a[1] for a, b in zip(described, theirs) if a != b][:5]
+        raise ValueError(
+            f"save_checkpoint: host {host} saved {len(theirs)} variables and "
+            f"host 0 {len(described)}; they differ at {differ or 'the end'}. "
+            "Every host must build the same model (same layers, names and "
+            "order) under the same strategy. Nothing was published.")
 
 
-def latest_checkpoint(directory):
-    """The path of the latest complete checkpoint in `directory`, or None.
-
-    The `checkpoint` pointer file names it; if the pointer is missing,
-    unreadable or names a directory that does not exist, the complete
-    `ckpt-<step>` directory (one holding a manifest) with the highest step is
-    returned. Unfinished `ckpt-<step>.tmp-<pid>` directories never count.
-
-    Example:
-
-    >>> latest_checkpoint("/tmp/run")
-    '/tmp/run/ckpt-12'
-    """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return None
-    try:
-        with open(os.path.join(directory, files.POINTER), "rb") as f:
-            name = json.loads(f.read())["latest"]
-        if _CKPT_DIR.fullmatch(name) and os.path.isfile(
-                os.path.join(directory, name, files.MANIFEST)):
-            return os.path.join(directory, name)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    steps = []
-    for name in os.listdir(directory):
-        match = _CKPT_DIR.fullmatch(name)
-        if match and os.path.isfile(
-                os.path.join(directory, name, files.MANIFEST)):
-            steps.append((int(match[1]), name))
-    return os.path.join(directory, max(steps)[1]) if steps else None
-
-
-def restore_checkpoint(model, directory, optimizer=True):
+def restore_checkpoint(model, directory, optimizer=True, step=None,
+                       allow_older_format=False):
     """Restores `model` (and its optimizer) from a checkpoint, on any mesh.
 
     For every variable and every device, the block the variable's layout
@@ -256,13 +249,24 @@ def restore_checkpoint(model, directory, optimizer=True):
             `ckpt-<step>` directory.
         optimizer: also restore `model.optimizer`'s state (it is built under
             the model's strategy first if needed).
+        step: None (the latest) or an int >= 0: restore `ckpt-<step>`.
+        allow_older_format: also read manifests of format versions 1 and 2
+            (written by older tfpar: no manifest checksum, version 1 no
+            block checksums either). Off by default, so that an edited
+            manifest cannot turn the checks off.
+
+    Across hosts, host 0 chooses the checkpoint (the latest as it sees the
+    directory, or `step`) and every host restores that one, identified by
+    the CRC-32 of its manifest; a host that cannot see it raises, and so do
+    all the others.
 
     Returns:
         The step of the restored checkpoint.
 
     Raises:
-        FileNotFoundError: no complete checkpoint in `directory`.
-        ValueError: missing, extra or mismatched (shape/dtype) variables, a
+        FileNotFoundError: no complete checkpoint in `directory` (or not
+            the one host 0 chose).
+        ValueError: `step` not an int >= 0, missing, extra or mismatched (shape/dtype) variables, a
             damaged manifest, a block file that is missing, truncated, of
             the wrong shape/dtype or whose CRC-32 differs from the
             manifest's. The message names them.
@@ -271,11 +275,12 @@ def restore_checkpoint(model, directory, optimizer=True):
             memory): the message says how many variables were already
             restored; restore again.
     """
+    if step is not None:
+        step = _nonnegative_int(step, "restore_checkpoint", "step")
     # Across hosts each phase is agreed on (`_agreed`): a host whose files
     # fail raises on every host, none waits in a collective for it.
-    path, manifest = _agreed(
-        lambda: _locate(directory),
-        _restore_failed_elsewhere("reading the checkpoint"))
+    path, manifest = _choose_on_host0(os.fspath(directory), step,
+                                      allow_older_format)
     saved = {(r["kind"], r["key"]): r for r in manifest["variables"]}
     if optimizer:
         keys.build_optimizer(model)
@@ -298,18 +303,81 @@ def _restore_failed_elsewhere(what):
             "that host's error); restore again on every host.")
 
 
-def _locate(directory):
+def _choose_on_host0(directory, step, allow_older_format):
+    """(path, manifest) of the checkpoint host 0 chooses, on every host.
+
+    Host 0 locates it; its step and the CRC-32 of its manifest's bytes go
+    to every host (a collective), and each other host restores the
+    checkpoint of that step whose manifest has the same bytes."""
+    failed = _restore_failed_elsewhere("reading the checkpoint")
+    if dtensor.num_clients() == 1:
+        return _agreed(
+            lambda: _locate(directory, step, allow_older_format), failed)
+    host = dtensor.client_id()
+
+    def on_host0():
+        if host != 0:
+            return None, None, [0, 0]
+        path, manifest = _locate(directory, step, allow_older_format)
+        return path, manifest, [manifest["step"], root.manifest_crc32(path)]
+
+    path, manifest, choice = _agreed(on_host0, failed)
+    chosen_step, crc = (int(v) for v in placement.same_on_every_host(
+        np.array(choice, np.int64)))
+    if host == 0:
+        _agreed(lambda: None, failed)
+        return path, manifest
+    return _agreed(lambda: _find_chosen(directory, chosen_step, crc,
+                                        allow_older_format), failed)
+
+
+def _locate(directory, step, allow_older_format):
     """(checkpoint path, its manifest) for a root or a ckpt-<step> dir."""
-    directory = os.fspath(directory)
-    if os.path.isfile(os.path.join(directory, files.MANIFEST)):
+    if os.path.lexists(os.path.join(directory, files.MANIFEST)):
         path = directory
+    elif step is not None:
+        there = os.path.isdir(directory)
+        found = root.candidates(directory, step) if there else []
+        if not found:
+            saved = sorted(root.complete_steps(directory)) if there else []
+            raise FileNotFoundError(
+                f"No complete checkpoint of step {step} in {directory!r} "
+                f"(no ckpt-{step}/manifest.json). Saved steps: {saved}.")
+        path = found[0]
     else:
         path = latest_checkpoint(directory)
         if path is None:
             raise FileNotFoundError(
                 f"No complete checkpoint in {directory!r} (no 'checkpoint' "
                 "pointer and no ckpt-<step>/manifest.json).")
-    return path, files.read_manifest(path)
+    manifest = manifest_lib.read(path, allow_older_format)
+    if step is not None and manifest["step"] != step:
+        raise ValueError(
+            f"restore_checkpoint(step={step}): checkpoint {path!r} holds "
+            f"step {manifest['step']}. Pass its root directory instead.")
+    return path, manifest
+
+
+def _find_chosen(directory, step, crc, allow_older_format):
+    """A host but 0: the checkpoint of `step` whose manifest's CRC-32 is
+    `crc` (host 0's choice) in `directory` as this host sees it."""
+    if os.path.lexists(os.path.join(directory, files.MANIFEST)):
+        found = [directory]
+    else:
+        found = root.candidates(directory, step) if os.path.isdir(
+            directory) else []
+    for path in found:
+        if root.manifest_crc32(path) == crc:
+            return path, manifest_lib.read(path, allow_older_format)
+    seen = latest_checkpoint(directory) if os.path.isdir(directory) else None
+    raise FileNotFoundError(
+        f"No complete checkpoint of step {step} as host 0 chose it "
+        f"(manifest CRC-32 {crc:#010x}) in {directory!r} as host "
+        f"{dtensor.client_id()} sees it: "
+        + (f"its ckpt-{step} has a different manifest"
+           if found else f"the latest here is {seen!r}")
+        + ". Every host must see the same checkpoint directory (a shared "
+        "file system, fully synced) before restoring.")
 
 
 def _check_fit(path, manifest, saved, targets, model, optimizer):
@@ -347,7 +415,7 @@ def _check_fit(path, manifest, saved, targets, model, optimizer):
     # 2. Every block file against the manifest: present, header shape and
     #    dtype, size, and (format 2) CRC-32 of all its bytes. Files are
     #    streamed and closed again: memory and open files stay bounded.
-    checksums = int(manifest["format_version"]) >= 2
+    checksums = manifest["format_version"] >= 2
     for ident, variable in targets.items():
         for block in saved[ident]["blocks"]:
             files.verify_block(path, saved[ident], block, checksums)

@@ -1,29 +1,23 @@
-"""The checkpoint's files: `.npy` blocks with their CRC-32, the manifest.
+"""The checkpoint's files: `.npy` blocks with their CRC-32, reading safely.
 
 Everything here reads or writes bytes and knows nothing of models or
 meshes: the block files (one `.npy` per distinct device block, written with
-its CRC-32 computed on the fly, fsync'ed), the manifest (format, versions,
-per variable its blocks: file, index, crc32) and its checks, and opening a
-saved block memory-mapped after checking header, size and checksum. Names
+its CRC-32 computed on the fly, fsync'ed), opening a saved block
+memory-mapped after checking header, size and checksum, and reading only
+regular files (`open_regular`: a FIFO or a device in a checkpoint's place
+is refused, never waited on). The manifest is `checkpoint.manifest`; names
 and layout of a checkpoint directory are in `tfpar.checkpoint`'s docstring.
 """
 
 import importlib.metadata
-import json
 import os
-import time
+import stat
 import tokenize
 import zlib
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-FORMAT = "tfpar-checkpoint"
-# Version 2 added the per-file "crc32"; version 1 checkpoints (no checksums)
-# are still read, without the checksum check.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 POINTER = "checkpoint"
 _CHUNK = 1 << 22        # bytes per write / checksum read: 4 MiB
@@ -38,18 +32,6 @@ def tfpar_version():
         return importlib.metadata.version("tfpar")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def manifest_header(step, mesh_shape):
-    """The manifest's fields before its "variables": format, step, time,
-    library versions and the saving mesh's {axis: size} (None: no mesh)."""
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-        "created": time.time(),
-        "versions": {"tfpar": tfpar_version(), "tensorflow": tf.__version__,
-                     "keras": keras.__version__, "numpy": np.__version__},
-        "mesh": mesh_shape,
-    }
 
 
 def write_npy(path, array):
@@ -98,12 +80,52 @@ class _Crc32Writer:
 def _file_crc32(file):
     """CRC-32 of a file's bytes, read in `_CHUNK` pieces into one buffer."""
     crc = 0
-    with open(file, "rb", buffering=0) as f:
+    with open_regular(file) as f:
         buffer = bytearray(min(_CHUNK, max(os.fstat(f.fileno()).st_size, 1)))
         view = memoryview(buffer)
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
     return crc
+
+
+def open_regular(path, what="Checkpoint file"):
+    """`path` opened for binary reading, only if it is a regular file.
+
+    The file is opened non-blocking first (opening a FIFO for reading would
+    otherwise wait for a writer forever), checked with `fstat`, then set
+    back to blocking reads. Raises FileNotFoundError if it is missing and
+    ValueError naming it if it is a FIFO, a device, a socket or a
+    directory.
+
+    Example:
+
+    >>> with open_regular("/tmp/run/ckpt-4/manifest.json") as f:
+    ...     data = f.read()
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(
+                f"{what} {path!r} is not a regular file ({_kind(mode)}); a "
+                "checkpoint holds only regular files. Replace it with the "
+                "file from a good copy of the checkpoint. No variable was "
+                "changed.")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kind(mode):
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR,
+                       "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR,
+                       "a directory")):
+        if test(mode):
+            return name
+    return f"file mode {stat.filemode(mode)}"
 
 
 def write_file(path, data, atomic=False):
@@ -133,72 +155,6 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def read_manifest(path):
-    file = os.path.join(path, MANIFEST)
-    try:
-        with open(file, "rb") as f:
-            manifest = json.loads(f.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(
-            f"Checkpoint manifest {file!r} is damaged (not valid JSON: "
-            f"{error}). No variable was changed.") from None
-    problem = None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        problem = f"it is not a {FORMAT} manifest"
-    elif manifest.get("format_version") not in READABLE_VERSIONS:
-        problem = (f"format_version {manifest.get('format_version')!r} is "
-                   f"not one of {READABLE_VERSIONS} that this tfpar reads "
-                   "(written by tfpar "
-                   f"{manifest.get('versions', {}).get('tfpar')}; use that "
-                   "version to restore it)")
-    else:
-        try:
-            int(manifest["step"])
-            for record in manifest["variables"]:
-                _check_record(record, manifest["format_version"] >= 2)
-        except (KeyError, TypeError, ValueError) as error:
-            problem = f"a variable entry is malformed ({error})"
-    if problem:
-        raise ValueError(f"Checkpoint manifest {file!r} is damaged: {problem}. "
-                         "No variable was changed.")
-    return manifest
-
-
-def _check_record(record, checksums):
-    """Blocks must lie inside the variable, not overlap, and tile it; with
-    `checksums` each must carry a CRC-32 (an int in [0, 2**32))."""
-    shape = [int(s) for s in record["shape"]]
-    tf.as_dtype(record["dtype"])  # raises TypeError for an unknown dtype
-    if record["kind"] not in ("params", "optimizer") or not isinstance(
-            record["key"], str):
-        raise ValueError(f"bad kind/key {record['kind']!r}/{record['key']!r}")
-    volume = 0
-    boxes = []
-    for block in record["blocks"]:
-        if not isinstance(block["file"], str) or os.sep in block["file"]:
-            raise ValueError(f"bad block file name {block['file']!r}")
-        if checksums and not (isinstance(block.get("crc32"), int)
-                              and 0 <= block["crc32"] < 2**32):
-            raise ValueError(f"block {block['file']} has no valid crc32 "
-                             f"(got {block.get('crc32')!r})")
-        box = [(int(a), int(b)) for a, b in block["index"]]
-        # Empty boxes (a == b) only arise in zero-size variables; they add
-        # no volume, so "no overlap and volumes sum to the variable's" still
-        # means the blocks tile it.
-        if len(box) != len(shape) or any(
-                not 0 <= a <= b <= n for (a, b), n in zip(box, shape)):
-            raise ValueError(f"block {block['file']} index {box} is outside "
-                             f"shape {shape} of {record['key']!r}")
-        for other in boxes:
-            if all(a < d and c < b for (a, b), (c, d) in zip(box, other)):
-                raise ValueError(f"blocks of {record['key']!r} overlap")
-        boxes.append(box)
-        volume += int(np.prod([b - a for a, b in box]))
-    if volume != int(np.prod(shape)):
-        raise ValueError(f"blocks of {record['key']!r} do not cover its "
-                         f"shape {shape}")
-
-
 def load_block(path, record, block):
     """(box, memory-mapped array) of one saved block, checked: the file
     exists, its header parses, its size fits the header, and shape and dtype
@@ -207,6 +163,19 @@ def load_block(path, record, block):
     file = os.path.join(path, block["file"])
     box = [(int(a), int(b)) for a, b in block["index"]]
     expected = tuple(b - a for a, b in box)
+    try:
+        # Only a regular file is handed to numpy (a FIFO would block it);
+        # a file that is not one raises its own ValueError here.
+        open_regular(file, f"Checkpoint block file (of {record['key']!r})"
+                     ).close()
+    except FileNotFoundError:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) is "
+            "missing. No variable was changed.") from None
+    except OSError as error:
+        raise ValueError(
+            f"Checkpoint block file {file!r} (of {record['key']!r}) cannot "
+            f"be read: {error}. No variable was changed.") from None
     try:
         if int(np.prod(expected)) == 0:
             array = np.load(file, allow_pickle=False)

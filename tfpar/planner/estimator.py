@@ -24,8 +24,7 @@ from tfpar.planner import roofline
 from tfpar.planner.cluster import Cluster
 from tfpar.planner.transformer import transformer_of
 
-AXES = ("data", "pipe", "model")
-_LATER_AXES = ("expert", "context")
+AXES = ("data", "pipe", "model", "expert", "context")
 _RECOMPUTE = {None: None, False: None, "none": None, "selective": "selective",
               "full": "full", True: "full"}
 # A described Cluster (no preset): its device_flops is taken as the rate
@@ -37,7 +36,8 @@ _RIDGE_FLOPS_PER_BYTE = 150.0
 def estimate(model, global_batch_size, *, cluster, axes,
              num_microbatches=None, schedule="1f1b", virtual_stages=1,
              sequence_parallel=False, recompute=None, fsdp=False,
-             optimizer="adam", sequence_length=None):
+             optimizer="adam", sequence_length=None, capacity_factor=None,
+             expert_axis="expert"):
     """The `Estimate` of training `model` in one given configuration.
 
     Args:
@@ -47,8 +47,12 @@ def estimate(model, global_batch_size, *, cluster, axes,
         global_batch_size: samples per step over all devices.
         cluster: a `tfpar.Cluster`; `Cluster.preset(...)` carries the
             vendor figures and efficiencies the roofline uses.
-        axes: {"data": d, "pipe": p, "model": t} (missing axes are 1);
-            d · p · t must be the cluster's device count.
+        axes: {"data": d, "pipe": p, "model": t, "expert": e,
+            "context": c} (missing axes are 1); their product must be the
+            cluster's device count. The batch is split over data, expert
+            banks over expert (its devices hold the same tokens: every op
+            outside the expert FFNs runs on each; a model without experts
+            refuses e > 1), the sequence over context (s a multiple of c).
         num_microbatches: micro-batches per step (gradient-accumulation
             steps without a pipe axis). None: micro-batches of one sample
             with a pipe axis, else one micro-batch.
@@ -64,11 +68,20 @@ def estimate(model, global_batch_size, *, cluster, axes,
             (ZeRO-3), gathered per micro-batch.
         optimizer: its name or a Keras optimizer (slots per weight).
         sequence_length: for models that leave the sequence unknown.
+        capacity_factor: tokens an expert takes from a device's tokens,
+            as a multiple of their fair share k·T/E; None: dropless (every
+            routed token computed; under static shapes as costly as
+            computing every expert on every token).
+        expert_axis: "expert" (a separate expert axis, `axes["expert"]`)
+            or "data": the expert banks split over the data axis (as
+            `ParallelStrategy(expert_axis="data")`: each device routes its
+            own tokens, exchanged with the devices holding their experts).
 
     Returns:
         A `cost.Estimate`: `step_time_s`, `memory_per_device` (first
         stage), `breakdown` ({compute, memory_bound, recompute, model,
-        pipe, data, bubble, update}: seconds adding up to the step) and
+        expert, context, pipe, data, bubble, update}: seconds adding up to
+        the step), `communication_bytes_by_axis` and
         `executed_flops` (per device per step, recomputation included).
 
     Attention is costed with a fused kernel only when Keras' flash-attention
@@ -113,7 +126,8 @@ def estimate(model, global_batch_size, *, cluster, axes,
         recompute=recompute, fsdp=fsdp,
         slots=cost_lib.optimizer_slots(optimizer),
         flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
-        layers=transformer.layers)
+        layers=transformer.layers, capacity_factor=capacity_factor,
+        transformer=transformer, expert_axis=expert_axis)
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 
@@ -157,21 +171,29 @@ def hardware_of(cluster):
 def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False, recompute=None,
                   fsdp=False, slots=2, flash=False, tf32=False,
-                  layers=None):
+                  layers=None, capacity_factor=None, transformer=None,
+                  expert_axis="expert"):
     """The `roofline.Parallel` of `estimate`'s arguments, checked
-    (`layers`: the model's transformer blocks, when known)."""
-    d, p, t = (axes.get(k, 1) for k in AXES)
-    if batch % d:
+    (`layers`: the model's transformer blocks, when known; `transformer`:
+    its `roofline.Transformer`, to check the expert and context axes)."""
+    d, p, t, e, c = (axes.get(k, 1) for k in AXES)
+    on_data = _expert_placement(expert_axis, axes)
+    if on_data:
+        e = d
+    _check_expert_and_context(transformer, e, c, capacity_factor)
+    replicas = d
+    if batch % replicas:
         raise ValueError(
             f"tfpar.estimate: global_batch_size={batch} does not split over "
-            f"data={d}; use a multiple of {d}.")
+            f"data={replicas}; use a multiple of {replicas}.")
     if num_microbatches is None:
-        num_microbatches = batch // d if p > 1 else 1
+        num_microbatches = batch // replicas if p > 1 else 1
     m = _positive_int("num_microbatches", num_microbatches)
-    if (batch // d) % m:
+    if (batch // replicas) % m:
         raise ValueError(
             f"tfpar.estimate: num_microbatches={m} does not split the "
-            f"{batch // d} samples per data replica; use a divisor of it.")
+            f"{batch // replicas} samples per data replica; use a divisor "
+            "of it.")
     v = _interleaving(schedule, virtual_stages, p=p, m=m, layers=layers)
     if recompute not in _RECOMPUTE:
         raise ValueError(
@@ -181,7 +203,8 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         raise ValueError("tfpar.estimate(fsdp=True) needs a data axis > 1; "
                          f"received axes data={d}.")
     return roofline.Parallel(
-        data=d, pipe=p, model=t, microbatch=batch // d // m,
+        data=d, pipe=p, model=t, expert=e, expert_on_data=on_data, context=c,
+        capacity_factor=capacity_factor, microbatch=batch // replicas // m,
         virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
         sequence_parallel=bool(sequence_parallel and t > 1),
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
@@ -226,6 +249,48 @@ def _interleaving(schedule, virtual_stages, *, p, m, layers):
     return v
 
 
+def _expert_placement(expert_axis, axes):
+    """Whether the expert banks are split over the data axis."""
+    if expert_axis not in ("expert", "data"):
+        raise ValueError(
+            "tfpar.estimate(expert_axis) is 'expert' (a separate axis) or "
+            f"'data' (the data axis splits the banks). Received: "
+            f"expert_axis={expert_axis!r}")
+    if expert_axis == "data" and axes.get("expert", 1) > 1:
+        raise ValueError(
+            "tfpar.estimate(expert_axis='data') splits the banks over the "
+            f"data axis; axes has expert={axes['expert']} too. Drop one.")
+    return expert_axis == "data"
+
+
+def _check_expert_and_context(transformer, e, c, capacity_factor):
+    """An expert axis needs experts it divides; a context axis a sequence
+    it divides; a capacity factor is a positive number."""
+    if capacity_factor is not None and (
+            isinstance(capacity_factor, bool)
+            or not isinstance(capacity_factor, (int, float))
+            or capacity_factor <= 0):
+        raise ValueError(
+            "tfpar.estimate(capacity_factor) must be None (dropless) or a "
+            f"positive number such as 1.25. Received: {capacity_factor!r}")
+    if transformer is None:
+        return
+    if e > 1 and not transformer.experts:
+        raise ValueError(
+            f"tfpar.estimate: expert parallelism of {e}, but the model has "
+            "no mixture-of-experts layer (a layer with num_experts and top_k) "
+            "whose banks it would split. Drop the expert axis or use data.")
+    if transformer.experts and transformer.experts % e:
+        raise ValueError(
+            f"tfpar.estimate: expert parallelism of {e} does not divide "
+            f"the model's {transformer.experts} experts; use a divisor of "
+            "it.")
+    if transformer.seq % c:
+        raise ValueError(
+            f"tfpar.estimate(axes): context={c} does not divide the "
+            f"sequence length {transformer.seq}; use a divisor of it.")
+
+
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
             or value < 1:
@@ -241,14 +306,12 @@ def _axes(axes, cluster):
                         f"{{'data': 4, 'model': 8}}. Received: {axes!r}")
     unknown = sorted(set(axes) - set(AXES))
     if unknown:
-        later = [k for k in unknown if k in _LATER_AXES]
         raise ValueError(
-            f"tfpar.estimate(axes) has {unknown}: it knows {list(AXES)}"
-            + (f" ({later} are not costed yet)" if later else "") + ".")
+            f"tfpar.estimate(axes) has {unknown}: it knows {list(AXES)}.")
     sizes = {k: _positive_int(f"axes[{k!r}]", axes.get(k, 1)) for k in AXES}
     if int(np.prod(list(sizes.values()))) != cluster.num_devices:
         raise ValueError(
             f"tfpar.estimate(axes={axes}) uses {np.prod(list(sizes.values()))}"
-            f" devices; the cluster has {cluster.num_devices}. Make data · "
-            "pipe · model equal to it.")
+            f" devices; the cluster has {cluster.num_devices}. Make the "
+            "product of the axes equal to it.")
     return sizes

@@ -72,6 +72,37 @@ memory-bound by whichever is larger.
   distributed optimizer, DeepSpeed ZeRO-1: the fp32 master weights and
   slots sharded over d, also in `memory`).
 
+- Expert parallelism (mixture-of-experts blocks: E experts of MLP width f,
+  top-k routing, the banks split e ways), in tfpar's two placements. A
+  device's dispatch group is its T = b·s/c tokens; each expert takes at
+  most C = ⌈cf·k·T/E⌉ of them (`capacity_factor` cf; dropless: C = T,
+  which under static shapes computes as much as masking every expert on
+  every token). Per block: the router GEMM T×E×h (float32), GShard's
+  dispatch and combine einsums, and the expert GEMMs.
+  * A separate expert axis (`expert_on_data=False`): tokens are split
+    over data only, so every device of the expert axis holds the same
+    tokens and repeats every op outside the expert GEMMs (DTensor maps a
+    tensor dimension to one mesh axis); each runs its E/e experts on C
+    slots each (cf·k·T/e token-experts) and the combine is one
+    all-reduce of T×h over e forward; backward an all-gather of the
+    combine weights' gradient (T×E×C float32) for the router.
+  * Experts over the data axis (`expert_on_data=True`, e = d, GShard's
+    placement): each device routes its own tokens, the dispatched
+    [E, C, h] block is exchanged over the data axis before the expert
+    FFN and back after it (tfpar's all-to-all is an all-gather of the n
+    blocks and a slice under DTensor 2.21: n× a true all-to-all's
+    bytes), 4 exchanges per block, exposed; each device runs its E/e
+    experts on e·C slots. Nothing outside the MoE blocks is repeated.
+  Expert banks' gradients are reduced over data (× context) with a
+  separate axis and not at all over the data axis that owns them.
+- Context parallelism (the sequence split over c, Megatron-Core's
+  all-gather mode): every token op runs on s/c tokens; each block
+  all-gathers its keys and values over c (b·s·2·kv·dₕ/t elements per
+  device) and reduce-scatters their gradients backward; attention scores
+  are (s/c) × s per head (halved with a fused kernel and causal load
+  balance, which evens the unmasked blocks over the devices); the
+  weights' gradients are reduced over data × context.
+
 Links: a group of n devices whose members are `stride` apart (axes laid
 out data, pipe, model: model groups are neighbours) uses NVLink when it
 fits in a host, else InfiniBand; on GPU hosts the group's k members per
@@ -122,6 +153,8 @@ class Transformer:
     position_embedding: bool = True
     compute_bytes: int = 2  # bf16/fp16 activations
     param_bytes: int = 4    # stored weights (fp32 master; 2 + 4 Megatron)
+    experts: int = 0        # mixture-of-experts MLPs (0: a dense MLP)
+    top_k: int = 0          # experts per token
 
     @property
     def ffn_width(self):
@@ -131,10 +164,19 @@ class Transformer:
     def head_dim(self):
         return self.hidden // self.heads
 
+    def mlp_params(self):
+        """One MLP's (one expert's) kernels."""
+        return (3 if self.gated else 2) * self.hidden * self.ffn_width
+
+    def bank_params(self):
+        """A block's expert banks (0 without experts)."""
+        return self.experts * self.mlp_params()
+
     def block_params(self):
         h, f = self.hidden, self.ffn_width
         kv = (self.kv_heads or self.heads) * self.head_dim
-        mlp = (3 if self.gated else 2) * h * f
+        mlp = (self.bank_params() + h * self.experts if self.experts
+               else self.mlp_params())
         return h * (h + 2 * kv) + h * h + mlp + 4 * h + h + 2 * kv + f + h
 
     def embedding_params(self):
@@ -166,6 +208,38 @@ class Parallel:
     zero1: bool = False          # optimizer sharded over data (ZeRO-1)
     grad_overlap: bool = True    # data-axis reduction under the backward
     optimizer_slots: int = 2
+    expert: int = 1              # expert banks split e ways (EP)
+    expert_on_data: bool = False  # the data axis splits the banks (e = d)
+    context: int = 1             # sequences split c ways (CP)
+    capacity_factor: float = None  # tokens per expert ÷ k·T/E (None: dropless)
+
+    @property
+    def replicas(self):
+        """Devices holding other samples or tokens of one stage's weights:
+        data × context (the gradients' reduction group; the devices of a
+        separate expert axis hold the same tokens)."""
+        return self.data * self.context
+
+    @property
+    def expert_axis_size(self):
+        """The separate expert axis' size (1 when the banks are split over
+        the data axis, or not at all)."""
+        return 1 if self.expert_on_data else self.expert
+
+
+def tokens(model, cfg):
+    """T, the tokens of one micro-batch on one device: b·s/c."""
+    return cfg.microbatch * model.seq / cfg.context
+
+
+def capacity(model, cfg):
+    """C, the tokens one expert takes from one dispatch group (a device's
+    T tokens): ⌈cf·k·T/E⌉, or T when dropless."""
+    group = tokens(model, cfg)
+    if cfg.capacity_factor is None:
+        return group
+    return math.ceil(cfg.capacity_factor * model.top_k * group
+                     / model.experts)
 
 
 class _Time:
@@ -251,34 +325,69 @@ def ring(kind, nbytes, n, alpha_beta, count=1):
 
 def _gemm_shapes(model, cfg):
     """(m, n, k) of a block's forward GEMMs on one device (T = b·s)."""
-    tokens, t = cfg.microbatch * model.seq, cfg.model
+    rows, t = tokens(model, cfg), cfg.model
     h, f = model.hidden, model.ffn_width
     kv = (model.kv_heads or model.heads) * model.head_dim
     up = (2 if model.gated else 1) * f
-    return [(tokens, (h + 2 * kv) / t, h), (tokens, h, h / t),
-            (tokens, up / t, h), (tokens, h, f / t)]
+    attention = [(rows, (h + 2 * kv) / t, h), (rows, h, h / t)]
+    if model.experts:  # the MLP is `_experts`' routed FFN
+        return attention
+    return attention + [(rows, up / t, h), (rows, h, f / t)]
+
+
+def _experts(dev, model, cfg, backward=False):
+    """A mixture-of-experts MLP of one micro-batch on one device: router,
+    dispatch and combine einsums (over all E experts' slots with experts
+    on the data axis, the E/e local ones' with a separate axis), the E/e
+    local experts' GEMMs on e·C (resp. C) slots each; the exchanges are
+    `_exchanges`'."""
+    time = _Time()
+    if not model.experts:
+        return time
+    rows, c = tokens(model, cfg), model.compute_bytes
+    e, t, E = cfg.expert, cfg.model, model.experts
+    cap = capacity(model, cfg)
+    h, f = model.hidden, model.ffn_width
+    up = (2 if model.gated else 1) * f
+    slots = E * cap if cfg.expert_on_data else E / e * cap
+    per_expert = e * cap if cfg.expert_on_data else cap
+    shapes = [((rows, E, h), 1, 4),                 # router, float32
+              ((slots, h, rows), 1, c),             # dispatch einsum
+              ((rows, h, slots), 1, c),             # combine einsum
+              ((per_expert, up / t, h), E / e, c),  # expert FFN, per expert
+              ((per_expert, h, f / t), E / e, c)]
+    for (m, n, k), count, itemsize in shapes:
+        if backward:
+            dev.gemm(time, m, k, n, count=count, itemsize=itemsize)
+            dev.gemm(time, k, n, m, count=count, itemsize=itemsize)
+        else:
+            dev.gemm(time, m, n, k, count=count, itemsize=itemsize)
+    act = (5 if backward else 3) if model.gated else (3 if backward else 2)
+    dev.stream(time, E / e * per_expert * act * f / t * c)
+    return time
 
 
 def _attention_core(dev, model, cfg, backward=False):
     """QKᵀ, softmax, dropout and the product with V (or their gradients)
     of one block and micro-batch."""
     time = _Time()
-    s, dh = model.seq, model.head_dim
+    # q queries (the device's s/c) against all s keys (gathered over c).
+    s, q, dh = model.seq, model.seq / cfg.context, model.head_dim
     heads = cfg.microbatch * model.heads / cfg.model
     c = model.compute_bytes
     if cfg.flash:
-        flops = 4.0 * heads * s * s * dh * (0.5 if model.causal else 1.0)
+        flops = 4.0 * heads * q * s * dh * (0.5 if model.causal else 1.0)
         dev.flash(time, flops * (2.5 if backward else 1.0))
         return time
     if backward:  # dQ, dK of QKᵀ; dP, dV of the product with V
-        for shape in ((s, dh, s), (s, dh, s), (s, s, dh), (s, dh, s)):
+        for shape in ((q, dh, s), (s, dh, q), (q, s, dh), (s, dh, q)):
             dev.gemm(time, *shape, count=heads, itemsize=c)
     else:
-        dev.gemm(time, s, s, dh, count=heads, itemsize=c)
-        dev.gemm(time, s, dh, s, count=heads, itemsize=c)
+        dev.gemm(time, q, s, dh, count=heads, itemsize=c)
+        dev.gemm(time, q, dh, s, count=heads, itemsize=c)
     softmax = 3.0 if backward else 2.0
     dropout = 2.5 if model.dropout else 0.0
-    dev.stream(time, heads * s * s * (softmax + dropout) * c)
+    dev.stream(time, heads * q * s * (softmax + dropout) * c)
     return time
 
 
@@ -294,51 +403,114 @@ def _block(dev, model, cfg, backward=False):
         else:
             dev.gemm(time, m, n, k, itemsize=c)
     time.merge(_attention_core(dev, model, cfg, backward))
+    time.merge(_experts(dev, model, cfg, backward))
     h, f, t = model.hidden, model.ffn_width, cfg.model
     split = t if cfg.sequence_parallel else 1
     norm = 3 if backward else 2
     add = (2.5 if backward else 3.5) if model.dropout else (
         1 if backward else 3)
     act = (5 if backward else 3) if model.gated else (3 if backward else 2)
-    tokens = cfg.microbatch * model.seq
-    elements = tokens * (2 * (norm + add) * h / split + act * f / t)
+    if model.experts:  # counted in `_experts`
+        act = 0
+    elements = tokens(model, cfg) * (2 * (norm + add) * h / split
+                                     + act * f / t)
     dev.stream(time, elements * c)
     return time
 
 
 def _embedding(dev, model, cfg, backward=False):
     time = _Time()
-    tokens = cfg.microbatch * model.seq
+    rows = tokens(model, cfg)
     c = model.compute_bytes
     if backward:
-        dev.stream(time, tokens * model.hidden * c
+        dev.stream(time, rows * model.hidden * c
                    + 12.0 * model.vocab / cfg.model * model.hidden)
     else:
-        dev.stream(time, 4.0 * tokens * model.hidden * c)
+        dev.stream(time, 4.0 * rows * model.hidden * c)
     return time
 
 
 def _logits(dev, model, cfg, backward=False):
     time = _Time()
-    tokens = cfg.microbatch * model.seq
-    m, n, k = tokens, model.vocab / cfg.model, model.hidden
+    m, n, k = tokens(model, cfg), model.vocab / cfg.model, model.hidden
     c = model.compute_bytes
     if backward:
         dev.gemm(time, m, k, n, itemsize=c)
         dev.gemm(time, k, n, m, itemsize=c)
     else:
         dev.gemm(time, m, n, k, itemsize=c)
-    dev.stream(time, tokens * n * (10.0 if backward else 14.0))
+    dev.stream(time, m * n * (10.0 if backward else 14.0))
     return time
 
 
 def _tensor_parallel(model, cfg, cluster, hw):
     """Seconds of one block's forward all-reduces over the model axis (its
     backward costs the same), and of the embedding's/logits' one."""
-    nbytes = cfg.microbatch * model.seq * model.hidden * model.compute_bytes
+    nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
     one = ring("all-reduce", nbytes, cfg.model,
                link(cluster, hw, cfg.model, 1))
     return 2 * one, one
+
+
+def expert_exchange_bytes(model, cfg):
+    """{"forward", "backward"}: bytes each device receives per MoE block
+    (one micro-batch) in the exchanges over its expert group. Experts on
+    the data axis: two exchanges of the dispatched [E, C, h] blocks each
+    way, each an all-gather of the e devices' blocks (e · E·C·h elements;
+    a true all-to-all would take 1/e of it: E·C·h = cf·k·T·h). A
+    separate expert axis: the combine's all-reduce of T×h forward, the
+    all-gather of the combine weights' gradient (T×E×C, float32)
+    backward."""
+    if not model.experts or cfg.expert == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    rows, cap, c = tokens(model, cfg), capacity(model, cfg), (
+        model.compute_bytes)
+    if cfg.expert_on_data:
+        one = cfg.expert * model.experts * cap * model.hidden * c
+        return {"forward": 2 * one, "backward": 2 * one}
+    return {"forward": rows * model.hidden * c,
+            "backward": rows * model.experts * cap * 4.0}
+
+
+def context_gather_bytes(model, cfg):
+    """Bytes of one block's key/value all-gather over the context axis per
+    device: the gathered keys and values, b·s·2·kv·dₕ/t elements."""
+    if cfg.context == 1:
+        return 0.0
+    kv = (model.kv_heads or model.heads) * model.head_dim
+    return (cfg.microbatch * model.seq * 2 * kv / cfg.model
+            * model.compute_bytes)
+
+
+def all_to_all(nbytes, n, alpha_beta):
+    """Seconds of an all-to-all over n devices, each sending `nbytes` in
+    all ((n-1)/n of it leaves the device, in n-1 steps)."""
+    if n <= 1:
+        return 0.0
+    alpha, beta = alpha_beta
+    return (n - 1) * alpha + (n - 1) / n * nbytes / beta
+
+
+def _exchanges(model, cfg, cluster, hw):
+    """(expert forward, expert backward, context) seconds of one block:
+    the exchanges over the expert group (`expert_exchange_bytes`: on the
+    data axis, whose members are t·p apart, or on a separate expert axis
+    inside it: model innermost, then expert, then context) and the keys'
+    and values' all-gather over c (its backward reduce-scatter costs the
+    same)."""
+    t, e, c = cfg.model, cfg.expert, cfg.context
+    sizes = expert_exchange_bytes(model, cfg)
+    if cfg.expert_on_data:
+        group = link(cluster, hw, e, t * cfg.pipe * c)
+        forward = backward = 2 * ring("all-gather", sizes["forward"] / 2, e,
+                                      group)
+    else:
+        group = link(cluster, hw, e, t)
+        forward = ring("all-reduce", sizes["forward"], e, group)
+        backward = ring("all-gather", sizes["backward"], e, group)
+    context = ring("all-gather", context_gather_bytes(model, cfg), c,
+                   link(cluster, hw, c, t * cfg.expert_axis_size))
+    return forward, backward, context
 
 
 def _stage_blocks(layers, p):
@@ -358,6 +530,9 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
     work = parts["forward"].scaled(blocks)
     work.merge(parts["backward"].scaled(blocks))
     tp_block, tp_edge = parts["tensor_parallel"]
+    expert, expert_back, context = parts["exchanges"]
+    work.add(blocks * (expert + expert_back), "expert")
+    work.add(blocks * 2 * context, "context")
     model_axis = blocks * 2 * tp_block
     if cfg.tp_overlap:  # only what exceeds the block's GEMMs shows
         gemms = (parts["forward"].parts["compute"]
@@ -371,7 +546,7 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
     recompute = _Time()
     if cfg.recompute == "full":
         recompute = parts["forward"].scaled(blocks)
-        recompute.add(blocks * tp_block, "model")
+        recompute.add(blocks * (tp_block + expert + context), "model")
     elif cfg.recompute == "selective" and not cfg.flash:
         recompute = parts["attention"].scaled(blocks)
     return work, recompute, model_axis
@@ -386,7 +561,7 @@ def _pipe_seconds(model, cfg, cluster, hw, stage):
     p, t = cfg.pipe, cfg.model
     if p == 1:
         return 0.0
-    nbytes = cfg.microbatch * model.seq * model.hidden * model.compute_bytes
+    nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
     sends = 2 * cfg.virtual_stages - (stage == 0) - (stage == p - 1)
     if t * p <= cluster.devices_per_host:
         alpha, beta = hw.intra_latency, hw.intra_bandwidth * hw.network_intra
@@ -408,7 +583,8 @@ def _parts(dev, model, cfg, cluster):
             "logits_forward": _logits(dev, model, cfg),
             "logits_backward": _logits(dev, model, cfg, True),
             "tensor_parallel": _tensor_parallel(model, cfg, cluster,
-                                                dev.hw)}
+                                                dev.hw),
+            "exchanges": _exchanges(model, cfg, cluster, dev.hw)}
 
 
 def stage_params(model, blocks, first, last):
@@ -443,23 +619,48 @@ def _data_axis(model, cfg, cluster, hw, params, *, blocks, backward,
     overlaps costs the compute it runs beside `hw.collective_share` of its
     time (the cores NCCL's kernels occupy). Each block's weights are one
     collective (a gradient bucket, an fsdp unit): its latency is paid per
-    block; the first gather is one of the stage's `blocks` blocks."""
-    d = cfg.data
-    if d == 1:
-        return 0.0
-    ab = link(cluster, hw, d, cfg.model * cfg.pipe)
-    nbytes = params / cfg.model * model.compute_bytes
-    units = max(1, round(params / model.block_params()))
-    share = hw.collective_share
+    block; the first gather is one of the stage's `blocks` blocks.
+
+    With expert or context axes the reduction group grows: the weights
+    outside the expert banks over data × context (the devices of a separate
+    expert axis compute the same gradients), the banks over data × context
+    with a separate expert axis and over context alone when the data axis
+    splits them; fsdp gathers over data alone."""
+    d, share = cfg.data, hw.collective_share
+    banks = blocks * model.bank_params()
+    reduce, gathers, first_gather = 0.0, 0.0, 0.0
+    for weights, n, split, units in (
+            (params - banks, cfg.replicas, 1,
+             max(1, round(params / model.block_params()))),
+            (banks, cfg.context if cfg.expert_on_data else d * cfg.context,
+             cfg.expert, max(1, blocks))):
+        if weights <= 0 or n == 1:
+            continue
+        ab = _reduction_link(cluster, hw, cfg, n)
+        nbytes = weights / cfg.model / split * model.compute_bytes
+        if not cfg.fsdp:
+            reduce += ring("all-reduce", nbytes, n, ab, units)
+            continue
+        ab_data = _reduction_link(cluster, hw, cfg, d)
+        gathers += (2 * ring("all-gather", nbytes, d, ab_data, units)
+                    + ring("reduce-scatter", nbytes, n, ab, units))
+        first_gather += ring("all-gather", nbytes / max(1, blocks), d,
+                             ab_data)
     if not cfg.fsdp:
-        reduce = ring("all-reduce", nbytes, d, ab, units)
         return _overlapped(reduce, backward if cfg.grad_overlap else 0.0,
                            share)
-    per_microbatch = (2 * ring("all-gather", nbytes, d, ab, units)
-                      + ring("reduce-scatter", nbytes, d, ab, units))
-    first_gather = ring("all-gather", nbytes / max(1, blocks), d, ab)
     return microbatches * (first_gather + _overlapped(
-        per_microbatch, 1.5 * backward, share))
+        gathers, 1.5 * backward, share))
+
+
+def _reduction_link(cluster, hw, cfg, n):
+    """The link of a gradient reduction over n devices: the data axis
+    (outermost: its members t·p apart), or, with expert or context axes,
+    a group whose first members are t apart (an approximation: the
+    expert and context coordinates are neighbours, the data ones far)."""
+    if n == cfg.data or cfg.context == 1:
+        return link(cluster, hw, n, cfg.model * cfg.pipe)
+    return link(cluster, hw, n, cfg.model)
 
 
 def step_time(model, cfg, hw, global_batch, devices_per_host=None):
@@ -469,7 +670,7 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
     cluster = _Host(devices_per_host or hw.devices_per_host)
     dev = _Device(hw, model.compute_bytes, cfg.tf32)
     parts = _parts(dev, model, cfg, cluster)
-    m = global_batch // (cfg.data * cfg.microbatch)
+    m = microbatches(cfg, global_batch)
     p, v = cfg.pipe, cfg.virtual_stages
     best = None
     for s, blocks in enumerate(_stage_blocks(model.layers, p)):
@@ -483,7 +684,7 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
         params = stage_params(model, blocks, first, last)
         data = _data_axis(model, cfg, cluster, hw, params, blocks=blocks,
                           backward=backward, microbatches=m)
-        local = params / cfg.model / (
+        local = _local_params(model, cfg, params, blocks) / (
             cfg.data if cfg.fsdp or cfg.zero1 else 1)
         update = local * (22 + 8 * cfg.optimizer_slots) / dev.bandwidth
         bubble = per_microbatch * (p - 1) / v
@@ -495,6 +696,20 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
                         data=data, update=update, total=total,
                         executed_flops=m * (work.flops + recompute.flops))
     return best
+
+
+def microbatches(cfg, global_batch):
+    """m, micro-batches per step: the batch is split over data (a
+    separate expert axis holds the same samples), each replica's share
+    into m of b."""
+    return global_batch // (cfg.data * cfg.microbatch)
+
+
+def _local_params(model, cfg, params, blocks):
+    """A stage's parameters on one device: split over model, its expert
+    banks also over expert."""
+    banks = blocks * model.bank_params()
+    return (params - banks + banks / cfg.expert) / cfg.model
 
 
 class _Host:
@@ -509,10 +724,11 @@ def memory(model, cfg, global_batch):
     in flight): params, gradients, optimizer, activations, workspace."""
     p, t, d, v = cfg.pipe, cfg.model, cfg.data, cfg.virtual_stages
     blocks = _stage_blocks(model.layers, p)[0]
-    params = stage_params(model, blocks, True, p == 1) / t
+    params = _local_params(model, cfg, stage_params(model, blocks, True,
+                                                    p == 1), blocks)
     trainable_split = d if cfg.fsdp else 1
-    m = global_batch // (d * cfg.microbatch)
-    sbh = model.seq * cfg.microbatch * model.hidden * model.compute_bytes / 2
+    m = microbatches(cfg, global_batch)
+    sbh = tokens(model, cfg) * model.hidden * model.compute_bytes / 2
     # Korthikanti's bytes per s·b·h (2-byte activations; `sbh` scales them
     # to the compute dtype) of one block: what it stores without
     # recomputation (the scores dropped by a fused kernel), what a full
@@ -521,6 +737,7 @@ def memory(model, cfg, global_batch):
         5.0 * model.heads * model.seq / model.hidden / t)
     whole_block = scores + (
         34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
+    whole_block += _moe_and_context_activations(model, cfg)
     per_block = {None: whole_block, "selective": whole_block - scores,
                  "full": 2.0}[cfg.recompute]
     in_flight = m if cfg.schedule == "gpipe" else min(m, p)
@@ -529,7 +746,7 @@ def memory(model, cfg, global_batch):
     activations = per_block * sbh * blocks * in_flight
     workspace = whole_block * sbh if cfg.recompute == "full" else 0.0
     if p == 1:  # the logits and their gradient, fp32
-        workspace += 8.0 * model.seq * cfg.microbatch * model.vocab / t
+        workspace += 8.0 * tokens(model, cfg) * model.vocab / t
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
     # and the slots sharded over data, the half-precision copy whole.
     master = model.param_bytes - model.compute_bytes
@@ -542,20 +759,57 @@ def memory(model, cfg, global_batch):
             "activations": activations, "workspace": workspace}
 
 
+def _moe_and_context_activations(model, cfg):
+    """Extra bytes per (T·h at 2 bytes) of one block: the MLP's stored
+    activations (Korthikanti's 2 + 16/t for f = 4h, scaled by f and
+    gating) taken r = E·C/T times over by the routed copies of the
+    tokens, and the keys and values gathered over the context axis
+    (2·kv·dₕ·s·b elements against T·h)."""
+    t, extra = cfg.model, 0.0
+    if model.experts:
+        slots = model.experts * capacity(model, cfg) / (
+            1 if cfg.expert_on_data else cfg.expert)
+        routed = slots / tokens(model, cfg)
+        width = model.ffn_width / (4.0 * model.hidden) * (
+            1.5 if model.gated else 1.0)
+        extra += (routed - 1) * (2.0 + 16.0 / t * width)
+    if cfg.context > 1:
+        kv = (model.kv_heads or model.heads) * model.head_dim
+        extra += 4.0 * kv * cfg.context / (model.hidden * t)
+    return extra
+
+
+def _expert_bytes_per_block(model, cfg):
+    """One micro-batch's expert-group bytes of a block: forward and
+    backward, and the forward again under full recomputation."""
+    sizes = expert_exchange_bytes(model, cfg)
+    again = sizes["forward"] if cfg.recompute == "full" else 0.0
+    return sizes["forward"] + sizes["backward"] + again
+
+
 def communication_bytes(model, cfg, global_batch):
     """{axis: bytes} each device of the first stage sends or receives in
     collectives per step (message sizes, as `communication_report`
     counts them)."""
-    m = global_batch // (cfg.data * cfg.microbatch)
+    m = microbatches(cfg, global_batch)
     blocks = _stage_blocks(model.layers, cfg.pipe)[0]
-    activation = cfg.microbatch * model.seq * model.hidden * model.compute_bytes
-    passes = 4 + (2 if cfg.recompute == "full" else 0)
-    params = stage_params(model, blocks, True, cfg.pipe == 1) / cfg.model
+    activation = tokens(model, cfg) * model.hidden * model.compute_bytes
+    full = cfg.recompute == "full"
+    passes = 4 + (2 if full else 0)
+    params = _local_params(model, cfg, stage_params(
+        model, blocks, True, cfg.pipe == 1), blocks)
     grads = params * model.compute_bytes
-    data = (3 * m * grads if cfg.fsdp else grads) if cfg.data > 1 else 0.0
+    data = (3 * m * grads if cfg.fsdp else grads) if cfg.replicas > 1 else 0.0
     return {"model": (blocks * passes + 1) * activation * m
             if cfg.model > 1 else 0.0,
             "data": float(data),
+            # dispatch and combine, forward and backward (and again when
+            # a full recomputation reruns the forward pass)
+            "expert": blocks * m * _expert_bytes_per_block(model, cfg),
+            # the keys' and values' gather forward, their gradients'
+            # reduce-scatter backward
+            "context": blocks * (2 + full) * context_gather_bytes(model, cfg)
+            * m,
             # first stage: v chunks send forward and receive gradients,
             # v - 1 receive activations and send gradients.
             "pipe": (4.0 * cfg.virtual_stages - 2) * activation * m

@@ -49,13 +49,32 @@ def transformer_of(profile):
                 if i == hidden and o not in (hidden, vocab):
                     widths[o] += 1
     ffn, kernels = widths.most_common(1)[0] if widths else (4 * hidden, 0)
+    experts, top_k, expert_width, expert_gated = _experts(profile)
+    if experts:
+        ffn, kernels = expert_width, 2 * len(attention) * expert_gated
     return roofline.Transformer(
         layers=len(attention), hidden=hidden, heads=heads, seq=max(tokens),
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
         gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
-        tied=tied, position_embedding=positions,
+        tied=tied, position_embedding=positions, experts=experts,
+        top_k=top_k,
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights))
+
+
+def _experts(profile):
+    """(experts E, top-k, expert MLP width, gated) of the model's first
+    mixture-of-experts layer — one with integer `num_experts`, `top_k` and
+    `intermediate_dim` (keras-hub's Mixtral, Qwen3-MoE and GPT-OSS blocks,
+    `tfpar.layers.MixtureOfExperts`) — or (0, 0, 0, False). Every block is
+    taken to route its MLP so (true of those models)."""
+    for layer in profile.layers_by_path.values():
+        values = [getattr(layer, name, None)
+                  for name in ("num_experts", "top_k", "intermediate_dim")]
+        if all(isinstance(v, int) and not isinstance(v, bool)
+               for v in values):
+            return (*values, bool(getattr(layer, "gated", True)))
+    return 0, 0, 0, False
 
 
 def _heads(layer):

@@ -336,7 +336,7 @@ def run_child(*args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size", ["40m", "150m"])
+@pytest.mark.parametrize("size", ["150m"])  # smaller: TF's own ~0.1 GB dominates
 def test_load_memory_in_a_fresh_process(tmp_path, size):
     """A Llama3 preset and its HF checkpoint loaded on model=8 with rules
     from a builder, in a fresh process: each device ~1/8 of the weights

@@ -55,7 +55,7 @@ if "tensorflow" not in sys.modules:
         import tensorflow  # noqa: E402, F401
 
 from tfpar.layout import LayoutRules  # noqa: E402
-from tfpar import checkpoint, layers, pipeline  # noqa: E402
+from tfpar import checkpoint, layers, pipeline, pretrained  # noqa: E402
 # The reports' old import paths (aliases of tfpar.reports.*).
 from tfpar import communication, memory, visualize  # noqa: E402, F401
 from tfpar.checkpoint import (  # noqa: E402
@@ -113,6 +113,7 @@ __all__ = [
     "pipeline",
     "plan",
     "plot_schedule",
+    "pretrained",
     "restore_checkpoint",
     "save_checkpoint",
     "summary",

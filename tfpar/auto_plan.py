@@ -23,6 +23,7 @@ from tfpar import _compat
 from tfpar import keras_graph
 from tfpar import parallel_dims
 from tfpar.layout import LayoutRules
+from tfpar.weightless import build_without_weights
 from tfpar.styles import ColumnParallel, RowParallel, SequenceParallel
 
 # Ops a value passes through unchanged in layout: each output element depends
@@ -134,7 +135,14 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
     ...     model.compile(optimizer="adam", loss="mse")
 
     Args:
-        model: a built Keras model.
+        model: a built Keras model, or a zero-argument function building
+            one (`lambda: keras_hub.models.Llama3Backbone.from_preset(
+            path, load_weights=False)`): built once with every weight's
+            shape and no memory (`tfpar.plan` does the same), its layer
+            names given back so that building it again, in the scope of
+            `ParallelStrategy(mesh, rules=...)`, gives the same paths and
+            creates every split weight already split (no device ever
+            holds it whole: a pretrained model that fits no device loads).
         axis: the mesh axis to split over; None: the current strategy's
             model axis (`ParallelStrategy(model_axis=...)`), "model"
             outside a strategy. Another axis than the strategy's is an
@@ -157,6 +165,10 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             "auto_rules(sequence_parallel) must be True or False. Received: "
             f"sequence_parallel={sequence_parallel!r}"
         )
+    if callable(model) and not isinstance(model, keras.Model):
+        # A builder: traced on a copy with shapes and no memory, its layer
+        # names given back so the next build's paths match the rules.
+        model = build_without_weights(model, "tfpar.auto_rules(model)")
     experts = _expert_axis_and_size(expert_axis, mesh)
     tensor_parallel = _has_model_axis(axis, mesh)
     axis, axis_size = _axis_and_size(axis, axis_size, mesh)

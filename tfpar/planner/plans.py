@@ -20,7 +20,7 @@ from tfpar.planner import measure as measure_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import search as search_lib
 from tfpar.planner.cluster import Cluster
-from tfpar.planner.profile import build_without_weights
+from tfpar.weightless import build_without_weights, names_given_back
 from tfpar.planner.result import Plan
 from tfpar.planner.search import format_bytes as _gb
 
@@ -41,7 +41,10 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
             models included), or a zero-argument function that builds one;
             a function is called inside `keras.StatelessScope` without
             initialising any weight, so models far larger than this host's
-            memory can be planned.
+            memory can be planned; its layer names are given back, and
+            `plan.strategy()` is then made with the plan's rules, so that
+            the function run again in its scope (`from_preset` of a
+            pretrained model included) creates every split weight split.
         global_batch_size: samples per training step (all devices).
         cluster: a `tfpar.Cluster`; default `Cluster.local()`.
         memory_per_device: bytes a device may use (default: the cluster's
@@ -68,6 +71,23 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
         `global_batch_size` no plan can use, and for a model it cannot
         analyse.
     """
+    kwargs = dict(cluster=cluster, memory_per_device=memory_per_device,
+                  optimizer=optimizer, measure=measure,
+                  sequence_length=sequence_length, check=check)
+    if isinstance(model, keras.Model) or not callable(model):
+        return _planned(model, global_batch_size, **kwargs)
+    # A builder: the check's builds give their layer names back too, so the
+    # user's next build has the paths of the plan's rules, and the plan's
+    # strategy creates every split weight split (`Plan.strategy`).
+    with names_given_back():
+        chosen = _planned(model, global_batch_size, **kwargs)
+    chosen.info["rules_at_creation"] = True
+    return chosen
+
+
+def _planned(model, global_batch_size, *, cluster, memory_per_device,
+             optimizer, measure, sequence_length, check):
+    """`plan`'s search (see there)."""
     if (isinstance(global_batch_size, bool)
             or not isinstance(global_batch_size, (int, np.integer))
             or global_batch_size < 1):

@@ -39,10 +39,8 @@ Example:
 >>> profile.total_flops, profile.num_params
 """
 
-import contextlib
 import dataclasses
 import math
-import threading
 
 import keras
 import numpy as np
@@ -50,6 +48,8 @@ import numpy as np
 from tfpar import _compat
 from tfpar import keras_graph
 from tfpar.pipeline import split
+# Re-exported: the planner's callers build a builder's model through it.
+from tfpar.weightless import build_without_weights  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -102,51 +102,6 @@ class ModelProfile:
     @property
     def num_params(self):
         return sum(w.size for op in self.ops for w in op.weights)
-
-
-def build_without_weights(build):
-    """Calls `build()` inside `keras.StatelessScope(initialize_variables=
-    False)`: every weight gets its shape and dtype but no memory. An
-    optimizer made inside (a keras-hub task compiles in its constructor)
-    is made outside the scope (`_optimizers_with_state`)."""
-    with _optimizers_with_state(), \
-            keras.StatelessScope(initialize_variables=False):
-        model = build()
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "tfpar.plan(model) as a function must return a Keras model. "
-            f"Received: {build!r} returned {type(model).__name__}.")
-    _compat.forget_uninitialized_variables(model.weights)
-    return model
-
-
-# Held while BaseOptimizer.__init__ is swapped: two builds at once (two
-# threads planning) would otherwise restore each other's wrapper and leave
-# one installed. Re-entrant: a builder may build another without weights.
-_OPTIMIZER_PATCH = threading.RLock()
-
-
-@contextlib.contextmanager
-def _optimizers_with_state():
-    """Keras optimizers made in the block are made outside any
-    `StatelessScope`: an optimizer's step counter and learning rate are
-    variables initialised from numbers, which a StatelessScope refuses
-    ("attempting to create a variable while in a stateless scope"), and
-    a keras-hub task (GPT2CausalLM, ...) compiles with one in its
-    constructor. Two scalars; the model's weights stay shape-only."""
-    base = _compat.keras_module("optimizers.base_optimizer").BaseOptimizer
-
-    def init(self, *args, **kwargs):
-        with _compat.keras_globals({"stateless_scope": None}):
-            original(self, *args, **kwargs)
-
-    with _OPTIMIZER_PATCH:
-        original = base.__init__
-        base.__init__ = init
-        try:
-            yield
-        finally:
-            base.__init__ = original
 
 
 def profile_model(model, sequence_length=None):

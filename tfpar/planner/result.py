@@ -213,7 +213,8 @@ class Plan:
         return mesh_lib.Mesh(self.axes)
 
     def strategy(self):
-        """The `ParallelStrategy` for this plan (the same one every call)."""
+        """The `ParallelStrategy` for this plan (the same one every call);
+        for a plan of a builder, made with the plan's rules."""
         if self._strategy is None:
             need = int(np.prod(list(self.axes.values())))
             have = len(mesh_lib.default_devices())
@@ -222,7 +223,13 @@ class Plan:
                     f"This plan is for {need} devices ({self.axes}) but this "
                     f"machine has {have}. Plan with cluster=None "
                     "(tfpar.Cluster.local()) to run here.")
-            self._strategy = ParallelStrategy(self.mesh(), fsdp=self.fsdp)
+            # A plan of a builder (`tfpar.plan(builder)`): its rules name
+            # the paths the builder's next build has, so the strategy
+            # creates every split weight already split (no device ever
+            # holds it whole; a pipeline's wait on the host, laid out).
+            rules = self.rules if self.info.get("rules_at_creation") else None
+            self._strategy = ParallelStrategy(self.mesh(), rules=rules,
+                                              fsdp=self.fsdp)
         return self._strategy
 
     def apply(self, model):

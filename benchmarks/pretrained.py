@@ -1,0 +1,75 @@
+"""Loading a pretrained Llama3 backbone into shards: peak host memory,
+per-device bytes and load time, by route and mesh.
+
+Run it with
+
+    python benchmarks/pretrained.py                 # ~148M parameters, 0.59 GB
+    python benchmarks/pretrained.py --size 40m      # ~40M parameters
+    python benchmarks/pretrained.py --help
+
+It writes a keras-hub preset (`save_to_preset`) and a Hugging Face
+checkpoint (`tfpar.pretrained.export_to_transformers`, sharded with an
+index) of a random Llama3Backbone (tests/pretrained_child.py `SIZES`), then
+loads each in a fresh process per route and mesh (8 virtual CPUs), the
+process's peak resident set (Linux VmHWM) reset right before the load:
+
+- "rules": rules from a builder (`tfpar.auto_rules(lambda:
+  from_preset(path, load_weights=False))`), the model built in the scope
+  of `ParallelStrategy(mesh, rules=...)`, then `tfpar.pretrained.load_weights`;
+- "from_preset": the same rules, then keras-hub's `from_preset` in the scope
+  (preset only: keras-hub's HF route needs the `safetensors` package);
+- "naive": `from_preset` under a strategy without rules, then
+  `apply_rules(model, auto_rules(model))` (the route before issue 37).
+
+Printed per run: peak growth / checkpoint bytes, tfpar's largest per-device
+bytes / checkpoint bytes, load seconds. Every run also checks the weights
+equal the saved ones and runs one training step.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = os.path.join(HERE, "..", "tests", "pretrained_child.py")
+RUNS = [("preset", "naive", "model=8"), ("preset", "from_preset", "model=8"),
+        ("preset", "rules", "model=8"), ("preset", "rules", "data=2,model=4"),
+        ("hf", "rules", "model=8"), ("hf", "rules", "data=2,model=4")]
+
+
+def child(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests")])}
+    result = subprocess.run([sys.executable, CHILD, *args], env=env,
+                            capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="150m",
+                        help="a key of tests/pretrained_child.py SIZES")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        child("make", args.size, directory)
+        print(f"{'format':7} {'route':12} {'mesh':15} {'peak growth':>12} "
+              f"{'per device':>11} {'load s':>7}")
+        for fmt, route, mesh in RUNS:
+            out = os.path.join(directory, "result.json")
+            child("load", args.size, directory, fmt, route, mesh, out)
+            with open(out) as f:
+                r = json.load(f)
+            assert r["weights_equal"], r
+            size = r["checkpoint_bytes"]
+            print(f"{fmt:7} {route:12} {mesh:15} "
+                  f"{r['growth'] / size:11.2f}x {r['per_device_bytes'] / size:10.3f}x "
+                  f"{r['load_s']:7.1f}", flush=True)
+        print(f"checkpoint: {size / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

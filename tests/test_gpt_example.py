@@ -164,3 +164,21 @@ def test_gpt_recompute_with_fsdp_parity(single_device, axes):
     # layers are recomputed with it, not again on their own).
     extra = backward_gathers(recomputed) - backward_gathers(kept)
     assert 8 <= extra <= 16
+
+
+def test_a_constant_larger_than_dtensor_broadcasts_trains_as_one_device():
+    """Found outside the suite (every GPT here had a sequence of 8 or 16):
+    examples/gpt.py adds `keras.ops.arange(seq_len)` to its positions, a
+    constant the functional model holds as an eager tensor; DTensor 2.21
+    auto-broadcasts only small ones, so from seq_len=32 on every step
+    failed ("got a regular tensor for input 2 (shape [32]) but was
+    expecting a DTensor"). A step now captures it replicated on its
+    mesh."""
+    config = dict(GPT, seq_len=40)
+    x, y = gpt.toy_corpus(16, vocab=config["vocab"], seq_len=40)
+    keras.utils.set_random_seed(0)
+    weights = gpt.build_gpt(**config).get_weights()
+    _, want = gpt.train(None, weights, x, y, 16, 1, **config)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    _, got = gpt.train(strategy, weights, x, y, 16, 1, **config)
+    assert models.relative_error(want, got) < 1e-4

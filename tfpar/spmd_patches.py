@@ -13,12 +13,63 @@ The factories' `hooks` are the strategy's (`tfpar.patches`): `owns` and
 import functools
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import placement
 from tfpar import spmd_ops
 from tfpar.step_context import in_spmd_step
+from tfpar.step_context import step_extended
 from tfpar.step_context import layout_free_draw
 from tfpar.step_context import replicate_in_step
+
+
+def _func_graph():
+    return _compat.tf_python_module("framework.func_graph").FuncGraph
+
+
+# Host tensors a step captured, replicated: {id(tensor): (tensor, mesh,
+# DTensor)}; the tensor is kept so that its id is not reused.
+_REPLICATED_CAPTURES = {}
+
+
+def _eager_captures_replicated(original, hooks):
+    """`FuncGraph.capture` in a step: an eager tensor made outside it — a
+    Keras functional model's constant argument, e.g. `keras.ops.arange(
+    seq_len)` in examples/gpt.py's position embedding — is captured as a
+    DTensor replicated on the step's mesh. DTensor 2.21 auto-broadcasts only
+    scalars and small integer tensors: the GPT's [32] positions failed every
+    step ("got a regular tensor for input 2 (shape [32]) but was expecting a
+    DTensor"). One copy per tensor and mesh."""
+
+    @functools.wraps(original)
+    def capture(self, tensor, name=None, shape=None):
+        if in_spmd_step() and isinstance(tensor, _eager_tensor()):
+            tensor = _replicated_on_step_mesh(tensor)
+        return original(self, tensor, name, shape)
+
+    return capture
+
+
+def _eager_tensor():
+    return _compat.tf_python_module("framework.ops").EagerTensor
+
+
+def _replicated_on_step_mesh(tensor):
+    """`tensor` (eager) as a DTensor replicated on the step's mesh; itself
+    when it is a DTensor already."""
+    extended = step_extended()
+    mesh = extended.registry.placement_mesh or extended.mesh
+    cached = _REPLICATED_CAPTURES.get(id(tensor))
+    if cached is not None and cached[1] == mesh:
+        return cached[2]
+    with tf.init_scope():
+        if dtensor.is_dtensor(tensor):
+            return tensor
+        replicated = placement.put(tensor, (None,) * tensor.shape.rank, mesh,
+                                   dtype=tensor.dtype)
+    _REPLICATED_CAPTURES[id(tensor)] = (tensor, mesh, replicated)
+    return replicated
 
 
 def _keras_random():
@@ -360,6 +411,8 @@ def _static_sparse_division(original, hooks):
 
 
 PATCHES = (
+    _compat.Patch("func_graph_capture", _func_graph, "capture",
+                  _eager_captures_replicated),
     _compat.Patch("divide", _keras_numpy, "divide", _static_sparse_division),
     _compat.Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),

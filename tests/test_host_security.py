@@ -16,11 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-import keras
-import numpy as np
 import pytest
 
-import models
+from test_launch import given_data
 from tfpar import host_auth, host_watch
 
 TESTS = Path(__file__).resolve().parent
@@ -109,16 +107,6 @@ def listening_address(port):
         if state == "0A" and int(hex_port, 16) == port:
             return socket.inet_ntoa(bytes.fromhex(ip)[::-1])
     return None
-
-
-def given_data(tmp_path):
-    """tests/test_launch.py's workdir fixture: weights and data."""
-    keras.utils.set_random_seed(0)
-    weights = models.host_mlp().get_weights()
-    x, y = models.mlp_data(n=96)
-    np.savez(tmp_path / "given.npz", x=x, y=y,
-             **{f"w{i}": w for i, w in enumerate(weights)})
-    return tmp_path
 
 
 @pytest.mark.slow  # two TF processes; the in-process case above is fast

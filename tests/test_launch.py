@@ -46,14 +46,19 @@ def launch(workdir, mode, *flags, heartbeat=60, timeout=400, child=CHILD):
         time.monotonic() - start)
 
 
-@pytest.fixture()
-def workdir(tmp_path):
+def given_data(tmp_path):
+    """Writes the children's weights and data (given.npz) to `tmp_path`."""
     keras.utils.set_random_seed(0)
     weights = models.host_mlp().get_weights()
     x, y = models.mlp_data(n=96)
     np.savez(tmp_path / "given.npz", x=x, y=y,
              **{f"w{i}": w for i, w in enumerate(weights)})
     return tmp_path
+
+
+@pytest.fixture()
+def workdir(tmp_path):
+    return given_data(tmp_path)
 
 
 def one_device_losses(workdir, epochs=4):

@@ -470,8 +470,8 @@ def test_top_k_gradient_fails_on_a_batch_split_and_route_does_not():
     repro = Path(__file__).with_name("dtensor_top_k_gradient_repro.py")
     result = subprocess.run([sys.executable, str(repro)], capture_output=True,
                             text=True, timeout=300)
-    assert result.stdout.strip().splitlines()[-1] == (
-        "top_k: InvalidArgumentError"), result.stdout + result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1].startswith(
+        "top_k: failed, "), result.stdout + result.stderr[-2000:]
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
     logits = np.random.RandomState(0).normal(size=(16, 8, 4)).astype("f4")
 

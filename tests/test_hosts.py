@@ -27,6 +27,33 @@ CHILD = Path(__file__).with_name("hosts_child.py")
 RTOL = 1e-4
 
 
+def run_two_hosts(child, workdir, timeout=600):
+    """Runs `child HOST_ID ADDRESSES WORKDIR` as two hosts joined into one
+    cluster; asserts both exit 0, showing every host's output if not."""
+    addresses = ",".join(f"localhost:{p}" for p in launch.free_ports(2))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DTENSOR_")}
+    processes = [subprocess.Popen(
+        [sys.executable, str(child), str(i), addresses, str(workdir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for i in range(2)]
+    # A host stuck in a collective (its peer died) ignores SIGTERM: kill
+    # both when one fails or time runs out, and show every host's output.
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in processes):
+        failed = any(p.poll() not in (None, 0) for p in processes)
+        if failed or time.monotonic() > deadline:
+            for process in processes:
+                process.kill()
+            break
+        time.sleep(0.5)
+    outputs = [p.communicate()[0] for p in processes]
+    for process in processes:
+        assert process.returncode == 0, "\n".join(
+            f"host {j} (exit {p.returncode}):\n{out[-3000:]}"
+            for j, (p, out) in enumerate(zip(processes, outputs)))
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """(results of host 0 and host 1, the single-device reference)."""
@@ -36,28 +63,7 @@ def cluster(tmp_path_factory):
     x, y = models.mlp_data(n=96)
     np.savez(workdir / "given.npz", x=x, y=y,
              **{f"w{i}": w for i, w in enumerate(weights)})
-    addresses = ",".join(f"localhost:{p}" for p in launch.free_ports(2))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("DTENSOR_")}
-    processes = [subprocess.Popen(
-        [sys.executable, str(CHILD), str(i), addresses, str(workdir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for i in range(2)]
-    # A host stuck in a collective (its peer died) ignores SIGTERM: kill
-    # both when one fails or time runs out, and show every host's output.
-    deadline = time.monotonic() + 600
-    while any(p.poll() is None for p in processes):
-        failed = any(p.poll() not in (None, 0) for p in processes)
-        if failed or time.monotonic() > deadline:
-            for process in processes:
-                process.kill()
-            break
-        time.sleep(0.5)
-    outputs = [p.communicate()[0] for p in processes]
-    for i, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, "\n".join(
-            f"host {j} (exit {p.returncode}):\n{out[-3000:]}"
-            for j, (p, out) in enumerate(zip(processes, outputs)))
+    run_two_hosts(CHILD, workdir)
     results = [dict(np.load(workdir / f"host{i}.npz"), workdir=workdir, x=x)
                for i in range(2)]
     reference = models.train_host_mlp(models.host_mlp(), x, y, weights)

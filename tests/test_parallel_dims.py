@@ -210,3 +210,18 @@ def test_the_expert_axis_may_be_the_data_axis_and_no_other_role_may():
                           (dict(expert_axis="pipe"), "pipe and expert")):
         with pytest.raises(ValueError, match=f"different {pair} axes"):
             ParallelDims(tfpar.Mesh({"data": 8}), **options)
+
+
+def test_an_expert_axis_contradicting_the_dims_is_an_error_naming_both():
+    """One rule for every role's axis (`ParallelDims.resolve_axis`)."""
+    dims = ParallelDims(tfpar.Mesh({"data": 2, "ep": 4}), expert_axis="ep")
+    assert dims.resolve_axis("expert", None, "auto_rules") == "ep"
+    with pytest.raises(ValueError, match=(
+            r"auto_rules\(expert_axis='expert'\) contradicts the strategy's "
+            r"expert axis ParallelStrategy\(expert_axis='ep'\)")):
+        dims.resolve_axis("expert", "expert", "auto_rules", "expert_axis")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    with strategy.scope():
+        model = build_mlp()
+        with pytest.raises(ValueError, match=r"expert_axis='ep'\) contra"):
+            tfpar.auto_rules(model, expert_axis="ep")

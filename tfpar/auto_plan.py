@@ -47,7 +47,6 @@ _KERAS_NORMS = (
 # LlamaLayerNorm, MistralLayerNormalization, ...), known by name: they
 # normalize each token over its last axis with 1-D weights.
 _NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
-DEFAULT_EXPERT_AXIS = "expert"
 
 
 def auto_rules(model, axis=None, axis_size=None, mesh=None,
@@ -201,17 +200,12 @@ def _expert_axis_and_size(expert_axis, mesh):
     """(expert axis, its size or None) of `auto_rules`' arguments, the
     current strategy's dims filling in what is not given."""
     dims = parallel_dims.current()
-    declared = getattr(dims, "expert_axis", None)
-    if expert_axis is None:
-        expert_axis = declared or DEFAULT_EXPERT_AXIS
-    elif declared is not None and expert_axis != declared:
-        raise ValueError(
-            f"auto_rules(expert_axis={expert_axis!r}) contradicts the "
-            f"strategy's expert axis ParallelStrategy(expert_axis="
-            f"{declared!r}). Received: expert_axis={expert_axis!r}. Leave "
-            "it out, or declare it once on the strategy.")
-    if mesh is None and dims is not None:
-        mesh = dims.mesh
+    if dims is not None:
+        expert_axis = dims.resolve_axis("expert", expert_axis, "auto_rules",
+                                        "expert_axis")
+        mesh = dims.mesh if mesh is None else mesh
+    elif expert_axis is None:
+        expert_axis = parallel_dims.DEFAULT_EXPERT_AXIS
     return expert_axis, None if mesh is None else mesh.axis_size(expert_axis)
 
 

@@ -107,9 +107,9 @@ import math
 import tensorflow as tf
 
 from tfpar import collectives
+from tfpar.parallel_dims import DEFAULT_EXPERT_AXIS
 
 ROUTERS = ("softmax", "sigmoid")
-DEFAULT_EXPERT_AXIS = "expert"
 
 Routing = collections.namedtuple("Routing", "probabilities weights experts")
 Routing.__doc__ = """The router's choice for each token: `probabilities`

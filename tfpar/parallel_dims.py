@@ -36,6 +36,7 @@ from tfpar.mesh import Mesh, default_devices, short_device_name
 
 OFFLOAD_OPTIONS = (None, "optimizer", "optimizer+master")
 DEFAULT_MODEL_AXIS = "model"
+DEFAULT_EXPERT_AXIS = "expert"
 # The roles a mesh axis can play, each with the option declaring its axis
 # (and the conventional name it defaults to).
 ROLE_OPTIONS = {"data": "data_axis", "pipe": "pipeline_axis",
@@ -102,7 +103,7 @@ class ParallelDims:
     model_axis: str = DEFAULT_MODEL_AXIS
     virtual_stages: object = None
     offload_devices: object = None
-    expert_axis: str = "expert"
+    expert_axis: str = DEFAULT_EXPERT_AXIS
     context_axis: str = "context"
 
     def __post_init__(self):
@@ -258,17 +259,24 @@ class ParallelDims:
                 f"{owner}'s virtual_stages out, or pass the same value.")
         return given
 
-    def resolve_model_axis(self, given, owner):
-        """The model axis an `owner` (a style, `auto_rules`) uses: the dims'
-        when `given` is None; a ValueError naming both when they differ."""
-        if given is None or given == self.model_axis:
-            return self.model_axis
+    def resolve_axis(self, role, given, owner, argument="axis"):
+        """The axis of `role` (a key of `ROLE_OPTIONS`) an `owner` (a
+        style, `auto_rules`) uses: the dims' when `given` (its `argument`)
+        is None; a ValueError naming both when they differ."""
+        option = ROLE_OPTIONS[role]
+        declared = getattr(self, option)
+        if given is None or given == declared:
+            return declared
         raise ValueError(
-            f"{owner}(axis={given!r}) contradicts the strategy's model axis "
-            f"ParallelStrategy(model_axis={self.model_axis!r}). Received: "
-            f"axis={given!r}. Declare it once: leave the axis out (it "
-            f"defaults to {self.model_axis!r}), or pass "
-            f"ParallelStrategy(model_axis={given!r}).")
+            f"{owner}({argument}={given!r}) contradicts the strategy's "
+            f"{role} axis ParallelStrategy({option}={declared!r}). "
+            f"Received: {argument}={given!r}. Declare it once: leave "
+            f"{argument} out (it defaults to {declared!r}), or pass "
+            f"ParallelStrategy({option}={given!r}).")
+
+    def resolve_model_axis(self, given, owner):
+        """`resolve_axis` of the model axis."""
+        return self.resolve_axis("model", given, owner)
 
     def bind_rules(self, rules):
         """A fresh `LayoutRules` of `rules` (its own record of used rules)

@@ -1,5 +1,6 @@
 """The GPT example trains with auto_rules in parity with one device."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
+from tfpar import spmd_patches
 
 import models
 
@@ -180,5 +182,14 @@ def test_a_constant_larger_than_dtensor_broadcasts_trains_as_one_device():
     weights = gpt.build_gpt(**config).get_weights()
     _, want = gpt.train(None, weights, x, y, 16, 1, **config)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
-    _, got = gpt.train(strategy, weights, x, y, 16, 1, **config)
+    captures_before = set(spmd_patches._REPLICATED_CAPTURES)
+    model, got = gpt.train(strategy, weights, x, y, 16, 1, **config)
     assert models.relative_error(want, got) < 1e-4
+    # The replicated copy of the constant lives as long as the constant:
+    # once the model is gone, so is the cache entry (no growth for the
+    # life of the process).
+    assert set(spmd_patches._REPLICATED_CAPTURES) - captures_before
+    del model
+    keras.backend.clear_session()
+    gc.collect()
+    assert not set(spmd_patches._REPLICATED_CAPTURES) - captures_before

@@ -11,6 +11,7 @@ The factories' `hooks` are the strategy's (`tfpar.patches`): `owns` and
 """
 
 import functools
+import weakref
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -28,8 +29,9 @@ def _func_graph():
     return _compat.tf_python_module("framework.func_graph").FuncGraph
 
 
-# Host tensors a step captured, replicated: {id(tensor): (tensor, mesh,
-# DTensor)}; the tensor is kept so that its id is not reused.
+# Host tensors a step captured, replicated: {id(tensor): (mesh, DTensor)}.
+# An entry leaves with its tensor (a finalizer), so the cache neither grows
+# for the life of the process nor answers for a reused id.
 _REPLICATED_CAPTURES = {}
 
 
@@ -61,14 +63,16 @@ def _replicated_on_step_mesh(tensor):
     extended = step_extended()
     mesh = extended.registry.placement_mesh or extended.mesh
     cached = _REPLICATED_CAPTURES.get(id(tensor))
-    if cached is not None and cached[1] == mesh:
-        return cached[2]
+    if cached is not None and cached[0] == mesh:
+        return cached[1]
     with tf.init_scope():
         if dtensor.is_dtensor(tensor):
             return tensor
         replicated = placement.put(tensor, (None,) * tensor.shape.rank, mesh,
                                    dtype=tensor.dtype)
-    _REPLICATED_CAPTURES[id(tensor)] = (tensor, mesh, replicated)
+    if cached is None:
+        weakref.finalize(tensor, _REPLICATED_CAPTURES.pop, id(tensor), None)
+    _REPLICATED_CAPTURES[id(tensor)] = (mesh, replicated)
     return replicated
 
 

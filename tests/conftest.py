@@ -12,6 +12,7 @@ tfpar.use_virtual_cpus(8)
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+from keras.src.utils import naming  # noqa: E402
 
 import process_state  # noqa: E402
 
@@ -19,8 +20,12 @@ import process_state  # noqa: E402
 @pytest.fixture(autouse=True, scope="module")
 def same_random_state_for_each_module():
     """Module-scoped fixtures (set up before the per-test seed below) start
-    from random seed 0 too."""
+    from random seed 0 too, and every test file starts Keras' layer-name
+    counters afresh: an unnamed layer gets the name it gets when its file
+    runs alone. A test asserting auto names failed in CI only, where
+    another file in its pytest-xdist worker had made dense layers first."""
     keras.utils.set_random_seed(0)
+    naming.reset_uids()
 
 
 @pytest.fixture(autouse=True)

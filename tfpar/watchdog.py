@@ -59,7 +59,13 @@ def run_watched(step):
     watch (several hosts only) under its timeout: a `StepWatchdog`'s, else
     `default_timeout()`. TF runs a step asynchronously — the call returns
     before its collectives complete — so the step ends when its first
-    output is computed (`_wait_for`), not when it is dispatched."""
+    output is computed (`_wait_for`), not when it is dispatched.
+
+    This waits on the training thread: one sync per step on several hosts.
+    Waiting from a thread of tfpar's instead, so that the next step is
+    dispatched first, was tried (2026-12-05): on two hosts a peer's step
+    then failed ("CompleteGroup is cancelled before it starts") — reads of
+    DTensors from two threads are not ordered alike on every host."""
     watch = host_watch.current()
     if watch is None:
         return step()

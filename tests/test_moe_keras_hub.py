@@ -29,6 +29,7 @@ import re
 import warnings
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
@@ -54,9 +55,54 @@ ROUTER_NAMES = ("sparse_feedforward_gate_dense", "router_dense")
 # (asserted in check_parity; seed 1 left a 1.9e-7 gap in Qwen3-MoE's
 # second Adam step; measured minimum gaps: Mixtral seed 1 3.3e-4,
 # Qwen3-MoE seed 5 1.6e-5, GPT-OSS seed 3 7.8e-5).
-DATA_SEEDS = {"qwen3_moe": 5, "gpt_oss": 3}
+DATA_SEEDS = {"qwen3_moe": 5, "gpt_oss": 3, "qwen_moe": 1,
+              "qwen3_5_moe": 1}
 BLOCK_COUNTER = re.compile(r"(?<=moe_block)_\d+")
-BANK_NAMES = {"mixtral": 3, "qwen3_moe": 2, "gpt_oss": 4}
+BANK_NAMES = {"mixtral": 3, "qwen3_moe": 2, "gpt_oss": 4, "qwen_moe": 2,
+              "qwen3_5_moe": 2}
+
+
+def _qwen_moe():
+    """Qwen-MoE: a shared expert gated by a sigmoid, top-k not normalised."""
+    backbone = keras_hub.models.QwenMoeBackbone(
+        vocabulary_size=hub_models.VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, hidden_dim=32, intermediate_dim=64,
+        moe_intermediate_dim=32, shared_expert_intermediate_dim=32,
+        num_experts=8, top_k=TOP_K, norm_top_k_prob=False)
+    return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_5_moe():
+    """Qwen3.5-MoE with full attention only (its linear-attention layers
+    have nothing to do with experts), a gated shared expert."""
+    backbone = keras_hub.models.Qwen3_5MoeBackbone(
+        vocabulary_size=hub_models.VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, head_dim=8, hidden_dim=32,
+        moe_intermediate_dim=32, shared_expert_intermediate_size=32,
+        num_experts=8, top_k=TOP_K, layer_types=["full_attention"] * 2)
+    return keras_hub.models.Qwen3_5MoeCausalLM(backbone, preprocessor=None)
+
+
+_HUB_BUILD = hub_models.build  # check_adam reads hub_models.build
+SHARED_EXPERT_BUILDERS = {"qwen_moe": _qwen_moe, "qwen3_5_moe": _qwen3_5_moe}
+ALL_MOE = hub_models.MOE_LMS + tuple(SHARED_EXPERT_BUILDERS)
+
+
+def build_moe(name):
+    """hub_models' MoE model `name` or a shared-expert one, built with
+    seeded weights; GPT-OSS' router and expert biases (zeros at init) set
+    to seeded random values so that their paths count."""
+    if name not in SHARED_EXPERT_BUILDERS:
+        model = _HUB_BUILD(name)
+    else:
+        keras.utils.set_random_seed(0)
+        model = SHARED_EXPERT_BUILDERS[name]()
+    rng = np.random.default_rng(7)
+    for weight in model.weights:
+        if name == "gpt_oss" and weight.path.endswith("bias") and (
+                "/experts/" in weight.path or "/router/" in weight.path):
+            weight.assign(0.2 * rng.standard_normal(weight.shape))
+    return model
 
 
 def routers(model):
@@ -109,9 +155,11 @@ def auto(model, mesh):
 def train(name, optimizer, mesh_shape=None, policy=None, dispatch=None):
     """(model, per-step losses, strategy, router margins) after STEPS
     batches of fit (margins only for the one-device run). `dispatch`:
-    keyword arguments of `tfpar.moe_keras_hub.dispatch_experts`, or None
-    (the blocks' masked computation)."""
-    weights = hub_models.build(name).get_weights()
+    keyword arguments of `tfpar.moe_keras_hub.dispatch_experts`, "masked"
+    (`mask_experts`: the blocks' masked computation on every mesh) or None
+    (the default: dropless dispatch on a mesh with an expert axis, the
+    masked computation on one device)."""
+    weights = build_moe(name).get_weights()
     x, y = hub_models.data(name, batch=BATCH * STEPS,
                            seed=DATA_SEEDS.get(name, 1))
     strategy = None if mesh_shape is None else tfpar.ParallelStrategy(
@@ -121,9 +169,11 @@ def train(name, optimizer, mesh_shape=None, policy=None, dispatch=None):
     keras.config.set_dtype_policy(policy or "float32")
     try:
         def build():
-            model = hub_models.build(name)
+            model = build_moe(name)
             model.set_weights(weights)
-            if dispatch is not None:
+            if dispatch == "masked":
+                assert tfpar.moe_keras_hub.mask_experts(model) == 2
+            elif dispatch is not None:
                 assert tfpar.moe_keras_hub.dispatch_experts(
                     model, **dispatch) == 2
             if strategy is not None:
@@ -196,32 +246,53 @@ def check_parity(name, optimizer, mesh_id, policy=None, dispatch=None,
         assert models.relative_error(a.numpy(), b.numpy()) < tolerance, (
             a.path)
     if optimizer == "adam" and policy is None:
-        test_keras_hub.check_adam(name, reference, model)
+        with pytest.MonkeyPatch.context() as patch:
+            # check_adam rebuilds the initial weights: this file's build.
+            patch.setattr(hub_models, "build", lambda n, seed=0: build_moe(n))
+            if name == "gpt_oss":
+                # GPT-OSS' attention sinks add a logit per head to the
+                # softmax, so a key bias shifts the probabilities: its
+                # gradient is real (1.2e-4 measured), not the rounding
+                # noise test_keras_hub assumes.
+                patch.setattr(test_keras_hub, "ZERO_GRADIENT",
+                              re.compile(r"(?!)"))
+            test_keras_hub.check_adam(name, reference, model)
     check_banks_split(name, model, strategy)
     return strategy
 
 
 def test_mixtral_data2_expert4_adam():
-    """The default case: Mixtral, data=2 x expert=4, Adam."""
+    """The default case: Mixtral, data=2 x expert=4, Adam; its blocks
+    dispatch (automatic on a mesh with an expert axis) against keras-hub's
+    masked blocks on one device."""
     check_parity("mixtral", "adam", "2x4")
 
 
-def test_mixtral_dispatch_data2_expert4_matches_masked_one_device():
-    """Dropless dispatch (`dispatch_experts`) on data=2 x expert=4, SGD,
-    against keras-hub's masked block on one device."""
-    check_parity("mixtral", "sgd", "2x4", dispatch={})
+def test_gpt_oss_dispatch_data2_expert4():
+    """GPT-OSS' blocks (biased router, clamped-GLU experts with biases, set
+    non-zero) dispatch on data=2 x expert=4, SGD, against its masked
+    blocks on one device."""
+    check_parity("gpt_oss", "sgd", "2x4")
+
+
+def test_qwen_moe_shared_expert_dispatch_data2_expert4():
+    """Qwen-MoE (routed experts dispatched, the sigmoid-gated shared expert
+    added; top-k weights not normalised) on data=2 x expert=4, SGD, against
+    one device; its aux loss is in the compared losses."""
+    check_parity("qwen_moe", "sgd", "2x4")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ALL_MOE)
 @pytest.mark.parametrize("mesh_id", list(MESHES))
 def test_dispatch_matrix(name, mesh_id):
-    """Dropless dispatch with Adam against the masked block on one device,
-    and (Mixtral) capacity_factor=1.0 (tokens dropped) against one
-    device's dispatch with the same capacity. (Qwen3-MoE's capped run
+    """Automatic dropless dispatch with Adam against the masked block on
+    one device, and (Mixtral) capacity_factor=1.0 (tokens dropped) against
+    one device's dispatch with the same capacity. (Qwen3-MoE's capped run
     trains to a router gap of 5e-6 at its second step with data seed 5,
     below ROUTER_MARGIN: not compared.)"""
-    check_parity(name, "adam", mesh_id, dispatch={})
+    if (name, mesh_id) != ("mixtral", "2x4"):  # the default test's case
+        check_parity(name, "adam", mesh_id)
     if name == "mixtral":
         capped = {"capacity_factor": 1.0}
         check_parity(name, "sgd", mesh_id, dispatch=capped,
@@ -249,18 +320,12 @@ def test_dispatch_drops_past_capacity_and_refuses_bad_input():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mesh_id,optimizer", [
-    (name, mesh_id, optimizer) for name in hub_models.MOE_LMS
-    for mesh_id in MESHES for optimizer in ("sgd", "adam")
-    # the default profile's test_mixtral_data2_expert4_adam is the other
-    if (name, mesh_id, optimizer) != ("mixtral", "2x4", "adam")])
-def test_parity_matrix(name, mesh_id, optimizer, monkeypatch):
-    if name == "gpt_oss":
-        # GPT-OSS' attention sinks add a logit per head to the softmax, so
-        # a key bias shifts the probabilities: its gradient is real (1.2e-4
-        # measured), not the rounding noise test_keras_hub assumes.
-        monkeypatch.setattr(test_keras_hub, "ZERO_GRADIENT",
-                            re.compile(r"(?!)"))
-    check_parity(name, optimizer, mesh_id)
+    (name, mesh_id, optimizer) for name in ALL_MOE
+    for mesh_id in MESHES for optimizer in ("sgd", "adam")])
+def test_masked_parity_matrix(name, mesh_id, optimizer):
+    """The opt-out (`mask_experts`): the blocks' own masked computation,
+    banks split over "expert", against one device."""
+    check_parity(name, optimizer, mesh_id, dispatch="masked")
 
 
 def test_auto_rules_plan_banks_routers_and_qwen3_attention():

@@ -280,8 +280,8 @@ def _dispatched_call(block, hidden_states, attention_mask=None,
                      else None))
     block.tfpar_dropped = out.dropped
     outputs = out.outputs + _shared_expert(block, flat, hidden_states)
-    if training:
-        _add_aux_loss(block, logits, attention_mask)
+    if training:  # from float32 logits (keras-hub's own fails on bf16)
+        _add_aux_loss(block, _float32_logits(router, flat), attention_mask)
     if hasattr(block, "router"):  # GPT-OSS returns its router scores
         return outputs, _router_scores(out.routing, block.num_experts,
                                        logits.dtype)
@@ -301,6 +301,18 @@ def _shared_expert(block, flat, hidden_states):
         return tf.zeros((), hidden_states.dtype)
     gated = shared(flat) * keras.ops.sigmoid(gate(flat))
     return tf.reshape(gated, tf.shape(hidden_states))
+
+
+def _float32_logits(router, flat):
+    """The router's logits computed in float32 (x W (+ b)), as
+    `experts.moe` routes: under mixed precision keras-hub's aux loss
+    function multiplies bfloat16 probabilities by a float32 mask (a
+    TypeError in keras-hub 0.32's own masked blocks)."""
+    logits = tf.matmul(tf.cast(flat, tf.float32),
+                       tf.cast(router.kernel, tf.float32))
+    if router.use_bias:
+        logits = logits + tf.cast(router.bias, tf.float32)
+    return logits
 
 
 def _add_aux_loss(block, logits, attention_mask):

@@ -2,18 +2,21 @@
 their expert banks split over an `expert` mesh axis, in parity with one
 device.
 
-Small Mixtral, Qwen3-MoE and GPT-OSS models (tests/hub_models.py: 8
-experts, top-2) are planned by `auto_rules` with no hand-written rule: every
-expert bank `[experts, in, out]` (and GPT-OSS' `[experts, out]` biases) is
-split along its experts dimension over "expert" (each device holds E/n
-whole experts, checked block by block with `dtensor.unpack`), the routers
-stay whole, the attention is split over "model" when the mesh has one.
-The blocks run their own masked computation (every local expert on every
-token, the result masked by the routing weights): DTensor computes each
-device's experts and sums the experts dimension over "expert". The
-per-step losses (the load-balancing aux loss included, where the model has
-one) and the final weights equal one device's within 1e-4 (Adam: the
-suite's link-by-link check, `test_keras_hub.check_adam`).
+Small Mixtral, Qwen3-MoE and GPT-OSS models (tests/hub_models.py) and
+Qwen-MoE and Qwen3.5-MoE ones with a gated shared expert (here; 8
+experts, top-2) are planned by `auto_rules` with no hand-written rule:
+every expert bank `[experts, in, out]` (and GPT-OSS' `[experts, out]`
+biases) is split along its experts dimension over "expert" (each device
+holds E/n whole experts, checked block by block with `dtensor.unpack`),
+the routers stay whole, the attention and shared experts are split over
+"model" when the mesh has one. On such a mesh the blocks dispatch their
+tokens (`tfpar.experts.moe`, dropless) automatically; `mask_experts`
+keeps keras-hub's masked computation (every local expert on every token,
+DTensor summing the experts dimension over "expert"). The per-step
+losses (the load-balancing aux loss included, where the model has one)
+and the final weights equal one device's (keras-hub's masked blocks)
+within 1e-4 (Adam: the suite's link-by-link check,
+`test_keras_hub.check_adam`).
 
 Routing must not flip between the runs: a callback on the one-device run
 reads every router's probabilities before each step (with that step's
@@ -21,8 +24,10 @@ weights and batch) and asserts that the k-th and (k+1)-th largest are
 apart by more than `ROUTER_MARGIN`, far above the float32 noise of the
 parallel run (~1e-7).
 
-The default run trains Mixtral on data=2 x expert=4 with Adam; the other
-models, SGD, data=2 x expert=2 x model=2 and mixed_bfloat16 are `slow`.
+The default profile trains Mixtral (Adam), GPT-OSS and Qwen-MoE (SGD) on
+data=2 x expert=4 with automatic dispatch and reads the exchanges of the
+experts-on-data placement; the matrices (every model, data=2 x expert=2 x
+model=2, the masked opt-out, mixed_bfloat16) are `slow`.
 """
 
 import re

@@ -2,18 +2,21 @@
 their expert banks split over an `expert` mesh axis, in parity with one
 device.
 
-Small Mixtral, Qwen3-MoE and GPT-OSS models (tests/hub_models.py: 8
-experts, top-2) are planned by `auto_rules` with no hand-written rule: every
-expert bank `[experts, in, out]` (and GPT-OSS' `[experts, out]` biases) is
-split along its experts dimension over "expert" (each device holds E/n
-whole experts, checked block by block with `dtensor.unpack`), the routers
-stay whole, the attention is split over "model" when the mesh has one.
-The blocks run their own masked computation (every local expert on every
-token, the result masked by the routing weights): DTensor computes each
-device's experts and sums the experts dimension over "expert". The
-per-step losses (the load-balancing aux loss included, where the model has
-one) and the final weights equal one device's within 1e-4 (Adam: the
-suite's link-by-link check, `test_keras_hub.check_adam`).
+Small Mixtral, Qwen3-MoE and GPT-OSS models (tests/hub_models.py) and
+Qwen-MoE and Qwen3.5-MoE ones with a gated shared expert (here; 8
+experts, top-2) are planned by `auto_rules` with no hand-written rule:
+every expert bank `[experts, in, out]` (and GPT-OSS' `[experts, out]`
+biases) is split along its experts dimension over "expert" (each device
+holds E/n whole experts, checked block by block with `dtensor.unpack`),
+the routers stay whole, the attention and shared experts are split over
+"model" when the mesh has one. On such a mesh the blocks dispatch their
+tokens (`tfpar.experts.moe`, dropless) automatically; `mask_experts`
+keeps keras-hub's masked computation (every local expert on every token,
+DTensor summing the experts dimension over "expert"). The per-step
+losses (the load-balancing aux loss included, where the model has one)
+and the final weights equal one device's (keras-hub's masked blocks)
+within 1e-4 (Adam: the suite's link-by-link check,
+`test_keras_hub.check_adam`).
 
 Routing must not flip between the runs: a callback on the one-device run
 reads every router's probabilities before each step (with that step's
@@ -21,14 +24,17 @@ weights and batch) and asserts that the k-th and (k+1)-th largest are
 apart by more than `ROUTER_MARGIN`, far above the float32 noise of the
 parallel run (~1e-7).
 
-The default run trains Mixtral on data=2 x expert=4 with Adam; the other
-models, SGD, data=2 x expert=2 x model=2 and mixed_bfloat16 are `slow`.
+The default profile trains Mixtral (Adam), GPT-OSS and Qwen-MoE (SGD) on
+data=2 x expert=4 with automatic dispatch and reads the exchanges of the
+experts-on-data placement; the matrices (every model, data=2 x expert=2 x
+model=2, the masked opt-out, mixed_bfloat16) are `slow`.
 """
 
 import re
 import warnings
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
@@ -48,15 +54,61 @@ TOP_K = 2
 ROUTER_MARGIN = 1e-5
 # Layers whose outputs are router logits (Mixtral, Qwen3-MoE: softmax then
 # top-k; GPT-OSS: top-k of the logits, the same experts).
-ROUTER_NAMES = ("sparse_feedforward_gate_dense", "router_dense")
+ROUTER_NAMES = ("sparse_feedforward_gate_dense", "router_dense",
+                "router_gate")
 # The weights of the expert banks, per model.
 # Data seeds whose router margins hold at every step of every optimizer
 # (asserted in check_parity; seed 1 left a 1.9e-7 gap in Qwen3-MoE's
 # second Adam step; measured minimum gaps: Mixtral seed 1 3.3e-4,
 # Qwen3-MoE seed 5 1.6e-5, GPT-OSS seed 3 7.8e-5).
-DATA_SEEDS = {"qwen3_moe": 5, "gpt_oss": 3}
+DATA_SEEDS = {"qwen3_moe": 5, "gpt_oss": 3, "qwen_moe": 1,
+              "qwen3_5_moe": 1}
 BLOCK_COUNTER = re.compile(r"(?<=moe_block)_\d+")
-BANK_NAMES = {"mixtral": 3, "qwen3_moe": 2, "gpt_oss": 4}
+BANK_NAMES = {"mixtral": 3, "qwen3_moe": 2, "gpt_oss": 4, "qwen_moe": 2,
+              "qwen3_5_moe": 2}
+
+
+def _qwen_moe():
+    """Qwen-MoE: a shared expert gated by a sigmoid, top-k not normalised."""
+    backbone = keras_hub.models.QwenMoeBackbone(
+        vocabulary_size=hub_models.VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, hidden_dim=32, intermediate_dim=64,
+        moe_intermediate_dim=32, shared_expert_intermediate_dim=32,
+        num_experts=8, top_k=TOP_K, norm_top_k_prob=False)
+    return keras_hub.models.QwenMoeCausalLM(backbone, preprocessor=None)
+
+
+def _qwen3_5_moe():
+    """Qwen3.5-MoE with full attention only (its linear-attention layers
+    have nothing to do with experts), a gated shared expert."""
+    backbone = keras_hub.models.Qwen3_5MoeBackbone(
+        vocabulary_size=hub_models.VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, head_dim=8, hidden_dim=32,
+        moe_intermediate_dim=32, shared_expert_intermediate_size=32,
+        num_experts=8, top_k=TOP_K, layer_types=["full_attention"] * 2)
+    return keras_hub.models.Qwen3_5MoeCausalLM(backbone, preprocessor=None)
+
+
+_HUB_BUILD = hub_models.build  # check_adam reads hub_models.build
+SHARED_EXPERT_BUILDERS = {"qwen_moe": _qwen_moe, "qwen3_5_moe": _qwen3_5_moe}
+ALL_MOE = hub_models.MOE_LMS + tuple(SHARED_EXPERT_BUILDERS)
+
+
+def build_moe(name):
+    """hub_models' MoE model `name` or a shared-expert one, built with
+    seeded weights; GPT-OSS' router and expert biases (zeros at init) set
+    to seeded random values so that their paths count."""
+    if name not in SHARED_EXPERT_BUILDERS:
+        model = _HUB_BUILD(name)
+    else:
+        keras.utils.set_random_seed(0)
+        model = SHARED_EXPERT_BUILDERS[name]()
+    rng = np.random.default_rng(7)
+    for weight in model.weights:
+        if name == "gpt_oss" and weight.path.endswith("bias") and (
+                "/experts/" in weight.path or "/router/" in weight.path):
+            weight.assign(0.2 * rng.standard_normal(weight.shape))
+    return model
 
 
 def routers(model):
@@ -109,9 +161,11 @@ def auto(model, mesh):
 def train(name, optimizer, mesh_shape=None, policy=None, dispatch=None):
     """(model, per-step losses, strategy, router margins) after STEPS
     batches of fit (margins only for the one-device run). `dispatch`:
-    keyword arguments of `tfpar.moe_keras_hub.dispatch_experts`, or None
-    (the blocks' masked computation)."""
-    weights = hub_models.build(name).get_weights()
+    keyword arguments of `tfpar.moe_keras_hub.dispatch_experts`, "masked"
+    (`mask_experts`: the blocks' masked computation on every mesh) or None
+    (the default: dropless dispatch on a mesh with an expert axis, the
+    masked computation on one device)."""
+    weights = build_moe(name).get_weights()
     x, y = hub_models.data(name, batch=BATCH * STEPS,
                            seed=DATA_SEEDS.get(name, 1))
     strategy = None if mesh_shape is None else tfpar.ParallelStrategy(
@@ -121,9 +175,11 @@ def train(name, optimizer, mesh_shape=None, policy=None, dispatch=None):
     keras.config.set_dtype_policy(policy or "float32")
     try:
         def build():
-            model = hub_models.build(name)
+            model = build_moe(name)
             model.set_weights(weights)
-            if dispatch is not None:
+            if dispatch == "masked":
+                assert tfpar.moe_keras_hub.mask_experts(model) == 2
+            elif dispatch is not None:
                 assert tfpar.moe_keras_hub.dispatch_experts(
                     model, **dispatch) == 2
             if strategy is not None:
@@ -196,36 +252,80 @@ def check_parity(name, optimizer, mesh_id, policy=None, dispatch=None,
         assert models.relative_error(a.numpy(), b.numpy()) < tolerance, (
             a.path)
     if optimizer == "adam" and policy is None:
-        test_keras_hub.check_adam(name, reference, model)
+        with pytest.MonkeyPatch.context() as patch:
+            # check_adam rebuilds the initial weights: this file's build.
+            patch.setattr(hub_models, "build", lambda n, seed=0: build_moe(n))
+            if name in ("gpt_oss", "qwen_moe"):
+                # GPT-OSS' attention sinks add a logit per head to the
+                # softmax, and Qwen-MoE rotates its keys (RoPE) after
+                # their bias, so a key bias shifts the probabilities: its
+                # gradient is real (1.2e-4 and 2.1e-4 measured), not the
+                # rounding noise test_keras_hub assumes.
+                patch.setattr(test_keras_hub, "ZERO_GRADIENT",
+                              re.compile(r"(?!)"))
+            test_keras_hub.check_adam(name, reference, model)
     check_banks_split(name, model, strategy)
     return strategy
 
 
 def test_mixtral_data2_expert4_adam():
-    """The default case: Mixtral, data=2 x expert=4, Adam."""
+    """The default case: Mixtral, data=2 x expert=4, Adam; its blocks
+    dispatch (automatic on a mesh with an expert axis) against keras-hub's
+    masked blocks on one device."""
     check_parity("mixtral", "adam", "2x4")
 
 
-def test_mixtral_dispatch_data2_expert4_matches_masked_one_device():
-    """Dropless dispatch (`dispatch_experts`) on data=2 x expert=4, SGD,
-    against keras-hub's masked block on one device."""
-    check_parity("mixtral", "sgd", "2x4", dispatch={})
+def test_gpt_oss_dispatch_data2_expert4():
+    """GPT-OSS' blocks (biased router, clamped-GLU experts with biases, set
+    non-zero) dispatch on data=2 x expert=4, SGD, against its masked
+    blocks on one device."""
+    check_parity("gpt_oss", "sgd", "2x4")
+
+
+def test_qwen_moe_shared_expert_dispatch_data2_expert4():
+    """Qwen-MoE (routed experts dispatched, the sigmoid-gated shared expert
+    added; top-k weights not normalised) on data=2 x expert=4, SGD, against
+    one device; its aux loss is in the compared losses."""
+    check_parity("qwen_moe", "sgd", "2x4")
+
+
+# Qwen3.5-MoE's gated attention split over "model" by auto_rules does not
+# compile (not the experts: "its tf.Unpack op failed: ... Expected shape:
+# <8,8,16,1> got shape: <8,8,8,1>"): known, strict xfail.
+_QWEN3_5_OVER_MODEL = pytest.mark.xfail(
+    strict=True, raises=ValueError,
+    reason="auto_rules' split of Qwen3.5's gated attention over model")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("mesh_id", list(MESHES))
+@pytest.mark.parametrize("name,mesh_id", [
+    pytest.param(name, mesh_id, marks=_QWEN3_5_OVER_MODEL)
+    if (name, mesh_id) == ("qwen3_5_moe", "2x2x2") else (name, mesh_id)
+    for name in ALL_MOE for mesh_id in MESHES])
 def test_dispatch_matrix(name, mesh_id):
-    """Dropless dispatch with Adam against the masked block on one device,
-    and (Mixtral) capacity_factor=1.0 (tokens dropped) against one
-    device's dispatch with the same capacity. (Qwen3-MoE's capped run
+    """Automatic dropless dispatch with Adam against the masked block on
+    one device, and (Mixtral) capacity_factor=1.0 (tokens dropped) against
+    one device's dispatch with the same capacity. (Qwen3-MoE's capped run
     trains to a router gap of 5e-6 at its second step with data seed 5,
     below ROUTER_MARGIN: not compared.)"""
-    check_parity(name, "adam", mesh_id, dispatch={})
+    if (name, mesh_id) != ("mixtral", "2x4"):  # the default test's case
+        check_parity(name, "adam", mesh_id)
     if name == "mixtral":
         capped = {"capacity_factor": 1.0}
         check_parity(name, "sgd", mesh_id, dispatch=capped,
                      reference_dispatch=capped)
+
+
+@pytest.mark.slow
+def test_mixtral_dispatch_mixed_bfloat16_data2_expert4():
+    """Under mixed_bfloat16, Mixtral's dispatching blocks (router and aux
+    loss in float32) on data=2 x expert=4 against one device dispatching
+    (keras-hub 0.32's own masked block fails to train under
+    mixed_bfloat16: its aux loss multiplies bfloat16 probabilities by a
+    float32 mask), within the suite's bfloat16 tolerance (2e-2; measured
+    1.4e-5 on the losses, 1.5e-2 on the weights)."""
+    check_parity("mixtral", "sgd", "2x4", policy="mixed_bfloat16",
+                 dispatch={}, reference_dispatch={})
 
 
 def test_dispatch_drops_past_capacity_and_refuses_bad_input():
@@ -245,22 +345,19 @@ def test_dispatch_drops_past_capacity_and_refuses_bad_input():
         tfpar.moe_keras_hub.dispatch_experts(model, capacity_factor=0)
     with pytest.raises(ValueError, match="no keras-hub MoE block"):
         tfpar.moe_keras_hub.dispatch_experts(hub_models.build("gpt2"))
+    with pytest.raises(ValueError, match="mask_experts found no keras-hub"):
+        tfpar.moe_keras_hub.mask_experts(hub_models.build("gpt2"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mesh_id,optimizer", [
-    (name, mesh_id, optimizer) for name in hub_models.MOE_LMS
+    (name, mesh_id, optimizer) for name in ALL_MOE
     for mesh_id in MESHES for optimizer in ("sgd", "adam")
-    # the default profile's test_mixtral_data2_expert4_adam is the other
-    if (name, mesh_id, optimizer) != ("mixtral", "2x4", "adam")])
-def test_parity_matrix(name, mesh_id, optimizer, monkeypatch):
-    if name == "gpt_oss":
-        # GPT-OSS' attention sinks add a logit per head to the softmax, so
-        # a key bias shifts the probabilities: its gradient is real (1.2e-4
-        # measured), not the rounding noise test_keras_hub assumes.
-        monkeypatch.setattr(test_keras_hub, "ZERO_GRADIENT",
-                            re.compile(r"(?!)"))
-    check_parity(name, optimizer, mesh_id)
+    if (name, mesh_id) != ("qwen3_5_moe", "2x2x2")])  # _QWEN3_5_OVER_MODEL
+def test_masked_parity_matrix(name, mesh_id, optimizer):
+    """The opt-out (`mask_experts`): the blocks' own masked computation,
+    banks split over "expert", against one device."""
+    check_parity(name, optimizer, mesh_id, dispatch="masked")
 
 
 def test_auto_rules_plan_banks_routers_and_qwen3_attention():
@@ -328,3 +425,62 @@ def test_mixtral_generate_data2_expert4(dispatch):
     assert models.relative_error(
         want_logits, model.predict(x, verbose=0)) < 1e-4
     check_banks_split("mixtral", model, strategy)
+
+
+def exchange_report(mesh_shape, **strategy_options):
+    """The `CommunicationReport` of Mixtral's compiled SGD step (batch 8,
+    dispatching automatically) on `mesh_shape`."""
+    keras.utils.set_random_seed(0)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh_shape),
+                                      **strategy_options)
+    with strategy.scope():
+        model = hub_models.build("mixtral")
+        strategy.apply_rules(model, auto(model, strategy.mesh))
+        model.compile(optimizer="sgd", loss=hub_models.loss("mixtral"))
+    x, y = hub_models.data("mixtral", batch=8)
+    return tfpar.communication_report(model, x, y)
+
+
+def exchanges(report, axis, tokens):
+    """(phase, purpose, multiplier, scope) of Mixtral's exchanges (hidden
+    32, 8 experts, top 2, dropless) over `axis`, `tokens` per device."""
+    found = report.expert_exchanges(axis, tokens=tokens, hidden=32,
+                                    num_experts=8, top_k=TOP_K)
+    # Dropless: a slot per expert per token, capacity factor 8 / 2.
+    assert found.formula_bytes == tokens * 32 * TOP_K * 4.0 * 4
+    assert "capacity factor 4 (dropless)" in found.formula, found.formula
+    assert str(found).count("\n") == len(found.rows) + 1
+    return [(r.collective.phase, r.collective.purpose, r.multiplier,
+             _EXCHANGE_SCOPES.search(r.collective.name).group(1))
+            for r in found.rows]
+
+
+_EXCHANGE_SCOPES = re.compile(r"/(dispatch|expert_ffn|combine)/")
+
+
+def test_exchanges_over_the_data_axis_carrying_experts_next_to_formula():
+    """expert_axis="data" on data=8 (one sequence of 8 tokens a device):
+    per block, forward, the slots out and back, each an all-gather of
+    every device's slots (8 x the formula: DTensor 2.21's gather-based
+    exchange); backward, the reverse of the second."""
+    report = exchange_report({"data": 8}, expert_axis="data")
+    per_block = [("forward", "all-gather", 8.0, "dispatch"),
+                 ("forward", "all-gather", 8.0, "expert_ffn")]
+    got = exchanges(report, "data", tokens=hub_models.SEQ_LEN)
+    assert got == per_block * 2 + [("backward", "all-gather", 8.0,
+                                    "combine")] * 2, got
+
+
+@pytest.mark.slow
+def test_exchanges_over_a_separate_expert_axis_next_to_formula():
+    """data=2 x expert=4 (4 sequences a device): no slot moves; per block
+    the combine's all-reduce of the outputs, tokens x hidden (1 / (top_k x
+    capacity factor) = 1/8 of the formula), backward the input gradient's
+    (the same) and the combine weights' gradient gathered (tokens x
+    experts x capacity: 1/4)."""
+    report = exchange_report({"data": 2, "expert": 4})
+    got = exchanges(report, "expert", tokens=4 * hub_models.SEQ_LEN)
+    assert sorted(got) == sorted(
+        [("forward", "all-reduce", 1 / 8, "combine")] * 2
+        + [("backward", "all-reduce", 1 / 8, "dispatch"),
+           ("backward", "all-gather", 1 / 4, "combine")] * 2), got

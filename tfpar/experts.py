@@ -234,7 +234,8 @@ def expert_ffn(slots, up_kernel, gate_kernel, down_kernel,
 
 def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         capacity_factor=None, group_size=None, router="softmax",
-        normalize=True, expert_axis=None, batch_axis=None):
+        normalize=True, expert_axis=None, batch_axis=None,
+        router_bias=None):
     """A mixture-of-experts block on `inputs` [batch, seq, hidden] (the
     module docstring says how it is computed and laid out).
 
@@ -253,6 +254,7 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         batch_axis: the mesh axis the batch is split over (the data axis).
             When it is `expert_axis`, GShard's placement: slots are
             exchanged over it (module docstring).
+        router_bias: None or [experts], added to the logits (GPT-OSS).
 
     Returns:
         `MoEOutput(outputs, aux_loss, dropped, capacity, routing)`.
@@ -264,6 +266,8 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     with tf.name_scope("router"):
         logits = tf.matmul(tf.cast(groups, tf.float32),
                            tf.cast(router_kernel, tf.float32))
+        if router_bias is not None:
+            logits = logits + tf.cast(router_bias, tf.float32)
         routing = route(logits, top_k, router, normalize)
         plan = dispatch_plan(routing, num_experts, slots)
     combine, dispatch = plan.combine, tf.stop_gradient(plan.dispatch)

@@ -21,9 +21,14 @@ device computes its own experts on every token (E/n of the banks' FLOPs
 and memory) and DTensor sums the experts dimension over "expert". Outside
 a step or outside these blocks, TF's own ops run.
 
-`dispatch_experts(model, capacity_factor=None)` makes Mixtral's and
-Qwen3-MoE's blocks run `tfpar.experts.moe` (GShard dispatch to per-expert
-slots, the experts on their slots, the weighted combine) instead.
+In a tfpar step whose mesh splits experts (an expert axis of more than
+one device, or `expert_axis="data"`), every one of these blocks runs
+`tfpar.experts.moe` (GShard dispatch to per-expert slots, the experts on
+their slots, the weighted combine; dropless) instead: automatic, because
+the masked computation on a split bank computes every local expert on
+every token, E/k times the FLOPs routing promises. `dispatch_experts(
+model, capacity_factor=None)` sets a capacity (and dispatches on one
+device too); `mask_experts(model)` keeps the masked computation.
 
 The patches (`PATCHES`) join the strategy's group (`tfpar.patches.install`);
 `dispatch_experts` installs them too (`install`), for one device. A Python
@@ -34,7 +39,7 @@ Example:
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "expert": 4}))
 >>> with strategy.scope():
 ...     lm = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
-...     tfpar.moe_keras_hub.dispatch_experts(lm)       # optional
+...     tfpar.moe_keras_hub.dispatch_experts(lm, 1.25)  # optional
 ...     strategy.apply_rules(lm, tfpar.auto_rules(lm))  # banks over expert
 ...     lm.compile(optimizer="adam", loss=loss)
 >>> lm.fit(token_ids, targets)
@@ -110,17 +115,27 @@ def _marked_call(original, hooks):
 # -- token dispatch (tfpar.experts) instead of the masked einsums -----------
 
 Dispatch = collections.namedtuple("Dispatch", "capacity_factor group_size")
-Dispatch.__doc__ = """How a block dispatches its tokens (`dispatch_experts`)."""
+Dispatch.__doc__ = """How a block dispatches its tokens (`dispatch_experts`);
+`MASKED` (`mask_experts`): the block keeps its masked computation."""
+MASKED = Dispatch("masked", None)
+AUTOMATIC = Dispatch(None, None)  # dropless, one group per sequence
 _DISPATCH = "_tfpar_dispatch"  # the block attribute holding its Dispatch
-# The blocks whose dispatched call is written below: Mixtral's and
-# Qwen3-MoE's (SwiGLU experts, softmax router without bias).
-DISPATCHABLE = ("MixtralSparseMoeBlock", "Qwen3SparseMoeBlock")
+# The blocks whose dispatched call is written below: every block of
+# MOE_BLOCKS (SwiGLU experts; GPT-OSS' biased router and clamped GLU
+# experts with biases; Qwen-MoE's and Qwen3.5-MoE's gated shared expert).
+DISPATCHABLE = tuple(name for _, name in MOE_BLOCKS)
 
 
 def dispatch_experts(model, capacity_factor=None, group_size=None):
-    """Runs the keras-hub MoE blocks of `model` (Mixtral's, Qwen3-MoE's)
-    with GShard token dispatch (`tfpar.experts.moe`) instead of their
-    masked einsums, on one device and under any tfpar mesh alike.
+    """Runs the keras-hub MoE blocks of `model` (Mixtral's, Qwen-MoE's,
+    Qwen3-MoE's, Qwen3.5-MoE's, GPT-OSS') with GShard token dispatch
+    (`tfpar.experts.moe`) instead of their masked einsums, on one device
+    and under any tfpar mesh alike.
+
+    Under a strategy whose mesh has an expert axis (of more than one
+    device, or the data axis as expert axis) the blocks dispatch dropless
+    without this call; call it to set a capacity, or to dispatch on one
+    device too. `mask_experts(model)` opts out.
 
     Dropless by default (`capacity_factor=None`): every expert gets a slot
     for every token of its dispatch group, so the results are the masked
@@ -129,11 +144,13 @@ def dispatch_experts(model, capacity_factor=None, group_size=None):
     each expert takes at most ceil(factor * top_k * group / experts)
     tokens of each group (`group_size` consecutive tokens of a sequence,
     default the whole sequence); the assignments past that are dropped:
-    they add nothing, the token keeps its residual. Each block keeps the
-    count of its last call's dropped assignments in `tfpar_dropped`. The
-    router's logits (returned, and read by the load-balancing aux loss,
-    computed by keras-hub's own function as before) are the block's; the
-    routing itself runs in float32.
+    they add nothing, the token keeps its residual (and, in Qwen-MoE and
+    Qwen3.5-MoE, its shared expert's output). Each block keeps the count
+    of its last call's dropped assignments in `tfpar_dropped`. The block
+    returns what it returned (router logits; GPT-OSS: its router scores);
+    the load-balancing aux loss, where the model has one, is computed by
+    keras-hub's own function from the block's router logits as before;
+    the routing itself runs in float32.
 
     >>> n = tfpar.moe_keras_hub.dispatch_experts(lm, capacity_factor=1.25)
 
@@ -153,14 +170,7 @@ def dispatch_experts(model, capacity_factor=None, group_size=None):
         raise ValueError(
             "dispatch_experts(capacity_factor) must be None (dropless) or "
             f"a number > 0. Received: capacity_factor={capacity_factor!r}")
-    blocks = [layer for layer in _compat.all_layers(model, include_self=False)
-              if type(layer).__name__ in DISPATCHABLE]
-    if not blocks:
-        raise ValueError(
-            f"dispatch_experts found no keras-hub MoE block of {DISPATCHABLE} "
-            f"in model {model.name!r}. Received: a {type(model).__name__}. "
-            "Pass a Mixtral or Qwen3-MoE model (other MoE blocks run their "
-            "masked computation).")
+    blocks = _blocks(model, "dispatch_experts")
     for block in blocks:
         if getattr(block, "router_jitter_noise", 0):
             raise ValueError(
@@ -173,10 +183,58 @@ def dispatch_experts(model, capacity_factor=None, group_size=None):
     return len(blocks)
 
 
+def mask_experts(model):
+    """Keeps the keras-hub MoE blocks of `model` on their own masked
+    computation (every expert on every token, masked by the routing
+    weights) also under a mesh with an expert axis, where they would
+    dispatch: the opt-out of the automatic dispatch. Their banks still
+    split over the expert axis (each device computes its experts on every
+    token). Returns the number of blocks.
+
+    >>> n = tfpar.moe_keras_hub.mask_experts(lm)
+    """
+    blocks = _blocks(model, "mask_experts")
+    for block in blocks:
+        setattr(block, _DISPATCH, MASKED)
+    install()
+    return len(blocks)
+
+
+def _blocks(model, caller):
+    """The keras-hub MoE blocks of `model`, or a clear error."""
+    blocks = [layer for layer in _compat.all_layers(model, include_self=False)
+              if type(layer).__name__ in DISPATCHABLE]
+    if not blocks:
+        raise ValueError(
+            f"{caller} found no keras-hub MoE block of {DISPATCHABLE} "
+            f"in model {model.name!r}. Received: a {type(model).__name__}. "
+            "Pass a Mixtral, Qwen-MoE, Qwen3-MoE, Qwen3.5-MoE or GPT-OSS "
+            "model.")
+    return blocks
+
+
+def _settings(block):
+    """The block's `Dispatch`: its own (`dispatch_experts`), `AUTOMATIC`
+    in a tfpar step whose mesh splits experts (an expert axis of more than
+    one device, or experts carried by the data axis) unless the block
+    draws router jitter, else None (its masked call)."""
+    own = getattr(block, _DISPATCH, None)
+    if own is not None:
+        return None if own == MASKED else own
+    if getattr(block, "router_jitter_noise", 0) or not (
+            step_context.in_spmd_step()):
+        return None
+    dims = parallel_dims.current()
+    if dims is None or not (dims.experts_carry_data
+                            or dims.expert_parallel_size > 1):
+        return None
+    return AUTOMATIC
+
+
 def _dispatches(block, args, kwargs):
     """Whether `block`, called with `args`/`kwargs`, dispatches."""
     hidden = args[0] if args else kwargs.get("hidden_states")
-    return (getattr(block, _DISPATCH, None) is not None
+    return (_settings(block) is not None
             and None not in tuple(getattr(hidden, "shape", (None,)))[1:])
 
 
@@ -188,13 +246,23 @@ def install():
     _compat.install_group("moe_keras_hub", PATCHES, None)
 
 
+def _router_of(block):
+    """The block's router Dense layer (logits = hidden @ kernel (+ bias))."""
+    if hasattr(block, "router"):  # GPT-OSS' GptOssTopKRouter
+        return block.router.router_dense
+    if hasattr(block, "_router_gate"):  # Qwen3.5-MoE
+        return block._router_gate  # noqa: SLF001
+    return block._sparse_feedforward_gate_dense  # noqa: SLF001
+
+
 def _dispatched_call(block, hidden_states, attention_mask=None,
                      training=None):
-    """The block's (outputs, router logits) by `experts.moe`: the router
-    logits from the block's own router, its aux loss from keras-hub's
-    function (when training), the experts on their dispatched slots."""
-    settings = getattr(block, _DISPATCH)
-    router = block._sparse_feedforward_gate_dense  # noqa: SLF001
+    """The block's (outputs, router logits or scores) by `experts.moe`:
+    the router logits from the block's own router, its aux loss from
+    keras-hub's function (when training and the model has one), the
+    experts on their dispatched slots, the gated shared expert added."""
+    settings = _settings(block)
+    router = _router_of(block)
     flat = keras.ops.reshape(hidden_states, (-1, block.hidden_dim))
     logits = router(flat)
     dims = (parallel_dims.current() if step_context.in_spmd_step()
@@ -207,24 +275,79 @@ def _dispatched_call(block, hidden_states, attention_mask=None,
         group_size=settings.group_size,
         normalize=getattr(block, "norm_top_k_prob", True),
         expert_axis=None if dims is None else dims.expert_axis,
-        batch_axis=None if dims is None else dims.data_axis)
+        batch_axis=None if dims is None else dims.data_axis,
+        router_bias=(tf.convert_to_tensor(router.bias) if router.use_bias
+                     else None))
     block.tfpar_dropped = out.dropped
-    if training:
-        loss = sys.modules[type(block).__module__].compute_load_balancing_loss
-        coefficient = getattr(block, "router_aux_loss_coef", None)
-        if coefficient is None:
-            coefficient = block.router_aux_loss_coefficient
-        block.add_loss(coefficient * loss(
-            router_logits=logits, num_experts=block.num_experts,
-            top_k=block.top_k, attention_mask=attention_mask))
-    return out.outputs, logits
+    outputs = out.outputs + _shared_expert(block, flat, hidden_states)
+    if training:  # from float32 logits (keras-hub's own fails on bf16)
+        _add_aux_loss(block, _float32_logits(router, flat), attention_mask)
+    if hasattr(block, "router"):  # GPT-OSS returns its router scores
+        return outputs, _router_scores(out.routing, block.num_experts,
+                                       logits.dtype)
+    return outputs, logits
+
+
+def _shared_expert(block, flat, hidden_states):
+    """Qwen-MoE's and Qwen3.5-MoE's shared expert, gated by the sigmoid of
+    its gate: shared(x) * sigmoid(gate x), in the input's shape; 0 for the
+    blocks without one."""
+    for shared, gate in (("shared_expert_dense", "shared_expert_gate_dense"),
+                         ("shared_expert", "_shared_expert_gate")):
+        if hasattr(block, shared):
+            shared, gate = getattr(block, shared), getattr(block, gate)
+            break
+    else:
+        return tf.zeros((), hidden_states.dtype)
+    gated = shared(flat) * keras.ops.sigmoid(gate(flat))
+    return tf.reshape(gated, tf.shape(hidden_states))
+
+
+def _float32_logits(router, flat):
+    """The router's logits computed in float32 (x W (+ b)), as
+    `experts.moe` routes: under mixed precision keras-hub's aux loss
+    function multiplies bfloat16 probabilities by a float32 mask (a
+    TypeError in keras-hub 0.32's own masked blocks)."""
+    logits = tf.matmul(tf.cast(flat, tf.float32),
+                       tf.cast(router.kernel, tf.float32))
+    if router.use_bias:
+        logits = logits + tf.cast(router.bias, tf.float32)
+    return logits
+
+
+def _add_aux_loss(block, logits, attention_mask):
+    """keras-hub's load-balancing aux loss of the block's module, times the
+    block's coefficient (GPT-OSS has none: nothing added)."""
+    loss = getattr(sys.modules[type(block).__module__],
+                   "compute_load_balancing_loss", None)
+    if loss is None:
+        return
+    coefficient = getattr(block, "router_aux_loss_coef", None)
+    if coefficient is None:
+        coefficient = block.router_aux_loss_coefficient
+    block.add_loss(coefficient * loss(
+        router_logits=logits, num_experts=block.num_experts,
+        top_k=block.top_k, attention_mask=attention_mask))
+
+
+def _router_scores(routing, num_experts, dtype):
+    """GPT-OSS' router scores [tokens, experts]: each token's weights at
+    its chosen experts (sum_j weight_j * [e == expert_j]), 0 elsewhere."""
+    scores = tf.reduce_sum(
+        _equality_mask(routing.experts, num_experts, tf.float32)
+        * routing.weights[..., None], axis=-2)
+    return tf.cast(tf.reshape(scores, [-1, num_experts]), dtype)
 
 
 def _expert_fn(block):
     """[groups, experts, capacity, hidden] -> the same, by the block's
-    bank: Mixtral's separate gate / intermediate / output kernels, or
-    Qwen3-MoE's fused gate-up kernel (gate first) and output kernel."""
-    bank = block.expert_bank
+    bank: Mixtral's separate gate / intermediate / output kernels, GPT-OSS'
+    interleaved gate-up kernel with biases, or the Qwen MoEs' fused
+    gate-up kernel (gate first) and output kernel."""
+    bank = (block.expert_bank if hasattr(block, "expert_bank")
+            else block.experts)
+    if hasattr(bank, "gate_up_proj"):
+        return functools.partial(_gpt_oss_experts, bank)
     down = tf.convert_to_tensor(bank._expert_feedforward_output_dense)  # noqa: SLF001
     if hasattr(bank, "_expert_feedforward_intermediate_dense"):
         up = tf.convert_to_tensor(
@@ -232,15 +355,51 @@ def _expert_fn(block):
         gate = tf.convert_to_tensor(bank._expert_feedforward_gate_dense)  # noqa: SLF001
         return lambda slots: experts.expert_ffn(slots, up, gate, down)
     gate_up = tf.convert_to_tensor(bank._expert_feedforward_gate_dense)  # noqa: SLF001
+    # Qwen3.5-MoE computes the silu in float32 (a no-op in float32).
+    silu_in_float32 = type(bank).__name__ == "Qwen3_5MoeExperts"
 
     def fused(slots):
         both = tf.einsum("gech,ehf->gecf", slots,
                          tf.cast(gate_up, slots.dtype))
         gate, up = tf.split(both, 2, axis=-1)
-        return tf.einsum("gecf,efh->gech", up * tf.nn.silu(gate),
+        if silu_in_float32:
+            gate = tf.cast(tf.nn.silu(tf.cast(gate, tf.float32)), up.dtype)
+        else:
+            gate = tf.nn.silu(gate)
+        return tf.einsum("gecf,efh->gech", up * gate,
                          tf.cast(down, slots.dtype))
 
     return fused
+
+
+def _gpt_oss_experts(bank, slots):
+    """GPT-OSS' experts on [groups, experts, capacity, hidden]: gate_up =
+    x W_gu + b_gu, gate = gate_up[..., 0::2] clipped above at `limit`,
+    up = gate_up[..., 1::2] clipped to [-limit, limit], out =
+    ((up + 1) * gate * sigmoid(alpha * gate)) W_d + b_d (an empty slot
+    computes the biases alone; its combine weight is 0)."""
+    dtype = slots.dtype
+    gate_up = tf.einsum("gech,ehf->gecf", slots,
+                        tf.cast(bank.gate_up_proj, dtype))
+    gate_up = gate_up + _per_expert(bank.gate_up_proj_bias, dtype)
+    # The interleaved columns as [..., intermediate, 2]: reshapes, no
+    # strided slice of a tensor split over the expert axis (the biases
+    # indexed `b[None, :, None]` segfaulted the compiled step on data=2 x
+    # expert=4 in TF 2.21).
+    pairs = tf.reshape(gate_up, tf.concat(
+        [tf.shape(gate_up)[:-1], [bank.intermediate_dim, 2]], 0))
+    gate, up = tf.unstack(pairs, 2, axis=-1)
+    gate = tf.minimum(gate, tf.cast(bank.limit, dtype))
+    up = tf.clip_by_value(up, -bank.limit, bank.limit)
+    glu = gate * tf.sigmoid(gate * bank.alpha)
+    out = tf.einsum("gecf,efh->gech", (up + 1) * glu,
+                    tf.cast(bank.down_proj, dtype))
+    return out + _per_expert(bank.down_proj_bias, dtype)
+
+
+def _per_expert(bias, dtype):
+    """A bias [experts, features] as [1, experts, 1, features]."""
+    return tf.expand_dims(tf.expand_dims(tf.cast(bias, dtype), 0), 2)
 
 
 def _equality_mask(indices, depth, dtype):

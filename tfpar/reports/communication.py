@@ -59,12 +59,18 @@ none backward):
 >>> print(report)                   # one row per collective, then totals
 """
 
+import collections
 import re
 
 import keras
 
 from tfpar import _compat
+from tfpar import experts
 from tfpar.reports import program as program_lib
+
+# The name scopes of a dispatching MoE block (`tfpar.experts.moe`) whose
+# collectives move tokens or slots (the router's are small reductions).
+_EXCHANGE_SCOPES = re.compile(r"/(dispatch|expert_ffn|combine)/")
 
 
 class CommunicationReport:
@@ -134,6 +140,35 @@ class CommunicationReport:
         return {name: shape for name, shape in self._forward_shapes.items()
                 if regex.search(name)}
 
+    def expert_exchanges(self, axis, tokens, hidden, num_experts, top_k,
+                         capacity_factor=None, group_tokens=None,
+                         dtype_bytes=4):
+        """The collectives over `axis` (the expert axis, or the data axis
+        carrying experts) inside dispatching MoE blocks, each next to the
+        formula `moe_exchange_bytes(tokens, hidden, num_experts, top_k,
+        capacity_factor, group_tokens, dtype_bytes)`, `tokens` being the
+        tokens a device holds. `print()` the result for a table.
+
+        >>> ex = report.expert_exchanges("expert", tokens=32, hidden=32,
+        ...                              num_experts=8, top_k=2)
+        >>> [row.multiplier for row in ex.rows]
+
+        Returns:
+            `ExpertExchanges(rows, formula_bytes, formula)`.
+        """
+        formula = moe_exchange_bytes(tokens, hidden, num_experts, top_k,
+                                     capacity_factor, group_tokens,
+                                     dtype_bytes)
+        rows = [ExpertExchange(c, formula, c.bytes / formula)
+                for c in self.select(spans=axis)
+                if _EXCHANGE_SCOPES.search(c.name)]
+        slots = formula // (dtype_bytes * hidden * top_k)
+        spelled = (f"{tokens} tokens x {hidden} hidden x top_k {top_k} x "
+                   f"capacity factor {slots / tokens:g}"
+                   f"{' (dropless)' if capacity_factor is None else ''} x "
+                   f"{dtype_bytes} B = {formula} B per device")
+        return ExpertExchanges(rows, formula, spelled)
+
     def __str__(self):
         rows = [f"{'phase':8s} {'kind':14s} {'purpose':14s} {'axes':10s} "
                 f"{'n':>2s} {'shape':18s} {'dtype':8s} {'bytes':>10s} "
@@ -154,6 +189,73 @@ class CommunicationReport:
     def __repr__(self):
         return (f"<CommunicationReport {len(self.collectives)} collectives, "
                 f"{self.total_bytes()} bytes>")
+
+
+ExpertExchange = collections.namedtuple(
+    "ExpertExchange", "collective formula_bytes multiplier")
+ExpertExchange.__doc__ = """One collective of an MoE block's exchange:
+the `Collective`, the formula's bytes (`moe_exchange_bytes`) and
+`multiplier` = its bytes / the formula's."""
+
+
+class ExpertExchanges(collections.namedtuple(
+        "ExpertExchanges", "rows formula_bytes formula")):
+    """The exchanges of MoE blocks in a compiled step next to the formula
+    (`CommunicationReport.expert_exchanges`). What the multiplier means:
+
+    - experts on the data axis (`expert_axis="data"`): forward, two
+      exchanges of the dispatched slots per block (to the experts and
+      back); DTensor 2.21 compiles each as an all-gather (tfpar keeps its
+      all-to-all relayout off), whose message is every device's slots:
+      multiplier n, the axis size, where a true all-to-all would send
+      (n-1)/n of the formula per device.
+    - a separate expert axis: no slot is exchanged (the axis' devices hold
+      the same tokens); forward, one all-reduce of the block's output,
+      tokens x hidden: multiplier 1 / (top_k x capacity factor); backward,
+      the input gradient's all-reduce (same size) and an all-gather of the
+      combine weights' gradient [tokens, experts, capacity].
+    """
+
+    def __str__(self):
+        lines = [f"formula: {self.formula}",
+                 f"{'phase':8s} {'purpose':10s} {'shape':20s} "
+                 f"{'bytes':>9s} {'x formula':>9s}  scope"]
+        for row in self.rows:
+            c = row.collective
+            scope = _EXCHANGE_SCOPES.search(c.name).group(1)
+            lines.append(f"{c.phase:8s} {c.purpose:10s} "
+                         f"{str(list(c.shape)):20s} {c.bytes:9d} "
+                         f"{row.multiplier:9.3g}  {scope}")
+        return "\n".join(lines)
+
+
+def moe_exchange_bytes(tokens, hidden, num_experts, top_k,
+                       capacity_factor=None, group_tokens=None,
+                       dtype_bytes=4):
+    """Bytes of the dispatched slots of `tokens` tokens (one device's), the
+    message one all-to-all of an MoE block moves per device: tokens x
+    hidden x top_k x capacity_factor x dtype_bytes, computed exactly as
+    groups x experts x capacity x hidden x dtype_bytes (`experts.capacity`:
+    the capacity is rounded up; dropless, capacity_factor=None, has a
+    slot per expert for each of a group's tokens: an effective factor of
+    experts / top_k).
+
+    >>> moe_exchange_bytes(64, 16, num_experts=8, top_k=2,
+    ...                    capacity_factor=1.0)
+    8192
+
+    Args:
+        tokens: tokens per device; group_tokens: tokens of a dispatch
+            group (default: `tokens`, one group), a divisor of `tokens`.
+    """
+    group = tokens if group_tokens is None else group_tokens
+    if tokens % group:
+        raise ValueError(
+            f"moe_exchange_bytes: group_tokens={group_tokens} does not "
+            f"divide tokens={tokens}. Pass the sequence length (or the "
+            "dispatch_experts group_size).")
+    slots = experts.capacity(group, num_experts, top_k, capacity_factor)
+    return tokens // group * num_experts * slots * hidden * dtype_bytes
 
 
 def communication_report(target, *args, **kwargs):

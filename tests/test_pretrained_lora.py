@@ -146,15 +146,25 @@ def check_lora_layout(model, strategy):
     assert sum("model" in specs[p] for p in factors) == len(factors) // 2
 
 
-def check_no_frozen_slots(model):
+SLOTS_PER_WEIGHT = {"adam": 2 + 2 * hub.STEPS,  # + GradientRecordingAdam's
+                    "sgd": 0}
+
+
+def check_no_frozen_slots(model, strategy, optimizer):
     """The optimizer tracks only the LoRA factors: no slot for a frozen
-    weight (Keras names a slot after its weight's path)."""
+    weight (Keras names a slot after its weight's path), and each device
+    holds slots for its blocks of the factors only."""
     trainable = {w.path for w in model.trainable_weights}
     assert trainable and all(is_lora(p) for p in trainable), trainable
     frozen = [w.path.replace("/", "_") for w in model.weights
               if not w.trainable]
     slots = [v.path for v in model.optimizer.variables]
     assert not [s for s in slots if any(f in s for f in frozen)], slots
+    lora_bytes = sum(4 * int(np.prod(block)) for path, _, block
+                     in strategy.placements() if is_lora(path))
+    for device, kinds in strategy.memory_per_device().items():
+        assert kinds["optimizer"] == SLOTS_PER_WEIGHT[optimizer] * lora_bytes, (
+            device, kinds, lora_bytes)
 
 
 def check_parity(family, optimizer, tmp_path):
@@ -181,7 +191,7 @@ def check_parity(family, optimizer, tmp_path):
     if optimizer == "adam":
         hub.check_adam(family, reference, model, initial=lora)
     check_lora_layout(model, strategy)
-    check_no_frozen_slots(model)
+    check_no_frozen_slots(model, strategy, optimizer)
 
 
 def test_lora_llama3_preset_adam_on_data2_model4(tmp_path):
@@ -194,6 +204,24 @@ def test_lora_llama3_preset_adam_on_data2_model4(tmp_path):
     ("llama3", "sgd"), ("gemma", "adam"), ("gemma", "sgd")])
 def test_lora_parity_matrix(tmp_path, family, optimizer):
     check_parity(family, optimizer, tmp_path)
+
+
+def test_lora_factors_follow_raw_kernel_rules_unless_named():
+    """A raw spec rule for a Dense kernel lays out its LoRA factors too
+    (row-parallel: A split on the input, B whole); a rule naming a factor
+    itself wins."""
+    layer = keras.layers.Dense(8, name="down")
+    layer.build((None, 16))
+    layer.enable_lora(2)
+    rules = tfpar.LayoutRules({r".*down/kernel": ("model", None)})
+    assert rules.spec_for("down/lora_kernel_a", (16, 2), layer) == (
+        "model", None)
+    assert rules.spec_for("down/lora_kernel_b", (2, 8), layer) == (None, None)
+    named = tfpar.LayoutRules({r".*down/kernel": ("model", None),
+                               r".*down/lora_kernel_a": (None, None)})
+    assert named.spec_for("down/lora_kernel_a", (16, 2), layer) == (None, None)
+    assert tfpar.LayoutRules({}).spec_for("down/lora_kernel_a", (16, 2),
+                                          layer) is None
 
 
 def test_lora_factor_spec_refuses_another_name():

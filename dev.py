@@ -3,7 +3,9 @@
 
     python3 dev.py demo     # trains a data x model parallel model on 8 virtual CPUs
     python3 dev.py test     # runs the test suite (fast profile: what CI runs)
-    python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing)
+    python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing);
+                            # first makes .venv-transformers (torch, transformers:
+                            # requirements-transformers.txt) for Hugging Face's logits
     python3 dev.py fuzz     # the long property-based fuzzing profile; prints
                             # the cases tried per property (TFPAR_FUZZ_EXAMPLES,
                             # default 25 per property)

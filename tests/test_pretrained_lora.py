@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a loaded keras-hub model under data=2 x model=4 (issue 37).
+"""LoRA fine-tuning of a loaded keras-hub model on data=2 x model=4 (issue 37).
 
 A small causal LM's backbone is saved (a keras-hub preset, or a Hugging Face
 checkpoint with `tfpar.pretrained.export_to_transformers`), loaded under a
@@ -163,8 +163,8 @@ def check_no_frozen_slots(model, strategy, optimizer):
     lora_bytes = sum(4 * int(np.prod(block)) for path, _, block
                      in strategy.placements() if is_lora(path))
     for device, kinds in strategy.memory_per_device().items():
-        assert kinds["optimizer"] == SLOTS_PER_WEIGHT[optimizer] * lora_bytes, (
-            device, kinds, lora_bytes)
+        want = SLOTS_PER_WEIGHT[optimizer] * lora_bytes
+        assert kinds["optimizer"] == want, (device, kinds, lora_bytes)
 
 
 def check_parity(family, optimizer, tmp_path):

@@ -129,7 +129,7 @@ class LayoutRules:
         Keras' `enable_lora`) that no spec rule names follows its kernel's
         spec (`lora_factor_spec`).
         """
-        lora = self._lora_spec_for(path, layer)
+        lora = self._lora_spec_for(path, shape, layer)
         if lora is not None:
             return lora
         hits = []
@@ -161,21 +161,26 @@ class LayoutRules:
             )
         return spec
 
-    def _lora_spec_for(self, path, layer):
+    def _lora_spec_for(self, path, shape, layer):
         """The spec of the LoRA factor at `path` derived from its layer's
-        kernel's, or None (not a LoRA factor, no kernel known, or a spec
-        rule naming the factor itself: the rule wins)."""
+        kernel's, or None: not a LoRA factor, no kernel known, a spec rule
+        naming the factor itself (the rule wins), or a kernel the factor's
+        shape does not fit (int4's packed kernel): the rules decide."""
         owner, _, name = path.rpartition("/")
+        if name not in LORA_FACTORS:
+            return None
         kernel = getattr(layer, "_kernel", None)
-        if name not in LORA_FACTORS or kernel is None or any(
+        if kernel is None or any(
                 not _is_style(spec) and regex.fullmatch(path)
                 for _, regex, spec in self._rules):
             return None
-        kernel_spec = self.spec_for(f"{owner}/kernel", tuple(kernel.shape),
-                                    layer)
-        if kernel_spec is None:
+        kernel_shape, shape = tuple(kernel.shape), tuple(shape)
+        if (shape[:-1] != kernel_shape[:-1] if name == "lora_kernel_a"
+                else shape[-1:] != kernel_shape[-1:]):
             return None
-        return lora_factor_spec(name, kernel_spec)
+        kernel_spec = self.spec_for(f"{owner}/kernel", kernel_shape, layer)
+        return None if kernel_spec is None else lora_factor_spec(
+            name, kernel_spec)
 
     def pattern_for(self, path):
         """The pattern of the rule that lays out the variable at `path` (a
@@ -214,8 +219,9 @@ def lora_factor_spec(name, kernel_spec):
     W.shape[:-1] + (r,) and B of shape (r, W.shape[-1]): A takes W's spec on
     its leading dimensions and B W's spec on the output dimension, the rank
     r is whole. A @ B contracts only the whole rank, so it comes out in W's
-    layout with no communication, and no device holds more of A or B than
-    of W. For a Dense kernel (in, out) that is Megatron's convention:
+    layout with no communication (and no activation is gathered for it);
+    the factor on W's split side is split like W, the other one (r wide)
+    whole. For a Dense kernel (in, out) that is Megatron's convention:
     column-parallel (None, "model") gives A replicated, B (None, "model");
     row-parallel ("model", None) gives A ("model", None), B replicated.
 

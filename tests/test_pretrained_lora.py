@@ -24,6 +24,8 @@ Default profile: Llama3 from a preset with Adam; Gemma from a Hugging Face
 checkpoint, and SGD, are slow.
 """
 
+import collections
+
 import keras
 import keras_hub
 import numpy as np
@@ -204,6 +206,57 @@ def test_lora_llama3_preset_adam_on_data2_model4(tmp_path):
     ("llama3", "sgd"), ("gemma", "adam"), ("gemma", "sgd")])
 def test_lora_parity_matrix(tmp_path, family, optimizer):
     check_parity(family, optimizer, tmp_path)
+
+
+def model_axis_collectives(family, path, build, lora):
+    """[(phase, purpose, per-device shape)] over "model" of one compiled
+    training step, with LoRA on the targets or full fine-tuning."""
+    _, lm_cls, _, targets, _ = FAMILIES[family]
+    mesh = tfpar.Mesh(MESH)
+    strategy = tfpar.ParallelStrategy(
+        mesh, rules=tfpar.auto_rules(build, mesh=mesh))
+    with strategy.scope():
+        backbone = build()
+        tfpar.pretrained.load_weights(backbone, path)
+        if lora:
+            backbone.enable_lora(RANK, target_layer_names=targets)
+        model = lm_cls(backbone, preprocessor=None)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=hub_models.loss("llama"))
+    x, y = hub_models.data("llama", batch=hub.BATCH)
+    report = tfpar.communication_report(model, x, y)
+    return sorted((c.phase, c.purpose, tuple(c.shape))
+                  for c in report.select(axes=("model",))), backbone
+
+
+@pytest.mark.slow
+def test_lora_gathers_no_activation(tmp_path):
+    """The LoRA step's collectives over "model" of activations (shapes led
+    by the per-device batch and the sequence) are some of full
+    fine-tuning's (measured: one forward all-gather fewer), and the rest
+    are of weights only: the Dense factors' r-wide gradient all-reduces
+    and, for Llama3's (hidden, heads, head_dim) query/key/value kernels
+    split on the heads, Keras' `ops.matmul(A, B)` (a `tf.tensordot` that
+    flattens A to 2-D) makes DTensor gather A (r wide) forward and the
+    kernel-sized gradient of A @ B backward (a cost, not an activation)."""
+    path = str(tmp_path / "llama3")
+    build = save_pretrained("llama3", path)
+    full, _ = model_axis_collectives("llama3", path, build, lora=False)
+    with_lora, backbone = model_axis_collectives("llama3", path, build,
+                                                 lora=True)
+    batch = hub.BATCH // MESH["data"]
+    def of_activations(collectives):
+        return collections.Counter(
+            c for c in collectives if c[2][:2] == (batch, hub_models.SEQ_LEN))
+
+    activations = of_activations(with_lora)
+    assert activations and not activations - of_activations(full), (
+        activations, full)
+    extra = [c for c in with_lora if c not in activations]
+    largest = max(int(np.prod(w.shape)) for w in backbone.weights
+                  if w.path.endswith("/kernel"))
+    assert extra and all(int(np.prod(shape)) <= largest
+                         for _, _, shape in extra), extra
 
 
 def test_lora_factors_follow_raw_kernel_rules_unless_named():

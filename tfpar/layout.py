@@ -218,10 +218,13 @@ def lora_factor_spec(name, kernel_spec):
     Keras' LoRA kernel is W + (alpha / r) * A @ B, with A of shape
     W.shape[:-1] + (r,) and B of shape (r, W.shape[-1]): A takes W's spec on
     its leading dimensions and B W's spec on the output dimension, the rank
-    r is whole. A @ B contracts only the whole rank, so it comes out in W's
-    layout with no communication (and no activation is gathered for it);
-    the factor on W's split side is split like W, the other one (r wide)
-    whole. For a Dense kernel (in, out) that is Megatron's convention:
+    r is whole. A @ B contracts only the whole rank, so it is W's layout
+    (no activation is gathered for it); the factor on W's split side is
+    split like W, the other one (r wide) whole. (Keras computes A @ B of a
+    rank-3 EinsumDense kernel with `tf.tensordot`, which flattens A to 2-D:
+    when W is split on a middle dimension, as Llama's (hidden, heads,
+    head_dim) query, DTensor gathers A forward and the gradient of A @ B
+    backward; tests/test_pretrained_lora.py measures it.) For a Dense kernel (in, out) that is Megatron's convention:
     column-parallel (None, "model") gives A replicated, B (None, "model");
     row-parallel ("model", None) gives A ("model", None), B replicated.
 

@@ -3,7 +3,9 @@
 
     python3 dev.py demo     # trains a data x model parallel model on 8 virtual CPUs
     python3 dev.py test     # runs the test suite (fast profile: what CI runs)
-    python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing)
+    python3 dev.py test-all # also the slow sweeps (keras-hub matrices, fuzzing);
+                            # first makes .venv-transformers (torch, transformers:
+                            # requirements-transformers.txt) for Hugging Face's logits
     python3 dev.py fuzz     # the long property-based fuzzing profile; prints
                             # the cases tried per property (TFPAR_FUZZ_EXAMPLES,
                             # default 25 per property)
@@ -57,13 +59,39 @@ def ensure_venv():
         STAMP.touch()
 
 
+TRANSFORMERS_VENV = ROOT / ".venv-transformers"
+TRANSFORMERS_REQUIREMENTS = ROOT / "requirements-transformers.txt"
+
+
+def ensure_transformers_venv():
+    """The slow profile's second environment: torch and transformers as
+    pinned in requirements-transformers.txt, apart from .venv (TensorFlow
+    and torch are not imported in one process). Returns its Python, which
+    tests/test_transformers_logits.py runs Hugging Face's models with."""
+    python = TRANSFORMERS_VENV / PYTHON.relative_to(VENV)
+    stamp = TRANSFORMERS_VENV / ".tfpar-installed"
+    if not python.exists():
+        print(f"creating {TRANSFORMERS_VENV} ...", flush=True)
+        venv.create(TRANSFORMERS_VENV, with_pip=True)
+    manifest = TRANSFORMERS_REQUIREMENTS.stat().st_mtime
+    if not stamp.exists() or stamp.stat().st_mtime < manifest:
+        print("installing torch and transformers ...", flush=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "-r",
+                        str(TRANSFORMERS_REQUIREMENTS)], check=True)
+        stamp.touch()
+    return python
+
+
 def main(argv):
     if len(argv) < 1 or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
     ensure_venv()
+    env = dict(os.environ)
+    if argv[0] == "test-all":  # tests/test_transformers_logits.py
+        env["TFPAR_TRANSFORMERS_PYTHON"] = str(ensure_transformers_venv())
     command = [str(PYTHON), *COMMANDS[argv[0]], *argv[1:]]
-    return subprocess.run(command, cwd=ROOT).returncode
+    return subprocess.run(command, cwd=ROOT, env=env).returncode
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def adam_bound(ref_steps, steps):
                in zip(ref_steps, steps))
 
 
-def check_adam(name, reference, model):
+def check_adam(name, reference, model, initial=None):
     """Adam: the chain data -> gradients -> weights checked link by link.
     Each step's gradients equal one device's (step 1, same weights: 1e-5
     relative; later steps start from weights Adam already moved: 1e-4);
@@ -206,9 +206,11 @@ def check_adam(name, reference, model):
     biases (true gradient zero, ZERO_GRADIENT) get only rounding noise
     (|g| < 1e-5, checked), which Adam turns into steps of up to lr: their
     weights are compared absolutely, 1e-4 plus `adam_bound` of the noise
-    (ViT 2x4 differs by 1.1e-4 there)."""
-    initial = dict(zip([w.path for w in reference.weights],
-                       hub_models.build(name).get_weights()))
+    (ViT 2x4 differs by 1.1e-4 there). `initial`: {path: weights both
+    runs started from} (default: `hub_models.build(name)`'s)."""
+    if initial is None:
+        initial = dict(zip([w.path for w in reference.weights],
+                           hub_models.build(name).get_weights()))
     ref_g, got_g = step_gradients(reference), step_gradients(model)
     counted = [0, 0, 0.0]  # eps-sensitive coordinates, all, largest |dw|
     for a, b in zip(reference.trainable_weights, model.trainable_weights):

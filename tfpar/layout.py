@@ -124,7 +124,14 @@ class LayoutRules:
         variable, and the style lays out the weight given `layer`. Raises
         ValueError when two rules match `path` or the spec's length is not
         the variable's rank. Marks the matching rule as used.
+
+        A LoRA factor of a kernel (`lora_kernel_a`/`lora_kernel_b`, made by
+        Keras' `enable_lora`) that no spec rule names follows its kernel's
+        spec (`lora_factor_spec`).
         """
+        lora = self._lora_spec_for(path, shape, layer)
+        if lora is not None:
+            return lora
         hits = []
         for pattern, regex, spec in self._rules:
             if _is_style(spec):
@@ -154,6 +161,27 @@ class LayoutRules:
             )
         return spec
 
+    def _lora_spec_for(self, path, shape, layer):
+        """The spec of the LoRA factor at `path` derived from its layer's
+        kernel's, or None: not a LoRA factor, no kernel known, a spec rule
+        naming the factor itself (the rule wins), or a kernel the factor's
+        shape does not fit (int4's packed kernel): the rules decide."""
+        owner, _, name = path.rpartition("/")
+        if name not in LORA_FACTORS:
+            return None
+        kernel = getattr(layer, "_kernel", None)
+        if kernel is None or any(
+                not _is_style(spec) and regex.fullmatch(path)
+                for _, regex, spec in self._rules):
+            return None
+        kernel_shape, shape = tuple(kernel.shape), tuple(shape)
+        if (shape[:-1] != kernel_shape[:-1] if name == "lora_kernel_a"
+                else shape[-1:] != kernel_shape[-1:]):
+            return None
+        kernel_spec = self.spec_for(f"{owner}/kernel", kernel_shape, layer)
+        return None if kernel_spec is None else lora_factor_spec(
+            name, kernel_spec)
+
     def pattern_for(self, path):
         """The pattern of the rule that lays out the variable at `path` (a
         spec rule matching it, or a style rule matching its layer), or None.
@@ -179,6 +207,44 @@ class LayoutRules:
     def __repr__(self):
         body = ", ".join(f"{p!r}: {s!r}" for p, _, s in self._rules)
         return f"LayoutRules({{{body}}})"
+
+
+LORA_FACTORS = ("lora_kernel_a", "lora_kernel_b")
+
+
+def lora_factor_spec(name, kernel_spec):
+    """The spec of LoRA factor `name` of a kernel laid out by `kernel_spec`.
+
+    Keras' LoRA kernel is W + (alpha / r) * A @ B, with A of shape
+    W.shape[:-1] + (r,) and B of shape (r, W.shape[-1]): A takes W's spec on
+    its leading dimensions and B W's spec on the output dimension, the rank
+    r is whole. A @ B contracts only the whole rank, so it is W's layout
+    (no activation is gathered for it); the factor on W's split side is
+    split like W, the other one (r wide) whole. (Keras computes A @ B of a
+    rank-3 EinsumDense kernel with `tf.tensordot`, which flattens A to 2-D:
+    when W is split on a middle dimension, as Llama's (hidden, heads,
+    head_dim) query, DTensor gathers A forward and the gradient of A @ B
+    backward; tests/test_pretrained_lora.py measures it.) For a Dense kernel (in, out) that is Megatron's convention:
+    column-parallel (None, "model") gives A replicated, B (None, "model");
+    row-parallel ("model", None) gives A ("model", None), B replicated.
+
+    >>> tfpar.layout.lora_factor_spec("lora_kernel_a", (None, "model", None))
+    (None, 'model', None)
+    >>> tfpar.layout.lora_factor_spec("lora_kernel_b", (None, "model", None))
+    (None, None)
+
+    Args:
+        name: "lora_kernel_a" or "lora_kernel_b".
+        kernel_spec: the kernel's spec (a tuple, one entry per dimension).
+    """
+    if name not in LORA_FACTORS:
+        raise ValueError(
+            f"lora_factor_spec(name) takes one of {LORA_FACTORS}. Received: "
+            f"name={name!r}")
+    kernel_spec = tuple(kernel_spec)
+    if name == "lora_kernel_a":
+        return kernel_spec[:-1] + (None,)
+    return (None, kernel_spec[-1])
 
 
 def _is_style(spec):

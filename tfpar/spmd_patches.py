@@ -391,6 +391,34 @@ def _activation_einsum_in_step(original, hooks):
     return einsum
 
 
+def _einsum_dense():
+    return _compat.keras_module("layers.core.einsum_dense").EinsumDense
+
+
+def _lora_kernel_as_einsum_in_step(original, hooks):
+    """`EinsumDense.kernel` with LoRA in a step: W + (alpha / r) · A @ B,
+    with A: W's shape but the last dimension, then r; B: (r, W's last),
+    contracted over r as an einsum. Keras writes A @ B as `ops.matmul`, a
+    `tf.tensordot` that flattens A to 2-D: for a kernel split on a middle
+    dimension (Llama's (hidden, heads, head_dim) query/key/value split on
+    the heads) DTensor 2.21 then gathered A forward and the kernel-sized
+    gradient of A @ B backward, every step. Quantized kernels and
+    everything outside a step keep Keras' property."""
+    @functools.wraps(original.fget)
+    def kernel(self):
+        if not (in_spmd_step() and self.built and self.lora_enabled
+                and self.quantization_mode is None):
+            return original.fget(self)
+        a, b = self.lora_kernel_a, self.lora_kernel_b
+        dims = "abcdefgh"[:len(a.shape) - 1]
+        update = tf.einsum(f"{dims}r,ro->{dims}o", a.value, b.value)
+        merged = self._kernel.value + (self.lora_alpha / self.lora_rank) * (
+            update)
+        return tf.cast(merged, self.compute_dtype)
+
+    return property(kernel)
+
+
 def _static_sparse_division(original, hooks):
     """Keras' TF `ops.divide(sparse, dense)` with static shapes in a graph
     step.
@@ -419,6 +447,8 @@ PATCHES = (
                   _eager_captures_replicated),
     _compat.Patch("divide", _keras_numpy, "divide", _static_sparse_division),
     _compat.Patch("einsum", _keras_numpy, "einsum", _activation_einsum_in_step),
+    _compat.Patch("lora_kernel", _einsum_dense, "kernel",
+                  _lora_kernel_as_einsum_in_step),
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),

@@ -4,6 +4,9 @@ only such a split meets makes the plan choose it, its `strategy()` trains
 in parity with one device, and `explain()` names the axis and its costs.
 """
 
+import dataclasses
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -11,6 +14,8 @@ from tensorflow.experimental import dtensor
 
 import tfpar
 from tfpar import experts
+from tfpar.planner import hardware
+from tfpar.planner import roofline
 
 # A described 8-device host (the numbers only steer the search).
 HOST = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
@@ -128,3 +133,48 @@ def test_memory_limit_makes_the_plan_split_the_sequence_and_it_trains():
     assert "Context axis: the sequence of 256 split" in plan.explain()
     assert plan.strategy().extended.dims.context_axis == "context"
     assert_parity(*train_beside_one_device(plan, build, 2, 256)[:4])
+
+
+MOE = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
+                           vocab=32000, ffn=3584, gated=True, dropout=False,
+                           tied=False, position_embedding=False, experts=8,
+                           top_k=2)
+
+
+def test_expert_exchange_bytes_and_time_by_the_issues_formula():
+    """Issue 36 item 5's formula: tokens × hidden × top-k × capacity
+    factor × dtype bytes per device and exchange (a true all-to-all's
+    block), dispatched and combined, forward and backward: 4 per block.
+    tfpar's exchange (collectives.all_to_all under DTensor 2.21) is a
+    gather of the e devices' blocks, e times that message, and DTensor
+    runs the gather as an all-reduce of zero-padded blocks (ring
+    2(e-1)/e of the message) unless fsdp on a one-axis mesh makes it a
+    real gather ((e-1)/e)."""
+    hw = hardware.PRESETS["h100-sxm"]
+    e, b, cf = 8, 2, 1.25
+    folded = roofline.Parallel(data=e, expert=e, expert_on_data=True,
+                               microbatch=b, capacity_factor=cf)
+    tokens = b * MOE.seq
+    formula = tokens * MOE.hidden * MOE.top_k * cf * MOE.compute_bytes
+    sizes = roofline.expert_exchange_bytes(MOE, folded)
+    assert sizes == {"forward": 2 * e * formula, "backward": 2 * e * formula}
+    host = types.SimpleNamespace(devices_per_host=8)  # one host of 8
+    forward, backward, _ = roofline._exchanges(MOE, folded, host, hw)
+    alpha, beta = roofline.link(host, hw, e, 1)         # NVLink
+    ring = 2 * (e - 1) * alpha + 2 * (e - 1) / e * e * formula / beta
+    assert forward == backward == pytest.approx(2 * ring)
+    real = dataclasses.replace(folded, fsdp=True)
+    assert roofline.gather_kind(real) == "all-gather"
+    forward, _, _ = roofline._exchanges(MOE, real, host, hw)
+    assert forward == pytest.approx(
+        2 * ((e - 1) * alpha + (e - 1) / e * e * formula / beta))
+    # A separate axis: the outputs' all-reduce (T·h) forward; backward its
+    # gradient's all-reduce and the combine weights' gradient gathered
+    # (T·E·C float32).
+    separate = dataclasses.replace(folded, data=2, expert=4,
+                                   expert_on_data=False)
+    cap = roofline.capacity(MOE, separate)
+    outputs = tokens * MOE.hidden * MOE.compute_bytes
+    assert roofline.expert_exchange_bytes(MOE, separate) == {
+        "forward": outputs,
+        "backward": outputs + tokens * MOE.experts * cap * 4}

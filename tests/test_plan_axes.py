@@ -84,7 +84,7 @@ def assert_parity(model, reference, got, expected):
                                    atol=1e-6, err_msg=a.path)
 
 
-def test_memory_limit_makes_the_plan_split_experts_and_it_trains():
+def test_memory_limit_makes_the_plan_split_experts_and_it_trains(tmp_path):
     """Adam's state of the expert banks (8 × 3 × 32 × 128) on every device
     does not fit 500 kB; splitting the banks over the devices does."""
     def build():
@@ -116,6 +116,12 @@ def test_memory_limit_makes_the_plan_split_experts_and_it_trains():
     bank = model.get_layer("moe").up_kernel
     assert {tuple(b.shape) for b in dtensor.unpack(bank.value.read_value())
             } == {(8 // size, HIDDEN, 128)}
+    measured = plan.strategy().memory_per_device()
+    assert max(sum(v.values()) for v in measured.values()) <= 5e5
+    plan.save(tmp_path / "plan.json")
+    loaded = tfpar.Plan.load(tmp_path / "plan.json")
+    assert (loaded.expert_axis, loaded.axes) == (plan.expert_axis, plan.axes)
+    assert loaded.estimate.split_axes == plan.estimate.split_axes
 
 
 def test_memory_limit_makes_the_plan_split_the_sequence_and_it_trains():

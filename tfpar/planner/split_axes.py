@@ -19,15 +19,20 @@ Which candidates (on one pipeline stage, no sequence parallelism):
 How they are costed: the step of the same configuration without the new
 axis (data d', pipe 1, model t: the cost model every other candidate
 gets) scaled by the roofline's ratio (`roofline.py`, `tfpar.estimate`'s)
-of the step with the axis to the step without it, and its memory moved
-by the roofline's difference (banks split e ways, activations over c):
+of the step with the axis to the step without it, and each kind of its
+memory by the roofline's ratio of that kind (banks split e ways,
+activations over c):
 
     step = step_base(d', t) · roofline(d', t, e or c) / roofline(d', t)
-    memory[kind] = memory_base[kind] + roofline_mem(with) − roofline_mem(without)
+    memory[kind] = memory_base[kind] · roofline_mem[kind](with)
+                                      / roofline_mem[kind](without)
 
 so that on a preset cluster (whose base step is that roofline) it is
 exactly `tfpar.estimate`'s step, and on `Cluster.local()` the measured
-calibration's scale is kept. The exchange bytes (expert), gather bytes
+calibration's scale is kept (ratios, not differences: the two models'
+absolute figures differ, their ratios are what the axis changes). The
+time's breakdown is the base's, scaled; the axis' own terms are the
+roofline's (`Estimate.split_axes`). The exchange bytes (expert), gather bytes
 (context) and bank memory are in `Estimate.split_axes`, which
 `Plan.explain()` prints.
 
@@ -120,8 +125,8 @@ def _estimate(layout, candidate, batch, cluster, slots, cf):
     without = _roofline(layout.transformer, candidate, batch, cluster,
                         slots, cf, split=False)
     ratio = with_axis.step_time_s / without.step_time_s
-    memory = {k: max(0.0, v + with_axis.memory_per_device.get(k, 0.0)
-                     - without.memory_per_device.get(k, 0.0))
+    memory = {k: _scaled(v, with_axis.memory_per_device.get(k, 0.0),
+                         without.memory_per_device.get(k, 0.0))
               for k, v in base.memory_per_device.items()}
     comm = dict(base.communication_bytes_by_axis)
     for axis in ("expert", "context"):
@@ -134,6 +139,13 @@ def _estimate(layout, candidate, batch, cluster, slots, cf):
         communication_bytes_per_device=float(sum(comm.values())),
         split_axes=_facts(layout.transformer, candidate, with_axis, without,
                           cf))
+
+
+def _scaled(base, with_axis, without):
+    """`base` bytes scaled as the roofline's bytes of that kind change
+    with the axis (with / without), or increased by them when the
+    roofline has none without it."""
+    return base * with_axis / without if without > 0 else base + with_axis
 
 
 def _roofline(model, candidate, batch, cluster, slots, cf, split):

@@ -422,12 +422,13 @@ def test_expert_placements_cost_the_routed_work_and_exchanges_by_formula():
     assert sent == pytest.approx(MOE.layers * m * 4 * 8 * (
         MOE.experts * cap * h * 2))
     assert 8 * MOE.experts * cap * h == 8 * T * h * MOE.top_k * 1.25
-    # A separate axis: the combine's all-reduce of T x h forward, the
-    # combine weights' gradient (T x E x C, float32) gathered backward.
+    # A separate axis: the combine's all-reduce of T x h forward; backward
+    # its gradient's all-reduce (T x h) and the combine weights' gradient
+    # (T x E x C, float32) gathered.
     m = batch // 2
     sent = roofline.communication_bytes(MOE, separate, batch)["expert"]
     assert sent == pytest.approx(MOE.layers * m * (
-        T * h * 2 + T * MOE.experts * cap * 4))
+        2 * T * h * 2 + T * MOE.experts * cap * 4))
     # Banks split 8 or 4 ways.
     banks = MOE.layers * MOE.bank_params() * MOE.param_bytes
     params = {name: roofline.memory(MOE, cfg, batch)["params"]

@@ -149,6 +149,10 @@ class Estimate:
             stage s), of which `memory_per_device` is the most loaded.
         executed_flops: FLOPs a device executes per step, recomputation
             included (`tfpar.estimate`'s roofline; 0: not counted).
+        split_axes: for a candidate with an expert or context axis
+            (`split_axes.py`), {"expert" or "context": facts}: the axis'
+            size, its exchange (or gather) bytes per step and device, the
+            bank (or activation) bytes per device with and without it.
     """
 
     step_time_s: float
@@ -158,6 +162,7 @@ class Estimate:
     time_s: dict
     memory_by_stage: list = None
     executed_flops: float = 0.0
+    split_axes: dict = None
 
     @property
     def breakdown(self):

@@ -19,6 +19,7 @@ from tfpar.planner import cost as cost_lib
 from tfpar.planner import measure as measure_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import search as search_lib
+from tfpar.planner import split_axes
 from tfpar.planner.cluster import Cluster
 from tfpar.weightless import build_without_weights, names_given_back
 from tfpar.planner.result import Plan
@@ -34,7 +35,10 @@ _MAX_PER_MESH = 2
 def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
          optimizer="adam", measure=0, sequence_length=None, check=True):
     """Chooses data × pipe × model, layouts, micro-batches, fsdp and
-    recomputation for training `model` on `cluster`.
+    recomputation for training `model` on `cluster`; for a
+    mixture-of-experts model also an expert axis (or the experts over the
+    data axis), for a transformer also a context axis
+    (`tfpar/planner/split_axes.py`).
 
     Args:
         model: a built Keras model (Sequential or functional, keras-hub
@@ -118,6 +122,8 @@ def _planned(model, global_batch_size, *, cluster, memory_per_device,
             f"bytes. Received: memory_per_device={memory_per_device!r}")
     candidates, seconds, layouts = search_lib.search(
         profile, model, int(global_batch_size), cluster, limit, slots)
+    candidates = search_lib.ranked(candidates + split_axes.candidates(
+        profile, layouts, int(global_batch_size), cluster, limit, slots))
     feasible = [c for c in candidates if c.rejected is None]
     if not feasible:
         _raise_nothing_fits(profile, candidates, global_batch_size, limit,

@@ -80,6 +80,7 @@ class Plan:
     schedule = property(lambda self: self._chosen.schedule)
     stage_boundaries = property(lambda self: self._chosen.stage_boundaries)
     virtual_stages = property(lambda self: self._chosen.virtual_stages)
+    expert_axis = property(lambda self: self._chosen.expert_axis)
     estimate = property(lambda self: self._chosen.estimate)
     checked = property(lambda self: self.info.get("checked", "not checked"))
 
@@ -106,6 +107,7 @@ class Plan:
             f"step ({_parts(e)}), {_gb(e.total_memory)} per device ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in e.memory_per_device.items())
             + f"), {_gb(e.communication_bytes_per_device)} of collectives.",
+            *_split_axes_lines(e),
             "Self-check: " + i.get("checked", "not checked"),
             "Binding constraint: " + self._binding(),
             "Runner-up (best other mesh shape): " + self._runner_up(),
@@ -228,8 +230,9 @@ class Plan:
             # creates every split weight already split (no device ever
             # holds it whole; a pipeline's wait on the host, laid out).
             rules = self.rules if self.info.get("rules_at_creation") else None
-            self._strategy = ParallelStrategy(self.mesh(), rules=rules,
-                                              fsdp=self.fsdp)
+            self._strategy = ParallelStrategy(
+                self.mesh(), rules=rules, fsdp=self.fsdp,
+                expert_axis=self.expert_axis or "expert")
         return self._strategy
 
     def apply(self, model):
@@ -248,7 +251,16 @@ class Plan:
         layers = split.model_graph(model)[1]
         if self.recompute:
             recompute.set_recompute(model, self.recompute)
-        if "model" in self.axes:
+        if self.expert_axis:
+            # The model axis' rules and keras-hub's banks' (a
+            # tfpar.layers.MixtureOfExperts lays its banks out itself: no
+            # rule, and no empty relayout that would gather them back).
+            rules = auto_rules(model, mesh=strategy.mesh,
+                               expert_axis=self.expert_axis,
+                               sequence_parallel=self.sequence_parallel)
+            if len(rules):
+                strategy.apply_rules(model, rules)
+        elif "model" in self.axes:
             rules = auto_rules(model, mesh=strategy.mesh,
                                sequence_parallel=self.sequence_parallel)
             planned = [type(s).__name__ for _, s in self.rules.items()]
@@ -347,6 +359,34 @@ def _timing_notes(info):
             "process, at another load, can predict a candidate that much "
             "(or more) faster or slower.")
     return notes
+
+
+def _split_axes_lines(estimate):
+    """explain()'s lines on the chosen plan's expert or context axis."""
+    facts = estimate.split_axes or {}
+    lines = []
+    if "expert" in facts:
+        x = facts["expert"]
+        where = ("the data axis (GShard's placement: each device routes its "
+                 "own tokens)" if x["axis"] == "data" else
+                 "a separate expert axis (its devices hold the same tokens)")
+        cf = ("dropless" if x["capacity_factor"] is None
+              else f"capacity factor {x['capacity_factor']:g}")
+        lines.append(
+            f"Expert axis: {x['experts']} experts (top {x['top_k']}, {cf}) "
+            f"split {x['size']} ways over {where}: expert banks "
+            f"{_gb(x['bank_bytes'])} per device (whole "
+            f"{_gb(x['bank_bytes_whole'])}), token exchanges "
+            f"{_gb(x['exchange_bytes'])} per step and device.")
+    if "context" in facts:
+        x = facts["context"]
+        lines.append(
+            f"Context axis: the sequence of {x['sequence']} split "
+            f"{x['size']} ways: saved activations "
+            f"{_gb(x['activation_bytes'])} per device (unsplit "
+            f"{_gb(x['activation_bytes_whole'])}), key/value gathers "
+            f"{_gb(x['gather_bytes'])} per step and device.")
+    return lines
 
 
 def _parts(e):

@@ -84,15 +84,19 @@ memory-bound by whichever is larger.
     tokens and repeats every op outside the expert GEMMs (DTensor maps a
     tensor dimension to one mesh axis); each runs its E/e experts on C
     slots each (cf·k·T/e token-experts) and the combine is one
-    all-reduce of T×h over e forward; backward an all-gather of the
-    combine weights' gradient (T×E×C float32) for the router.
+    all-reduce of T×h over e forward; backward the all-reduce of its
+    gradient (T×h) and an all-gather of the combine weights' gradient
+    (T×E×C float32) for the router.
   * Experts over the data axis (`expert_on_data=True`, e = d, GShard's
     placement): each device routes its own tokens, the dispatched
     [E, C, h] block is exchanged over the data axis before the expert
     FFN and back after it (tfpar's all-to-all is an all-gather of the n
     blocks and a slice under DTensor 2.21: n× a true all-to-all's
-    bytes), 4 exchanges per block, exposed; each device runs its E/e
-    experts on e·C slots. Nothing outside the MoE blocks is repeated.
+    bytes, and DTensor runs the gather as an all-reduce of zero-padded
+    blocks, 2(n-1)/n of that message, unless fsdp on a one-axis mesh
+    makes it a real gather: `gather_kind`), 4 exchanges per block,
+    exposed; each device runs its E/e experts on e·C slots. Nothing
+    outside the MoE blocks is repeated.
   Expert banks' gradients are reduced over data (× context) with a
   separate axis and not at all over the data axis that owns them.
 - Context parallelism (the sequence split over c, Megatron-Core's
@@ -453,14 +457,27 @@ def _tensor_parallel(model, cfg, cluster, hw):
 
 
 def expert_exchange_bytes(model, cfg):
-    """{"forward", "backward"}: bytes each device receives per MoE block
-    (one micro-batch) in the exchanges over its expert group. Experts on
-    the data axis: two exchanges of the dispatched [E, C, h] blocks each
-    way, each an all-gather of the e devices' blocks (e · E·C·h elements;
-    a true all-to-all would take 1/e of it: E·C·h = cf·k·T·h). A
-    separate expert axis: the combine's all-reduce of T×h forward, the
-    all-gather of the combine weights' gradient (T×E×C, float32)
-    backward."""
+    """{"forward", "backward"}: the message bytes (as
+    `communication_report` counts them: a gather's whole gathered tensor)
+    of one MoE block's collectives over its expert group, one micro-batch,
+    per device.
+
+    Experts on the data axis: a true all-to-all would send each device's
+    dispatched block, E·C·h = cf·k·T·h elements (tokens × top-k ×
+    capacity factor × hidden: issue 36's formula, × dtype bytes), for
+    the dispatch and again for the combine, forward and backward (the
+    backward of each exchange is the reverse exchange: 4 per block when
+    the block's input needs a gradient, as in every block after an
+    embedding). `collectives.all_to_all` under DTensor 2.21 is a gather
+    of the e devices' blocks then a slice: its message is e·cf·k·T·h,
+    e times the formula (measured: tests/test_moe_layer.py,
+    "global tokens × top_k × capacity_factor × hidden").
+
+    A separate expert axis: forward, the combine's all-reduce of the
+    tokens' outputs, T·h; backward, the all-reduce of their gradient
+    (T·h, the input gradient's sum over the axis' local experts) and the
+    gather of the combine weights' gradient (T·E·C, float32) for the
+    router (tfpar/experts.py's module docstring)."""
     if not model.experts or cfg.expert == 1:
         return {"forward": 0.0, "backward": 0.0}
     rows, cap, c = tokens(model, cfg), capacity(model, cfg), (
@@ -468,8 +485,23 @@ def expert_exchange_bytes(model, cfg):
     if cfg.expert_on_data:
         one = cfg.expert * model.experts * cap * model.hidden * c
         return {"forward": 2 * one, "backward": 2 * one}
-    return {"forward": rows * model.hidden * c,
-            "backward": rows * model.experts * cap * 4.0}
+    outputs = rows * model.hidden * c
+    return {"forward": outputs,
+            "backward": outputs + rows * model.experts * cap * 4.0}
+
+
+def gather_kind(cfg):
+    """The ring a DTensor 2.21 all-gather runs as: "all-reduce" (of
+    zero-padded blocks: 2(n-1)/n of the message per device, DTensor's
+    lowering on CPU and GPU), or "all-gather" ((n-1)/n) when tfpar
+    compiles real gathers — fsdp on a mesh with one axis of size > 1
+    (`ParallelDims.real_all_gathers`, `_compat.collective_all_gathers`).
+    Applies to tfpar's own gathers (the expert exchanges, the context
+    keys' and values'); the data and model axes' terms model the runs
+    they were fitted to."""
+    split = sum(n > 1 for n in (cfg.data, cfg.pipe, cfg.model,
+                                cfg.expert_axis_size, cfg.context))
+    return "all-gather" if cfg.fsdp and split == 1 else "all-reduce"
 
 
 def context_gather_bytes(model, cfg):
@@ -497,18 +529,20 @@ def _exchanges(model, cfg, cluster, hw):
     data axis, whose members are t·p apart, or on a separate expert axis
     inside it: model innermost, then expert, then context) and the keys'
     and values' all-gather over c (its backward reduce-scatter costs the
-    same)."""
+    same). tfpar's gathers run as `gather_kind(cfg)`'s ring."""
     t, e, c = cfg.model, cfg.expert, cfg.context
     sizes = expert_exchange_bytes(model, cfg)
+    gather = gather_kind(cfg)
     if cfg.expert_on_data:
         group = link(cluster, hw, e, t * cfg.pipe * c)
-        forward = backward = 2 * ring("all-gather", sizes["forward"] / 2, e,
-                                      group)
+        forward = backward = 2 * ring(gather, sizes["forward"] / 2, e, group)
     else:
         group = link(cluster, hw, e, t)
-        forward = ring("all-reduce", sizes["forward"], e, group)
-        backward = ring("all-gather", sizes["backward"], e, group)
-    context = ring("all-gather", context_gather_bytes(model, cfg), c,
+        outputs = sizes["forward"]
+        forward = ring("all-reduce", outputs, e, group)
+        backward = (ring("all-reduce", outputs, e, group)
+                    + ring(gather, sizes["backward"] - outputs, e, group))
+    context = ring(gather, context_gather_bytes(model, cfg), c,
                    link(cluster, hw, c, t * cfg.expert_axis_size))
     return forward, backward, context
 

@@ -58,6 +58,9 @@ class Candidate:
     # Model parts per pipeline stage (interleaved 1F1B when > 1): the model
     # is cut into virtual_stages × pipe parts at `stage_boundaries`.
     virtual_stages: int = 1
+    # The mesh axis the expert banks are split over: None (no expert
+    # split), "expert" (axes["expert"]) or "data" (GShard's placement).
+    expert_axis: str = None
 
     @property
     def label(self):
@@ -67,6 +70,8 @@ class Candidate:
             extra.append(f"m={self.num_microbatches} {self.schedule}"
                          + (f" interleaved v={self.virtual_stages}"
                             if self.virtual_stages > 1 else ""))
+        if self.expert_axis == "data":
+            extra.append("experts over data")
         if self.sequence_parallel:
             extra.append("sp")
         if self.fsdp:
@@ -198,13 +203,18 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                 candidates += _candidates(profile, layouts[key], axes,
                                           global_batch_size, cluster,
                                           memory_limit, slots)
+    return ranked(candidates), time.perf_counter() - start, layouts
+
+
+def ranked(candidates):
+    """`candidates` best first: usable before rejected, then by predicted
+    step time, memory and their order in the list (deterministic)."""
     order = {id(c): i for i, c in enumerate(candidates)}
-    candidates.sort(key=lambda c: (
+    return sorted(candidates, key=lambda c: (
         c.rejected is not None,
         c.estimate.step_time_s if c.estimate else np.inf,
         c.estimate.total_memory if c.estimate else np.inf,
         order[id(c)]))
-    return candidates, time.perf_counter() - start, layouts
 
 
 def _layout(profile, model, t, sequence_parallel=False):
@@ -261,7 +271,7 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
             layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
             recompute=recompute, batch=global_batch_size, cluster=cluster,
             slots=slots)
-        _reject_unfit(c, memory_limit)
+        reject_unfit(c, memory_limit)
         found.append(c)
     return found + _interleaved(profile, layout, found, stages,
                                 global_batch_size, cluster, memory_limit,
@@ -275,7 +285,7 @@ def _stage_cost(layout):
             + 1e-9).tobytes()
 
 
-def _reject_unfit(candidate, memory_limit):
+def reject_unfit(candidate, memory_limit):
     """Marks `candidate` rejected when its estimate exceeds the limit."""
     need = candidate.estimate.total_memory
     if need > memory_limit:
@@ -317,7 +327,7 @@ def _interleaved(profile, layout, found, stages, global_batch_size,
                 layout, stages, d=d, p=p, m=m, schedule="1f1b",
                 fsdp=c.fsdp, recompute=c.recompute, batch=global_batch_size,
                 cluster=cluster, slots=slots, virtual_stages=v)
-            _reject_unfit(x, memory_limit)
+            reject_unfit(x, memory_limit)
             out.append(x)
     return out
 

@@ -1,0 +1,239 @@
+"""tfpar.plan searches the expert axis (mixture-of-experts models, both
+placements) and the context axis (long sequences): a memory limit that
+only such a split meets makes the plan choose it, its `strategy()` trains
+in parity with one device, and `explain()` names the axis and its costs.
+"""
+
+import dataclasses
+import re
+import types
+
+import keras
+import numpy as np
+import pytest
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar import experts
+from tfpar.planner import hardware
+from tfpar.planner import measure
+from tfpar.planner import roofline
+
+import hub_models
+
+# A described 8-device host (the numbers only steer the search).
+HOST = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
+                     device_flops=1e10, intra_host_bandwidth=1e9,
+                     inter_host_bandwidth=1e9)
+VOCAB, HIDDEN = 64, 32
+COUNTER = re.compile(r"_\d+(?=/|$)")
+
+
+def language_model(seq, mixture):
+    """Token ids -> embedding -> causal attention -> (8 experts, top 2 |
+    a dense MLP) -> logits, every layer named (CI's workers share Keras'
+    name counter)."""
+    ids = keras.Input((seq,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(VOCAB, HIDDEN, name="embed")(ids)
+    a = keras.layers.MultiHeadAttention(2, HIDDEN // 2, name="attn")(
+        x, x, use_causal_mask=True)
+    x = keras.layers.Add(name="res1")([x, a])
+    if mixture:
+        m = tfpar.layers.MixtureOfExperts(8, 2, 128, name="moe")(x)
+    else:
+        m = keras.layers.Dense(64, activation="relu", name="up")(x)
+        m = keras.layers.Dense(HIDDEN, name="down")(m)
+    x = keras.layers.Add(name="res2")([x, m])
+    return keras.Model(ids, keras.layers.Dense(VOCAB, name="head")(x),
+                       name="lm")
+
+
+def only_the_split_fits(plan, axis):
+    """Every costed candidate without the split is rejected for memory:
+    the reason the plan splits."""
+    others = [c for c in plan.candidates if c.estimate is not None
+              and not (c.expert_axis if axis == "expert"
+                       else c.axes.get("context", 1) > 1)]
+    assert others and all("does not fit" in (c.rejected or "")
+                          for c in others)
+
+
+def train_beside_one_device(plan, build, batch, seq, samples=4):
+    """(planned model, one-device model, planned losses, one-device
+    losses) of one epoch with SGD from the same weights and tokens."""
+    keras.utils.set_random_seed(0)
+    reference = build()
+    weights = reference.get_weights()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, (samples, seq)).astype("int32")
+    y = rng.integers(0, VOCAB, (samples, seq)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference.compile(optimizer="sgd", loss=loss)
+    expected = reference.fit(x, y, batch_size=batch, shuffle=False,
+                             verbose=0).history["loss"]
+    with plan.strategy().scope():
+        model = build()
+        model.set_weights(weights)
+        model = plan.apply(model)
+        model.compile(optimizer="sgd", loss=loss)
+    got = model.fit(x, y, batch_size=batch, shuffle=False,
+                    verbose=0).history["loss"]
+    return model, reference, got, expected, x
+
+
+def assert_parity(model, reference, got, expected):
+    """Losses and every weight within 1e-4 relative; weights in the same
+    order (paths without Keras' name counters: keras-hub numbers its
+    blocks per build)."""
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    assert len(model.weights) == len(reference.weights)
+    for a, b in zip(model.weights, reference.weights):
+        assert COUNTER.sub("", a.path) == COUNTER.sub("", b.path)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4,
+                                   atol=1e-6, err_msg=a.path)
+
+
+def test_memory_limit_makes_the_plan_split_experts_and_it_trains(tmp_path):
+    """Adam's state of the expert banks (8 × 3 × 32 × 128) on every device
+    does not fit 500 kB; splitting the banks over the devices does."""
+    def build():
+        return language_model(16, mixture=True)
+
+    plan = tfpar.plan(build, 16, cluster=HOST, memory_per_device=5e5)
+    assert plan.expert_axis is not None, plan.explain()
+    only_the_split_fits(plan, "expert")
+    facts = plan.estimate.split_axes["expert"]
+    assert facts["bank_bytes"] * facts["size"] == pytest.approx(
+        facts["bank_bytes_whole"])
+    assert facts["bank_bytes_whole"] == 8 * 3 * HIDDEN * 128 * 4
+    assert facts["exchange_bytes"] > 0
+    text = plan.explain()
+    assert "Expert axis: 8 experts (top 2, dropless)" in text
+    assert "token exchanges" in text
+    model, reference, got, expected, x = train_beside_one_device(
+        plan, build, 16, 16, samples=32)
+    # The first step's routing cannot flip under float32 noise (~1e-7).
+    moe_input = keras.Model(reference.input,
+                            reference.get_layer("res1").output)(x)
+    probs = np.asarray(experts.router_probabilities(
+        np.asarray(moe_input) @ reference.get_layer("moe")
+        .router_kernel.numpy()))
+    ordered = -np.sort(-probs, axis=-1)
+    assert (ordered[..., 1] - ordered[..., 2]).min() > 1e-6
+    assert_parity(model, reference, got, expected)
+    size = facts["size"]
+    bank = model.get_layer("moe").up_kernel
+    assert {tuple(b.shape) for b in dtensor.unpack(bank.value.read_value())
+            } == {(8 // size, HIDDEN, 128)}
+    measured = plan.strategy().memory_per_device()
+    assert max(sum(v.values()) for v in measured.values()) <= 5e5
+    plan.save(tmp_path / "plan.json")
+    loaded = tfpar.Plan.load(tmp_path / "plan.json")
+    assert (loaded.expert_axis, loaded.axes) == (plan.expert_axis, plan.axes)
+    assert loaded.estimate.split_axes == plan.estimate.split_axes
+
+
+def test_memory_limit_makes_the_plan_split_the_sequence_and_it_trains():
+    """Two sequences of 256 tokens on 8 devices: the data axis takes at
+    most 2, the heads a model axis of at most 2; only splitting the
+    sequence keeps the activations (the 256 × 256 scores) under 600 kB."""
+    def build():
+        return language_model(256, mixture=False)
+
+    plan = tfpar.plan(build, 2, cluster=HOST, memory_per_device=6e5)
+    assert plan.axes.get("context", 1) > 1, plan.explain()
+    only_the_split_fits(plan, "context")
+    facts = plan.estimate.split_axes["context"]
+    assert facts["activation_bytes"] < facts["activation_bytes_whole"]
+    assert "Context axis: the sequence of 256 split" in plan.explain()
+    assert plan.strategy().extended.dims.context_axis == "context"
+    assert_parity(*train_beside_one_device(plan, build, 2, 256)[:4])
+
+
+MOE = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
+                           vocab=32000, ffn=3584, gated=True, dropout=False,
+                           tied=False, position_embedding=False, experts=8,
+                           top_k=2)
+
+
+def test_expert_exchange_bytes_and_time_by_the_issues_formula():
+    """Issue 36 item 5's formula: tokens × hidden × top-k × capacity
+    factor × dtype bytes per device and exchange (a true all-to-all's
+    block), dispatched and combined, forward and backward: 4 per block.
+    tfpar's exchange (collectives.all_to_all under DTensor 2.21) is a
+    gather of the e devices' blocks, e times that message, and DTensor
+    runs the gather as an all-reduce of zero-padded blocks (ring
+    2(e-1)/e of the message) unless fsdp on a one-axis mesh makes it a
+    real gather ((e-1)/e)."""
+    hw = hardware.PRESETS["h100-sxm"]
+    e, b, cf = 8, 2, 1.25
+    folded = roofline.Parallel(data=e, expert=e, expert_on_data=True,
+                               microbatch=b, capacity_factor=cf)
+    tokens = b * MOE.seq
+    formula = tokens * MOE.hidden * MOE.top_k * cf * MOE.compute_bytes
+    sizes = roofline.expert_exchange_bytes(MOE, folded)
+    assert sizes == {"forward": 2 * e * formula, "backward": 2 * e * formula}
+    host = types.SimpleNamespace(devices_per_host=8)  # one host of 8
+    forward, backward, _ = roofline._exchanges(MOE, folded, host, hw)
+    alpha, beta = roofline.link(host, hw, e, 1)         # NVLink
+    ring = 2 * (e - 1) * alpha + 2 * (e - 1) / e * e * formula / beta
+    assert forward == backward == pytest.approx(2 * ring)
+    real = dataclasses.replace(folded, fsdp=True)
+    assert roofline.gather_kind(real) == "all-gather"
+    forward, _, _ = roofline._exchanges(MOE, real, host, hw)
+    assert forward == pytest.approx(
+        2 * ((e - 1) * alpha + (e - 1) / e * e * formula / beta))
+    # A separate axis: the outputs' all-reduce (T·h) forward; backward its
+    # gradient's all-reduce and the combine weights' gradient gathered
+    # (T·E·C float32).
+    separate = dataclasses.replace(folded, data=2, expert=4,
+                                   expert_on_data=False)
+    cap = roofline.capacity(MOE, separate)
+    outputs = tokens * MOE.hidden * MOE.compute_bytes
+    assert roofline.expert_exchange_bytes(MOE, separate) == {
+        "forward": outputs,
+        "backward": outputs + tokens * MOE.experts * cap * 4}
+
+
+@pytest.mark.slow
+def test_a_planned_keras_hub_mixtral_splits_its_banks_and_trains():
+    """keras-hub Mixtral (8 experts; tests/hub_models.py): the best
+    candidate of each expert placement the plan costs, applied
+    (auto_rules' bank rules through Plan.apply), splits the banks and
+    trains 2 steps of SGD as one device does (data seed 1: the router
+    margins test_moe_keras_hub asserts for it)."""
+    whole = tfpar.plan(hub_models.MOE_BUILDERS["mixtral"], 16,
+                       cluster=HOST, sequence_length=hub_models.SEQ_LEN)
+    for placement in ("expert", "data"):
+        best = next(c for c in whole.candidates if c.expert_axis == placement
+                    and c.rejected is None)
+        check_mixtral_candidate(measure.candidate_plan(
+            best, hub_models.MOE_BUILDERS["mixtral"], 16))
+
+
+def check_mixtral_candidate(plan):
+    """`plan` trains Mixtral in parity with one device, banks split."""
+    weights = hub_models.build("mixtral").get_weights()
+    x, y = hub_models.data("mixtral", batch=32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def fit(model):
+        model.set_weights(weights)
+        return model
+
+    reference = fit(hub_models.build("mixtral"))
+    reference.compile(optimizer="sgd", loss=loss)
+    expected = reference.fit(x, y, batch_size=16, shuffle=False,
+                             verbose=0).history["loss"]
+    with plan.strategy().scope():
+        model = plan.apply(fit(hub_models.build("mixtral")))
+        model.compile(optimizer="sgd", loss=loss)
+    got = model.fit(x, y, batch_size=16, shuffle=False,
+                    verbose=0).history["loss"]
+    assert_parity(model, reference, got, expected)
+    size = plan.estimate.split_axes["expert"]["size"]
+    banks = [w for w in model.weights if "experts" in w.path]
+    assert banks
+    for bank in banks:
+        assert {b.shape[0] for b in dtensor.unpack(bank.value.read_value())
+                } == {8 // size}, bank.path

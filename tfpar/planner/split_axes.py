@@ -1,0 +1,186 @@
+"""The expert and context axes in `tfpar.plan`'s search: the candidates
+that split a mixture-of-experts model's expert banks, or a long
+sequence, besides data × pipe × model.
+
+Which candidates (on one pipeline stage, no sequence parallelism):
+
+- Expert axis, for a model with mixture-of-experts blocks (the planner
+  reads them as `tfpar.estimate` does: a layer with integer
+  `num_experts`, `top_k` and `intermediate_dim`, e.g.
+  `tfpar.layers.MixtureOfExperts`, keras-hub's Mixtral, Qwen3-MoE and
+  GPT-OSS blocks): a separate axis, data × expert × model with e dividing
+  the experts (the devices of the expert axis hold the same tokens), and
+  the banks over the data axis (`ParallelStrategy(expert_axis="data")`,
+  GShard's placement) when the data axis divides the experts.
+- Context axis, for a transformer whose sequence 2·c divides (the causal
+  load balance's 2·c chunks, `tfpar.context_parallel.load_balance`):
+  data × context × model.
+
+How they are costed: the step of the same configuration without the new
+axis (data d', pipe 1, model t: the cost model every other candidate
+gets) scaled by the roofline's ratio (`roofline.py`, `tfpar.estimate`'s)
+of the step with the axis to the step without it, and each kind of its
+memory by the roofline's ratio of that kind (banks split e ways,
+activations over c):
+
+    step = step_base(d', t) · roofline(d', t, e or c) / roofline(d', t)
+    memory[kind] = memory_base[kind] · roofline_mem[kind](with)
+                                      / roofline_mem[kind](without)
+
+so that on a preset cluster (whose base step is that roofline) it is
+exactly `tfpar.estimate`'s step, and on `Cluster.local()` the measured
+calibration's scale is kept (ratios, not differences: the two models'
+absolute figures differ, their ratios are what the axis changes). The
+time's breakdown is the base's, scaled; the axis' own terms are the
+roofline's (`Estimate.split_axes`). The exchange bytes (expert), gather bytes
+(context) and bank memory are in `Estimate.split_axes`, which
+`Plan.explain()` prints.
+
+>>> from tfpar.planner import split_axes
+>>> split_axes.capacity_factor(profile)   # None: dropless
+"""
+
+import dataclasses
+
+from tfpar.planner import cost as cost_lib
+from tfpar.planner import estimator
+from tfpar.planner import search as search_lib
+
+
+def candidates(profile, layouts, batch, cluster, memory_limit, slots):
+    """The expert and context `Candidate`s of a profiled model (`layouts`:
+    `search.search`'s {(model size, sequence parallel): Layout}), each
+    estimated; those over `memory_limit` marked rejected. [] for a model
+    without attention (the roofline's transformer)."""
+    found = []
+    cf = capacity_factor(profile)
+    for (t, sp), layout in sorted(layouts.items()):
+        model = layout.transformer
+        if sp or model is None:
+            continue
+        for data, extra, expert_axis in _shapes(model,
+                                                cluster.num_devices // t):
+            axes = {"data": data, "pipe": 1, "model": t, **extra}
+            if batch % data:
+                found.append(search_lib.Candidate(
+                    axes, False, None, 1, "1f1b", None,
+                    rejected=f"global_batch_size {batch} does not split over "
+                             f"data={data}", expert_axis=expert_axis))
+                continue
+            for fsdp, recompute in _options(layout, data):
+                c = search_lib.Candidate(axes, fsdp, recompute, 1, "1f1b",
+                                         None, expert_axis=expert_axis)
+                c.estimate = _estimate(layout, c, batch, cluster, slots, cf)
+                search_lib.reject_unfit(c, memory_limit)
+                found.append(c)
+    return found
+
+
+def capacity_factor(profile):
+    """The capacity factor of the model's first mixture-of-experts layer
+    (None: dropless, as keras-hub's blocks run under tfpar)."""
+    for layer in profile.layers_by_path.values():
+        if isinstance(getattr(layer, "num_experts", None), int):
+            value = getattr(layer, "capacity_factor", None)
+            return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+def _shapes(model, devices):
+    """(data size, {expert or context: size}, expert axis) of every split
+    `devices` (per model coordinate) allows: separate expert axes e | E,
+    the data axis when it divides E, context axes with 2·c | s."""
+    divisors = [k for k in range(2, devices + 1) if devices % k == 0]
+    if model.experts:
+        for e in divisors:
+            if model.experts % e == 0:
+                yield devices // e, {"expert": e}, "expert"
+        if model.experts % devices == 0 and devices > 1:
+            yield devices, {}, "data"
+    for c in divisors:
+        if model.seq % (2 * c) == 0:
+            yield devices // c, {"context": c}, None
+
+
+def _options(layout, data):
+    """(fsdp, recompute) choices: fsdp with a data axis; selective
+    recomputation where there is attention."""
+    recomputes = ((None, "selective", "full") if layout.attention_flops.any()
+                  else (None, "full"))
+    for fsdp in (False, True) if data > 1 else (False,):
+        for recompute in recomputes:
+            yield fsdp, recompute
+
+
+def _estimate(layout, candidate, batch, cluster, slots, cf):
+    """The candidate's `Estimate`: the base configuration's (its data and
+    model axes alone) scaled by the roofline (module docstring)."""
+    d, t = candidate.axes["data"], candidate.axes["model"]
+    base = cost_lib.estimate(
+        layout, [0], d=d, p=1, m=1, schedule="1f1b", fsdp=candidate.fsdp,
+        recompute=candidate.recompute, batch=batch, cluster=cluster,
+        slots=slots)
+    with_axis = _roofline(layout.transformer, candidate, batch, cluster,
+                          slots, cf, split=True)
+    without = _roofline(layout.transformer, candidate, batch, cluster,
+                        slots, cf, split=False)
+    ratio = with_axis.step_time_s / without.step_time_s
+    memory = {k: _scaled(v, with_axis.memory_per_device.get(k, 0.0),
+                         without.memory_per_device.get(k, 0.0))
+              for k, v in base.memory_per_device.items()}
+    comm = dict(base.communication_bytes_by_axis)
+    for axis in ("expert", "context"):
+        comm[axis] = with_axis.communication_bytes_by_axis.get(axis, 0.0)
+    return dataclasses.replace(
+        base, step_time_s=base.step_time_s * ratio, memory_per_device=memory,
+        memory_by_stage=[memory],
+        time_s={k: v * ratio for k, v in base.time_s.items()},
+        communication_bytes_by_axis=comm,
+        communication_bytes_per_device=float(sum(comm.values())),
+        split_axes=_facts(layout.transformer, candidate, with_axis, without,
+                          cf))
+
+
+def _scaled(base, with_axis, without):
+    """`base` bytes scaled as the roofline's bytes of that kind change
+    with the axis (with / without), or increased by them when the
+    roofline has none without it."""
+    return base * with_axis / without if without > 0 else base + with_axis
+
+
+def _roofline(model, candidate, batch, cluster, slots, cf, split):
+    """`tfpar.estimate`'s Estimate of the candidate (`split`) or of its
+    base configuration, the data and model axes alone (not `split`)."""
+    axes = {"data": candidate.axes["data"], "model": candidate.axes["model"]}
+    if split:
+        axes.update((k, v) for k, v in candidate.axes.items()
+                    if k in ("expert", "context"))
+    cfg = estimator.configuration(
+        axes, batch, recompute=candidate.recompute, fsdp=candidate.fsdp,
+        slots=slots, flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
+        layers=model.layers, capacity_factor=cf, transformer=model,
+        expert_axis="data" if split and candidate.expert_axis == "data"
+        else "expert")
+    return estimator.estimate_transformer(model, cfg, batch, cluster)
+
+
+def _facts(model, candidate, with_axis, without, cf):
+    """{"expert": {...}} or {"context": {...}}: what `Plan.explain` says
+    of the axis (sizes, exchanged bytes per step and device, bank or
+    activation memory with and without it)."""
+    if candidate.expert_axis:
+        size = (candidate.axes["data"] if candidate.expert_axis == "data"
+                else candidate.axes["expert"])
+        whole = (model.layers * model.bank_params() * model.param_bytes
+                 / candidate.axes["model"])
+        return {"expert": {
+            "axis": candidate.expert_axis, "size": size,
+            "experts": model.experts, "top_k": model.top_k,
+            "capacity_factor": cf,
+            "exchange_bytes": with_axis.communication_bytes_by_axis["expert"],
+            "bank_bytes": whole / size, "bank_bytes_whole": whole}}
+    return {"context": {
+        "size": candidate.axes["context"], "sequence": model.seq,
+        "gather_bytes": with_axis.communication_bytes_by_axis["context"],
+        "activation_bytes": with_axis.memory_per_device["activations"],
+        "activation_bytes_whole": without.memory_per_device["activations"]}}

@@ -31,7 +31,10 @@ model=2, the masked opt-out, mixed_bfloat16) are `slow`.
 """
 
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import keras
 import keras_hub
@@ -484,3 +487,21 @@ def test_exchanges_over_a_separate_expert_axis_next_to_formula():
         [("forward", "all-reduce", 1 / 8, "combine")] * 2
         + [("backward", "all-reduce", 1 / 8, "dispatch"),
            ("backward", "all-gather", 1 / 4, "combine")] * 2), got
+
+
+@pytest.mark.slow  # a child process importing TF: ~10 s
+def test_new_axes_in_front_of_an_expert_split_fail_and_expand_dims_does_not():
+    """GPT-OSS' per-expert biases are split over "expert"; indexing them
+    with new axes (`bias[None, :, None, :]`) fails to lay out in DTensor
+    2.21 (tests/dtensor_newaxis_slice_repro.py, pure TF + DTensor, in a
+    child process: in a compiled keras-hub step it crashed the process),
+    so tfpar.moe_keras_hub broadcasts them with `expand_dims`, which gives
+    the right values. If the repro prints "newaxis: right" on a newer TF,
+    the indexing may come back."""
+    repro = Path(__file__).with_name("dtensor_newaxis_slice_repro.py")
+    result = subprocess.run([sys.executable, str(repro)], capture_output=True,
+                            text=True, timeout=300)
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2:-1] and lines[-2].startswith("newaxis: failed, ") and (
+        lines[-1] == "expand_dims: right"), (
+        result.stdout + result.stderr[-2000:])

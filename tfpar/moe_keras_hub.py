@@ -398,7 +398,10 @@ def _gpt_oss_experts(bank, slots):
 
 
 def _per_expert(bias, dtype):
-    """A bias [experts, features] as [1, experts, 1, features]."""
+    """A bias [experts, features] as [1, experts, 1, features], by
+    `expand_dims`: `bias[None, :, None, :]` of a bias split over the
+    expert axis fails to lay out in DTensor 2.21
+    (tests/dtensor_newaxis_slice_repro.py)."""
     return tf.expand_dims(tf.expand_dims(tf.cast(bias, dtype), 0), 2)
 
 

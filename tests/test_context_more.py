@@ -140,3 +140,68 @@ def test_dtensor_cannot_split_one_dimension_over_two_axes():
         "refused")
     assert combined_axes_repro.attempt("tuple", on_mesh).startswith(
         "refused")
+
+
+# -- pipeline x context ----------------------------------------------------------
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _saved_activations(axes, layers=2):
+    """Per-device saved activation bytes of a 2-stage pipeline of the
+    transformer on `axes`, one step of 8 sequences, by stage device."""
+    devices = tfpar.mesh.default_devices()[:int(np.prod(list(axes.values())))]
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices))
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(transformer(layers), num_microbatches=2)
+    pipe.compile(optimizer="adam", loss=_loss())
+    x, y = corpus()
+    report = tfpar.memory_report(pipe, {k: v[:8] for k, v in x.items()},
+                                 y[:8])
+    return [row["activations"] for row in report.values()]
+
+
+def test_pipeline_stages_with_a_context_axis_train_in_parity():
+    """pipe=2 x data=2 x context=2: each stage mesh (data=2 x context=2)
+    splits its micro-batches' sequences over context; losses and weights
+    as on one device."""
+    reference, ref_losses = one_device()
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"pipe": 2, "data": 2, "context": 2}))
+    model, losses = train(strategy, build=lambda: tfpar.PipelineModel(
+        transformer(), num_microbatches=2))
+    assert_parity(reference, ref_losses, model, losses)
+
+
+@pytest.mark.slow
+def test_pipeline_stage_activations_split_over_context():
+    """The stages' compiled programs of a 2-layer transformer keep at most
+    0.6x the activation bytes per device of the same pipeline on pipe=2 x
+    data=2 (the same samples per device); measured 0.45x and 0.53x. The
+    micro-batches enter a stage and cross stage boundaries whole along the
+    sequence (the pipeline's layouts split the batch only); with one layer
+    the second stage kept more than without context (31104 vs 27008 bytes),
+    probably because of that: not investigated further."""
+    split = _saved_activations({"pipe": 2, "data": 2, "context": 2})
+    whole = _saved_activations({"pipe": 2, "data": 2})
+    # Devices 0-1 (data) are stage 0 without context; 0-3 with it.
+    assert max(split[:4]) <= 0.6 * whole[0], (split, whole)
+    assert max(split[4:]) <= 0.6 * whole[2], (split, whole)
+
+
+def test_load_balance_in_a_pipeline_is_refused_before_training():
+    """A pipeline's micro-batches are not reordered, so balanced masks
+    would be wrong: fit raises first, naming the combination."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"pipe": 2, "data": 2, "context": 2}))
+    context_parallel.load_balance(strategy)
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(transformer(), num_microbatches=2)
+    pipe.compile(optimizer="adam", loss=_loss())
+    x, y = corpus()
+    with pytest.raises(ValueError, match=r"PipelineModel.*load balance.*"
+                       r"'context' \(size 2\)"):
+        pipe.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert pipe.optimizer.iterations.numpy() == 0

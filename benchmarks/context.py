@@ -64,6 +64,8 @@ def parse_args(argv=None):
     parser.add_argument("--time-seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--part", choices=("all", "longest", "time"),
+                        default="all", help="both tables, or one of them")
     parser.add_argument("--only", default="",
                         help="comma-separated mesh names")
     return parser.parse_args(argv)
@@ -190,15 +192,25 @@ def main(args):
           f"{args.per_replica} sequence(s) per data replica; 8 virtual CPUs "
           f"on {os.cpu_count()} cores; activation budget "
           f"{args.budget_mib:g} MiB per device")
-    print(f"{'mesh':24s} {'longest':>8s} {'x data=8':>9s} {'act MiB':>8s} "
+    if args.part != "time":
+        print_longest(entries, args, budget)
+    if args.part != "longest":
+        print_step_times(entries, args)
+
+
+def print_longest(entries, args, budget):
+    print(f"{'mesh':24s} {'longest':>8s} {'x first':>8s} {'act MiB':>8s} "
           f"{'peak MiB':>9s} {'next act MiB':>13s}")
     base = None
     for entry in entries:
         seq_len, saved, peak, over = longest(entry, args, budget)
         base = base or seq_len
-        print(f"{entry[0]:24s} {seq_len:8d} {seq_len / base:9.2f} "
+        print(f"{entry[0]:24s} {seq_len:8d} {seq_len / base:8.2f} "
               f"{saved / 2**20:8.1f} {peak / 2**20:9.1f} "
               f"{over / 2**20:13.1f}", flush=True)
+
+
+def print_step_times(entries, args):
     times = step_times([("one device", None, False)] + entries, args)
     one, data8 = times["one device"], times.get("data=8")
     print(f"\nstep time at {args.time_seq} tokens (median of {args.rounds} "

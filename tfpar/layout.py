@@ -391,7 +391,7 @@ it over the data axis)."""
 
 def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
                data_axis="data", fsdp=False, layout=None, slot_of=None,
-               expert_axis=None):
+               expert_axis=None, context_axis=None):
     """How a variable is laid out: a pure function of what it is and of the
     parallel dimensions, called by `ParallelStrategy` for every variable it
     makes or re-lays out, and callable without a strategy (e.g. to plan a
@@ -414,7 +414,11 @@ def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
     so nothing is gathered. With `fsdp`, a
     "params" variable is also stored split over the data axis on its first
     dimension the rule leaves whole and the axis divides
-    (`fully_sharded_spec`).
+    (`fully_sharded_spec`), and, on a mesh whose `context_axis` has size
+    > 1, over the context axis on the next such dimension (ZeRO over the
+    data x context group; a DTensor dimension is split over one mesh axis
+    only, tests/dtensor_combined_axes_repro.py). The context axis splits
+    the sequence in a step, so it is gathered there as the data axis.
 
     Example:
 
@@ -436,6 +440,7 @@ def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
         layout: an explicit spec for it, or None.
         slot_of: for an optimizer slot, its weight's plan; else None.
         expert_axis: the mesh axis expert banks are split over, or None.
+        context_axis: the mesh axis sequences are split over, or None.
 
     Returns:
         A `SpecPlan(kind, spec, compute_spec)`.
@@ -453,8 +458,15 @@ def plan_specs(path, shape, mesh, *, rules=None, layer=None, trainable=True,
         banks = expert_axis == data_axis  # dimension 0 stays split
         compute = tuple(axis if axis != data_axis or (banks and d == 0)
                         else None for d, axis in enumerate(spec))
+    context = context_axis if context_axis in mesh.shape and mesh.axis_size(
+        context_axis) > 1 else None
+    if context is not None:
+        compute = tuple(None if axis == context else axis
+                        for axis in compute)
     if fsdp and kind == "params":
         spec = fully_sharded_spec(spec, shape, data_axis, mesh)
+        if context is not None:
+            spec = fully_sharded_spec(spec, shape, context, mesh)
     return SpecPlan(kind, spec, compute)
 
 

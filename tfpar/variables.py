@@ -315,7 +315,8 @@ class VariableRegistry:
             path, shape, mesh or self._dims.stage_meshes[0], layer=layer,
             rules=self._rules if rules is None else rules, layout=layout,
             trainable=trainable, slot_of=slot_of, fsdp=self._dims.fsdp,
-            data_axis=self._dims.data_axis, expert_axis=self._dims.expert_axis)
+            data_axis=self._dims.data_axis, expert_axis=self._dims.expert_axis,
+            context_axis=self._dims.context_axis)
         if rules is None and layout is None and slot_of is None:
             styles.apply_styles(self._rules, [(path, shape, layer)])
         return plan

@@ -88,6 +88,22 @@ class Microbatching:
         return counts
 
 
+def _check_no_load_balance(extended):
+    """Raises if the strategy's context axis is load balanced: a pipeline
+    places its micro-batches in natural order (it does not reorder them as
+    `tfpar.inputs.InputPlacer` does), while attention would mask by the
+    balanced order, so the result would be silently wrong."""
+    split = getattr(extended.input_placer, "context", None)
+    if split is not None and split.load_balance:
+        raise ValueError(
+            "A PipelineModel cannot train with the causal load balance of "
+            f"the context axis {split.axis!r} (size {split.size}): its "
+            "stages take micro-batches in natural order. Received: "
+            "tfpar.context_parallel.load_balance(strategy) on mesh "
+            f"{extended.mesh!r}. Call load_balance(strategy, enabled=False) "
+            "(the context split itself works in pipeline stages).")
+
+
 class PipelineRunner(training.Runner):
     """Runs train/test/predict steps of a `PipelineModel` (see module doc)."""
 
@@ -98,6 +114,7 @@ class PipelineRunner(training.Runner):
 
     def __init__(self, pipeline, mode):
         extended = pipeline.distribute_strategy.extended
+        _check_no_load_balance(extended)
         super().__init__(pipeline, extended, mode)
         self._parts = pipeline.parts
         self._ties = pipeline.ties

@@ -30,6 +30,7 @@ from tensorflow.experimental import dtensor
 import tfpar
 from fuzzing import RTOL, relative_error
 from models import assert_one_block_per_device
+from test_hosts import run_two_hosts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LLAMA = dict(vocabulary_size=96, num_layers=2, num_query_heads=8,
@@ -374,3 +375,59 @@ def test_keras_hub_converter_bugs_still_reproduce():
              if line.startswith(("BUG", "ok"))]
     assert len(lines) == 4 and all(line.startswith("BUG") for line in lines), \
         result.stdout + result.stderr[-2000:]
+
+
+def _elements(box):
+    return int(np.prod([b - a for a, b in box]))
+
+
+def _overlap(a, b):
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
+
+
+@pytest.mark.slow  # two TF processes
+def test_two_hosts_each_read_only_their_own_devices_blocks(tmp_path):
+    """A Llama3 preset (.weights.h5) and HF checkpoint (safetensors) loaded
+    on model=8 over two hosts of 4 devices (tests/pretrained_hosts_child.py):
+    every device's block equals one device's weights; every 2-D+ tensor
+    (all split by the rules) is read in blocks, the two hosts' blocks
+    never overlap and each host's cover half the tensor (its 4 devices'
+    blocks), so no host reads a block of a device it does not own; whole
+    reads are of the replicated 1-D norm scales only."""
+    run_child("make", "small", str(tmp_path))
+    run_two_hosts(os.path.join(HERE, "pretrained_hosts_child.py"), tmp_path)
+    want = {w.path: w.numpy() for w in keras_hub.models.Llama3Backbone
+            .from_preset(str(tmp_path / "preset")).weights}
+    for fmt in ("preset", "hf"):
+        hosts = []
+        for i in range(2):
+            with open(tmp_path / f"host{i}_{fmt}.json") as f:
+                hosts.append(json.load(f))
+        for host in hosts:
+            assert host["weights"].keys() == want.keys()
+            for path, entry in host["weights"].items():
+                for location, block in entry["blocks"]:
+                    index = tfpar.placement.block_index(
+                        want[path].shape, entry["spec"], {"model": 8},
+                        location)
+                    np.testing.assert_array_equal(
+                        np.asarray(block, want[path].dtype),
+                        want[path][index], err_msg=f"{fmt} {path}")
+        shapes = {}  # each tensor's shape: the ends of the boxes read
+        for host in hosts:
+            for name, box in host["reads"]:
+                shapes[name] = [max(b, end) for b, (_, end) in zip(
+                    shapes.get(name, [0] * len(box)), box)]
+        for name, shape in shapes.items():
+            per_host = [[box for n, box in host["reads"] if n == name]
+                        for host in hosts]
+            whole = [[0, n] for n in shape]
+            if len(shape) == 1:  # a replicated norm scale: read whole
+                assert all(boxes == [whole] for boxes in per_host), name
+                continue
+            for boxes in per_host:
+                assert whole not in boxes, (fmt, name, "read whole")
+                assert sum(map(_elements, boxes)) == _elements(whole) // 2, \
+                    (fmt, name, boxes)
+            assert not any(_overlap(a, b) for a in per_host[0]
+                           for b in per_host[1]), (fmt, name, per_host)

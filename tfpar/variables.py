@@ -325,7 +325,9 @@ class VariableRegistry:
     def create(self, path, initial_value, colocate_with, kwargs,
                host_creator=None):
         """A new variable at `path` holding `initial_value` (host): a
-        ShardedVariable on the placement mesh, laid out by the plan; a
+        ShardedVariable on the placement mesh, laid out by the plan (for
+        a `variable_creation.DeferredValue`, each device's block allocated
+        and left unwritten); a
         host variable from `host_creator` while weights wait for their
         pipeline stage; a slot (`colocate_with` its weight) follows it."""
         shape = initial_value.shape.as_list()
@@ -343,6 +345,11 @@ class VariableRegistry:
             if mesh is None:  # on the host until PipelineModel places it
                 return self._track(_on_host(host_creator, initial_value,
                                             kwargs, place, layer))
+            if isinstance(initial_value, variable_creation.DeferredValue):
+                variable = self._sharded(placement_lib.unwritten(
+                    plan.spec, mesh, shape, initial_value.dtype), place, kwargs)
+                initial_value.created = weakref.ref(variable)
+                return variable
             value = placement_lib.put(
                 placement_lib.same_on_every_host(initial_value), plan.spec,
                 mesh, dtype=kwargs.get("dtype"))

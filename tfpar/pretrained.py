@@ -9,12 +9,19 @@ weight is created split; then:
   the checkpoint with its shape and a float dtype, and the checkpoint's
   config agrees with the model's; otherwise a ValueError naming the
   tensor (or config entry), before any weight changes.
+- `deferred_init()`: a model built inside it (in the strategy's scope)
+  gets each weight's blocks allocated on their devices and left
+  unwritten, for the load to write (no random initial value of a whole
+  weight on the host); weights nothing wrote are initialized on exit.
 - `load_weights(model, path)`: checks, then loads: a Hugging Face
   directory (config.json + model.safetensors, or sharded with its index)
   through keras-hub's converter for its `model_type`, a keras-hub preset
-  directory or a `.weights.h5` file through Keras' loader. Either way one
-  tensor at a time goes from the file to the host and each device gets
-  its block: the host holds the sharded state plus about one tensor.
+  directory or a `.weights.h5` file in Keras' dataset names. Each of this
+  host's devices gets its block read from the file on its own (h5py
+  selections; safetensors byte ranges, through the converter's reshapes
+  and transposes, `safetensors_io.source_box`): the host holds the
+  sharded state plus about one block, and on several hosts each host
+  reads only its own devices' blocks.
 - `export_to_transformers(model, path)`: a Hugging Face checkpoint of a
   (sharded) keras-hub model through keras-hub's name maps (the families
   keras-hub exports: Gemma, Llama3, Mistral, Qwen, GPT-2, ...), each

@@ -12,8 +12,11 @@ a load is measured in a fresh process (tests/pretrained_child.py).
 
 Default profile: a small Llama3 preset on model=8 (no full-shape device
 tensor of a split weight, each device its block, weights equal, one
-training step equal to one device's) and a checkpoint missing a tensor;
-the rest is slow.
+training step equal to one device's), the same preset and its HF
+checkpoint loaded inside `tfpar.pretrained.deferred_init()` (every split
+tensor read one device's block at a time) and a checkpoint missing a
+tensor; the rest is slow (host memory in a fresh process, two hosts each
+reading only their own devices' blocks).
 """
 
 import json

@@ -15,9 +15,16 @@ process's peak resident set (Linux VmHWM) reset right before the load:
 
 - "rules": rules from a builder (`tfpar.auto_rules(lambda:
   from_preset(path, load_weights=False))`), the model built in the scope
-  of `ParallelStrategy(mesh, rules=...)`, then `tfpar.pretrained.load_weights`;
-- "from_preset": the same rules, then keras-hub's `from_preset` in the scope
-  (preset only: keras-hub's HF route needs the `safetensors` package);
+  of `ParallelStrategy(mesh, rules=...)` and of
+  `tfpar.pretrained.deferred_init()` (each device's blocks allocated
+  unwritten), then `tfpar.pretrained.load_weights` (each device's block
+  read from the file on its own);
+- "rules_random": the same without `deferred_init` (every weight's random
+  initial value drawn on the host first: the route before);
+- "from_preset": the same rules and `deferred_init`, then keras-hub's
+  `from_preset` in the scope (Keras' `load_weights` assigns each whole
+  tensor; preset only: keras-hub's HF route needs the `safetensors`
+  package);
 - "naive": `from_preset` under a strategy without rules, then
   `apply_rules(model, auto_rules(model))` (the route before issue 37).
 
@@ -36,7 +43,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "..", "tests", "pretrained_child.py")
 RUNS = [("preset", "naive", "model=8"), ("preset", "from_preset", "model=8"),
+        ("preset", "rules_random", "model=8"),
         ("preset", "rules", "model=8"), ("preset", "rules", "data=2,model=4"),
+        ("hf", "rules_random", "model=8"),
         ("hf", "rules", "model=8"), ("hf", "rules", "data=2,model=4")]
 
 

@@ -14,10 +14,14 @@ by ROUTE:
 
 - "rules": rules from a builder (`tfpar.auto_rules(lambda: ...
   from_preset(path, load_weights=False))`), the model built in the scope
-  of `ParallelStrategy(mesh, rules=...)` (every split weight created
-  split), then `tfpar.pretrained.load_weights`;
+  of `ParallelStrategy(mesh, rules=...)` and of
+  `tfpar.pretrained.deferred_init()` (every split weight created split, as
+  zeros each device makes), then `tfpar.pretrained.load_weights`;
+- "rules_random": the same without `deferred_init` (the build draws every
+  weight's random initial value on the host first: the route before);
 - "from_preset": the same rules, then keras-hub's `from_preset` in the
-  scope (Keras' `load_weights` assigns each whole tensor);
+  scope and in `deferred_init()` (Keras' `load_weights` assigns each
+  whole tensor);
 - "naive": `from_preset` in the scope of a strategy without rules, then
   `apply_rules(model, auto_rules(model))` (today's route);
 
@@ -29,6 +33,7 @@ the weights equal the saved ones, the loss of one training step, and
 original.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -102,8 +107,10 @@ def load(size, directory, fmt, route, mesh_text, out):
     before = rss_bytes()
     reset_peak()
     start = time.perf_counter()
-    with strategy.scope():
-        if route == "rules":  # tfpar's loader: each tensor put in blocks
+    with strategy.scope(), (tfpar.pretrained.deferred_init()
+                            if route in ("rules", "from_preset")
+                            else contextlib.nullcontext()):
+        if route in ("rules", "rules_random"):  # tfpar's loader, in blocks
             backbone = build()
             tfpar.pretrained.load_weights(backbone, path)
         else:  # keras-hub's from_preset (HF: needs `safetensors`)

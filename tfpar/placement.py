@@ -59,19 +59,63 @@ def put(value, spec, mesh, dtype=None):
         dtype = tf.as_dtype(dtype)
         if array.dtype != dtype.as_numpy_dtype:
             array = array.astype(dtype.as_numpy_dtype)
+    return put_blocks(array.__getitem__, array.shape, spec, mesh,
+                      array.dtype)
+
+
+def put_blocks(read_block, shape, spec, mesh, dtype):
+    """A DTensor of `shape` on `mesh` laid out by `spec`, each of this
+    host's devices given `read_block(index)`, the host array of its block
+    (`index`: a tuple of slices, `block_index`), cast to `dtype`: the
+    value is never whole on the host unless a device holds it whole, and
+    a host reads only its own devices' blocks (one read per distinct
+    block). `put` is `put_blocks(array.__getitem__, ...)`.
+
+    >>> put_blocks(lambda index: np.ones((8, 4))[index], (8, 4),
+    ...            ("model", None), mesh, np.float32)
+    """
+    dtype = (dtype.as_numpy_dtype if isinstance(dtype, tf.dtypes.DType)
+             else np.dtype(dtype))
     layout = layout_lib.to_dtensor_layout(spec, mesh)
     if not layout.mesh.local_device_ids():
-        return stand_in(layout, array.shape, array.dtype)
+        return stand_in(layout, shape, dtype)
     if layout.is_fully_replicated():
-        return dtensor.copy_to_mesh(tf.constant(array), layout)
+        whole = tuple(slice(0, n) for n in shape)
+        return dtensor.copy_to_mesh(
+            tf.constant(np.asarray(read_block(whole), dtype)), layout)
     blocks = {}
     components = []
-    for location in local_locations(mesh.dtensor_mesh):
-        index = block_index(array.shape, spec, mesh.shape, location)
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in blocks:
-            blocks[key] = tf.constant(array[index])
+    for device, location in zip(layout.mesh.local_devices(),
+                                local_locations(mesh.dtensor_mesh)):
+        index = block_index(shape, spec, mesh.shape, location)
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key not in blocks:  # made on its device: packing copies none
+            with tf.device(device):
+                blocks[key] = tf.constant(np.asarray(read_block(index), dtype))
         components.append(blocks[key])
+    return dtensor.pack(components, layout)
+
+
+def unwritten(spec, mesh, shape, dtype):
+    """Memory for a value of `shape` laid out by `spec` on `mesh`, each of
+    this host's devices allocating its own block on itself and writing
+    nothing (TF's `Empty`, init=False): its values are undefined until
+    assigned, and no page of it is resident until then. No host array of
+    the whole value, no message between hosts: weights about to be loaded
+    (`tfpar.pretrained.deferred_init`).
+
+    >>> value = unwritten(("model", None), mesh, (16, 4), tf.float32)
+    """
+    layout = layout_lib.to_dtensor_layout(spec, mesh)
+    if not layout.mesh.local_device_ids():
+        return stand_in(layout, shape, dtype)
+    components = []
+    for device, location in zip(layout.mesh.local_devices(),
+                                local_locations(mesh.dtensor_mesh)):
+        index = block_index(shape, spec, mesh.shape, location)
+        with tf.device(device):
+            components.append(tf.raw_ops.Empty(init=False, dtype=dtype, shape=
+                [len(range(*s.indices(n))) for s, n in zip(index, shape)]))
     return dtensor.pack(components, layout)
 
 

@@ -9,12 +9,19 @@ weight is created split; then:
   the checkpoint with its shape and a float dtype, and the checkpoint's
   config agrees with the model's; otherwise a ValueError naming the
   tensor (or config entry), before any weight changes.
+- `deferred_init()`: a model built inside it (in the strategy's scope)
+  gets each weight's blocks allocated on their devices and left
+  unwritten, for the load to write (no random initial value of a whole
+  weight on the host); weights nothing wrote are initialized on exit.
 - `load_weights(model, path)`: checks, then loads: a Hugging Face
   directory (config.json + model.safetensors, or sharded with its index)
   through keras-hub's converter for its `model_type`, a keras-hub preset
-  directory or a `.weights.h5` file through Keras' loader. Either way one
-  tensor at a time goes from the file to the host and each device gets
-  its block: the host holds the sharded state plus about one tensor.
+  directory or a `.weights.h5` file in Keras' dataset names. Each of this
+  host's devices gets its block read from the file on its own (h5py
+  selections; safetensors byte ranges, through the converter's reshapes
+  and transposes, `safetensors_io.source_box`): the host holds the
+  sharded state plus about one block, and on several hosts each host
+  reads only its own devices' blocks.
 - `export_to_transformers(model, path)`: a Hugging Face checkpoint of a
   (sharded) keras-hub model through keras-hub's name maps (the families
   keras-hub exports: Gemma, Llama3, Mistral, Qwen, GPT-2, ...), each
@@ -27,8 +34,8 @@ Example (8 virtual CPUs):
 >>> mesh = tfpar.Mesh({"model": 8})
 >>> strategy = tfpar.ParallelStrategy(
 ...     mesh, rules=tfpar.auto_rules(build, mesh=mesh))
->>> with strategy.scope():
-...     backbone = build()                       # every split weight split
+>>> with strategy.scope(), tfpar.pretrained.deferred_init():
+...     backbone = build()    # every split weight split, blocks unwritten
 ...     tfpar.pretrained.load_weights(backbone, "llama-hf")
 >>> tfpar.pretrained.export_to_transformers(backbone, "llama-hf-tuned")
 """
@@ -43,10 +50,12 @@ import threading
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfpar import _compat
 from tfpar import placement
 from tfpar import safetensors_io
+from tfpar import variable_creation
 
 _HF_CONFIG = "config.json"
 _KERAS_WEIGHTS = "model.weights.h5"
@@ -102,6 +111,43 @@ _CONFIG_FIXES = {"gpt2": _gpt2_inner_width}
 _KEEP_PRECISION = frozenset({"mistral"})
 
 
+@contextlib.contextmanager
+def deferred_init():
+    """A model built inside the block, in a strategy's scope, is about to
+    be loaded: each weight a layer makes from a Keras initializer starts
+    as memory each device allocates for its own block and leaves
+    unwritten (`placement.unwritten`: no random value of the whole weight
+    on the host, no page resident before the load, and on several hosts
+    no all-reduce of an initial value), then `load_weights` (or keras-hub's
+    `from_preset`, Keras' `load_weights`) writes it block by block. Until
+    a weight is assigned its values are undefined: do not read it inside
+    the block. When the block ends, every such weight that nothing
+    assigned gets its initializer's value as usual (a weight the
+    checkpoint lacks is initialized as outside the block). Outside the
+    block weights are made as always (training from scratch is
+    unchanged).
+
+    >>> with strategy.scope(), tfpar.pretrained.deferred_init():
+    ...     backbone = build()        # each device its block, unwritten
+    ...     tfpar.pretrained.load_weights(backbone, "llama-hf")
+    """
+    with variable_creation.deferred_initial_values() as deferred:
+        yield
+    initialize_unwritten(deferred)
+
+
+def initialize_unwritten(deferred):
+    """Each `variable_creation.DeferredValue` of `deferred` whose variable
+    was never assigned (its `writes` count) gets its Keras initializer's
+    value, made on the host as a weight's initial value is."""
+    for value in deferred:
+        variable = value.variable()
+        if variable is None or getattr(variable, "writes", 1):
+            continue
+        with tf.init_scope(), tf.device("CPU:0"):
+            variable.assign(value.make())
+
+
 def load_weights(model, path):
     """Loads the checkpoint at `path` into `model` (made in a strategy's
     scope, ideally with rules from a builder), after `check_checkpoint`.
@@ -126,17 +172,29 @@ def load_weights(model, path):
         _load_keras_weights(model, _weights_file(path))
 
 
-def assign_blocks(variable, read):
+def assign_blocks(variable, read, read_block=None):
     """`variable` = the host array `read()` makes: a weight of a tfpar
-    strategy gets a value laid out as it is (each device only its block,
-    `placement.put`), assigned as is, the array freed before the assign;
-    others their own assign. (Keras' assign converts the whole array to a
-    tensor first: three more copies of the largest tensor at the peak of
-    a load.)"""
+    strategy gets a value laid out as it is (each device only its block),
+    assigned as is; others their own assign. Given `read_block(index)`
+    (the block `index`, a tuple of slices, read alone), each of this
+    host's devices gets its block read from the file on its own
+    (`placement.put_blocks`: the whole tensor is never on the host, and a
+    host reads only its devices' blocks); else the whole array is read,
+    put in blocks (`placement.put`) and freed before the assign. (Keras'
+    assign converts the whole array to a tensor first: three more copies
+    of the largest tensor at the peak of a load.)"""
     backing = _compat.backing_variable(variable)
     place = getattr(backing, "placement", None)
     if place is None or place.mesh is None:
         variable.assign(read())
+        return
+    if read_block is not None:
+        value = placement.put_blocks(read_block, tuple(backing.shape),
+                                     place.spec, place.mesh, backing.dtype)
+        backing.assign(value)
+        del value
+        if backing.dtype.size * backing.shape.num_elements() >= _TRIM_BYTES:
+            _give_back_freed_memory()
         return
     array = read()
     if tuple(array.shape) != tuple(backing.shape):
@@ -310,7 +368,10 @@ def _load_keras_weights(model, weights_file):
     h5py = importlib.import_module("h5py")
     with h5py.File(weights_file, "r") as f:
         for name, variable in paths.items():
-            assign_blocks(variable, lambda d=f[name]: d[()])
+            # h5py reads only a block's selection (a hyperslab).
+            dataset = f[name]
+            assign_blocks(variable, lambda d=dataset: d[()],
+                          dataset.__getitem__)
 
 
 def _check_keras_weights(model, weights_file):

@@ -65,7 +65,8 @@ class SafetensorsCheckpoint:
     def __init__(self, directory, keep_precision=False, assign=None):
         self.directory = directory
         self.keep_precision = keep_precision
-        self._assign = assign or (lambda variable, read: variable.assign(read()))
+        self._assign = assign or (
+            lambda variable, read, read_block: variable.assign(read()))
         index = os.path.join(directory, INDEX_FILE)
         if os.path.exists(index):
             with open(index) as f:
@@ -126,22 +127,106 @@ class SafetensorsCheckpoint:
                             * row_bytes // dtype.itemsize, offset=offset)
         return array.reshape([stop - first] + list(shape[1:]))
 
+    def get_block(self, name, box):
+        """The sub-array `box` ((start, stop) per dimension) of tensor
+        `name`, reading only its bytes: one read when it spans whole rows
+        of the first dimension, else one read per first-dimension row
+        (the span of the second dimension's range; the rest cut in
+        memory)."""
+        path, entry, start = self._entries[self.key(name)]
+        shape, dtype = entry["shape"], np.dtype(DTYPES[entry["dtype"]])
+        box = [tuple(b) for b in box]
+        if all(b == (0, n) for b, n in zip(box[1:], shape[1:])):
+            return self.get_slice(name, slice(*box[0]))
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        inner = int(np.prod(shape[2:], dtype=np.int64))
+        (first, stop), (low, high) = box[0], box[1]
+        base = start + entry["data_offsets"][0]
+        rows = [np.fromfile(path, dtype=dtype, count=(high - low) * inner,
+                            offset=base + (r * row + low * inner) * dtype.itemsize)
+                for r in range(first, stop)]
+        block = np.stack(rows).reshape([stop - first, high - low] + shape[2:])
+        return block[(slice(None), slice(None)) + tuple(
+            slice(*b) for b in box[2:])]
+
     def port_weight(self, keras_variable, hf_weight_key, hook_fn=None):
         """keras-hub's loader call: tensor `hf_weight_key`, through
         `hook_fn(tensor, keras shape)`, assigned to `keras_variable` by
-        the `assign(variable, read)` given (default: its own assign of
-        `read()`), `read` making the array when called, so that the
-        assign holds its only reference and can free it early."""
+        the `assign(variable, read, read_block)` given (default: its own
+        assign of `read()`): `read()` makes the whole array, so that the
+        assign holds its only reference and can free it early;
+        `read_block(index)` the block `index` of it reading only that
+        block's bytes where the hook's transposes and reshapes map it to
+        one box of the tensor (`source_box`), else cut from one whole
+        read."""
+        keras_shape = list(keras_variable.shape)
 
         def read():
             tensor = self.get_tensor(hf_weight_key)
             if self.keep_precision:
                 tensor = tensor.view(KeepPrecision)
             if hook_fn is not None:
-                tensor = hook_fn(tensor, list(keras_variable.shape))
+                tensor = hook_fn(tensor, keras_shape)
             return np.asarray(tensor)
 
-        self._assign(keras_variable, read)
+        whole = []
+
+        def read_block(index):
+            box = source_box(self.shape(hf_weight_key), hook_fn, keras_shape,
+                             index)
+            if box is None:  # one whole read, cut for every block
+                whole[:] = whole or [read()]
+                return whole[0][index]
+            tensor = self.get_block(hf_weight_key, box)
+            if self.keep_precision:
+                tensor = tensor.view(KeepPrecision)
+            if hook_fn is not None:
+                tensor = hook_fn(tensor, _block_shape(keras_shape, index))
+            return np.asarray(tensor)
+
+        self._assign(keras_variable, read, read_block)
+
+
+def _block_shape(shape, index):
+    return [len(range(*s.indices(n))) for s, n in zip(index, shape)]
+
+
+def _probe(shape, axis):
+    """An array of `shape` whose every element is its index along `axis`,
+    taking the memory of that axis only (zero strides elsewhere)."""
+    along = np.arange(shape[axis]).reshape(
+        [-1 if i == axis else 1 for i in range(len(shape))])
+    # KeepPrecision: a hook's cast to float16 keeps the indices exact.
+    return np.broadcast_to(along, shape).view(KeepPrecision)
+
+
+def source_box(shape, hook, keras_shape, index):
+    """The box ((start, stop) per dimension) of a checkpoint tensor of
+    `shape` that `hook(tensor, keras_shape)` turns into block `index` of
+    the weight, when exactly that box, put through `hook(box, block
+    shape)`, makes the block (checked on index probes: `_probe` put
+    through both); None when no box does (then the whole tensor is read).
+    No hook: the box is the block."""
+    box_shape = _block_shape(keras_shape, index)
+    if hook is None:
+        return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+    box = []
+    try:
+        probes = [np.asarray(hook(_probe(shape, axis), keras_shape))
+                  for axis in range(len(shape))]
+        for axis, probe in enumerate(probes):
+            part = probe[index]
+            box.append((int(part.min()), int(part.max()) + 1))
+        if int(np.prod([b - a for a, b in box])) != int(np.prod(box_shape)):
+            return None
+        cut = tuple(slice(a, b) for a, b in box)
+        for axis, probe in enumerate(probes):
+            mapped = hook(_probe(shape, axis)[cut] - box[axis][0], box_shape)
+            if not np.array_equal(mapped, probe[index] - box[axis][0]):
+                return None
+    except (ValueError, TypeError):
+        return None
+    return tuple(box)
 
 
 class KeepPrecision(np.ndarray):

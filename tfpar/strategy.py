@@ -318,6 +318,12 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             path = f"{scope}/{name}" if scope else name
         initial_value = kwargs.pop("initial_value")
         dtype = kwargs.get("dtype")
+        deferred = (None if colocate_with is not None or
+                    self.registry.placement_mesh is None else
+                    variable_creation.deferred_value(initial_value, dtype))
+        if deferred is not None:  # blocks allocated unwritten: to be loaded
+            return self.registry.create(path, deferred, None, kwargs,
+                                        next_creator)
         with tf.init_scope(), tf.device("CPU:0"):
             if callable(initial_value):
                 initial_value = initial_value()

@@ -9,9 +9,11 @@ and the registry (`tfpar.variables`), which see only tf.Variable kwargs.
 True
 """
 
+import contextlib
 import threading
 import weakref
 
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
@@ -55,6 +57,65 @@ def keras_layer_adding_weight():
         return stack[-1]
     owner = getattr(keras_variable_being_created(), "_tfpar_owner", None)
     return owner() if owner is not None else None
+
+
+class DeferredValue:
+    """The initial value of a layer's weight made inside
+    `deferred_initial_values()`: its shape and dtype only. The registry
+    creates the weight with each device's block allocated on the device
+    and left unwritten (`placement.unwritten`: no host array of the whole
+    weight), and notes the variable it made (`created`); `make()` is
+    Keras' initializer call, for a weight that the block leaves
+    unwritten."""
+
+    def __init__(self, make, shape, dtype):
+        self.make = make
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+        self.created = None  # weakref to the variable made, once made
+
+    def variable(self):
+        """The variable made from this value (None: not made, or gone)."""
+        return self.created() if self.created is not None else None
+
+
+@contextlib.contextmanager
+def deferred_initial_values():
+    """Inside the block, on this thread, a layer's weight created by a
+    strategy from a Keras initializer starts unwritten (see
+    `deferred_value`); yields the list of their `DeferredValue`s, in
+    creation order (`tfpar.pretrained.deferred_init` fills the unwritten
+    ones with their initializer's values when its block ends).
+
+    >>> with deferred_initial_values() as deferred:
+    ...     pass
+    >>> deferred
+    []
+    """
+    stacks = _initializing.__dict__.setdefault("deferred", [])
+    deferred = []
+    stacks.append(deferred)
+    try:
+        yield deferred
+    finally:
+        stacks.pop()
+
+
+def deferred_value(initial_value, dtype):
+    """A `DeferredValue` standing in for `initial_value` (recorded in the
+    innermost `deferred_initial_values` block) when such a block is open
+    on this thread, the value is a Keras initializer's call (callable)
+    and a layer's `add_weight` is making the Keras variable; else None
+    (the value is made as usual)."""
+    stacks = getattr(_initializing, "deferred", None)
+    variable = keras_variable_being_created()
+    if not stacks or not callable(initial_value) or variable is None or \
+            keras_layer_adding_weight() is None:
+        return None
+    deferred = DeferredValue(initial_value, variable.shape,
+                             dtype or variable.dtype)
+    stacks[-1].append(deferred)
+    return deferred
 
 
 def _publishing_adding_layer(original):

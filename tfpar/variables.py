@@ -261,6 +261,22 @@ def _on_host(host_creator, initial_value, kwargs, place, layer):
     return variable
 
 
+def _initial_variable(registry, initial_value, place, kwargs):
+    """A tracked ShardedVariable of `registry` laid out by `place`,
+    holding `initial_value` (a host value: host 0's, on every host); for
+    a `variable_creation.DeferredValue`, each device's block allocated and
+    left unwritten (`placement.unwritten`), the variable noted on it."""
+    if isinstance(initial_value, variable_creation.DeferredValue):
+        variable = registry._sharded(placement_lib.unwritten(  # noqa: SLF001
+            place.spec, place.mesh, initial_value.shape.as_list(),
+            initial_value.dtype), place, kwargs)
+        initial_value.created = weakref.ref(variable)
+        return variable
+    value = placement_lib.put(placement_lib.same_on_every_host(initial_value),
+                              place.spec, place.mesh, dtype=kwargs.get("dtype"))
+    return registry._sharded(value, place, kwargs)  # noqa: SLF001
+
+
 class VariableRegistry:
     """The live variables one strategy made, in creation order, and how they
     are made, adopted, moved and re-laid out (each through
@@ -344,10 +360,7 @@ class VariableRegistry:
             if mesh is None:  # on the host until PipelineModel places it
                 return self._track(_on_host(host_creator, initial_value,
                                             kwargs, place, layer))
-            value = placement_lib.put(
-                placement_lib.same_on_every_host(initial_value), plan.spec,
-                mesh, dtype=kwargs.get("dtype"))
-            return self._sharded(value, place, kwargs)
+            return _initial_variable(self, initial_value, place, kwargs)
 
     def _sharded(self, value, place, kwargs, cls=None):
         """A tracked ShardedVariable (or subclass `cls`) holding `value`."""

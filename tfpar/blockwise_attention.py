@@ -98,7 +98,7 @@ def _additive_mask(query_positions, key_positions, causal, mask):
         adder = tf.constant(np.where(allowed, 0.0, MASKED)[None, None],
                             tf.float32)
     if mask is not None:
-        padding = (1.0 - tf.cast(mask, tf.float32)[:, None]) * MASKED
+        padding = (1.0 - tf.expand_dims(tf.cast(mask, tf.float32), 1)) * MASKED
         adder = padding if adder is None else tf.minimum(adder, padding)
     return adder
 
@@ -162,7 +162,7 @@ def _forward(q, k, v, scale, blocks, adder):
             new_max = block_max
         else:
             new_max = tf.maximum(running_max, block_max)
-        probs = tf.exp(scores - new_max[..., None])
+        probs = tf.exp(scores - tf.expand_dims(new_max, -1))
         block_out = tf.einsum("bnts,bsnh->bnth", probs, v[:, start:stop])
         if running_max is None:
             running_sum = tf.reduce_sum(probs, axis=-1)
@@ -171,9 +171,9 @@ def _forward(q, k, v, scale, blocks, adder):
             correction = tf.exp(running_max - new_max)
             running_sum = running_sum * correction + tf.reduce_sum(
                 probs, axis=-1)
-            acc = acc * correction[..., None] + block_out
+            acc = acc * tf.expand_dims(correction, -1) + block_out
         running_max = new_max
-    out = acc / running_sum[..., None]
+    out = acc / tf.expand_dims(running_sum, -1)
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
 
 
@@ -194,10 +194,10 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder):
             d_values.append(tf.zeros_like(v[:, covered:start]))
         key_block, value_block = k[:, start:stop], v[:, start:stop]
         probs = tf.exp(_scores(q, key_block, scale, adder(start, stop))
-                       - row_max[..., None]) / row_sum[..., None]
+                       - tf.expand_dims(row_max, -1)) / tf.expand_dims(row_sum, -1)
         d_values.append(tf.einsum("bnts,btnh->bsnh", probs, d_out))
         d_probs = tf.einsum("btnh,bsnh->bnts", d_out, value_block)
-        d_scores = probs * (d_probs - row_dot[..., None])
+        d_scores = probs * (d_probs - tf.expand_dims(row_dot, -1))
         d_query += tf.einsum("bnts,bsnh->btnh", d_scores, key_block) * scale
         d_keys.append(tf.einsum("bnts,btnh->bsnh", d_scores, q) * scale)
         covered = stop

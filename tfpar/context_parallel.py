@@ -248,21 +248,33 @@ def _context_attention(original, hooks):
                             training, return_attention_scores,
                             use_causal_mask=use_causal_mask)
         _check_attention(self, query, training, return_attention_scores)
-        extended = step_context.step_extended()
-        query = _pinned(query, split.axis, extended)
-        key = _pinned(key, dtensor.UNSHARDED, extended)
-        value = _pinned(value, dtensor.UNSHARDED, extended)
-        if attention_mask is not None:
-            attention_mask = _pinned_mask(attention_mask, split, extended)
-        key_positions = split.order(key.shape[1])
-        output = blockwise.blockwise_attention(
-            query, key, value, split.order(query.shape[1]), key_positions,
-            scale=self._inverse_sqrt_key_dim, causal=use_causal_mask,  # noqa: SLF001
-            mask=attention_mask,
-            block_size=key.shape[1] // split.size)
-        return _pinned(output, split.axis, extended), None
+        output = attend_across_context(
+            split, query, key, value, scale=self._inverse_sqrt_key_dim,  # noqa: SLF001
+            causal=use_causal_mask, mask=attention_mask)
+        return output, None
 
     return _compute_attention
+
+
+def attend_across_context(split, query, key, value, scale, causal, mask=None,
+                          **options):
+    """`blockwise_attention` of a step on a context-split mesh (`split`):
+    the (batch, s, heads, dim) keys and values gathered over the context
+    axis, the queries and the (batch, s, s) bool `mask` (or None) kept
+    split by query rows, key blocks of s/cp, masks by global position
+    (`split.order`); `options` go to `blockwise_attention` (`soft_cap`).
+    The output is split like the queries."""
+    extended = step_context.step_extended()
+    query = _pinned(query, split.axis, extended)
+    key = _pinned(key, dtensor.UNSHARDED, extended)
+    value = _pinned(value, dtensor.UNSHARDED, extended)
+    if mask is not None:
+        mask = _pinned_mask(mask, split, extended)
+    output = blockwise.blockwise_attention(
+        query, key, value, split.order(query.shape[1]),
+        split.order(key.shape[1]), scale=scale, causal=causal, mask=mask,
+        block_size=key.shape[1] // split.size, **options)
+    return _pinned(output, split.axis, extended)
 
 
 def _context_causal_mask(original, hooks):

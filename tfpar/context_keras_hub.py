@@ -150,6 +150,32 @@ def _causal_mask(original, hooks):
     return compute_causal_mask
 
 
+def _mistral_mask(original, hooks):
+    """`MistralTransformerDecoder._compute_self_attention_mask` in a
+    training step: padding merged as keras-hub does, then the causal band
+    p_j <= p_i < p_j + window by global position."""
+
+    def _compute_self_attention_mask(self, decoder_sequence,
+                                     decoder_padding_mask,
+                                     decoder_attention_mask,
+                                     self_attention_cache,
+                                     self_attention_cache_update_index):
+        split = _split_in_step()
+        if split is None or self_attention_cache is not None or (
+                self_attention_cache_update_index is not None):
+            return original(self, decoder_sequence, decoder_padding_mask,
+                            decoder_attention_mask, self_attention_cache,
+                            self_attention_cache_update_index)
+        module = importlib.import_module(type(self).__module__)
+        merged = module.merge_padding_and_attention_mask(
+            decoder_sequence, decoder_padding_mask, decoder_attention_mask)
+        causal = tf.cast(causal_mask_by_position(
+            split, decoder_sequence.shape[1], self.sliding_window), tf.int32)
+        return causal if merged is None else tf.minimum(merged, causal)
+
+    return _compute_self_attention_mask
+
+
 def _grouped_attention(original, hooks):
     """`_compute_attention(query, key, value, attention_mask)` of Llama's
     and Mistral's attention (keys and values already repeated to the query
@@ -159,7 +185,6 @@ def _grouped_attention(original, hooks):
         split = _split_in_step()
         if split is None:
             return original(self, query, key, value, attention_mask)
-        _check_dropout(self)
         return context_parallel.attend_across_context(
             split, query, key, value, scale=self._inv_norm_factor,  # noqa: SLF001
             causal=attention_mask is not None, mask=attention_mask)
@@ -167,13 +192,78 @@ def _grouped_attention(original, hooks):
     return _compute_attention
 
 
-def _check_dropout(layer):
-    if layer.dropout:
-        raise ValueError(
-            f"Context parallelism cannot split layer {layer.name!r} "
-            f"({type(layer).__name__}) along the sequence: dropout="
-            f"{layer.dropout} on the attention output is drawn per device. "
-            "Use dropout=0.0 or a mesh without a context axis.")
+def _gemma_rope(original, hooks):
+    """`GemmaAttention._apply_rope`: the rotation (patched above), then
+    Gemma's interleave of the halves (out[2i] = x[i], out[2i+1] =
+    x[d/2+i]) as an einsum with a permutation matrix instead of its
+    split/stack/reshape."""
+
+    def _apply_rope(self, x, start_index, positions=None):
+        if _split_in_step() is None or positions is not None:
+            return original(self, x, start_index, positions)
+        x = self.rope_layer(x, start_index=start_index)
+        dim = x.shape[-1]
+        order = np.stack([np.arange(dim // 2), np.arange(dim // 2, dim)],
+                         axis=-1).reshape(-1)  # out[j] = x[order[j]]
+        permutation = np.zeros((dim, dim), np.float32)
+        permutation[order, np.arange(dim)] = 1.0
+        dims = "abcdefgh"[:x.shape.rank - 1]
+        return tf.einsum(f"{dims}i,ij->{dims}j", x,
+                         tf.constant(permutation, x.dtype))
+
+    return _apply_rope
+
+
+def _gemma_attention(original, hooks):
+    """`GemmaAttention._compute_attention`: the keys and values repeated to
+    the query heads (query head u reads key/value head u // groups, as
+    Gemma's grouped einsum), the sliding window |p_i - p_j| < window by
+    global position, the logit soft cap inside `blockwise_attention`."""
+
+    def _compute_attention(self, q, k, v, attention_mask, training=False,
+                           cache_update_index=0):
+        split = _split_in_step()
+        if split is None:
+            return original(self, q, k, v, attention_mask, training,
+                            cache_update_index)
+        if self.dropout and training:
+            raise ValueError(
+                f"Context parallelism cannot split layer {self.name!r} "
+                f"({type(self).__name__}) along the sequence: dropout="
+                f"{self.dropout} on the attention probabilities, which "
+                "blockwise attention never builds. Use dropout=0.0 or a "
+                "mesh without a context axis.")
+        head_dim = (self.head_dim if self.query_head_dim_normalize
+                    else self.hidden_dim // self.num_query_heads)
+        if self.use_sliding_window_attention and attention_mask is not None:
+            positions = split.order(q.shape[1])
+            window = np.abs(positions[:, None] - positions[None, :]) < (
+                self.sliding_window_size)
+            attention_mask = tf.logical_and(
+                tf.cast(attention_mask, tf.bool), tf.constant(window[None]))
+        groups = self.num_query_heads // self.num_key_value_heads
+        k, v = (tf.repeat(t, groups, axis=2) for t in (k, v))
+        return context_parallel.attend_across_context(
+            split, q, k, v, scale=1.0 / np.sqrt(head_dim),
+            causal=attention_mask is not None, mask=attention_mask,
+            soft_cap=self.logit_soft_cap)
+
+    return _compute_attention
+
+
+def _learned_positions(original, hooks):
+    """keras-hub's `PositionEmbedding.call` (GPT-2) of a load-balanced
+    sequence: the embeddings of the rows' global positions."""
+
+    def call(self, inputs, start_index=0, positions=None):
+        split = _split_in_step()
+        if (split is None or not split.load_balance or positions is not None
+                or not isinstance(start_index, int) or start_index):
+            return original(self, inputs, start_index, positions)
+        order = split.order(inputs.shape[-2])
+        return original(self, inputs, 0, tf.constant(order, tf.int32))
+
+    return call
 
 
 def _hub_attribute(module, name):
@@ -187,7 +277,9 @@ def _hub_module(module):
 
 _ROTARY = "layers.modeling.rotary_embedding"
 _DECODERS = ("models.llama.llama_decoder",
-             "models.mistral.mistral_transformer_decoder")
+             "models.mistral.mistral_transformer_decoder",
+             "models.gemma.gemma_decoder_block",
+             "layers.modeling.transformer_decoder")
 
 PATCHES = (
     _compat.Patch("hub_rotary_positions", _hub_attribute(
@@ -206,5 +298,18 @@ PATCHES = (
     _compat.Patch("hub_mistral_attention", _hub_attribute(
         "models.mistral.mistral_attention", "CachedMistralAttention"),
         "_compute_attention", _grouped_attention),
+    _compat.Patch("hub_mistral_mask", _hub_attribute(
+        "models.mistral.mistral_transformer_decoder",
+        "MistralTransformerDecoder"), "_compute_self_attention_mask",
+        _mistral_mask),
+    _compat.Patch("hub_gemma_rope", _hub_attribute(
+        "models.gemma.gemma_attention", "CachedGemmaAttention"),
+        "_apply_rope", _gemma_rope),
+    _compat.Patch("hub_gemma_attention", _hub_attribute(
+        "models.gemma.gemma_attention", "CachedGemmaAttention"),
+        "_compute_attention", _gemma_attention),
+    _compat.Patch("hub_learned_positions", _hub_attribute(
+        "layers.modeling.position_embedding", "PositionEmbedding"), "call",
+        _learned_positions),
 )
 """Installed with the strategy's patches (`tfpar.patches.install`)."""

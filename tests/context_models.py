@@ -8,7 +8,9 @@ import numpy as np
 
 
 def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
-                       dropout=0.0, mask_zero=False):
+                       dropout=0.0, mask_zero=False, kv_heads=None):
+    """`kv_heads`: Keras' GroupQueryAttention with that many key/value
+    heads instead of MultiHeadAttention."""
     tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
     positions = keras.Input((seq_len,), dtype="int32", name="positions")
     h = keras.layers.Embedding(vocab, dim, mask_zero=mask_zero,
@@ -16,9 +18,14 @@ def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
     h = h + keras.layers.Embedding(seq_len, dim, name="pos_embed")(positions)
     for i in range(layers):
         a = keras.layers.LayerNormalization(name=f"b{i}_ln1")(h)
-        a = keras.layers.MultiHeadAttention(
-            heads, dim // heads, dropout=dropout, name=f"b{i}_attn")(
-                a, a, use_causal_mask=True)
+        if kv_heads:
+            attention = keras.layers.GroupQueryAttention(
+                dim // heads, heads, kv_heads, dropout=dropout,
+                name=f"b{i}_attn")
+        else:
+            attention = keras.layers.MultiHeadAttention(
+                heads, dim // heads, dropout=dropout, name=f"b{i}_attn")
+        a = attention(a, a, use_causal_mask=True)
         h = h + a
         m = keras.layers.LayerNormalization(name=f"b{i}_ln2")(h)
         m = keras.layers.Dense(2 * dim, activation="gelu", name=f"b{i}_up")(m)

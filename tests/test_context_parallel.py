@@ -270,6 +270,37 @@ def test_mixed_bfloat16_within_the_precision_of_one_device(corpus):
         assert models.relative_error(o, m) <= slack * precision, i
 
 
+@pytest.mark.parametrize("balance", [
+    False, pytest.param(True, marks=pytest.mark.slow)])
+def test_group_query_attention_gathers_only_key_value_heads(corpus, balance):
+    """Keras' GroupQueryAttention (4 query, 1 key/value head) in parity;
+    the keys and values gathered over the context axis in the forward pass
+    hold the key/value heads only: (b/data, s, 1, dim) per device, read
+    from the compiled step."""
+    _, x, y = corpus
+
+    def build():
+        return context_models.causal_transformer(**CONFIG, kv_heads=1)
+
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+    reference, ref_losses = train(None, weights, x, y, build=build)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    if balance:
+        context_parallel.load_balance(strategy)
+    with tfpar.communication.capture() as programs:
+        model, losses = train(strategy, weights, x, y, build=build)
+    assert_parity(reference, ref_losses, model, losses)
+    # DTensor gathers as an all-reduce (purpose "all-gather"). Forward:
+    # keys and values one (b/data, s, 1 head, dim) float32 gather each,
+    # not the 4 repeated query heads (4 times the bytes).
+    gathers = [c.bytes for c in programs.train_report().select(
+        purpose="all-gather", axes=("context",), phase="forward")]
+    kv_bytes = 8 * SEQ * 1 * (CONFIG["dim"] // CONFIG["heads"]) * 4
+    assert gathers.count(kv_bytes) == 2 and max(gathers) == kv_bytes, (
+        gathers)
+
+
 # -- keras-hub decoders (tfpar/context_keras_hub.py) -------------------------
 
 

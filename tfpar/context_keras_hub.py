@@ -179,15 +179,19 @@ def _mistral_mask(original, hooks):
 def _grouped_attention(original, hooks):
     """`_compute_attention(query, key, value, attention_mask)` of Llama's
     and Mistral's attention (keys and values already repeated to the query
-    heads): `attend_across_context` with the decoder's mask."""
+    heads): `attend_across_context` with the decoder's mask (causal: the
+    decoders' masks are), gathering the key/value heads only."""
 
     def _compute_attention(self, query, key, value, attention_mask=None):
         split = _split_in_step()
         if split is None:
             return original(self, query, key, value, attention_mask)
+        groups = getattr(self, "num_key_value_groups", None) or getattr(
+            self, "_num_key_value_groups", 1)  # Llama's / Mistral's name
         return context_parallel.attend_across_context(
             split, query, key, value, scale=self._inv_norm_factor,  # noqa: SLF001
-            causal=attention_mask is not None, mask=attention_mask)
+            causal=attention_mask is not None, mask=attention_mask,
+            kv_groups=groups)
 
     return _compute_attention
 
@@ -246,7 +250,7 @@ def _gemma_attention(original, hooks):
         return context_parallel.attend_across_context(
             split, q, k, v, scale=1.0 / np.sqrt(head_dim),
             causal=attention_mask is not None, mask=attention_mask,
-            soft_cap=self.logit_soft_cap)
+            kv_groups=groups, soft_cap=self.logit_soft_cap)
 
     return _compute_attention
 

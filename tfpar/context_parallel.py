@@ -8,10 +8,13 @@ through every op acting per token (embeddings, norms, MLPs, residual adds,
 the loss), keeps weights whole on each context coordinate and sums their
 gradients over the axis (the all-reduce it inserts for any split operand,
 as for the data axis). Attention is the one op mixing tokens: inside a step
-Keras' `MultiHeadAttention` runs `blockwise_attention` instead (its patch
-here, `PATCHES`): the keys and values are gathered over the context axis
-(all-gather), each device keeps its own queries and attends to key blocks
-with an online softmax, masks applied by global position.
+Keras' `MultiHeadAttention` and `GroupQueryAttention` run
+`blockwise_attention` instead (their patches here, `PATCHES`;
+`attend_across_context`): the keys and values are gathered over the
+context axis (all-gather; with grouped-query attention only the key/value
+heads, the query heads' copies made after the gather), each device keeps
+its own queries and attends to key blocks with an online softmax, masks
+applied by global position. keras-hub's decoders: `context_keras_hub`.
 
 Causal load balance (`load_balance(strategy)`): the sequence is cut into
 2·cp chunks and device r holds chunks r and 2cp−1−r, so causal attention

@@ -23,7 +23,9 @@ It keeps Q, K, V, O, m and l for the backward pass: O(q + s) per row of heads,
 not O(q·s). Masks are given by position: `query_positions[i] >=
 key_positions[j]` (causal), so a device holding a permuted (load-balanced)
 piece of the sequence masks by global position. A key block no query may
-see (every pair masked, known when tracing) is skipped.
+see (every pair masked, known when tracing) is skipped. Masked entries
+count 0 in l and O, so a row whose every key is masked (a padded query
+under a sliding window) gets output 0, as Keras' `Softmax` gives it.
 
 Example (one device, against plain softmax attention):
 
@@ -159,18 +161,33 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     return tf.cast(attend(query, key, value), dtype)
 
 
+def _kept(probs, adder):
+    """exp(S_j - m) with the masked entries 0 (not exp(-1e9 - m) = 1 when
+    a row's every key is masked): such a row gets l = 0 and output 0, as
+    Keras' `Softmax` gives it (it zeroes masked positions)."""
+    if adder is None:
+        return probs
+    return probs * tf.cast(adder > MASKED / 2, probs.dtype)
+
+
+def _nonzero(row_sum):
+    """l, with 1 where a row has no visible key (its O and P are 0)."""
+    return tf.where(row_sum > 0, row_sum, tf.ones_like(row_sum))
+
+
 def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
     """(O, L) of the module docstring's recursion over `blocks`."""
     running_max = running_sum = acc = None
     for start, stop in blocks:
-        scores = _scores(q, k[:, start:stop], scale, adder(start, stop),
-                         soft_cap)
+        block_adder = adder(start, stop)
+        scores = _scores(q, k[:, start:stop], scale, block_adder, soft_cap)
         block_max = tf.reduce_max(scores, axis=-1)
         if running_max is None:
             new_max = block_max
         else:
             new_max = tf.maximum(running_max, block_max)
-        probs = tf.exp(scores - tf.expand_dims(new_max, -1))
+        probs = _kept(tf.exp(scores - tf.expand_dims(new_max, -1)),
+                      block_adder)
         block_out = tf.einsum("bnts,bsnh->bnth", probs, v[:, start:stop])
         if running_max is None:
             running_sum = tf.reduce_sum(probs, axis=-1)
@@ -181,7 +198,7 @@ def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
                 probs, axis=-1)
             acc = acc * tf.expand_dims(correction, -1) + block_out
         running_max = new_max
-    out = acc / tf.expand_dims(running_sum, -1)
+    out = acc / tf.expand_dims(_nonzero(running_sum), -1)
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
 
 
@@ -205,8 +222,8 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
         scores = _scores(q, key_block, scale, None, soft_cap)
         block_adder = adder(start, stop)
         masked = scores if block_adder is None else scores + block_adder
-        probs = tf.exp(masked - tf.expand_dims(row_max, -1)) / tf.expand_dims(
-            row_sum, -1)
+        probs = _kept(tf.exp(masked - tf.expand_dims(row_max, -1)),
+                      block_adder) / tf.expand_dims(_nonzero(row_sum), -1)
         d_values.append(tf.einsum("bnts,btnh->bsnh", probs, d_out))
         d_probs = tf.einsum("btnh,bsnh->bnts", d_out, value_block)
         d_scores = probs * (d_probs - tf.expand_dims(row_dot, -1))

@@ -176,15 +176,6 @@ def _mistral_mask(original, hooks):
     return _compute_self_attention_mask
 
 
-def _skips_blocks(mask, sliding_window):
-    """Whether attention may skip the key blocks no query sees (causal=True
-    of `blockwise_attention`): with a decoder's (causal) mask and no sliding
-    window. A window can mask a padded query's every key; Keras' softmax
-    then spreads it evenly over all keys (every score -1e9), so every block
-    must be computed to give the same."""
-    return mask is not None and sliding_window is None
-
-
 def _grouped_attention(original, hooks):
     """`_compute_attention(query, key, value, attention_mask)` of Llama's
     and Mistral's attention (keys and values already repeated to the query
@@ -199,9 +190,8 @@ def _grouped_attention(original, hooks):
             self, "_num_key_value_groups", 1)  # Llama's / Mistral's name
         return context_parallel.attend_across_context(
             split, query, key, value, scale=self._inv_norm_factor,  # noqa: SLF001
-            causal=_skips_blocks(attention_mask, getattr(
-                self, "_sliding_window", None)),
-            mask=attention_mask, kv_groups=groups)
+            causal=attention_mask is not None, mask=attention_mask,
+            kv_groups=groups)
 
     return _compute_attention
 
@@ -259,9 +249,8 @@ def _gemma_attention(original, hooks):
         k, v = (tf.repeat(t, groups, axis=2) for t in (k, v))
         return context_parallel.attend_across_context(
             split, q, k, v, scale=1.0 / np.sqrt(head_dim),
-            causal=_skips_blocks(attention_mask,
-                                 self.use_sliding_window_attention or None),
-            mask=attention_mask, kv_groups=groups,
+            causal=attention_mask is not None, mask=attention_mask,
+            kv_groups=groups,
             soft_cap=self.logit_soft_cap)
 
     return _compute_attention

@@ -3,11 +3,14 @@ parallelism tests: its positions are an input, so a load-balanced (permuted)
 sequence carries its own positions."""
 
 import keras
+import keras_hub
 import numpy as np
 
 
 def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
-                       dropout=0.0, mask_zero=False):
+                       dropout=0.0, mask_zero=False, kv_heads=None):
+    """`kv_heads`: Keras' GroupQueryAttention with that many key/value
+    heads instead of MultiHeadAttention."""
     tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
     positions = keras.Input((seq_len,), dtype="int32", name="positions")
     h = keras.layers.Embedding(vocab, dim, mask_zero=mask_zero,
@@ -15,9 +18,14 @@ def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
     h = h + keras.layers.Embedding(seq_len, dim, name="pos_embed")(positions)
     for i in range(layers):
         a = keras.layers.LayerNormalization(name=f"b{i}_ln1")(h)
-        a = keras.layers.MultiHeadAttention(
-            heads, dim // heads, dropout=dropout, name=f"b{i}_attn")(
-                a, a, use_causal_mask=True)
+        if kv_heads:
+            attention = keras.layers.GroupQueryAttention(
+                dim // heads, heads, kv_heads, dropout=dropout,
+                name=f"b{i}_attn")
+        else:
+            attention = keras.layers.MultiHeadAttention(
+                heads, dim // heads, dropout=dropout, name=f"b{i}_attn")
+        a = attention(a, a, use_causal_mask=True)
         h = h + a
         m = keras.layers.LayerNormalization(name=f"b{i}_ln2")(h)
         m = keras.layers.Dense(2 * dim, activation="gelu", name=f"b{i}_up")(m)
@@ -35,3 +43,47 @@ def corpus(n, vocab=32, seq_len=16, seed=0):
     positions = np.tile(np.arange(seq_len, dtype="int32"), (n, 1))
     return ({"tokens": x[:, :-1].astype("int32"), "positions": positions},
             x[:, 1:].astype("int32"))
+
+
+HUB_SEQ, HUB_VOCAB = 32, 64
+
+
+def hub_causal_lm(kind):
+    """A small keras-hub causal LM of family `kind` (random weights, no
+    preprocessor, dropout 0): "llama3" (grouped-query, 4 query / 2 key-value
+    heads), "mistral" (its sliding window 12 < the sequence), "gemma" (2
+    layers: logit soft-caps, a sliding window of 12 on the first, Gemma 2's
+    post norms), "gpt2" (learned positions)."""
+    hub = keras_hub.models
+    sizes = dict(vocabulary_size=HUB_VOCAB, num_layers=1, hidden_dim=32,
+                 intermediate_dim=64)
+    gqa = dict(sizes, num_query_heads=4, num_key_value_heads=2)
+    if kind == "llama3":
+        return hub.Llama3CausalLM(hub.Llama3Backbone(**gqa),
+                                  preprocessor=None)
+    if kind == "mistral":
+        return hub.MistralCausalLM(hub.MistralBackbone(
+            **gqa, sliding_window=12), preprocessor=None)
+    if kind == "gemma":
+        return hub.GemmaCausalLM(hub.GemmaBackbone(
+            **dict(gqa, num_layers=2), head_dim=8,
+            attention_logit_soft_cap=20.0, final_logit_soft_cap=30.0,
+            use_sliding_window_attention=True, sliding_window_size=12,
+            use_post_ffw_norm=True, use_post_attention_norm=True),
+            preprocessor=None)
+    if kind == "gpt2":
+        return hub.GPT2CausalLM(hub.GPT2Backbone(
+            **sizes, num_heads=4, dropout=0.0,
+            max_sequence_length=HUB_SEQ), preprocessor=None)
+    raise ValueError(f"hub_causal_lm: unknown kind {kind!r}")
+
+
+def hub_corpus(n, seed=0):
+    """({"token_ids", "padding_mask"}, next tokens) of random tokens, the
+    last rows padded at their ends (padding_mask 0)."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(1, HUB_VOCAB, (n, HUB_SEQ + 1)).astype("int32")
+    mask = np.ones((n, HUB_SEQ), "int32")
+    for row in range(n // 2, n):
+        mask[row, rng.randint(HUB_SEQ // 2, HUB_SEQ):] = 0
+    return {"token_ids": ids[:, :-1], "padding_mask": mask}, ids[:, 1:]

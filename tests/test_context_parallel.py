@@ -18,6 +18,7 @@ from tfpar import context_parallel
 from tfpar.inputs import host_batch
 
 import context_models
+import fuzzing
 import models
 
 SEQ, BATCH, N = 32, 16, 32
@@ -267,3 +268,119 @@ def test_mixed_bfloat16_within_the_precision_of_one_device(corpus):
     for i, (e, o, m) in enumerate(zip(exact, one, mesh)):
         precision = max(models.relative_error(e, o), 1e-4)
         assert models.relative_error(o, m) <= slack * precision, i
+
+
+@pytest.mark.parametrize("balance", [
+    False, pytest.param(True, marks=pytest.mark.slow)])
+def test_group_query_attention_gathers_only_key_value_heads(corpus, balance):
+    """Keras' GroupQueryAttention (4 query, 1 key/value head) in parity;
+    the keys and values gathered over the context axis in the forward pass
+    hold the key/value heads only: (b/data, s, 1, dim) per device, read
+    from the compiled step."""
+    _, x, y = corpus
+
+    def build():
+        return context_models.causal_transformer(**CONFIG, kv_heads=1)
+
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+    reference, ref_losses = train(None, weights, x, y, build=build)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    if balance:
+        context_parallel.load_balance(strategy)
+    with tfpar.communication.capture() as programs:
+        model, losses = train(strategy, weights, x, y, build=build)
+    assert_parity(reference, ref_losses, model, losses)
+    # DTensor gathers as an all-reduce (purpose "all-gather"). Forward:
+    # keys and values one (b/data, s, 1 head, dim) float32 gather each,
+    # not the 4 repeated query heads (4 times the bytes).
+    gathers = [c.bytes for c in programs.train_report().select(
+        purpose="all-gather", axes=("context",), phase="forward")]
+    kv_bytes = 8 * SEQ * 1 * (CONFIG["dim"] // CONFIG["heads"]) * 4
+    assert gathers.count(kv_bytes) == 2 and max(gathers) == kv_bytes, (
+        gathers)
+
+
+# -- keras-hub decoders (tfpar/context_keras_hub.py) -------------------------
+
+
+def train_hub(kind, strategy, weights, x, y, policy=None, build=None):
+    """(losses, weights) of `hub_causal_lm(kind)` from `weights`, Adam,
+    one epoch in order of 2 batches; in `strategy`'s scope unless None;
+    under the dtype policy `policy` (float64: the rounding-free
+    reference of `fuzzing.assert_parity`); `build(kind)` makes the
+    model (default `hub_causal_lm`)."""
+    build = build or context_models.hub_causal_lm
+    previous = keras.config.dtype_policy(), keras.config.floatx()
+    if policy:
+        keras.config.set_floatx(policy)
+        keras.config.set_dtype_policy(policy)
+    try:
+        if strategy is None:
+            model = build(kind)
+        else:
+            with strategy.scope():
+                model = build(kind)
+        model.set_weights([w.astype(policy) if policy else w
+                           for w in weights])
+        model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return np.array(losses.losses), [w.numpy() for w in model.weights]
+    finally:
+        keras.config.set_dtype_policy(previous[0])
+        keras.config.set_floatx(previous[1])
+
+
+def assert_hub_parity(kind, balance=False):
+    """`kind` on data=2 × context=4, load balanced or not, in
+    parity with one device (the suite's check: 1e-4 relative, or float32's
+    own noise where the exact gradient is 0, from a float64 run)."""
+    x, y = context_models.hub_corpus(32)
+    keras.utils.set_random_seed(0)
+    weights = context_models.hub_causal_lm(kind).get_weights()
+    want = train_hub(kind, None, weights, x, y)
+    exact = train_hub(kind, None, weights, x, y, policy="float64")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    if balance:
+        context_parallel.load_balance(strategy)
+    got = train_hub(kind, strategy, weights, x, y)
+    fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
+
+
+def test_llama3_data2_context4_parity():
+    """Llama 3 (grouped-query, rotary positions, padded rows): rotary
+    angles from global positions, attention blockwise over gathered keys
+    and values."""
+    assert_hub_parity("llama3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,balance", [
+    ("llama3", True), ("mistral", False), ("mistral", True),
+    ("gemma", False), ("gemma", True), ("gpt2", False), ("gpt2", True)])
+def test_hub_decoders_parity(kind, balance):
+    assert_hub_parity(kind, balance)
+
+
+@pytest.mark.slow
+def test_llama3_context2_model2_data2_with_auto_rules():
+    x, y = context_models.hub_corpus(32)
+    keras.utils.set_random_seed(0)
+    weights = context_models.hub_causal_lm("llama3").get_weights()
+    want = train_hub("llama3", None, weights, x, y)
+    exact = train_hub("llama3", None, weights, x, y, policy="float64")
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "context": 2, "model": 2}))
+
+    def build_with_rules(kind):
+        model = context_models.hub_causal_lm(kind)
+        strategy.apply_rules(model, tfpar.auto_rules(model,
+                                                     mesh=strategy.mesh))
+        return model
+
+    got = train_hub("llama3", strategy, weights, x, y, build=build_with_rules)
+    fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)

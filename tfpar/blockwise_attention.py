@@ -23,7 +23,9 @@ It keeps Q, K, V, O, m and l for the backward pass: O(q + s) per row of heads,
 not O(q·s). Masks are given by position: `query_positions[i] >=
 key_positions[j]` (causal), so a device holding a permuted (load-balanced)
 piece of the sequence masks by global position. A key block no query may
-see (every pair masked, known when tracing) is skipped.
+see (every pair masked, known when tracing) is skipped. Masked entries
+count 0 in l and O, so a row whose every key is masked (a padded query
+under a sliding window) gets output 0, as Keras' `Softmax` gives it.
 
 Example (one device, against plain softmax attention):
 
@@ -98,18 +100,22 @@ def _additive_mask(query_positions, key_positions, causal, mask):
         adder = tf.constant(np.where(allowed, 0.0, MASKED)[None, None],
                             tf.float32)
     if mask is not None:
-        padding = (1.0 - tf.cast(mask, tf.float32)[:, None]) * MASKED
+        padding = (1.0 - tf.expand_dims(tf.cast(mask, tf.float32), 1)) * MASKED
         adder = padding if adder is None else tf.minimum(adder, padding)
     return adder
 
 
-def _scores(query, key_block, scale, adder):
+def _scores(query, key_block, scale, adder, soft_cap=None):
+    """S_j, soft-capped first when `soft_cap`: c·tanh(scale·Q K_jᵀ / c)."""
     scores = tf.einsum("btnh,bsnh->bnts", query, key_block) * scale
+    if soft_cap is not None:
+        scores = soft_cap * tf.tanh(scores / soft_cap)
     return scores if adder is None else scores + adder
 
 
 def blockwise_attention(query, key, value, query_positions, key_positions,
-                        scale, causal=True, mask=None, block_size=None):
+                        scale, causal=True, mask=None, block_size=None,
+                        soft_cap=None):
     """softmax(scale · Q Kᵀ + mask) V over key blocks (module docstring).
 
     Args:
@@ -124,6 +130,9 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
         mask: None or a bool (batch, q, s) tensor: False where masked
             (padding), combined with the causal mask.
         block_size: keys per block (None: one block).
+        soft_cap: None, or c: scores c·tanh(scale·q·k / c) before the mask
+            (Gemma's logit soft-capping); the backward pass multiplies
+            dS by its derivative 1 - tanh².
 
     Returns (batch, q, heads, value_dim) in the query's dtype; computed in
     float32.
@@ -141,28 +150,44 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
 
     @tf.custom_gradient
     def attend(q, k, v):
-        out, stats = _forward(q, k, v, scale, blocks, adder)
+        out, stats = _forward(q, k, v, scale, blocks, adder, soft_cap)
 
         def grad(d_out):
             return _backward(q, k, v, out, stats, d_out, scale, blocks,
-                             adder)
+                             adder, soft_cap)
 
         return out, grad
 
     return tf.cast(attend(query, key, value), dtype)
 
 
-def _forward(q, k, v, scale, blocks, adder):
+def _kept(probs, adder):
+    """exp(S_j - m) with the masked entries 0 (not exp(-1e9 - m) = 1 when
+    a row's every key is masked): such a row gets l = 0 and output 0, as
+    Keras' `Softmax` gives it (it zeroes masked positions)."""
+    if adder is None:
+        return probs
+    return probs * tf.cast(adder > MASKED / 2, probs.dtype)
+
+
+def _nonzero(row_sum):
+    """l, with 1 where a row has no visible key (its O and P are 0)."""
+    return tf.where(row_sum > 0, row_sum, tf.ones_like(row_sum))
+
+
+def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
     """(O, L) of the module docstring's recursion over `blocks`."""
     running_max = running_sum = acc = None
     for start, stop in blocks:
-        scores = _scores(q, k[:, start:stop], scale, adder(start, stop))
+        block_adder = adder(start, stop)
+        scores = _scores(q, k[:, start:stop], scale, block_adder, soft_cap)
         block_max = tf.reduce_max(scores, axis=-1)
         if running_max is None:
             new_max = block_max
         else:
             new_max = tf.maximum(running_max, block_max)
-        probs = tf.exp(scores - new_max[..., None])
+        probs = _kept(tf.exp(scores - tf.expand_dims(new_max, -1)),
+                      block_adder)
         block_out = tf.einsum("bnts,bsnh->bnth", probs, v[:, start:stop])
         if running_max is None:
             running_sum = tf.reduce_sum(probs, axis=-1)
@@ -171,13 +196,14 @@ def _forward(q, k, v, scale, blocks, adder):
             correction = tf.exp(running_max - new_max)
             running_sum = running_sum * correction + tf.reduce_sum(
                 probs, axis=-1)
-            acc = acc * correction[..., None] + block_out
+            acc = acc * tf.expand_dims(correction, -1) + block_out
         running_max = new_max
-    out = acc / running_sum[..., None]
+    out = acc / tf.expand_dims(_nonzero(running_sum), -1)
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
 
 
-def _backward(q, k, v, out, stats, d_out, scale, blocks, adder):
+def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
+              soft_cap=None):
     """(dQ, dK, dV) of the module docstring, block by block. P_j is
     exp(S_j - m) / l rather than exp(S_j - L): a row every key of which is
     masked has S ≈ -1e9, where float32's spacing is 64, and only S - m
@@ -193,11 +219,16 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder):
             d_keys.append(tf.zeros_like(k[:, covered:start]))
             d_values.append(tf.zeros_like(v[:, covered:start]))
         key_block, value_block = k[:, start:stop], v[:, start:stop]
-        probs = tf.exp(_scores(q, key_block, scale, adder(start, stop))
-                       - row_max[..., None]) / row_sum[..., None]
+        scores = _scores(q, key_block, scale, None, soft_cap)
+        block_adder = adder(start, stop)
+        masked = scores if block_adder is None else scores + block_adder
+        probs = _kept(tf.exp(masked - tf.expand_dims(row_max, -1)),
+                      block_adder) / tf.expand_dims(_nonzero(row_sum), -1)
         d_values.append(tf.einsum("bnts,btnh->bsnh", probs, d_out))
         d_probs = tf.einsum("btnh,bsnh->bnts", d_out, value_block)
-        d_scores = probs * (d_probs - row_dot[..., None])
+        d_scores = probs * (d_probs - tf.expand_dims(row_dot, -1))
+        if soft_cap is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
+            d_scores *= 1.0 - tf.square(scores / soft_cap)
         d_query += tf.einsum("bnts,bsnh->btnh", d_scores, key_block) * scale
         d_keys.append(tf.einsum("bnts,btnh->bsnh", d_scores, q) * scale)
         covered = stop

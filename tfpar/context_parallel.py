@@ -8,10 +8,13 @@ through every op acting per token (embeddings, norms, MLPs, residual adds,
 the loss), keeps weights whole on each context coordinate and sums their
 gradients over the axis (the all-reduce it inserts for any split operand,
 as for the data axis). Attention is the one op mixing tokens: inside a step
-Keras' `MultiHeadAttention` runs `blockwise_attention` instead (its patch
-here, `PATCHES`): the keys and values are gathered over the context axis
-(all-gather), each device keeps its own queries and attends to key blocks
-with an online softmax, masks applied by global position.
+Keras' `MultiHeadAttention` and `GroupQueryAttention` run
+`blockwise_attention` instead (their patches here, `PATCHES`;
+`attend_across_context`): the keys and values are gathered over the
+context axis (all-gather; with grouped-query attention only the key/value
+heads, the query heads' copies made after the gather), each device keeps
+its own queries and attends to key blocks with an online softmax, masks
+applied by global position. keras-hub's decoders: `context_keras_hub`.
 
 Causal load balance (`load_balance(strategy)`): the sequence is cut into
 2·cp chunks and device r holds chunks r and 2cp−1−r, so causal attention
@@ -31,6 +34,8 @@ Example:
 >>> split.order(16).tolist()
 [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
 """
+
+import functools
 
 import keras
 import numpy as np
@@ -248,21 +253,101 @@ def _context_attention(original, hooks):
                             training, return_attention_scores,
                             use_causal_mask=use_causal_mask)
         _check_attention(self, query, training, return_attention_scores)
-        extended = step_context.step_extended()
-        query = _pinned(query, split.axis, extended)
-        key = _pinned(key, dtensor.UNSHARDED, extended)
-        value = _pinned(value, dtensor.UNSHARDED, extended)
-        if attention_mask is not None:
-            attention_mask = _pinned_mask(attention_mask, split, extended)
-        key_positions = split.order(key.shape[1])
-        output = blockwise.blockwise_attention(
-            query, key, value, split.order(query.shape[1]), key_positions,
-            scale=self._inverse_sqrt_key_dim, causal=use_causal_mask,  # noqa: SLF001
-            mask=attention_mask,
-            block_size=key.shape[1] // split.size)
-        return _pinned(output, split.axis, extended), None
+        output = attend_across_context(
+            split, query, key, value, scale=self._inverse_sqrt_key_dim,  # noqa: SLF001
+            causal=use_causal_mask, mask=attention_mask)
+        return output, None
 
     return _compute_attention
+
+
+def attend_across_context(split, query, key, value, scale, causal, mask=None,
+                          kv_groups=1, **options):
+    """`blockwise_attention` of a step on a context-split mesh (`split`):
+    the (batch, s, heads, dim) keys and values gathered over the context
+    axis, the queries and the (batch, s, s) bool `mask` (or None) kept
+    split by query rows, key blocks of s/cp, masks by global position
+    (`split.order`); `options` go to `blockwise_attention` (`soft_cap`).
+    The output is split like the queries.
+
+    Grouped-query attention (`kv_groups` query heads per key/value head,
+    keys and values given already repeated to the query heads, head u a
+    copy of key/value head u // kv_groups): one copy of each key/value head
+    is kept (a per-token einsum with a one-hot selector, no communication),
+    only those heads are gathered (kv_groups times fewer bytes), and the
+    copies are made again on the gathered keys; the gradient of the
+    repetition sums the copies, so it reaches the same key/value heads."""
+    extended = step_context.step_extended()
+    query = _pinned(query, split.axis, extended)
+    key, value = (_gathered_heads(t, kv_groups, extended)
+                  for t in (key, value))
+    if mask is not None:
+        mask = _pinned_mask(mask, split, extended)
+    output = blockwise.blockwise_attention(
+        query, key, value, split.order(query.shape[1]),
+        split.order(key.shape[1]), scale=scale, causal=causal, mask=mask,
+        block_size=key.shape[1] // split.size, **options)
+    return _pinned(output, split.axis, extended)
+
+
+def _gathered_heads(tensor, kv_groups, extended):
+    """(batch, s, heads, dim) repeated `kv_groups` times per key/value head:
+    the key/value heads alone gathered over the context axis, repeated
+    again (`attend_across_context`)."""
+    if kv_groups == 1:
+        return _pinned(tensor, dtensor.UNSHARDED, extended)
+    batch, length, heads, dim = tensor.shape
+    grouped = tf.reshape(tensor, (-1, length, heads // kv_groups, kv_groups,
+                                  dim))
+    first = tf.one_hot(0, kv_groups, dtype=tensor.dtype)  # copy 0 of each
+    kv_heads = tf.einsum("bskgh,g->bskh", grouped, first)
+    kv_heads = _pinned(kv_heads, dtensor.UNSHARDED, extended)
+    return tf.repeat(kv_heads, kv_groups, axis=2)
+
+
+def _context_grouped_attention(original, hooks):
+    """`GroupedQueryAttention._compute_attention` in a step on a mesh with
+    a context axis: `attend_across_context` gathering the key/value heads
+    only (`kv_groups`). Elsewhere Keras' own."""
+
+    def _compute_attention(self, query, key, value, attention_mask=None,
+                           training=None, use_causal_mask=False):
+        split = context_in_step()
+        if split is None or not step_context.in_spmd_step():
+            return original(self, query, key, value, attention_mask,
+                            training, use_causal_mask=use_causal_mask)
+        if self.dropout > 0 and training:
+            raise ValueError(
+                f"Context parallelism cannot split layer {self.name!r} "
+                f"(GroupedQueryAttention) along the sequence: dropout="
+                f"{self.dropout} on the attention probabilities. Use "
+                "dropout=0.0 or a mesh without a context axis.")
+        if self.sliding_window is not None and split.load_balance:
+            raise ValueError(
+                f"Context parallelism cannot load balance layer "
+                f"{self.name!r} (GroupedQueryAttention): its sliding_window="
+                f"{self.sliding_window} mask is by natural position. Turn "
+                "load balance off (load_balance(strategy, False)).")
+        output = attend_across_context(
+            split, query, key, value, scale=self._inverse_sqrt_head_dim,  # noqa: SLF001
+            causal=use_causal_mask or attention_mask is not None and getattr(
+                self, "_context_causal", False), mask=attention_mask,
+            kv_groups=self.num_repeats)
+        return output, None
+
+    return _compute_attention
+
+
+def _context_causal_flag(original, hooks):
+    """`GroupedQueryAttention.call` noting whether its mask is causal (so
+    that `_compute_attention` skips the key blocks no query sees)."""
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        self._context_causal = bool(kwargs.get("use_causal_mask"))  # noqa: SLF001
+        return original(self, *args, **kwargs)
+
+    return call
 
 
 def _context_causal_mask(original, hooks):
@@ -337,6 +422,10 @@ def _multi_head_attention():
     return keras.layers.MultiHeadAttention
 
 
+def _grouped_query_attention():
+    return keras.layers.GroupQueryAttention
+
+
 def _keras_numpy():
     return _compat.keras_module("backend.tensorflow.numpy")
 
@@ -349,6 +438,12 @@ PATCHES = (
     _compat.Patch("mha_context_attention", _multi_head_attention,
                   "_compute_attention", _context_attention),
     _compat.Patch("mha_context_causal_mask", _multi_head_attention,
+                  "_compute_causal_mask", _context_causal_mask),
+    _compat.Patch("gqa_context_attention", _grouped_query_attention,
+                  "_compute_attention", _context_grouped_attention),
+    _compat.Patch("gqa_context_causal_flag", _grouped_query_attention,
+                  "call", _context_causal_flag),
+    _compat.Patch("gqa_context_causal_mask", _grouped_query_attention,
                   "_compute_causal_mask", _context_causal_mask),
     _compat.Patch("per_token_matmul", _keras_numpy, "matmul",
                   _per_token_matmul),

@@ -33,6 +33,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import context_keras_hub
 from tfpar import context_parallel
 from tfpar import moe_keras_hub
 from tfpar import spmd_patches
@@ -259,7 +260,7 @@ def install(hooks):
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
-        *context_parallel.PATCHES), hooks)
+        *context_parallel.PATCHES, *context_keras_hub.PATCHES), hooks)
     moe_keras_hub.install()
 
 

@@ -540,10 +540,15 @@ class _Deferred:
 
 
 def _value(x):
+    """The host value of a weight-map entry: a Keras variable, or a tensor
+    a layer computes from its variables (LoRA's merged kernel W + A @ B: a
+    DTensor split as W, gathered from its blocks)."""
     if isinstance(x, _Deferred):
         return x.compute()
     if isinstance(x, (list, tuple)):
         return [_value(item) for item in x]
+    if isinstance(x, tf.Tensor):
+        return placement.fetch(x)
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 

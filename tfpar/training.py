@@ -324,8 +324,10 @@ def eager_model_call(strategy, call, model, args, kwargs):
     args, kwargs = extended.input_placer.place_arrays((args, kwargs))
     # Tensors the model makes from no input (keras-hub's causal masks
     # from `ops.arange`) are made on the mesh, replicated, instead of on
-    # the host, where DTensor refuses to mix them with DTensors.
-    with dtensor.default_mesh(extended.mesh.dtensor_mesh):
+    # the host, where DTensor refuses to mix them with DTensors. In the
+    # strategy's scope: layer styles read it (`model(x)` after the scope
+    # was left failed in a split embedding).
+    with strategy.scope(), dtensor.default_mesh(extended.mesh.dtensor_mesh):
         outputs = call(model, *args, **kwargs)
     return tf.nest.map_structure(extended.replicate, outputs)
 

@@ -33,18 +33,21 @@ def prompts(batch=8, seed=3):
     return {"token_ids": np.where(mask, ids, 0), "padding_mask": mask}
 
 
-def check_generate(balance):
+def check_generate(balance, mesh=MESH, auto_rules=False):
     keras.utils.set_random_seed(0)
     reference = context_models.hub_causal_lm("llama3")
     reference.compile(sampler="greedy")
     x = prompts()
     want = reference.generate(x, stop_token_ids=None)["token_ids"]
     want_logits = reference.predict(x, batch_size=8, verbose=0)
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh))
     if balance:
         context_parallel.load_balance(strategy)
     with strategy.scope():
         model = context_models.hub_causal_lm("llama3")
+        if auto_rules:
+            strategy.apply_rules(model, tfpar.auto_rules(
+                model, mesh=strategy.mesh))
     model.set_weights(reference.get_weights())
     model.compile(sampler="greedy")
     got = model.generate(x, stop_token_ids=None)["token_ids"]
@@ -55,7 +58,7 @@ def check_generate(balance):
                                   x["token_ids"][x["padding_mask"]])
     # The placer splits sequences again after generate(); predict (the
     # sequence split, blockwise attention) gives one device's logits.
-    assert strategy.extended.input_placer.context.size == 4
+    assert strategy.extended.input_placer.context.size == mesh["context"]
     got_logits = model.predict(x, batch_size=8, verbose=0)
     assert models.relative_error(want_logits, got_logits) < 1e-4
 
@@ -64,6 +67,12 @@ def check_generate(balance):
     False, pytest.param(True, marks=pytest.mark.slow)])
 def test_llama3_generate_on_data2_context4_is_one_devices(balance):
     check_generate(balance)
+
+
+@pytest.mark.slow
+def test_llama3_generate_on_context2_model2_data2_with_auto_rules():
+    check_generate(True, {"data": 2, "context": 2, "model": 2},
+                   auto_rules=True)
 
 
 # -- Llama 3 training: plain SGD, mixed_bfloat16 -------------------------

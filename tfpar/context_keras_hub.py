@@ -23,6 +23,12 @@ the whole sequence and are patched here, inside a step on such a mesh only
   the context axis, `blockwise_attention` with the decoder's mask
   (`context_parallel.attend_across_context`).
 
+`generate()` (prefill and KV-cache decoding) runs unsplit over the context
+axis (`sequences_unsplit`, entered by `training.make_generate_function`):
+the prompts are placed whole along the sequence (split over the data axis
+only, replicated over the context axis) and the patches above step aside,
+so keras-hub's cached calls run as on a mesh without a context axis.
+
 Example:
 
 >>> import tfpar
@@ -33,6 +39,7 @@ Example:
 [[1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0], [1, 0, 1, 1]]
 """
 
+import contextlib
 import importlib
 
 import numpy as np
@@ -49,6 +56,31 @@ def _split_in_step():
     if not step_context.in_spmd_step():
         return None
     return context_parallel.context_in_step()
+
+
+@contextlib.contextmanager
+def sequences_unsplit(placer):
+    """Within: `placer` (the strategy's `inputs.InputPlacer`) places batches
+    whole along the sequence, and a step traced sees no context split
+    (`context_parallel.context_in_step()` is None), so its attention, masks
+    and positions are Keras' and keras-hub's own. `generate()` runs so:
+    decoding one token at a time has no sequence to split.
+
+    >>> import tfpar
+    >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    >>> placer = strategy.extended.input_placer
+    >>> with sequences_unsplit(placer):
+    ...     print(placer.context)
+    None
+    >>> placer.context.size
+    4
+    """
+    saved = placer.context
+    placer.context = None
+    try:
+        yield
+    finally:
+        placer.context = saved
 
 
 def causal_mask_by_position(split, length, window=None):

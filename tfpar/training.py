@@ -41,6 +41,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import compile_errors
+from tfpar import context_keras_hub
 from tfpar import inputs as inputs_lib
 from tfpar import logs
 from tfpar import placement
@@ -339,7 +340,8 @@ def make_generate_function(model, extended):
     tensors (token ids and padding mask) and the stop token ids. Here the
     batch is placed on the mesh (split along the data axis when it divides
     the batch, otherwise whole on every device, as for a partial batch in
-    `fit`), `model.generate_step` (prefill, the KV-cache loop, the sampler)
+    `fit`; whole along the sequence on a context axis),
+    `model.generate_step` (prefill, the KV-cache loop, the sampler)
     runs as one SPMD `tf.function` in the strategy's replica context, and
     the generated tokens come back as host tensors. The step is traced even
     when the model runs eagerly and never XLA-compiled (`jit_compile` is
@@ -369,9 +371,12 @@ def make_generate_function(model, extended):
             return model.generate_step(inputs, *args, **kwargs)
 
     def generate_function(inputs, *args, **kwargs):
-        placed = extended.input_placer.place(inputs_lib.host_batch(inputs))
-        with logs.quiet_steps():
-            outputs = step(placed, *args, **kwargs)
+        # Unsplit over a context axis (`context_keras_hub`'s docstring).
+        with context_keras_hub.sequences_unsplit(extended.input_placer):
+            placed = extended.input_placer.place(
+                inputs_lib.host_batch(inputs))
+            with logs.quiet_steps():
+                outputs = step(placed, *args, **kwargs)
         return tf.nest.map_structure(
             lambda t: tf.constant(placement.fetch(t)), outputs)
 

@@ -520,7 +520,7 @@ def test_fsdp_loads_each_device_block_and_exports_back(
     checkpoint load with no split weight whole on a device, each device
     holding only its fsdp block, weights equal the saved ones; the sharded
     model exports back to a preset / checkpoint equal to the original, and
-    one training step equals one device's."""
+    one training step (of the HF load's model) equals one device's."""
     original = llama3()
     preset, hf = str(tmp_path / "preset"), str(tmp_path / "hf")
     original.save_to_preset(preset)
@@ -558,9 +558,9 @@ def test_fsdp_loads_each_device_block_and_exports_back(
         else:
             tfpar.pretrained.export_to_transformers(loaded, again)
             assert_same_transformers_checkpoint(hf, again)
-        with strategy.scope():
-            got_loss, got_weights = one_step(loaded, x, y)
-        assert relative_error(want_loss, got_loss) < RTOL, path
-        for want, got in zip(want_weights, got_weights):
-            assert relative_error(want, got) < RTOL, path
         shutil.rmtree(again)
+    with strategy.scope():  # the HF load's model (the preset's: weights equal)
+        got_loss, got_weights = one_step(loaded, x, y)
+    assert relative_error(want_loss, got_loss) < RTOL
+    for want, got in zip(want_weights, got_weights):
+        assert relative_error(want, got) < RTOL

@@ -5,6 +5,7 @@ Run it with
 
     python benchmarks/pretrained.py                 # ~148M parameters, 0.59 GB
     python benchmarks/pretrained.py --size 40m      # ~40M parameters
+    python benchmarks/pretrained.py --only fsdp     # the fsdp=True rows only
     python benchmarks/pretrained.py --help
 
 It writes a keras-hub preset (`save_to_preset`) and a Hugging Face
@@ -28,6 +29,11 @@ process's peak resident set (Linux VmHWM) reset right before the load:
 - "naive": `from_preset` under a strategy without rules, then
   `apply_rules(model, auto_rules(model))` (the route before issue 37).
 
+A mesh "data=8,fsdp" is `ParallelStrategy(tfpar.Mesh({"data": 8}),
+fsdp=True)` (every trainable weight also split over the data axis; on
+data=8 `auto_rules` splits nothing more), "data=2,model=4,fsdp" the same
+over the rules' model splits.
+
 Printed per run: peak growth / checkpoint bytes, tfpar's largest per-device
 bytes / checkpoint bytes, load seconds. Every run also checks the weights
 equal the saved ones and runs one training step.
@@ -46,7 +52,12 @@ RUNS = [("preset", "naive", "model=8"), ("preset", "from_preset", "model=8"),
         ("preset", "rules_random", "model=8"),
         ("preset", "rules", "model=8"), ("preset", "rules", "data=2,model=4"),
         ("hf", "rules_random", "model=8"),
-        ("hf", "rules", "model=8"), ("hf", "rules", "data=2,model=4")]
+        ("hf", "rules", "model=8"), ("hf", "rules", "data=2,model=4"),
+        # fsdp=True: every trainable weight also split over the data axis
+        ("preset", "naive", "data=8,fsdp"),
+        ("preset", "rules", "data=8,fsdp"),
+        ("preset", "rules", "data=2,model=4,fsdp"),
+        ("hf", "rules", "data=8,fsdp"), ("hf", "rules", "data=2,model=4,fsdp")]
 
 
 def child(*args):
@@ -62,19 +73,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="150m",
                         help="a key of tests/pretrained_child.py SIZES")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="run only the rows whose 'format route mesh' "
+                        "contains TEXT, e.g. --only fsdp")
     args = parser.parse_args()
+    runs = [run for run in RUNS
+            if args.only is None or args.only in " ".join(run)]
+    if not runs:
+        parser.error(f"--only {args.only!r} matches no run; the runs are "
+                     + "; ".join(" ".join(run) for run in RUNS))
     with tempfile.TemporaryDirectory() as directory:
         child("make", args.size, directory)
-        print(f"{'format':7} {'route':12} {'mesh':15} {'peak growth':>12} "
+        print(f"{'format':7} {'route':12} {'mesh':21} {'peak growth':>12} "
               f"{'per device':>11} {'load s':>7}")
-        for fmt, route, mesh in RUNS:
+        for fmt, route, mesh in runs:
             out = os.path.join(directory, "result.json")
             child("load", args.size, directory, fmt, route, mesh, out)
             with open(out) as f:
                 r = json.load(f)
             assert r["weights_equal"], r
             size = r["checkpoint_bytes"]
-            print(f"{fmt:7} {route:12} {mesh:15} "
+            print(f"{fmt:7} {route:12} {mesh:21} "
                   f"{r['growth'] / size:11.2f}x {r['per_device_bytes'] / size:10.3f}x "
                   f"{r['load_s']:7.1f}", flush=True)
         print(f"checkpoint: {size / 1e9:.2f} GB")

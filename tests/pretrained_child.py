@@ -9,8 +9,9 @@ SIZE: a key of `SIZES`. `make` writes DIR/preset (keras-hub
 `save_to_preset`) and DIR/hf (`tfpar.pretrained.export_to_transformers`
 from one device, sharded in two files with an index), and DIR/weights.npz
 (the weights, for the loader to compare with). `load` loads FORMAT
-("preset" or "hf") under a strategy on MESH ("model=8", "data=2,model=4")
-by ROUTE:
+("preset" or "hf") under a strategy on MESH ("model=8", "data=2,model=4";
+a part "fsdp" for `fsdp=True`: "data=8,fsdp", "data=2,model=4,fsdp") by
+ROUTE:
 
 - "rules": rules from a builder (`tfpar.auto_rules(lambda: ...
   from_preset(path, load_weights=False))`), the model built in the scope
@@ -92,10 +93,27 @@ def checkpoint_bytes(path):
                if name.endswith((".h5", ".safetensors")))
 
 
+def parse_mesh(text):
+    """("data=2,model=4,fsdp") -> (tfpar.Mesh({"data": 2, "model": 4}),
+    True): mesh axes as name=size, and "fsdp" for `fsdp=True`."""
+    parts = text.split(",")
+    fsdp = "fsdp" in parts
+    axes = {}
+    for part in parts:
+        if part == "fsdp":
+            continue
+        axis, sep, size = part.partition("=")
+        if not sep or not size.isdigit():
+            raise ValueError(
+                f"MESH {text!r}: each part is axis=size or 'fsdp', got "
+                f"{part!r}; e.g. 'data=2,model=4' or 'data=8,fsdp'.")
+        axes[axis] = int(size)
+    return tfpar.Mesh(axes), fsdp
+
+
 def load(size, directory, fmt, route, mesh_text, out):
     path = os.path.join(directory, fmt)
-    mesh = tfpar.Mesh({axis: int(n) for axis, n in (
-        part.split("=") for part in mesh_text.split(","))})
+    mesh, fsdp = parse_mesh(mesh_text)
     def build():
         if fmt == "hf":  # keras-hub's from_preset(hf) needs `safetensors`
             return tfpar.pretrained.transformers_backbone(path)
@@ -103,7 +121,7 @@ def load(size, directory, fmt, route, mesh_text, out):
             path, load_weights=False)
     rules = (tfpar.auto_rules(build, mesh=mesh) if route != "naive"
              else None)
-    strategy = tfpar.ParallelStrategy(mesh, rules=rules)
+    strategy = tfpar.ParallelStrategy(mesh, rules=rules, fsdp=fsdp)
     before = rss_bytes()
     reset_peak()
     start = time.perf_counter()

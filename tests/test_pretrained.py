@@ -21,6 +21,7 @@ reading only their own devices' blocks).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -488,3 +489,78 @@ def test_two_hosts_each_read_only_their_own_devices_blocks(tmp_path):
                     (fmt, name, boxes)
             assert not any(_overlap(a, b) for a in per_host[0]
                            for b in per_host[1]), (fmt, name, per_host)
+
+
+def h5_datasets(path):
+    """{name: array} of every dataset of the HDF5 file at `path`."""
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: found.__setitem__(name, item[()])
+                     if isinstance(item, h5py.Dataset) else None)
+    return found
+
+
+def assert_same_transformers_checkpoint(first, second):
+    a = tfpar.safetensors_io.SafetensorsCheckpoint(first)
+    b = tfpar.safetensors_io.SafetensorsCheckpoint(second)
+    assert sorted(a.keys()) == sorted(b.keys())
+    for name in a.keys():
+        np.testing.assert_array_equal(a.get_tensor(name), b.get_tensor(name),
+                                      err_msg=name)
+
+
+@pytest.mark.parametrize("axes", [
+    {"data": 8},
+    pytest.param({"data": 2, "model": 4}, marks=pytest.mark.slow),
+], ids=["data=8", "data=2,model=4"])
+def test_fsdp_loads_each_device_block_and_exports_back(
+        tmp_path, monkeypatch, axes):
+    """fsdp=True (every trainable weight also split over the data axis),
+    rules from a builder, in `deferred_init()`: a preset and an HF
+    checkpoint load with no split weight whole on a device, each device
+    holding only its fsdp block, weights equal the saved ones; the sharded
+    model exports back to a preset / checkpoint equal to the original, and
+    one training step (of the HF load's model) equals one device's."""
+    original = llama3()
+    preset, hf = str(tmp_path / "preset"), str(tmp_path / "hf")
+    original.save_to_preset(preset)
+    tfpar.pretrained.export_to_transformers(original, hf)
+    mesh = tfpar.Mesh(axes)
+    x, y = token_batch(LLAMA["hidden_dim"])
+    want_loss, want_weights = one_step(llama3(), x, y)
+    for path, build in (
+            (preset, lambda: keras_hub.models.Llama3Backbone.from_preset(
+                preset, load_weights=False)),
+            (hf, lambda: tfpar.pretrained.transformers_backbone(hf))):
+        strategy = tfpar.ParallelStrategy(
+            mesh, rules=tfpar.auto_rules(build, mesh=mesh), fsdp=True)
+        with monkeypatch.context() as patch:
+            placed = DevicePlacements(patch)
+            with strategy.scope(), tfpar.pretrained.deferred_init():
+                loaded = build()
+                tfpar.pretrained.load_weights(loaded, path)
+            assert placed.whole_split_weights(strategy) == [], path
+        specs = {p: spec for p, spec, _ in strategy.placements()}
+        assert all("data" in spec for spec in specs.values()), specs
+        assert len(placed.shapes) >= 8 * len(specs), path  # the load seen
+        for want, got in zip(original.weights, loaded.weights):
+            assert want.path == got.path
+            np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+            assert_one_block_per_device(got, specs[got.path])
+        again = str(tmp_path / "again")
+        if path == preset:
+            loaded.save_to_preset(again)
+            first = h5_datasets(os.path.join(preset, "model.weights.h5"))
+            second = h5_datasets(os.path.join(again, "model.weights.h5"))
+            assert first.keys() == second.keys()
+            for name in first:
+                np.testing.assert_array_equal(first[name], second[name], name)
+        else:
+            tfpar.pretrained.export_to_transformers(loaded, again)
+            assert_same_transformers_checkpoint(hf, again)
+        shutil.rmtree(again)
+    with strategy.scope():  # the HF load's model (the preset's: weights equal)
+        got_loss, got_weights = one_step(loaded, x, y)
+    assert relative_error(want_loss, got_loss) < RTOL
+    for want, got in zip(want_weights, got_weights):
+        assert relative_error(want, got) < RTOL

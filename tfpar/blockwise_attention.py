@@ -202,6 +202,20 @@ def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
 
 
+def _after_gradient(row_dot):
+    """0 shaped (batch, q, heads, 1), computed from D (so from dO): added
+    to Q, it makes the recomputation of every S_j and P_j wait for the
+    gradient. Without this data dependency TF's executor runs those ops
+    as soon as Q, K and V exist, in the forward pass, and keeps all the
+    (q x block) P_j until the backward pass reads them: s/cp x s floats
+    per head, what the recomputation is meant to avoid. (TF's
+    `recompute_grad` adds such a dependency for the same reason.) A NaN
+    in D stays NaN, as its gradient would be."""
+    zero = tf.where(tf.equal(row_dot, row_dot), tf.zeros_like(row_dot),
+                    row_dot)
+    return tf.expand_dims(tf.transpose(zero, (0, 2, 1)), -1)
+
+
 def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
               soft_cap=None):
     """(dQ, dK, dV) of the module docstring, block by block. P_j is
@@ -211,6 +225,7 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
     row_max, row_sum = stats
     d_out = tf.cast(d_out, tf.float32)
     row_dot = tf.einsum("btnh,btnh->bnt", d_out, out)
+    q = q + _after_gradient(row_dot)
     d_query = tf.zeros_like(q)
     d_keys, d_values = [], []
     covered = 0

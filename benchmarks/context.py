@@ -34,9 +34,15 @@ loop), not real speedups.
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# benchmarks/keras_hub.py would shadow the keras_hub package (tfpar's
+# keras-hub patches import it).
+sys.path = [p for p in sys.path
+            if os.path.abspath(p or ".") != os.path.dirname(
+                os.path.abspath(__file__))]
 
 import tfpar  # noqa: E402
 

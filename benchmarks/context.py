@@ -20,10 +20,14 @@ sequence length: a quadratic a s^2 + b s + c fitted to the activations at --star
 which is then measured and stepped by a granule until it fits and the
 next does not: the table's "longest" is measured.
 
-Expected: activations of one sequence are linear in s per device split by
-the context size (blockwise attention keeps (s/cp)^2 score blocks live, not
-s/cp x s), so the longest sequence grows about cp-fold; data=8 holds
-(heads x s x s) scores per layer, which bounds it as sqrt.
+Expected: the saved activations of one sequence are linear in s per device
+split by the context size (blockwise attention keeps Q, K, V, O and the
+row statistics, and recomputes each (s/cp)^2 probability block in the
+backward pass), so the longest sequence grows more than cp-fold against
+data=8, which keeps (heads x s x s) probabilities per layer. The "peak"
+column still holds score blocks: the blocks of one attention are
+independent ops, so TF's executor (and the report's model of it) may run
+them all at once (heads x s/cp x s floats live, not saved).
 
 Step time: at --time-seq tokens, every mesh and one device (the same
 per-replica batch) run --steps steps per round, rounds interleaved in one
@@ -34,9 +38,15 @@ loop), not real speedups.
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# benchmarks/keras_hub.py would shadow the keras_hub package (tfpar's
+# keras-hub patches import it).
+sys.path = [p for p in sys.path
+            if os.path.abspath(p or ".") != os.path.dirname(
+                os.path.abspath(__file__))]
 
 import tfpar  # noqa: E402
 

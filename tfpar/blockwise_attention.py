@@ -91,14 +91,22 @@ def unmasked_block_counts(query_positions_per_device, key_positions,
     return counts
 
 
-def _additive_mask(query_positions, key_positions, causal, mask):
-    """A_j of the module docstring: (batch or 1, 1, q, block) float32."""
+def _additive_mask(anchor, query_positions, key_positions, causal, mask):
+    """A_j of the module docstring: (batch, heads or 1, q, block) float32.
+
+    The causal part is compared at run time, block by block, from the
+    (q,) and (block,) position vectors and Q (`anchor`, (batch, q, heads,
+    dim)): a row's position plus isnan(its first Q entry), 0 unless the row
+    is NaN anyway. Built from constants alone, TF would fold every block's
+    mask into a (q x block) constant held for the whole program: s/cp x s
+    per layer and pass, quadratic in the sequence."""
     adder = None
     if causal:
-        allowed = np.asarray(query_positions)[:, None] >= np.asarray(
-            key_positions)[None, :]
-        adder = tf.constant(np.where(allowed, 0.0, MASKED)[None, None],
-                            tf.float32)
+        first = tf.transpose(anchor[..., :1], (0, 2, 1, 3))  # (b, n, q, 1)
+        rows = tf.constant(np.asarray(query_positions, np.int32))[
+            :, None] + tf.cast(tf.math.is_nan(first), tf.int32)
+        allowed = rows >= tf.constant(np.asarray(key_positions, np.int32))
+        adder = tf.where(allowed, 0.0, MASKED)
     if mask is not None:
         padding = (1.0 - tf.expand_dims(tf.cast(mask, tf.float32), 1)) * MASKED
         adder = padding if adder is None else tf.minimum(adder, padding)
@@ -143,10 +151,10 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     blocks = visible_blocks(np.asarray(query_positions), key_positions,
                             block_size, causal)
 
-    def adder(start, stop):
+    def adder(anchor, start, stop):
         block_mask = None if mask is None else mask[:, :, start:stop]
-        return _additive_mask(query_positions, key_positions[start:stop],
-                              causal, block_mask)
+        return _additive_mask(anchor, query_positions,
+                              key_positions[start:stop], causal, block_mask)
 
     @tf.custom_gradient
     def attend(q, k, v):
@@ -179,7 +187,7 @@ def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
     """(O, L) of the module docstring's recursion over `blocks`."""
     running_max = running_sum = acc = None
     for start, stop in blocks:
-        block_adder = adder(start, stop)
+        block_adder = adder(q, start, stop)
         scores = _scores(q, k[:, start:stop], scale, block_adder, soft_cap)
         block_max = tf.reduce_max(scores, axis=-1)
         if running_max is None:
@@ -202,6 +210,20 @@ def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
 
 
+def _after_gradient(row_dot):
+    """0 shaped (batch, q, heads, 1), computed from D (so from dO): added
+    to Q, it makes the recomputation of every S_j and P_j wait for the
+    gradient. Without this data dependency TF's executor runs those ops
+    as soon as Q, K and V exist, in the forward pass, and keeps all the
+    (q x block) P_j until the backward pass reads them: s/cp x s floats
+    per head, what the recomputation is meant to avoid. (TF's
+    `recompute_grad` adds such a dependency for the same reason.) A NaN
+    in D stays NaN, as its gradient would be."""
+    zero = tf.where(tf.equal(row_dot, row_dot), tf.zeros_like(row_dot),
+                    row_dot)
+    return tf.expand_dims(tf.transpose(zero, (0, 2, 1)), -1)
+
+
 def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
               soft_cap=None):
     """(dQ, dK, dV) of the module docstring, block by block. P_j is
@@ -211,6 +233,7 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
     row_max, row_sum = stats
     d_out = tf.cast(d_out, tf.float32)
     row_dot = tf.einsum("btnh,btnh->bnt", d_out, out)
+    q = q + _after_gradient(row_dot)
     d_query = tf.zeros_like(q)
     d_keys, d_values = [], []
     covered = 0
@@ -220,7 +243,7 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
             d_values.append(tf.zeros_like(v[:, covered:start]))
         key_block, value_block = k[:, start:stop], v[:, start:stop]
         scores = _scores(q, key_block, scale, None, soft_cap)
-        block_adder = adder(start, stop)
+        block_adder = adder(q, start, stop)
         masked = scores if block_adder is None else scores + block_adder
         probs = _kept(tf.exp(masked - tf.expand_dims(row_max, -1)),
                       block_adder) / tf.expand_dims(_nonzero(row_sum), -1)

@@ -355,11 +355,15 @@ def test_capacity_factor_parity_data2_expert4(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", hub_models.MOE_LMS)
-def test_dispatch_mixed_bfloat16_data2_expert4(name, monkeypatch):
+@pytest.mark.parametrize("name,mesh_id,optimizer", [
+    (name, "2x4", "sgd") for name in hub_models.MOE_LMS] + [
+    (name, "2x2x2", "sgd") for name in hub_models.MOE_LMS] + [
+    ("mixtral", "2x4", "adam")])
+def test_dispatch_mixed_bfloat16(name, mesh_id, optimizer, monkeypatch):
     """Under mixed_bfloat16, Mixtral's, Qwen3-MoE's and GPT-OSS' dispatching
-    blocks (router and aux loss in float32) on data=2 x expert=4 against
-    one device dispatching (keras-hub 0.32's own masked blocks fail to
+    blocks (router and aux loss in float32) on data=2 x expert=4 and
+    data=2 x expert=2 x model=2 (and Mixtral with Adam) against one device
+    dispatching (keras-hub 0.32's own masked blocks fail to
     train under mixed_bfloat16: Mixtral's and Qwen3-MoE's aux loss
     multiplies bfloat16 probabilities by a float32 mask), within the
     suite's bfloat16 tolerance (2e-2). The tokens are dispatched and
@@ -370,7 +374,7 @@ def test_dispatch_mixed_bfloat16_data2_expert4(name, monkeypatch):
     over "expert")."""
     monkeypatch.setitem(DATA_SEEDS, name, BFLOAT16_DATA_SEEDS.get(
         name, DATA_SEEDS.get(name, 1)))
-    check_parity(name, "sgd", "2x4", policy="mixed_bfloat16",
+    check_parity(name, optimizer, mesh_id, policy="mixed_bfloat16",
                  dispatch={}, reference_dispatch={})
 
 

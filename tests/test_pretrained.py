@@ -34,6 +34,7 @@ from tensorflow.experimental import dtensor
 
 import tfpar
 from fuzzing import RTOL, relative_error
+from h5_files import same_datasets
 from models import assert_one_block_per_device
 from test_hosts import run_two_hosts
 
@@ -491,15 +492,6 @@ def test_two_hosts_each_read_only_their_own_devices_blocks(tmp_path):
                            for b in per_host[1]), (fmt, name, per_host)
 
 
-def h5_datasets(path):
-    """{name: array} of every dataset of the HDF5 file at `path`."""
-    found = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, item: found.__setitem__(name, item[()])
-                     if isinstance(item, h5py.Dataset) else None)
-    return found
-
-
 def assert_same_transformers_checkpoint(first, second):
     a = tfpar.safetensors_io.SafetensorsCheckpoint(first)
     b = tfpar.safetensors_io.SafetensorsCheckpoint(second)
@@ -550,11 +542,8 @@ def test_fsdp_loads_each_device_block_and_exports_back(
         again = str(tmp_path / "again")
         if path == preset:
             loaded.save_to_preset(again)
-            first = h5_datasets(os.path.join(preset, "model.weights.h5"))
-            second = h5_datasets(os.path.join(again, "model.weights.h5"))
-            assert first.keys() == second.keys()
-            for name in first:
-                np.testing.assert_array_equal(first[name], second[name], name)
+            assert same_datasets(os.path.join(preset, "model.weights.h5"),
+                                 os.path.join(again, "model.weights.h5"))
         else:
             tfpar.pretrained.export_to_transformers(loaded, again)
             assert_same_transformers_checkpoint(hf, again)

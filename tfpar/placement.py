@@ -88,7 +88,7 @@ def put_blocks(read_block, shape, spec, mesh, dtype):
     for device, location in zip(layout.mesh.local_devices(),
                                 local_locations(mesh.dtensor_mesh)):
         index = block_index(shape, spec, mesh.shape, location)
-        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        key = block_ranges(shape, spec, mesh.shape, location)
         if key not in blocks:  # made on its device: packing copies none
             with tf.device(device):
                 blocks[key] = tf.constant(np.asarray(read_block(index), dtype))

@@ -44,9 +44,10 @@ A100's large-GEMM efficiency `gemm` and skinny-GEMM constant `gemm_half`
 (`tfpar/planner/hardware.py` holds the fitted values; `fit` here
 reproduces them), and the fraction of its Omni-Path line rate NCCL
 reaches on BLOOM's cluster, Jean Zay (`LINKS`, fitted on its S5 rows by
-`fit_links`: no other source ran there). The H100's are not fitted (one source, llm-foundry,
-cannot tell a hardware fact from its trainer: `hardware.py`). Every other figure is the vendor's or a cited
-measurement (`tfpar/planner/hardware.py`).
+`fit_links`: no other source ran there). The H100's are not fitted (one
+source, llm-foundry, cannot tell a hardware fact from its trainer:
+`hardware.py`). Every other figure is the vendor's or a cited measurement
+(`tfpar/planner/hardware.py`).
 
     python benchmarks/planner_published.py
 """
@@ -375,9 +376,10 @@ def main():
     mae, worst = summary(errs)
     print(f"\nrows {len(errs)} of {len(errs) + len(LEFT_OUT)}; mean absolute "
           f"error {mae:.1%}; worst {worst:.1%}")
-    print(f"\nfitted on all rows: {fit(list(ROWS))}; links "
-          f"{ {k: v[0] for k, v in LINK_GRID.items()} }: "
-          f"{ {k: fit_links(list(ROWS))[k][v[0]] for k, v in LINK_GRID.items()} }")
+    links = fit_links(list(ROWS))
+    fitted = {f"{k}.{field}": links[k][field]
+              for k, (field, _) in LINK_GRID.items()}
+    print(f"\nfitted on all rows: {fit(list(ROWS))}; links {fitted}")
     print("\nleave-one-source-out (constants fitted on the other sources):")
     held_out = {}
     for source, (errs, constants) in leave_one_source_out().items():

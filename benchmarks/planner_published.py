@@ -42,9 +42,12 @@ step time).
 Fitted, once for all rows of a hardware (a grid; not per row): the
 A100's large-GEMM efficiency `gemm` and skinny-GEMM constant `gemm_half`
 (`tfpar/planner/hardware.py` holds the fitted values; `fit` here
-reproduces them). The H100's are not fitted (one source, llm-foundry,
-cannot tell a hardware fact from its trainer: `hardware.py`). Every other figure is the vendor's or a cited
-measurement (`tfpar/planner/hardware.py`).
+reproduces them), and the fraction of its Omni-Path line rate NCCL
+reaches on BLOOM's cluster, Jean Zay (`LINKS`, fitted on its S5 rows by
+`fit_links`: no other source ran there). The H100's are not fitted (one
+source, llm-foundry, cannot tell a hardware fact from its trainer:
+`hardware.py`). Every other figure is the vendor's or a cited measurement
+(`tfpar/planner/hardware.py`).
 
     python benchmarks/planner_published.py
 """
@@ -161,8 +164,25 @@ ROWS = {
 # GB/s per direction per GPU (100 GB/s, where a DGX's NVSwitch gives 12:
 # 300 GB/s) and 4 Omni-Path links of 100 Gb/s per node of 8 GPUs (6.25
 # GB/s per GPU across nodes).
+#
+# The fraction of that Omni-Path line rate NCCL's rings reach
+# (`network_inter`) is fitted on the development set's Jean Zay rows (S5,
+# `fit_links`; the only rows on that network) over LINK_GRID: 0.55, where
+# the preset's InfiniBand figure is 0.9. NCCL drives Omni-Path through
+# its InfiniBand-verbs transport (NVIDIA/nccl#333: "NET/IB : Using
+# [0]hfi1_0:1/IB ..."), and without GPUDirect RDMA it stages every
+# message through host memory: nccl-tests reach about half of a 100 Gb/s
+# link's rate that way (NVIDIA/nccl#465: 6 GB/s bus bandwidth, "half of
+# what I expected"). Whether Jean Zay's nodes had GPUDirect RDMA the
+# sources do not say: the figure is a fit, consistent with that
+# measurement, not a citation.
 LINKS = {"S5": {"intra_bandwidth": 4 * 25e9,
-                "inter_bandwidth": 4 * 100e9 / 8 / 8}}
+                "inter_bandwidth": 4 * 100e9 / 8 / 8,
+                "network_inter": 0.55}}
+# Link figures fitted on the development set: {source: (field, grid)}.
+LINK_GRID = {"S5": ("network_inter",
+                    (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85,
+                     0.9))}
 LEFT_OUT = {"K22-5": "the abstract states MFU only: no batch, no step time"}
 MEGATRON_SOURCES = ("S1", "S3", "S4", "S15")
 # What each source's runtime overlaps (not fitted: read from its code).
@@ -217,11 +237,12 @@ def estimate_row(row_id, presets=None, **table):
             parts["executed_flops"] / parts["total"], hw.peak("bfloat16"))
 
 
-def errors(presets=None, rows=None):
-    """{row: relative error (estimated / published - 1)}."""
+def errors(presets=None, rows=None, links=None):
+    """{row: relative error (estimated / published - 1)}; `links` as
+    published_config's (default LINKS)."""
     out = {}
     for row in rows or ROWS:
-        estimated, published, _, _ = estimate_row(row, presets)
+        estimated, published, _, _ = estimate_row(row, presets, links=links)
         out[row] = estimated / published - 1
     return out
 
@@ -272,14 +293,36 @@ def fit(rows):
     return constants
 
 
+def fit_links(rows, presets=None):
+    """LINKS with each LINK_GRID figure fitted (the grid point of least
+    mean absolute error) on its source's rows among `rows`; a source with
+    none of them keeps its preset's figure (the field dropped)."""
+    links = {source: dict(fields) for source, fields in LINKS.items()}
+    for source, (field, grid) in LINK_GRID.items():
+        links[source].pop(field, None)
+        mine = [r for r in rows if ROWS[r][0] == source]
+        if not mine:
+            continue
+        scored = []
+        for value in grid:
+            trial = dict(links, **{source: dict(links[source],
+                                                **{field: value})})
+            scored.append((summary(errors(presets, mine, trial))[0], value))
+        links[source][field] = min(scored)[1]
+    return links
+
+
 def leave_one_source_out():
-    """{source: ({row: error} of its rows with the constants fitted on the
-    other sources, those constants)}."""
+    """{source: ({row: error} of its rows with the constants and link
+    figures fitted on the other sources, those constants)}."""
     out = {}
     for source in sorted({r[0] for r in ROWS.values()}):
         held = [k for k, r in ROWS.items() if r[0] == source]
-        constants = fit([k for k in ROWS if k not in held])
-        out[source] = (errors(with_constants(constants), held), constants)
+        others = [k for k in ROWS if k not in held]
+        constants = fit(others)
+        presets = with_constants(constants)
+        out[source] = (errors(presets, held, fit_links(others, presets)),
+                       constants)
     return out
 
 
@@ -308,6 +351,13 @@ def constants_table():
             + ("fitted on the development set (all sources) |"
                if name in FITTED else
                "cuBLAS bf16 large GEMMs; the A100's tile length × 2 |")]
+    jz = LINKS["S5"]
+    rows.append(
+        f"| Jean Zay (S5, BLOOM) | Omni-Path per GPU × network_inter | "
+        f"{jz['inter_bandwidth'] / 1e9:.2f} GB/s × {jz['network_inter']} | "
+        "BLOOM model card (4 × 100 Gb/s per 8 GPUs); fitted on the "
+        "development set's S5 rows (NCCL without GPUDirect RDMA ≈ 0.5: "
+        "NVIDIA/nccl#465) |")
     return "\n".join(rows)
 
 
@@ -326,7 +376,10 @@ def main():
     mae, worst = summary(errs)
     print(f"\nrows {len(errs)} of {len(errs) + len(LEFT_OUT)}; mean absolute "
           f"error {mae:.1%}; worst {worst:.1%}")
-    print(f"\nfitted on all rows: {fit(list(ROWS))}")
+    links = fit_links(list(ROWS))
+    fitted = {f"{k}.{field}": links[k][field]
+              for k, (field, _) in LINK_GRID.items()}
+    print(f"\nfitted on all rows: {fit(list(ROWS))}; links {fitted}")
     print("\nleave-one-source-out (constants fitted on the other sources):")
     held_out = {}
     for source, (errs, constants) in leave_one_source_out().items():

@@ -102,3 +102,56 @@ def assert_parity(reference, ref_losses, model, losses):
         if a.path.endswith("attn/key/bias"):
             continue
         assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
+
+
+def train_hub(kind, strategy, weights, x, y, optimizer="adam", policy=None,
+              build=None):
+    """(losses, float64 weights) of `hub_causal_lm(kind)` trained from
+    `weights`, one epoch in order of 2 batches of 16, with
+    `optimizer` ("adam": Adam(3e-3), "sgd": plain SGD(0.1)); in
+    `strategy`'s scope unless None; under the dtype policy `policy`
+    ("float64" also sets floatx: the rounding-free reference of
+    `fuzzing.assert_parity`); `build(kind)` makes the model (default
+    `hub_causal_lm`). Keras' global policy and floatx are restored."""
+    build = build or hub_causal_lm
+    previous = keras.config.dtype_policy(), keras.config.floatx()
+    if policy:
+        keras.config.set_dtype_policy(policy)
+        if policy == "float64":
+            keras.config.set_floatx(policy)
+    try:
+        if strategy is None:
+            model = build(kind)
+        else:
+            with strategy.scope():
+                model = build(kind)
+        model.set_weights([w.astype(model.weights[i].dtype)
+                           for i, w in enumerate(weights)])
+        model.compile(
+            optimizer=(keras.optimizers.Adam(3e-3) if optimizer == "adam"
+                       else keras.optimizers.SGD(0.1)),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return np.array(losses.losses), [w.numpy().astype("float64")
+                                         for w in model.weights]
+    finally:
+        keras.config.set_dtype_policy(previous[0])
+        keras.config.set_floatx(previous[1])
+
+
+def assert_within_bf16_precision(exact, one, mesh, slack=3.0):
+    """The oracle of test_mixed_precision: `mesh` (losses, weights) of a
+    mixed_bfloat16 run is within `slack` times one device's own
+    mixed-vs-float32 difference (`one` vs `exact`) of one device's
+    mixed_bfloat16 run `one`, for the losses and per weight (floored at
+    1e-4 relative)."""
+    assert np.all(np.isfinite(mesh[0])), mesh[0]
+    assert models.relative_error(one[0], mesh[0]) <= slack * max(
+        models.relative_error(exact[0], one[0]), 1e-4), (one[0], mesh[0])
+    for i, (e, o, m) in enumerate(zip(exact[1], one[1], mesh[1])):
+        precision = max(models.relative_error(e, o), 1e-4)
+        assert models.relative_error(o, m) <= slack * precision, (
+            i, models.relative_error(o, m), precision)

@@ -33,7 +33,9 @@ os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] = "0"
 # [-, "model", -, -] -> [-, -, "model", -]) by an all-to-all; on a rank-4
 # tensor that all-to-all returns wrong values, silently, for every move
 # between dimensions 1-3 (36 of 618 relayouts of a 4x4x4x4 tensor on a 2x2
-# mesh; ranks 2 and 3 are right): tests/dtensor_all_to_all_repro.py. Found
+# mesh; ranks 2 and 3 are right): tests/dtensor_all_to_all_repro.py. Rank 5
+# is wrong too, and TF reads this switch once per process (it cannot be on
+# for one relayout only): tests/dtensor_all_to_all_ranks_repro.py. Found
 # by the fuzzing: a BatchNormalization and a MultiHeadAttention whose
 # weights were split over one axis trained far from one device. With "0"
 # DTensor gathers and slices instead (right, and more bytes moved). Only

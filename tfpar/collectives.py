@@ -437,16 +437,27 @@ def all_to_all(tensor, split_dim, concat_dim, mesh_axis, batch_axis=None):
 
     How: a relayout through the layout where neither dimension is split
     (an all-gather over `mesh_axis`, then a local slice); the gradient is
-    the reverse move, built the same way. DTensor 2.21's own all-to-all
-    relayout is off in tfpar (it returns wrong values on rank-4 tensors:
-    tests/dtensor_all_to_all_repro.py), and a relayout between two splits
-    with it off is this same gather-and-slice, so the explicit
-    intermediate changes no byte and stays right if the switch is turned
-    on. Measured (tests/test_all_to_all.py): one collective over
-    `mesh_axis` per move, whose message is the block with `concat_dim`
-    whole — n times the per-device block a true all-to-all sends (n: the
-    axis size; on CPU DTensor runs the gather as an all-reduce of
-    zero-padded blocks, ring bytes 2(n-1)/n of that message).
+    the reverse move, built the same way. Measured (tests/test_all_to_all.py):
+    one collective over `mesh_axis` per move, whose message is the block
+    with `concat_dim` whole — n times the per-device block a true
+    all-to-all sends (n: the axis size; on CPU DTensor runs the gather as
+    an all-reduce of zero-padded blocks, ring bytes 2(n-1)/n of that
+    message).
+
+    Why not a true all-to-all (measured on TF 2.21,
+    tests/dtensor_all_to_all_ranks_repro.py): DTensor's only one is its
+    relayout with DTENSOR_USE_ALL_TO_ALL_RELAYOUT on, a switch TF reads
+    once per process (at the first relayout it expands), so it cannot be
+    on for one move only; tfpar keeps it off (tfpar/__init__.py) because
+    with it on DTensor's own moves between dimensions 1-3 of rank-4 (and
+    most of rank-5) tensors are wrong. A user graph cannot hold a
+    collective DTensor did not place (CollectiveAllToAllV2: "does not
+    implement layout propagation"). With the switch on, this move made on
+    a rank-3 view (transpose to (0, concat_dim, split_dim, rest), merge
+    split_dim with the rest) would be right for every rank and pair and n
+    times fewer bytes; with it off, a relayout between two splits is
+    DTensor's same gather-and-slice, so the explicit intermediate changes
+    no byte and stays right either way.
 
     Example (inside a step on Mesh({"data": 2, "context": 4})): Ulysses'
     move from sequence-split to head-split of (batch, seq, heads, dim):

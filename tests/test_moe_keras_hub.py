@@ -519,7 +519,7 @@ def test_dispatch_mixed_bfloat16(name, mesh_id, optimizer, monkeypatch):
     gradients 2.5e-2 from one device's, bound 5.3e-2). Limit: after
     Adam's first step the layouts' router probabilities differ by up to
     2.3e-2, above the margin (no flip measured: the same experts for
-    every token on both runs), and the float32 run routes 4 tokens
+    every token on both runs), and the float32 run routes some tokens
     differently at step 2, which loosens the step-2 bounds."""
     margin = BF16_ROUTER_MARGINS.get(name)
     if margin is None:  # the float32 margin on the bfloat16 data seeds

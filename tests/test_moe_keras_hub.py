@@ -22,7 +22,9 @@ Routing must not flip between the runs: a callback on the one-device run
 reads every router's probabilities before each step (with that step's
 weights and batch) and asserts that the k-th and (k+1)-th largest are
 apart by more than `ROUTER_MARGIN`, far above the float32 noise of the
-parallel run (~1e-7).
+parallel run (~1e-7). Under mixed_bfloat16 the layouts' rounding moves
+router probabilities by ~1e-2 (Mixtral), so Mixtral's bfloat16 data are
+chosen with gaps above 2e-2 (`wide_margin_data`).
 
 The default profile trains Mixtral (Adam), GPT-OSS and Qwen-MoE (SGD) on
 data=2 x expert=4 with automatic dispatch and reads the exchanges of the
@@ -71,6 +73,136 @@ DATA_SEEDS = {"qwen3_moe": 5, "gpt_oss": 3, "qwen_moe": 1,
 # seed 7's minimum is 3.4e-4.
 BFLOAT16_DATA_SEEDS = {"gpt_oss": 7}
 BLOCK_COUNTER = re.compile(r"(?<=moe_block)_\d+")
+# Under mixed_bfloat16 the routers' input hidden states carry bfloat16
+# rounding, and it differs between layouts (a row-parallel attention output
+# sums bfloat16 partial sums over "model"; one device rounds its matmul
+# once): Mixtral on data=2 x expert=2 x model=2, two SGD steps, moved a
+# router probability 8.6e-3 from one device's (one device's own bfloat16
+# vs float32: 4.1e-3), enough to flip a token whose 2nd and 3rd
+# probabilities were 1.3e-3 apart (expert 3 -> 7 at its second step).
+# Mixtral's bfloat16 tests train on sequences whose every gap is above
+# this. (Qwen3-MoE's and GPT-OSS' routers start nearly uniform: 99% of
+# random sequences have a smallest gap under 1.8e-3 and 7.3e-3, none of
+# 8192 clears 2e-2; their bfloat16 tests keep their data seeds and the
+# float32 margin.)
+BF16_ROUTER_MARGINS = {"mixtral": 2e-2}
+# ... chosen among this many random sequences (`wide_margin_data`).
+BF16_SEQUENCE_POOL = 8192
+# A bfloat16 run on a mesh is within this factor of one device's own
+# bfloat16-vs-float32 difference (per weight and for the losses) of one
+# device's bfloat16 run, or within the suite's bfloat16 tolerance 2e-2.
+BF16_SLACK = 3.0
+
+
+def router_gaps(model, x):
+    """The smallest gap between the k-th and (k+1)-th router probability
+    (float32 logits, as `RouterMargin`) of each sequence of `x` over its
+    tokens and MoE layers (the routers see [tokens, hidden]), `model` run
+    once on one device."""
+    recorded, sequences = [], len(x["token_ids"])
+    layers = routers(model)
+    for layer in layers:
+        layer.call = _recording(layer, recorded)
+    try:
+        model(x, training=False)
+    finally:
+        for layer in layers:
+            del layer.call
+    gaps = []
+    for logits in recorded:
+        probs = np.sort(keras.ops.convert_to_numpy(keras.ops.softmax(
+            keras.ops.cast(logits, "float32"))), -1)
+        gap = probs[..., -TOP_K] - probs[..., -TOP_K - 1]
+        gaps.append(gap.reshape(sequences, -1).min(axis=-1))
+    return np.min(gaps, axis=0)
+
+
+def wide_margin_data(name, optimizer, margin, pool=BF16_SEQUENCE_POOL):
+    """STEPS batches (x, y) of BATCH sequences each, taken in order from
+    `pool` random ones: before each step, those whose router gaps
+    (`router_gaps`, one device dispatching, the current dtype policy)
+    exceed `margin` with the weights `optimizer` has trained to on the
+    batches before (gaps move by more than 2e-2 in one SGD step: chosen
+    at the initial weights only, the second batch fell to 8.7e-4)."""
+    x, y = hub_models.data(name, batch=pool, seed=DATA_SEEDS.get(name, 1))
+    model = build_moe(name)
+    tfpar.moe_keras_hub.dispatch_experts(model)
+    model.compile(optimizer=test_keras_hub.OPTIMIZERS[optimizer](),
+                  loss=hub_models.loss(name), weighted_metrics=[])
+    chosen = np.zeros(pool, bool)
+    order = []
+    for _ in range(STEPS):
+        wide = (router_gaps(model, x) > margin) & ~chosen
+        keep = np.flatnonzero(wide)[:BATCH]
+        assert len(keep) == BATCH, (name, optimizer, len(keep), margin)
+        model.train_on_batch({k: v[keep] for k, v in x.items()}, y[keep])
+        chosen[keep] = True
+        order.extend(keep)
+    return {k: v[order] for k, v in x.items()}, y[order]
+
+
+def use_wide_margin_data(name, optimizer, margin, monkeypatch):
+    """`hub_models.data` gives `train` `wide_margin_data` (chosen under
+    mixed_bfloat16) for `name` in this test."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        x, y = wide_margin_data(name, optimizer, margin)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    data = hub_models.data
+    monkeypatch.setattr(hub_models, "data", lambda n, batch=16, seed=1: (
+        (x, y) if (n, batch) == (name, BATCH * STEPS) else data(n, batch,
+                                                                  seed)))
+
+
+def check_adam_bfloat16(name, exact, reference, model):
+    """Adam under mixed_bfloat16, link by link (as `check_adam` in
+    float32): each step's gradients on the mesh (`model`) within
+    BF16_SLACK times one device's own bfloat16-vs-float32 gradient
+    difference (`reference` vs `exact`), or 2e-2, of one device's; each
+    run's weights are Keras' Adam of its own gradients (float64 replay,
+    1e-5 relative). Returns each step's largest gradient error and bound."""
+    grads = [test_keras_hub.step_gradients(run)
+             for run in (exact, reference, model)]
+    initial = dict(zip([w.path for w in reference.weights],
+                       build_moe(name).get_weights()))
+    worst = [(0.0, 0.0)] * STEPS
+    for e, a, b in zip(exact.trainable_weights, reference.trainable_weights,
+                       model.trainable_weights):
+        assert same_weight(e.path, a.path) and same_weight(a.path, b.path)
+        for t, (ge, ga, gb) in enumerate(zip(
+                grads[0][e.path], grads[1][a.path], grads[2][b.path])):
+            error = models.relative_error(ga[0], gb[0])
+            bound = max(2e-2, BF16_SLACK * models.relative_error(ge[0],
+                                                                 ga[0]))
+            assert error <= bound, (a.path, t, error, bound)
+            worst[t] = max(worst[t], (error, bound))
+        for run, recorded in ((a, grads[1][a.path]), (b, grads[2][b.path])):
+            replay, _ = test_keras_hub.adam_replay(initial[a.path], recorded)
+            assert models.relative_error(replay, run.numpy()) < 1e-5, (
+                run.path)
+    return worst
+
+
+def assert_within_bfloat16_precision(reference, ref_losses, model, losses,
+                                     exact, exact_losses):
+    """The mesh's mixed_bfloat16 run (`model`, `losses`) against one
+    device's (`reference`, `ref_losses`), bounded by one device's own
+    distance from its float32 run (`exact`, `exact_losses`):
+    error <= max(2e-2, BF16_SLACK * error(float32, one device))."""
+    def bound(exact_value, want):
+        return max(2e-2, BF16_SLACK * models.relative_error(exact_value,
+                                                            want))
+
+    assert np.all(np.isfinite(losses)), losses
+    assert models.relative_error(ref_losses, losses) <= bound(
+        exact_losses, ref_losses), (ref_losses, losses, exact_losses)
+    for e, a, b in zip(exact.weights, reference.weights, model.weights):
+        assert same_weight(a.path, b.path), (a.path, b.path)
+        error = models.relative_error(a.numpy(), b.numpy())
+        assert error <= bound(e.numpy(), a.numpy()), (
+            a.path, error, bound(e.numpy(), a.numpy()))
 BANK_NAMES = {"mixtral": 3, "qwen3_moe": 2, "gpt_oss": 4, "qwen_moe": 2,
               "qwen3_5_moe": 2}
 
@@ -354,45 +486,60 @@ def test_capacity_factor_parity_data2_expert4(name):
                if hasattr(block, "tfpar_dropped")) > 0
 
 
-# Open (issue 36), measured 2026-12-05 after two SGD steps under
-# mixed_bfloat16: found when the bf16 matrix was widened, cause not found.
-_BF16_MODEL_AXIS = (
-    "Mixtral on data=2 x expert=2 x model=2 under mixed_bfloat16: the token "
-    "embedding ends 9.2e-2 (relative) from one device's, over the 2e-2 "
-    "tolerance (Qwen3-MoE and GPT-OSS pass on this mesh)")
-_BF16_ADAM = (
-    "Mixtral with Adam under mixed_bfloat16 on data=2 x expert=4: the token "
-    "embedding ends 0.66 (relative) from one device's (SGD passes): Adam "
-    "normalises bfloat16 rounding of near-zero gradients, or a routing "
-    "decision differs; not separated yet")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mesh_id,optimizer", [
-    (name, "2x4", "sgd") for name in hub_models.MOE_LMS] + [
-    (name, "2x2x2", "sgd") for name in hub_models.MOE_LMS
-    if name != "mixtral"] + [
-    pytest.param("mixtral", "2x2x2", "sgd", marks=pytest.mark.xfail(
-        strict=True, reason=_BF16_MODEL_AXIS)),
-    pytest.param("mixtral", "2x4", "adam", marks=pytest.mark.xfail(
-        strict=True, reason=_BF16_ADAM))])
+    (name, mesh_id, "sgd") for name in hub_models.MOE_LMS
+    for mesh_id in MESHES] + [("mixtral", "2x4", "adam")])
 def test_dispatch_mixed_bfloat16(name, mesh_id, optimizer, monkeypatch):
-    """Under mixed_bfloat16, Mixtral's, Qwen3-MoE's and GPT-OSS' dispatching
-    blocks (router and aux loss in float32) on data=2 x expert=4 and
-    data=2 x expert=2 x model=2 (and Mixtral with Adam) against one device
-    dispatching (keras-hub 0.32's own masked blocks fail to
-    train under mixed_bfloat16: Mixtral's and Qwen3-MoE's aux loss
-    multiplies bfloat16 probabilities by a float32 mask), within the
-    suite's bfloat16 tolerance (2e-2). The tokens are dispatched and
-    combined in float32: GPT-OSS (data seed 3) measured 7.1e-6 on the
-    losses and 1.5e-2 on the weights (an attention bias; 1.4e-2 on
-    data=8), against 3.8e-5 and 5.6e-2 with a bfloat16 combine (each
-    device's partial sum over its experts rounded before the all-reduce
-    over "expert")."""
-    monkeypatch.setitem(DATA_SEEDS, name, BFLOAT16_DATA_SEEDS.get(
-        name, DATA_SEEDS.get(name, 1)))
-    check_parity(name, optimizer, mesh_id, policy="mixed_bfloat16",
-                 dispatch={}, reference_dispatch={})
+    """Under mixed_bfloat16, Mixtral's, Qwen3-MoE's and GPT-OSS'
+    dispatching blocks (router, aux loss, dispatch and combine in float32)
+    on data=2 x expert=4 and data=2 x expert=2 x model=2 (and Mixtral with
+    Adam) against one device dispatching (keras-hub 0.32's own masked
+    blocks fail to train under mixed_bfloat16: Mixtral's and Qwen3-MoE's
+    aux loss multiplies bfloat16 probabilities by a float32 mask).
+
+    Routing cannot flip: bfloat16 rounding of the routers' input differs
+    between layouts and moves Mixtral's router probabilities by ~1e-2
+    (measured 8.6e-3 on data=2 x expert=2 x model=2), so with the float32
+    margin (1e-5) a Mixtral token flipped there (expert 3 -> 7, 2nd and
+    3rd probabilities 1.3e-3 apart) and its token embedding ended 9.2e-2
+    from one device's. Mixtral trains on sequences whose gaps exceed
+    BF16_ROUTER_MARGINS at every step (`wide_margin_data`); Qwen3-MoE and
+    GPT-OSS on their seeds with the float32 margin (BF16_ROUTER_MARGINS'
+    comment). The oracle is one device's own bfloat16 noise (as
+    test_context_parallel's bfloat16 test): every weight and the losses
+    within BF16_SLACK times one device's mixed_bfloat16-vs-float32
+    difference, or within 2e-2 (Mixtral's token embedding on one device
+    is itself 2.2e-2 from float32 after two SGD steps; the mesh 2.3e-2
+    from one device). Adam normalises each gradient by its own size and
+    turns bfloat16 rounding of small gradients into steps of the
+    learning rate: one device's bfloat16 Adam run ends up to 0.63
+    (relative) from its float32 run, the mesh 0.56 from one device; so
+    Adam is also checked link by link (`check_adam_bfloat16`: step 1's
+    gradients 2.5e-2 from one device's, bound 5.3e-2). Limit: after
+    Adam's first step the layouts' router probabilities differ by up to
+    2.3e-2, above the margin (no flip measured: the same experts for
+    every token on both runs), and the float32 run routes some tokens
+    differently at step 2, which loosens the step-2 bounds."""
+    margin = BF16_ROUTER_MARGINS.get(name)
+    if margin is None:  # the float32 margin on the bfloat16 data seeds
+        margin = ROUTER_MARGIN
+        monkeypatch.setitem(DATA_SEEDS, name, BFLOAT16_DATA_SEEDS.get(
+            name, DATA_SEEDS.get(name, 1)))
+    else:
+        use_wide_margin_data(name, optimizer, margin, monkeypatch)
+    exact, exact_losses, _, _ = train(name, optimizer, dispatch={})
+    reference, ref_losses, _, margins = train(
+        name, optimizer, policy="mixed_bfloat16", dispatch={})
+    assert len(margins) == STEPS * 2  # two MoE layers, every step
+    assert min(margins) > margin, margins  # routing cannot flip
+    model, losses, strategy, _ = train(name, optimizer, MESHES[mesh_id],
+                                       policy="mixed_bfloat16", dispatch={})
+    assert_within_bfloat16_precision(reference, ref_losses, model, losses,
+                                     exact, exact_losses)
+    if optimizer == "adam":
+        check_adam_bfloat16(name, exact, reference, model)
+    check_banks_split(name, model, strategy)
 
 
 def test_dispatch_drops_past_capacity_and_refuses_bad_input():

@@ -53,8 +53,11 @@ def test_unpack_cannot_split_what_its_input_holds_whole():
 
 @pytest.mark.slow
 def test_stack_by_concat_is_stack():
-    """The same values and gradients as `tf.stack` for every axis; integer
-    or scalar values go to `pack` unchanged."""
+    """The same values and gradients as `tf.stack` for every axis, of two
+    values and of one; integer or scalar values go to `pack` unchanged."""
+    one = tf.ones((2, 3))
+    np.testing.assert_array_equal(
+        spmd_ops.stack_by_concat([one], 1, tf.stack), tf.stack([one], 1))
     rng = np.random.default_rng(0)
     a, b = (tf.constant(rng.normal(size=(2, 3, 4)), tf.float32)
             for _ in range(2))

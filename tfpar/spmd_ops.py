@@ -278,5 +278,7 @@ def stack_by_concat(values, axis, pack):
                     and v.shape.rank for v in values)):
         return pack(values, axis)
     axis = int(axis) % (values[0].shape.rank + 1)
-    return tf.raw_ops.ConcatV2(
-        values=[tf.expand_dims(v, axis) for v in values], axis=axis)
+    expanded = [tf.expand_dims(v, axis) for v in values]
+    if len(expanded) == 1:  # ConcatV2 takes two values or more
+        return expanded[0]
+    return tf.raw_ops.ConcatV2(values=expanded, axis=axis)

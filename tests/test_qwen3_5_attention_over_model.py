@@ -16,12 +16,25 @@ stack by a concat (`tfpar.spmd_ops.stack_by_concat`); the parity of the
 whole model with one device is test_moe_keras_hub's matrices
 (`-m slow -k "qwen3_5_moe and 2x2x2"`).
 
+Qwen3.5's linear-attention layers (`Qwen3_5GatedDeltaNet`, a gated delta
+rule over chunks of the sequence) have no tensor-parallel pattern: they
+stay whole on every device, named with the reason in auto_rules' warning.
+Their Python code needs a known sequence length (`if pad_size > 0`), so
+auto_rules traces such a model again with one (`_TRACE_LENGTH`) when the
+symbolic trace fails.
+
+DTensor 2.21 cannot compile their ops (`MatrixDiagV3`, the depthwise
+convolution's filter gradient), so such a model does not train on a mesh
+yet; the error names the op.
+
 Slow profile (the default profile is unchanged): the repro's assertions,
-and the plan with each device's block of the fused query/gate kernel.
+the plan with each device's block of the fused query/gate kernel, and a
+model with a linear-attention layer planned, its training refused.
 """
 
 import warnings
 
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -31,6 +44,7 @@ import tfpar
 from tfpar import spmd_ops
 
 import dtensor_unpack_layout_repro as repro
+import hub_models
 import models
 import test_moe_keras_hub
 
@@ -113,3 +127,55 @@ def test_auto_rules_split_the_fused_query_gate_kernel_by_heads():
     models.assert_one_block_per_device(query, (None, "model", None))
     assert {tuple(b.shape) for b in dtensor.unpack(
         query.value.read_value())} == {(32, 4, 16)}
+
+
+def _qwen3_5_moe_with_linear_attention():
+    """test_moe_keras_hub's Qwen3.5-MoE with its first layer a gated delta
+    net (keras-hub's `linear_attention`), as Qwen3.5 interleaves them."""
+    backbone = keras_hub.models.Qwen3_5MoeBackbone(
+        vocabulary_size=hub_models.VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=4, head_dim=8, hidden_dim=32,
+        moe_intermediate_dim=32, shared_expert_intermediate_size=32,
+        num_experts=8, top_k=test_moe_keras_hub.TOP_K,
+        layer_types=["linear_attention", "full_attention"])
+    return keras_hub.models.Qwen3_5MoeCausalLM(backbone, preprocessor=None)
+
+
+# The linear-attention layer's weights auto_rules keeps whole, and why.
+_LINEAR_WHOLE = (
+    "transformer_layer_0/linear_attn (Qwen3_5GatedDeltaNet): no plan for "
+    "Qwen3_5GatedDeltaNet weights ['A_log', 'conv1d_kernel', 'dt_bias']",
+    *(f"transformer_layer_0/linear_attn/{proj} (Dense): in no MLP or "
+      "attention pattern" for proj in (
+          "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")))
+
+
+@pytest.mark.slow
+def test_linear_attention_is_planned_whole_and_dtensor_refuses_its_ops(
+        monkeypatch):
+    """auto_rules plans a model with a linear-attention layer: the gated
+    delta net whole (named, with the reason), the full attention layer
+    split by heads. Training it on any batch-split mesh fails to compile in
+    TF 2.21, not for the plan: DTensor has no layout propagation for the
+    `MatrixDiagV3` of its `ops.eye` (and, with that replaced by a
+    constant, for the `DepthwiseConv2dNativeBackpropFilter` of its causal
+    convolution's gradient). The error names the op; when this test fails
+    on a newer TF, the model may train: give it a parity test."""
+    monkeypatch.setitem(test_moe_keras_hub.SHARED_EXPERT_BUILDERS,
+                        "qwen3_5_moe", _qwen3_5_moe_with_linear_attention)
+    model = test_moe_keras_hub.build_moe("qwen3_5_moe")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rules = tfpar.auto_rules(model, mesh=tfpar.Mesh(
+            test_moe_keras_hub.MESHES["2x2x2"]))
+    text = "\n".join(str(w.message) for w in caught)
+    assert all(line in text for line in _LINEAR_WHOLE), text
+    plain = {k.replace("\\", ""): repr(v) for k, v in rules.items()}
+    assert not any("linear_attn" in k for k in plain)
+    assert plain["transformer_layer_1/self_attention/query"] == (
+        "ColumnParallel(axis='model')")
+    with pytest.raises(ValueError, match=(
+            r"tf\.MatrixDiagV3 op failed: .*does not implement layout "
+            "propagation")):
+        test_moe_keras_hub.train("qwen3_5_moe", "sgd",
+                                 test_moe_keras_hub.MESHES["2x2x2"])

@@ -52,7 +52,8 @@ def cases(mesh):
 
     def unstack(axis):
         def f(x, dy):
-            return [dtensor.relayout(v, split) for v in tf.unstack(dy, axis=axis)]
+            return [dtensor.relayout(v, split)
+                    for v in tf.unstack(dy, axis=axis)]
         return f
 
     def stack_gradient(stack):

@@ -121,8 +121,8 @@ def test_auto_rules_split_the_fused_query_gate_kernel_by_heads():
             "RowParallel(axis='model')")
         assert not any(k.startswith(prefix + "query_norm")
                        or k.startswith(prefix + "key_norm") for k in plain)
-    query = next(w for w in model.weights
-                 if w.path == "transformer_layer_0/self_attention/query/kernel")
+    query = next(w for w in model.weights if w.path ==
+                 "transformer_layer_0/self_attention/query/kernel")
     assert tuple(query.shape) == (32, 8, 16)
     models.assert_one_block_per_device(query, (None, "model", None))
     assert {tuple(b.shape) for b in dtensor.unpack(

@@ -3,9 +3,10 @@
 Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-TF's `ConcatV2` and `Pack`, RandomCrop's drawn window and TF's `tensor[key]` use
-these instead of ops DTensor cannot lay out or lays out wrongly. Each gives
-the same values as the op it replaces (the sampler: the same distribution).
+TF's `ConcatV2` and `Pack`, RandomCrop's drawn window and TF's
+`tensor[key]` use these instead of ops DTensor cannot lay out or lays out
+wrongly. Each gives the same values as the op it replaces (the sampler:
+the same distribution).
 
 Example:
 

@@ -441,19 +441,9 @@ def test_qwen_moe_shared_expert_dispatch_data2_expert4():
     check_parity("qwen_moe", "sgd", "2x4")
 
 
-# Qwen3.5-MoE's gated attention split over "model" by auto_rules does not
-# compile (not the experts: "its tf.Unpack op failed: ... Expected shape:
-# <8,8,16,1> got shape: <8,8,8,1>"): known, strict xfail.
-_QWEN3_5_OVER_MODEL = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="auto_rules' split of Qwen3.5's gated attention over model")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mesh_id", [
-    pytest.param(name, mesh_id, marks=_QWEN3_5_OVER_MODEL)
-    if (name, mesh_id) == ("qwen3_5_moe", "2x2x2") else (name, mesh_id)
-    for name in ALL_MOE for mesh_id in MESHES])
+    (name, mesh_id) for name in ALL_MOE for mesh_id in MESHES])
 def test_dispatch_matrix(name, mesh_id):
     """Automatic dropless dispatch with Adam against the masked block on
     one device, and (Mixtral) capacity_factor=1.0 (tokens dropped) against
@@ -566,8 +556,7 @@ def test_dispatch_drops_past_capacity_and_refuses_bad_input():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mesh_id,optimizer", [
     (name, mesh_id, optimizer) for name in ALL_MOE
-    for mesh_id in MESHES for optimizer in ("sgd", "adam")
-    if (name, mesh_id) != ("qwen3_5_moe", "2x2x2")])  # _QWEN3_5_OVER_MODEL
+    for mesh_id in MESHES for optimizer in ("sgd", "adam")])
 def test_masked_parity_matrix(name, mesh_id, optimizer):
     """The opt-out (`mask_experts`): the blocks' own masked computation,
     banks split over "expert", against one device."""

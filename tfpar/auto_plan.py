@@ -489,6 +489,9 @@ def _why_whole(layer, flow):
 # layers): tracing a large model symbolically takes most of a plan's time,
 # and the planner asks auto_rules once per model-axis size.
 _TRACES = weakref.WeakKeyDictionary()
+# The length of the unknown dimensions (the sequence) of a model whose trace
+# needs a known one (`_trace_known_length_if_needed`).
+_TRACE_LENGTH = 8
 
 
 class _Dataflow:
@@ -521,7 +524,7 @@ class _Dataflow:
             traced = cached[1]
             return cls(units) if traced is None else cls(units, *traced)
         try:
-            traced = keras_graph.trace_layer_calls(model, units)
+            traced = _trace_known_length_if_needed(model, units)
         except Exception as error:  # noqa: BLE001 (any failure: say what to do)
             first = (str(error).strip().splitlines() or [""])[0]
             raise ValueError(
@@ -618,6 +621,23 @@ class _Dataflow:
                 found.append((sources, layer))
                 used.update([layer.path] + [s.path for s in sources])
         return found
+
+
+def _trace_known_length_if_needed(model, units):
+    """`keras_graph.trace_layer_calls` of `model`; if that trace fails, again
+    with the inputs' unknown dimensions after the batch set to
+    `_TRACE_LENGTH` (which layer reads which does not depend on the
+    length): keras-hub's Qwen3.5 gated delta net (`linear_attention`
+    layers) compares its padding with 0 in Python, which a symbolic
+    sequence length refuses. The first failure is raised if both fail."""
+    try:
+        return keras_graph.trace_layer_calls(model, units)
+    except Exception as error:  # noqa: BLE001 (retried once, then raised)
+        try:
+            return keras_graph.trace_layer_calls(
+                model, units, unknown_size=_TRACE_LENGTH)
+        except Exception:  # noqa: BLE001
+            raise error from None
 
 
 def _chained_dense_pairs(units):

@@ -154,7 +154,7 @@ def reading_values(pairs, variables=()):
 # -- one symbolic trace: what each layer reads and makes (auto_rules) --------
 
 
-def trace_layer_calls(model, layers, by_node=True):
+def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
     """Traces `model` symbolically and returns what each of `layers` read
     and made.
 
@@ -179,6 +179,11 @@ def trace_layer_calls(model, layers, by_node=True):
     `keras.RematScope` (or calling `keras.remat`) are traced with
     recomputation off (`_compat.remat_off`); they still recompute when
     trained.
+
+    `unknown_size` (an int): the inputs' unknown dimensions after the first
+    (the batch) are traced with that length, for layers whose Python code
+    needs a known one (keras-hub's Qwen3.5 gated delta net pads its
+    sequence with `if pad_size > 0`); None (the default): left unknown.
     """
     graph = _compat.functional_of(model)
     struct = None if graph is None else _compat.inputs_struct(graph)
@@ -196,10 +201,10 @@ def trace_layer_calls(model, layers, by_node=True):
             if by_node:
                 hooked = {id(layer) for layer, previous in saved
                           if previous is not None}
-                calls, outputs = _NodeTracer(model, layers, log,
-                                             hooked).run()
+                calls, outputs = _NodeTracer(model, layers, log, hooked,
+                                             unknown_size).run()
             else:
-                outputs = _trace_whole(model, struct)
+                outputs = _trace_whole(model, struct, unknown_size)
                 calls = {id(layer): [] for layer in layers}
                 for layer, inputs, made in log:
                     calls[id(layer)].append((inputs, made))
@@ -212,10 +217,19 @@ def trace_layer_calls(model, layers, by_node=True):
     return calls, outputs
 
 
-def _trace_whole(model, struct):
+def _spec(tensor, unknown_size=None):
+    """The TensorSpec `tensor` is traced on: its shape, with `unknown_size`
+    (an int) for its unknown dimensions after the first (the batch)."""
+    shape = list(tensor.shape)
+    if unknown_size is not None:
+        shape[1:] = [unknown_size if d is None else d for d in shape[1:]]
+    return tf.TensorSpec(shape, tensor.dtype)
+
+
+def _trace_whole(model, struct, unknown_size=None):
     """The flat outputs of `model` traced in one graph on its input specs."""
     specs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(t.shape, t.dtype), struct)
+        lambda t: _spec(t, unknown_size), struct)
     traced = tf.function(lambda x: model(x, training=False),
                          autograph=False).get_concrete_function(specs)
     return _graph_tensors(traced.structured_outputs)
@@ -316,8 +330,9 @@ def _layers_of(operation):
 class _NodeTracer:
     """Traces a functional model node by node (see `trace_layer_calls`)."""
 
-    def __init__(self, model, layers, log, hooked=()):
+    def __init__(self, model, layers, log, hooked=(), unknown_size=None):
         self.nodes, self.inputs, self.outputs = functional_graph(model)
+        self.unknown_size = unknown_size
         self.calls = {id(layer): [] for layer in layers}
         # Layers whose `call` an instance attribute replaces (a hook, e.g.
         # a style's): their nodes are traced on their own.
@@ -402,7 +417,7 @@ class _NodeTracer:
             held.update(placeholders=list(placeholders), outputs=outputs)
             return outputs
 
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in distinct]
+        specs = [_spec(t, self.unknown_size) for t in distinct]
         tf.function(body, autograph=False).get_concrete_function(*specs)
         calls = self.log[start:]
         del self.log[start:]

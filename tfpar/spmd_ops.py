@@ -3,9 +3,10 @@
 Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-TF's `ConcatV2`, RandomCrop's drawn window and TF's `tensor[key]` use
-these instead of ops DTensor cannot lay out or lays out wrongly. Each gives
-the same values as the op it replaces (the sampler: the same distribution).
+TF's `ConcatV2` and `Pack`, RandomCrop's drawn window and TF's
+`tensor[key]` use these instead of ops DTensor cannot lay out or lays out
+wrongly. Each gives the same values as the op it replaces (the sampler:
+the same distribution).
 
 Example:
 
@@ -248,3 +249,37 @@ def concat_whole_along_axis(values, axis, concat):
     if not result.dtype.is_floating:
         return result
     return collectives.whole_along(result, axis)
+
+
+def stack_by_concat(values, axis, pack):
+    """`pack(values, axis)` (TF's `Pack`, `tf.stack`): for floating tensors
+    of rank >= 1, the same values as a `ConcatV2` of the values each given
+    the new dimension (`expand_dims`) on a non-negative axis, so that the
+    gradient is the concat's (slices), not TF's `Unpack`.
+
+    DTensor 2.21's SPMD expansion of `Unpack` does not slice its input when
+    layout propagation splits an output dimension the input holds whole:
+    the outputs keep the whole dimension and compilation fails ("SPMD
+    expansion resulted in op output inconsistent with the provided layout.
+    Expected shape: <8,8,16,1> got shape: <8,8,8,1>",
+    tests/dtensor_unpack_layout_repro.py). keras-hub's rotate-half
+    (`RotaryEmbedding`: `stack((-x2, x1), axis=-2)`) met it in the gradient
+    of Qwen3.5's partial rotary dimensions (a quarter of each head) with
+    the heads split over "model". TF's own `ConcatV2` (not the step's
+    `concat_whole_along_axis`): the new dimension has n elements and no
+    consumer splits it, so it needs no pin and the other dimensions keep
+    their layouts (no all-gather). Anything else: `pack` unchanged.
+
+    >>> stack_by_concat([tf.ones((2, 3)), tf.zeros((2, 3))], -1,
+    ...                 tf.stack).shape
+    TensorShape([2, 3, 2])
+    """
+    if not (isinstance(axis, (int, np.integer)) and values
+            and all(tf.is_tensor(v) and v.dtype.is_floating
+                    and v.shape.rank for v in values)):
+        return pack(values, axis)
+    axis = int(axis) % (values[0].shape.rank + 1)
+    expanded = [tf.expand_dims(v, axis) for v in values]
+    if len(expanded) == 1:  # ConcatV2 takes two values or more
+        return expanded[0]
+    return tf.raw_ops.ConcatV2(values=expanded, axis=axis)

@@ -291,6 +291,23 @@ def _gathered_flip_in_step(original, hooks):
     return flip
 
 
+def _stack_by_concat_in_step(original, hooks):
+    """TF's `Pack` (`tf.stack`, Keras' `stack`: keras-hub's rotate-half) as
+    `spmd_ops.stack_by_concat` in a graph step: DTensor 2.21 cannot lay out
+    the `Unpack` of its gradient when the unstacked values' dimensions are
+    split more than the gradient's (tests/dtensor_unpack_layout_repro.py:
+    Qwen3.5's attention over "model" did not compile). Elsewhere TF's op
+    runs."""
+    @functools.wraps(original)
+    def pack(values, axis=0, name=None):
+        if not hooks.in_graph_step():
+            return original(values, axis=axis, name=name)
+        return spmd_ops.stack_by_concat(
+            values, axis, functools.partial(original, name=name))
+
+    return pack
+
+
 def _concat_whole_along_axis_in_step(original, hooks):
     """TF's `ConcatV2` (`tf.concat`, Keras' `concatenate`, a user layer's
     own `tf.concat(..., axis=-1)`) as `spmd_ops.concat_whole_along_axis` in
@@ -452,6 +469,7 @@ PATCHES = (
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
+    _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
     _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",
                   _dense_slice_update_in_step),
     _compat.Patch("tensor_getitem", lambda: tf.Tensor, "__getitem__",

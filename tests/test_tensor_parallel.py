@@ -355,3 +355,33 @@ def test_computed_position_ids_are_split_over_the_batch(optimizer):
     assert not [c for c in data if c.purpose == "all-gather"], report
     table = [c for c in data if c.shape == (SEQ, DIM // 4)]
     assert len(table) == (2 if optimizer == "adam" else 1), report
+
+
+def test_rules_known_before_build_leave_dropout_seed_state_replicated():
+    """A strategy made with style rules (as `plan.strategy()` is) creates a
+    styled attention's weights split as they are made; the SeedGenerator
+    state of its dropout, made inside the attention but by no layer, is
+    replicated (it failed with "ColumnParallel does not know how to lay
+    out weight 'seed_generator_N/seed_generator_state'"), and the model
+    trains."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4}),
+        rules=tfpar.LayoutRules({"attention": tfpar.ColumnParallel()}))
+    with strategy.scope():
+        x = keras.Input((4, 16))
+        h = keras.layers.MultiHeadAttention(4, 8, dropout=0.1,
+                                            name="attention")(x, x)
+        model = keras.Model(x, keras.layers.Dense(1, name="out")(h))
+        model.compile(optimizer="sgd", loss="mse")
+    states = [v for v in model.variables if "seed_generator_state" in v.path]
+    assert states, [v.path for v in model.variables]
+    for state in states:
+        assert layout_lib.spec_of(dtensor.fetch_layout(state.value)) == (
+            None,), state.path
+    query = next(w for w in model.weights if w.path.endswith("query/kernel"))
+    assert layout_lib.spec_of(dtensor.fetch_layout(query.value)) == (
+        None, "model", None)
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(8, 4, 16)).astype("float32"),
+              rng.normal(size=(8, 4, 1)).astype("float32"), batch_size=8,
+              verbose=0)

@@ -350,8 +350,16 @@ class VariableRegistry:
                      else self.placement_of(colocate_with))
         mesh = self.placement_mesh if reference is None else reference.mesh
         layer = variable_creation.keras_layer_adding_weight()
+        layout = variable_creation.keras_variable_layout(path)
+        rules = None
+        if (layer is None and layout is None and reference is None
+                and styles.style_rule_for(self._rules, path) is not None):
+            # State of no layer inside a styled layer (the SeedGenerator of
+            # an attention's dropout): a style lays out its layer's weights
+            # only, so this is replicated.
+            rules = layout_lib.LayoutRules({})
         plan = self._plan(path, shape, mesh, kwargs.get("trainable", True),
-                          layer, layout=variable_creation.keras_variable_layout(path),
+                          layer, rules=rules, layout=layout,
                           slot_of=reference)
         if layer is not None:
             self._weight_paths.add(path)  # a layer's weight, not state

@@ -23,12 +23,22 @@ once and the resident set follows the live tensors. Doubling s must multiply the
 about 4 (the unchained score tiles: 3.4-3.9× measured, see the report).
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
+import keras
+import numpy as np
 import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar import blockwise_attention
+
+import context_models
+import models
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -98,7 +108,89 @@ def assert_peak_linear(short, **config):
     assert peaks[short] > 0 and growth <= GROWTH_LIMIT, (peaks, growth)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
-                    reason="needs Linux's /proc/self/clear_refs")
 def test_step_peak_memory_grows_linearly_in_the_sequence():
-    assert_peak_linear(1024)
+    """512 -> 1024 tokens: key blocks of s/cp = 128 and 256 keys, tiles of
+    TILE_KEYS = 128 (below cp x TILE_KEYS tokens the tile widens with s)."""
+    assert blockwise_attention.TILE_KEYS == 128
+    assert_peak_linear(512)
+
+
+def dense_attention(q, k, v, positions, scale, mask, soft_cap):
+    """Keras' softmax attention (the additive mask, soft cap first)."""
+    scores = tf.einsum("btnh,bsnh->bnts", q, k) * scale
+    scores = soft_cap * tf.tanh(scores / soft_cap)
+    allowed = (positions[:, None] >= positions[None, :])[None] & mask
+    scores += tf.where(allowed[:, None], 0.0, blockwise_attention.MASKED)
+    return tf.einsum("bnts,bsnh->btnh", tf.nn.softmax(scores), v)
+
+
+def values_and_gradients(attend, q, k, v):
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = attend(q, k, v)
+        upstream = tf.sin(tf.reshape(tf.range(tf.size(out),
+                                              dtype=tf.float32), out.shape))
+        loss = tf.reduce_sum(out * upstream)
+    return [out.numpy()] + [g.numpy() for g in tape.gradient(loss,
+                                                               [q, k, v])]
+
+
+@pytest.mark.parametrize("tile_size", [3, 8, None])
+def test_tiles_keep_values_and_gradients(tile_size):
+    """Tiles narrower than the blocks (3 does not divide 8: tiles of 3, 3
+    and 2), as wide, and the default: the same outputs and dQ, dK, dV as
+    dense attention, with a causal mask by permuted (load balanced)
+    positions, padding (a fully masked query row) and a soft cap."""
+    q, k, v = (tf.random.stateless_normal((2, 16, 2, 4), (i, 0))
+               for i in range(3))
+    positions = np.array([0, 1, 14, 15, 2, 3, 12, 13,
+                          4, 5, 10, 11, 6, 7, 8, 9])
+    mask = np.ones((2, 16, 16), bool)
+    mask[1, :, 9:] = False  # padded keys
+    mask[1, 5] = False  # a query seeing no key: output 0
+
+    def tiled(q, k, v):
+        return blockwise_attention.blockwise_attention(
+            q, k, v, positions, positions, scale=0.5, mask=mask,
+            block_size=8, soft_cap=5.0, tile_size=tile_size)
+
+    def dense(q, k, v):
+        out = dense_attention(q, k, v, positions, 0.5, mask, 5.0)
+        return out * np.any(mask, -1)[..., None, None]  # Keras' 0 rows
+
+    for got, want in zip(values_and_gradients(tiled, q, k, v),
+                         values_and_gradients(dense, q, k, v)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_tile_size_is_refused_naming_it():
+    q = tf.zeros((1, 4, 1, 2))
+    with pytest.raises(ValueError, match=r"tile_size=0.*positive"):
+        blockwise_attention.blockwise_attention(
+            q, q, q, np.arange(4), np.arange(4), scale=1.0, tile_size=0)
+
+
+@pytest.mark.slow
+def test_tiled_attention_data2_context4_parity(monkeypatch):
+    """Tiles of 2 keys in blocks of 8 (32 tokens over context=4) on
+    data=2 x context=4: the chained tiles train in parity with one
+    device."""
+    monkeypatch.setattr(blockwise_attention, "TILE_KEYS", 2)
+    config = dict(vocab=32, seq_len=32, dim=32, heads=4, layers=1)
+    x, y = context_models.corpus(32, seq_len=32)
+    keras.utils.set_random_seed(0)
+    weights = context_models.causal_transformer(**config).get_weights()
+    runs = []
+    for mesh in (None, {"data": 2, "context": 4}):
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh)) if mesh else None
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = context_models.causal_transformer(**config)
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        runs.append((model, losses.losses))
+    context_models.assert_parity(*runs[0], *runs[1])

@@ -47,7 +47,7 @@ CONFIG = dict(vocab=32, dim=32, heads=16, layers=1)
 GROWTH_LIMIT = 2.6  # of the step's peak when s doubles (linear: 2, s²: 4)
 
 CHILD = r"""
-import gc, json, sys
+import ctypes, gc, json, sys
 import keras, numpy as np
 import tfpar
 import context_models
@@ -73,6 +73,7 @@ def step_peak(seq_len, config):
     x, y = context_models.corpus(2, seq_len=seq_len)
     model.fit(x, y, batch_size=2, epochs=1, verbose=0)  # trace, compile
     gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # free heap pages: RSS = live bytes
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # VmHWM := VmRSS
     before = resident("VmRSS")

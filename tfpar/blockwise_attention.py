@@ -168,9 +168,10 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
             (Gemma's logit soft-capping); the backward pass multiplies
             dS by its derivative 1 - tanh².
         tile_size: at most this many keys per score tile (None:
-            `TILE_KEYS`, read at the call). The visible blocks are computed in tiles, one after
-            another (module docstring: peak memory), so a device holds
-            one (q × tile_size) score tile per head at a time.
+            `TILE_KEYS`, read at the call). The visible blocks are
+            computed in tiles, one after another (module docstring: peak
+            memory), so a device holds one (q × tile_size) score tile
+            per head at a time.
 
     Returns (batch, q, heads, value_dim) in the query's dtype; computed in
     float32.
@@ -271,7 +272,9 @@ def _waiting_on(rows):
 def _zero_per_head(block_gradient):
     """0 shaped (batch, 1, heads, 1) computed from a key block's gradient
     (batch, block, heads, dim): added to the next key (value) block, it
-    makes that block's ops wait for this one's dK_j (dV_j)."""
+    makes that block's ops wait for this one's dK_j (dV_j). A NaN in dK_j
+    makes the rest of that head's dK NaN (the kernel gradients summing
+    them would be NaN anyway)."""
     rows = tf.reduce_sum(block_gradient[..., :1], axis=1, keepdims=True)
     return tf.where(tf.equal(rows, rows), tf.zeros_like(rows), rows)
 

@@ -1,6 +1,7 @@
-"""The longest sequence each mesh trains within a per-device activation budget.
+"""The longest sequence each mesh trains within a per-device memory budget.
 
     python benchmarks/context.py [--budget-mib 16] [--time-seq 256]
+                                 [--budget-of rss|report]
 
 On 8 virtual CPUs, for a causal transformer (Keras MultiHeadAttention,
 positions an input; --layers, --dim, --heads) and the meshes
@@ -11,23 +12,33 @@ positions an input; --layers, --dim, --heads) and the meshes
                                 sequence_parallel=True, for comparison)
 
 each data-parallel replica trains --per-replica sequences (the global batch
-is data x per-replica), Adam, fp32. The per-device activations are read
-from the compiled training step (`tfpar.memory_report`'s "activations":
-the forward tensors the backward pass reads, largest device), so the
-budget is the activation budget; "peak" is the same report's peak. The
-sequence length: a quadratic a s^2 + b s + c fitted to the activations at --start,
-2x and 4x predicts the longest multiple of --granule within the budget,
-which is then measured and stepped by a granule until it fits and the
-next does not: the table's "longest" is measured.
+is data x per-replica), Adam, fp32. The budget bounds, per device:
 
-Expected: the saved activations of one sequence are linear in s per device
-split by the context size (blockwise attention keeps Q, K, V, O and the
-row statistics, and recomputes each (s/cp)^2 probability block in the
-backward pass), so the longest sequence grows more than cp-fold against
-data=8, which keeps (heads x s x s) probabilities per layer. The "peak"
-column still holds score blocks: the blocks of one attention are
-independent ops, so TF's executor (and the report's model of it) may run
-them all at once (heads x s/cp x s floats live, not saved).
+- --budget-of rss (default): the measured PEAK of a training step. Each
+  (mesh, length) runs in a fresh child process: one step to trace and
+  compile, the peak resident set reset (Linux /proc/self/clear_refs), a
+  second step; its peak above the resident set before it, divided by the
+  8 virtual devices sharing the process (their mean peak). Tensors are
+  allocated with malloc, large ones with mmap (TF_ONEDNN_USE_SYSTEM_
+  ALLOCATOR=1, MALLOC_MMAP_THRESHOLD_), so the resident set follows the
+  live tensors. "peak MiB" is the same figure.
+- --budget-of report: the compiled step's saved activations
+  (`tfpar.memory_report`'s "activations": the forward tensors the backward
+  pass reads, largest device); "peak MiB" is the same report's model of
+  the peak.
+
+The sequence length: a quadratic a s^2 + b s + c fitted to the budgeted
+bytes at --start, 2x and 4x predicts the longest multiple of --granule
+within the budget, which is then measured and stepped by a granule until
+it fits and the next does not: the table's "longest" is measured.
+
+Expected: with context parallelism both the saved activations and the peak
+of one sequence are linear in s per device (blockwise attention keeps Q, K,
+V, O and the row statistics, recomputes each probability tile in the
+backward pass, and computes the tiles of at most TILE_KEYS keys one after
+another, so one (s/cp x TILE_KEYS) score tile per head is live), once
+s/cp >= TILE_KEYS; data=8 holds (heads x s x s) scores per layer, so the
+longest sequence grows more than cp-fold against data=8.
 
 Step time: at --time-seq tokens, every mesh and one device (the same
 per-replica batch) run --steps steps per round, rounds interleaved in one
@@ -37,7 +48,11 @@ loop), not real speedups.
 """
 
 import argparse
+import ctypes
+import gc
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -78,6 +93,14 @@ def parse_args(argv=None):
                         default="all", help="both tables, or one of them")
     parser.add_argument("--only", default="",
                         help="comma-separated mesh names")
+    parser.add_argument("--budget-of", choices=("rss", "report"),
+                        default="rss",
+                        help="rss: the budget bounds a step's measured peak "
+                        "(resident set of a fresh child process, per "
+                        "device); report: the compiled step's saved "
+                        "activations (tfpar.memory_report)")
+    parser.add_argument("--child", nargs=2, metavar=("MESH", "SEQ"),
+                        help=argparse.SUPPRESS)  # one rss measurement
     return parser.parse_args(argv)
 
 
@@ -145,6 +168,59 @@ def activations(mesh_entry, seq_len, args):
             max(row["peak"] for row in report.values()))
 
 
+def _resident(field):
+    """Bytes of /proc/self/status's `field` (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def step_peak(mesh_entry, seq_len, args):
+    """Bytes a training step adds to the resident set at its peak (in
+    this process, run as a fresh child by `measured_peak`): one step to
+    trace and compile, VmHWM reset to VmRSS ("5" into /proc/self/
+    clear_refs), a second step, VmHWM minus the resident set before it."""
+    model, batch = build(mesh_entry, seq_len, args)
+    x, y = corpus(batch, seq_len)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)  # free heap pages: RSS = live bytes
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _resident("VmRSS")
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    return _resident("VmHWM") - before
+
+
+def measured_peak(mesh_entry, seq_len, args):
+    """(step peak per device, the same) of `step_peak` in a fresh child
+    process: the process's peak over the 8 virtual devices / 8. Tensors
+    are allocated with malloc (TF_ONEDNN_USE_SYSTEM_ALLOCATOR: oneDNN's
+    allocator keeps a pool), large ones with mmap, so the resident set
+    follows the live tensors."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
+               TF_ONEDNN_USE_SYSTEM_ALLOCATOR="1", TF_CPP_MIN_LOG_LEVEL="2")
+    argv = [a for a in sys.argv[1:] if a not in ("--child",)]
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *argv, "--child",
+         mesh_entry[0], str(seq_len)],
+        env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{mesh_entry[0]} at {seq_len}: "
+                           f"{done.stderr[-2000:]}")
+    per_device = json.loads(done.stdout.strip().splitlines()[-1]) / 8
+    return per_device, per_device
+
+
+def measure(mesh_entry, seq_len, args):
+    """(the budgeted bytes, the peak bytes) per device: `--budget-of`."""
+    if args.budget_of == "rss":
+        return measured_peak(mesh_entry, seq_len, args)
+    return activations(mesh_entry, seq_len, args)
+
+
 def longest(mesh_entry, args, budget):
     """(longest measured length within budget, its activations, its peak,
     the next granule's activations): activations(s) = a s^2 + b s + c
@@ -156,7 +232,7 @@ def longest(mesh_entry, args, budget):
 
     def saved(seq_len):
         if seq_len not in measured:
-            measured[seq_len] = activations(mesh_entry, seq_len, args)
+            measured[seq_len] = measure(mesh_entry, seq_len, args)
         return measured[seq_len][0]
 
     lengths = [args.start, 2 * args.start, 4 * args.start]
@@ -194,13 +270,17 @@ def step_times(entries, args):
 
 def main(args):
     tfpar.use_virtual_cpus(8)
+    if args.child:
+        entry = next(m for m in MESHES if m[0] == args.child[0])
+        print(json.dumps(step_peak(entry, int(args.child[1]), args)))
+        return
     only = set(filter(None, args.only.split(",")))
     entries = [m for m in MESHES if not only or m[0] in only]
     budget = args.budget_mib * 2**20
     print(f"causal transformer: {args.layers} layers, dim {args.dim}, "
           f"{args.heads} heads, vocab {VOCAB}, Adam fp32; "
           f"{args.per_replica} sequence(s) per data replica; 8 virtual CPUs "
-          f"on {os.cpu_count()} cores; activation budget "
+          f"on {os.cpu_count()} cores; budget ({args.budget_of}) "
           f"{args.budget_mib:g} MiB per device")
     if args.part != "time":
         print_longest(entries, args, budget)
@@ -209,8 +289,8 @@ def main(args):
 
 
 def print_longest(entries, args, budget):
-    print(f"{'mesh':24s} {'longest':>8s} {'x first':>8s} {'act MiB':>8s} "
-          f"{'peak MiB':>9s} {'next act MiB':>13s}")
+    print(f"{'mesh':24s} {'longest':>8s} {'x first':>8s} {'bud MiB':>8s} "
+          f"{'peak MiB':>9s} {'next bud MiB':>13s}")
     base = None
     for entry in entries:
         seq_len, saved, peak, over = longest(entry, args, budget)

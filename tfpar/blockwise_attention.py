@@ -27,6 +27,15 @@ see (every pair masked, known when tracing) is skipped. Masked entries
 count 0 in l and O, so a row whose every key is masked (a padded query
 under a sliding window) gets output 0, as Keras' `Softmax` gives it.
 
+Peak memory: the visible blocks are computed in tiles of at most
+`TILE_KEYS` keys (`key_tiles`), and each tile's ops wait, by a data
+dependency (`_waiting_on`: a zero computed from the previous tile's
+results, added to Q, K and V), for the previous tile to be folded in.
+Independent, the tiles could all run at once (TF's executor starts every
+op whose inputs exist) and hold q × s scores per head; chained, one
+(q × TILE_KEYS) tile per head is live at a time, so with q = s/cp the peak,
+like the saved activations, is linear in s (tests/test_context_peak.py).
+
 Example (one device, against plain softmax attention):
 
 >>> import numpy as np, tensorflow as tf
@@ -45,6 +54,8 @@ import tensorflow as tf
 
 # Keras' additive mask value for float32 scores (`Softmax`'s adder).
 MASKED = -1e9
+# Keys per score tile: a device holds heads × q × TILE_KEYS scores at once.
+TILE_KEYS = 128
 
 
 def key_blocks(key_positions, block_size):
@@ -69,6 +80,21 @@ def visible_blocks(query_positions, key_positions, block_size, causal):
     latest_query = np.max(query_positions)
     return [(start, stop) for start, stop in blocks
             if np.min(key_positions[start:stop]) <= latest_query]
+
+
+def key_tiles(blocks, tile_size):
+    """The (start, stop) key ranges the step computes one after another:
+    each block of `blocks` cut into tiles of at most `tile_size` keys.
+
+    >>> key_tiles([(0, 4), (8, 12)], 3)
+    [(0, 3), (3, 4), (8, 11), (11, 12)]
+    """
+    if not isinstance(tile_size, (int, np.integer)) or tile_size < 1:
+        raise ValueError(
+            f"blockwise_attention: tile_size={tile_size!r}; it must be a "
+            "positive number of keys (or None for TILE_KEYS).")
+    return [(first, min(first + tile_size, stop)) for start, stop in blocks
+            for first in range(start, stop, tile_size)]
 
 
 def unmasked_block_counts(query_positions_per_device, key_positions,
@@ -123,7 +149,7 @@ def _scores(query, key_block, scale, adder, soft_cap=None):
 
 def blockwise_attention(query, key, value, query_positions, key_positions,
                         scale, causal=True, mask=None, block_size=None,
-                        soft_cap=None):
+                        soft_cap=None, tile_size=None):
     """softmax(scale · Q Kᵀ + mask) V over key blocks (module docstring).
 
     Args:
@@ -141,6 +167,11 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
         soft_cap: None, or c: scores c·tanh(scale·q·k / c) before the mask
             (Gemma's logit soft-capping); the backward pass multiplies
             dS by its derivative 1 - tanh².
+        tile_size: at most this many keys per score tile (None:
+            `TILE_KEYS`, read at the call). The visible blocks are
+            computed in tiles, one after another (module docstring: peak
+            memory), so a device holds one (q × tile_size) score tile
+            per head at a time.
 
     Returns (batch, q, heads, value_dim) in the query's dtype; computed in
     float32.
@@ -148,8 +179,9 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     dtype = query.dtype
     query, key, value = (tf.cast(t, tf.float32) for t in (query, key, value))
     key_positions = np.asarray(key_positions)
-    blocks = visible_blocks(np.asarray(query_positions), key_positions,
-                            block_size, causal)
+    blocks = key_tiles(visible_blocks(np.asarray(query_positions),
+                                      key_positions, block_size, causal),
+                       TILE_KEYS if tile_size is None else tile_size)
 
     def adder(anchor, start, stop):
         block_mask = None if mask is None else mask[:, :, start:stop]
@@ -184,11 +216,15 @@ def _nonzero(row_sum):
 
 
 def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
-    """(O, L) of the module docstring's recursion over `blocks`."""
+    """(O, L) of the module docstring's recursion over `blocks`, each
+    block's scores computed only once the previous block is folded into
+    the running max, sum and output (`_waiting_on`)."""
     running_max = running_sum = acc = None
+    anchor = q  # Q, made to wait for the previous block's fold
     for start, stop in blocks:
-        block_adder = adder(q, start, stop)
-        scores = _scores(q, k[:, start:stop], scale, block_adder, soft_cap)
+        block_adder = adder(anchor, start, stop)
+        scores = _scores(anchor, k[:, start:stop], scale, block_adder,
+                         soft_cap)
         block_max = tf.reduce_max(scores, axis=-1)
         if running_max is None:
             new_max = block_max
@@ -206,22 +242,41 @@ def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
                 probs, axis=-1)
             acc = acc * tf.expand_dims(correction, -1) + block_out
         running_max = new_max
+        anchor = q + _waiting_on(acc[..., 0] + running_sum)
     out = acc / tf.expand_dims(_nonzero(running_sum), -1)
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
 
 
-def _after_gradient(row_dot):
-    """0 shaped (batch, q, heads, 1), computed from D (so from dO): added
-    to Q, it makes the recomputation of every S_j and P_j wait for the
-    gradient. Without this data dependency TF's executor runs those ops
-    as soon as Q, K and V exist, in the forward pass, and keeps all the
-    (q x block) P_j until the backward pass reads them: s/cp x s floats
-    per head, what the recomputation is meant to avoid. (TF's
-    `recompute_grad` adds such a dependency for the same reason.) A NaN
-    in D stays NaN, as its gradient would be."""
-    zero = tf.where(tf.equal(row_dot, row_dot), tf.zeros_like(row_dot),
-                    row_dot)
+def _waiting_on(rows):
+    """0 shaped (batch, q, heads, 1), computed from `rows` (batch, heads,
+    q): added to Q, it makes every op reading that Q wait for `rows`. TF's
+    executor runs an op as soon as its inputs exist, so without such data
+    dependencies the blocks of one attention, each reading only Q, K and
+    V, could all run at once:
+
+    - forward, `rows` from block j's output and row sum: block j+1's
+      (q × block) scores are made once block j's probabilities are folded
+      in (and freed), so one block's scores are live at a time, not
+      s/cp × s floats per head;
+    - backward, `rows` from D (so from dO): the recomputation of every S_j
+      and P_j waits for the gradient, or it would run in the forward pass
+      and keep every P_j until the backward pass reads it (TF's
+      `recompute_grad` adds such a dependency for the same reason); then
+      from dQ after block j, chaining the blocks as in the forward pass.
+
+    A NaN in `rows` stays NaN (the result would be NaN anyway)."""
+    zero = tf.where(tf.equal(rows, rows), tf.zeros_like(rows), rows)
     return tf.expand_dims(tf.transpose(zero, (0, 2, 1)), -1)
+
+
+def _zero_per_head(block_gradient):
+    """0 shaped (batch, 1, heads, 1) computed from a key block's gradient
+    (batch, block, heads, dim): added to the next key (value) block, it
+    makes that block's ops wait for this one's dK_j (dV_j). A NaN in dK_j
+    makes the rest of that head's dK NaN (the kernel gradients summing
+    them would be NaN anyway)."""
+    rows = tf.reduce_sum(block_gradient[..., :1], axis=1, keepdims=True)
+    return tf.where(tf.equal(rows, rows), tf.zeros_like(rows), rows)
 
 
 def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
@@ -233,17 +288,20 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
     row_max, row_sum = stats
     d_out = tf.cast(d_out, tf.float32)
     row_dot = tf.einsum("btnh,btnh->bnt", d_out, out)
-    q = q + _after_gradient(row_dot)
+    q = q + _waiting_on(row_dot)
+    anchor = q  # Q, made to wait for the previous block's dQ
     d_query = tf.zeros_like(q)
     d_keys, d_values = [], []
+    key_wait = value_wait = 0.0
     covered = 0
     for start, stop in blocks:
         if start > covered:  # skipped keys: no gradient
             d_keys.append(tf.zeros_like(k[:, covered:start]))
             d_values.append(tf.zeros_like(v[:, covered:start]))
-        key_block, value_block = k[:, start:stop], v[:, start:stop]
-        scores = _scores(q, key_block, scale, None, soft_cap)
-        block_adder = adder(q, start, stop)
+        key_block = k[:, start:stop] + key_wait
+        value_block = v[:, start:stop] + value_wait
+        scores = _scores(anchor, key_block, scale, None, soft_cap)
+        block_adder = adder(anchor, start, stop)
         masked = scores if block_adder is None else scores + block_adder
         probs = _kept(tf.exp(masked - tf.expand_dims(row_max, -1)),
                       block_adder) / tf.expand_dims(_nonzero(row_sum), -1)
@@ -254,6 +312,10 @@ def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
             d_scores *= 1.0 - tf.square(scores / soft_cap)
         d_query += tf.einsum("bnts,bsnh->btnh", d_scores, key_block) * scale
         d_keys.append(tf.einsum("bnts,btnh->bsnh", d_scores, q) * scale)
+        # The next block waits for dQ, dK_j and dV_j: P_j and dS_j freed.
+        anchor = q + _waiting_on(tf.transpose(d_query[..., 0], (0, 2, 1)))
+        key_wait, value_wait = (_zero_per_head(d[-1])
+                                for d in (d_keys, d_values))
         covered = stop
     if covered < k.shape[1]:
         d_keys.append(tf.zeros_like(k[:, covered:]))

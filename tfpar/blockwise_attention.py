@@ -71,15 +71,21 @@ def key_blocks(key_positions, block_size):
             for start in range(0, length, block_size)]
 
 
-def visible_blocks(query_positions, key_positions, block_size, causal):
+def visible_blocks(query_positions, key_positions, block_size, causal,
+                   window=None):
     """The key blocks at least one query may see (all when not causal):
-    the blocks the step computes."""
+    the blocks the step computes. A block is skipped when every key comes
+    after the latest query (causal), or, with a sliding `window`, when the
+    earliest query is `window` or more past the block's latest key."""
     blocks = key_blocks(key_positions, block_size)
     if not causal:
         return blocks
     latest_query = np.max(query_positions)
+    earliest_query = np.min(query_positions)
     return [(start, stop) for start, stop in blocks
-            if np.min(key_positions[start:stop]) <= latest_query]
+            if np.min(key_positions[start:stop]) <= latest_query and (
+                window is None
+                or earliest_query < np.max(key_positions[start:stop]) + window)]
 
 
 def key_tiles(blocks, tile_size):
@@ -117,26 +123,69 @@ def unmasked_block_counts(query_positions_per_device, key_positions,
     return counts
 
 
-def _additive_mask(anchor, query_positions, key_positions, causal, mask):
-    """A_j of the module docstring: (batch, heads or 1, q, block) float32.
+def _additive_mask(anchor, query_positions, key_positions, masks):
+    """A_j of the module docstring: (batch or 1, heads or 1, q, block)
+    float32, from `masks` (a `BlockMasks` restricted to the block).
 
-    The causal part is compared at run time, block by block, from the
-    (q,) and (block,) position vectors and Q (`anchor`, (batch, q, heads,
-    dim)): a row's position plus isnan(its first Q entry), 0 unless the row
-    is NaN anyway. Built from constants alone, TF would fold every block's
-    mask into a (q x block) constant held for the whole program: s/cp x s
-    per layer and pass, quadratic in the sequence."""
+    The causal part (and the sliding window) is compared at run time,
+    block by block, from the (q,) and (block,) position vectors and Q
+    (`anchor`, (batch, q, heads, dim)): a row's position plus isnan(its
+    first Q entry), 0 unless the row is NaN anyway. Built from constants
+    alone, TF would fold every block's mask into a (q x block) constant
+    held for the whole program: s/cp x s per layer and pass, quadratic in
+    the sequence. The padding vectors broadcast to the tile here, so a
+    factored mask never exists larger than one (q x block) tile."""
     adder = None
-    if causal:
+    if masks.causal:
         first = tf.transpose(anchor[..., :1], (0, 2, 1, 3))  # (b, n, q, 1)
         rows = tf.constant(np.asarray(query_positions, np.int32))[
             :, None] + tf.cast(tf.math.is_nan(first), tf.int32)
-        allowed = rows >= tf.constant(np.asarray(key_positions, np.int32))
+        keys = tf.constant(np.asarray(key_positions, np.int32))
+        allowed = rows >= keys
+        if masks.window is not None:  # p_i - p_j < window
+            allowed = tf.logical_and(allowed, rows < keys + masks.window)
         adder = tf.where(allowed, 0.0, MASKED)
-    if mask is not None:
-        padding = (1.0 - tf.expand_dims(tf.cast(mask, tf.float32), 1)) * MASKED
-        adder = padding if adder is None else tf.minimum(adder, padding)
+    for part in masks.additive_parts():
+        adder = part if adder is None else tf.minimum(adder, part)
     return adder
+
+
+class BlockMasks:
+    """The mask of `blockwise_attention`, kept factored: `causal` and
+    `window` by position, and at most three tensors: `dense` (batch, q, s)
+    bool (a general mask: quadratic, s/cp × s per device under context
+    parallelism), `key_valid` (batch, s) and `query_valid` (batch, q)
+    (padding: False where masked). `block(start, stop)` restricts it to
+    the keys [start, stop); `additive_parts` are the tensors' -1e9 / 0
+    adders, shaped to broadcast against (batch, heads, q, block)."""
+
+    def __init__(self, causal, window=None, dense=None, key_valid=None,
+                 query_valid=None):
+        self.causal, self.window = causal, window
+        self.dense, self.key_valid = dense, key_valid
+        self.query_valid = query_valid
+
+    def block(self, start, stop):
+        return BlockMasks(
+            self.causal, self.window,
+            None if self.dense is None else self.dense[:, :, start:stop],
+            None if self.key_valid is None
+            else self.key_valid[:, start:stop], self.query_valid)
+
+    @property
+    def empty(self):
+        return not self.causal and all(
+            t is None for t in (self.dense, self.key_valid, self.query_valid))
+
+    def additive_parts(self):
+        def adder(valid):
+            return (1.0 - tf.cast(valid, tf.float32)) * MASKED
+        if self.dense is not None:  # (b, 1, q, block)
+            yield adder(tf.expand_dims(self.dense, 1))
+        if self.key_valid is not None:  # (b, 1, 1, block)
+            yield adder(self.key_valid[:, None, None, :])
+        if self.query_valid is not None:  # (b, 1, q, 1)
+            yield adder(self.query_valid[:, None, :, None])
 
 
 def _scores(query, key_block, scale, adder, soft_cap=None):
@@ -149,7 +198,8 @@ def _scores(query, key_block, scale, adder, soft_cap=None):
 
 def blockwise_attention(query, key, value, query_positions, key_positions,
                         scale, causal=True, mask=None, block_size=None,
-                        soft_cap=None, tile_size=None):
+                        soft_cap=None, tile_size=None, key_valid=None,
+                        query_valid=None, window=None):
     """softmax(scale · Q Kᵀ + mask) V over key blocks (module docstring).
 
     Args:
@@ -161,8 +211,16 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
         key_positions: the same (s,) for the key rows.
         scale: the factor of the scores (1/sqrt(key_dim)).
         causal: whether query i sees key j only if its position is >= j's.
-        mask: None or a bool (batch, q, s) tensor: False where masked
-            (padding), combined with the causal mask.
+        mask: None or a bool (batch, q, s) tensor: False where masked,
+            combined with the others. A general mask, held whole: q × s
+            per sample (quadratic in s when q = s/cp); padding is better
+            given factored, as `key_valid` / `query_valid`.
+        key_valid: None or a bool (batch, s) tensor: False at padded keys,
+            which no query sees.
+        query_valid: None or a bool (batch, q) tensor: False at padded
+            queries, which see no key (output 0, as Keras gives them).
+        window: None or w: with `causal`, query i sees key j only if
+            p_i - p_j < w as well (a sliding window by position).
         block_size: keys per block (None: one block).
         soft_cap: None, or c: scores c·tanh(scale·q·k / c) before the mask
             (Gemma's logit soft-capping); the backward pass multiplies
@@ -179,14 +237,19 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     dtype = query.dtype
     query, key, value = (tf.cast(t, tf.float32) for t in (query, key, value))
     key_positions = np.asarray(key_positions)
+    _check_window(window, causal)
     blocks = key_tiles(visible_blocks(np.asarray(query_positions),
-                                      key_positions, block_size, causal),
+                                      key_positions, block_size, causal,
+                                      window),
                        TILE_KEYS if tile_size is None else tile_size)
+    masks = BlockMasks(causal, window, mask, key_valid, query_valid)
 
     def adder(anchor, start, stop):
-        block_mask = None if mask is None else mask[:, :, start:stop]
+        if masks.empty:
+            return None
         return _additive_mask(anchor, query_positions,
-                              key_positions[start:stop], causal, block_mask)
+                              key_positions[start:stop],
+                              masks.block(start, stop))
 
     @tf.custom_gradient
     def attend(q, k, v):
@@ -199,6 +262,15 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
         return out, grad
 
     return tf.cast(attend(query, key, value), dtype)
+
+
+def _check_window(window, causal):
+    if window is not None and (not causal or not isinstance(
+            window, (int, np.integer)) or window < 1):
+        raise ValueError(
+            f"blockwise_attention: window={window!r} with causal={causal}; "
+            "a sliding window is a positive number of keys on a causal "
+            "mask. Pass causal=True and window >= 1, or window=None.")
 
 
 def _kept(probs, adder):

@@ -182,10 +182,29 @@ def _causal_mask(original, hooks):
     return compute_causal_mask
 
 
-def _mistral_mask(original, hooks):
-    """`MistralTransformerDecoder._compute_self_attention_mask` in a
-    training step: padding merged as keras-hub does, then the causal band
-    p_j <= p_i < p_j + window by global position."""
+def _padding_of(sequence, padding_mask):
+    """keras-hub's padding (`merge_padding_and_attention_mask`): the given
+    (batch, s) `padding_mask`, else the sequence's Keras mask, else None."""
+    if padding_mask is not None:
+        return padding_mask
+    return getattr(sequence, "_keras_mask", None)
+
+
+def _factored_in_training(split, cache, cache_index, attention_mask=None):
+    """Whether a decoder's self-attention mask is given factored: a
+    training step on a context split, no cache, no user attention mask."""
+    return (split is not None and cache is None and attention_mask is None
+            and isinstance(cache_index, (int, type(None)))
+            and not cache_index)
+
+
+def _decoder_mask(original, hooks):
+    """`_compute_self_attention_mask` of Llama's and Mistral's decoders in
+    a training step on a context split: the padding and the causal mask
+    (Mistral: with its sliding window) as a `context_parallel.FactoredMask`
+    (no (batch, s, s) mask; its tiles are built inside blockwise
+    attention). A user `decoder_attention_mask` is merged as keras-hub
+    does (dense, quadratic), then the causal band by global position."""
 
     def _compute_self_attention_mask(self, decoder_sequence,
                                      decoder_padding_mask,
@@ -193,19 +212,67 @@ def _mistral_mask(original, hooks):
                                      self_attention_cache,
                                      self_attention_cache_update_index):
         split = _split_in_step()
+        window = getattr(self, "sliding_window", None)
+        arguments = (decoder_sequence, decoder_padding_mask,
+                     decoder_attention_mask, self_attention_cache,
+                     self_attention_cache_update_index)
         if split is None or self_attention_cache is not None or (
                 self_attention_cache_update_index is not None):
-            return original(self, decoder_sequence, decoder_padding_mask,
-                            decoder_attention_mask, self_attention_cache,
-                            self_attention_cache_update_index)
+            return original(self, *arguments)
+        if decoder_attention_mask is None:
+            return context_parallel.FactoredMask(
+                _padding_of(decoder_sequence, decoder_padding_mask),
+                causal=True, window=window)
         module = importlib.import_module(type(self).__module__)
         merged = module.merge_padding_and_attention_mask(
             decoder_sequence, decoder_padding_mask, decoder_attention_mask)
         causal = tf.cast(causal_mask_by_position(
-            split, decoder_sequence.shape[1], self.sliding_window), tf.int32)
-        return causal if merged is None else tf.minimum(merged, causal)
+            split, decoder_sequence.shape[1], window), tf.int32)
+        return tf.minimum(merged, causal)
 
     return _compute_self_attention_mask
+
+
+def _transformer_decoder_mask(original, hooks):
+    """keras-hub's `TransformerDecoder._compute_self_attention_mask` (GPT-2)
+    in a training step on a context split without a user attention mask:
+    a `context_parallel.FactoredMask` (padding, causal if
+    `use_causal_mask`). Elsewhere keras-hub's own (its causal mask by
+    global position, `_causal_mask`)."""
+
+    def _compute_self_attention_mask(self, decoder_sequence,
+                                     decoder_padding_mask,
+                                     decoder_attention_mask, use_causal_mask,
+                                     self_attention_cache,
+                                     self_attention_cache_update_index):
+        if not _factored_in_training(
+                _split_in_step(), self_attention_cache,
+                self_attention_cache_update_index, decoder_attention_mask):
+            return original(self, decoder_sequence, decoder_padding_mask,
+                            decoder_attention_mask, use_causal_mask,
+                            self_attention_cache,
+                            self_attention_cache_update_index)
+        return context_parallel.factored_or_none(
+            _padding_of(decoder_sequence, decoder_padding_mask),
+            bool(use_causal_mask))
+
+    return _compute_self_attention_mask
+
+
+def _gemma_decoder_mask(original, hooks):
+    """`GemmaDecoderBlock._compute_attention_mask` in a training step on a
+    context split: padding and causal as a `context_parallel.FactoredMask`
+    (the attention adds its sliding window, `_gemma_attention`)."""
+
+    def _compute_attention_mask(self, x, padding_mask, cache,
+                                cache_update_index):
+        if not _factored_in_training(_split_in_step(), cache,
+                                     cache_update_index):
+            return original(self, x, padding_mask, cache, cache_update_index)
+        return context_parallel.FactoredMask(_padding_of(x, padding_mask),
+                                             causal=True)
+
+    return _compute_attention_mask
 
 
 def _grouped_attention(original, hooks):
@@ -271,7 +338,12 @@ def _gemma_attention(original, hooks):
                 "mesh without a context axis.")
         head_dim = (self.head_dim if self.query_head_dim_normalize
                     else self.hidden_dim // self.num_query_heads)
-        if self.use_sliding_window_attention and attention_mask is not None:
+        factored = isinstance(attention_mask, context_parallel.FactoredMask)
+        if self.use_sliding_window_attention and factored:
+            attention_mask = attention_mask.with_window(
+                self.sliding_window_size)
+        elif self.use_sliding_window_attention and (
+                attention_mask is not None):
             positions = split.order(q.shape[1])
             window = np.abs(positions[:, None] - positions[None, :]) < (
                 self.sliding_window_size)
@@ -335,10 +407,19 @@ PATCHES = (
     _compat.Patch("hub_mistral_attention", _hub_attribute(
         "models.mistral.mistral_attention", "CachedMistralAttention"),
         "_compute_attention", _grouped_attention),
+    _compat.Patch("hub_llama_mask", _hub_attribute(
+        "models.llama.llama_decoder", "LlamaTransformerDecoder"),
+        "_compute_self_attention_mask", _decoder_mask),
     _compat.Patch("hub_mistral_mask", _hub_attribute(
         "models.mistral.mistral_transformer_decoder",
         "MistralTransformerDecoder"), "_compute_self_attention_mask",
-        _mistral_mask),
+        _decoder_mask),
+    _compat.Patch("hub_transformer_decoder_mask", _hub_attribute(
+        "layers.modeling.transformer_decoder", "TransformerDecoder"),
+        "_compute_self_attention_mask", _transformer_decoder_mask),
+    _compat.Patch("hub_gemma_mask", _hub_attribute(
+        "models.gemma.gemma_decoder_block", "GemmaDecoderBlock"),
+        "_compute_attention_mask", _gemma_decoder_mask),
     _compat.Patch("hub_gemma_rope", _hub_attribute(
         "models.gemma.gemma_attention", "CachedGemmaAttention"),
         "_apply_rope", _gemma_rope),

@@ -210,6 +210,71 @@ def _pinned(tensor, sequence_spec, extended):
     return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
 
 
+class FactoredMask:
+    """An attention mask kept in factors, never as a (batch, q, s) tensor:
+    `key_valid` (batch, s) and `query_valid` (batch, q) bool vectors
+    (padding: False where masked; None: all valid), causal and a sliding
+    `window` by global position. The patched mask builders (Keras'
+    `_compute_attention_mask`, keras-hub's decoders) return one in a step
+    on a context-split mesh, the attention layer hands it unchanged to its
+    `_compute_attention`, and `attend_across_context` builds each key
+    tile's mask from it inside `blockwise_attention`: O(s) bytes of mask
+    per sample instead of s/cp × s.
+
+    >>> FactoredMask(key_valid=None, causal=True, window=4)
+    FactoredMask(causal=True, window=4, key_valid=None, query_valid=None)
+    """
+
+    def __init__(self, key_valid=None, causal=False, window=None,
+                 query_valid=None):
+        self.key_valid, self.query_valid = key_valid, query_valid
+        self.causal, self.window = bool(causal), window
+
+    def with_window(self, window):
+        """The same mask, causal, seeing keys p_i - p_j < `window` only."""
+        return FactoredMask(self.key_valid, True, window, self.query_valid)
+
+    def __repr__(self):
+        def shown(t):
+            return None if t is None else tuple(t.shape)
+        return (f"FactoredMask(causal={self.causal}, window={self.window}, "
+                f"key_valid={shown(self.key_valid)}, "
+                f"query_valid={shown(self.query_valid)})")
+
+
+def factored_or_none(key_valid, causal, window=None, query_valid=None):
+    """A `FactoredMask`, or None when it would mask nothing."""
+    if key_valid is None and query_valid is None and not causal:
+        return None
+    return FactoredMask(key_valid, causal, window, query_valid)
+
+
+def _pinned_vector(valid, sequence_spec, extended):
+    """A (batch, s) validity vector as bool, the batch as the inputs, the
+    sequence `sequence_spec` (split, or gathered: b·s bools)."""
+    valid = tf.cast(valid, tf.bool)
+    mesh = extended.registry.placement_mesh.dtensor_mesh
+    return dtensor.relayout(valid, dtensor.Layout(
+        [_batch_spec(valid, extended), sequence_spec], mesh))
+
+
+def _mask_options(mask, causal, split, extended):
+    """`blockwise_attention`'s mask arguments for `mask`: a dense (batch,
+    q, s) tensor split by query rows (quadratic: s/cp × s per sample), or
+    a `FactoredMask`'s vectors (keys gathered, queries split)."""
+    if not isinstance(mask, FactoredMask):
+        return {"causal": causal, "mask": None if mask is None
+                else _pinned_mask(mask, split, extended)}
+    options = {"causal": causal or mask.causal, "window": mask.window}
+    if mask.key_valid is not None:
+        options["key_valid"] = _pinned_vector(mask.key_valid,
+                                              dtensor.UNSHARDED, extended)
+    if mask.query_valid is not None:
+        options["query_valid"] = _pinned_vector(mask.query_valid,
+                                                split.axis, extended)
+    return options
+
+
 def _pinned_mask(mask, split, extended):
     """An attention mask (batch or 1, queries, keys) split like the
     queries: each device keeps the rows of its queries."""
@@ -268,7 +333,11 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
     axis, the queries and the (batch, s, s) bool `mask` (or None) kept
     split by query rows, key blocks of s/cp, masks by global position
     (`split.order`); `options` go to `blockwise_attention` (`soft_cap`).
-    The output is split like the queries.
+    The output is split like the queries. `mask` may be a `FactoredMask`
+    instead: its key-validity vector gathered (b·s bools), its query one
+    kept split, each key tile's mask built from them inside
+    `blockwise_attention`, so no s/cp × s mask exists; a dense `mask` is
+    held whole by query rows (s/cp × s per sample: quadratic).
 
     Grouped-query attention (`kv_groups` query heads per key/value head,
     keys and values given already repeated to the query heads, head u a
@@ -281,11 +350,10 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
     query = _pinned(query, split.axis, extended)
     key, value = (_gathered_heads(t, kv_groups, extended)
                   for t in (key, value))
-    if mask is not None:
-        mask = _pinned_mask(mask, split, extended)
+    options.update(_mask_options(mask, causal, split, extended))
     output = blockwise.blockwise_attention(
         query, key, value, split.order(query.shape[1]),
-        split.order(key.shape[1]), scale=scale, causal=causal, mask=mask,
+        split.order(key.shape[1]), scale=scale,
         block_size=key.shape[1] // split.size, **options)
     return _pinned(output, split.axis, extended)
 
@@ -348,6 +416,38 @@ def _context_causal_flag(original, hooks):
         return original(self, *args, **kwargs)
 
     return call
+
+
+def _both_valid(first, second):
+    """The keys valid in both (batch, s) masks (either may be None)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return tf.logical_and(tf.cast(first, tf.bool), tf.cast(second, tf.bool))
+
+
+def _factored_attention_mask(original, hooks):
+    """`_compute_attention_mask` of Keras' `MultiHeadAttention` and
+    `GroupQueryAttention` in a step on a context-split mesh: the inputs'
+    Keras masks (query, value, key) and the causal flag as a
+    `FactoredMask`, which `call` hands to `_compute_attention` (patched
+    above). A given `attention_mask` or a sliding window: Keras' own
+    (dense) mask."""
+
+    def _compute_attention_mask(self, query, value, query_mask=None,
+                                value_mask=None, key_mask=None,
+                                attention_mask=None, use_causal_mask=False):
+        window = getattr(self, "_sliding_window", None) or getattr(
+            self, "sliding_window", None)
+        if (context_in_step() is None or not step_context.in_spmd_step()
+                or attention_mask is not None or window is not None):
+            return original(self, query, value, query_mask=query_mask,
+                            value_mask=value_mask, key_mask=key_mask,
+                            attention_mask=attention_mask,
+                            use_causal_mask=use_causal_mask)
+        return factored_or_none(_both_valid(value_mask, key_mask),
+                                use_causal_mask, query_valid=query_mask)
+
+    return _compute_attention_mask
 
 
 def _context_causal_mask(original, hooks):
@@ -439,6 +539,10 @@ PATCHES = (
                   "_compute_attention", _context_attention),
     _compat.Patch("mha_context_causal_mask", _multi_head_attention,
                   "_compute_causal_mask", _context_causal_mask),
+    _compat.Patch("mha_context_factored_mask", _multi_head_attention,
+                  "_compute_attention_mask", _factored_attention_mask),
+    _compat.Patch("gqa_context_factored_mask", _grouped_query_attention,
+                  "_compute_attention_mask", _factored_attention_mask),
     _compat.Patch("gqa_context_attention", _grouped_query_attention,
                   "_compute_attention", _context_grouped_attention),
     _compat.Patch("gqa_context_causal_flag", _grouped_query_attention,

@@ -21,8 +21,12 @@ keeping them (P_j = exp(S_j - m_n) / l_n), with D = rowsum(dO ∘ O):
 
 It keeps Q, K, V, O, m and l for the backward pass: O(q + s) per row of heads,
 not O(q·s). Masks are given by position: `query_positions[i] >=
-key_positions[j]` (causal), so a device holding a permuted (load-balanced)
-piece of the sequence masks by global position. A key block no query may
+key_positions[j]` (causal; and `- key_positions[j] < window`, a sliding
+window), so a device holding a permuted (load-balanced) piece of the
+sequence masks by global position; padding is given factored, as
+(batch, s) key and (batch, q) query validity vectors (`BlockMasks`), and
+each tile's (q × tile) mask is built from them and the positions at run
+time; only a general `mask` is held whole, (batch, q, s). A key block no query may
 see (every pair masked, known when tracing) is skipped. Masked entries
 count 0 in l and O, so a row whose every key is masked (a padded query
 under a sliding window) gets output 0, as Keras' `Softmax` gives it.
@@ -237,11 +241,8 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     dtype = query.dtype
     query, key, value = (tf.cast(t, tf.float32) for t in (query, key, value))
     key_positions = np.asarray(key_positions)
-    _check_window(window, causal)
-    blocks = key_tiles(visible_blocks(np.asarray(query_positions),
-                                      key_positions, block_size, causal,
-                                      window),
-                       TILE_KEYS if tile_size is None else tile_size)
+    blocks = _computed_tiles(query_positions, key_positions, block_size,
+                             causal, window, tile_size)
     masks = BlockMasks(causal, window, mask, key_valid, query_valid)
 
     def adder(anchor, start, stop):
@@ -262,6 +263,16 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
         return out, grad
 
     return tf.cast(attend(query, key, value), dtype)
+
+
+def _computed_tiles(query_positions, key_positions, block_size, causal,
+                    window, tile_size):
+    """`key_tiles` of the `visible_blocks`, `window` checked first."""
+    _check_window(window, causal)
+    return key_tiles(visible_blocks(np.asarray(query_positions),
+                                    key_positions, block_size, causal,
+                                    window),
+                     TILE_KEYS if tile_size is None else tile_size)
 
 
 def _check_window(window, causal):

@@ -14,10 +14,14 @@ the whole sequence and are patched here, inside a step on such a mesh only
   cannot lay out on a sequence-split tensor (a failed layout, or a crash
   in its strided-slice layout inference:
   tests/dtensor_rotary_slice_repro.py).
-- The decoders' causal mask (`compute_causal_mask` as imported by the
-  decoder modules): query i sees key j iff order[i] >= order[j], so a
-  load-balanced sequence is masked by global position; Mistral's sliding
-  window (i < j + window) likewise.
+- The decoders' self-attention masks: in a training step without a user
+  `decoder_attention_mask`, the padding mask, causal and sliding window
+  stay factored (`context_parallel.FactoredMask`: a (batch, s) key
+  validity vector, by global position: query i sees key j iff order[i] >=
+  order[j], and order[i] < order[j] + window for Mistral's and Gemma's
+  windows); blockwise attention builds each key tile's mask, so no
+  (batch, s/cp, s) mask exists. With a user mask, keras-hub's dense merge
+  and `compute_causal_mask` by global position (quadratic in s).
 - The attention core (`LlamaAttention._compute_attention`,
   `MistralAttention._compute_attention`): keys and values gathered over
   the context axis, `blockwise_attention` with the decoder's mask

@@ -266,15 +266,19 @@ def _transformer_decoder_mask(original, hooks):
 def _gemma_decoder_mask(original, hooks):
     """`GemmaDecoderBlock._compute_attention_mask` in a training step on a
     context split: padding and causal as a `context_parallel.FactoredMask`
-    (the attention adds its sliding window, `_gemma_attention`)."""
+    (the attention adds its sliding window, `_gemma_attention`; its
+    `mask == 0` row check reads the mask as a tensor,
+    `FactoredMask.__tf_tensor__`)."""
 
     def _compute_attention_mask(self, x, padding_mask, cache,
                                 cache_update_index):
         if not _factored_in_training(_split_in_step(), cache,
                                      cache_update_index):
             return original(self, x, padding_mask, cache, cache_update_index)
-        return context_parallel.FactoredMask(_padding_of(x, padding_mask),
-                                             causal=True)
+        padding = _padding_of(x, padding_mask)
+        if padding is None:  # all valid: a vector for keras-hub's `mask == 0`
+            padding = tf.ones_like(tf.reduce_sum(x, axis=-1), tf.bool)
+        return context_parallel.FactoredMask(padding, causal=True)
 
     return _compute_attention_mask
 

@@ -230,6 +230,21 @@ class FactoredMask:
         self.key_valid, self.query_valid = key_valid, query_valid
         self.causal, self.window = bool(causal), window
 
+    def __tf_tensor__(self, dtype=None, name=None):
+        """As a tensor: ones (batch, q, 1). keras-hub's Gemma attention
+        reads `mask == 0` over the keys to zero the rows that see no key;
+        blockwise attention gives such rows 0 already, so no row is to be
+        zeroed again (self-attention: q = s, the validity vectors' length)."""
+        rows = self.query_valid if self.query_valid is not None else (
+            self.key_valid)
+        if rows is None:
+            raise ValueError(
+                "A FactoredMask without validity vectors has no shape to "
+                "convert to a tensor. Received: " + repr(self) + ". Give "
+                "key_valid (e.g. all True) to a mask a layer reads.")
+        return tf.expand_dims(tf.ones_like(rows, dtype or tf.int32,
+                                           name=name), -1)
+
     def with_window(self, window):
         """The same mask, causal, seeing keys p_i - p_j < `window` only."""
         return FactoredMask(self.key_valid, True, window, self.query_valid)

@@ -72,13 +72,19 @@ def test_ulysses_parity_and_bytes_against_auto_gather(corpus):
     in parity with one device; the bytes of their compiled steps."""
     weights, x, y = corpus
     reference, ref_losses = train_once(None, weights, x, y)
-    measured = {}
+    measured, scores = {}, {}
     for mode in ("ulysses", "auto"):
         strategy = mesh_strategy(mode)
         with tfpar.communication.capture() as programs:
             model, losses = train_once(strategy, weights, x, y)
         base.assert_parity(reference, ref_losses, model, losses)
         measured[mode] = context_gathers(programs, "forward")
+        scores[mode] = {s for n, s in programs.train_report().forward_shapes(
+            r"b0_attn").items() if len(s) == 4 and n.endswith("Einsum")}
+    # Score blocks per device: Ulysses (b/data, heads/cp = 1, all s
+    # queries, s/cp keys); gather (b/data, heads, s/cp queries, s/cp keys).
+    assert (8, 1, SEQ, SEQ // 4) in scores["ulysses"], scores
+    assert (8, CONFIG["heads"], SEQ // 4, SEQ // 4) in scores["auto"], scores
     # Per device and forward pass: (b/data = 8, s, heads, dim) float32
     # blocks. Ulysses: q, k, v and the output, each moved whole then
     # sliced; gather: k and v. Besides them both steps gather the same
@@ -179,6 +185,11 @@ def test_ulysses_keras_hub_llama3(balance):
     want = context_models.train_hub("llama3", None, weights, x, y)
     exact = context_models.train_hub("llama3", None, weights, x, y,
                                      policy="float64")
-    got = context_models.train_hub("llama3", mesh_strategy("ulysses", balance),
-                                   weights, x, y)
+    with tfpar.communication.capture() as programs:
+        got = context_models.train_hub(
+            "llama3", mesh_strategy("ulysses", balance), weights, x, y)
     fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
+    # q, k, v (k and v repeated to the 4 query heads) and the output moved:
+    # (b/data = 8, s, 4 heads, dim 8) float32, each gathered whole.
+    block = 8 * context_models.HUB_SEQ * 4 * 8 * 4
+    assert context_gathers(programs, "forward").count(block) == 4

@@ -113,9 +113,9 @@ def exchange_bytes(batch, length, heads, kv_heads, head_dim, cp, itemsize,
     (0 when none or a constant).
 
     >>> exchange_bytes(8, 32, 4, 4, 8, 4, 4, all_to_all_is_gather=False)
-    {'gather': 24576.0, 'ulysses': 12288.0}
+    {'gather': 49152.0, 'ulysses': 24576.0}
     >>> exchange_bytes(8, 32, 4, 4, 8, 4, 4)
-    {'gather': 24576.0, 'ulysses': 49152.0}
+    {'gather': 49152.0, 'ulysses': 98304.0}
     """
     share = (cp - 1) / cp
     kv_bytes = batch * length * kv_heads * head_dim * itemsize

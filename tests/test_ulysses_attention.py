@@ -1,4 +1,4 @@
-"""The Ulysses exchange of context-parallel attention (tfpar/ulysses_attention.py).
+"""The Ulysses exchange of context attention (tfpar/ulysses_attention.py).
 
 A plain Keras causal transformer (MultiHeadAttention, 4 heads) trains on
 data=2 × context=4 with the exchange forced to "ulysses" in parity with one

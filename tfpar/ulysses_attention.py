@@ -164,7 +164,7 @@ def choose(extended, axis, query, kv_groups=1, mask=None):
     if mode == "ulysses":
         return mode
     data = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
-    rows = batch // data if batch % data == 0 else batch
+    rows = batch // data if batch and batch % data == 0 else (batch or 1)
     sizes = exchange_bytes(rows, length, heads, heads // kv_groups, head_dim,
                            cp, query.dtype.size, _mask_bytes(mask, data))
     return "ulysses" if sizes["ulysses"] < sizes["gather"] else "gather"

@@ -25,8 +25,13 @@ key positions are both that order. A padding mask (batch, s, s) is then
 needed whole on every device (it is gathered; a constant causal mask is
 not communicated).
 
+Ulysses runs on meshes whose only axes of size > 1 are the data and
+context axes (a model axis splitting the heads would be gathered by the
+moves): elsewhere "auto" gathers and a forced "ulysses" is an error
+naming the layer, as are query heads the context axis does not divide.
+
 Bytes each device sends per attention layer in the forward pass (the
-backward pass moves the same again), b the device's batch rows, e the
+backward pass makes the reverse moves), b the device's batch rows, e the
 bytes of one value, kv_bytes = b·s·kv_heads·dim·e, block = b·s·heads·dim·e:
 
     gather  = 2 · kv_bytes · (cp−1)/cp                (k and v)

@@ -45,8 +45,11 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import blockwise_attention as blockwise
 from tfpar import step_context
+from tfpar import ulysses_attention as ulysses
 
 DEFAULT_CONTEXT_AXIS = "context"
+# "gather" | "ulysses" | "auto" per strategy (tfpar/ulysses_attention.py).
+set_attention_exchange = ulysses.set_attention_exchange
 
 
 class ContextSplit:
@@ -278,6 +281,18 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
     copies are made again on the gathered keys; the gradient of the
     repetition sums the copies, so it reaches the same key/value heads."""
     extended = step_context.step_extended()
+    exchange = ulysses.choose(extended, split.axis, query, kv_groups, mask)
+    if exchange == "ulysses":  # heads split instead of keys gathered
+
+        def attention(q, k, v, m):  # all s rows, stored order, heads/cp
+            return blockwise.blockwise_attention(
+                q, k, v, split.order(q.shape[1]), split.order(k.shape[1]),
+                scale=scale, causal=causal, mask=m,
+                block_size=k.shape[1] // split.size, **options)
+        return ulysses.attend(
+            query, key, value, mask, attention, split.axis,
+            _batch_spec(query, extended),
+            extended.registry.placement_mesh.dtensor_mesh)
     query = _pinned(query, split.axis, extended)
     key, value = (_gathered_heads(t, kv_groups, extended)
                   for t in (key, value))

@@ -289,10 +289,12 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
                 q, k, v, split.order(q.shape[1]), split.order(k.shape[1]),
                 scale=scale, causal=causal, mask=m,
                 block_size=k.shape[1] // split.size, **options)
+        batch = _batch_spec(query, extended)
         return ulysses.attend(
-            query, key, value, mask, attention, split.axis,
-            _batch_spec(query, extended),
-            extended.registry.placement_mesh.dtensor_mesh)
+            query, key, value, mask, attention, functools.partial(
+                extended.all_to_all, mesh_axis=split.axis,
+                batch_axis=None if batch == dtensor.UNSHARDED else batch),
+            batch, extended.registry.placement_mesh.dtensor_mesh)
     query = _pinned(query, split.axis, extended)
     key, value = (_gathered_heads(t, kv_groups, extended)
                   for t in (key, value))

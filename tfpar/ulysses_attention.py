@@ -184,19 +184,18 @@ def _mask_bytes(mask, data):
     return rows * int(np.prod(mask.shape[1:])) * mask.dtype.size
 
 
-def attend(query, key, value, mask, attention, axis, batch_spec, mesh):
+def attend(query, key, value, mask, attention, all_to_all, batch_spec,
+           mesh):
     """`attention(q, k, v, mask)` of head-split tensors: q, k, v (batch,
-    s, heads, dim) moved from sequence-split over `axis` to head-split
-    (each device: the whole sequence of heads/cp heads), the (batch, s, s)
-    `mask` (or None) made whole but for the batch, the output moved back
-    to sequence-split. `batch_spec`: dimension 0's mesh axis (or
-    `dtensor.UNSHARDED`); `mesh`: the DTensor mesh. Each move is a
-    relayout through the layout where neither dimension is split (an
-    all-gather, then a local slice: `collectives.all_to_all`'s); the
-    gradient is DTensor's, the reverse moves."""
-    by_sequence = [batch_spec, axis, dtensor.UNSHARDED, dtensor.UNSHARDED]
-    by_heads = [batch_spec, dtensor.UNSHARDED, axis, dtensor.UNSHARDED]
-    query, key, value = (_moved(t, by_sequence, by_heads, mesh)
+    s, heads, dim) moved from sequence-split to head-split (each device:
+    the whole sequence of heads/cp heads), the (batch, s, s) `mask` (or
+    None) made whole but for the batch, the output moved back to
+    sequence-split. `all_to_all(tensor, split_dim, concat_dim)` is the
+    move over the context axis (`collectives.all_to_all`, passed down by
+    the caller: the one exchange tfpar has, with its gradient);
+    `batch_spec`: dimension 0's mesh axis (or `dtensor.UNSHARDED`) and
+    `mesh` the DTensor mesh, for the mask."""
+    query, key, value = (all_to_all(t, split_dim=2, concat_dim=1)
                          for t in (query, key, value))
     if mask is not None:
         mask_batch = batch_spec if mask.shape[0] == query.shape[0] else (
@@ -204,14 +203,4 @@ def attend(query, key, value, mask, attention, axis, batch_spec, mesh):
         mask = dtensor.relayout(mask, dtensor.Layout(
             [mask_batch, dtensor.UNSHARDED, dtensor.UNSHARDED], mesh))
     output = attention(query, key, value, mask)
-    return _moved(output, by_heads, by_sequence, mesh)
-
-
-def _moved(tensor, source, target, mesh):
-    """`tensor` laid out by the specs `source`, then `target`, through the
-    layout splitting neither of the two dimensions they move between."""
-    whole = [a if a == b else dtensor.UNSHARDED
-             for a, b in zip(source, target)]
-    for specs in (source, whole, target):
-        tensor = dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
-    return tensor
+    return all_to_all(output, split_dim=1, concat_dim=2)

@@ -202,9 +202,10 @@ def measured_peak(mesh_entry, seq_len, args):
     follows the live tensors."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
                TF_ONEDNN_USE_SYSTEM_ALLOCATOR="1", TF_CPP_MIN_LOG_LEVEL="2")
-    argv = [a for a in sys.argv[1:] if a not in ("--child",)]
+    model = [f"--{name.replace('_', '-')}={getattr(args, name)}"
+             for name in ("layers", "dim", "heads", "per_replica")]
     done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *argv, "--child",
+        [sys.executable, os.path.abspath(__file__), *model, "--child",
          mesh_entry[0], str(seq_len)],
         env=env, capture_output=True, text=True, check=False)
     if done.returncode:

@@ -22,9 +22,11 @@ import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
+from tfpar import layout as layout_lib
 
 import context_models
 import fuzzing
+import models
 
 MESHES = {
     "data2_context4": {"data": 2, "context": 4},
@@ -72,14 +74,17 @@ def assert_split(strategy, model, kind, mesh):
     weights on data × context, and its head block of every attention
     projection (query, key, value, output) with a model axis."""
     assert strategy.extended.input_placer.context.size == mesh["context"]
-    shrunk = {w.path for w in model.weights
-              if tuple(dtensor.unpack(w.value.read_value())[0].shape)
-              != tuple(w.shape)}
+    specs = {w.path: layout_lib.spec_of(dtensor.fetch_layout(w.value))
+             for w in model.weights}
+    for weight in model.weights:  # each device: exactly its block
+        models.assert_one_block_per_device(weight, specs[weight.path])
+    shrunk = {path for path, spec in specs.items() if any(spec)}
     projections = {w.path for w in model.weights
                    if "attention/" in w.path and w.path.endswith("/kernel")}
     if "model" in mesh:
         assert len(projections) == 4 * {"llama3": 1, "gemma": 2}[kind] and (
             projections <= shrunk), (projections, shrunk)
+        assert all(specs[p].count("model") == 1 for p in projections)
     else:
         assert not shrunk, shrunk
 

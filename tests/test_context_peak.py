@@ -19,8 +19,9 @@ step; the step's peak is VmHWM minus the resident set before it. Tensors
 are allocated with the system's malloc (TF_ONEDNN_USE_SYSTEM_ALLOCATOR:
 oneDNN's allocator would keep freed memory in a pool), large ones with mmap
 (MALLOC_MMAP_THRESHOLD_), so a freed tensor leaves the resident set at
-once and the resident set follows the live tensors. Doubling s must multiply the step's peak by about 2 (linear), not
-about 4 (the unchained score tiles: 3.4-3.9× measured, see the report).
+once and the resident set follows the live tensors. Doubling s must
+multiply the step's peak by about 2 (linear), not about 4 (unchained score
+tiles: 3.93-4.0× measured, docs/benchmarks.md).
 """
 
 import contextlib
@@ -137,11 +138,13 @@ def values_and_gradients(attend, q, k, v):
 
 
 @pytest.mark.parametrize("tile_size", [3, 8, None])
-def test_tiles_keep_values_and_gradients(tile_size):
+def test_tiles_keep_values_and_gradients(tile_size, monkeypatch):
     """Tiles narrower than the blocks (3 does not divide 8: tiles of 3, 3
-    and 2), as wide, and the default: the same outputs and dQ, dK, dV as
-    dense attention, with a causal mask by permuted (load balanced)
-    positions, padding (a fully masked query row) and a soft cap."""
+    and 2), as wide, and the default (None: `TILE_KEYS` read at the call,
+    set to 3 here): the same outputs and dQ, dK, dV as dense attention,
+    with a causal mask by permuted (load balanced) positions, padding (a
+    fully masked query row) and a soft cap."""
+    monkeypatch.setattr(blockwise_attention, "TILE_KEYS", 3)
     q, k, v = (tf.random.stateless_normal((2, 16, 2, 4), (i, 0))
                for i in range(3))
     positions = np.array([0, 1, 14, 15, 2, 3, 12, 13,

@@ -45,8 +45,11 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import blockwise_attention as blockwise
 from tfpar import step_context
+from tfpar import ulysses_attention as ulysses
 
 DEFAULT_CONTEXT_AXIS = "context"
+# "gather" | "ulysses" | "auto" per strategy (tfpar/ulysses_attention.py).
+set_attention_exchange = ulysses.set_attention_exchange
 
 
 class ContextSplit:
@@ -273,10 +276,11 @@ def _pinned_vector(valid, sequence_spec, extended):
         [_batch_spec(valid, extended), sequence_spec], mesh))
 
 
-def _mask_options(mask, causal, split, extended):
+def _mask_options(mask, causal, split, extended, query_spec=None):
     """`blockwise_attention`'s mask arguments for `mask`: a dense (batch,
     q, s) tensor split by query rows (quadratic: s/cp × s per sample), or
-    a `FactoredMask`'s vectors (keys gathered, queries split)."""
+    a `FactoredMask`'s vectors (keys gathered, queries laid out by
+    `query_spec`: split over the context axis unless given)."""
     if not isinstance(mask, FactoredMask):
         return {"causal": causal, "mask": None if mask is None
                 else _pinned_mask(mask, split, extended)}
@@ -285,8 +289,9 @@ def _mask_options(mask, causal, split, extended):
         options["key_valid"] = _pinned_vector(mask.key_valid,
                                               dtensor.UNSHARDED, extended)
     if mask.query_valid is not None:
-        options["query_valid"] = _pinned_vector(mask.query_valid,
-                                                split.axis, extended)
+        options["query_valid"] = _pinned_vector(
+            mask.query_valid, split.axis if query_spec is None
+            else query_spec, extended)
     return options
 
 
@@ -362,6 +367,11 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
     copies are made again on the gathered keys; the gradient of the
     repetition sums the copies, so it reaches the same key/value heads."""
     extended = step_context.step_extended()
+    factored = isinstance(mask, FactoredMask)
+    if ulysses.choose(extended, split.axis, query, kv_groups,
+                      None if factored else mask) == "ulysses":
+        return _attend_by_heads(split, query, key, value, scale, causal,
+                                mask, options, extended)
     query = _pinned(query, split.axis, extended)
     key, value = (_gathered_heads(t, kv_groups, extended)
                   for t in (key, value))
@@ -371,6 +381,33 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
         split.order(key.shape[1]), scale=scale,
         block_size=key.shape[1] // split.size, **options)
     return _pinned(output, split.axis, extended)
+
+
+def _attend_by_heads(split, query, key, value, scale, causal, mask,
+                     options, extended):
+    """`attend_across_context` by the Ulysses exchange (heads split instead
+    of keys gathered, `ulysses_attention`): every device attends with all
+    s query rows, so a `FactoredMask`'s vectors are gathered whole (b·s
+    bools each) and a dense mask is ulysses' to place."""
+    factored = isinstance(mask, FactoredMask)
+    if factored:
+        options = dict(options, **_mask_options(
+            mask, causal, split, extended, query_spec=dtensor.UNSHARDED))
+    else:
+        options = dict(options, causal=causal)
+
+    def attention(q, k, v, m):  # all s rows, stored order, heads/cp
+        return blockwise.blockwise_attention(
+            q, k, v, split.order(q.shape[1]), split.order(k.shape[1]),
+            scale=scale, mask=m, block_size=k.shape[1] // split.size,
+            **options)
+    batch = _batch_spec(query, extended)
+    return ulysses.attend(
+        query, key, value, None if factored else mask, attention,
+        functools.partial(
+            extended.all_to_all, mesh_axis=split.axis,
+            batch_axis=None if batch == dtensor.UNSHARDED else batch),
+        batch, extended.registry.placement_mesh.dtensor_mesh)
 
 
 def _gathered_heads(tensor, kv_groups, extended):

@@ -274,11 +274,15 @@ def stack_by_concat(values, axis, pack):
     ...                 tf.stack).shape
     TensorShape([2, 3, 2])
     """
-    if not (isinstance(axis, (int, np.integer)) and values
+    if not (isinstance(values, (list, tuple)) and values
+            and isinstance(axis, (int, np.integer))
             and all(tf.is_tensor(v) and v.dtype.is_floating
                     and v.shape.rank for v in values)):
         return pack(values, axis)
-    axis = int(axis) % (values[0].shape.rank + 1)
+    rank = values[0].shape.rank + 1  # the stack's rank
+    if not -rank <= axis < rank:  # TF's own error for an axis out of range
+        return pack(values, axis)
+    axis = int(axis) % rank
     expanded = [tf.expand_dims(v, axis) for v in values]
     if len(expanded) == 1:  # ConcatV2 takes two values or more
         return expanded[0]

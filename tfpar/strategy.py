@@ -27,6 +27,7 @@ from tensorflow.experimental import dtensor
 import keras
 
 from tfpar import _compat
+from tfpar import collectives
 from tfpar import context_parallel
 from tfpar import inputs
 from tfpar import layout as layout_lib
@@ -280,6 +281,10 @@ class ParallelExtended(_compat.StrategyExtendedV2):
             patches.count_array_batches()
         self.registry = variables_lib.VariableRegistry(self)
         self._context = _compat.eager_context_token()
+
+    # The exchange of split dimensions over a mesh axis, for the patches of
+    # modules below `collectives` (context parallelism's Ulysses moves).
+    all_to_all = staticmethod(collectives.all_to_all)
 
     mesh = _from_dims("mesh")
     data_axis = _from_dims("data_axis")

@@ -277,6 +277,19 @@ def _initial_variable(registry, initial_value, place, kwargs):
     return registry._sharded(value, place, kwargs)  # noqa: SLF001
 
 
+def _rules_for_state(rules, path, layer, layout, slot_of):
+    """Empty rules (replicated) for a Keras SeedGenerator's state made
+    inside a layer that a style rule lays out (an attention's dropout: a
+    style lays out its layer's own weights only); None (the strategy's
+    rules) for everything else. Other variables of no layer under a style
+    still get the style's clear error naming them."""
+    if (layer is None and layout is None and slot_of is None
+            and path.endswith("seed_generator_state")
+            and styles.style_rule_for(rules, path) is not None):
+        return layout_lib.LayoutRules({})
+    return None
+
+
 class VariableRegistry:
     """The live variables one strategy made, in creation order, and how they
     are made, adopted, moved and re-laid out (each through
@@ -351,16 +364,10 @@ class VariableRegistry:
         mesh = self.placement_mesh if reference is None else reference.mesh
         layer = variable_creation.keras_layer_adding_weight()
         layout = variable_creation.keras_variable_layout(path)
-        rules = None
-        if (layer is None and layout is None and reference is None
-                and styles.style_rule_for(self._rules, path) is not None):
-            # State of no layer inside a styled layer (the SeedGenerator of
-            # an attention's dropout): a style lays out its layer's weights
-            # only, so this is replicated.
-            rules = layout_lib.LayoutRules({})
         plan = self._plan(path, shape, mesh, kwargs.get("trainable", True),
-                          layer, rules=rules, layout=layout,
-                          slot_of=reference)
+                          layer, layout=layout, slot_of=reference,
+                          rules=_rules_for_state(self._rules, path, layer,
+                                                 layout, reference))
         if layer is not None:
             self._weight_paths.add(path)  # a layer's weight, not state
         place = Placement(path, plan.kind, plan.spec, mesh, plan.compute_spec)

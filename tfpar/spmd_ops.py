@@ -3,8 +3,8 @@
 Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-TF's `ConcatV2` and `Pack`, RandomCrop's drawn window and TF's
-`tensor[key]` use these instead of ops DTensor cannot lay out or lays out
+`numpy.eye`, a 1-D `nn.depthwise_conv`, TF's `ConcatV2` and `Pack`,
+RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
 
@@ -287,3 +287,53 @@ def stack_by_concat(values, axis, pack):
     if len(expanded) == 1:  # ConcatV2 takes two values or more
         return expanded[0]
     return tf.raw_ops.ConcatV2(values=expanded, axis=axis)
+
+
+def eye_by_comparison(rows, columns=None, diagonal=0, dtype="float32"):
+    """The (rows, columns) matrix with ones on diagonal `diagonal` (Keras'
+    `ops.eye(N, M, k)`): element (i, j) is 1 when i + k == j, else 0, as
+    `cast(equal(range(rows)[:, None] + k, range(columns)[None, :]))`.
+
+    TF writes `tf.eye` as `MatrixDiagV3` of ones, which DTensor 2.21
+    cannot lay out ("'tf.MatrixDiagV3' op does not implement layout
+    propagation": keras-hub's Qwen3.5 gated delta net adds `ops.eye` to its
+    chunk's correction matrix). A comparison and a cast: exact values.
+
+    >>> eye_by_comparison(2, 3, 1).numpy()
+    array([[0., 1., 0.],
+           [0., 0., 1.]], dtype=float32)
+    """
+    columns = rows if columns is None else columns
+    row = tf.range(rows)[:, None] + diagonal
+    return tf.cast(tf.equal(row, tf.range(columns)[None, :]), dtype)
+
+
+def depthwise_conv1d_by_shifts(inputs, kernel):
+    """A depthwise 1-D convolution, "valid" padding, stride and dilation 1,
+    channels last (Keras' `ops.depthwise_conv` of rank-3 `inputs` (batch,
+    length, channels) and `kernel` (k, channels, multiplier)), as a sum of
+    k shifted copies: out[b, t, c·m + q] = Σ_j x[b, t + j, c] · w[j, c, q]
+    for t < length - k + 1, each term a slice of x times a row of w.
+
+    TF's `DepthwiseConv2dNative` runs forward, but DTensor 2.21 cannot lay
+    out the filter gradient (`DepthwiseConv2dNativeBackpropFilter` "does
+    not implement layout propagation": keras-hub's Qwen3.5 gated delta net
+    has a causal depthwise convolution, kernel 4). Here the gradients are
+    slices, multiplies and sums. The same values up to float rounding (the
+    order of the k-term sum).
+
+    >>> x = tf.reshape(tf.range(4.0), (1, 4, 1))
+    >>> depthwise_conv1d_by_shifts(x, tf.ones((2, 1, 1)))[0, :, 0].numpy()
+    array([1., 3., 5.], dtype=float32)
+    """
+    inputs = tf.convert_to_tensor(inputs)
+    kernel = tf.convert_to_tensor(kernel, inputs.dtype)
+    size, channels, multiplier = kernel.shape
+    length = tf.shape(inputs)[1] - size + 1
+    terms = [inputs[:, j:j + length, :, None] * kernel[j]
+             for j in range(size)]
+    out = tf.add_n(terms) if size > 1 else terms[0]
+    if multiplier == 1:
+        return tf.squeeze(out, -1)
+    return tf.reshape(out, tf.concat(
+        [tf.shape(inputs)[:1], [length], [channels * multiplier]], 0))

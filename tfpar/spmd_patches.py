@@ -459,6 +459,56 @@ def _static_sparse_division(original, hooks):
     return divide
 
 
+def _keras_nn():
+    return _compat.keras_module("backend.tensorflow.nn")
+
+
+def _eye_by_comparison_in_step(original, hooks):
+    """Keras' TF `numpy.eye` of the main diagonal (k=0) as
+    `spmd_ops.eye_by_comparison` in a step: TF's `tf.eye` is a
+    `MatrixDiagV3`, which DTensor 2.21 cannot lay out (Qwen3.5's gated
+    delta net failed to compile). Keras pads a smaller eye for k != 0 (to
+    another shape than NumPy's when N != M): that, and everything outside a
+    step, runs Keras' op."""
+    @functools.wraps(original)
+    def eye(N, M=None, k=0, dtype=None):
+        if not (in_spmd_step() and isinstance(k, int) and k == 0):
+            return original(N, M=M, k=k, dtype=dtype)
+        return spmd_ops.eye_by_comparison(
+            N, M, k, dtype or _compat.keras_module("backend").floatx())
+
+    return eye
+
+
+def _depthwise_conv1d_by_shifts_in_step(original, hooks):
+    """Keras' TF `nn.depthwise_conv` of a 1-D input ("valid", stride and
+    dilation 1, channels last, a static kernel) as
+    `spmd_ops.depthwise_conv1d_by_shifts` in a step: DTensor 2.21 cannot lay
+    out the filter gradient of TF's op
+    (`DepthwiseConv2dNativeBackpropFilter`: Qwen3.5's causal convolution in
+    its gated delta net failed to compile). Other convolutions, and
+    everything outside a step, run Keras' op."""
+    @functools.wraps(original)
+    def depthwise_conv(inputs, kernel, strides=1, padding="valid",
+                       data_format=None, dilation_rate=1):
+        if not in_spmd_step():
+            return original(inputs, kernel, strides=strides, padding=padding,
+                            data_format=data_format,
+                            dilation_rate=dilation_rate)
+        inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(
+            kernel)
+        if (inputs.shape.rank == 3 and kernel.shape.rank == 3
+                and kernel.shape.is_fully_defined() and padding == "valid"
+                and strides in (1, (1,)) and dilation_rate in (1, (1,))
+                and _compat.keras_module("backend").standardize_data_format(
+                    data_format) == "channels_last"):
+            return spmd_ops.depthwise_conv1d_by_shifts(inputs, kernel)
+        return original(inputs, kernel, strides=strides, padding=padding,
+                        data_format=data_format, dilation_rate=dilation_rate)
+
+    return depthwise_conv
+
+
 PATCHES = (
     _compat.Patch("func_graph_capture", _func_graph, "capture",
                   _eager_captures_replicated),
@@ -467,6 +517,9 @@ PATCHES = (
     _compat.Patch("lora_kernel", _einsum_dense, "kernel",
                   _lora_kernel_as_einsum_in_step),
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
+    _compat.Patch("eye", _keras_numpy, "eye", _eye_by_comparison_in_step),
+    _compat.Patch("depthwise_conv", _keras_nn, "depthwise_conv",
+                  _depthwise_conv1d_by_shifts_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),

@@ -1,0 +1,124 @@
+"""The stand-ins for the ops of Qwen3.5's gated delta net that DTensor 2.21
+cannot lay out (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
+`depthwise_conv1d_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`):
+the values and gradients of Keras' TF ops on random inputs, and a small
+model with both training on data=8 as on one device.
+
+The whole keras-hub model (a linear-attention layer beside a full-attention
+one, experts dispatched) is tests/test_qwen3_5_attention_over_model.py's
+parity test (slow profile).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar import _compat
+from tfpar import spmd_ops
+
+import models
+
+RTOL = 1e-5
+
+
+def _keras_eye():
+    return _compat.unpatched(_compat.keras_module(
+        "backend.tensorflow.numpy"), "eye")
+
+
+def _keras_depthwise_conv():
+    return _compat.unpatched(_compat.keras_module(
+        "backend.tensorflow.nn"), "depthwise_conv")
+
+
+@pytest.mark.parametrize("rows, columns, dtype", [
+    (5, None, "float32"), (3, 5, "float32"), (5, 3, "bfloat16"),
+    (4, 4, "int32")])
+def test_eye_by_comparison_is_keras_eye(rows, columns, dtype):
+    """Exactly Keras' `ops.eye(N, M)` (TF's `MatrixDiagV3`), also traced
+    with tensor sizes; other diagonals are NumPy's `eye(N, M, k)` (the
+    step keeps Keras' own op for k != 0: it pads to another shape)."""
+    want = _keras_eye()(rows, columns, dtype=dtype)
+    got = spmd_ops.eye_by_comparison(rows, columns, 0, dtype)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    traced = tf.function(spmd_ops.eye_by_comparison)(
+        tf.constant(rows), None if columns is None else tf.constant(columns),
+        0, dtype)
+    np.testing.assert_array_equal(traced.numpy(), want.numpy())
+    for diagonal in (-2, 1, 3):
+        np.testing.assert_array_equal(
+            spmd_ops.eye_by_comparison(rows, columns, diagonal).numpy(),
+            np.eye(rows, columns, diagonal, "float32"))
+
+
+@pytest.mark.parametrize("size, multiplier", [(1, 1), (4, 1), (3, 2)])
+def test_depthwise_conv1d_by_shifts_is_keras_op(size, multiplier):
+    """Values and gradients (inputs and kernel, under a random cotangent)
+    of Keras' `ops.depthwise_conv` ("valid", channels last) within 1e-5
+    relative: only the order of the k-term sum differs."""
+    rng = np.random.default_rng(size)
+    x = tf.constant(rng.normal(size=(3, 9, 5)), tf.float32)
+    kernel = tf.constant(rng.normal(size=(size, 5, multiplier)), tf.float32)
+    cotangent = tf.constant(rng.normal(
+        size=(3, 9 - size + 1, 5 * multiplier)), tf.float32)
+    results = []
+    for conv in (_keras_depthwise_conv(), spmd_ops.depthwise_conv1d_by_shifts):
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            y = conv(x, kernel)
+            loss = tf.reduce_sum(y * cotangent)
+        results.append((y, *tape.gradient(loss, [x, kernel])))
+    for want, got in zip(*results):
+        assert want.shape == got.shape
+        assert models.relative_error(want.numpy(), got.numpy()) < RTOL
+
+
+class _EyeResidual(keras.layers.Layer):
+    """y_i = sum_j (I + x_i W)_ij x_j over the last dimension per position:
+    I from `ops.eye` added to a batch-split matrix per token, as the gated
+    delta net adds the identity to its chunks' correction matrices (an eye
+    added to a replicated weight alone lays out: DTensor refuses the
+    MatrixDiagV3 when its sum is split)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],) * 2,
+                                 initializer="glorot_uniform", name="w")
+
+    def call(self, x):
+        matrices = keras.ops.eye(x.shape[-1]) + x[..., :, None] * self.w
+        return keras.ops.sum(matrices * x[..., None, :], axis=-1)
+
+
+def _build():
+    """(8, 6) sequences -> causal depthwise conv (pad 3, kernel 4, as
+    Qwen3.5's) -> Dense(64) -> (I + x W) x, I = `ops.eye(64)` (Qwen3.5's
+    chunk size; DTensor 2.21 refused the eye of 64, not those of 16 or 32:
+    measured) -> Dense(3) on the flattened sequence."""
+    x = keras.Input((8, 6))
+    h = keras.layers.ZeroPadding1D((3, 0))(x)
+    h = keras.layers.DepthwiseConv1D(4, name="conv")(h)
+    h = keras.layers.Dense(64, name="wide")(h)
+    h = _EyeResidual(name="eye_residual")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+@pytest.mark.parametrize("mesh", [{"data": 8}])
+def test_causal_depthwise_conv_and_eye_train_as_one_device(mesh):
+    """A depthwise convolution (its kernel's gradient) and `ops.eye` in a
+    model on data=8: TF 2.21's DTensor refused both ops
+    ("does not implement layout propagation"); with the stand-ins the
+    losses and weights after two epochs of SGD are one device's (1e-4)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 6)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    weights = _build().get_weights()
+    want, reference = models.train_sgd_in_order(None, _build, weights, x, y)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh))
+    got, model = models.train_sgd_in_order(strategy, _build, weights, x, y)
+    assert models.relative_error(want, got) < 1e-4, (want, got)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        assert models.relative_error(a, b) < 1e-4

@@ -71,10 +71,10 @@ def test_unpack_cannot_split_what_its_input_holds_whole():
     }
 
 
-@pytest.mark.slow
 def test_stack_by_concat_is_stack():
     """The same values and gradients as `tf.stack` for every axis, of two
-    values and of one; integer or scalar values go to `pack` unchanged."""
+    values and of one; integer or scalar values, an axis out of range and
+    values not in a list go to `pack` unchanged (TF's own error)."""
     one = tf.ones((2, 3))
     np.testing.assert_array_equal(
         spmd_ops.stack_by_concat([one], 1, tf.stack), tf.stack([one], 1))
@@ -99,7 +99,12 @@ def test_stack_by_concat_is_stack():
                              lambda v, x: calls.append((v, x)))
     spmd_ops.stack_by_concat([tf.constant(1.0)] * 2, 0,
                              lambda v, x: calls.append((v, x)))
-    assert len(calls) == 2
+    for axis in (3, -4):  # out of range for a stack of rank 3
+        spmd_ops.stack_by_concat([one, one], axis,
+                                 lambda v, x: calls.append((v, x)))
+    spmd_ops.stack_by_concat(np.ones((2, 3)), 0,
+                             lambda v, x: calls.append((v, x)))
+    assert len(calls) == 5
 
 
 @pytest.mark.slow

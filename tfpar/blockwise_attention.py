@@ -26,15 +26,17 @@ window), so a device holding a permuted (load-balanced) piece of the
 sequence masks by global position; padding is given factored, as
 (batch, s) key and (batch, q) query validity vectors (`BlockMasks`), and
 each tile's (q × tile) mask is built from them and the positions at run
-time; only a general `mask` is held whole, (batch, q, s). A key block no query may
-see (every pair masked, known when tracing) is skipped. Masked entries
+time; only a general `mask` is held whole, (batch, q, s). A key block
+no query may see (every pair masked, known when tracing) is skipped. Masked entries
 count 0 in l and O, so a row whose every key is masked (a padded query
 under a sliding window) gets output 0, as Keras' `Softmax` gives it.
 
 Peak memory: the visible blocks are computed in tiles of at most
 `TILE_KEYS` keys (`key_tiles`), and each tile's ops wait, by a data
-dependency (`_waiting_on`: a zero computed from the previous tile's
-results, added to Q, K and V), for the previous tile to be folded in.
+dependency (a zero computed from the previous tile's results: forward,
+added to Q from the running sum and output, `_waiting_on`; backward, to Q
+from dQ and to the next K and V tile from dK and dV, `_zero_per_head`),
+for the previous tile to be folded in.
 Independent, the tiles could all run at once (TF's executor starts every
 op whose inputs exist) and hold q × s scores per head; chained, one
 (q × TILE_KEYS) tile per head is live at a time, so with q = s/cp the peak,
@@ -132,7 +134,7 @@ def _additive_mask(anchor, query_positions, key_positions, masks):
     float32, from `masks` (a `BlockMasks` restricted to the block).
 
     The causal part (and the sliding window) is compared at run time,
-    block by block, from the (q,) and (block,) position vectors and Q
+    tile by tile, from the (q,) and (block,) position vectors and Q
     (`anchor`, (batch, q, heads, dim)): a row's position plus isnan(its
     first Q entry), 0 unless the row is NaN anyway. Built from constants
     alone, TF would fold every block's mask into a (q x block) constant
@@ -356,15 +358,15 @@ def _zero_per_head(block_gradient):
     """0 shaped (batch, 1, heads, 1) computed from a key block's gradient
     (batch, block, heads, dim): added to the next key (value) block, it
     makes that block's ops wait for this one's dK_j (dV_j). A NaN in dK_j
-    makes the rest of that head's dK NaN (the kernel gradients summing
-    them would be NaN anyway)."""
+    spreads to the rest of that head's dQ, dK and dV (the kernel
+    gradients summing them would be NaN anyway)."""
     rows = tf.reduce_sum(block_gradient[..., :1], axis=1, keepdims=True)
     return tf.where(tf.equal(rows, rows), tf.zeros_like(rows), rows)
 
 
 def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
               soft_cap=None):
-    """(dQ, dK, dV) of the module docstring, block by block. P_j is
+    """(dQ, dK, dV) of the module docstring, tile by tile. P_j is
     exp(S_j - m) / l rather than exp(S_j - L): a row every key of which is
     masked has S ≈ -1e9, where float32's spacing is 64, and only S - m
     (both rounded alike) keeps the forward pass's values."""

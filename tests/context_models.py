@@ -155,3 +155,11 @@ def assert_within_bf16_precision(exact, one, mesh, slack=3.0):
         precision = max(models.relative_error(e, o), 1e-4)
         assert models.relative_error(o, m) <= slack * precision, (
             i, models.relative_error(o, m), precision)
+
+
+def weights_and_corpus(config, n, seq_len):
+    """(initial weights of `causal_transformer(**config)` drawn after seed
+    0, x, y of `corpus(n, seq_len)`): the context tests' starting point."""
+    x, y = corpus(n, seq_len=seq_len)
+    keras.utils.set_random_seed(0)
+    return causal_transformer(**config).get_weights(), x, y

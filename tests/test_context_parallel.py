@@ -51,10 +51,7 @@ def train(strategy, weights, x, y, optimizer="adam", build=None):
 
 @pytest.fixture(scope="module")
 def corpus():
-    x, y = context_models.corpus(N, seq_len=SEQ)
-    keras.utils.set_random_seed(0)
-    weights = context_models.causal_transformer(**CONFIG).get_weights()
-    return weights, x, y
+    return context_models.weights_and_corpus(CONFIG, N, SEQ)
 
 
 @pytest.fixture(scope="module")

@@ -44,10 +44,7 @@ def context_gathers(programs, phase):
 
 @pytest.fixture(scope="module")
 def corpus():
-    x, y = context_models.corpus(BATCH, seq_len=SEQ)
-    keras.utils.set_random_seed(0)
-    weights = context_models.causal_transformer(**CONFIG).get_weights()
-    return weights, x, y
+    return context_models.weights_and_corpus(CONFIG, BATCH, SEQ)
 
 
 def train_once(strategy, weights, x, y):

@@ -63,7 +63,12 @@ sys.path = [p for p in sys.path
             if os.path.abspath(p or ".") != os.path.dirname(
                 os.path.abspath(__file__))]
 
+# The model is the context tests' (as benchmarks/keras_hub.py uses theirs).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "tests"))
+
 import tfpar  # noqa: E402
+import context_models  # noqa: E402
 
 MESHES = [
     ("data=8", {"data": 8}, False),
@@ -105,25 +110,12 @@ def parse_args(argv=None):
 
 
 def causal_transformer(seq_len, layers, dim, heads):
-    """Pre-norm causal transformer; positions are an input (so a load
-    balanced sequence carries its own)."""
-    import keras  # noqa: PLC0415
-    tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
-    positions = keras.Input((seq_len,), dtype="int32", name="positions")
-    h = keras.layers.Embedding(VOCAB, dim, name="tok_embed")(tokens)
-    h = h + keras.layers.Embedding(seq_len, dim, name="pos_embed")(positions)
-    for i in range(layers):
-        a = keras.layers.LayerNormalization(name=f"b{i}_ln1")(h)
-        a = keras.layers.MultiHeadAttention(heads, dim // heads,
-                                            name=f"b{i}_attn")(
-            a, a, use_causal_mask=True)
-        h = h + a
-        m = keras.layers.LayerNormalization(name=f"b{i}_ln2")(h)
-        m = keras.layers.Dense(4 * dim, activation="gelu", name=f"b{i}_up")(m)
-        h = h + keras.layers.Dense(dim, name=f"b{i}_down")(m)
-    h = keras.layers.LayerNormalization(name="ln_f")(h)
-    logits = keras.layers.Dense(VOCAB, name="lm_head")(h)
-    return keras.Model({"tokens": tokens, "positions": positions}, logits)
+    """The context tests' pre-norm causal transformer
+    (`tests/context_models.py`; positions are an input, so a load balanced
+    sequence carries its own) with MLPs of 4 × dim."""
+    return context_models.causal_transformer(
+        vocab=VOCAB, seq_len=seq_len, dim=dim, heads=heads, layers=layers,
+        mlp_ratio=4)
 
 
 def corpus(n, seq_len):

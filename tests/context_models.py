@@ -10,9 +10,11 @@ import models
 
 
 def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
-                       dropout=0.0, mask_zero=False, kv_heads=None):
+                       dropout=0.0, mask_zero=False, kv_heads=None,
+                       mlp_ratio=2):
     """`kv_heads`: Keras' GroupQueryAttention with that many key/value
-    heads instead of MultiHeadAttention."""
+    heads instead of MultiHeadAttention; MLPs of `mlp_ratio` × dim
+    (benchmarks/context.py builds it with 4)."""
     tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
     positions = keras.Input((seq_len,), dtype="int32", name="positions")
     h = keras.layers.Embedding(vocab, dim, mask_zero=mask_zero,
@@ -30,7 +32,8 @@ def causal_transformer(vocab=32, seq_len=16, dim=32, heads=4, layers=1,
         a = attention(a, a, use_causal_mask=True)
         h = h + a
         m = keras.layers.LayerNormalization(name=f"b{i}_ln2")(h)
-        m = keras.layers.Dense(2 * dim, activation="gelu", name=f"b{i}_up")(m)
+        m = keras.layers.Dense(mlp_ratio * dim, activation="gelu",
+                               name=f"b{i}_up")(m)
         h = h + keras.layers.Dense(dim, name=f"b{i}_down")(m)
     h = keras.layers.LayerNormalization(name="ln_f")(h)
     logits = keras.layers.Dense(vocab, name="lm_head")(h)

@@ -5,6 +5,8 @@ GPT read from a builder in seconds."""
 
 import dataclasses
 import os
+import pathlib
+import re
 import sys
 import threading
 import time
@@ -63,6 +65,29 @@ def test_the_development_set_is_estimated_within_the_issue_bounds():
     assert len(errors) + len(planner_published.LEFT_OUT) == 35
     assert mae <= 0.10, errors
     assert worst <= 0.25, errors
+
+
+def test_the_docs_quote_the_figures_the_benchmarks_compute():
+    """README and docs/status.md quote the development set's and the
+    held-out set's counts and errors, and the pairs ordered: each equals
+    what the benchmark scripts compute today (a stale figure fails)."""
+    dev = planner_published.errors()
+    held = planner_heldout.errors()
+    dev_mae, dev_worst = planner_published.summary(dev)
+    held_mae, held_worst = planner_published.summary(held)
+    agree, total, _ = planner_heldout.pair_agreement()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    status = " ".join((root / "docs" / "status.md").read_text().split())
+    readme = " ".join((root / "README.md").read_text().split())
+    dev_text = (rf"{len(dev)} published GPT runs (on \S+ )?within "
+                rf"{dev_mae:.1%} mean")
+    held_text = rf"{len(held)} held-out runs within {held_mae:.1%}"
+    for text in (dev_text, held_text):
+        text = text.replace(".", r"\.")
+        assert re.search(text, status) and re.search(text, readme), text
+    assert f"(worst {dev_worst:.1%})" in status
+    assert f"(worst {held_worst:.1%})" in status
+    assert f"reproduced for {agree} of {total} published pairs" in status
 
 
 def test_no_published_configuration_runs_above_peak():

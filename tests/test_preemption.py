@@ -20,8 +20,10 @@ import fuzzing
 import models
 import preemption_loop
 import tfpar
-from test_launch import launch, workdir  # noqa: F401 (fixture)
+from test_launch import TESTS, launch, workdir  # noqa: F401 (fixture)
 from tfpar import hosts
+
+LOOP_CHILD = TESTS / "preemption_loop_child.py"
 
 
 @pytest.mark.slow  # two launches of two TF processes
@@ -157,3 +159,33 @@ def test_on_preemption_refuses_bad_input(tmp_path):
     guard = tfpar.on_preemption(str(tmp_path), model)
     with pytest.raises(RuntimeError, match=r"inside `with tfpar.on_preemp"):
         guard.step_end()
+
+
+@pytest.mark.slow  # two launches of two TF processes
+def test_a_custom_loop_on_two_hosts_saves_one_step_and_resumes(workdir):
+    status, out, _ = launch(workdir, "preempt", child=LOOP_CHILD)
+    assert status == 128 + signal.SIGTERM, out[-4000:]
+    assert "[launch] received SIGTERM: forwarded to every host" in out
+    saved = [np.load(workdir / f"loop-preempt-host{h}.npz") for h in (0, 1)]
+    for h in (0, 1):  # the agreed step (see preemption_loop_child.py)
+        assert f"host {h} preempted=True saved step 4" in out, out[-4000:]
+        assert int(saved[h]["step"]) == 4
+    assert tfpar.latest_checkpoint(str(workdir / "preempt")).endswith(
+        "ckpt-4")
+    status, out, _ = launch(workdir, "resume", child=LOOP_CHILD)
+    assert status == 0, out[-4000:]
+    given = np.load(workdir / "given.npz")
+    weights = [given[f"w{i}"] for i in range(6)]
+    (want_losses, want_weights), exact = uninterrupted(
+        weights, given["x"], given["y"], 12)
+    for h in (0, 1):
+        resumed = np.load(workdir / f"loop-resume-host{h}.npz")
+        assert int(resumed["step"]) == 4
+        for i in range(6):
+            np.testing.assert_array_equal(resumed[f"w{i}"], saved[h][f"w{i}"])
+        end = np.load(workdir / f"loop-end-host{h}.npz")
+        assert int(end["step"]) == 12
+        # Steps 4..11 after the restore: as the uninterrupted run's.
+        fuzzing.assert_parity(want_losses[4:], end["losses"], want_weights,
+                              [end[f"w{i}"] for i in range(6)],
+                              exact=(exact[0][4:], exact[1]))

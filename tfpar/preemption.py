@@ -290,14 +290,17 @@ def on_preemption(directory, model, resume=True, signals=SIGNALS):
     ...     model.optimizer.apply_gradients(
     ...         zip(grads, model.trainable_variables))
     >>> step_fn = tf.function(lambda x, y: strategy.run(train_step, (x, y)))
-    >>> x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    >>> x, y = np.ones((800, 4), "float32"), np.ones((800, 1), "float32")
+    >>> data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     >>> with tfpar.on_preemption("/tmp/run/preempt", model) as guard:
-    ...     for step in range(guard.start_step, 100):
-    ...         step_fn(x, y)           # the batch of `step`
-    ...         if guard.step_end():    # saved at the agreed step
+    ...     batches = strategy.experimental_distribute_dataset(
+    ...         data.skip(guard.start_step))  # on from the restored step
+    ...     for inputs, targets in batches:
+    ...         step_fn(inputs, targets)
+    ...         if guard.step_end():  # saved at the agreed step: stop
     ...             break
-    >>> guard.preempted                 # doctest: +SKIP
-    False
+    >>> guard.preempted, guard.step   # no signal came
+    (False, 100)
 
     Args:
         directory: the checkpoint directory every host sees.

@@ -6,6 +6,12 @@ step under `tfpar.PreemptionCheckpoint`; the next start restores that step
 and those weights. A host that never begins a step ends the job within the
 step timeout (every step on several hosts is watched: TFPAR_STEP_TIMEOUT),
 named; a host that exits cleanly (under a `StepWatchdog`) is named so.
+
+Custom loops (`tfpar.on_preemption`, the loop of tests/preemption_loop.py):
+on one process a real SIGTERM at step 3 saves step 3 and stops; the next
+loop restores those weights bit for bit and ends in parity with one
+device's uninterrupted run (Adam: its state is restored too). On two hosts
+(tests/preemption_loop_child.py) both save the agreed step 4 and resume.
 """
 
 import contextlib

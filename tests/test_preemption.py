@@ -6,17 +6,30 @@ step under `tfpar.PreemptionCheckpoint`; the next start restores that step
 and those weights. A host that never begins a step ends the job within the
 step timeout (every step on several hosts is watched: TFPAR_STEP_TIMEOUT),
 named; a host that exits cleanly (under a `StepWatchdog`) is named so.
+
+Custom loops (`tfpar.on_preemption`, the loop of tests/preemption_loop.py):
+on one process a real SIGTERM at step 3 saves step 3 and stops; the next
+loop restores those weights bit for bit and ends in parity with one
+device's uninterrupted run (Adam: its state is restored too). On two hosts
+(tests/preemption_loop_child.py) both save the agreed step 4 and resume.
 """
 
+import contextlib
 import os
 import signal
 
+import keras
 import numpy as np
 import pytest
 
+import fuzzing
+import models
+import preemption_loop
 import tfpar
-from test_launch import launch, workdir  # noqa: F401 (fixture)
+from test_launch import TESTS, launch, workdir  # noqa: F401 (fixture)
 from tfpar import hosts
+
+LOOP_CHILD = TESTS / "preemption_loop_child.py"
 
 
 @pytest.mark.slow  # two launches of two TF processes
@@ -71,3 +84,114 @@ def test_a_host_that_exits_cleanly_is_named_so(workdir):
     assert "[launch] host 1 exited with status" not in out  # status 0
     assert "exited cleanly" in out, out[-4000:]
     assert "killed, stopped or unreachable" not in out
+
+
+# -- custom loops: tfpar.on_preemption ----------------------------------------
+
+LOOP_STEPS = 8  # 128 rows, batch 16: one pass
+
+
+def loop_start():
+    """The loop tests' first weights and data."""
+    keras.utils.set_random_seed(0)
+    weights = models.host_mlp().get_weights()
+    return weights, *models.mlp_data(n=128)
+
+
+def uninterrupted(weights, x, y, steps):
+    """One device's (losses, weights) of the loop run without a stop, and
+    the same in float64 (the Adam check's `exact`, fuzzing.assert_parity)."""
+    runs = []
+    for dtype in ("float32", "float64"):
+        with fuzzing.float64_policy() if dtype == "float64" else \
+                contextlib.nullcontext():
+            model = preemption_loop.compiled_mlp(
+                None, [w.astype(dtype) for w in weights])
+            losses = preemption_loop.train(None, model, x.astype(dtype),
+                                           y.astype(dtype), steps)
+            runs.append((losses, model.get_weights()))
+    return runs
+
+
+def test_a_custom_loop_saves_at_the_signal_and_resumes_in_parity(tmp_path):
+    weights, x, y = loop_start()
+    directory = str(tmp_path / "preempt")
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"]))
+    before = signal.getsignal(signal.SIGTERM)
+    model = preemption_loop.compiled_mlp(strategy, weights)
+
+    def preempt_at_step_3(step):
+        if step == 2:  # the third step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with tfpar.on_preemption(directory, model) as guard:
+        assert signal.getsignal(signal.SIGTERM) != before
+        assert guard.restored_step is None and guard.start_step == 0
+        first = preemption_loop.train(strategy, model, x, y, LOOP_STEPS,
+                                      guard, preempt_at_step_3)
+    assert signal.getsignal(signal.SIGTERM) == before  # restored on exit
+    # One host: saved at the end of the step the signal came in, stopped.
+    assert guard.requested and guard.preempted and guard.saved_step == 3
+    assert len(first) == 3 and guard.step == 3
+    assert tfpar.latest_checkpoint(directory).endswith("ckpt-3")
+    saved = model.get_weights()
+
+    resumed_model = preemption_loop.compiled_mlp(strategy, weights)
+    with tfpar.on_preemption(directory, resumed_model) as resumed:
+        assert resumed.restored_step == 3 and resumed.start_step == 3
+        for got, want in zip(resumed_model.get_weights(), saved):
+            np.testing.assert_array_equal(got, want)  # bit for bit
+        rest = preemption_loop.train(strategy, resumed_model, x, y,
+                                     LOOP_STEPS, resumed)
+    assert not resumed.preempted and resumed.step == LOOP_STEPS
+    (want_losses, want_weights), exact = uninterrupted(weights, x, y,
+                                                       LOOP_STEPS)
+    fuzzing.assert_parity(want_losses, np.concatenate([first, rest]),
+                          want_weights, resumed_model.get_weights(),
+                          exact=exact)
+
+
+def test_on_preemption_refuses_bad_input(tmp_path):
+    model = models.host_mlp()
+    with pytest.raises(ValueError, match=r"directory.*Received: directory="
+                       r"PosixPath"):
+        tfpar.on_preemption(tmp_path, model)
+    with pytest.raises(ValueError, match=r"needs the Keras model.*"
+                       r"Received: model=None"):
+        tfpar.on_preemption(str(tmp_path), None)
+    with pytest.raises(ValueError, match=r"signals=.*Received: signals="):
+        tfpar.on_preemption(str(tmp_path), model, signals=("TERM",))
+    guard = tfpar.on_preemption(str(tmp_path), model)
+    with pytest.raises(RuntimeError, match=r"inside `with tfpar.on_preemp"):
+        guard.step_end()
+
+
+@pytest.mark.slow  # two launches of two TF processes
+def test_a_custom_loop_on_two_hosts_saves_one_step_and_resumes(workdir):
+    status, out, _ = launch(workdir, "preempt", child=LOOP_CHILD)
+    assert status == 128 + signal.SIGTERM, out[-4000:]
+    assert "[launch] received SIGTERM: forwarded to every host" in out
+    saved = [np.load(workdir / f"loop-preempt-host{h}.npz") for h in (0, 1)]
+    for h in (0, 1):  # the agreed step (see preemption_loop_child.py)
+        assert f"host {h} preempted=True saved step 4" in out, out[-4000:]
+        assert int(saved[h]["step"]) == 4
+    assert tfpar.latest_checkpoint(str(workdir / "preempt")).endswith(
+        "ckpt-4")
+    status, out, _ = launch(workdir, "resume", child=LOOP_CHILD)
+    assert status == 0, out[-4000:]
+    given = np.load(workdir / "given.npz")
+    weights = [given[f"w{i}"] for i in range(6)]
+    (want_losses, want_weights), exact = uninterrupted(
+        weights, given["x"], given["y"], 12)
+    for h in (0, 1):
+        resumed = np.load(workdir / f"loop-resume-host{h}.npz")
+        assert int(resumed["step"]) == 4
+        for i in range(6):
+            np.testing.assert_array_equal(resumed[f"w{i}"], saved[h][f"w{i}"])
+        end = np.load(workdir / f"loop-end-host{h}.npz")
+        assert int(end["step"]) == 12
+        # Steps 4..11 after the restore: as the uninterrupted run's.
+        fuzzing.assert_parity(want_losses[4:], end["losses"], want_weights,
+                              [end[f"w{i}"] for i in range(6)],
+                              exact=(exact[0][4:], exact[1]))

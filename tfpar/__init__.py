@@ -79,7 +79,10 @@ from tfpar.styles import (  # noqa: E402
 )
 from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
-from tfpar.preemption import PreemptionCheckpoint  # noqa: E402
+from tfpar.preemption import (  # noqa: E402
+    PreemptionCheckpoint,
+    on_preemption,
+)
 from tfpar.watchdog import StepWatchdog  # noqa: E402
 from tfpar.planner import Cluster, Plan, estimate, plan  # noqa: E402
 from tfpar.planner.monitor import StepTimeMonitor  # noqa: E402
@@ -112,6 +115,7 @@ __all__ = [
     "layers",
     "latest_checkpoint",
     "memory_report",
+    "on_preemption",
     "pipeline",
     "plan",
     "plot_schedule",

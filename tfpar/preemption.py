@@ -2,9 +2,11 @@
 
 A scheduler preempts a job with SIGTERM (Slurm, Kubernetes; `python -m
 tfpar.launch` forwards its own SIGTERM/SIGINT to every host). Under
-`PreemptionCheckpoint`, a host that receives one does not stop: it tells
-the other hosts (tfpar's heartbeat channel, `tfpar.host_watch`), and the
-hosts agree on the step to save at:
+`PreemptionCheckpoint` (a Keras callback, for `fit`) or
+`tfpar.on_preemption` (a context manager, for a custom `strategy.run`
+loop), a host that receives one does not stop: it tells the other hosts
+(tfpar's heartbeat channel, `tfpar.host_watch`), and the hosts agree on
+the step to save at (`PreemptionAgreement`, which both drive):
 
 - at the end of a step c, a host that knows of the preemption and of no
   agreed step proposes step t = c + 2 and sends it to every host, waiting
@@ -20,14 +22,15 @@ c' > c) already knows t and does not; two proposals made without knowing
 of each other are therefore made at the same c, and agree. On one host
 the save happens at the end of the step that is running.
 
-A signal within the last two steps of `fit` (or outside `fit`) saves
+A signal within the last two steps of training (or outside it) saves
 nothing here: no step is left to agree on without a collective, and the
-script's own end-of-training save applies (`callback.requested` says a
-signal came). The next start restores the latest checkpoint of `directory` (if any) at
-the beginning of training: `restored_step` says which step (the data
-position is the script's: e.g. `fit(initial_epoch=step // steps_per_epoch)`).
+script's own end-of-training save applies (`.requested` says a signal
+came). The next start restores the latest checkpoint of `directory` (if
+any) when training begins: `restored_step` says which step (the data
+position is the script's: e.g. `fit(initial_epoch=step //
+steps_per_epoch)`, or a custom loop starting at `guard.start_step`).
 
-Example:
+Example (fit):
 
 >>> callback = tfpar.PreemptionCheckpoint("/tmp/run/preempt")
 >>> model.fit(x, y, epochs=3, callbacks=[callback])    # doctest: +SKIP
@@ -49,32 +52,19 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _MARGIN = 2  # steps between the proposal and the save (see above)
 
 
-class PreemptionCheckpoint(keras.callbacks.Callback):
-    """On SIGTERM/SIGINT: all hosts save at one agreed step, then stop.
+class PreemptionAgreement:
+    """The hosts' agreement on the step to save at (module docstring).
 
-    Args:
-        directory: the checkpoint directory every host sees (as for
-            `tfpar.save_checkpoint`).
-        resume: restore the latest checkpoint of `directory`, if there is
-            one, when training begins.
-        signals: the signals that mean preemption.
+    Counts the steps the training loop reports (`step_end`), catches
+    `signals` between `install` and `uninstall` and hears the other hosts'
+    notices and proposals through `tfpar.host_watch`.
     """
 
-    def __init__(self, directory, resume=True, signals=SIGNALS):
-        super().__init__()
-        if not isinstance(directory, str) or not directory:
-            raise ValueError(
-                "PreemptionCheckpoint(directory) needs a directory path. "
-                f"Received: directory={directory!r}")
-        self.directory = directory
-        self.resume = resume
+    def __init__(self, signals=SIGNALS):
         self.signals = tuple(signals)
-        self.preempted = False
-        self.saved_step = None
-        self.restored_step = None
+        self.completed = 0  # steps finished (from the restored step on)
         self._requested = threading.Event()
         self._target = None
-        self._completed = 0
         self._previous = {}
 
     @property
@@ -82,32 +72,16 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         """Whether a preemption signal (or a peer's notice) came."""
         return self._requested.is_set()
 
-    # -- Keras callbacks ------------------------------------------------------
-
-    def on_train_begin(self, logs=None):
-        if self.resume and latest_checkpoint(self.directory) is not None:
-            self.restored_step = restore_checkpoint(self.model,
-                                                    self.directory)
-            self._completed = self.restored_step
+    def install(self):
+        """This host's signal handlers and peer hook, until `uninstall`."""
         self._previous = {number: signal.signal(number, self._signalled)
                           for number in self.signals}
         watch = host_watch.current()
         if watch is not None:
             watch.on_preempt = self._heard
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._completed += 1
-        target = self._agreed_step()
-        if target is None or self._completed < target:
-            return
-        save_checkpoint(self.model, self.directory, step=self._completed)
-        self.saved_step = self._completed
-        self.preempted = True
-        self.model.stop_training = True
-        sys.stderr.write(f"tfpar: preempted; saved step {self._completed} "
-                         f"to {self.directory}\n")
-
-    def on_train_end(self, logs=None):
+    def uninstall(self):
+        """The signal handlers from before `install`, and no peer hook."""
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous = {}
@@ -115,7 +89,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         if watch is not None and watch.on_preempt == self._heard:
             watch.on_preempt = None
 
-    # -- the agreement --------------------------------------------------------
+    def step_end(self):
+        """Counts a finished step; True when this is the step to save at."""
+        self.completed += 1
+        target = self._agreed_step()
+        return target is not None and self.completed >= target
 
     def _agreed_step(self):
         """The step to save at (None: no preemption)."""
@@ -123,9 +101,9 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             return self._target
         watch = host_watch.current()
         if watch is None:
-            self._target = self._completed  # one host: save now
+            self._target = self.completed  # one host: save now
             return self._target
-        self._target = self._completed + _MARGIN
+        self._target = self.completed + _MARGIN
         watch.tell_others("preempt", self._target)
         return self._target
 
@@ -143,3 +121,213 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self._requested.set()
         if target:
             self._target = max(self._target or 0, target)
+
+
+def _check_directory(function, directory):
+    if not isinstance(directory, str) or not directory:
+        raise ValueError(
+            f"{function}(directory) needs a directory path (a non-empty "
+            f"str) that every host sees. Received: directory={directory!r}")
+
+
+def _resume(model, directory):
+    """The step restored from `directory`'s latest checkpoint, or None."""
+    if latest_checkpoint(directory) is None:
+        return None
+    return restore_checkpoint(model, directory)
+
+
+def _save(model, directory, step):
+    save_checkpoint(model, directory, step=step)
+    sys.stderr.write(f"tfpar: preempted; saved step {step} to {directory}\n")
+
+
+class PreemptionCheckpoint(keras.callbacks.Callback):
+    """On SIGTERM/SIGINT: all hosts save at one agreed step, then stop.
+
+    For `model.fit`; a custom `strategy.run` loop uses
+    `tfpar.on_preemption`.
+
+    Args:
+        directory: the checkpoint directory every host sees (as for
+            `tfpar.save_checkpoint`).
+        resume: restore the latest checkpoint of `directory`, if there is
+            one, when training begins.
+        signals: the signals that mean preemption.
+    """
+
+    def __init__(self, directory, resume=True, signals=SIGNALS):
+        super().__init__()
+        _check_directory("PreemptionCheckpoint", directory)
+        self.directory = directory
+        self.resume = resume
+        self.signals = tuple(signals)
+        self.preempted = False
+        self.saved_step = None
+        self.restored_step = None
+        self._agreement = PreemptionAgreement(self.signals)
+
+    @property
+    def requested(self):
+        """Whether a preemption signal (or a peer's notice) came."""
+        return self._agreement.requested
+
+    def on_train_begin(self, logs=None):
+        if self.resume:
+            self.restored_step = _resume(self.model, self.directory)
+            if self.restored_step is not None:
+                self._agreement.completed = self.restored_step
+        self._agreement.install()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.preempted or not self._agreement.step_end():
+            return
+        self.saved_step = self._agreement.completed
+        _save(self.model, self.directory, self.saved_step)
+        self.preempted = True
+        self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        self._agreement.uninstall()
+
+
+class PreemptionGuard:
+    """`tfpar.on_preemption`'s context manager for a custom loop.
+
+    Inside `with`: this host's signal handlers (the previous ones back on
+    exit) and its peer hook. The loop reports each finished step with
+    `step_end()`, which returns True (after saving) at the agreed step.
+
+    Attributes:
+        restored_step: the step restored on entering (None: none was).
+        start_step: the first step to run (`restored_step` or 0).
+        step: the steps finished (`start_step` plus those reported).
+        requested: a preemption signal (or a peer's notice) came.
+        preempted, saved_step: whether it saved, and at which step.
+    """
+
+    def __init__(self, directory, model, resume=True, signals=SIGNALS):
+        self.directory = directory
+        self.model = model
+        self.resume = resume
+        self.preempted = False
+        self.saved_step = None
+        self.restored_step = None
+        self._agreement = PreemptionAgreement(signals)
+        self._inside = False
+
+    @property
+    def requested(self):
+        return self._agreement.requested
+
+    @property
+    def step(self):
+        return self._agreement.completed
+
+    @property
+    def start_step(self):
+        return self.restored_step or 0
+
+    def __enter__(self):
+        if self.resume:
+            self.restored_step = _resume(self.model, self.directory)
+            if self.restored_step is not None:
+                self._agreement.completed = self.restored_step
+        self._agreement.install()
+        self._inside = True
+        return self
+
+    def __exit__(self, *exc_info):
+        self._inside = False
+        self._agreement.uninstall()
+        return False
+
+    def step_end(self):
+        """Reports a finished training step (every host calls it after
+        each step). True: stop the loop (the agreed step was saved, now or
+        before)."""
+        if not self._inside:
+            raise RuntimeError(
+                "step_end() is called inside `with tfpar.on_preemption("
+                "directory, model) as guard:` (its signal handlers and "
+                "resume are installed on entering).")
+        if self.preempted:
+            return True
+        if not self._agreement.step_end():
+            return False
+        self.saved_step = self._agreement.completed
+        _save(self.model, self.directory, self.saved_step)
+        self.preempted = True
+        return True
+
+
+def on_preemption(directory, model, resume=True, signals=SIGNALS):
+    """Saves a custom training loop on SIGTERM/SIGINT, every host at one
+    agreed step, and resumes from it: `PreemptionCheckpoint` for loops.
+
+    Entering restores the latest checkpoint of `directory` (if any;
+    `guard.restored_step`, `guard.start_step`) and installs the signal
+    handlers (the previous ones are back on exit). The loop calls
+    `guard.step_end()` after every step, on every host: it returns True
+    at the agreed step, after `tfpar.save_checkpoint(model, directory,
+    step=...)` (the model's weights and `model.optimizer`'s state: compile
+    the model with the optimizer the loop applies), and the loop stops.
+    Steps are counted from the restored step. On several hosts a signal
+    within the loop's last two steps saves nothing (`guard.requested`: the
+    script's own final save applies).
+
+    Example:
+
+    >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2}))
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)),
+    ...                               keras.layers.Dense(1)])
+    ...     model.compile(optimizer="adam", loss="mse")
+    >>> def train_step(x, y):
+    ...     with tf.GradientTape() as tape:
+    ...         loss = tf.reduce_mean(tf.square(model(x) - y))
+    ...     grads = tape.gradient(loss, model.trainable_variables)
+    ...     model.optimizer.apply_gradients(
+    ...         zip(grads, model.trainable_variables))
+    >>> step_fn = tf.function(lambda x, y: strategy.run(train_step, (x, y)))
+    >>> x, y = np.ones((800, 4), "float32"), np.ones((800, 1), "float32")
+    >>> data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    >>> with tfpar.on_preemption("/tmp/run/preempt", model) as guard:
+    ...     batches = strategy.experimental_distribute_dataset(
+    ...         data.skip(guard.start_step))  # on from the restored step
+    ...     for inputs, targets in batches:
+    ...         step_fn(inputs, targets)
+    ...         if guard.step_end():  # saved at the agreed step: stop
+    ...             break
+    >>> guard.preempted, guard.step   # no signal came
+    (False, 100)
+
+    Args:
+        directory: the checkpoint directory every host sees.
+        model: the Keras model the loop trains (and its `optimizer`).
+        resume: restore the latest checkpoint of `directory` on entering.
+        signals: the signals that mean preemption.
+
+    Returns:
+        A `PreemptionGuard` to use in `with`.
+    """
+    _check_directory("on_preemption", directory)
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "on_preemption(model=...) needs the Keras model the loop trains "
+            f"(a keras.Model). Received: model={model!r}")
+    if not isinstance(resume, bool):
+        raise ValueError(f"on_preemption(resume=...) is True or False. "
+                         f"Received: resume={resume!r}")
+    return PreemptionGuard(directory, model, resume, _signal_numbers(signals))
+
+
+def _signal_numbers(signals):
+    try:
+        numbers = tuple(signal.Signals(number) for number in signals)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            "on_preemption(signals=...) is a sequence of signal numbers "
+            f"(e.g. (signal.SIGTERM,)). Received: signals={signals!r}"
+        ) from error
+    return numbers

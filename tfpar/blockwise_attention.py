@@ -58,6 +58,8 @@ True
 import numpy as np
 import tensorflow as tf
 
+from tfpar import data_dependency
+
 # Keras' additive mask value for float32 scores (`Softmax`'s adder).
 MASKED = -1e9
 # Keys per score tile: a device holds heads × q × TILE_KEYS scores at once.
@@ -350,7 +352,7 @@ def _waiting_on(rows):
       from dQ after block j, chaining the blocks as in the forward pass.
 
     A NaN in `rows` stays NaN (the result would be NaN anyway)."""
-    zero = tf.where(tf.equal(rows, rows), tf.zeros_like(rows), rows)
+    zero = data_dependency.zeros_like_waiting_on(rows)
     return tf.expand_dims(tf.transpose(zero, (0, 2, 1)), -1)
 
 
@@ -361,7 +363,7 @@ def _zero_per_head(block_gradient):
     spreads to the rest of that head's dQ, dK and dV (the kernel
     gradients summing them would be NaN anyway)."""
     rows = tf.reduce_sum(block_gradient[..., :1], axis=1, keepdims=True)
-    return tf.where(tf.equal(rows, rows), tf.zeros_like(rows), rows)
+    return data_dependency.zeros_like_waiting_on(rows)
 
 
 def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,

@@ -33,6 +33,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import data_dependency
 from tfpar import placement
 from tfpar import step_context
 
@@ -91,8 +92,7 @@ def reshard_after_forward(forward, stored, spec, mesh, gradient):
     unless that is computed from it.
     """
     def after(tensor):
-        total = tf.reduce_sum(tf.cast(tensor, tf.float32))
-        zero = tf.where(tf.equal(total, total), 0.0, float("nan"))
+        zero = data_dependency.scalar_zero_waiting_on(tensor)
         return stored + tf.cast(zero, stored.dtype)
 
     views, readers = _views_and_readers(forward)

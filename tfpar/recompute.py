@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from tfpar import _compat
+from tfpar import data_dependency
 from tfpar import step_context
 from tfpar.step_context import pushed
 
@@ -97,16 +98,6 @@ class _Call:
             return self.f(*args, **kwargs)
 
 
-def _upstream_zero(upstream):
-    """0.0 computed from the first upstream gradient (NaN if it is NaN):
-    the sum of its elements, one all-reduced scalar, not a gather of it."""
-    first = upstream[0]
-    if isinstance(first, tf.IndexedSlices):
-        first = first.values
-    first = tf.reduce_sum(tf.cast(first, tf.float32))
-    return tf.where(tf.equal(first, first), 0.0, float("nan"))
-
-
 def _scope_values():
     """([id(variable)], [value]) of the Keras `StatelessScope` the forward
     pass runs in (empty outside one): the values its variables read there,
@@ -127,7 +118,9 @@ def _recomputed_gradients(call, tensors, read, seeds, context, upstream,
     outside the forward's scope): a tied weight's copy gets its gradient
     as an input does. The call's own tensors it does not reach get zeros;
     values and variables it does not reach, None (no gradient)."""
-    zero = _upstream_zero(upstream)
+    # 0 computed from the first upstream gradient (NaN if its sum is): the
+    # recomputation waits for the backward pass to reach this call.
+    zero = data_dependency.scalar_zero_waiting_on(upstream[0])
     again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t
              for t in tensors]
     own = len(again) - len(read)

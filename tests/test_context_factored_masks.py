@@ -27,6 +27,7 @@ import tensorflow as tf
 
 import tfpar
 from tfpar import blockwise_attention
+from tfpar import context_parallel
 from tfpar.reports import program as program_lib
 
 import context_models
@@ -150,6 +151,42 @@ def test_window_without_causal_is_refused_naming_it():
         blockwise_attention.blockwise_attention(
             q, q, q, np.arange(4), np.arange(4), scale=1.0, causal=False,
             window=3)
+
+
+def test_factored_mask_is_block_masks_tile_for_tile():
+    """`FactoredMask` (what Keras layers carry) is a `BlockMasks` without
+    its dense part: from the same vectors, causal band and window, each
+    key tile's mask is the one blockwise attention builds, equal to the
+    dense mask's tile; a window without causal is refused by the same
+    check; `factored_or_none` is None exactly when it masks nothing."""
+    positions = np.array([0, 1, 6, 7, 2, 3, 4, 5])  # load-balanced order
+    key_valid = np.ones((2, 8), bool)
+    key_valid[1, positions >= 5] = False
+    query_valid = key_valid.copy()
+    allowed = (positions[:, None] >= positions[None, :]) & (
+        positions[:, None] - positions[None, :] < 3)
+    allowed = allowed[None] & key_valid[:, None, :] & query_valid[:, :, None]
+    factored = context_parallel.FactoredMask(
+        tf.constant(key_valid), causal=True, query_valid=tf.constant(
+            query_valid)).with_window(3)
+    plain = blockwise_attention.BlockMasks(
+        True, 3, key_valid=tf.constant(key_valid),
+        query_valid=tf.constant(query_valid))
+    anchor = tf.zeros((2, 8, 1, 1))  # Q: (batch, q, heads, dim)
+    for start, stop in [(0, 3), (3, 6), (6, 8)]:
+        want = np.where(allowed[:, None, :, start:stop], 0.0,
+                        blockwise_attention.MASKED)
+        for masks in (factored, plain):
+            got = blockwise_attention._additive_mask(  # noqa: SLF001
+                anchor, positions, positions[start:stop],
+                masks.block(start, stop))
+            np.testing.assert_array_equal(
+                np.broadcast_to(got, want.shape), want)
+    with pytest.raises(ValueError,
+                       match=r"FactoredMask.*window=3 with causal=False"):
+        context_parallel.FactoredMask(window=3)
+    assert context_parallel.factored_or_none(None, False) is None
+    assert context_parallel.factored_or_none(None, True).empty is False
 
 
 def test_sliding_window_skips_blocks_out_of_reach():

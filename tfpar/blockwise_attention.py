@@ -163,13 +163,21 @@ class BlockMasks:
     `window` by position, and at most three tensors: `dense` (batch, q, s)
     bool (a general mask: quadratic, s/cp × s per device under context
     parallelism), `key_valid` (batch, s) and `query_valid` (batch, q)
-    (padding: False where masked). `block(start, stop)` restricts it to
-    the keys [start, stop); `additive_parts` are the tensors' -1e9 / 0
-    adders, shaped to broadcast against (batch, heads, q, block)."""
+    (padding: False where masked; None: all valid). The one definition of
+    these fields and of their check (a `window` needs `causal`):
+    `context_parallel.FactoredMask`, the form Keras layers carry, is one
+    without `dense`. `block(start, stop)` restricts it to the keys
+    [start, stop); `additive_parts` are the tensors' -1e9 / 0 adders,
+    shaped to broadcast against (batch, heads, q, block).
+
+    >>> BlockMasks(causal=True, window=4).block(0, 2)
+    BlockMasks(causal=True, window=4, key_valid=None, query_valid=None)
+    """
 
     def __init__(self, causal, window=None, dense=None, key_valid=None,
                  query_valid=None):
-        self.causal, self.window = causal, window
+        _check_window(window, causal, type(self).__name__)
+        self.causal, self.window = bool(causal), window
         self.dense, self.key_valid = dense, key_valid
         self.query_valid = query_valid
 
@@ -182,6 +190,7 @@ class BlockMasks:
 
     @property
     def empty(self):
+        """Whether it masks nothing (no causal band, no tensor)."""
         return not self.causal and all(
             t is None for t in (self.dense, self.key_valid, self.query_valid))
 
@@ -194,6 +203,15 @@ class BlockMasks:
             yield adder(self.key_valid[:, None, None, :])
         if self.query_valid is not None:  # (b, 1, q, 1)
             yield adder(self.query_valid[:, None, :, None])
+
+    def __repr__(self):
+        def shown(t):
+            return None if t is None else tuple(t.shape)
+        dense = "" if self.dense is None else f", dense={shown(self.dense)}"
+        return (f"{type(self).__name__}(causal={self.causal}, "
+                f"window={self.window}{dense}, "
+                f"key_valid={shown(self.key_valid)}, "
+                f"query_valid={shown(self.query_valid)})")
 
 
 def _scores(query, key_block, scale, adder, soft_cap=None):
@@ -245,9 +263,9 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     dtype = query.dtype
     query, key, value = (tf.cast(t, tf.float32) for t in (query, key, value))
     key_positions = np.asarray(key_positions)
+    masks = BlockMasks(causal, window, mask, key_valid, query_valid)
     blocks = _computed_tiles(query_positions, key_positions, block_size,
                              causal, window, tile_size)
-    masks = BlockMasks(causal, window, mask, key_valid, query_valid)
 
     def adder(anchor, start, stop):
         if masks.empty:
@@ -271,21 +289,24 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
 
 def _computed_tiles(query_positions, key_positions, block_size, causal,
                     window, tile_size):
-    """`key_tiles` of the `visible_blocks`, `window` checked first."""
-    _check_window(window, causal)
+    """`key_tiles` of the `visible_blocks` (`window` checked by
+    `BlockMasks`)."""
     return key_tiles(visible_blocks(np.asarray(query_positions),
                                     key_positions, block_size, causal,
                                     window),
                      TILE_KEYS if tile_size is None else tile_size)
 
 
-def _check_window(window, causal):
+def _check_window(window, causal, owner):
+    """Raises a ValueError naming `owner` (the mask's class) unless
+    `window` is None or a positive number of keys on a causal mask."""
     if window is not None and (not causal or not isinstance(
             window, (int, np.integer)) or window < 1):
         raise ValueError(
-            f"blockwise_attention: window={window!r} with causal={causal}; "
-            "a sliding window is a positive number of keys on a causal "
-            "mask. Pass causal=True and window >= 1, or window=None.")
+            f"blockwise_attention's mask ({owner}): window={window!r} with "
+            f"causal={bool(causal)}; a sliding window is a positive number "
+            "of keys on a causal mask. Pass causal=True and window >= 1, or "
+            "window=None.")
 
 
 def _kept(probs, adder):

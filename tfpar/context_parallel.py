@@ -193,7 +193,8 @@ def context_in_step():
 
 def _batch_spec(tensor, extended):
     """The data axis when it divides the batch (as the inputs are split),
-    else whole."""
+    else whole: the one answer to "is the batch split?" of context-parallel
+    attention (`ulysses_attention.choose` and `attend` are given it)."""
     data_axis = extended.dims.data_axis
     size = extended.mesh.axis_size(data_axis)
     batch = tensor.shape[0]
@@ -213,16 +214,19 @@ def _pinned(tensor, sequence_spec, extended):
     return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
 
 
-class FactoredMask:
+class FactoredMask(blockwise.BlockMasks):
     """An attention mask kept in factors, never as a (batch, q, s) tensor:
+    a `blockwise_attention.BlockMasks` without its dense part, i.e.
     `key_valid` (batch, s) and `query_valid` (batch, q) bool vectors
     (padding: False where masked; None: all valid), causal and a sliding
-    `window` by global position. The patched mask builders (Keras'
-    `_compute_attention_mask`, keras-hub's decoders) return one in a step
-    on a context-split mesh, the attention layer hands it unchanged to its
-    `_compute_attention`, and `attend_across_context` builds each key
-    tile's mask from it inside `blockwise_attention`: O(s) bytes of mask
-    per sample instead of s/cp × s.
+    `window` by global position (fields and checks: `BlockMasks`'). The
+    patched mask builders (Keras' `_compute_attention_mask`, keras-hub's
+    decoders) return one in a step on a context-split mesh, the attention
+    layer hands it unchanged to its `_compute_attention`, and
+    `attend_across_context` builds each key tile's mask from it inside
+    `blockwise_attention`: O(s) bytes of mask per sample instead of
+    s/cp × s. What it adds for Keras' layers: Keras' argument order, a
+    tensor form (`__tf_tensor__`) and `with_window`.
 
     >>> FactoredMask(key_valid=None, causal=True, window=4)
     FactoredMask(causal=True, window=4, key_valid=None, query_valid=None)
@@ -230,8 +234,8 @@ class FactoredMask:
 
     def __init__(self, key_valid=None, causal=False, window=None,
                  query_valid=None):
-        self.key_valid, self.query_valid = key_valid, query_valid
-        self.causal, self.window = bool(causal), window
+        super().__init__(causal, window, key_valid=key_valid,
+                         query_valid=query_valid)
 
     def __tf_tensor__(self, dtype=None, name=None):
         """As a tensor: ones (batch, q, 1). keras-hub's Gemma attention
@@ -252,19 +256,11 @@ class FactoredMask:
         """The same mask, causal, seeing keys p_i - p_j < `window` only."""
         return FactoredMask(self.key_valid, True, window, self.query_valid)
 
-    def __repr__(self):
-        def shown(t):
-            return None if t is None else tuple(t.shape)
-        return (f"FactoredMask(causal={self.causal}, window={self.window}, "
-                f"key_valid={shown(self.key_valid)}, "
-                f"query_valid={shown(self.query_valid)})")
-
 
 def factored_or_none(key_valid, causal, window=None, query_valid=None):
     """A `FactoredMask`, or None when it would mask nothing."""
-    if key_valid is None and query_valid is None and not causal:
-        return None
-    return FactoredMask(key_valid, causal, window, query_valid)
+    mask = FactoredMask(key_valid, causal, window, query_valid)
+    return None if mask.empty else mask
 
 
 def _pinned_vector(valid, sequence_spec, extended):
@@ -368,10 +364,11 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
     repetition sums the copies, so it reaches the same key/value heads."""
     extended = step_context.step_extended()
     factored = isinstance(mask, FactoredMask)
-    if ulysses.choose(extended, split.axis, query, kv_groups,
+    batch = _batch_spec(query, extended)
+    if ulysses.choose(extended, split.axis, query, batch, kv_groups,
                       None if factored else mask) == "ulysses":
         return _attend_by_heads(split, query, key, value, scale, causal,
-                                mask, options, extended)
+                                mask, options, extended, batch)
     query = _pinned(query, split.axis, extended)
     key, value = (_gathered_heads(t, kv_groups, extended)
                   for t in (key, value))
@@ -384,11 +381,12 @@ def attend_across_context(split, query, key, value, scale, causal, mask=None,
 
 
 def _attend_by_heads(split, query, key, value, scale, causal, mask,
-                     options, extended):
+                     options, extended, batch):
     """`attend_across_context` by the Ulysses exchange (heads split instead
     of keys gathered, `ulysses_attention`): every device attends with all
     s query rows, so a `FactoredMask`'s vectors are gathered whole (b·s
-    bools each) and a dense mask is ulysses' to place."""
+    bools each) and a dense mask is ulysses' to place; `batch` is the
+    batch dimension's spec (`_batch_spec`)."""
     factored = isinstance(mask, FactoredMask)
     if factored:
         options = dict(options, **_mask_options(
@@ -401,7 +399,6 @@ def _attend_by_heads(split, query, key, value, scale, causal, mask,
             q, k, v, split.order(q.shape[1]), split.order(k.shape[1]),
             scale=scale, mask=m, block_size=k.shape[1] // split.size,
             **options)
-    batch = _batch_spec(query, extended)
     return ulysses.attend(
         query, key, value, None if factored else mask, attention,
         functools.partial(

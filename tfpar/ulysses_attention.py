@@ -137,12 +137,15 @@ def _other_split_axes(mesh, axis, batch_axis):
             if mesh.axis_size(a) > 1 and a not in (axis, batch_axis)]
 
 
-def choose(extended, axis, query, kv_groups=1, mask=None):
+def choose(extended, axis, query, batch_spec, kv_groups=1, mask=None):
     """"gather" or "ulysses" for the attention of `query` (batch, s, heads,
     dim; global shape) on the context axis `axis` of `extended`'s mesh,
-    by the strategy's mode (`exchange_of`). Raises a ValueError naming the
-    layer (its name scope) when "ulysses" is forced where it cannot run:
-    heads the axis does not divide, or another axis splitting them."""
+    by the strategy's mode (`exchange_of`). `batch_spec` is how the caller
+    lays out the batch dimension (the data axis when it divides the batch,
+    else `dtensor.UNSHARDED`): a device's rows are counted from it, as
+    `attend` is given it. Raises a ValueError naming the layer (its name
+    scope) when "ulysses" is forced where it cannot run: heads the axis
+    does not divide, or another axis splitting them."""
     mode = exchange_of(extended)
     if mode == "gather":
         return mode
@@ -168,19 +171,34 @@ def choose(extended, axis, query, kv_groups=1, mask=None):
         return "gather"
     if mode == "ulysses":
         return mode
-    data = mesh.axis_size(batch_axis) if batch_axis in mesh.axis_names else 1
-    rows = batch // data if batch and batch % data == 0 else (batch or 1)
+    rows = _rows_per_device(batch or 1, batch_spec, mesh)
     sizes = exchange_bytes(rows, length, heads, heads // kv_groups, head_dim,
-                           cp, query.dtype.size, _mask_bytes(mask, data))
+                           cp, query.dtype.size,
+                           _mask_bytes(mask, batch, batch_spec, mesh))
     return "ulysses" if sizes["ulysses"] < sizes["gather"] else "gather"
 
 
-def _mask_bytes(mask, data):
-    """The bytes of a device's whole (batch, s, s) `mask`: 0 for none or
-    a constant (made on every device, not moved)."""
+def _rows_per_device(rows, spec, mesh):
+    """A device's share of `rows` batch rows laid out by `spec` (a mesh
+    axis of `mesh`, a tfpar `Mesh`, or `dtensor.UNSHARDED`: all)."""
+    return rows if spec == dtensor.UNSHARDED else rows // mesh.axis_size(
+        spec)
+
+
+def _mask_batch_spec(mask, query_batch, batch_spec):
+    """The layout of a (batch or 1, s, s) mask's batch dimension: the
+    queries' `batch_spec` when it has their batch, else whole (broadcast)."""
+    return batch_spec if mask.shape[0] == query_batch else dtensor.UNSHARDED
+
+
+def _mask_bytes(mask, query_batch, batch_spec, mesh):
+    """The bytes of a device's whole (batch, s, s) `mask`, its batch laid
+    out as `attend` lays it out: 0 for none or a constant (made on every
+    device, not moved)."""
     if mask is None or tf.get_static_value(mask) is not None:
         return 0
-    rows = mask.shape[0] // data if mask.shape[0] % data == 0 else 1
+    rows = _rows_per_device(mask.shape[0], _mask_batch_spec(
+        mask, query_batch, batch_spec), mesh)
     return rows * int(np.prod(mask.shape[1:])) * mask.dtype.size
 
 
@@ -198,9 +216,8 @@ def attend(query, key, value, mask, attention, all_to_all, batch_spec,
     query, key, value = (all_to_all(t, split_dim=2, concat_dim=1)
                          for t in (query, key, value))
     if mask is not None:
-        mask_batch = batch_spec if mask.shape[0] == query.shape[0] else (
-            dtensor.UNSHARDED)
         mask = dtensor.relayout(mask, dtensor.Layout(
-            [mask_batch, dtensor.UNSHARDED, dtensor.UNSHARDED], mesh))
+            [_mask_batch_spec(mask, query.shape[0], batch_spec),
+             dtensor.UNSHARDED, dtensor.UNSHARDED], mesh))
     output = attention(query, key, value, mask)
     return all_to_all(output, split_dim=1, concat_dim=2)

@@ -211,10 +211,9 @@ def ids_split_over_data(ids):
     mesh = step_mesh(ids)
     if mesh is None or ids.shape.rank is None or ids.shape.rank < 2:
         return ids
-    data_axis = tf.distribute.get_strategy().extended.dims.data_axis
-    if data_axis not in mesh.dim_names or mesh.dim_size(data_axis) < 2:
-        return ids
-    if ids.shape[0] is None or ids.shape[0] % mesh.dim_size(data_axis):
+    dims = tf.distribute.get_strategy().extended.dims
+    data_axis = dims.batch_split(ids.shape[0])
+    if data_axis is None or data_axis not in mesh.dim_names:
         return ids
     specs = [data_axis] + [dtensor.UNSHARDED] * (ids.shape.rank - 1)
     return dtensor.relayout(ids, dtensor.Layout(specs, mesh))

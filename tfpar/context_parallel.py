@@ -192,15 +192,10 @@ def context_in_step():
 
 
 def _batch_spec(tensor, extended):
-    """The data axis when it divides the batch (as the inputs are split),
-    else whole: the one answer to "is the batch split?" of context-parallel
-    attention (`ulysses_attention.choose` and `attend` are given it)."""
-    data_axis = extended.dims.data_axis
-    size = extended.mesh.axis_size(data_axis)
-    batch = tensor.shape[0]
-    if size > 1 and batch is not None and batch % size == 0:
-        return data_axis
-    return dtensor.UNSHARDED
+    """The data axis when it splits the batch
+    (`ParallelDims.batch_split`), else whole: context-parallel attention
+    decides once (`ulysses_attention.choose` and `attend` are given it)."""
+    return extended.dims.batch_split(tensor.shape[0]) or dtensor.UNSHARDED
 
 
 def _pinned(tensor, sequence_spec, extended):

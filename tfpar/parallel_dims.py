@@ -185,6 +185,22 @@ class ParallelDims:
         """How many ways the batch is split (the data axis size, or 1)."""
         return self.mesh.axis_size(self.data_axis)
 
+    def batch_split(self, batch_size):
+        """The data axis when a batch of `batch_size` rows is split over it
+        (the axis has more than one device and divides the batch, as the
+        inputs are split), else None: the one answer to "is this batch
+        split?" for layouts chosen inside a step.
+
+        >>> import tfpar
+        >>> dims = ParallelDims(tfpar.Mesh({"data": 2, "model": 4}))
+        >>> dims.batch_split(8), dims.batch_split(3), dims.batch_split(None)
+        ('data', None, None)
+        """
+        size = self.data_parallel_size
+        if size > 1 and batch_size is not None and batch_size % size == 0:
+            return self.data_axis
+        return None
+
     @property
     def expert_parallel_size(self):
         """How many ways expert banks are split (the expert axis size, 1

@@ -50,7 +50,8 @@ _NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
 
 
 def auto_rules(model, axis=None, axis_size=None, mesh=None,
-               sequence_parallel=False, expert_axis=None):
+               sequence_parallel=False, expert_axis=None,
+               vocab_parallel=False):
     """LayoutRules for the standard tensor-parallel patterns of `model`.
 
     Plans every layer that owns weights, however deeply it is nested in
@@ -86,7 +87,19 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
       partial products over the hidden dimension, so logits are whole.
     - **Output heads** (a Dense/EinsumDense whose output reaches a model
       output through elementwise ops) and other unpaired Dense layers stay
-      whole, so logits are computed whole.
+      whole, so logits are computed whole. With `vocab_parallel=True` the
+      heads are split over their outputs (the vocabulary) instead: a
+      Dense/EinsumDense head ColumnParallel, an embedding whose reverse
+      projection makes the logits (keras-hub's ReversibleEmbedding, tied or
+      not) RowParallel (its table and `reverse_embeddings` by vocabulary).
+      Each device then computes logits (batch, sequence, vocab/k), and
+      DTensor's expansion of `SparseSoftmaxCrossEntropyWithLogits` (what
+      Keras' `SparseCategoricalCrossentropy(from_logits=True)` runs) keeps
+      them split: a local max, sum of exp and target logit per token, each
+      all-reduced over the model axis ((tokens, 1) values), as in
+      Megatron-LM's vocab-parallel cross-entropy. Whole logits are never
+      formed by the loss; a metric taking their argmax (keras-hub's
+      default `SparseCategoricalAccuracy`) still gathers them.
     - **Norms** (Keras' and other libraries' LayerNormalization /
       RMSNormalization, known by class) stay whole, or `SequenceParallel`
       with `sequence_parallel=True`.
@@ -118,6 +131,10 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
     row-parallel one; embedding outputs are re-split from hidden-wise to
     sequence-wise (gathered and sliced: DTensor's all-to-all is off). The head stays whole; DTensor gathers its
     input, so the logits are computed whole as without it.
+
+    `vocab_parallel=True` and `sequence_parallel=True` together are refused
+    (not planned yet: the reverse projection's logits would be re-split
+    along the sequence).
 
     Every layer with weights left whole, other than norms, is named by its
     own path in one warning, with the reason. Head counts or widths the axis
@@ -155,6 +172,9 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             current strategy's (`ParallelStrategy(expert_axis=...)`),
             "expert" outside a strategy. Its size is read from `mesh` (or
             the strategy's mesh); without either the banks stay whole.
+        vocab_parallel: split the output heads (logits) over the
+            vocabulary (see above); a vocabulary the model axis does not
+            divide raises ValueError naming the head.
 
     Returns:
         `tfpar.LayoutRules` with one exact-path rule per sharded layer.
@@ -164,6 +184,7 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             "auto_rules(sequence_parallel) must be True or False. Received: "
             f"sequence_parallel={sequence_parallel!r}"
         )
+    _check_vocab_parallel(vocab_parallel, sequence_parallel)
     if callable(model) and not isinstance(model, keras.Model):
         # A builder: traced on a copy with shapes and no memory, its layer
         # names given back so the next build's paths match the rules.
@@ -183,7 +204,7 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
             "Call it on data or build it with keras.Input first."
         )
     plan, whole, banks = _plan(model, axis, axis_size, sequence_parallel,
-                               experts, tensor_parallel)
+                               experts, tensor_parallel, vocab_parallel)
     if whole:
         listed = "".join(f"\n  {path} ({type(layer).__name__}): {reason}"
                          for path, (layer, reason) in whole.items())
@@ -235,7 +256,7 @@ def _axis_and_size(axis, axis_size, mesh):
 
 
 def _plan(model, axis, axis_size, sequence_parallel, experts,
-          tensor_parallel=True):
+          tensor_parallel=True, vocab_parallel=False):
     """({layer path: style}, {path: (layer, why it stays whole)},
     {expert bank weight path: spec}) of `model`."""
     column = ColumnParallel(axis, sequence_parallel=sequence_parallel)
@@ -256,7 +277,8 @@ def _plan(model, axis, axis_size, sequence_parallel, experts,
     silent |= _routers(units, set(plan)) | flow.head_norms
     for layer in units:
         if layer.path not in plan and layer.path not in set(whole) | silent:
-            _plan_unpaired(layer, flow, column, axis_size, plan, whole)
+            _plan_unpaired(layer, flow, column, axis_size, plan, whole,
+                           vocab_parallel)
     if not tensor_parallel:  # no model axis: only the expert banks split
         plan = {}
         whole = {path: why for path, why in whole.items()
@@ -348,12 +370,17 @@ def _plan_attention(projection, sources, column, row, axis_size, plan, whole):
             _check_divides(source, size, axis, axis_size, "heads")
 
 
-def _plan_unpaired(layer, flow, column, axis_size, plan, whole):
+def _plan_unpaired(layer, flow, column, axis_size, plan, whole,
+                   vocab_parallel=False):
     """A layer in no attention or MLP pattern: MultiHeadAttention and
     embeddings column-parallel, norms SequenceParallel (with sequence
-    parallelism) or whole, anything else whole with the reason."""
+    parallelism) or whole, output heads split over the vocabulary (with
+    `vocab_parallel`) or whole, anything else whole with the reason."""
     axis = column.axis
-    if isinstance(layer, keras.layers.MultiHeadAttention):
+    if vocab_parallel and id(layer) in flow.heads and (
+            _is_projection(layer) or _embedding_table(layer) is not None):
+        plan[layer.path] = _vocab_split(layer, column, axis_size)
+    elif isinstance(layer, keras.layers.MultiHeadAttention):
         _check_divides(layer, layer.num_heads, axis, axis_size, "num_heads")
         plan[layer.path] = column
     elif _embedding_table(layer) is not None:
@@ -366,6 +393,45 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole):
             plan[layer.path] = SequenceParallel(axis)
     else:
         whole[layer.path] = (layer, _why_whole(layer, flow))
+
+
+def _vocab_split(head, column, axis_size):
+    """The style splitting output head `head` over its outputs (the
+    vocabulary): ColumnParallel for a Dense/EinsumDense (kernel (in, vocab)
+    by columns, bias too); RowParallel for an embedding whose reverse
+    projection makes the logits (table (vocab, hidden) and
+    `reverse_embeddings` (hidden, vocab) by vocabulary). Each device then
+    holds the logits of its vocab/k tokens: logits[..., j] = h . W[:, j]
+    needs only column j of the projection."""
+    table = _embedding_table(head)
+    vocab = (table.shape[0] if table is not None
+             else _split_size(head, row=False))
+    if vocab % axis_size:
+        raise ValueError(
+            f"auto_rules(vocab_parallel=True) splits output head "
+            f"{head.path!r} ({type(head).__name__}) over its vocabulary of "
+            f"{vocab}, which mesh axis {column.axis!r} of size {axis_size} "
+            f"does not divide. Received: vocabulary={vocab}. Pad the "
+            f"vocabulary to a multiple of {axis_size}, or use "
+            "vocab_parallel=False (logits computed whole)."
+        )
+    if table is not None:
+        return RowParallel(column.axis)
+    return column
+
+
+def _check_vocab_parallel(vocab_parallel, sequence_parallel):
+    if not isinstance(vocab_parallel, bool):
+        raise TypeError(
+            "auto_rules(vocab_parallel) must be True or False. Received: "
+            f"vocab_parallel={vocab_parallel!r}"
+        )
+    if vocab_parallel and sequence_parallel:
+        raise ValueError(
+            "auto_rules(vocab_parallel=True) with sequence_parallel=True is "
+            "not supported yet. Received: vocab_parallel=True, "
+            "sequence_parallel=True. Use one of the two."
+        )
 
 
 # Models whose weight-owning layers are read once while a caller asks for

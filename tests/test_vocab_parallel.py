@@ -1,0 +1,159 @@
+"""Vocabulary-parallel logits and cross-entropy: auto_rules(vocab_parallel=True).
+
+Measured on TF 2.21: with the output head split over the vocabulary, Keras'
+`SparseCategoricalCrossentropy(from_logits=True)` runs
+`SparseSoftmaxCrossEntropyWithLogits`, and DTensor expands it on the local
+(tokens, vocab/k) logits with three all-reduces of (tokens, 1) over the
+model axis (max, sum of exp, target logit): Megatron-LM's vocab-parallel
+cross-entropy, with no patch. These tests hold it to that: parity with one
+device, each device holding its vocab shard of the head, and no collective
+of the compiled step gathering the logits.
+"""
+
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from tensorflow.experimental import dtensor
+
+import tfpar
+
+import hub_models
+import models
+import test_keras_hub as hub_checks
+
+MESH = {"data": 2, "model": 4}
+# Tokens per device in one step of hub_checks.train: the batch split over
+# "data", the whole sequence.
+TOKENS = hub_checks.BATCH // 2 * hub_models.SEQ_LEN
+LOSS_OP = r"compile_loss/.*SparseSoftmaxCrossEntropyWithLogits"
+LOGITS_OPS = re.compile(
+    r"^compile_loss/|token_embedding[^/]*/(Tensordot|MatMul|einsum)")
+LOOKUPS = re.compile(r"(token|position)_embedding[^/]*/(GatherV2|BroadcastTo)/")
+
+
+def vocab_plan(model, mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers kept whole: not checked here
+        return tfpar.auto_rules(model, mesh=mesh, vocab_parallel=True)
+
+
+def loss_logits_shapes(report):
+    """The per-device shapes of the (tokens, vocab) tensors the loss op
+    keeps for the backward pass (softmax - one_hot(target): the gradient
+    of the loss with respect to the logits)."""
+    return {shape for name, (shape, _) in report.saved_activations.items()
+            if re.search(LOSS_OP, name) and len(shape) == 2 and shape[1] > 1}
+
+
+def check_vocab_split(name, optimizer):
+    """Trains `name` on data=2 x model=4 with the vocab-parallel plan beside
+    one device (hub_checks' parity checks: losses, weights, Adam's chain),
+    checks every device holds only its vocab block of the head, and that
+    the compiled step never gathers the logits. Returns the report."""
+    reference, ref_losses, _ = hub_checks.train(name, optimizer)
+    with tfpar.communication.capture() as programs:
+        model, losses, _ = hub_checks.train(name, optimizer, MESH, vocab_plan)
+    assert models.relative_error(ref_losses, losses) < 1e-4, (ref_losses,
+                                                              losses)
+    for a, b in zip(reference.weights, model.weights):
+        assert a.path == b.path
+        if optimizer == "adam" and a.trainable:
+            continue  # hub_checks.check_adam below
+        if hub_checks.ZERO_GRADIENT.fullmatch(a.path):
+            assert np.abs(a.numpy() - b.numpy()).max() < 1e-4, a.path
+            continue
+        assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
+    if optimizer == "adam":
+        hub_checks.check_adam(name, reference, model)
+    tables = [w for w in model.weights if "token_embedding/" in w.path]
+    assert tables, [w.path for w in model.weights]
+    for table in tables:  # (vocab, hidden) by rows, (hidden, vocab) by columns
+        vocab_dim = 1 if table.path.endswith("reverse_embeddings") else 0
+        spec = [None, None]
+        spec[vocab_dim] = "model"
+        models.assert_one_block_per_device(table, tuple(spec))
+        for block in dtensor.unpack(table.value.read_value()):
+            assert block.shape[vocab_dim] == hub_models.VOCAB // 4, table.path
+    report = programs.train_report()
+    assert loss_logits_shapes(report) == {(TOKENS, hub_models.VOCAB // 4)}
+    # Forward, the logits' collectives (named by DTensor after the head's
+    # projection or the loss op) are the three (tokens, 1) all-reduces of
+    # the max, the sum of exp and the target logit.
+    logits = [c for c in report.select(phase="forward", spans="model")
+              if LOGITS_OPS.search(c.name)]
+    assert [(c.kind, c.shape) for c in logits] == [
+        ("all-reduce", (TOKENS, 1))] * 3, report
+    # The gathers left are embedding lookups': the read of the vocab-split
+    # table (DTensor 2.21 gathers a gather's params) and, for GPT-2, the
+    # hidden-split position embedding's output, as without vocab_parallel.
+    gathers = report.select(purpose="all-gather", spans="model")
+    assert all(LOOKUPS.search(c.name) for c in gathers), report
+    return report
+
+
+def test_gpt2_tied_head_trains_split_over_the_vocabulary():
+    """GPT-2 (tied ReversibleEmbedding), plain SGD, data=2 x model=4."""
+    check_vocab_split("gpt2", "sgd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,optimizer", [
+    ("gpt2", "adam"), ("llama", "sgd"), ("llama", "adam"), ("gemma", "sgd")])
+def test_vocab_split_matrix(name, optimizer):
+    """Tied (GPT-2, Gemma) and untied (Llama) heads, SGD and Adam."""
+    check_vocab_split(name, optimizer)
+
+
+@pytest.mark.slow
+def test_whole_logits_plan_computes_the_loss_on_whole_logits():
+    """The default plan, for comparison (GPT-2, data=2 x model=4): the loss
+    keeps (tokens, vocab) per device and the hidden-split tied head
+    all-reduces the whole (tokens, vocab) logits; the vocab plan keeps a
+    quarter and all-reduces 3 x (tokens, 1) (check_vocab_split)."""
+    with tfpar.communication.capture() as programs:
+        hub_checks.train("gpt2", "sgd", MESH, hub_checks.auto)
+    report = programs.train_report()
+    assert loss_logits_shapes(report) == {(TOKENS, hub_models.VOCAB)}
+    # The tied head, split by hidden, all-reduces whole partial logits.
+    logits = [c for c in report.select(phase="forward", spans="model")
+              if LOGITS_OPS.search(c.name)]
+    assert [(c.kind, c.shape) for c in logits] == [
+        ("all-reduce", (TOKENS, hub_models.VOCAB))], report
+
+
+def lm(vocab, name="head"):
+    tokens = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(64, 16, name="embed")(tokens)
+    h = keras.layers.Dense(16, activation="relu", name="mid")(h)
+    return keras.Model(tokens, keras.layers.Dense(vocab, name=name)(h))
+
+
+def test_heads_are_planned_split_over_the_vocabulary_only_when_asked():
+    """A Dense head is ColumnParallel with vocab_parallel=True and absent
+    (whole) by default; a keras-hub ReversibleEmbedding head RowParallel."""
+    model = lm(32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = dict(tfpar.auto_rules(model, axis_size=4).items())
+        split = dict(tfpar.auto_rules(model, axis_size=4,
+                                      vocab_parallel=True).items())
+    assert not [p for p in default if "head" in p]
+    assert split[re.escape("head")] == tfpar.ColumnParallel()
+    assert split[re.escape("embed")] == tfpar.ColumnParallel()
+    gpt2 = hub_models.build("gpt2")
+    rules = dict(vocab_plan(gpt2, tfpar.Mesh(MESH)).items())
+    assert rules[re.escape("token_embedding")] == tfpar.RowParallel()
+
+
+def test_a_vocabulary_the_axis_does_not_divide_is_refused_naming_the_head():
+    model = lm(30, name="logits_head")
+    with pytest.raises(ValueError, match=r"'logits_head'.*vocabulary of 30"):
+        tfpar.auto_rules(model, axis_size=4, vocab_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        tfpar.auto_rules(model, axis_size=2, vocab_parallel=True,
+                         sequence_parallel=True)
+    with pytest.raises(TypeError, match="vocab_parallel"):
+        tfpar.auto_rules(model, axis_size=2, vocab_parallel="yes")

@@ -31,7 +31,7 @@ TOKENS = hub_checks.BATCH // 2 * hub_models.SEQ_LEN
 LOSS_OP = r"compile_loss/.*SparseSoftmaxCrossEntropyWithLogits"
 LOGITS_OPS = re.compile(
     r"^compile_loss/|token_embedding[^/]*/(Tensordot|MatMul|einsum)")
-LOOKUPS = re.compile(r"(token|position)_embedding[^/]*/(GatherV2|BroadcastTo)/")
+TABLE_READ = re.compile(r"token_embedding[^/]*/GatherV2/ReadVariableOp/")
 
 
 def vocab_plan(model, mesh):
@@ -68,15 +68,21 @@ def check_vocab_split(name, optimizer):
         assert models.relative_error(a.numpy(), b.numpy()) < 1e-4, a.path
     if optimizer == "adam":
         hub_checks.check_adam(name, reference, model)
-    tables = [w for w in model.weights if "token_embedding/" in w.path]
-    assert tables, [w.path for w in model.weights]
-    for table in tables:  # (vocab, hidden) by rows, (hidden, vocab) by columns
-        vocab_dim = 1 if table.path.endswith("reverse_embeddings") else 0
-        spec = [None, None]
-        spec[vocab_dim] = "model"
-        models.assert_one_block_per_device(table, tuple(spec))
-        for block in dtensor.unpack(table.value.read_value()):
-            assert block.shape[vocab_dim] == hub_models.VOCAB // 4, table.path
+    tables = {w.path.rsplit("/", 1)[-1]: w for w in model.weights
+              if "token_embedding/" in w.path}
+    untied = "reverse_embeddings" in tables
+    # The logits table split by vocabulary: (hidden, vocab) by columns when
+    # untied (the lookup table then by hidden), else (vocab, hidden) by rows.
+    logits_table = tables["reverse_embeddings" if untied else "embeddings"]
+    vocab_dim = 1 if untied else 0
+    spec = [None, None]
+    spec[vocab_dim] = "model"
+    models.assert_one_block_per_device(logits_table, tuple(spec))
+    for block in dtensor.unpack(logits_table.value.read_value()):
+        assert block.shape[vocab_dim] == hub_models.VOCAB // 4
+    if untied:
+        models.assert_one_block_per_device(tables["embeddings"],
+                                           (None, "model"))
     report = programs.train_report()
     assert loss_logits_shapes(report) == {(TOKENS, hub_models.VOCAB // 4)}
     # Forward, the logits' collectives (named by DTensor after the head's
@@ -86,11 +92,14 @@ def check_vocab_split(name, optimizer):
               if LOGITS_OPS.search(c.name)]
     assert [(c.kind, c.shape) for c in logits] == [
         ("all-reduce", (TOKENS, 1))] * 3, report
-    # The gathers left are embedding lookups': the read of the vocab-split
-    # table (DTensor 2.21 gathers a gather's params) and, for GPT-2, the
-    # hidden-split position embedding's output, as without vocab_parallel.
+    # Nothing of the head or the loss is gathered, forward or backward. (The
+    # gathers left are those of the default plan, hidden-split lookups' and
+    # Llama's first residual adds, plus, for a tied head, the lookup's read
+    # of the vocab-split table: DTensor 2.21 gathers a gather's params.)
     gathers = report.select(purpose="all-gather", spans="model")
-    assert all(LOOKUPS.search(c.name) for c in gathers), report
+    assert not [c for c in gathers if LOGITS_OPS.search(c.name)], report
+    table_reads = [c for c in gathers if TABLE_READ.search(c.name)]
+    assert len(table_reads) == (0 if untied else 1), report
     return report
 
 
@@ -132,8 +141,10 @@ def lm(vocab, name="head"):
 
 
 def test_heads_are_planned_split_over_the_vocabulary_only_when_asked():
-    """A Dense head is ColumnParallel with vocab_parallel=True and absent
-    (whole) by default; a keras-hub ReversibleEmbedding head RowParallel."""
+    """A Dense head is VocabParallel with vocab_parallel=True and absent
+    (whole) by default; so is a keras-hub ReversibleEmbedding head, whose
+    specs split the vocabulary (tied: the table; untied: the reverse
+    table, the lookup table by hidden)."""
     model = lm(32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -141,11 +152,22 @@ def test_heads_are_planned_split_over_the_vocabulary_only_when_asked():
         split = dict(tfpar.auto_rules(model, axis_size=4,
                                       vocab_parallel=True).items())
     assert not [p for p in default if "head" in p]
-    assert split[re.escape("head")] == tfpar.ColumnParallel()
+    assert split[re.escape("head")] == tfpar.VocabParallel()
     assert split[re.escape("embed")] == tfpar.ColumnParallel()
-    gpt2 = hub_models.build("gpt2")
-    rules = dict(vocab_plan(gpt2, tfpar.Mesh(MESH)).items())
-    assert rules[re.escape("token_embedding")] == tfpar.RowParallel()
+    style = tfpar.VocabParallel()
+    head = model.get_layer("head")
+    assert style.spec_for(head, "kernel", (16, 32)) == (None, "model")
+    assert style.spec_for(head, "bias", (32,)) == ("model",)
+    for name, untied in (("gpt2", False), ("llama", True)):
+        lm_model = hub_models.build(name)
+        rules = dict(vocab_plan(lm_model, tfpar.Mesh(MESH)).items())
+        assert rules[re.escape("token_embedding")] == style
+        table = lm_model.backbone.token_embedding
+        shape = (hub_models.VOCAB, 32)
+        assert style.spec_for(table, "embeddings", shape) == (
+            (None, "model") if untied else ("model", None))
+        assert style.spec_for(table, "reverse_embeddings", shape[::-1]) == (
+            None, "model")
 
 
 def test_a_vocabulary_the_axis_does_not_divide_is_refused_naming_the_head():

@@ -76,6 +76,7 @@ from tfpar.styles import (  # noqa: E402
     Replicated,
     RowParallel,
     SequenceParallel,
+    VocabParallel,
 )
 from tfpar.auto_plan import auto_rules  # noqa: E402
 from tfpar.hosts import connect_hosts  # noqa: E402
@@ -101,6 +102,7 @@ __all__ = [
     "RowParallel",
     "SequenceParallel",
     "StepTimeMonitor",
+    "VocabParallel",
     "auto_rules",
     "checkpoint",
     "communication",

@@ -24,7 +24,8 @@ from tfpar import keras_graph
 from tfpar import parallel_dims
 from tfpar.layout import LayoutRules
 from tfpar.weightless import build_without_weights
-from tfpar.styles import ColumnParallel, RowParallel, SequenceParallel
+from tfpar.styles import (ColumnParallel, RowParallel, SequenceParallel,
+                          VocabParallel)
 
 # Ops a value passes through unchanged in layout: each output element depends
 # only on the same element of its inputs (and on constants). A Megatron MLP
@@ -88,10 +89,11 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
     - **Output heads** (a Dense/EinsumDense whose output reaches a model
       output through elementwise ops) and other unpaired Dense layers stay
       whole, so logits are computed whole. With `vocab_parallel=True` the
-      heads are split over their outputs (the vocabulary) instead: a
-      Dense/EinsumDense head ColumnParallel, an embedding whose reverse
-      projection makes the logits (keras-hub's ReversibleEmbedding, tied or
-      not) RowParallel (its table and `reverse_embeddings` by vocabulary).
+      heads are split over their outputs (the vocabulary) instead
+      (`VocabParallel`): a Dense/EinsumDense head by its kernel's columns;
+      an embedding whose reverse projection makes the logits (keras-hub's
+      ReversibleEmbedding) by vocabulary, its `reverse_embeddings` if
+      untied (the lookup table stays split by hidden), else its table.
       Each device then computes logits (batch, sequence, vocab/k), and
       DTensor's expansion of `SparseSoftmaxCrossEntropyWithLogits` (what
       Keras' `SparseCategoricalCrossentropy(from_logits=True)` runs) keeps
@@ -396,13 +398,8 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole,
 
 
 def _vocab_split(head, column, axis_size):
-    """The style splitting output head `head` over its outputs (the
-    vocabulary): ColumnParallel for a Dense/EinsumDense (kernel (in, vocab)
-    by columns, bias too); RowParallel for an embedding whose reverse
-    projection makes the logits (table (vocab, hidden) and
-    `reverse_embeddings` (hidden, vocab) by vocabulary). Each device then
-    holds the logits of its vocab/k tokens: logits[..., j] = h . W[:, j]
-    needs only column j of the projection."""
+    """`VocabParallel`: output head `head` split over its outputs (the
+    vocabulary; see tfpar.styles), after checking the axis divides it."""
     table = _embedding_table(head)
     vocab = (table.shape[0] if table is not None
              else _split_size(head, row=False))
@@ -415,9 +412,7 @@ def _vocab_split(head, column, axis_size):
             f"vocabulary to a multiple of {axis_size}, or use "
             "vocab_parallel=False (logits computed whole)."
         )
-    if table is not None:
-        return RowParallel(column.axis)
-    return column
+    return VocabParallel(column.axis)
 
 
 def _check_vocab_parallel(vocab_parallel, sequence_parallel):

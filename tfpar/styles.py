@@ -30,6 +30,12 @@ Every style's `axis` defaults to the strategy's model axis
   replicated: it is added once, after the all-reduce of the partial sums);
   EinsumDense the first contracted kernel dimension; Embedding the
   vocabulary (and a `reverse_embeddings` table by vocabulary).
+- `VocabParallel(axis)` splits an output head over the vocabulary, so
+  each device computes the logits of its vocab/k tokens: a Dense/EinsumDense
+  head like ColumnParallel; a tied embedding table (vocab, hidden) by
+  vocabulary; an untied ReversibleEmbedding's `reverse_embeddings`
+  (hidden, vocab) by vocabulary while its lookup table stays split by
+  hidden (the lookup needs no whole table).
 - `Replicated()` keeps every weight whole on every device.
 - `SequenceParallel(axis)` (for LayerNormalization/RMSNormalization) keeps
   the weights whole and the layer's activations split along the sequence.
@@ -366,6 +372,88 @@ class RowParallel(_TensorParallel):
                 "Use ColumnParallel(), which splits attention by heads."
             )
         return _split(layer, role, shape, self.axis, row=True, owner=self)
+
+
+class VocabParallel(Style):
+    """Split an output head over the vocabulary (Megatron-LM's
+    vocab-parallel output layer): logits[..., j] = h . W[:, j] needs only
+    column j of the projection, so each device computes (batch, sequence,
+    vocab/k) logits with no communication. DTensor's expansion of
+    `SparseSoftmaxCrossEntropyWithLogits` (Keras'
+    `SparseCategoricalCrossentropy(from_logits=True)`) keeps them split: a
+    local max, sum of exp and target logit per token, each all-reduced
+    ((tokens, 1) values): log_softmax(z)[t] = z_t - m - log(sum_j
+    exp(z_j - m)) with m = max_j z_j, every max and sum taken over the
+    vocab blocks.
+
+    - Dense / EinsumDense head: like `ColumnParallel` (kernel columns, bias).
+    - Embedding table (vocab, hidden) of a tied head (keras-hub's
+      ReversibleEmbedding with `tie_weights=True`, a plain Embedding): by
+      vocabulary. DTensor 2.21 gathers the table whole for the lookup (a
+      transient vocab x hidden per device).
+    - Untied ReversibleEmbedding: `reverse_embeddings` (hidden, vocab) by
+      vocabulary; the lookup table by hidden, its lookups (calls without
+      `reverse=True`) gathered along the hidden dimension as
+      `ColumnParallel` does, so no device reads the whole table.
+
+    Example:
+
+    >>> rules = tfpar.LayoutRules({r".*token_embedding": tfpar.VocabParallel(),
+    ...                            r".*lm_head": tfpar.VocabParallel()})
+    """
+
+    def spec_for(self, layer, role, shape):
+        if _is_embedding_table(role, shape) and _untied(layer):
+            return _split(layer, role, shape, self.axis, row=False, owner=self)
+        if _is_embedding_table(role, shape) or (
+                role.rsplit("/", 1)[-1] == "reverse_embeddings"):
+            return _split(layer, role, shape, self.axis, row=True, owner=self)
+        if "/" in role:
+            raise ValueError(
+                f"VocabParallel splits output heads; weight {role!r} of "
+                f"layer {getattr(layer, 'path', layer)!r} belongs to a "
+                "sublayer (MultiHeadAttention?). Use ColumnParallel().")
+        return _split(layer, role, shape, self.axis, row=False, owner=self)
+
+    def apply(self, layer, role, shape):
+        """Installs, on an untied ReversibleEmbedding (lookup table split by
+        hidden), the hidden gather of its lookups' outputs (and their ids
+        split over the batch), leaving its reverse calls' logits split."""
+        if layer is None or not (_is_embedding_table(role, shape)
+                                 and _untied(layer)):
+            return
+        _transform_lookups(layer, "tfpar_gather_hidden_lookups")
+        installed = vars(layer).setdefault("_tfpar_activation_layouts", {})
+        installed.setdefault(
+            "output", ActivationLayout("hidden", self.axis, False))
+
+
+def _untied(layer):
+    """Whether `layer` is a ReversibleEmbedding with its own logits table."""
+    return getattr(layer, "tie_weights", True) is False
+
+
+def _transform_lookups(layer, name):
+    """Makes `layer`'s lookups (calls without `reverse=True`) read their ids
+    split over the batch and return their output gathered along the hidden
+    dimension (`collectives.gather_hidden`); reverse calls unchanged. Once
+    per `name`; wraps this layer object's `call` (see _transform_outputs).
+    """
+    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
+    if name in applied:
+        return
+    original_call = layer.call
+
+    @functools.wraps(original_call)
+    def call(*args, **kwargs):
+        if kwargs.get("reverse", args[1] if len(args) > 1 else False):
+            return original_call(*args, **kwargs)
+        if args:
+            args = (collectives.ids_split_over_data(args[0]),) + args[1:]
+        return collectives.gather_hidden(original_call(*args, **kwargs))
+
+    layer.call = call
+    applied.add(name)
 
 
 class SequenceParallel(Style):

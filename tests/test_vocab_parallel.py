@@ -22,6 +22,7 @@ import tfpar
 
 import hub_models
 import models
+import test_generate as generation
 import test_keras_hub as hub_checks
 
 MESH = {"data": 2, "model": 4}
@@ -179,3 +180,26 @@ def test_a_vocabulary_the_axis_does_not_divide_is_refused_naming_the_head():
                          sequence_parallel=True)
     with pytest.raises(TypeError, match="vocab_parallel"):
         tfpar.auto_rules(model, axis_size=2, vocab_parallel="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_with_the_head_split_over_the_vocabulary(name):
+    """keras-hub generate (greedy, KV cache) and predict on data=2 x model=4
+    with the Megatron rules plus a VocabParallel head (rules known before
+    build): the tokens of one device, logits within 1e-4."""
+    weights, want, want_logits = generation.one_device(name, "greedy", 8)
+    rules = tfpar.LayoutRules({
+        **generation.megatron_rules(name, 4),
+        r".*token_embedding": tfpar.VocabParallel()})
+    strategy, model = generation.under_strategy(name, "data_model", rules)
+    model.set_weights(weights)
+    model.compile(sampler="greedy")
+    x = generation.prompts(8)
+    got = model.generate(x, stop_token_ids=None)
+    np.testing.assert_array_equal(got["token_ids"], want)
+    np.testing.assert_allclose(model.predict(x, verbose=0), want_logits,
+                               rtol=1e-4, atol=1e-6)
+    table = model.backbone.token_embedding.weights[-1]  # the logits table
+    blocks = {tuple(b.shape) for b in dtensor.unpack(table.value.read_value())}
+    assert len(blocks) == 1 and hub_models.VOCAB // 4 in blocks.pop()

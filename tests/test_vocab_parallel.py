@@ -16,9 +16,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfpar
+from tfpar import vocab_parallel
 
 import hub_models
 import models
@@ -203,3 +205,54 @@ def test_generate_with_the_head_split_over_the_vocabulary(name):
     table = model.backbone.token_embedding.weights[-1]  # the logits table
     blocks = {tuple(b.shape) for b in dtensor.unpack(table.value.read_value())}
     assert len(blocks) == 1 and hub_models.VOCAB // 4 in blocks.pop()
+
+
+def test_argmax_by_reductions_is_tf_argmax():
+    """The first largest value's index, NaN skipped, as tf.argmax on CPU:
+    rows drawn from values with ties, +-0.0, +-inf and NaN."""
+    rng = np.random.default_rng(0)
+    values = [0.0, -0.0, 1.0, -1.0, 2.0, np.nan, np.inf, -np.inf]
+    for width in (1, 2, 3, 7):
+        x = rng.choice(values, size=(400, width)).astype("float32")
+        np.testing.assert_array_equal(
+            vocab_parallel.argmax_by_reductions(tf.constant(x)).numpy(),
+            tf.argmax(x, axis=-1, output_type=tf.int32).numpy())
+
+
+def test_accuracy_of_vocab_split_logits_matches_one_device_ungathered():
+    """Keras' sparse categorical accuracy (its `ops.argmax`) of logits split
+    over the vocabulary, on data=2 x model=4: the losses and accuracies of
+    one device, and no collective over "model" gathers the logits (without
+    tfpar's argmax DTensor gathered all (tokens, vocab) of them)."""
+    keras.utils.set_random_seed(0)
+    weights = lm(32).get_weights()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, (32, 8)).astype("int32")
+    y = rng.integers(0, 32, (32, 8)).astype("int32")
+
+    def build(strategy=None):
+        model = lm(32)
+        model.set_weights(weights)
+        if strategy is not None:
+            strategy.apply_rules(model, tfpar.LayoutRules({
+                "embed": tfpar.ColumnParallel(), "head": tfpar.VocabParallel()}))
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True),
+                      metrics=[keras.metrics.SparseCategoricalAccuracy("acc")])
+        return model
+
+    reference = build()
+    want = reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH))
+    with tfpar.communication.capture() as programs:
+        with strategy.scope():
+            model = build(strategy)
+        got = model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for key in ("loss", "acc"):
+        assert models.relative_error(want.history[key],
+                                     got.history[key]) < 1e-6, key
+    assert want.history["acc"][0] > 0  # the metric counted something
+    report = programs.train_report()
+    gathers = report.select(purpose="all-gather", spans="model")
+    assert [c.shape for c in gathers] == [(8, 8, 16)], report  # the lookup

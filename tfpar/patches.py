@@ -38,6 +38,7 @@ from tfpar import context_parallel
 from tfpar import moe_keras_hub
 from tfpar import spmd_patches
 from tfpar import variable_creation
+from tfpar import vocab_parallel
 
 
 def _base_trainer():
@@ -254,13 +255,14 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
     `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`,
-    `context_parallel.PATCHES`) with `hooks`, and keras-hub's MoE blocks'
+    `context_parallel.PATCHES`, `vocab_parallel.PATCHES`) with `hooks`, and keras-hub's MoE blocks'
     (`moe_keras_hub.install`, a group of their own, also installed by
     `dispatch_experts` without a strategy); once per process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
-        *context_parallel.PATCHES, *context_keras_hub.PATCHES), hooks)
+        *context_parallel.PATCHES, *context_keras_hub.PATCHES,
+        *vocab_parallel.PATCHES), hooks)
     moe_keras_hub.install()
 
 

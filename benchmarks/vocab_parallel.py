@@ -1,6 +1,7 @@
 """Logits per device, whole vs split over the vocabulary (8 virtual CPUs).
 
     python benchmarks/vocab_parallel.py [--vocab 32768] [--batch 8] [--seq 64]
+                                        [--keras-argmax]
 
 Builds a small keras-hub GPT-2 (tied ReversibleEmbedding head) and Llama
 (untied head) with a large vocabulary, plans each on data=2 x model=4 with
@@ -13,11 +14,18 @@ trained) for, per device:
   for the backward pass (softmax - one_hot(target));
 - logits coll.: bytes of the forward collectives over "model" that move
   logits (named after the head's projection or the loss op);
+- logits gathers: bytes of all-gathers over "model" of whole-vocabulary
+  tensors (keras-hub's default metric, SparseCategoricalAccuracy, takes
+  an argmax of the logits; tfpar computes it by reductions in a step,
+  `tfpar.vocab_parallel`, else DTensor gathers the logits whole);
 - table gather: bytes of the all-gather of the embedding table the lookup
   reads (DTensor gathers a vocab-split table whole for a lookup);
 - model coll.: bytes of every collective over "model" (forward and
   backward);
 - saved: all forward activations the backward pass keeps.
+
+`--keras-argmax` measures with Keras' own argmax (tfpar's
+`vocab_parallel.PATCHES` not installed), for comparison.
 """
 
 import argparse
@@ -34,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import tfpar  # noqa: E402
+from tfpar import vocab_parallel  # noqa: E402
 
 tfpar.use_virtual_cpus(8)
 
@@ -69,7 +78,8 @@ def measure(name, vocab, batch, seq, vocab_parallel):
             rules = tfpar.auto_rules(model, mesh=mesh,
                                      vocab_parallel=vocab_parallel)
         strategy.apply_rules(model, rules)
-        model.compile(optimizer="sgd", weighted_metrics=[], loss=keras.losses
+        # keras-hub's default weighted metric: SparseCategoricalAccuracy.
+        model.compile(optimizer="sgd", loss=keras.losses
                       .SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
     ids = rng.integers(0, vocab, (batch, seq)).astype("int32")
@@ -81,9 +91,10 @@ def measure(name, vocab, batch, seq, vocab_parallel):
     logits = sum(c.bytes for c in report.select(phase="forward",
                                                 spans="model")
                  if LOGITS_OPS.search(c.name))
-    table = sum(c.bytes for c in report.select(purpose="all-gather")
-                if TABLE_READ.search(c.name))
-    return (loss, logits, table, report.total_bytes(spans="model"),
+    gathers = report.select(purpose="all-gather", spans="model")
+    table = sum(c.bytes for c in gathers if TABLE_READ.search(c.name))
+    whole = sum(c.bytes for c in gathers if c.shape[-1] == vocab)
+    return (loss, logits, whole, table, report.total_bytes(spans="model"),
             report.saved_activation_bytes)
 
 
@@ -92,11 +103,14 @@ def main():
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--keras-argmax", action="store_true")
     args = parser.parse_args()
+    if args.keras_argmax:  # before the first strategy installs the patches
+        vocab_parallel.PATCHES = ()
     print(f"data=2 x model=4, vocab {args.vocab}, batch {args.batch}, "
           f"seq {args.seq}, hidden 64, float32; bytes per device")
     print(f"{'model':6s} {'plan':14s} {'loss logits':>12s} "
-          f"{'logits coll.':>13s} {'table gather':>13s} "
+          f"{'logits coll.':>13s} {'logits gath.':>13s} {'table gather':>13s} "
           f"{'model coll.':>12s} {'saved':>12s}")
     for name in ("gpt2", "llama"):
         for vocab_parallel in (False, True):
@@ -104,7 +118,7 @@ def main():
                           vocab_parallel)
             plan = "vocab_parallel" if vocab_parallel else "default"
             print(f"{name:6s} {plan:14s} {row[0]:12d} {row[1]:13d} "
-                  f"{row[2]:13d} {row[3]:12d} {row[4]:12d}")
+                  f"{row[2]:13d} {row[3]:13d} {row[4]:12d} {row[5]:12d}")
 
 
 if __name__ == "__main__":

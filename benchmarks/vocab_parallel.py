@@ -113,10 +113,10 @@ def main():
           f"{'logits coll.':>13s} {'logits gath.':>13s} {'table gather':>13s} "
           f"{'model coll.':>12s} {'saved':>12s}")
     for name in ("gpt2", "llama"):
-        for vocab_parallel in (False, True):
+        for split in (False, True):
             row = measure(name, args.vocab, args.batch, args.seq,
-                          vocab_parallel)
-            plan = "vocab_parallel" if vocab_parallel else "default"
+                          split)
+            plan = "vocab_parallel" if split else "default"
             print(f"{name:6s} {plan:14s} {row[0]:12d} {row[1]:13d} "
                   f"{row[2]:13d} {row[3]:13d} {row[4]:12d} {row[5]:12d}")
 

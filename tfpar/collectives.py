@@ -219,6 +219,76 @@ def ids_split_over_data(ids):
     return dtensor.relayout(ids, dtensor.Layout(specs, mesh))
 
 
+def broadcast_split_over_data(tensor, shape):
+    """`tf.broadcast_to(tensor, shape)` where it broadcasts a float tensor
+    along a leading batch dimension (absent from `tensor`, or of size 1):
+    the result split over the data axis along the batch, the last dimension
+    as DTensor lays it out, the others whole.
+
+    keras-hub's PositionEmbedding returns `broadcast_to(positions, (batch,
+    seq, hidden))` of its (seq, hidden) table. DTensor 2.21 lays that out
+    whole along the batch on every device, so the gradient of the residual
+    stream, split over data, was all-gathered over the data axis (B·S·H/t
+    values per device, H/t the table's model block) for every device to
+    sum the whole batch: GPT-2's `AddN_13` on data=2 x model=4. Here each
+    device keeps its batch rows (forward: a local slice, no collective),
+    and the gradient, d tensor = sum of dy over the broadcast dimensions,
+    is summed over the local rows, then all-reduced over the data axis by
+    DTensor (S·H/t values): the data-parallel gradient sum.
+
+    Left to `tf.broadcast_to`: outside a step, integer and boolean
+    tensors, a target of rank < 2 or with an unknown or indivisible first
+    dimension, a first dimension not broadcast, and meshes with a context
+    axis (whose sequence split a whole middle dimension would gather).
+
+    >>> import tensorflow as tf
+    >>> broadcast_split_over_data(tf.ones((2, 3)), (4, 2, 3)).shape
+    TensorShape([4, 2, 3])
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    data_axis = _broadcast_batch_axis(tensor, shape)
+    if data_axis is None:
+        return tf.broadcast_to(tensor, shape)
+    shape = [int(dim) for dim in shape]
+    rank, lead = len(shape), len(shape) - tensor.shape.rank
+    # d tensor: dy summed over the dimensions the broadcast added or grew.
+    summed = list(range(lead)) + [
+        lead + i for i, dim in enumerate(tensor.shape)
+        if dim == 1 and shape[lead + i] != 1]
+    specs = ([data_axis] + [dtensor.UNSHARDED] * (rank - 2) + [dtensor.MATCH])
+    layout = dtensor.Layout(specs, step_mesh(tensor))
+
+    @tf.custom_gradient
+    def broadcast(x):
+        def grad(dy):
+            total = tf.reduce_sum(dtensor.relayout(dy, layout), summed)
+            return tf.reshape(total, tf.shape(x))
+        return dtensor.relayout(tf.broadcast_to(x, shape), layout), grad
+
+    return broadcast(tensor)
+
+
+def _broadcast_batch_axis(tensor, shape):
+    """The data axis `broadcast_split_over_data` splits the result over,
+    or None where it leaves the broadcast to TF (see there)."""
+    if (not tensor.dtype.is_floating or tensor.shape.rank is None
+            or isinstance(shape, tf.Tensor) or len(shape) < 2
+            or not all(isinstance(dim, int) for dim in shape)
+            or len(shape) < tensor.shape.rank):
+        return None
+    lead = len(shape) - tensor.shape.rank
+    if lead == 0 and tensor.shape[0] != 1:
+        return None  # the batch is the tensor's own
+    mesh = step_mesh(tensor)
+    if mesh is None:
+        return None
+    dims = tf.distribute.get_strategy().extended.dims
+    if dims.context_parallel_size > 1:
+        return None
+    data_axis = dims.batch_split(shape[0])
+    return data_axis if data_axis in mesh.dim_names else None
+
+
 def whole_along(tensor, axis):
     """`tensor` whole along dimension `axis` (non-negative) on every device
     of its mesh; one other dimension (the first: a batch split over the

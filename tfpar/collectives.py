@@ -258,11 +258,16 @@ def broadcast_split_over_data(tensor, shape):
     specs = ([data_axis] + [dtensor.UNSHARDED] * (rank - 2) + [dtensor.MATCH])
     layout = dtensor.Layout(specs, step_mesh(tensor))
 
+    # The gradient's ops named as TF names the forward's ("gradient_tape/"
+    # + the layer's scope), so reports find them by layer.
+    scope = "gradient_tape/" + tf.compat.v1.get_default_graph().get_name_scope()
+
     @tf.custom_gradient
     def broadcast(x):
         def grad(dy):
-            total = tf.reduce_sum(dtensor.relayout(dy, layout), summed)
-            return tf.reshape(total, tf.shape(x))
+            with tf.name_scope(scope.rstrip("/") + "/"):
+                total = tf.reduce_sum(dtensor.relayout(dy, layout), summed)
+                return tf.reshape(total, tf.shape(x))
         return dtensor.relayout(tf.broadcast_to(x, shape), layout), grad
 
     return broadcast(tensor)

@@ -287,9 +287,9 @@ def _broadcast_batch_axis(tensor, shape):
     mesh = step_mesh(tensor)
     if mesh is None:
         return None
-    dims = tf.distribute.get_strategy().extended.dims
-    if dims.context_parallel_size > 1:
-        return None
+    dims = getattr(tf.distribute.get_strategy().extended, "dims", None)
+    if dims is None or dims.context_parallel_size > 1:
+        return None  # not under a tfpar strategy, or sequences split
     data_axis = dims.batch_split(shape[0])
     return data_axis if data_axis in mesh.dim_names else None
 

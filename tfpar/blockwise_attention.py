@@ -42,6 +42,17 @@ op whose inputs exist) and hold q × s scores per head; chained, one
 (q × TILE_KEYS) tile per head is live at a time, so with q = s/cp the peak,
 like the saved activations, is linear in s (tests/test_context_peak.py).
 
+Trace size: when an attention computes more than `LOOP_TILES_ABOVE`
+tiles, all of one width, the tiles run as a `tf.while_loop` over their
+index (`KeyTiles`), forward and backward: the traced step holds one copy
+of a tile's ops, not one per tile (s / TILE_KEYS per layer and pass), so
+its trace and compile time do not grow with the sequence
+(benchmarks/context_trace.py). Same ops, same order: bit-identical to the
+unrolled tiles (tests/test_context_tile_loop.py). The backward loop
+collects dK and dV tile by tile in a (batch, s / tile, tile, ...) tensor
+by a select (each tile written once); DTensor lays the loop's state out
+like the unrolled tensors.
+
 Example (one device, against plain softmax attention):
 
 >>> import numpy as np, tensorflow as tf
@@ -64,6 +75,12 @@ from tfpar import data_dependency
 MASKED = -1e9
 # Keys per score tile: a device holds heads × q × TILE_KEYS scores at once.
 TILE_KEYS = 128
+# Tiles run as a tf.while_loop when an attention computes more than this
+# many (None: always unrolled). Up to 8 the unrolled step's graph is small
+# (under 4 s more to compile than looped) and its steps were 4-12% faster;
+# beyond, the compile time saved grows by ~0.4 s per tile and layer and
+# the steps take the same time (benchmarks/context_trace.py).
+LOOP_TILES_ABOVE = 8
 
 
 def key_blocks(key_positions, block_size):
@@ -148,7 +165,8 @@ def _additive_mask(anchor, query_positions, key_positions, masks):
         first = tf.transpose(anchor[..., :1], (0, 2, 1, 3))  # (b, n, q, 1)
         rows = tf.constant(np.asarray(query_positions, np.int32))[
             :, None] + tf.cast(tf.math.is_nan(first), tf.int32)
-        keys = tf.constant(np.asarray(key_positions, np.int32))
+        keys = (key_positions if tf.is_tensor(key_positions)
+                else tf.constant(np.asarray(key_positions, np.int32)))
         allowed = rows >= keys
         if masks.window is not None:  # p_i - p_j < window
             allowed = tf.logical_and(allowed, rows < keys + masks.window)
@@ -187,6 +205,18 @@ class BlockMasks:
             None if self.dense is None else self.dense[:, :, start:stop],
             None if self.key_valid is None
             else self.key_valid[:, start:stop], self.query_valid)
+
+    def tile(self, index, width):
+        """`block` of the keys [index·width, (index+1)·width), `index` a
+        scalar tensor (a `tf.while_loop`'s tile, `KeyTiles`)."""
+        def tiled(valid, axis):  # (..., s) -> (..., s/width, width)
+            shape = _shape(valid)[:-1] + [-1, width]
+            return tf.gather(tf.reshape(valid, shape), index, axis=axis)
+        return BlockMasks(
+            self.causal, self.window,
+            None if self.dense is None else tiled(self.dense, 2),
+            None if self.key_valid is None else tiled(self.key_valid, 1),
+            self.query_valid)
 
     @property
     def empty(self):
@@ -267,20 +297,15 @@ def blockwise_attention(query, key, value, query_positions, key_positions,
     blocks = _computed_tiles(query_positions, key_positions, block_size,
                              causal, window, tile_size)
 
-    def adder(anchor, start, stop):
-        if masks.empty:
-            return None
-        return _additive_mask(anchor, query_positions,
-                              key_positions[start:stop],
-                              masks.block(start, stop))
+    tiles = KeyTiles(blocks, query_positions, key_positions, masks)
 
     @tf.custom_gradient
     def attend(q, k, v):
-        out, stats = _forward(q, k, v, scale, blocks, adder, soft_cap)
+        out, stats = _forward(q, k, v, scale, tiles, soft_cap)
 
         def grad(d_out):
-            return _backward(q, k, v, out, stats, d_out, scale, blocks,
-                             adder, soft_cap)
+            return _backward(q, k, v, out, stats, d_out, scale, tiles,
+                             soft_cap)
 
         return out, grad
 
@@ -295,6 +320,126 @@ def _computed_tiles(query_positions, key_positions, block_size, causal,
                                     key_positions, block_size, causal,
                                     window),
                      TILE_KEYS if tile_size is None else tile_size)
+
+
+class KeyTiles:
+    """The key tiles one attention computes (`ranges`, (start, stop) each),
+    read one after another: unrolled (a copy of a tile's ops per tile in
+    the traced step), or as a `tf.while_loop` (one copy, the tile read by
+    the loop's index) when there are more than `LOOP_TILES_ABOVE` of
+    them, all of one width dividing the key length and starting at
+    multiples of it (`looped`). The forward and backward passes go
+    through `repeat`, `read` and `adder`; the backward pass collects dK
+    and dV with `no_gradient`, `store` and `assemble`.
+
+    >>> KeyTiles([(0, 2), (4, 6)], np.arange(8), np.arange(8),
+    ...          BlockMasks(causal=True)).count
+    2
+    """
+
+    def __init__(self, ranges, query_positions, key_positions, masks):
+        self.ranges, self.count = ranges, len(ranges)
+        self.query_positions = query_positions
+        self.key_positions, self.masks = key_positions, masks
+        self.width = _loop_width(ranges, len(key_positions))
+        self.looped = (LOOP_TILES_ABOVE is not None and self.width
+                       is not None and self.count > max(LOOP_TILES_ABOVE, 1))
+        if self.looped:
+            self.ids = tf.constant([start // self.width
+                                    for start, _ in ranges], tf.int32)
+
+    def repeat(self, step, state):
+        """`state` after `state = step(j, state)` for j = 1..count-1."""
+        if not self.looped:
+            for j in range(1, self.count):
+                state = step(j, state)
+            return state
+        # One iteration at a time (the data dependencies chain them too).
+        _, state = tf.while_loop(
+            lambda j, _: j < self.count,
+            lambda j, state: (j + 1, step(j, state)),
+            (tf.constant(1), state), parallel_iterations=1)
+        return state
+
+    def read(self, tensor, j):
+        """Tile j's rows of a (batch, s, ...) tensor."""
+        if not self.looped:
+            start, stop = self.ranges[j]
+            return tensor[:, start:stop]
+        return tf.gather(self._tiled(tensor), tf.gather(self.ids, j),
+                         axis=1)
+
+    def adder(self, anchor, j):
+        """A_j (`_additive_mask`), or None when nothing is masked."""
+        if self.masks.empty:
+            return None
+        if not self.looped:
+            start, stop = self.ranges[j]
+            return _additive_mask(anchor, self.query_positions,
+                                  self.key_positions[start:stop],
+                                  self.masks.block(start, stop))
+        index = tf.gather(self.ids, j)
+        positions = tf.constant(np.asarray(self.key_positions, np.int32)
+                                .reshape(-1, self.width))
+        return _additive_mask(anchor, self.query_positions,
+                              tf.gather(positions, index),
+                              self.masks.tile(index, self.width))
+
+    def no_gradient(self, tensor):
+        """The gradient of `tensor` before any tile's is stored."""
+        if not self.looped:
+            return {}
+        return tf.zeros_like(self._tiled(tensor))
+
+    def store(self, gradient, j, tile_gradient):
+        """`gradient` with tile j's rows set to `tile_gradient` (a select,
+        not a sum: exact, and a NaN stays in its tile)."""
+        if not self.looped:
+            return {**gradient, j: tile_gradient}
+        at_tile = tf.equal(tf.range(len(self.key_positions) // self.width),
+                           tf.gather(self.ids, j))
+        # (expand_dims, not [:, None]: DTensor 2.21 fails on a new-axis
+        # slice of a batch-split tensor, tests/dtensor_newaxis_slice_repro.py)
+        return tf.where(tf.reshape(at_tile, (1, -1, 1, 1, 1)),
+                        tf.expand_dims(tile_gradient, 1), gradient)
+
+    def assemble(self, gradient, tensor):
+        """The (batch, s, ...) gradient of `tensor`: 0 at skipped keys."""
+        if self.looped:
+            return tf.reshape(gradient, _shape(tensor))
+        parts, covered = [], 0
+        for j, (start, stop) in enumerate(self.ranges):
+            if start > covered:  # skipped keys: no gradient
+                parts.append(tf.zeros_like(tensor[:, covered:start]))
+            parts.append(gradient[j])
+            covered = stop
+        if covered < tensor.shape[1]:
+            parts.append(tf.zeros_like(tensor[:, covered:]))
+        return tf.concat(parts, axis=1)
+
+    def _tiled(self, tensor):
+        """(batch, s, ...) as (batch, s / width, width, ...)."""
+        shape = _shape(tensor)
+        return tf.reshape(tensor, shape[:1] + [-1, self.width] + shape[2:])
+
+
+def _shape(tensor):
+    """`tensor`'s shape, a list: its static dimensions, the unknown ones
+    read at run time."""
+    dynamic = tf.shape(tensor)
+    return [dynamic[i] if size is None else size
+            for i, size in enumerate(tf.TensorShape(tensor.shape).as_list())]
+
+
+def _loop_width(ranges, length):
+    """The tiles' one width if it divides `length` and every tile starts
+    at a multiple of it (a `tf.while_loop` reads tile i of the keys
+    reshaped to (s / width, width)); else None."""
+    width = ranges[0][1] - ranges[0][0]
+    if length % width or any(stop - start != width or start % width
+                             for start, stop in ranges):
+        return None
+    return width
 
 
 def _check_window(window, causal, owner):
@@ -323,36 +468,41 @@ def _nonzero(row_sum):
     return tf.where(row_sum > 0, row_sum, tf.ones_like(row_sum))
 
 
-def _forward(q, k, v, scale, blocks, adder, soft_cap=None):
-    """(O, L) of the module docstring's recursion over `blocks`, each
-    block's scores computed only once the previous block is folded into
+def _forward(q, k, v, scale, tiles, soft_cap=None):
+    """(O, L) of the module docstring's recursion over the tiles, each
+    tile's scores computed only once the previous tile is folded into
     the running max, sum and output (`_waiting_on`)."""
-    running_max = running_sum = acc = None
-    anchor = q  # Q, made to wait for the previous block's fold
-    for start, stop in blocks:
-        block_adder = adder(anchor, start, stop)
-        scores = _scores(anchor, k[:, start:stop], scale, block_adder,
-                         soft_cap)
-        block_max = tf.reduce_max(scores, axis=-1)
-        if running_max is None:
-            new_max = block_max
-        else:
-            new_max = tf.maximum(running_max, block_max)
-        probs = _kept(tf.exp(scores - tf.expand_dims(new_max, -1)),
-                      block_adder)
-        block_out = tf.einsum("bnts,bsnh->bnth", probs, v[:, start:stop])
-        if running_max is None:
-            running_sum = tf.reduce_sum(probs, axis=-1)
-            acc = block_out
-        else:
-            correction = tf.exp(running_max - new_max)
-            running_sum = running_sum * correction + tf.reduce_sum(
-                probs, axis=-1)
-            acc = acc * tf.expand_dims(correction, -1) + block_out
-        running_max = new_max
+    state = _fold_tile(None, q, k, v, 0, tiles, scale, soft_cap)
+
+    def step(j, state):
+        running_max, running_sum, acc = state
         anchor = q + _waiting_on(acc[..., 0] + running_sum)
+        return _fold_tile(state, anchor, k, v, j, tiles, scale, soft_cap)
+
+    running_max, running_sum, acc = tiles.repeat(step, state)
     out = acc / tf.expand_dims(_nonzero(running_sum), -1)
     return tf.transpose(out, (0, 2, 1, 3)), (running_max, running_sum)
+
+
+def _fold_tile(state, anchor, k, v, j, tiles, scale, soft_cap):
+    """(m_j, l_j, O_j) from (m_{j-1}, l_{j-1}, O_{j-1}) (`state`; None
+    before the first tile) and tile j's scores of `anchor` (Q)."""
+    tile_adder = tiles.adder(anchor, j)
+    scores = _scores(anchor, tiles.read(k, j), scale, tile_adder, soft_cap)
+    block_max = tf.reduce_max(scores, axis=-1)
+    if state is None:
+        new_max = block_max
+    else:
+        new_max = tf.maximum(state[0], block_max)
+    probs = _kept(tf.exp(scores - tf.expand_dims(new_max, -1)), tile_adder)
+    block_out = tf.einsum("bnts,bsnh->bnth", probs, tiles.read(v, j))
+    if state is None:
+        return new_max, tf.reduce_sum(probs, axis=-1), block_out
+    running_max, running_sum, acc = state
+    correction = tf.exp(running_max - new_max)
+    running_sum = running_sum * correction + tf.reduce_sum(probs, axis=-1)
+    acc = acc * tf.expand_dims(correction, -1) + block_out
+    return new_max, running_sum, acc
 
 
 def _waiting_on(rows):
@@ -387,45 +537,54 @@ def _zero_per_head(block_gradient):
     return data_dependency.zeros_like_waiting_on(rows)
 
 
-def _backward(q, k, v, out, stats, d_out, scale, blocks, adder,
-              soft_cap=None):
-    """(dQ, dK, dV) of the module docstring, tile by tile. P_j is
-    exp(S_j - m) / l rather than exp(S_j - L): a row every key of which is
-    masked has S ≈ -1e9, where float32's spacing is 64, and only S - m
-    (both rounded alike) keeps the forward pass's values."""
-    row_max, row_sum = stats
+def _backward(q, k, v, out, stats, d_out, scale, tiles, soft_cap=None):
+    """(dQ, dK, dV) of the module docstring, tile by tile: tile j waits
+    for dQ after tile j-1 (through Q) and for dK_{j-1} and dV_{j-1}
+    (through its keys and values)."""
     d_out = tf.cast(d_out, tf.float32)
     row_dot = tf.einsum("btnh,btnh->bnt", d_out, out)
     q = q + _waiting_on(row_dot)
-    anchor = q  # Q, made to wait for the previous block's dQ
-    d_query = tf.zeros_like(q)
-    d_keys, d_values = [], []
-    key_wait = value_wait = 0.0
-    covered = 0
-    for start, stop in blocks:
-        if start > covered:  # skipped keys: no gradient
-            d_keys.append(tf.zeros_like(k[:, covered:start]))
-            d_values.append(tf.zeros_like(v[:, covered:start]))
-        key_block = k[:, start:stop] + key_wait
-        value_block = v[:, start:stop] + value_wait
-        scores = _scores(anchor, key_block, scale, None, soft_cap)
-        block_adder = adder(anchor, start, stop)
-        masked = scores if block_adder is None else scores + block_adder
-        probs = _kept(tf.exp(masked - tf.expand_dims(row_max, -1)),
-                      block_adder) / tf.expand_dims(_nonzero(row_sum), -1)
-        d_values.append(tf.einsum("bnts,btnh->bsnh", probs, d_out))
-        d_probs = tf.einsum("btnh,bsnh->bnts", d_out, value_block)
-        d_scores = probs * (d_probs - tf.expand_dims(row_dot, -1))
-        if soft_cap is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
-            d_scores *= 1.0 - tf.square(scores / soft_cap)
-        d_query += tf.einsum("bnts,bsnh->btnh", d_scores, key_block) * scale
-        d_keys.append(tf.einsum("bnts,btnh->bsnh", d_scores, q) * scale)
-        # The next block waits for dQ, dK_j and dV_j: P_j and dS_j freed.
+    terms = (d_out, row_dot) + tuple(stats)
+    d_query, d_key, d_value = _tile_gradients(
+        q, q, (k, v), 0, tiles, terms, scale, soft_cap)
+    state = (tf.zeros_like(q) + d_query,
+             tiles.store(tiles.no_gradient(k), 0, d_key),
+             tiles.store(tiles.no_gradient(v), 0, d_value), d_key, d_value)
+
+    def step(j, state):
+        d_query, d_keys, d_values, last_key, last_value = state
+        # The tile waits for dQ, dK_{j-1} and dV_{j-1}: P and dS freed.
         anchor = q + _waiting_on(tf.transpose(d_query[..., 0], (0, 2, 1)))
-        key_wait, value_wait = (_zero_per_head(d[-1])
-                                for d in (d_keys, d_values))
-        covered = stop
-    if covered < k.shape[1]:
-        d_keys.append(tf.zeros_like(k[:, covered:]))
-        d_values.append(tf.zeros_like(v[:, covered:]))
-    return d_query, tf.concat(d_keys, axis=1), tf.concat(d_values, axis=1)
+        waits = (_zero_per_head(last_key), _zero_per_head(last_value))
+        d_q, d_key, d_value = _tile_gradients(
+            q, anchor, (k, v), j, tiles, terms, scale, soft_cap, waits)
+        return (d_query + d_q, tiles.store(d_keys, j, d_key),
+                tiles.store(d_values, j, d_value), d_key, d_value)
+
+    d_query, d_keys, d_values, _, _ = tiles.repeat(step, state)
+    return d_query, tiles.assemble(d_keys, k), tiles.assemble(d_values, v)
+
+
+def _tile_gradients(q, anchor, keys_values, j, tiles, terms, scale,
+                    soft_cap, waits=(0.0, 0.0)):
+    """(dQ's part, dK_j, dV_j) of tile j: P_j is exp(S_j - m) / l rather
+    than exp(S_j - L): a row every key of which is masked has S ≈ -1e9,
+    where float32's spacing is 64, and only S - m (both rounded alike)
+    keeps the forward pass's values. `terms`: (dO, D, m, l); `waits`:
+    zeros added to the key and value tile (`_zero_per_head`)."""
+    d_out, row_dot, row_max, row_sum = terms
+    key_block, value_block = (tiles.read(t, j) + wait
+                              for t, wait in zip(keys_values, waits))
+    scores = _scores(anchor, key_block, scale, None, soft_cap)
+    tile_adder = tiles.adder(anchor, j)
+    masked = scores if tile_adder is None else scores + tile_adder
+    probs = _kept(tf.exp(masked - tf.expand_dims(row_max, -1)),
+                  tile_adder) / tf.expand_dims(_nonzero(row_sum), -1)
+    d_value = tf.einsum("bnts,btnh->bsnh", probs, d_out)
+    d_probs = tf.einsum("btnh,bsnh->bnts", d_out, value_block)
+    d_scores = probs * (d_probs - tf.expand_dims(row_dot, -1))
+    if soft_cap is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
+        d_scores *= 1.0 - tf.square(scores / soft_cap)
+    d_query = tf.einsum("bnts,bsnh->btnh", d_scores, key_block) * scale
+    d_key = tf.einsum("bnts,btnh->bsnh", d_scores, q) * scale
+    return d_query, d_key, d_value

@@ -154,6 +154,10 @@ def test_a_custom_loop_saves_at_the_signal_and_resumes_in_parity(tmp_path):
 
 def test_on_preemption_refuses_bad_input(tmp_path):
     model = models.host_mlp()
+    with pytest.raises(ValueError, match=r"has no optimizer: compile it.*"
+                       r"Received: model='mlp'"):
+        tfpar.on_preemption(str(tmp_path), model)
+    model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"directory.*Received: directory="
                        r"PosixPath"):
         tfpar.on_preemption(tmp_path, model)

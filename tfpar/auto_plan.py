@@ -100,8 +100,9 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
       them split: a local max, sum of exp and target logit per token, each
       all-reduced over the model axis ((tokens, 1) values), as in
       Megatron-LM's vocab-parallel cross-entropy. Whole logits are never
-      formed by the loss; a metric taking their argmax (keras-hub's
-      default `SparseCategoricalAccuracy`) still gathers them.
+      formed by the loss, nor by a metric taking their argmax (keras-hub's
+      default `SparseCategoricalAccuracy`: `tfpar.vocab_parallel` computes
+      Keras' argmax in a step by a max and a min).
     - **Norms** (Keras' and other libraries' LayerNormalization /
       RMSNormalization, known by class) stay whole, or `SequenceParallel`
       with `sequence_parallel=True`.

@@ -76,10 +76,11 @@ MASKED = -1e9
 # Keys per score tile: a device holds heads × q × TILE_KEYS scores at once.
 TILE_KEYS = 128
 # Tiles run as a tf.while_loop when an attention computes more than this
-# many (None: always unrolled). Up to 8 the unrolled step's graph is small
-# (under 4 s more to compile than looped) and its steps were 4-12% faster;
-# beyond, the compile time saved grows by ~0.4 s per tile and layer and
-# the steps take the same time (benchmarks/context_trace.py).
+# many (None: always unrolled). Each unrolled tile adds the same ops per
+# attention layer, so compile time grows with the sequence; looped, the
+# graph is one tile's. Up to 8 tiles unrolled steps ran faster, beyond
+# they take the same time (measured: docs/benchmarks.md, "Compile time of
+# context-parallel steps"; benchmarks/context_trace.py).
 LOOP_TILES_ABOVE = 8
 
 

@@ -316,6 +316,12 @@ def on_preemption(directory, model, resume=True, signals=SIGNALS):
         raise ValueError(
             "on_preemption(model=...) needs the Keras model the loop trains "
             f"(a keras.Model). Received: model={model!r}")
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "on_preemption(model=...) saves the model with its optimizer's "
+            "state, and this model has no optimizer: compile it with the "
+            "optimizer the loop applies (model.compile(optimizer=...)) "
+            f"before entering. Received: model={model.name!r}")
     if not isinstance(resume, bool):
         raise ValueError(f"on_preemption(resume=...) is True or False. "
                          f"Received: resume={resume!r}")

@@ -17,7 +17,6 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
-from tfpar import collectives
 from tfpar import placement
 from tfpar import spmd_ops
 from tfpar.step_context import in_spmd_step
@@ -481,22 +480,6 @@ def _eye_by_comparison_in_step(original, hooks):
     return eye
 
 
-def _broadcast_split_over_data_in_step(original, hooks):
-    """Keras' TF `numpy.broadcast_to` as `collectives.
-    broadcast_split_over_data` in a step: a float tensor broadcast along
-    the batch (keras-hub's PositionEmbedding output) is split over the data
-    axis like the batch it is added to, and its gradient summed per device
-    then all-reduced over data, not all-gathered over data. Elsewhere, and
-    for the broadcasts that function leaves alone, Keras' op runs."""
-    @functools.wraps(original)
-    def broadcast_to(x, shape):
-        if in_spmd_step():
-            return collectives.broadcast_split_over_data(x, shape)
-        return original(x, shape)
-
-    return broadcast_to
-
-
 def _depthwise_conv1d_by_shifts_in_step(original, hooks):
     """Keras' TF `nn.depthwise_conv` of a 1-D input ("valid", stride and
     dilation 1, channels last, a static kernel) as
@@ -535,8 +518,6 @@ PATCHES = (
                   _lora_kernel_as_einsum_in_step),
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     _compat.Patch("eye", _keras_numpy, "eye", _eye_by_comparison_in_step),
-    _compat.Patch("broadcast_to", _keras_numpy, "broadcast_to",
-                  _broadcast_split_over_data_in_step),
     _compat.Patch("depthwise_conv", _keras_nn, "depthwise_conv",
                   _depthwise_conv1d_by_shifts_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",

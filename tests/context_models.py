@@ -2,9 +2,13 @@
 parallelism tests: its positions are an input, so a load-balanced (permuted)
 sequence carries its own positions."""
 
+import contextlib
+
 import keras
 import keras_hub
 import numpy as np
+
+import tfpar
 
 import models
 
@@ -166,3 +170,20 @@ def weights_and_corpus(config, n, seq_len):
     x, y = corpus(n, seq_len=seq_len)
     keras.utils.set_random_seed(0)
     return causal_transformer(**config).get_weights(), x, y
+
+
+def train_transformer(mesh, weights, x, y, **config):
+    """(model, per-batch losses): `causal_transformer(**config)` from
+    `weights`, built in a strategy on `mesh` (None: one device), trained 2
+    epochs with Adam(3e-3) at batch 16, in order."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh)) if mesh else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = causal_transformer(**config)
+    model.set_weights(weights)
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    losses = models.BatchLosses()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return model, losses.losses

@@ -24,7 +24,6 @@ multiply the step's peak by about 2 (linear), not about 4 (unchained score
 tiles: 3.93-4.0× measured, docs/benchmarks.md).
 """
 
-import contextlib
 import json
 import os
 import subprocess
@@ -39,7 +38,6 @@ import tfpar
 from tfpar import blockwise_attention
 
 import context_models
-import models
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -181,20 +179,7 @@ def test_tiled_attention_data2_context4_parity(monkeypatch):
     device."""
     monkeypatch.setattr(blockwise_attention, "TILE_KEYS", 2)
     config = dict(vocab=32, seq_len=32, dim=32, heads=4, layers=1)
-    x, y = context_models.corpus(32, seq_len=32)
-    keras.utils.set_random_seed(0)
-    weights = context_models.causal_transformer(**config).get_weights()
-    runs = []
-    for mesh in (None, {"data": 2, "context": 4}):
-        strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh)) if mesh else None
-        with strategy.scope() if strategy else contextlib.nullcontext():
-            model = context_models.causal_transformer(**config)
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.Adam(3e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True))
-        losses = models.BatchLosses()
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[losses])
-        runs.append((model, losses.losses))
+    weights, x, y = context_models.weights_and_corpus(config, 32, 32)
+    runs = [context_models.train_transformer(mesh, weights, x, y, **config)
+            for mesh in (None, {"data": 2, "context": 4})]
     context_models.assert_parity(*runs[0], *runs[1])

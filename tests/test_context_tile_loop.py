@@ -18,11 +18,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfpar
 from tfpar import blockwise_attention
 
 import context_models
-import models
 import test_context_peak
 
 POSITIONS = np.array([0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
@@ -154,18 +152,9 @@ def test_looped_step_peak_grows_linearly_in_the_sequence(monkeypatch):
 
 
 def train(mesh, weights, x, y, loop):
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh)) if mesh else None
     with looped_above(0 if loop else None):
-        with strategy.scope() if strategy else contextlib.nullcontext():
-            model = context_models.causal_transformer(**CONFIG)
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.Adam(3e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True))
-        losses = models.BatchLosses()
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[losses])
-    return model, losses.losses
+        return context_models.train_transformer(mesh, weights, x, y,
+                                                **CONFIG)
 
 
 CONFIG = dict(vocab=32, seq_len=32, dim=32, heads=4, layers=1)

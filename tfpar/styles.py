@@ -205,23 +205,26 @@ class Style:
         return hash(self._key())
 
 
-def _transform_outputs(layer, name, transform):
-    """Makes `layer` return `transform(outputs)`; once per `name`.
-
-    Wraps this one layer object's `call` (not its class), keeping its
-    signature for Keras' argument inspection.
-    """
+def _wrap_call_once(layer, name, make_call):
+    """`layer.call = make_call(layer.call)`, once per `name`: wraps this one
+    layer object's `call` (not its class), keeping its signature for
+    Keras' argument inspection (`functools.wraps`)."""
     applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
     if name in applied:
         return
     original_call = layer.call
-
-    @functools.wraps(original_call)
-    def call(*args, **kwargs):
-        return transform(original_call(*args, **kwargs))
-
-    layer.call = call
+    layer.call = functools.wraps(original_call)(make_call(original_call))
     applied.add(name)
+
+
+def _transform_outputs(layer, name, transform):
+    """Makes `layer` return `transform(outputs)`; once per `name`."""
+    def make_call(original_call):
+        def call(*args, **kwargs):
+            return transform(original_call(*args, **kwargs))
+        return call
+
+    _wrap_call_once(layer, name, make_call)
 
 
 def _transform_inputs(layer, name, transform):
@@ -437,23 +440,18 @@ def _transform_lookups(layer, name):
     """Makes `layer`'s lookups (calls without `reverse=True`) read their ids
     split over the batch and return their output gathered along the hidden
     dimension (`collectives.gather_hidden`); reverse calls unchanged. Once
-    per `name`; wraps this layer object's `call` (see _transform_outputs).
+    per `name` (`_wrap_call_once`).
     """
-    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
-    if name in applied:
-        return
-    original_call = layer.call
+    def make_call(original_call):
+        def call(*args, **kwargs):
+            if kwargs.get("reverse", args[1] if len(args) > 1 else False):
+                return original_call(*args, **kwargs)
+            if args:
+                args = (collectives.ids_split_over_data(args[0]),) + args[1:]
+            return collectives.gather_hidden(original_call(*args, **kwargs))
+        return call
 
-    @functools.wraps(original_call)
-    def call(*args, **kwargs):
-        if kwargs.get("reverse", args[1] if len(args) > 1 else False):
-            return original_call(*args, **kwargs)
-        if args:
-            args = (collectives.ids_split_over_data(args[0]),) + args[1:]
-        return collectives.gather_hidden(original_call(*args, **kwargs))
-
-    layer.call = call
-    applied.add(name)
+    _wrap_call_once(layer, name, make_call)
 
 
 class SequenceParallel(Style):

@@ -132,11 +132,15 @@ def _round_ratio(mesh, single):
 
 def worker(args):
     # Imported here, not at the top: the driver runs no TensorFlow, and the
-    # worker's tfpar is the commit's tree, first on its PYTHONPATH.
+    # worker's tfpar is the commit's tree, first on its PYTHONPATH. This
+    # folder (sys.path[0] when run as a script) leaves the front of the
+    # path: its keras_hub.py (a benchmark) would shadow the keras_hub
+    # package that tfpar's keras-hub patches import.
+    sys.path[:] = [p for p in sys.path
+                   if os.path.abspath(p or ".") != HERE] + [HERE]
     import tfpar  # noqa: PLC0415
 
     tfpar.use_virtual_cpus(8)
-    sys.path.insert(0, HERE)
     import numpy as np  # noqa: PLC0415
     import step_time  # noqa: PLC0415  (the benchmark MLP)
     from tensorflow.python.eager import context  # noqa: PLC0415

@@ -201,22 +201,24 @@ class BlockMasks:
         self.query_valid = query_valid
 
     def block(self, start, stop):
-        return BlockMasks(
-            self.causal, self.window,
-            None if self.dense is None else self.dense[:, :, start:stop],
-            None if self.key_valid is None
-            else self.key_valid[:, start:stop], self.query_valid)
+        return self._keys(lambda valid: valid[..., start:stop])
 
     def tile(self, index, width):
         """`block` of the keys [index·width, (index+1)·width), `index` a
         scalar tensor (a `tf.while_loop`'s tile, `KeyTiles`)."""
-        def tiled(valid, axis):  # (..., s) -> (..., s/width, width)
+        def tiled(valid):  # (..., s) -> (..., s/width, width), tile `index`
             shape = _shape(valid)[:-1] + [-1, width]
-            return tf.gather(tf.reshape(valid, shape), index, axis=axis)
+            return tf.gather(tf.reshape(valid, shape), index,
+                             axis=len(shape) - 2)
+        return self._keys(tiled)
+
+    def _keys(self, take):
+        """The mask of some keys: `take` applied to the tensors whose last
+        dimension is the keys (`dense`, `key_valid`)."""
         return BlockMasks(
             self.causal, self.window,
-            None if self.dense is None else tiled(self.dense, 2),
-            None if self.key_valid is None else tiled(self.key_valid, 1),
+            None if self.dense is None else take(self.dense),
+            None if self.key_valid is None else take(self.key_valid),
             self.query_valid)
 
     @property

@@ -255,9 +255,10 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
     `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`,
-    `context_parallel.PATCHES`, `vocab_parallel.PATCHES`) with `hooks`, and keras-hub's MoE blocks'
-    (`moe_keras_hub.install`, a group of their own, also installed by
-    `dispatch_experts` without a strategy); once per process."""
+    `context_parallel.PATCHES`, `vocab_parallel.PATCHES`) with `hooks`, and
+    keras-hub's MoE blocks' (`moe_keras_hub.install`, a group of their
+    own, also installed by `dispatch_experts` without a strategy); once per
+    process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,

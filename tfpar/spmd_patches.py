@@ -491,18 +491,16 @@ def _depthwise_conv1d_by_shifts_in_step(original, hooks):
     @functools.wraps(original)
     def depthwise_conv(inputs, kernel, strides=1, padding="valid",
                        data_format=None, dilation_rate=1):
-        if not in_spmd_step():
-            return original(inputs, kernel, strides=strides, padding=padding,
-                            data_format=data_format,
-                            dilation_rate=dilation_rate)
-        inputs, kernel = tf.convert_to_tensor(inputs), tf.convert_to_tensor(
-            kernel)
-        if (inputs.shape.rank == 3 and kernel.shape.rank == 3
-                and kernel.shape.is_fully_defined() and padding == "valid"
-                and strides in (1, (1,)) and dilation_rate in (1, (1,))
-                and _compat.keras_module("backend").standardize_data_format(
-                    data_format) == "channels_last"):
-            return spmd_ops.depthwise_conv1d_by_shifts(inputs, kernel)
+        if in_spmd_step():
+            inputs = tf.convert_to_tensor(inputs)
+            kernel = tf.convert_to_tensor(kernel)
+            if (inputs.shape.rank == 3 and kernel.shape.rank == 3
+                    and kernel.shape.is_fully_defined() and padding == "valid"
+                    and strides in (1, (1,)) and dilation_rate in (1, (1,))
+                    and _compat.keras_module(
+                        "backend").standardize_data_format(
+                            data_format) == "channels_last"):
+                return spmd_ops.depthwise_conv1d_by_shifts(inputs, kernel)
         return original(inputs, kernel, strides=strides, padding=padding,
                         data_format=data_format, dilation_rate=dilation_rate)
 

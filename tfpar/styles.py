@@ -205,11 +205,13 @@ class Style:
         return hash(self._key())
 
 
-def _wrap_call_once(layer, name, make_call):
-    """`layer.call = make_call(layer.call)`, once per `name`: wraps this one
-    layer object's `call` (not its class), keeping its signature for
-    Keras' argument inspection (`functools.wraps`)."""
-    applied = layer.__dict__.setdefault("_tfpar_output_transforms", set())
+def _wrap_call_once(layer, name, make_call,
+                    registry="_tfpar_output_transforms"):
+    """`layer.call = make_call(layer.call)`, once per `name` (recorded in
+    the layer's `registry` set): wraps this one layer object's `call` (not
+    its class), keeping its signature for Keras' argument inspection
+    (`functools.wraps`)."""
+    applied = layer.__dict__.setdefault(registry, set())
     if name in applied:
         return
     original_call = layer.call
@@ -235,22 +237,18 @@ def _transform_inputs(layer, name, transform):
     (keeping its signature); the first input is the first positional
     argument, or the first parameter of `call` when passed by keyword.
     """
-    applied = layer.__dict__.setdefault("_tfpar_input_transforms", set())
-    if name in applied:
-        return
-    original_call = layer.call
-    first = next(iter(inspect.signature(original_call).parameters), None)
+    def make_call(original_call):
+        first = next(iter(inspect.signature(original_call).parameters), None)
 
-    @functools.wraps(original_call)
-    def call(*args, **kwargs):
-        if args:
-            args = (transform(args[0]),) + tuple(args[1:])
-        elif first in kwargs:
-            kwargs[first] = transform(kwargs[first])
-        return original_call(*args, **kwargs)
+        def call(*args, **kwargs):
+            if args:
+                args = (transform(args[0]),) + tuple(args[1:])
+            elif first in kwargs:
+                kwargs[first] = transform(kwargs[first])
+            return original_call(*args, **kwargs)
+        return call
 
-    layer.call = call
-    applied.add(name)
+    _wrap_call_once(layer, name, make_call, "_tfpar_input_transforms")
 
 
 def _relayout(tensor, target, layer, where):

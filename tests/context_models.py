@@ -7,6 +7,7 @@ import contextlib
 import keras
 import keras_hub
 import numpy as np
+import tensorflow as tf
 
 import tfpar
 
@@ -187,3 +188,20 @@ def train_transformer(mesh, weights, x, y, **config):
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
               callbacks=[losses])
     return model, losses.losses
+
+
+def values_and_gradients(attend, q, k, v, function=False):
+    """[O, dQ, dK, dV] (NumPy) of `attend(q, k, v)`, the loss the sum of O
+    times a fixed upstream (sin of each element's index), eagerly or in a
+    `tf.function`."""
+    def run(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attend(q, k, v)
+            upstream = tf.sin(tf.reshape(
+                tf.range(tf.size(out), dtype=tf.float32), out.shape))
+            loss = tf.reduce_sum(out * upstream)
+        return [out] + tape.gradient(loss, [q, k, v])
+
+    results = (tf.function(run) if function else run)(q, k, v)
+    return [r.numpy() for r in results]

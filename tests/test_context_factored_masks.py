@@ -27,6 +27,7 @@ import tensorflow as tf
 
 import tfpar
 from tfpar import blockwise_attention
+from tfpar import context_keras_hub
 from tfpar import context_parallel
 from tfpar.reports import program as program_lib
 
@@ -211,3 +212,18 @@ def test_keras_mha_padding_mask_never_quadratic():
               for size in (program_lib.output_size(node, i) for i in range(
                   len(program_lib.output_shapes(node)))) if size is not None]
     assert not quadratic(shapes, seq_len)
+
+
+def test_one_rule_decides_training_masks_for_every_decoder():
+    """Llama/Mistral, GPT-2 and Gemma decoders factor their mask under one
+    rule: a context split, no cache, no user mask, and a cache index that
+    is absent or 0 (keras-hub's plain causal mask); a tensor index or a
+    cache is decoding and keeps keras-hub's own mask."""
+    decide = context_keras_hub._factored_in_training
+    split = object()
+    assert decide(split, None, None) and decide(split, None, 0)
+    assert not decide(None, None, None)  # no context split
+    assert not decide(split, tf.zeros((1, 2, 2)), None)  # a cache
+    assert not decide(split, None, 3)  # decoding at position 3
+    assert not decide(split, None, tf.constant(0))  # traced: decoding
+    assert not decide(split, None, None, attention_mask=tf.ones((1, 2, 2)))

@@ -196,7 +196,9 @@ def _padding_of(sequence, padding_mask):
 
 def _factored_in_training(split, cache, cache_index, attention_mask=None):
     """Whether a decoder's self-attention mask is given factored: a
-    training step on a context split, no cache, no user attention mask."""
+    training step on a context split, no cache, no user attention mask
+    (a cache index of 0 without a cache is keras-hub's plain causal
+    mask, so it counts as training; any other index is decoding)."""
     return (split is not None and cache is None and attention_mask is None
             and isinstance(cache_index, (int, type(None)))
             and not cache_index)
@@ -220,8 +222,8 @@ def _decoder_mask(original, hooks):
         arguments = (decoder_sequence, decoder_padding_mask,
                      decoder_attention_mask, self_attention_cache,
                      self_attention_cache_update_index)
-        if split is None or self_attention_cache is not None or (
-                self_attention_cache_update_index is not None):
+        if not _factored_in_training(split, self_attention_cache,
+                                     self_attention_cache_update_index):
             return original(self, *arguments)
         if decoder_attention_mask is None:
             return context_parallel.FactoredMask(

@@ -132,12 +132,8 @@ def _round_ratio(mesh, single):
 
 def worker(args):
     # Imported here, not at the top: the driver runs no TensorFlow, and the
-    # worker's tfpar is the commit's tree, first on its PYTHONPATH. This
-    # folder (sys.path[0] when run as a script) leaves the front of the
-    # path: its keras_hub.py (a benchmark) would shadow the keras_hub
-    # package that tfpar's keras-hub patches import.
-    sys.path[:] = [p for p in sys.path
-                   if os.path.abspath(p or ".") != HERE] + [HERE]
+    # worker's tfpar is the commit's tree, first on its PYTHONPATH (after
+    # this folder, sys.path[0] when run as a script, which holds step_time).
     import tfpar  # noqa: PLC0415
 
     tfpar.use_virtual_cpus(8)

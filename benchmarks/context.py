@@ -57,13 +57,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# benchmarks/keras_hub.py would shadow the keras_hub package (tfpar's
-# keras-hub patches import it).
-sys.path = [p for p in sys.path
-            if os.path.abspath(p or ".") != os.path.dirname(
-                os.path.abspath(__file__))]
-
-# The model is the context tests' (as benchmarks/keras_hub.py uses theirs).
+# The model is the context tests' (as benchmarks/hub_model_plans.py uses
+# theirs).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "tests"))
 

@@ -37,10 +37,6 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# benchmarks/keras_hub.py would shadow the keras_hub package.
-sys.path = [p for p in sys.path
-            if os.path.abspath(p or ".") != os.path.dirname(
-                os.path.abspath(__file__))]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "tests"))
 

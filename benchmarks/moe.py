@@ -40,10 +40,6 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# benchmarks/keras_hub.py would shadow the keras_hub package.
-sys.path = [p for p in sys.path
-            if os.path.abspath(p or ".") != os.path.dirname(
-                os.path.abspath(__file__))]
 
 import numpy as np  # noqa: E402
 

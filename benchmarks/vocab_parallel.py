@@ -31,15 +31,10 @@ trained) for, per device:
 import argparse
 import os
 import re
-import sys
 import warnings
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-# This folder's keras_hub.py (a benchmark) would shadow the keras_hub package.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import tfpar  # noqa: E402
 from tfpar import vocab_parallel  # noqa: E402

@@ -20,7 +20,7 @@ from tfpar.planner.transformer import transformer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
+sys.path.append(os.path.join(ROOT, "benchmarks"))
 from gpt import build_gpt  # noqa: E402
 import planner_heldout  # noqa: E402
 import planner_published  # noqa: E402

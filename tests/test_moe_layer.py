@@ -334,8 +334,8 @@ def test_the_step_exchanges_tokens_over_expert_as_documented():
 
 
 def load_benchmark():
-    """benchmarks/moe.py as a module (not on sys.path: its directory holds
-    a keras_hub.py that would shadow the package)."""
+    """benchmarks/moe.py as a module, loaded from its file under a name of
+    its own (benchmarks/ is not on this test's path)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
     spec = importlib.util.spec_from_file_location("moe_benchmark", path)
     module = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ from tfpar.planner import measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
+sys.path.append(os.path.join(ROOT, "benchmarks"))
 from gpt import build_gpt  # noqa: E402
 from models import train_plan_beside_one_device  # noqa: E402
 import planner_published  # noqa: E402

@@ -17,7 +17,7 @@ from tfpar import keras_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.append(os.path.join(ROOT, "benchmarks"))  # last: its keras_hub.py
+sys.path.append(os.path.join(ROOT, "benchmarks"))
 from gpt import build_gpt  # noqa: E402
 from planner_paper import a100_cluster  # noqa: E402
 from planner_paper import paper_gpt  # noqa: E402

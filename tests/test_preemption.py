@@ -16,6 +16,7 @@ device's uninterrupted run (Adam: its state is restored too). On two hosts
 
 import contextlib
 import os
+import re
 import signal
 
 import keras
@@ -199,3 +200,169 @@ def test_a_custom_loop_on_two_hosts_saves_one_step_and_resumes(workdir):
         fuzzing.assert_parity(want_losses[4:], end["losses"], want_weights,
                               [end[f"w{i}"] for i in range(6)],
                               exact=(exact[0][4:], exact[1]))
+
+
+# -- reuse for a second run, and bad arguments ---------------------------------
+
+def kill_at(step):
+    """A callable sending this process SIGTERM after step `step` (0-based,
+    counted over the whole run as the loop's `after_step` counts)."""
+    def after_step(current):
+        if current == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return after_step
+
+
+def test_a_reused_guard_restores_counts_and_saves_afresh(tmp_path):
+    """One guard, two `with` runs: the second restores the first's save
+    (step 3), counts from it and saves at its own signal (step 6); the
+    steps of both runs are one device's 6 steps (losses and Adam weights)."""
+    weights, x, y = loop_start()
+    directory = str(tmp_path / "preempt")
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"]))
+    model = preemption_loop.compiled_mlp(strategy, weights)
+    guard = tfpar.on_preemption(directory, model)
+    with guard:
+        first = preemption_loop.train(strategy, model, x, y, LOOP_STEPS,
+                                      guard, kill_at(2))
+    assert guard.saved_step == 3 and len(first) == 3
+    model.set_weights([np.zeros_like(w) for w in weights])  # the restore's
+    with guard:
+        assert guard.restored_step == 3 and guard.start_step == 3
+        assert not guard.preempted and not guard.requested
+        assert guard.saved_step is None and guard.step == 3
+        second = preemption_loop.train(strategy, model, x, y, LOOP_STEPS,
+                                       guard, kill_at(5))
+    assert guard.preempted and guard.saved_step == 6 and guard.step == 6
+    assert len(second) == 3
+    assert tfpar.latest_checkpoint(directory).endswith("ckpt-6")
+    (want_losses, want_weights), exact = uninterrupted(weights, x, y, 6)
+    fuzzing.assert_parity(want_losses, np.concatenate([first, second]),
+                          want_weights, model.get_weights(), exact=exact)
+
+
+class KillAtBatch(keras.callbacks.Callback):
+    """SIGTERM to this process at the end of batch `batch` of a fit (before
+    the preemption callback's step end: it comes first in the list)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def batch_losses(running_means):
+    """Each batch's loss from Keras' logged running means over a fit (equal
+    batches): loss_k = (k + 1) m_k - k m_(k-1)."""
+    means = np.asarray(running_means, "float64")
+    totals = means * np.arange(1, len(means) + 1)
+    return np.diff(totals, prepend=0.0)
+
+
+def test_a_reused_callback_restores_counts_and_saves_afresh(tmp_path):
+    """One PreemptionCheckpoint, two fits: the second restores the first's
+    save (step 3), counts from it and saves at its own signal (step 6),
+    and the 6 steps are one device's."""
+    weights, x, y = loop_start()
+    directory = str(tmp_path / "preempt")
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2}, devices=["CPU:0", "CPU:1"]))
+    model = preemption_loop.compiled_mlp(strategy, weights)
+    callback = tfpar.PreemptionCheckpoint(directory)
+    before = signal.getsignal(signal.SIGTERM)
+    losses = []
+    for start, kill in ((0, 2), (3, 2)):  # steps 0..2, then 3..5
+        recorded = models.BatchLosses()
+        rows = slice(start * preemption_loop.BATCH, None)
+        model.fit(x[rows], y[rows], batch_size=preemption_loop.BATCH,
+                  shuffle=False, verbose=0,
+                  callbacks=[recorded, KillAtBatch(kill), callback])
+        assert signal.getsignal(signal.SIGTERM) == before
+        assert callback.restored_step == (start or None)
+        assert callback.preempted and callback.saved_step == start + 3
+        losses.extend(batch_losses(recorded.losses))
+        model.set_weights([np.zeros_like(w) for w in weights])  # restored
+    assert tfpar.latest_checkpoint(directory).endswith("ckpt-6")
+    tfpar.restore_checkpoint(model, directory)
+    (want_losses, want_weights), exact = uninterrupted(weights, x, y, 6)
+    fuzzing.assert_parity(want_losses, np.array(losses), want_weights,
+                          model.get_weights(), exact=exact)
+
+
+def test_the_constructors_refuse_bad_arguments_before_training(tmp_path):
+    """Each bad argument of PreemptionCheckpoint, PreemptionGuard and
+    on_preemption: a ValueError naming the caller and argument, what came
+    and what to pass, from the constructor (nothing installed)."""
+    model = models.host_mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    directory = str(tmp_path)
+    bad = [  # (keyword arguments, the error's pattern)
+        ({"directory": tmp_path}, r"\(directory=\.\.\.\) needs a directory "
+         r"path \(a non-empty str, e\.g\. str\(path\)\).*Received: "
+         r"directory=PosixPath"),
+        ({"directory": ""}, r"\(directory=\.\.\.\).*Received: directory=''"),
+        ({"resume": "yes"}, r"\(resume=\.\.\.\) is True or False\. "
+         r"Received: resume='yes'"),
+        ({"signals": ("TERM",)}, r"\(signals=\.\.\.\) is a sequence of "
+         r"signal numbers.*Received: signals=\('TERM',\)"),
+        ({"signals": signal.SIGTERM}, r"\(signals=\.\.\.\) is a sequence"
+         r".*Received: signals=<Signals\.SIGTERM"),
+        ({"signals": (signal.SIGTERM, signal.SIGKILL)}, r"\(signals=\.\.\.\)"
+         r" cannot catch SIGKILL.*e\.g\. \(signal\.SIGTERM, signal\.SIGINT"
+         r"\)\. Received: signals="),
+    ]
+    makers = {
+        "PreemptionCheckpoint": lambda **kw: tfpar.PreemptionCheckpoint(
+            **{"directory": directory, **kw}),
+        "PreemptionGuard": lambda **kw: tfpar.preemption.PreemptionGuard(
+            **{"directory": directory, "model": model, **kw}),
+        "on_preemption": lambda **kw: tfpar.on_preemption(
+            **{"directory": directory, "model": model, **kw}),
+    }
+    handlers = {number: signal.getsignal(number) for number in
+                tfpar.preemption.SIGNALS}
+    for caller, make in makers.items():
+        for arguments, pattern in bad:
+            with pytest.raises(ValueError, match=re.escape(caller) + pattern):
+                make(**arguments)
+    for caller in ("PreemptionGuard", "on_preemption"):
+        with pytest.raises(ValueError, match=re.escape(caller) + r"\(model="
+                           r"\.\.\.\) needs the Keras model.*Received: "
+                           r"model=None"):
+            makers[caller](model=None)
+        with pytest.raises(ValueError, match=re.escape(caller) + r"\(model="
+                           r"\.\.\.\) saves the model with its optimizer's"
+                           r".*Received: model='mlp'"):
+            makers[caller](model=models.host_mlp())
+    assert handlers == {number: signal.getsignal(number) for number in
+                        tfpar.preemption.SIGNALS}
+    makers["PreemptionCheckpoint"]()  # the defaults are good
+    makers["PreemptionGuard"]()
+
+
+def test_a_run_that_raised_leaves_no_handler_behind(tmp_path):
+    """A fit that raises skips on_train_end (Keras 3): the next run's start
+    puts the handlers from before back first, so its end restores them, not
+    the dead run's. A guard entered twice at once is refused."""
+    model = models.host_mlp()
+    model.compile(optimizer="sgd", loss="mse")
+    before = {number: signal.getsignal(number) for number in
+              tfpar.preemption.SIGNALS}
+    callback = tfpar.PreemptionCheckpoint(str(tmp_path / "fit"))
+    callback.set_model(model)
+    callback.on_train_begin()  # a fit that raised: no on_train_end
+    callback.on_train_begin()
+    callback.on_train_end()
+    assert before == {number: signal.getsignal(number) for number in
+                      tfpar.preemption.SIGNALS}
+    guard = tfpar.on_preemption(str(tmp_path / "loop"), model)
+    with guard:
+        with pytest.raises(RuntimeError, match=r"already entered: one "
+                           r"`with` at a time"):
+            guard.__enter__()
+    assert before == {number: signal.getsignal(number) for number in
+                      tfpar.preemption.SIGNALS}

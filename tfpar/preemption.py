@@ -30,6 +30,13 @@ any) when training begins: `restored_step` says which step (the data
 position is the script's: e.g. `fit(initial_epoch=step //
 steps_per_epoch)`, or a custom loop starting at `guard.start_step`).
 
+Each run (each `fit` with the callback, each `with` of a guard) is one
+agreement: it counts from the step it restored (0 when none was restored),
+with no signal, agreed step or save yet, as a new callback or guard would;
+reusing one for a second run is the same as making a new one. A signal
+that came in a run and was not answered by a save is the script's to
+handle after that run (`.requested`); the next run does not inherit it.
+
 Example (fit):
 
 >>> callback = tfpar.PreemptionCheckpoint("/tmp/run/preempt")
@@ -66,6 +73,18 @@ class PreemptionAgreement:
         self._requested = threading.Event()
         self._target = None
         self._previous = {}
+        self._installed = False
+
+    def begin(self, completed):
+        """Starts a run after `completed` steps (the restored step, or 0):
+        no signal, agreed step or save of an earlier run is kept. Installs
+        the handlers until `uninstall`."""
+        if self._installed:  # a run that never ended (a `fit` that raised
+            self.uninstall()  # skips on_train_end): the older handlers back
+        self.completed = completed
+        self._requested.clear()
+        self._target = None
+        self.install()
 
     @property
     def requested(self):
@@ -76,6 +95,7 @@ class PreemptionAgreement:
         """This host's signal handlers and peer hook, until `uninstall`."""
         self._previous = {number: signal.signal(number, self._signalled)
                           for number in self.signals}
+        self._installed = True
         watch = host_watch.current()
         if watch is not None:
             watch.on_preempt = self._heard
@@ -85,6 +105,7 @@ class PreemptionAgreement:
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous = {}
+        self._installed = False
         watch = host_watch.current()
         if watch is not None and watch.on_preempt == self._heard:
             watch.on_preempt = None
@@ -123,11 +144,52 @@ class PreemptionAgreement:
             self._target = max(self._target or 0, target)
 
 
-def _check_directory(function, directory):
+def _check_arguments(caller, directory, resume, signals):
+    """`caller`'s (a name for the errors) directory, resume and signals
+    checked: ValueError naming the argument, what came and what to pass.
+    Returns the signals as `signal.Signals`."""
     if not isinstance(directory, str) or not directory:
         raise ValueError(
-            f"{function}(directory) needs a directory path (a non-empty "
-            f"str) that every host sees. Received: directory={directory!r}")
+            f"{caller}(directory=...) needs a directory path (a non-empty "
+            f"str, e.g. str(path)) that every host sees. Received: "
+            f"directory={directory!r}")
+    if not isinstance(resume, bool):
+        raise ValueError(f"{caller}(resume=...) is True or False. "
+                         f"Received: resume={resume!r}")
+    return _signal_numbers(caller, signals)
+
+
+def _check_model(caller, model):
+    """ValueError unless `model` is a compiled Keras model: a save holds
+    its weights and its optimizer's state."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            f"{caller}(model=...) needs the Keras model the loop trains "
+            f"(a keras.Model). Received: model={model!r}")
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            f"{caller}(model=...) saves the model with its optimizer's "
+            "state, and this model has no optimizer: compile it with the "
+            "optimizer the loop applies (model.compile(optimizer=...)) "
+            f"before entering. Received: model={model.name!r}")
+
+
+def _signal_numbers(caller, signals):
+    try:
+        numbers = tuple(signal.Signals(number) for number in signals)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{caller}(signals=...) is a sequence of signal numbers "
+            f"(e.g. (signal.SIGTERM,)). Received: signals={signals!r}"
+        ) from error
+    uncatchable = [number.name for number in numbers
+                   if number in (signal.SIGKILL, signal.SIGSTOP)]
+    if uncatchable:
+        raise ValueError(
+            f"{caller}(signals=...) cannot catch {', '.join(uncatchable)} "
+            "(no process can): pass signals a handler can catch, e.g. "
+            f"(signal.SIGTERM, signal.SIGINT). Received: signals={signals!r}")
+    return numbers
 
 
 def _resume(model, directory):
@@ -153,15 +215,19 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
             `tfpar.save_checkpoint`).
         resume: restore the latest checkpoint of `directory`, if there is
             one, when training begins.
-        signals: the signals that mean preemption.
+        signals: the signals that mean preemption (not SIGKILL/SIGSTOP).
+
+    Each `fit` it is given to is a run of its own (module docstring):
+    `preempted`, `saved_step` and `restored_step` are that run's, and its
+    steps are counted from `restored_step` (0 when none was restored).
     """
 
     def __init__(self, directory, resume=True, signals=SIGNALS):
         super().__init__()
-        _check_directory("PreemptionCheckpoint", directory)
+        self.signals = _check_arguments("PreemptionCheckpoint", directory,
+                                        resume, signals)
         self.directory = directory
         self.resume = resume
-        self.signals = tuple(signals)
         self.preempted = False
         self.saved_step = None
         self.restored_step = None
@@ -173,11 +239,10 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         return self._agreement.requested
 
     def on_train_begin(self, logs=None):
-        if self.resume:
-            self.restored_step = _resume(self.model, self.directory)
-            if self.restored_step is not None:
-                self._agreement.completed = self.restored_step
-        self._agreement.install()
+        self.preempted, self.saved_step = False, None  # this run's
+        self.restored_step = _resume(self.model, self.directory) \
+            if self.resume else None
+        self._agreement.begin(self.restored_step or 0)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.preempted or not self._agreement.step_end():
@@ -204,9 +269,15 @@ class PreemptionGuard:
         step: the steps finished (`start_step` plus those reported).
         requested: a preemption signal (or a peer's notice) came.
         preempted, saved_step: whether it saved, and at which step.
+
+    Each `with` is a run of its own: entering again (after exiting)
+    restores, counts and agrees afresh, as a new guard would.
     """
 
     def __init__(self, directory, model, resume=True, signals=SIGNALS):
+        signals = _check_arguments("PreemptionGuard", directory, resume,
+                                   signals)
+        _check_model("PreemptionGuard", model)
         self.directory = directory
         self.model = model
         self.resume = resume
@@ -229,11 +300,14 @@ class PreemptionGuard:
         return self.restored_step or 0
 
     def __enter__(self):
-        if self.resume:
-            self.restored_step = _resume(self.model, self.directory)
-            if self.restored_step is not None:
-                self._agreement.completed = self.restored_step
-        self._agreement.install()
+        if self._inside:
+            raise RuntimeError(
+                "This tfpar.on_preemption(...) guard is already entered: "
+                "one `with` at a time (a nested loop needs its own guard).")
+        self.preempted, self.saved_step = False, None  # this run's
+        self.restored_step = _resume(self.model, self.directory) \
+            if self.resume else None
+        self._agreement.begin(self.start_step)
         self._inside = True
         return self
 
@@ -311,29 +385,6 @@ def on_preemption(directory, model, resume=True, signals=SIGNALS):
     Returns:
         A `PreemptionGuard` to use in `with`.
     """
-    _check_directory("on_preemption", directory)
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            "on_preemption(model=...) needs the Keras model the loop trains "
-            f"(a keras.Model). Received: model={model!r}")
-    if getattr(model, "optimizer", None) is None:
-        raise ValueError(
-            "on_preemption(model=...) saves the model with its optimizer's "
-            "state, and this model has no optimizer: compile it with the "
-            "optimizer the loop applies (model.compile(optimizer=...)) "
-            f"before entering. Received: model={model.name!r}")
-    if not isinstance(resume, bool):
-        raise ValueError(f"on_preemption(resume=...) is True or False. "
-                         f"Received: resume={resume!r}")
-    return PreemptionGuard(directory, model, resume, _signal_numbers(signals))
-
-
-def _signal_numbers(signals):
-    try:
-        numbers = tuple(signal.Signals(number) for number in signals)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            "on_preemption(signals=...) is a sequence of signal numbers "
-            f"(e.g. (signal.SIGTERM,)). Received: signals={signals!r}"
-        ) from error
-    return numbers
+    signals = _check_arguments("on_preemption", directory, resume, signals)
+    _check_model("on_preemption", model)
+    return PreemptionGuard(directory, model, resume, signals)

@@ -2,7 +2,7 @@
 
 Run it with
 
-    python benchmarks/keras_hub.py [--quick] [--mesh DATAxMODEL] [--steps N]
+    python benchmarks/hub_model_plans.py [--quick] [--mesh DATAxMODEL] [--steps N]
 
 On 8 virtual CPU devices it trains the small keras-hub models of
 tests/hub_models.py (GPT-2, Llama, Llama with grouped-query attention,
@@ -35,9 +35,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# This file's name is the library's: `import keras_hub` must not find it.
 HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 BATCH = 16
 QUICK = ("llama_gqa", "gemma", "bert")

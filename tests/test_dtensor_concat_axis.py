@@ -187,7 +187,7 @@ def sequence_joined():
 # laid out (a MATCH each), which DTensor 2.21 refuses ("Attempted to shard
 # two or more tensor dimensions over mesh dimension match"): keras-hub's
 # ViT failed to trace on data=2 x model=4 under every plan
-# (benchmarks/keras_hub.py found it; the suite's joins were rank 2).
+# (benchmarks/hub_model_plans.py found it; the suite's joins were rank 2).
 def test_rank_3_concatenates_match_one_device():
     keras.utils.set_random_seed(0)
     weights = sequence_joined().get_weights()

@@ -207,15 +207,19 @@ class _LayerShape:
 class Layout:
     """Per-layer costs of `profile` under tensor parallelism of size t.
 
-    `rules` are auto_rules' LayoutRules for t (None: t = 1). Arrays hold one
+    `rules` are auto_rules' LayoutRules for t (None: t = 1), made with
+    `vocab_parallel` (the head split over the vocabulary, or whole: what
+    the roofline costs, `roofline.head_layout`). Arrays hold one
     entry per op of the profile (a layer PipelineModel can cut before), per
     sample where sizes scale with the batch.
     """
 
-    def __init__(self, profile, rules, t, sequence_parallel=False):
+    def __init__(self, profile, rules, t, sequence_parallel=False,
+                 vocab_parallel=False):
         self.t = t
         self.rules = rules
         self.sequence_parallel = sequence_parallel
+        self.vocab_parallel = vocab_parallel
         # The model's transformer dimensions (None: no attention), for the
         # roofline of a preset cluster (`_roofline_time`).
         self.transformer = transformer_lib.read(profile)
@@ -329,7 +333,7 @@ class Layout:
             for sub in profile_lib.sublayers(op.layer, include_self=False):
                 op_of.setdefault(id(sub), i)
         for pattern, style in rules.items():
-            layer = _layer_for(profile, pattern)
+            layer = layer_for(profile, pattern)
             if layer is None or id(layer) not in op_of:
                 continue
             i = op_of[id(layer)]
@@ -460,7 +464,9 @@ def block_shape_full(block, spec, t):
     return tuple(b * t if axis == "model" else b for b, axis in zip(block, spec))
 
 
-def _layer_for(profile, pattern):
+def layer_for(profile, pattern):
+    """The layer of `profile` a rule's `pattern` (an escaped path or a
+    regex) names, or None."""
     layer = profile.layers_by_path.get(re.sub(r"\\(.)", r"\1", pattern))
     if layer is not None:
         return layer
@@ -686,7 +692,8 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         schedule="interleaved" if virtual_stages > 1 else schedule,
         sequence_parallel=layout.sequence_parallel,
         recompute=recompute, fsdp=fsdp, flash=flash_attention(),
-        tf32=tf32(), optimizer_slots=slots)
+        tf32=tf32(), optimizer_slots=slots, **roofline.head_layout(
+            layout.transformer, layout.t, layout.vocab_parallel))
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
                                batch, cluster.devices_per_host)
     step = parts.pop("total")

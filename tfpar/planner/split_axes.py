@@ -68,8 +68,10 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                              f"data={data}", expert_axis=expert_axis))
                 continue
             for fsdp, recompute in _options(layout, data):
-                c = search_lib.Candidate(axes, fsdp, recompute, 1, "1f1b",
-                                         None, expert_axis=expert_axis)
+                c = search_lib.Candidate(
+                    axes, fsdp, recompute, 1, "1f1b", None,
+                    expert_axis=expert_axis,
+                    vocab_parallel=layout.vocab_parallel)
                 c.estimate = _estimate(layout, c, batch, cluster, slots, cf)
                 search_lib.reject_unfit(c, memory_limit)
                 found.append(c)
@@ -160,7 +162,7 @@ def _roofline(model, candidate, batch, cluster, slots, cf, split):
         slots=slots, flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=model.layers, capacity_factor=cf, transformer=model,
         expert_axis="data" if split and candidate.expert_axis == "data"
-        else "expert")
+        else "expert", vocab_parallel=candidate.vocab_parallel)
     return estimator.estimate_transformer(model, cfg, batch, cluster)
 
 

@@ -220,6 +220,7 @@ class Layout:
         self.rules = rules
         self.sequence_parallel = sequence_parallel
         self.vocab_parallel = vocab_parallel
+        self._profile = profile
         # The model's transformer dimensions (None: no attention), for the
         # roofline of a preset cluster (`_roofline_time`).
         self.transformer = transformer_lib.read(profile)
@@ -377,6 +378,18 @@ class Layout:
                     out["column_out"].add(id(layer))
         return out
 
+    def whole_head(self):
+        """This layout with the output head kept whole, as
+        `auto_rules(vocab_parallel=False)` plans it (`_whole_head_rules`),
+        made once; itself when its head is not vocabulary-parallel."""
+        if not self.vocab_parallel:
+            return self
+        if "whole_head" not in self._state_cache:
+            self._state_cache["whole_head"] = Layout(
+                self._profile, _whole_head_rules(self._profile, self.rules),
+                self.t, self.sequence_parallel)
+        return self._state_cache["whole_head"]
+
     def prefix(self, d, fsdp):
         """{array name: its prefix sums}, per-op arrays and state bytes."""
         key = ("prefix", d, fsdp)
@@ -440,6 +453,21 @@ class Layout:
                     counts[i, index[kind]] += 1
             self._state_cache["kinds"] = (list(index), counts)
         return self._state_cache["kinds"]
+
+
+def _whole_head_rules(profile, rules):
+    """`rules` (auto_rules' with vocab_parallel=True) as auto_rules plans
+    them without it: a `VocabParallel` embedding split by hidden
+    (`ColumnParallel`), a `VocabParallel` Dense head left whole."""
+    whole = {}
+    for pattern, style in rules.items():
+        if isinstance(style, tp.VocabParallel):
+            layer = layer_for(profile, pattern)
+            if getattr(layer, "embeddings", None) is None:
+                continue
+            style = tp.ColumnParallel(style.axis)
+        whole[pattern] = style
+    return layout_lib.LayoutRules(whole)
 
 
 def _spec(rules, exact, weight):

@@ -80,8 +80,8 @@ def estimate(model, global_batch_size, *, cluster, axes,
         vocab_parallel: the output head split over the vocabulary
             (`auto_rules(vocab_parallel=True)`: each device computes V/t of
             the logits). None: as `tfpar.plan` lays it out — split when the
-            model axis t > 1 divides the vocabulary and without sequence
-            parallelism, else whole (an embedding head split over the
+            model axis t > 1 divides the vocabulary, without sequence
+            parallelism and without a context axis, else whole (an embedding head split over the
             hidden dimension, its partial logits all-reduced; a Dense head
             replicated), and costed so. True where that cannot be is an
             error; False: whole.
@@ -221,10 +221,10 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         sequence_parallel=sequence_parallel,
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
         tf32=tf32, optimizer_slots=slots,
-        **_head(transformer, t, sequence_parallel, vocab_parallel))
+        **_head(transformer, t, sequence_parallel, vocab_parallel, c))
 
 
-def _head(transformer, t, sequence_parallel, vocab_parallel):
+def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
     """The `Parallel` fields of the head (`roofline.head_layout`) tfpar
     runs: split over the vocabulary where `transformer_lib.vocab_parallel`
     allows it (None: then; True: or an error saying why not), else whole.
@@ -236,15 +236,15 @@ def _head(transformer, t, sequence_parallel, vocab_parallel):
     if transformer is None:
         return {}
     allowed = transformer_lib.vocab_parallel(transformer, t,
-                                             sequence_parallel)
+                                             sequence_parallel, context)
     if vocab_parallel and t > 1 and not allowed:
         raise ValueError(
             "tfpar.estimate(vocab_parallel=True) splits the head over the "
             f"vocabulary of {transformer.vocab} on a model axis of {t}: "
-            "the axis must divide it and sequence_parallel must be False. "
-            f"Received: axes model={t}, sequence_parallel="
-            f"{sequence_parallel}. Pad the vocabulary, or pass "
-            "vocab_parallel=None.")
+            "the axis must divide it, sequence_parallel must be False and "
+            f"there must be no context axis. Received: axes model={t}, "
+            f"context={context}, sequence_parallel={sequence_parallel}. "
+            "Pad the vocabulary, or pass vocab_parallel=None.")
     split = allowed if vocab_parallel is None else vocab_parallel and t > 1
     return roofline.head_layout(transformer, t, split)
 

@@ -166,9 +166,15 @@ def _measured_first(candidates, timed, source, batch, optimizer):
 
 
 def _rules(candidate, layouts):
+    """The candidate's model-axis rules: its layout's, with the head whole
+    when the candidate keeps it whole (`Layout.whole_head`)."""
     t = candidate.axes["model"]
-    return (layouts[t, candidate.sequence_parallel].rules if t > 1
-            else layout_lib.LayoutRules({}))
+    if t == 1:
+        return layout_lib.LayoutRules({})
+    layout = layouts[t, candidate.sequence_parallel]
+    if not candidate.vocab_parallel:
+        layout = layout.whole_head()
+    return layout.rules
 
 
 def _checked_choice(candidates, source, layouts, cluster, check, step):

@@ -133,7 +133,10 @@ for its backward pass); × compute bytes / 2 for other than 16-bit
 activations; the first stage holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
-fsdp), and the last stage's fp32 logits.
+fsdp; a replicated head's not split over t), the last stage's fp32
+logits and their gradient (T·V/t, or T·V when the head is not
+vocabulary-parallel), and a gathered tied table with its whole gradient
+(2·V·h in the compute dtype).
 
 >>> gpt = Transformer(layers=24, hidden=2304, heads=24, seq=2048,
 ...                   vocab=51200)

@@ -26,7 +26,10 @@ per device):
 On a preset cluster (`Cluster.preset`, which carries vendor figures and
 efficiencies) a transformer's step time is the per-op roofline of
 `roofline.py` (the one `tfpar.estimate` uses) instead of what follows;
-memory and message bytes stay this module's.
+memory and message bytes stay this module's. The output head is costed as
+the rules lay it out: split over the vocabulary under `VocabParallel`
+(`Layout.vocab_parallel`), else whole (`roofline.head_layout`; here, its
+weights' specs).
 
 Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half

@@ -125,6 +125,28 @@ def test_plan_splits_the_head_only_where_the_model_axis_divides_the_vocabulary(
             < whole_head.memory_per_device["workspace"])
 
 
+def test_a_plan_keeps_a_head_whole_where_no_model_axis_divides_the_vocabulary():
+    """A vocabulary of 4097 (odd): the chosen plan's model axis of 2 leaves
+    the head whole — no rule for it, explain() says why — and its estimate
+    is tfpar.estimate's of that configuration, which costs it whole."""
+    builder = gpt(4097)
+    plan = tfpar.plan(builder, 16, cluster=A100, memory_per_device=4e6,
+                      check=False)
+    assert plan.axes == {"data": 2, "pipe": 2, "model": 2}, plan
+    assert not plan.vocab_parallel
+    assert not [p for p in dict(plan.rules.items()) if "lm_head" in p]
+    assert ("Output head: whole on every device of model=2 (its 4097 "
+            "logits computed whole, and costed whole): model=2 does not "
+            "divide the vocabulary") in plan.explain()
+    given = dict(axes=plan.axes, num_microbatches=plan.num_microbatches,
+                 sequence_parallel=plan.sequence_parallel, fsdp=plan.fsdp,
+                 recompute=plan.recompute)
+    assert plan.estimate.step_time_s == pytest.approx(tfpar.estimate(
+        builder, 16, cluster=A100, **given).step_time_s)
+    assert plan.estimate.step_time_s == pytest.approx(tfpar.estimate(
+        builder, 16, cluster=A100, vocab_parallel=False, **given).step_time_s)
+
+
 def test_a_keras_hub_head_is_read_as_the_embedding_s_projection():
     """GPT-2's tied table makes the logits (an MLP as wide as the
     vocabulary is not a head): without vocab_parallel it is split by
@@ -171,7 +193,6 @@ def test_a_vocab_parallel_plan_trains_like_one_device():
     assert {b.shape[1] for b in blocks} == {512}, [b.shape for b in blocks]
 
 
-@pytest.mark.slow
 def test_a_vocab_parallel_head_beside_a_context_axis_does_not_compile():
     """Why plans keep the head whole with a context axis: DTensor 2.21
     refuses to compile the step of a `VocabParallel` head on data=2 ×

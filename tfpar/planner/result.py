@@ -412,9 +412,9 @@ def _head_line(candidate, info):
         return [f"Output head: vocabulary-parallel (VocabParallel): each "
                 f"device of model={t} computes {vocab // t} of the "
                 f"{vocab} logits, and the estimate costs that."]
-    why = ("sequence parallelism (auto_rules does not combine it with "
+    why = (f"model={t} does not divide the vocabulary" if vocab % t else
+           "sequence parallelism (auto_rules does not combine it with "
            "vocab_parallel)" if candidate.sequence_parallel else
-           f"model={t} does not divide the vocabulary" if vocab % t else
            "a context axis (DTensor 2.21 cannot compile a vocabulary-"
            "parallel head beside one)" if candidate.axes.get("context", 1) > 1
            else "auto_rules cannot split it over the vocabulary")

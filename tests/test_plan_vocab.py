@@ -125,7 +125,7 @@ def test_plan_splits_the_head_only_where_the_model_axis_divides_the_vocabulary(
             < whole_head.memory_per_device["workspace"])
 
 
-def test_a_plan_keeps_a_head_whole_where_no_model_axis_divides_the_vocabulary():
+def test_a_plan_keeps_a_head_whole_where_no_model_axis_divides_vocab():
     """A vocabulary of 4097 (odd): the chosen plan's model axis of 2 leaves
     the head whole — no rule for it, explain() says why — and its estimate
     is tfpar.estimate's of that configuration, which costs it whole."""

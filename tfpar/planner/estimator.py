@@ -81,10 +81,10 @@ def estimate(model, global_batch_size, *, cluster, axes,
             (`auto_rules(vocab_parallel=True)`: each device computes V/t of
             the logits). None: as `tfpar.plan` lays it out — split when the
             model axis t > 1 divides the vocabulary, without sequence
-            parallelism and without a context axis, else whole (an embedding head split over the
-            hidden dimension, its partial logits all-reduced; a Dense head
-            replicated), and costed so. True where that cannot be is an
-            error; False: whole.
+            parallelism and without a context axis, else whole (an
+            embedding head split over the hidden dimension, its partial
+            logits all-reduced; a Dense head replicated), and costed so.
+            True where that cannot be is an error; False: whole.
 
     Returns:
         A `cost.Estimate`: `step_time_s`, `memory_per_device` (first

@@ -31,7 +31,8 @@ from tfpar.planner.search import format_bytes as _gb
 from tfpar.strategy import ParallelStrategy
 
 _STYLES = {"ColumnParallel": tp.ColumnParallel, "RowParallel": tp.RowParallel,
-           "Replicated": tp.Replicated, "SequenceParallel": tp.SequenceParallel,
+           "Replicated": tp.Replicated,
+           "SequenceParallel": tp.SequenceParallel,
            "VocabParallel": tp.VocabParallel}
 
 

@@ -48,8 +48,8 @@ memory-bound by whichever is larger.
   all-gather each, the same ring time), plus the embedding's forward and
   the logits' backward one (the embedding's: the table's gather instead
   when `table_gathered`; the logits': none for a replicated head, and
-  the partial logits' all-reduce too for a hidden-split one); a ring over t: 2(t-1)/t · bytes/β + 2(t-1)·α,
-  exposed (Megatron-LM does not overlap them); with `tp_overlap`
+  the partial logits' all-reduce too for a hidden-split one); a ring
+  over t: 2(t-1)/t · bytes/β + 2(t-1)·α, exposed (Megatron-LM does not overlap them); with `tp_overlap`
   (Megatron-Core's `--tp-comm-overlap`: Transformer Engine splits each
   all-gather / reduce-scatter into chunks pipelined with the GEMM that
   consumes / produces it) only what exceeds the block's GEMM time shows.

@@ -26,7 +26,10 @@ per device):
 On a preset cluster (`Cluster.preset`, which carries vendor figures and
 efficiencies) a transformer's step time is the per-op roofline of
 `roofline.py` (the one `tfpar.estimate` uses) instead of what follows;
-memory and message bytes stay this module's.
+memory and message bytes stay this module's. The output head is costed as
+the rules lay it out: split over the vocabulary under `VocabParallel`
+(`Layout.vocab_parallel`), else whole (`roofline.head_layout`; here, its
+weights' specs).
 
 Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half
@@ -207,15 +210,20 @@ class _LayerShape:
 class Layout:
     """Per-layer costs of `profile` under tensor parallelism of size t.
 
-    `rules` are auto_rules' LayoutRules for t (None: t = 1). Arrays hold one
+    `rules` are auto_rules' LayoutRules for t (None: t = 1), made with
+    `vocab_parallel` (the head split over the vocabulary, or whole: what
+    the roofline costs, `roofline.head_layout`). Arrays hold one
     entry per op of the profile (a layer PipelineModel can cut before), per
     sample where sizes scale with the batch.
     """
 
-    def __init__(self, profile, rules, t, sequence_parallel=False):
+    def __init__(self, profile, rules, t, sequence_parallel=False,
+                 vocab_parallel=False):
         self.t = t
         self.rules = rules
         self.sequence_parallel = sequence_parallel
+        self.vocab_parallel = vocab_parallel
+        self._profile = profile
         # The model's transformer dimensions (None: no attention), for the
         # roofline of a preset cluster (`_roofline_time`).
         self.transformer = transformer_lib.read(profile)
@@ -329,7 +337,7 @@ class Layout:
             for sub in profile_lib.sublayers(op.layer, include_self=False):
                 op_of.setdefault(id(sub), i)
         for pattern, style in rules.items():
-            layer = _layer_for(profile, pattern)
+            layer = layer_for(profile, pattern)
             if layer is None or id(layer) not in op_of:
                 continue
             i = op_of[id(layer)]
@@ -372,6 +380,18 @@ class Layout:
                 if top:
                     out["column_out"].add(id(layer))
         return out
+
+    def whole_head(self):
+        """This layout with the output head kept whole, as
+        `auto_rules(vocab_parallel=False)` plans it (`_whole_head_rules`),
+        made once; itself when its head is not vocabulary-parallel."""
+        if not self.vocab_parallel:
+            return self
+        if "whole_head" not in self._state_cache:
+            self._state_cache["whole_head"] = Layout(
+                self._profile, _whole_head_rules(self._profile, self.rules),
+                self.t, self.sequence_parallel)
+        return self._state_cache["whole_head"]
 
     def prefix(self, d, fsdp):
         """{array name: its prefix sums}, per-op arrays and state bytes."""
@@ -438,6 +458,21 @@ class Layout:
         return self._state_cache["kinds"]
 
 
+def _whole_head_rules(profile, rules):
+    """`rules` (auto_rules' with vocab_parallel=True) as auto_rules plans
+    them without it: a `VocabParallel` embedding split by hidden
+    (`ColumnParallel`), a `VocabParallel` Dense head left whole."""
+    whole = {}
+    for pattern, style in rules.items():
+        if isinstance(style, tp.VocabParallel):
+            layer = layer_for(profile, pattern)
+            if getattr(layer, "embeddings", None) is None:
+                continue
+            style = tp.ColumnParallel(style.axis)
+        whole[pattern] = style
+    return layout_lib.LayoutRules(whole)
+
+
 def _spec(rules, exact, weight):
     """The spec `rules` give `weight` (None: replicated)."""
     if rules is None:
@@ -460,7 +495,9 @@ def block_shape_full(block, spec, t):
     return tuple(b * t if axis == "model" else b for b, axis in zip(block, spec))
 
 
-def _layer_for(profile, pattern):
+def layer_for(profile, pattern):
+    """The layer of `profile` a rule's `pattern` (an escaped path or a
+    regex) names, or None."""
     layer = profile.layers_by_path.get(re.sub(r"\\(.)", r"\1", pattern))
     if layer is not None:
         return layer
@@ -686,7 +723,8 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         schedule="interleaved" if virtual_stages > 1 else schedule,
         sequence_parallel=layout.sequence_parallel,
         recompute=recompute, fsdp=fsdp, flash=flash_attention(),
-        tf32=tf32(), optimizer_slots=slots)
+        tf32=tf32(), optimizer_slots=slots, **roofline.head_layout(
+            layout.transformer, layout.t, layout.vocab_parallel))
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
                                batch, cluster.devices_per_host)
     step = parts.pop("total")

@@ -21,6 +21,7 @@ from tfpar.planner import cost as cost_lib
 from tfpar.planner import hardware as hardware_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import roofline
+from tfpar.planner import transformer as transformer_lib
 from tfpar.planner.cluster import Cluster
 from tfpar.planner.transformer import transformer_of
 
@@ -37,7 +38,7 @@ def estimate(model, global_batch_size, *, cluster, axes,
              num_microbatches=None, schedule="1f1b", virtual_stages=1,
              sequence_parallel=False, recompute=None, fsdp=False,
              optimizer="adam", sequence_length=None, capacity_factor=None,
-             expert_axis="expert"):
+             expert_axis="expert", vocab_parallel=None):
     """The `Estimate` of training `model` in one given configuration.
 
     Args:
@@ -76,6 +77,14 @@ def estimate(model, global_batch_size, *, cluster, axes,
             or "data": the expert banks split over the data axis (as
             `ParallelStrategy(expert_axis="data")`: each device routes its
             own tokens, exchanged with the devices holding their experts).
+        vocab_parallel: the output head split over the vocabulary
+            (`auto_rules(vocab_parallel=True)`: each device computes V/t of
+            the logits). None: as `tfpar.plan` lays it out — split when the
+            model axis t > 1 divides the vocabulary, without sequence
+            parallelism and without a context axis, else whole (an
+            embedding head split over the hidden dimension, its partial
+            logits all-reduced; a Dense head replicated), and costed so.
+            True where that cannot be is an error; False: whole.
 
     Returns:
         A `cost.Estimate`: `step_time_s`, `memory_per_device` (first
@@ -127,7 +136,8 @@ def estimate(model, global_batch_size, *, cluster, axes,
         slots=cost_lib.optimizer_slots(optimizer),
         flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=transformer.layers, capacity_factor=capacity_factor,
-        transformer=transformer, expert_axis=expert_axis)
+        transformer=transformer, expert_axis=expert_axis,
+        vocab_parallel=vocab_parallel)
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 
@@ -172,10 +182,11 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False, recompute=None,
                   fsdp=False, slots=2, flash=False, tf32=False,
                   layers=None, capacity_factor=None, transformer=None,
-                  expert_axis="expert"):
+                  expert_axis="expert", vocab_parallel=None):
     """The `roofline.Parallel` of `estimate`'s arguments, checked
     (`layers`: the model's transformer blocks, when known; `transformer`:
-    its `roofline.Transformer`, to check the expert and context axes)."""
+    its `roofline.Transformer`, to check the expert and context axes and
+    to lay out its head: `_head`)."""
     d, p, t, e, c = (axes.get(k, 1) for k in AXES)
     on_data = _expert_placement(expert_axis, axes)
     if on_data:
@@ -202,13 +213,40 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
     if fsdp and d == 1:
         raise ValueError("tfpar.estimate(fsdp=True) needs a data axis > 1; "
                          f"received axes data={d}.")
+    sequence_parallel = bool(sequence_parallel and t > 1)
     return roofline.Parallel(
         data=d, pipe=p, model=t, expert=e, expert_on_data=on_data, context=c,
         capacity_factor=capacity_factor, microbatch=batch // replicas // m,
         virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
-        sequence_parallel=bool(sequence_parallel and t > 1),
+        sequence_parallel=sequence_parallel,
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
-        tf32=tf32, optimizer_slots=slots)
+        tf32=tf32, optimizer_slots=slots,
+        **_head(transformer, t, sequence_parallel, vocab_parallel, c))
+
+
+def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
+    """The `Parallel` fields of the head (`roofline.head_layout`) tfpar
+    runs: split over the vocabulary where `transformer_lib.vocab_parallel`
+    allows it (None: then; True: or an error saying why not), else whole.
+    Without a `transformer`, the defaults (vocabulary-parallel)."""
+    if vocab_parallel not in (None, True, False):
+        raise ValueError(
+            "tfpar.estimate(vocab_parallel) must be None, True or False. "
+            f"Received: vocab_parallel={vocab_parallel!r}")
+    if transformer is None:
+        return {}
+    allowed = transformer_lib.vocab_parallel(transformer, t,
+                                             sequence_parallel, context)
+    if vocab_parallel and t > 1 and not allowed:
+        raise ValueError(
+            "tfpar.estimate(vocab_parallel=True) splits the head over the "
+            f"vocabulary of {transformer.vocab} on a model axis of {t}: "
+            "the axis must divide it, sequence_parallel must be False and "
+            f"there must be no context axis. Received: axes model={t}, "
+            f"context={context}, sequence_parallel={sequence_parallel}. "
+            "Pad the vocabulary, or pass vocab_parallel=None.")
+    split = allowed if vocab_parallel is None else vocab_parallel and t > 1
+    return roofline.head_layout(transformer, t, split)
 
 
 def _interleaving(schedule, virtual_stages, *, p, m, layers):

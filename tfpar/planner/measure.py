@@ -54,7 +54,8 @@ def candidate_plan(candidate, source, global_batch_size, optimizer="adam"):
     shapes = _shapes(source)
     t = candidate.axes["model"]
     rules = (auto_rules(shapes, axis_size=t,
-                        sequence_parallel=candidate.sequence_parallel)
+                        sequence_parallel=candidate.sequence_parallel,
+                        vocab_parallel=candidate.vocab_parallel)
              if t > 1 else LayoutRules({}))
     starts = candidate.stage_starts or [0]
     return Plan(candidate, [candidate], rules, starts,

@@ -20,6 +20,7 @@ from tfpar.planner import measure as measure_lib
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import search as search_lib
 from tfpar.planner import split_axes
+from tfpar.planner import transformer as transformer_lib
 from tfpar.planner.cluster import Cluster
 from tfpar.weightless import build_without_weights, names_given_back
 from tfpar.planner.result import Plan
@@ -142,7 +143,15 @@ def _planned(model, global_batch_size, *, cluster, memory_per_device,
                       "global_batch_size": int(global_batch_size),
                       "memory_limit": limit, "optimizer": str(optimizer),
                       "cluster": cluster.to_dict(), "search_s": seconds,
-                      "measured": int(measure), "checked": checked})
+                      "measured": int(measure), "checked": checked,
+                      "vocabulary": _vocabulary(profile)})
+
+
+def _vocabulary(profile):
+    """The vocabulary of a transformer (what `Plan.explain` says of its
+    head), or None."""
+    model = transformer_lib.read(profile)
+    return None if model is None else int(model.vocab)
 
 
 def _measured_first(candidates, timed, source, batch, optimizer):
@@ -157,9 +166,15 @@ def _measured_first(candidates, timed, source, batch, optimizer):
 
 
 def _rules(candidate, layouts):
+    """The candidate's model-axis rules: its layout's, with the head whole
+    when the candidate keeps it whole (`Layout.whole_head`)."""
     t = candidate.axes["model"]
-    return (layouts[t, candidate.sequence_parallel].rules if t > 1
-            else layout_lib.LayoutRules({}))
+    if t == 1:
+        return layout_lib.LayoutRules({})
+    layout = layouts[t, candidate.sequence_parallel]
+    if not candidate.vocab_parallel:
+        layout = layout.whole_head()
+    return layout.rules
 
 
 def _checked_choice(candidates, source, layouts, cluster, check, step):

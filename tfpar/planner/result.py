@@ -31,7 +31,9 @@ from tfpar.planner.search import format_bytes as _gb
 from tfpar.strategy import ParallelStrategy
 
 _STYLES = {"ColumnParallel": tp.ColumnParallel, "RowParallel": tp.RowParallel,
-           "Replicated": tp.Replicated, "SequenceParallel": tp.SequenceParallel}
+           "Replicated": tp.Replicated,
+           "SequenceParallel": tp.SequenceParallel,
+           "VocabParallel": tp.VocabParallel}
 
 
 class Plan:
@@ -43,6 +45,11 @@ class Plan:
         rules: `tfpar.LayoutRules` for the model axis (auto_rules' plan).
         fsdp, sequence_parallel: bools (sequence parallelism: the rules
             hold `SequenceParallel` norms).
+        vocab_parallel: whether the output head is split over the
+            vocabulary (`auto_rules(vocab_parallel=True)`, `VocabParallel`:
+            each device of the model axis computes 1/t of the logits; the
+            estimate costs it so) or kept whole (its logits computed whole
+            on every device, and costed whole).
         recompute: None, "selective" (each attention layer's core
             recomputed) or "full" (every layer recomputed): what
             `apply` sets with `tfpar.recompute.set_recompute`.
@@ -76,6 +83,7 @@ class Plan:
     fsdp = property(lambda self: self._chosen.fsdp)
     recompute = property(lambda self: self._chosen.recompute)
     sequence_parallel = property(lambda self: self._chosen.sequence_parallel)
+    vocab_parallel = property(lambda self: self._chosen.vocab_parallel)
     num_microbatches = property(lambda self: self._chosen.num_microbatches)
     schedule = property(lambda self: self._chosen.schedule)
     stage_boundaries = property(lambda self: self._chosen.stage_boundaries)
@@ -107,7 +115,7 @@ class Plan:
             f"step ({_parts(e)}), {_gb(e.total_memory)} per device ("
             + ", ".join(f"{k} {_gb(v)}" for k, v in e.memory_per_device.items())
             + f"), {_gb(e.communication_bytes_per_device)} of collectives.",
-            *_split_axes_lines(e),
+            *_split_axes_lines(e), *_head_line(c, i),
             "Self-check: " + i.get("checked", "not checked"),
             "Binding constraint: " + self._binding(),
             "Runner-up (best other mesh shape): " + self._runner_up(),
@@ -257,12 +265,14 @@ class Plan:
             # rule, and no empty relayout that would gather them back).
             rules = auto_rules(model, mesh=strategy.mesh,
                                expert_axis=self.expert_axis,
-                               sequence_parallel=self.sequence_parallel)
+                               sequence_parallel=self.sequence_parallel,
+                               vocab_parallel=self.vocab_parallel)
             if len(rules):
                 strategy.apply_rules(model, rules)
         elif "model" in self.axes:
             rules = auto_rules(model, mesh=strategy.mesh,
-                               sequence_parallel=self.sequence_parallel)
+                               sequence_parallel=self.sequence_parallel,
+                               vocab_parallel=self.vocab_parallel)
             planned = [type(s).__name__ for _, s in self.rules.items()]
             if [type(s).__name__ for _, s in rules.items()] != planned:
                 raise ValueError(
@@ -308,7 +318,7 @@ class Plan:
             style = _STYLES[name]
             if name == "Replicated":
                 rules[pattern] = style()
-            elif name == "SequenceParallel":
+            elif name in ("SequenceParallel", "VocabParallel"):
                 rules[pattern] = style(axis)
             else:
                 rules[pattern] = style(axis, sequence_parallel=sp)
@@ -387,6 +397,30 @@ def _split_axes_lines(estimate):
             f"{_gb(x['activation_bytes_whole'])}), key/value gathers "
             f"{_gb(x['gather_bytes'])} per step and device.")
     return lines
+
+
+def _head_line(candidate, info):
+    """explain()'s line on the output head of a model with a vocabulary
+    (`info["vocabulary"]`): split over it, or whole and why."""
+    vocab = info.get("vocabulary")
+    t = candidate.axes.get("model", 1)
+    if not vocab:
+        return []
+    if t == 1:
+        return [f"Output head: whole (no model axis), logits over the "
+                f"vocabulary of {vocab} on every device."]
+    if candidate.vocab_parallel:
+        return [f"Output head: vocabulary-parallel (VocabParallel): each "
+                f"device of model={t} computes {vocab // t} of the "
+                f"{vocab} logits, and the estimate costs that."]
+    why = (f"model={t} does not divide the vocabulary" if vocab % t else
+           "sequence parallelism (auto_rules does not combine it with "
+           "vocab_parallel)" if candidate.sequence_parallel else
+           "a context axis (DTensor 2.21 cannot compile a vocabulary-"
+           "parallel head beside one)" if candidate.axes.get("context", 1) > 1
+           else "auto_rules cannot split it over the vocabulary")
+    return [f"Output head: whole on every device of model={t} (its {vocab} "
+            f"logits computed whole, and costed whole): {why}."]
 
 
 def _parts(e):

@@ -31,14 +31,25 @@ memory-bound by whichever is larger.
 - Embedding (first stage): the lookup writes T·h (4 elements per token
   with position add and dropout); its backward writes the dense V/t × h
   gradient and adds it to the fp32 one (12 bytes per element).
-- Logits (last stage): the T × V/t × h GEMM and its two gradients, and
-  the vocabulary-parallel cross-entropy over T·V/t fp32 logits (14 bytes
-  per element forward, 10 backward).
+- Logits (last stage), as the head is split over the model axis
+  (`Parallel.head`): vocabulary-parallel ("vocab": Megatron-LM's, and
+  tfpar's `VocabParallel`), the T × V/t × h GEMM and its two gradients
+  and the cross-entropy over T·V/t fp32 logits (14 bytes per element
+  forward, 10 backward); split over the hidden dimension ("hidden":
+  tfpar's embedding heads without `vocab_parallel`), T × V × h/t GEMMs
+  whose partial logits an all-reduce of T·V sums, then the cross-entropy
+  over all T·V; whole ("replicated": a Dense head without
+  `vocab_parallel`), T × V × h GEMMs on every device, its V·h weights
+  and their gradients not split over t. tfpar's `VocabParallel` on a
+  tied table (`Parallel.table_gathered`) gathers the V × h table over t
+  for each lookup and writes its whole gradient.
 - Tensor parallelism: per block 2 all-reduces of T·h forward and 2 in the
   backward pass (with sequence parallelism a reduce-scatter and an
   all-gather each, the same ring time), plus the embedding's forward and
-  the logits' backward one; a ring over t: 2(t-1)/t · bytes/β + 2(t-1)·α,
-  exposed (Megatron-LM does not overlap them); with `tp_overlap`
+  the logits' backward one (the embedding's: the table's gather instead
+  when `table_gathered`; the logits': none for a replicated head, and
+  the partial logits' all-reduce too for a hidden-split one); a ring
+  over t: 2(t-1)/t · bytes/β + 2(t-1)·α, exposed (Megatron-LM does not overlap them); with `tp_overlap`
   (Megatron-Core's `--tp-comm-overlap`: Transformer Engine splits each
   all-gather / reduce-scatter into chunks pipelined with the GEMM that
   consumes / produces it) only what exceeds the block's GEMM time shows.
@@ -122,7 +133,10 @@ for its backward pass); × compute bytes / 2 for other than 16-bit
 activations; the first stage holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
-fsdp), and the last stage's fp32 logits.
+fsdp; a replicated head's not split over t), the last stage's fp32
+logits and their gradient (T·V/t, or T·V when the head is not
+vocabulary-parallel), and a gathered tied table with its whole gradient
+(2·V·h in the compute dtype).
 
 >>> gpt = Transformer(layers=24, hidden=2304, heads=24, seq=2048,
 ...                   vocab=51200)
@@ -137,6 +151,8 @@ from tfpar.planner import hardware
 
 RECOMPUTE = (None, "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# How the output head is split over the model axis (`Parallel.head`).
+HEADS = ("vocab", "hidden", "replicated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +170,10 @@ class Transformer:
     dropout: bool = True    # hidden and attention dropout
     causal: bool = True
     tied: bool = True       # logits share the embedding
+    # The logits are the token embedding layer's projection (a tied table,
+    # or keras-hub's untied ReversibleEmbedding's reverse table: split by
+    # hidden unless vocabulary-parallel); False: a separate Dense head.
+    embedding_head: bool = True
     position_embedding: bool = True
     compute_bytes: int = 2  # bf16/fp16 activations
     param_bytes: int = 4    # stored weights (fp32 master; 2 + 4 Megatron)
@@ -216,6 +236,18 @@ class Parallel:
     expert_on_data: bool = False  # the data axis splits the banks (e = d)
     context: int = 1             # sequences split c ways (CP)
     capacity_factor: float = None  # tokens per expert ÷ k·T/E (None: dropless)
+    # The output head over the model axis (`HEADS`, `head_layout`): split
+    # over the vocabulary (Megatron-LM's vocab-parallel head, tfpar's
+    # `VocabParallel`), over the hidden dimension (partial logits summed),
+    # or replicated; `table_gathered`: a tied table split over the
+    # vocabulary is gathered whole for each lookup (tfpar under DTensor).
+    head: str = "vocab"
+    table_gathered: bool = False
+
+    @property
+    def vocab_parallel(self):
+        """Whether each device computes V/t of the logits."""
+        return self.head == "vocab" or self.model == 1
 
     @property
     def replicas(self):
@@ -423,20 +455,40 @@ def _block(dev, model, cfg, backward=False):
 
 
 def _embedding(dev, model, cfg, backward=False):
+    """The lookup (T·h written, 4 elements per token with the position add
+    and dropout) or its backward: T·h read and the dense gradient of the
+    table a device holds (V/t × h, or V × h when the table is gathered
+    for the lookup) added to the fp32 one (12 bytes per element)."""
     time = _Time()
     rows = tokens(model, cfg)
     c = model.compute_bytes
     if backward:
+        split = 1 if cfg.table_gathered else cfg.model
         dev.stream(time, rows * model.hidden * c
-                   + 12.0 * model.vocab / cfg.model * model.hidden)
+                   + 12.0 * model.vocab / split * model.hidden)
     else:
         dev.stream(time, 4.0 * rows * model.hidden * c)
     return time
 
 
+def _logits_shape(model, cfg):
+    """(m, n, k) of the head's GEMM on one device: T × V/t × h split over
+    the vocabulary, T × V × h/t over the hidden dimension (partial
+    logits), T × V × h replicated."""
+    m, n, k = tokens(model, cfg), model.vocab, model.hidden
+    if cfg.head == "vocab":
+        n /= cfg.model
+    elif cfg.head == "hidden":
+        k /= cfg.model
+    return m, n, k
+
+
 def _logits(dev, model, cfg, backward=False):
+    """The head's GEMM (or its data and weight gradients) and the
+    cross-entropy over the logits a device holds (m × n, fp32: 14 bytes
+    per element forward, 10 backward)."""
     time = _Time()
-    m, n, k = tokens(model, cfg), model.vocab / cfg.model, model.hidden
+    m, n, k = _logits_shape(model, cfg)
     c = model.compute_bytes
     if backward:
         dev.gemm(time, m, k, n, itemsize=c)
@@ -447,13 +499,51 @@ def _logits(dev, model, cfg, backward=False):
     return time
 
 
+def head_layout(model, t, vocab_parallel):
+    """{"head", "table_gathered"}: the `Parallel` fields of the head tfpar
+    runs for `model` over a model axis of t — `VocabParallel` when
+    `vocab_parallel` (a tied table then gathered for each lookup), else
+    auto_rules' default: an embedding head split by hidden (partial
+    logits summed over t), a Dense head whole."""
+    if t == 1 or vocab_parallel:
+        return {"head": "vocab",
+                "table_gathered": bool(t > 1 and model.tied)}
+    return {"head": "hidden" if model.embedding_head else "replicated",
+            "table_gathered": False}
+
+
+def _edges(model, cfg, cluster, hw):
+    """Seconds per micro-batch of the embedding's and the logits' model-axis
+    collectives: one all-reduce of T·h each (the lookup's, the input
+    gradient's) — the table's gather (V·h, tfpar's all-gather ring)
+    instead for a gathered table; for the logits none when the head is
+    replicated, and the partial logits' all-reduce (T·V) too when it is
+    split over the hidden dimension."""
+    t = cfg.model
+    group = link(cluster, hw, t, 1)
+    c = model.compute_bytes
+    one = ring("all-reduce", tokens(model, cfg) * model.hidden * c, t, group)
+    embedding = (ring(gather_kind(cfg), model.vocab * model.hidden * c, t,
+                      group) if cfg.table_gathered else one)
+    logits = {"vocab": one, "replicated": 0.0,
+              "hidden": one + ring("all-reduce", _logits_bytes(model, cfg),
+                                   t, group)}[cfg.head]
+    return embedding, logits
+
+
+def _logits_bytes(model, cfg):
+    """The partial logits one all-reduce sums (T·V, compute dtype) when the
+    head is split over the hidden dimension."""
+    return tokens(model, cfg) * model.vocab * model.compute_bytes
+
+
 def _tensor_parallel(model, cfg, cluster, hw):
     """Seconds of one block's forward all-reduces over the model axis (its
-    backward costs the same), and of the embedding's/logits' one."""
+    backward costs the same), and (embedding, logits) of `_edges`."""
     nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
     one = ring("all-reduce", nbytes, cfg.model,
                link(cluster, hw, cfg.model, 1))
-    return 2 * one, one
+    return 2 * one, _edges(model, cfg, cluster, hw)
 
 
 def expert_exchange_bytes(model, cfg):
@@ -572,11 +662,12 @@ def _stage(dev, parts, model, cfg, blocks, first, last):
         gemms = (parts["forward"].parts["compute"]
                  + parts["backward"].parts["compute"])
         model_axis = blocks * max(0.0, 2 * tp_block - gemms)
-    for flag, name in ((first, "embedding"), (last, "logits")):
+    for flag, name, edge in ((first, "embedding", tp_edge[0]),
+                             (last, "logits", tp_edge[1])):
         if flag:
             work.merge(parts[name + "_forward"])
             work.merge(parts[name + "_backward"])
-            model_axis += tp_edge
+            model_axis += edge
     recompute = _Time()
     if cfg.recompute == "full":
         recompute = parts["forward"].scaled(blocks)
@@ -641,7 +732,7 @@ def _overlapped(comm, compute, share):
 
 
 def _data_axis(model, cfg, cluster, hw, params, *, blocks, backward,
-               microbatches):
+               microbatches, whole=0.0):
     """Exposed seconds of the data axis: the gradients' all-reduce (or
     ZeRO-1's reduce-scatter and all-gather, the same ring time) beyond the
     last micro-batch's backward pass — all of it without `grad_overlap`
@@ -659,19 +750,21 @@ def _data_axis(model, cfg, cluster, hw, params, *, blocks, backward,
     outside the expert banks over data × context (the devices of a separate
     expert axis compute the same gradients), the banks over data × context
     with a separate expert axis and over context alone when the data axis
-    splits them; fsdp gathers over data alone."""
+    splits them; fsdp gathers over data alone. `whole`: parameters of
+    `params` not split over the model axis (a replicated head's)."""
     d, share = cfg.data, hw.collective_share
     banks = blocks * model.bank_params()
     reduce, gathers, first_gather = 0.0, 0.0, 0.0
-    for weights, n, split, units in (
+    for weights, n, split, units, unsplit in (
             (params - banks, cfg.replicas, 1,
-             max(1, round(params / model.block_params()))),
+             max(1, round(params / model.block_params())), whole),
             (banks, cfg.context if cfg.expert_on_data else d * cfg.context,
-             cfg.expert, max(1, blocks))):
+             cfg.expert, max(1, blocks), 0.0)):
         if weights <= 0 or n == 1:
             continue
         ab = _reduction_link(cluster, hw, cfg, n)
-        nbytes = weights / cfg.model / split * model.compute_bytes
+        nbytes = ((weights - unsplit) / cfg.model / split
+                  + unsplit) * model.compute_bytes
         if not cfg.fsdp:
             reduce += ring("all-reduce", nbytes, n, ab, units)
             continue
@@ -717,8 +810,9 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
                     + recompute.total() + model_axis / 2)
         params = stage_params(model, blocks, first, last)
         data = _data_axis(model, cfg, cluster, hw, params, blocks=blocks,
-                          backward=backward, microbatches=m)
-        local = _local_params(model, cfg, params, blocks) / (
+                          backward=backward, microbatches=m,
+                          whole=replicated_head_params(model, cfg, last))
+        local = _local_params(model, cfg, params, blocks, last) / (
             cfg.data if cfg.fsdp or cfg.zero1 else 1)
         update = local * (22 + 8 * cfg.optimizer_slots) / dev.bandwidth
         bubble = per_microbatch * (p - 1) / v
@@ -739,11 +833,22 @@ def microbatches(cfg, global_batch):
     return global_batch // (cfg.data * cfg.microbatch)
 
 
-def _local_params(model, cfg, params, blocks):
-    """A stage's parameters on one device: split over model, its expert
-    banks also over expert."""
+def _local_params(model, cfg, params, blocks, last=False):
+    """A stage's parameters on one device: split over model (but a
+    replicated head's, on the `last` stage), its expert banks also over
+    expert."""
     banks = blocks * model.bank_params()
-    return (params - banks + banks / cfg.expert) / cfg.model
+    whole = replicated_head_params(model, cfg, last)
+    return (params - banks - whole + banks / cfg.expert) / cfg.model + whole
+
+
+def replicated_head_params(model, cfg, last=True):
+    """Parameters of a Dense head kept whole on every device of the model
+    axis (`Parallel.head` "replicated"; 0 otherwise or off the last
+    stage)."""
+    if not last or cfg.head != "replicated" or cfg.model == 1 or model.tied:
+        return 0.0
+    return float(model.vocab * model.hidden)
 
 
 class _Host:
@@ -759,7 +864,7 @@ def memory(model, cfg, global_batch):
     p, t, d, v = cfg.pipe, cfg.model, cfg.data, cfg.virtual_stages
     blocks = _stage_blocks(model.layers, p)[0]
     params = _local_params(model, cfg, stage_params(model, blocks, True,
-                                                    p == 1), blocks)
+                                                    p == 1), blocks, p == 1)
     trainable_split = d if cfg.fsdp else 1
     m = microbatches(cfg, global_batch)
     sbh = tokens(model, cfg) * model.hidden * model.compute_bytes / 2
@@ -779,8 +884,12 @@ def memory(model, cfg, global_batch):
         in_flight *= 1 + (p - 1) / (p * v)
     activations = per_block * sbh * blocks * in_flight
     workspace = whole_block * sbh if cfg.recompute == "full" else 0.0
-    if p == 1:  # the logits and their gradient, fp32
-        workspace += 8.0 * tokens(model, cfg) * model.vocab / t
+    if p == 1:  # the logits and their gradient, fp32 (whole unless split
+        # over the vocabulary)
+        workspace += 8.0 * tokens(model, cfg) * model.vocab / (
+            t if cfg.vocab_parallel else 1)
+    if cfg.table_gathered:  # the tied table gathered, and its gradient
+        workspace += 2.0 * model.vocab * model.hidden * model.compute_bytes
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
     # and the slots sharded over data, the half-precision copy whole.
     master = model.param_bytes - model.compute_bytes
@@ -831,10 +940,10 @@ def communication_bytes(model, cfg, global_batch):
     full = cfg.recompute == "full"
     passes = 4 + (2 if full else 0)
     params = _local_params(model, cfg, stage_params(
-        model, blocks, True, cfg.pipe == 1), blocks)
+        model, blocks, True, cfg.pipe == 1), blocks, cfg.pipe == 1)
     grads = params * model.compute_bytes
     data = (3 * m * grads if cfg.fsdp else grads) if cfg.replicas > 1 else 0.0
-    return {"model": (blocks * passes + 1) * activation * m
+    return {"model": _model_axis_bytes(model, cfg, blocks * passes, m)
             if cfg.model > 1 else 0.0,
             "data": float(data),
             # dispatch and combine, forward and backward (and again when
@@ -848,3 +957,18 @@ def communication_bytes(model, cfg, global_batch):
             # v - 1 receive activations and send gradients.
             "pipe": (4.0 * cfg.virtual_stages - 2) * activation * m
             if cfg.pipe > 1 else 0.0}
+
+
+def _model_axis_bytes(model, cfg, collectives, m):
+    """The model axis' message bytes of the first stage per step: its
+    blocks' `collectives` T·h all-reduces and the embedding's (the gathered
+    V × h table instead with `table_gathered`) per micro-batch, and when
+    it holds a head split over the hidden dimension its partial logits'."""
+    activation = tokens(model, cfg) * model.hidden * model.compute_bytes
+    nbytes = (collectives + 1) * activation * m
+    if cfg.table_gathered:
+        nbytes += (model.vocab * model.hidden * model.compute_bytes
+                   - activation) * m
+    if cfg.pipe == 1 and cfg.head == "hidden":
+        nbytes += _logits_bytes(model, cfg) * m
+    return nbytes

@@ -8,7 +8,12 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   — rejects the candidates with its message), and the same with
   `sequence_parallel=True` (norms and the residual stream split over the
   sequence: every kept activation 1/t as large, Megatron-LM's sequence
-  parallelism).
+  parallelism). A transformer's output head is split over the vocabulary
+  (`vocab_parallel=True`, `VocabParallel`) where t divides the vocabulary,
+  without sequence parallelism or a context axis
+  (`transformer.vocab_parallel`), else kept whole (`Layout.whole_head`);
+  the candidate records it (`Candidate.vocab_parallel`), the plan applies
+  it and the cost model costs that head (`Layout`).
 - Stage cuts (Alpa's inter-op pass, simplified to one objective): for p
   stages, the contiguous cut of the model's layers (those PipelineModel
   cuts between) minimising the
@@ -33,7 +38,9 @@ import warnings
 import numpy as np
 
 from tfpar import auto_plan as tp
+from tfpar import styles
 from tfpar.planner import cost as cost_lib
+from tfpar.planner import transformer as transformer_lib
 
 
 @dataclasses.dataclass
@@ -61,6 +68,9 @@ class Candidate:
     # The mesh axis the expert banks are split over: None (no expert
     # split), "expert" (axes["expert"]) or "data" (GShard's placement).
     expert_axis: str = None
+    # The output head split over the vocabulary (auto_rules'
+    # vocab_parallel=True) rather than kept whole.
+    vocab_parallel: bool = False
 
     @property
     def label(self):
@@ -74,6 +84,8 @@ class Candidate:
             extra.append("experts over data")
         if self.sequence_parallel:
             extra.append("sp")
+        if self.vocab_parallel:
+            extra.append("vocab-parallel")
         if self.fsdp:
             extra.append("fsdp")
         if self.recompute:
@@ -218,15 +230,49 @@ def ranked(candidates):
 
 
 def _layout(profile, model, t, sequence_parallel=False):
-    """The cost `Layout` of `auto_rules` over a model axis of size t."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rules = tp.auto_rules(model, axis_size=t,
-                              sequence_parallel=sequence_parallel) if t > 1 else None
+    """The cost `Layout` of `auto_rules` over a model axis of size t: with
+    the head split over the vocabulary where `_vocab_rules` gives it, else
+    whole."""
+    rules = _vocab_rules(profile, model, t, sequence_parallel)
+    vocab_parallel = rules is not None
+    if rules is None and t > 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rules = tp.auto_rules(model, axis_size=t,
+                                  sequence_parallel=sequence_parallel)
     if t > 1 and not len(rules):
         raise ValueError("auto_rules found no layer to split over the model "
                          "axis")
-    return cost_lib.Layout(profile, rules, t, sequence_parallel)
+    return cost_lib.Layout(profile, rules, t, sequence_parallel,
+                           vocab_parallel)
+
+
+def _vocab_rules(profile, model, t, sequence_parallel):
+    """auto_rules(vocab_parallel=True) over t for a transformer whose
+    vocabulary t divides, without sequence parallelism
+    (`transformer.vocab_parallel`), when it splits only the vocabulary's
+    heads; else None (the head kept whole, and costed whole): a model
+    without attention, a head auto_rules refuses, or a `VocabParallel`
+    rule on a layer without the vocabulary (a classifier's head)."""
+    model_dims = transformer_lib.read(profile)
+    if model_dims is None or not transformer_lib.vocab_parallel(
+            model_dims, t, sequence_parallel):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            rules = tp.auto_rules(model, axis_size=t, vocab_parallel=True)
+        except ValueError:
+            return None
+    heads = [cost_lib.layer_for(profile, pattern)
+             for pattern, style in rules.items()
+             if isinstance(style, styles.VocabParallel)]
+    if not heads or not all(
+            layer is not None and any(model_dims.vocab in tuple(w.shape)
+                                      for w in layer.weights)
+            for layer in heads):
+        return None
+    return rules
 
 
 def _reject_reason(axes, rule_error, global_batch_size, n_ops,
@@ -266,7 +312,8 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
             (False, True) if d > 1 else (False,), recomputes):
         c = Candidate(dict(axes), fsdp, recompute, m, schedule, boundaries,
                       sequence_parallel=layout.sequence_parallel,
-                      stage_starts=[int(i) for i in stages] if p > 1 else None)
+                      stage_starts=[int(i) for i in stages] if p > 1 else None,
+                      vocab_parallel=layout.vocab_parallel)
         c.estimate = cost_lib.estimate(
             layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
             recompute=recompute, batch=global_batch_size, cluster=cluster,

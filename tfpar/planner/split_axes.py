@@ -54,12 +54,16 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
     without attention (the roofline's transformer)."""
     found = []
     cf = capacity_factor(profile)
-    for (t, sp), layout in sorted(layouts.items()):
-        model = layout.transformer
+    for (t, sp), split_head in sorted(layouts.items()):
+        model = split_head.transformer
         if sp or model is None:
             continue
         for data, extra, expert_axis in _shapes(model,
                                                 cluster.num_devices // t):
+            # DTensor 2.21 cannot compile a vocabulary-parallel head with a
+            # context axis (tests/test_plan_vocab.py): the head stays whole.
+            layout = (split_head.whole_head() if "context" in extra
+                      else split_head)
             axes = {"data": data, "pipe": 1, "model": t, **extra}
             if batch % data:
                 found.append(search_lib.Candidate(
@@ -68,8 +72,10 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                              f"data={data}", expert_axis=expert_axis))
                 continue
             for fsdp, recompute in _options(layout, data):
-                c = search_lib.Candidate(axes, fsdp, recompute, 1, "1f1b",
-                                         None, expert_axis=expert_axis)
+                c = search_lib.Candidate(
+                    axes, fsdp, recompute, 1, "1f1b", None,
+                    expert_axis=expert_axis,
+                    vocab_parallel=layout.vocab_parallel)
                 c.estimate = _estimate(layout, c, batch, cluster, slots, cf)
                 search_lib.reject_unfit(c, memory_limit)
                 found.append(c)
@@ -160,7 +166,7 @@ def _roofline(model, candidate, batch, cluster, slots, cf, split):
         slots=slots, flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=model.layers, capacity_factor=cf, transformer=model,
         expert_axis="data" if split and candidate.expert_axis == "data"
-        else "expert")
+        else "expert", vocab_parallel=candidate.vocab_parallel)
     return estimator.estimate_transformer(model, cfg, batch, cluster)
 
 

@@ -37,7 +37,7 @@ def transformer_of(profile):
             "other models.")
     hidden = profile_lib.attention_hidden(attention[0])
     heads = _heads(attention[0])
-    vocab, positions, tied = _embeddings(profile, hidden)
+    vocab, positions, tied, embedding_head = _embeddings(profile, hidden)
     inside = {id(sub) for layer in attention
               for sub in profile_lib.sublayers(layer)}
     widths = collections.Counter()
@@ -56,7 +56,8 @@ def transformer_of(profile):
         layers=len(attention), hidden=hidden, heads=heads, seq=max(tokens),
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
         gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
-        tied=tied, position_embedding=positions, experts=experts,
+        tied=tied, embedding_head=embedding_head,
+        position_embedding=positions, experts=experts,
         top_k=top_k,
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights))
@@ -95,7 +96,9 @@ def _kv_heads(layer, heads):
 
 def _embeddings(profile, hidden):
     """(vocabulary, whether a position table of width `hidden` exists,
-    whether the logits reuse the token table)."""
+    whether the logits reuse the token table, whether an embedding layer
+    makes them: the tied table's, or an untied ReversibleEmbedding's own
+    reverse table, not a Dense head)."""
     tables = [w.shape for op in profile.ops for w in op.weights
               if w.path.rsplit("/", 1)[-1] == "embeddings" and len(w.shape) == 2
               and w.shape[1] == hidden]
@@ -103,9 +106,19 @@ def _embeddings(profile, hidden):
         raise ValueError(f"tfpar.estimate found no token embedding of width "
                          f"{hidden} in model {profile.name!r}.")
     vocab = max(rows for rows, _ in tables)
-    heads = [w for op in profile.ops for w in op.weights if w.flops
-             and profile_lib.out_width(w.owner, w.shape) == vocab]
-    return vocab, len(tables) > 1, not heads
+    # The logits' own kernel: an embedding layer's reverse table (keras-hub's
+    # untied ReversibleEmbedding), or the model's last kernel when it makes
+    # V outputs (a Dense head; an MLP as wide as the vocabulary is not one).
+    kernels = [w for op in profile.ops for w in op.weights if w.flops]
+    heads = [w for w in kernels
+             if profile_lib.out_width(w.owner, w.shape) == vocab
+             and (_is_embedding(w.owner) or w is kernels[-1])]
+    embedding_head = not heads or any(_is_embedding(w.owner) for w in heads)
+    return vocab, len(tables) > 1, not heads, embedding_head
+
+
+def _is_embedding(layer):
+    return getattr(layer, "embeddings", None) is not None
 
 
 def _dropout(profile):
@@ -116,3 +129,15 @@ def _dropout(profile):
             return True
     return False
 
+
+
+def vocab_parallel(model, t, sequence_parallel, context=1):
+    """Whether tfpar's plans split the head of `model` (a
+    `roofline.Transformer`) over the vocabulary on a model axis of size t
+    (`auto_rules(vocab_parallel=True)`, style `VocabParallel`): when t > 1
+    divides its vocabulary, without sequence parallelism (which auto_rules
+    does not combine with it) and without a context axis (DTensor 2.21
+    cannot compile that step: tests/test_plan_vocab.py); else the head is
+    costed and laid out whole (`roofline.head_layout`)."""
+    return (t > 1 and not sequence_parallel and context == 1
+            and model.vocab % t == 0)

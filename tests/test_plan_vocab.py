@@ -1,0 +1,217 @@
+"""The output head a plan emits is the head it costs: split over the
+vocabulary (`auto_rules(vocab_parallel=True)`, `tfpar.VocabParallel`)
+where the model axis divides the vocabulary, else whole — in the roofline
+(`roofline.Parallel.head`), in `tfpar.plan`'s rules and candidates, and in
+`tfpar.estimate` of a Keras model."""
+
+import dataclasses
+import os
+import re
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from tensorflow.experimental import dtensor
+
+import tfpar
+from tfpar.planner import hardware
+from tfpar.planner import roofline
+
+import test_plan_axes as axes_tests
+import test_plans_train as trained
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gpt import build_gpt  # noqa: E402
+
+# One DGX-style host of 8 GPUs: the roofline costs the plan (no self-check,
+# planned in a second).
+A100 = tfpar.Cluster.preset("a100-80gb")
+SEQ = 32
+
+
+def gpt(vocab):
+    """A builder of examples/gpt.py's GPT (a Dense head) of `vocab`."""
+    return lambda: build_gpt(vocab=vocab, seq_len=SEQ, dim=64, heads=8,
+                             layers=2)
+
+
+def test_a_whole_head_costs_t_times_the_logits_of_a_split_one():
+    """Per device, a replicated head runs all T·V·h of the logits' GEMMs
+    (forward and two gradients: 6·T·V·h per micro-batch), a vocabulary-
+    parallel one 1/t of them; a hidden-split one runs 1/t of the FLOPs
+    but holds the whole logits and all-reduces them. Megatron's
+    vocabulary-parallel head stays the default (the published rows)."""
+    model = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=1024,
+                                 vocab=51200, tied=False,
+                                 embedding_head=False)
+    t, batch = 4, 64
+    split = roofline.Parallel(data=2, model=t, microbatch=4)
+    assert split.head == "vocab" and not split.table_gathered
+    hw = hardware.PRESETS["a100-80gb"]
+    heads = {h: dataclasses.replace(split, head=h) for h in roofline.HEADS}
+    steps = {h: roofline.step_time(model, cfg, hw, batch)
+             for h, cfg in heads.items()}
+    m = roofline.microbatches(split, batch)
+    logits = 6.0 * 4 * model.seq * model.vocab * model.hidden * m
+    executed = {h: s["executed_flops"] for h, s in steps.items()}
+    assert executed["replicated"] - executed["vocab"] == pytest.approx(
+        logits * (1 - 1 / t))
+    assert executed["hidden"] == pytest.approx(executed["vocab"])
+    assert steps["replicated"]["total"] > steps["vocab"]["total"]
+    assert steps["hidden"]["model"] > steps["vocab"]["model"]
+    memory = {h: roofline.memory(model, cfg, batch)["workspace"]
+              for h, cfg in heads.items()}
+    fp32_logits = 8.0 * 4 * model.seq * model.vocab
+    for head in ("replicated", "hidden"):
+        assert memory[head] - memory["vocab"] == pytest.approx(
+            fp32_logits * (1 - 1 / t))
+    # The replicated head's V·h weights are whole on every device.
+    params = {h: roofline.memory(model, cfg, batch)["params"]
+              for h, cfg in heads.items()}
+    assert params["replicated"] - params["vocab"] == pytest.approx(
+        model.vocab * model.hidden * (1 - 1 / t) * model.param_bytes)
+
+
+def test_plan_splits_the_head_only_where_the_model_axis_divides_the_vocabulary(
+        tmp_path):
+    """A vocabulary of 4098: model=2 divides it (VocabParallel rules,
+    candidates marked vocab-parallel, but those with sequence parallelism
+    or a context axis), model=4 does not (whole, and its estimate is
+    tfpar.estimate's of a whole head)."""
+    builder = gpt(4098)
+    # 3 MB per device: the model must be split (7.8 MB on data alone).
+    plan = tfpar.plan(builder, 16, cluster=A100, memory_per_device=3e6,
+                      check=False)
+    costed = [c for c in plan.candidates if c.estimate is not None]
+    flags = {}
+    for c in costed:
+        key = (c.axes["model"], c.sequence_parallel, "context" in c.axes)
+        flags.setdefault(key, set()).add(c.vocab_parallel)
+    assert flags[2, False, False] == {True}
+    # model=4, sequence parallelism, a context axis, no model axis: whole.
+    assert flags[4, False, False] == flags[2, True, False] == {False}
+    assert flags[2, False, True] == flags[1, False, False] == {False}
+    assert plan.axes.get("model") == 2 and plan.vocab_parallel
+    rules = dict(plan.rules.items())
+    assert rules[re.escape("lm_head")] == tfpar.VocabParallel()
+    assert "Output head: vocabulary-parallel" in plan.explain()
+    assert "vocab-parallel" in repr(plan)
+    path = os.path.join(str(tmp_path), "plan.json")
+    plan.save(path)
+    loaded = tfpar.Plan.load(path)
+    assert loaded.vocab_parallel and dict(loaded.rules.items()) == rules
+    whole = next(c for c in costed if c.axes == {"data": 2, "pipe": 1,
+                                                 "model": 4}
+                 and not (c.fsdp or c.recompute or c.sequence_parallel))
+    estimate = tfpar.estimate(builder, 16, cluster=A100,
+                              axes={"data": 2, "model": 4})
+    assert whole.estimate.step_time_s == pytest.approx(estimate.step_time_s)
+    assert estimate.step_time_s == tfpar.estimate(
+        builder, 16, cluster=A100, axes={"data": 2, "model": 4},
+        vocab_parallel=False).step_time_s
+    with pytest.raises(ValueError, match=r"vocab_parallel=True.*4098.*4"):
+        tfpar.estimate(builder, 16, cluster=A100,
+                       axes={"data": 2, "model": 4}, vocab_parallel=True)
+    # On model=2 the estimate of the split head is lower than a whole one.
+    axes = {"data": 4, "model": 2}
+    split_head = tfpar.estimate(builder, 16, cluster=A100, axes=axes)
+    whole_head = tfpar.estimate(builder, 16, cluster=A100, axes=axes,
+                                vocab_parallel=False)
+    assert split_head.executed_flops < whole_head.executed_flops
+    assert (split_head.memory_per_device["workspace"]
+            < whole_head.memory_per_device["workspace"])
+
+
+def test_a_plan_keeps_a_head_whole_where_no_model_axis_divides_vocab():
+    """A vocabulary of 4097 (odd): the chosen plan's model axis of 2 leaves
+    the head whole — no rule for it, explain() says why — and its estimate
+    is tfpar.estimate's of that configuration, which costs it whole."""
+    builder = gpt(4097)
+    plan = tfpar.plan(builder, 16, cluster=A100, memory_per_device=4e6,
+                      check=False)
+    assert plan.axes == {"data": 2, "pipe": 2, "model": 2}, plan
+    assert not plan.vocab_parallel
+    assert not [p for p in dict(plan.rules.items()) if "lm_head" in p]
+    assert ("Output head: whole on every device of model=2 (its 4097 "
+            "logits computed whole, and costed whole): model=2 does not "
+            "divide the vocabulary") in plan.explain()
+    given = dict(axes=plan.axes, num_microbatches=plan.num_microbatches,
+                 sequence_parallel=plan.sequence_parallel, fsdp=plan.fsdp,
+                 recompute=plan.recompute)
+    assert plan.estimate.step_time_s == pytest.approx(tfpar.estimate(
+        builder, 16, cluster=A100, **given).step_time_s)
+    assert plan.estimate.step_time_s == pytest.approx(tfpar.estimate(
+        builder, 16, cluster=A100, vocab_parallel=False, **given).step_time_s)
+
+
+def test_a_keras_hub_head_is_read_as_the_embedding_s_projection():
+    """GPT-2's tied table makes the logits (an MLP as wide as the
+    vocabulary is not a head): without vocab_parallel it is split by
+    hidden (partial logits all-reduced), with it gathered for lookups."""
+    estimate = {vp: tfpar.estimate(trained.small_gpt2, 16, cluster=A100,
+                                   axes={"data": 2, "model": 4},
+                                   sequence_length=SEQ, vocab_parallel=vp)
+                for vp in (True, False)}
+    model = estimate[True].communication_bytes_by_axis["model"]
+    whole = estimate[False].communication_bytes_by_axis["model"]
+    # per micro-batch of 8 samples: the partial logits' all-reduce (T·V)
+    # against the table's gather (V·h), each in float32
+    tokens, vocab, hidden = 8 * SEQ, trained.VOCAB, 64
+    activation = tokens * hidden * 4
+    assert whole - model == pytest.approx(
+        tokens * vocab * 4 - (vocab * hidden * 4 - activation))
+
+
+def test_a_vocab_parallel_plan_trains_like_one_device():
+    """The plan's strategy builds the GPT, `Plan.apply` lays its head out
+    over the vocabulary (with fsdp and recomputation, as chosen), and two
+    steps of fit match one device's."""
+    builder = gpt(1024)
+    plan = tfpar.plan(builder, 16, cluster=A100, memory_per_device=2e6,
+                      check=False)
+    assert plan.vocab_parallel and plan.axes == {"data": 4, "model": 2}, (
+        plan)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1024, (32, SEQ)).astype("int32")
+    y = rng.integers(0, 1024, (32, SEQ))
+    keras.utils.set_random_seed(0)
+    weights = builder().get_weights()
+    want = trained.fit(builder(), weights, x, y, 16,
+                       keras.optimizers.SGD(0.5))
+    with plan.strategy().scope():
+        model = plan.apply(builder())
+    got = trained.fit(model, weights, x, y, 16, keras.optimizers.SGD(0.5))
+    trained.assert_same(want, got)
+    # Each device holds its 512 of the 1024 vocabulary columns of the head
+    # (fsdp may split the hidden rows over data too).
+    kernel = model.get_layer("lm_head").kernel
+    blocks = dtensor.unpack(kernel.value.read_value())
+    assert len(blocks) == 8
+    assert {b.shape[1] for b in blocks} == {512}, [b.shape for b in blocks]
+
+
+def test_a_vocab_parallel_head_beside_a_context_axis_does_not_compile():
+    """Why plans keep the head whole with a context axis: DTensor 2.21
+    refuses to compile the step of a `VocabParallel` head on data=2 ×
+    model=2 × context=2 (a relayout's layout after propagation does not
+    match). When this test fails, the planner can lift the restriction
+    (`tfpar.planner.transformer.vocab_parallel`)."""
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 2, "context": 2}))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, axes_tests.VOCAB, (2, 256)).astype("int32")
+    y = rng.integers(0, axes_tests.VOCAB, (2, 256)).astype("int32")
+    with strategy.scope():
+        model = axes_tests.language_model(256, mixture=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rules = tfpar.auto_rules(model, mesh=strategy.mesh,
+                                     vocab_parallel=True)
+        strategy.apply_rules(model, rules)
+        model.compile(optimizer="sgd", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="could not compile"):
+        model.fit(x, y, batch_size=2, verbose=0)

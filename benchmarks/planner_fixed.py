@@ -34,8 +34,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Its siblings (planner.py), after the installed packages: this directory's
-# keras_hub.py must not shadow keras-hub in a process that imports this.
+# Its siblings (planner.py), for a process that imports this module.
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 

@@ -54,7 +54,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 if HERE not in sys.path:
-    sys.path.append(HERE)  # last: benchmarks/keras_hub.py shadows keras_hub
+    sys.path.append(HERE)  # its sibling planner_published
 
 import planner_published as dev  # noqa: E402
 

@@ -18,7 +18,8 @@ dimension split over the data axis (a raw spec), whole (a plan without the
 embeddings), split over data too (fsdp), on a data-only mesh —
 each in parity with one device (losses and every weight, 1e-4 relative),
 each device holding its block of the table, no process abort, and no
-activation gathered over data.
+activation gathered over data; and GPT-2 under context parallelism, its
+broadcast split over the context axis along the sequence.
 """
 
 import warnings
@@ -35,6 +36,7 @@ from tfpar.reports import program as program_lib
 
 import hub_models
 import models
+import test_context_parallel as context_checks
 import test_keras_hub as hub_checks
 
 MESH = {"data": 2, "model": 4}
@@ -201,3 +203,17 @@ def test_gpt2_trains_in_parity_with_its_table_split_over_the_batch(
     gathered = activation_gathers(report)
     assert not gathered, "\n".join(
         f"{c.phase} {c.name} {c.shape}" for c in gathered)
+
+
+@pytest.mark.slow
+def test_gpt2_under_context_parallelism_keeps_its_sequence_split(monkeypatch):
+    """GPT-2 on data=2 x context=4, load balanced (its rows' positions are
+    looked up, so the broadcast's source is (1, seq, hidden)): in parity
+    with one device (test_context_parallel's check), the broadcast split
+    over data along the batch and over the context axis along the
+    sequence, as the token embeddings it is added to."""
+    layouts = recorded_layouts(monkeypatch)
+    context_checks.assert_hub_parity("gpt2", balance=True)
+    assert layouts and all(
+        specs == ["data", "context", dtensor.MATCH] for specs in layouts
+    ), layouts

@@ -13,16 +13,16 @@ backward (the default plan has no fsdp, so no weight is gathered over data
 either: every data-axis all-gather would be an activation's or an
 activation gradient's).
 
-Known shortfall (strict xfail, slow): keras-hub GPT-2 on data=2 x model=4
-all-gathers its residual stream's gradient over data (`AddN_13`,
-per-device (8, 8, 8)): PositionEmbedding returns `broadcast_to(table,
-(batch, seq, hidden))`, which DTensor 2.21 lays out whole along the batch,
-so the table's gradient (a sum over the batch) is computed on every device
-from the whole batch. A fix that laid every float broadcast along the batch
-out split over data (a patch of Keras' `broadcast_to` in a step) was
-reverted: a broadcast whose source's last dimension is split over data
-then asked DTensor for [data, ..., data], which aborts the process. Scoping
-it to the position table is the next step.
+GPT-2 is the case this guards: on data=2 x model=4 it all-gathered its
+residual stream's gradient over data (`AddN_13`, per-device (8, 8, 8))
+until `tfpar.hub_positions` laid keras-hub PositionEmbedding's
+`broadcast_to(table, (batch, seq, hidden))` out split over data (DTensor
+2.21 laid it out whole along the batch, so the table's gradient, a sum
+over the batch, was computed on every device from the whole batch).
+Llama, which has no position table, compiled no data-axis gather before
+either; it is here so that a rotary or mask broadcast that gathers the
+batch fails this test. The other layouts of GPT-2's table (split and not
+gathered, whole, fsdp, a data-only mesh): tests/test_hub_positions.py.
 """
 
 import numpy as np
@@ -58,12 +58,7 @@ def train_step_report(name):
     return programs.train_report()
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("gpt2", marks=[pytest.mark.slow, pytest.mark.xfail(
-        strict=True, reason="known shortfall: PositionEmbedding's "
-        "broadcast along the batch is laid out whole, so its gradient is "
-        "all-gathered over data (module docstring)")]),
-    "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_no_activation_is_gathered_over_the_data_axis(name):
     report = train_step_report(name)
     gathered = report.select(purpose="all-gather", spans="data")

@@ -35,6 +35,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import context_keras_hub
 from tfpar import context_parallel
+from tfpar import hub_positions
 from tfpar import moe_keras_hub
 from tfpar import spmd_patches
 from tfpar import variable_creation
@@ -255,7 +256,8 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
     `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`,
-    `context_parallel.PATCHES`, `vocab_parallel.PATCHES`) with `hooks`, and
+    `context_parallel.PATCHES`, `context_keras_hub.PATCHES`,
+    `hub_positions.PATCHES`, `vocab_parallel.PATCHES`) with `hooks`, and
     keras-hub's MoE blocks' (`moe_keras_hub.install`, a group of their
     own, also installed by `dispatch_experts` without a strategy); once per
     process."""
@@ -263,7 +265,7 @@ def install(hooks):
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
         *context_parallel.PATCHES, *context_keras_hub.PATCHES,
-        *vocab_parallel.PATCHES), hooks)
+        *hub_positions.PATCHES, *vocab_parallel.PATCHES), hooks)
     moe_keras_hub.install()
 
 

@@ -344,17 +344,29 @@ def test_the_constructors_refuse_bad_arguments_before_training(tmp_path):
     makers["PreemptionGuard"]()
 
 
-def test_a_run_that_raised_leaves_no_handler_behind(tmp_path):
-    """A fit that raises skips on_train_end (Keras 3): the next run's start
-    puts the handlers from before back first, so its end restores them, not
-    the dead run's. A guard entered twice at once is refused."""
+class _Fails(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("a step failed")
+
+
+def test_a_fit_that_raised_leaves_no_handler_behind(tmp_path):
+    """A fit that raises skips on_train_end (Keras 3): tfpar's `fit` patch
+    ends the callback's run, so the handlers from before are back at once
+    (Ctrl-C and SIGTERM work again). A run begun without ending (no fit)
+    is ended by the next one's start. A guard entered twice at once is
+    refused."""
     model = models.host_mlp()
     model.compile(optimizer="sgd", loss="mse")
     before = {number: signal.getsignal(number) for number in
               tfpar.preemption.SIGNALS}
     callback = tfpar.PreemptionCheckpoint(str(tmp_path / "fit"))
-    callback.set_model(model)
-    callback.on_train_begin()  # a fit that raised: no on_train_end
+    x, y = np.zeros((8, 16), "float32"), np.zeros((8, 3), "float32")
+    with pytest.raises(RuntimeError, match="a step failed"):
+        model.fit(x, y, batch_size=4, verbose=0,
+                  callbacks=[callback, _Fails()])
+    assert before == {number: signal.getsignal(number) for number in
+                      tfpar.preemption.SIGNALS}
+    callback.on_train_begin()  # begun by hand, never ended
     callback.on_train_begin()
     callback.on_train_end()
     assert before == {number: signal.getsignal(number) for number in

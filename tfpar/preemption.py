@@ -45,17 +45,49 @@ Example (fit):
 (True, 14)
 """
 
+import functools
 import signal
 import sys
 import threading
+import weakref
 
 import keras
+from keras.src.backend.tensorflow import trainer as _tf_trainer
 
+from tfpar import _compat
 from tfpar import host_watch
 from tfpar.checkpoint import latest_checkpoint, restore_checkpoint
 from tfpar.checkpoint import save_checkpoint
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# PreemptionCheckpoints between on_train_begin and the end of their fit.
+_RUNNING = weakref.WeakSet()
+
+
+def _fit_ending_runs(original, hooks):
+    """Keras' `fit`, which skips `on_train_end` when it raises (Keras 3):
+    then every PreemptionCheckpoint running on this model ends its run
+    (its signal handlers put back) before the error propagates."""
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            for callback in list(_RUNNING):
+                if callback.model is self:
+                    callback.on_train_end()
+            raise
+
+    return fit
+
+
+# The preemption feature's patch (installed by the first
+# PreemptionCheckpoint; `tfpar._compat.uninstall` undoes it).
+PATCHES = (_compat.Patch(
+    "preemption_fit", lambda: _tf_trainer.TensorFlowTrainer, "fit",
+    _fit_ending_runs),)
 _MARGIN = 2  # steps between the proposal and the save (see above)
 
 
@@ -232,6 +264,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.saved_step = None
         self.restored_step = None
         self._agreement = PreemptionAgreement(self.signals)
+        _compat.install_group("preemption", PATCHES, None)
 
     @property
     def requested(self):
@@ -239,6 +272,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         return self._agreement.requested
 
     def on_train_begin(self, logs=None):
+        _RUNNING.add(self)
         self.preempted, self.saved_step = False, None  # this run's
         self.restored_step = _resume(self.model, self.directory) \
             if self.resume else None
@@ -253,6 +287,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
         self.model.stop_training = True
 
     def on_train_end(self, logs=None):
+        _RUNNING.discard(self)
         self._agreement.uninstall()
 
 

@@ -8,7 +8,6 @@ import dataclasses
 import os
 import re
 import sys
-import warnings
 
 import keras
 import numpy as np
@@ -193,12 +192,9 @@ def test_a_vocab_parallel_plan_trains_like_one_device():
     assert {b.shape[1] for b in blocks} == {512}, [b.shape for b in blocks]
 
 
-def test_a_vocab_parallel_head_beside_a_context_axis_does_not_compile():
-    """Why plans keep the head whole with a context axis: DTensor 2.21
-    refuses to compile the step of a `VocabParallel` head on data=2 ×
-    model=2 × context=2 (a relayout's layout after propagation does not
-    match). When this test fails, the planner can lift the restriction
-    (`tfpar.planner.transformer.vocab_parallel`)."""
+def fit_beside_a_context_axis(rules):
+    """Fits axes_tests' language model (embed, attention, MLP, head) once
+    on data=2 × model=2 × context=2 with `rules` ({layer path: style})."""
     strategy = tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 2, "model": 2, "context": 2}))
     rng = np.random.default_rng(0)
@@ -206,12 +202,23 @@ def test_a_vocab_parallel_head_beside_a_context_axis_does_not_compile():
     y = rng.integers(0, axes_tests.VOCAB, (2, 256)).astype("int32")
     with strategy.scope():
         model = axes_tests.language_model(256, mixture=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rules = tfpar.auto_rules(model, mesh=strategy.mesh,
-                                     vocab_parallel=True)
-        strategy.apply_rules(model, rules)
+        strategy.apply_rules(model, tfpar.LayoutRules(rules))
         model.compile(optimizer="sgd", loss=keras.losses.
                       SparseCategoricalCrossentropy(from_logits=True))
+    return model.fit(x, y, batch_size=2, verbose=0)
+
+
+def test_beside_a_context_axis_the_head_compiles_a_split_embedding_not():
+    """Why plans keep the head whole beside a context axis, for now: a
+    `VocabParallel` head compiles and trains there, but the hidden-split
+    Keras `Embedding` of the same model does not compile on DTensor 2.21
+    (a relayout's layout after propagation does not match; other models'
+    do: tests/test_context_parallel.py), whatever the head — so this
+    model's model × context candidates cannot train, and
+    a split head would rank them ahead of the data × context plan that
+    does (`tfpar.planner.transformer.vocab_parallel`). When the second
+    half fails, the planner can lift the restriction."""
+    history = fit_beside_a_context_axis({"head": tfpar.VocabParallel()})
+    assert np.isfinite(history.history["loss"]).all()
     with pytest.raises(ValueError, match="could not compile"):
-        model.fit(x, y, batch_size=2, verbose=0)
+        fit_beside_a_context_axis({"embed": tfpar.ColumnParallel()})

@@ -227,9 +227,11 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
 def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
     """The `Parallel` fields of the head (`roofline.head_layout`) tfpar
     runs: split over the vocabulary where `transformer_lib.vocab_parallel`
-    allows it (None: then; True: or an error saying why not), else whole.
-    Without a `transformer`, the defaults (vocabulary-parallel)."""
-    if vocab_parallel not in (None, True, False):
+    allows it (None: then; True: wherever the axis divides the vocabulary
+    without sequence parallelism, a context axis too, or an error saying
+    why not), else whole. Without a `transformer`, the defaults
+    (vocabulary-parallel)."""
+    if not (vocab_parallel is None or isinstance(vocab_parallel, bool)):
         raise ValueError(
             "tfpar.estimate(vocab_parallel) must be None, True or False. "
             f"Received: vocab_parallel={vocab_parallel!r}")
@@ -237,14 +239,15 @@ def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
         return {}
     allowed = transformer_lib.vocab_parallel(transformer, t,
                                              sequence_parallel, context)
-    if vocab_parallel and t > 1 and not allowed:
+    if vocab_parallel and t > 1 and not transformer_lib.vocab_parallel(
+            transformer, t, sequence_parallel):
         raise ValueError(
             "tfpar.estimate(vocab_parallel=True) splits the head over the "
             f"vocabulary of {transformer.vocab} on a model axis of {t}: "
-            "the axis must divide it, sequence_parallel must be False and "
-            f"there must be no context axis. Received: axes model={t}, "
-            f"context={context}, sequence_parallel={sequence_parallel}. "
-            "Pad the vocabulary, or pass vocab_parallel=None.")
+            "the axis must divide it and sequence_parallel must be False. "
+            f"Received: axes model={t}, sequence_parallel="
+            f"{sequence_parallel}. Pad the vocabulary, or pass "
+            "vocab_parallel=None.")
     split = allowed if vocab_parallel is None else vocab_parallel and t > 1
     return roofline.head_layout(transformer, t, split)
 

@@ -416,8 +416,9 @@ def _head_line(candidate, info):
     why = (f"model={t} does not divide the vocabulary" if vocab % t else
            "sequence parallelism (auto_rules does not combine it with "
            "vocab_parallel)" if candidate.sequence_parallel else
-           "a context axis (DTensor 2.21 cannot compile a vocabulary-"
-           "parallel head beside one)" if candidate.axes.get("context", 1) > 1
+           "a context axis (kept whole there for now: some model x "
+           "context steps do not compile on DTensor 2.21, whatever the "
+           "head)" if candidate.axes.get("context", 1) > 1
            else "auto_rules cannot split it over the vocabulary")
     return [f"Output head: whole on every device of model={t} (its {vocab} "
             f"logits computed whole, and costed whole): {why}."]

@@ -19,6 +19,8 @@ Parity of the factored path: the keras-hub matrix
 attention against dense attention on the same masks.
 """
 
+import types
+
 import keras
 import keras_hub
 import numpy as np
@@ -227,3 +229,22 @@ def test_one_rule_decides_training_masks_for_every_decoder():
     assert not decide(split, None, 3)  # decoding at position 3
     assert not decide(split, None, tf.constant(0))  # traced: decoding
     assert not decide(split, None, None, attention_mask=tf.ones((1, 2, 2)))
+
+
+@pytest.mark.parametrize("index,factored", [(None, True), (0, True),
+                                            (3, False)])
+def test_llama_decoders_mask_follows_the_one_rule(monkeypatch, index,
+                                                  factored):
+    """Llama/Mistral's patched `_compute_self_attention_mask` on a context
+    split (as in a step): a cache index of 0 without a cache is training
+    (a FactoredMask, no call of keras-hub's own), 3 is decoding (keras-
+    hub's own). Before the one rule, index 0 fell back to the dense mask."""
+    monkeypatch.setattr(context_keras_hub, "_split_in_step", object)
+    calls = []
+    patched = context_keras_hub._decoder_mask(
+        lambda *args: calls.append(args) or "keras-hub's", None)
+    sequence = tf.zeros((2, 8, 4))
+    got = patched(types.SimpleNamespace(), sequence, tf.ones((2, 8), "int32"),
+                  None, None, index)
+    assert isinstance(got, context_parallel.FactoredMask) == factored, got
+    assert bool(calls) != factored, calls

@@ -56,6 +56,29 @@ class Patch(collections.namedtuple("Patch", "name owner attribute make")):
     """`owner().attribute = make(original, hooks)`, undone by `uninstall`."""
 
 
+class Absent:
+    """The owner of a patch whose optional package (keras-hub, or one of
+    its models) is not installed: patching it changes nothing."""
+
+
+def optional_owner(module, name=None):
+    """A `Patch` owner: `module` imported when the patch is installed (its
+    attribute `name`, if given), or `Absent` when that import or attribute
+    is missing — tfpar runs without keras-hub.
+
+    >>> optional_owner("no_such_package.models")() is Absent
+    True
+    """
+    def owner():
+        try:
+            found = importlib.import_module(module)
+            return found if name is None else getattr(found, name)
+        except (ImportError, AttributeError):
+            return Absent
+
+    return owner
+
+
 _ABSENT = object()  # the attribute was inherited, not set on the owner
 _originals = {}  # (id(owner), attribute) -> (owner, attribute, own value)
 _installed = set()  # names of the patch groups installed

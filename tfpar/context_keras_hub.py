@@ -386,12 +386,11 @@ def _learned_positions(original, hooks):
 
 
 def _hub_attribute(module, name):
-    return lambda: getattr(importlib.import_module(
-        f"keras_hub.src.{module}"), name)
+    return _compat.optional_owner(f"keras_hub.src.{module}", name)
 
 
 def _hub_module(module):
-    return lambda: importlib.import_module(f"keras_hub.src.{module}")
+    return _compat.optional_owner(f"keras_hub.src.{module}")
 
 
 _ROTARY = "layers.modeling.rotary_embedding"

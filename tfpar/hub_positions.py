@@ -36,7 +36,6 @@ Example:
 TensorShape([4, 2, 3])
 """
 
-import importlib
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -129,7 +128,7 @@ def _split_broadcast_ops(original, _):
 
 PATCHES = (_compat.Patch(
     "hub_position_broadcast",
-    lambda: importlib.import_module(
+    _compat.optional_owner(
         "keras_hub.src.layers.modeling.position_embedding"),
     "ops", _split_broadcast_ops),)
 """Installed with the strategy's patches (`tfpar.patches.install`)."""

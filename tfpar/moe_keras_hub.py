@@ -47,7 +47,6 @@ Example:
 
 import collections
 import functools
-import importlib
 import sys
 import threading
 
@@ -71,18 +70,6 @@ MOE_BLOCKS = (
 )
 
 _inside = threading.local()  # depth of MoE block calls on this thread
-
-
-class _Absent:
-    """The owner patched when keras-hub (or one of its models) is absent."""
-
-
-def _block_class(module, name):
-    """keras-hub's class `name` of `module`, or `_Absent`."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return _Absent
 
 
 def in_moe_block():
@@ -488,7 +475,7 @@ TopK = collections.namedtuple("TopK", "values indices")
 
 PATCHES = (
     *(_compat.Patch(f"moe_block:{name}",
-                    functools.partial(_block_class, module, name), "call",
+                    _compat.optional_owner(module, name), "call",
                     _marked_call) for module, name in MOE_BLOCKS),
     _compat.Patch("moe_one_hot", lambda: tf, "one_hot", _mask_by_equality),
     _compat.Patch("moe_top_k", lambda: tf.math, "top_k", _top_k_by_mask),

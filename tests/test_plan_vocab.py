@@ -222,3 +222,13 @@ def test_beside_a_context_axis_the_head_compiles_a_split_embedding_not():
     assert np.isfinite(history.history["loss"]).all()
     with pytest.raises(ValueError, match="could not compile"):
         fit_beside_a_context_axis({"embed": tfpar.ColumnParallel()})
+
+
+def test_a_head_layout_not_known_is_refused_naming_it():
+    with pytest.raises(ValueError,
+                       match=r"Parallel\(head\).*'vocab_parallel'"):
+        roofline.Parallel(model=2, head="vocab_parallel")
+    with pytest.raises(ValueError, match=r"vocab_parallel\) must be None, "
+                       r"True or False.*Received: vocab_parallel=1"):
+        tfpar.estimate(gpt(4098), 16, cluster=A100,
+                       axes={"data": 4, "model": 2}, vocab_parallel=1)

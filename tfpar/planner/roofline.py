@@ -244,6 +244,11 @@ class Parallel:
     head: str = "vocab"
     table_gathered: bool = False
 
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"Parallel(head) must be one of {HEADS}. "
+                             f"Received: head={self.head!r}")
+
     @property
     def vocab_parallel(self):
         """Whether each device computes V/t of the logits."""

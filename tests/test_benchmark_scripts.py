@@ -9,6 +9,7 @@ against itself, at the smallest size (slow: two subprocesses of TensorFlow),
 and checks (fast) that no benchmark's file is named like a module this
 environment imports.
 """
+
 import json
 import os
 import subprocess

@@ -111,7 +111,8 @@ def test_a_selective_plan_applies_saves_and_trains_in_parity(tmp_path):
     candidate = next(c for c in plan.candidates if c.axes == full_axes
                      and c.recompute == "selective" and not c.fsdp
                      and not c.sequence_parallel)
-    assert candidate.label == "data2×pipe1×model4 selective recompute"
+    assert candidate.label == ("data2×pipe1×model4 vocab-parallel selective "
+                               "recompute")
     # The cost model: selective keeps less than none, more than full, and
     # runs the attention core's forward again (less than full's forward).
     same = {c.recompute: c.estimate for c in plan.candidates

@@ -8,8 +8,8 @@ Trains `preemption_loop`'s loop (Adam, `strategy.run`) on data=8 across
 both hosts from WORKDIR/given.npz for STEPS steps, saving to WORKDIR/preempt.
 MODE "preempt": at the end of step 2 host 0 sends SIGTERM to the launcher
 (its parent) and waits until the forwarded signal has reached its own
-handler, so the agreed step is 4 whichever host proposes (no host can
-finish step 3 before host 0 has begun it). Each host writes
+handler; the hosts agree on step 4, or later when one hears the other's
+proposal late (a loaded machine). Each host writes
 WORKDIR/loop-preempt-host<I>.npz (saved step, weights at the save). MODE
 "resume": each host writes WORKDIR/loop-resume-host<I>.npz (restored step,
 weights on entering), trains to the end and writes

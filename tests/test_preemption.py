@@ -178,11 +178,16 @@ def test_a_custom_loop_on_two_hosts_saves_one_step_and_resumes(workdir):
     assert status == 128 + signal.SIGTERM, out[-4000:]
     assert "[launch] received SIGTERM: forwarded to every host" in out
     saved = [np.load(workdir / f"loop-preempt-host{h}.npz") for h in (0, 1)]
-    for h in (0, 1):  # the agreed step (see preemption_loop_child.py)
-        assert f"host {h} preempted=True saved step 4" in out, out[-4000:]
-        assert int(saved[h]["step"]) == 4
+    # The agreed step: after the signal (end of step 2), the same on both
+    # hosts; 4 at the earliest, later when a host hears the other's
+    # proposal late (a loaded machine: 5 and 6 seen), before the end.
+    step = int(saved[0]["step"])
+    assert 4 <= step < 12 and int(saved[1]["step"]) == step, out[-4000:]
+    for h in (0, 1):
+        assert f"host {h} preempted=True saved step {step}" in out, (
+            out[-4000:])
     assert tfpar.latest_checkpoint(str(workdir / "preempt")).endswith(
-        "ckpt-4")
+        f"ckpt-{step}")
     status, out, _ = launch(workdir, "resume", child=LOOP_CHILD)
     assert status == 0, out[-4000:]
     given = np.load(workdir / "given.npz")
@@ -191,15 +196,15 @@ def test_a_custom_loop_on_two_hosts_saves_one_step_and_resumes(workdir):
         weights, given["x"], given["y"], 12)
     for h in (0, 1):
         resumed = np.load(workdir / f"loop-resume-host{h}.npz")
-        assert int(resumed["step"]) == 4
+        assert int(resumed["step"]) == step
         for i in range(6):
             np.testing.assert_array_equal(resumed[f"w{i}"], saved[h][f"w{i}"])
         end = np.load(workdir / f"loop-end-host{h}.npz")
         assert int(end["step"]) == 12
-        # Steps 4..11 after the restore: as the uninterrupted run's.
-        fuzzing.assert_parity(want_losses[4:], end["losses"], want_weights,
-                              [end[f"w{i}"] for i in range(6)],
-                              exact=(exact[0][4:], exact[1]))
+        # Steps step..11 after the restore: as the uninterrupted run's.
+        fuzzing.assert_parity(want_losses[step:], end["losses"],
+                              want_weights, [end[f"w{i}"] for i in range(6)],
+                              exact=(exact[0][step:], exact[1]))
 
 
 # -- reuse for a second run, and bad arguments ---------------------------------

@@ -49,10 +49,11 @@ memory-bound by whichever is larger.
   the logits' backward one (the embedding's: the table's gather instead
   when `table_gathered`; the logits': none for a replicated head, and
   the partial logits' all-reduce too for a hidden-split one); a ring
-  over t: 2(t-1)/t · bytes/β + 2(t-1)·α, exposed (Megatron-LM does not overlap them); with `tp_overlap`
-  (Megatron-Core's `--tp-comm-overlap`: Transformer Engine splits each
-  all-gather / reduce-scatter into chunks pipelined with the GEMM that
-  consumes / produces it) only what exceeds the block's GEMM time shows.
+  over t: 2(t-1)/t · bytes/β + 2(t-1)·α, exposed (Megatron-LM does not
+  overlap them); with `tp_overlap` (Megatron-Core's `--tp-comm-overlap`:
+  Transformer Engine splits each all-gather / reduce-scatter into chunks
+  pipelined with the GEMM that consumes / produces it) only what exceeds
+  the block's GEMM time shows.
 - Pipeline: each micro-batch sends T·h forward and its gradient back per
   stage boundary (1/t of it over the inter-stage link when t > 1, then an
   all-gather inside the host: Narayanan's scatter-gather), 2v - 1 times
@@ -517,17 +518,14 @@ def head_layout(model, t, vocab_parallel):
             "table_gathered": False}
 
 
-def _edges(model, cfg, cluster, hw):
+def _edges(model, cfg, group, one):
     """Seconds per micro-batch of the embedding's and the logits' model-axis
-    collectives: one all-reduce of T·h each (the lookup's, the input
-    gradient's) — the table's gather (V·h, tfpar's all-gather ring)
-    instead for a gathered table; for the logits none when the head is
-    replicated, and the partial logits' all-reduce (T·V) too when it is
-    split over the hidden dimension."""
-    t = cfg.model
-    group = link(cluster, hw, t, 1)
-    c = model.compute_bytes
-    one = ring("all-reduce", tokens(model, cfg) * model.hidden * c, t, group)
+    collectives over `group` (α, β): `one` all-reduce of T·h each (the
+    lookup's, the input gradient's) — the table's gather (V·h, tfpar's
+    all-gather ring) instead for a gathered table; for the logits none
+    when the head is replicated, and the partial logits' all-reduce (T·V)
+    too when it is split over the hidden dimension."""
+    t, c = cfg.model, model.compute_bytes
     embedding = (ring(gather_kind(cfg), model.vocab * model.hidden * c, t,
                       group) if cfg.table_gathered else one)
     logits = {"vocab": one, "replicated": 0.0,
@@ -546,9 +544,9 @@ def _tensor_parallel(model, cfg, cluster, hw):
     """Seconds of one block's forward all-reduces over the model axis (its
     backward costs the same), and (embedding, logits) of `_edges`."""
     nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
-    one = ring("all-reduce", nbytes, cfg.model,
-               link(cluster, hw, cfg.model, 1))
-    return 2 * one, _edges(model, cfg, cluster, hw)
+    group = link(cluster, hw, cfg.model, 1)
+    one = ring("all-reduce", nbytes, cfg.model, group)
+    return 2 * one, _edges(model, cfg, group, one)
 
 
 def expert_exchange_bytes(model, cfg):

@@ -60,8 +60,9 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
             continue
         for data, extra, expert_axis in _shapes(model,
                                                 cluster.num_devices // t):
-            # DTensor 2.21 cannot compile a vocabulary-parallel head with a
-            # context axis (tests/test_plan_vocab.py): the head stays whole.
+            # Beside a context axis the head stays whole for now
+            # (`transformer.vocab_parallel`: some model x context steps do
+            # not compile whatever the head; tests/test_plan_vocab.py).
             layout = (split_head.whole_head() if "context" in extra
                       else split_head)
             axes = {"data": data, "pipe": 1, "model": t, **extra}

@@ -224,6 +224,16 @@ def _signal_numbers(caller, signals):
     return numbers
 
 
+def _start_run(run):
+    """Starts a run of a `PreemptionCheckpoint` or `PreemptionGuard`: no
+    save yet, the latest checkpoint of its directory restored (if
+    `resume`), its agreement begun from the restored step (0 without)."""
+    run.preempted, run.saved_step = False, None
+    run.restored_step = (_resume(run.model, run.directory) if run.resume
+                         else None)
+    run._agreement.begin(run.restored_step or 0)  # noqa: SLF001
+
+
 def _resume(model, directory):
     """The step restored from `directory`'s latest checkpoint, or None."""
     if latest_checkpoint(directory) is None:
@@ -273,10 +283,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _RUNNING.add(self)
-        self.preempted, self.saved_step = False, None  # this run's
-        self.restored_step = _resume(self.model, self.directory) \
-            if self.resume else None
-        self._agreement.begin(self.restored_step or 0)
+        _start_run(self)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.preempted or not self._agreement.step_end():
@@ -339,10 +346,7 @@ class PreemptionGuard:
             raise RuntimeError(
                 "This tfpar.on_preemption(...) guard is already entered: "
                 "one `with` at a time (a nested loop needs its own guard).")
-        self.preempted, self.saved_step = False, None  # this run's
-        self.restored_step = _resume(self.model, self.directory) \
-            if self.resume else None
-        self._agreement.begin(self.start_step)
+        _start_run(self)
         self._inside = True
         return self
 

@@ -8,8 +8,9 @@ Trains `preemption_loop`'s loop (Adam, `strategy.run`) on data=8 across
 both hosts from WORKDIR/given.npz for STEPS steps, saving to WORKDIR/preempt.
 MODE "preempt": at the end of step 2 host 0 sends SIGTERM to the launcher
 (its parent) and waits until the forwarded signal has reached its own
-handler; the hosts agree on step 4, or later when one hears the other's
-proposal late (a loaded machine). Each host writes
+handler (before its second step is reported); the hosts agree on step 3
+at the earliest, later when one hears the other's proposal late (a loaded
+machine). Each host writes
 WORKDIR/loop-preempt-host<I>.npz (saved step, weights at the save). MODE
 "resume": each host writes WORKDIR/loop-resume-host<I>.npz (restored step,
 weights on entering), trains to the end and writes

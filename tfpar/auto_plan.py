@@ -69,7 +69,17 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
       head_dim: query, key, value) are RowParallel and ColumnParallel: each
       device computes whole heads (the first kernel letter the projection
       makes is the heads dimension, as in Keras and keras-hub); one
-      all-reduce follows. Grouped-query attention: key/value projections
+      all-reduce follows. An output projection after a reshape that merges
+      (..., heads, head_dim) into heads·head_dim (a Dense or "abc,cd->abd"
+      contracting one dimension, as in keras-hub's GPT-NeoX) splits its
+      rows in the same blocks: heads-major, each device's rows are its
+      heads'. A fused query/key/value EinsumDense that makes the heads
+      dimension (GPT-NeoX's (heads, 3·head_dim)) is split by heads like
+      one of three. A Dense making q, k and v side by side in one
+      dimension ((3, heads, head_dim) flattened: keras-hub's MMDiT, Flux,
+      Swin, ViTDet) stays whole (listed in the warning): no block split of
+      that dimension gives a device whole heads of all three.
+      Grouped-query attention: key/value projections
       with fewer heads are split where the axis divides their heads, else
       kept whole (DTensor gives every device the whole key/value; named in
       the warning with the reason). Keras' `MultiHeadAttention` (and
@@ -268,9 +278,9 @@ def _plan(model, axis, axis_size, sequence_parallel, experts,
     flow = _Dataflow.trace(model, units)
     plan, whole = {}, {}
     banks, silent = _plan_experts(units, experts, whole)
-    for projection, sources in flow.attention():
-        _plan_attention(projection, sources, column, row, axis_size, plan,
-                        whole)
+    for projection, sources, heads in flow.attention():
+        _plan_attention(projection, sources, heads, column, row, axis_size,
+                        plan, whole)
     for sources, target in flow.mlps(exclude=set(plan) | silent):
         for source in sources:
             _check_divides(source, _split_size(source, row=False), axis,
@@ -352,12 +362,12 @@ def _own_weights(layer):
     return [w for w in layer.weights if id(w) not in inner]
 
 
-def _plan_attention(projection, sources, column, row, axis_size, plan, whole):
-    """Attention by heads: the output `projection` row-parallel, the
+def _plan_attention(projection, sources, heads, column, row, axis_size, plan,
+                    whole):
+    """Attention by `heads`: the output `projection` row-parallel, the
     query/key/value `sources` column-parallel (grouped-query key/value
     heads the axis does not divide: whole)."""
     axis = row.axis
-    heads = _split_size(projection, row=True)
     _check_divides(projection, heads, axis, axis_size, "heads")
     plan[projection.path] = row
     for source in sources:
@@ -634,20 +644,62 @@ class _Dataflow:
         return calls[0][0][:1] if calls else []
 
     def attention(self):
-        """[(output projection, [query/key/value projections])]."""
+        """[(output projection, [query/key/value projections], heads)].
+
+        The output projection contracts the heads and their features:
+        either itself (an EinsumDense contracting >= 2 dimensions,
+        "btnh,nhd->btd") or after a reshape merging them heads-major
+        ((..., heads, head_dim) -> (..., heads·head_dim), then a Dense or
+        "abc,cd->abd": GPT-NeoX), so that splitting its rows in t blocks
+        splits the heads. The projections it reads make the heads
+        themselves (EinsumDense making >= 2 dimensions, e.g. GPT-NeoX's
+        fused "abc,cde->abde" of (heads, 3·head_dim)).
+        """
         if self.calls is None:
             return []
         found = []
         for layer in self.units:
-            if not (isinstance(layer, keras.layers.EinsumDense)
-                    and _contracts(layer) >= 2):
+            heads = self._output_heads(layer)
+            if heads is None:
                 continue
             sources = self._through_head_norms(self._reads(
                 self._first_input(layer), elementwise=False)[0])
-            if sources and all(isinstance(s, keras.layers.EinsumDense)
-                               and _makes(s) >= 2 for s in sources):
-                found.append((layer, sources))
+            if not sources or not all(
+                    isinstance(s, keras.layers.EinsumDense) and _makes(s) >= 2
+                    for s in sources):
+                continue
+            # Merged heads: the reshape's (heads, head_dim) must be the
+            # query's heads (not (head_dim, heads) after a transpose).
+            if _contracts(layer) == 1 and heads != max(
+                    _split_size(s, row=False) for s in sources):
+                continue
+            found.append((layer, sources, heads))
         return found
+
+    def _output_heads(self, layer):
+        """How many heads `layer` contracts as an attention output
+        projection (`attention`), or None where it is not one."""
+        if isinstance(layer, keras.layers.EinsumDense) and (
+                _contracts(layer) >= 2):
+            return _split_size(layer, row=True)
+        if not _is_projection(layer) or _contracts(layer) != 1 or (
+                id(layer) in self.heads):
+            return None
+        tensors = self._first_input(layer)
+        if not tensors:
+            return None
+        merged = tensors[0]
+        while merged.op.type == "Identity" and self.producer.get(
+                merged.name) is None:
+            merged = merged.op.inputs[0]
+        if merged.op.type != "Reshape" or self.producer.get(merged.name):
+            return None
+        split = merged.op.inputs[0].shape
+        rows = _split_size(layer, row=True)
+        if (split.rank is None or split.rank < 3 or None in split[-2:]
+                or split[-2] * split[-1] != rows or split[-2] == 1):
+            return None
+        return split[-2]
 
     def _through_head_norms(self, sources):
         """`sources` with each norm replaced by what it reads (Qwen3's

@@ -1,15 +1,26 @@
-"""auto_rules splits attention whose output projection reads merged heads.
+"""auto_rules splits attention whose heads are made or merged by reshapes.
 
-keras-hub's GPT-NeoX (Pythia) computes query, key and value with one
-EinsumDense "abc,cde->abde" of kernel (hidden, heads, 3·head_dim), merges
-the attention's (batch, seq, heads, head_dim) into (batch, seq, hidden)
-with a reshape, and projects it with an EinsumDense "abc,cd->abd" that
-contracts one dimension. auto_rules looked for an output projection
-contracting two dimensions (heads, head_dim), so it kept both whole on
-every device (its warning: "in no MLP or attention pattern"). A reshape
-merging (heads, head_dim) heads-major makes the merged rows' t blocks the
-heads' t blocks: the output is RowParallel, the fused projection
-ColumnParallel by heads, and one all-reduce follows, as with split q/k/v.
+auto_rules knew attention as an output EinsumDense contracting two
+dimensions (heads, head_dim) that reads EinsumDense projections making
+two (Llama, Gemma, Mistral, Qwen, BERT's keras-hub attention). keras-hub
+models written the other common way kept their attention whole on every
+device (warned "in no MLP or attention pattern"):
+
+- GPT-NeoX (Pythia): one fused EinsumDense "abc,cde->abde" makes
+  (heads, 3·head_dim); the attention's (batch, seq, heads, head_dim) is
+  merged by a reshape and projected by "abc,cd->abd" (one contracted
+  dimension);
+- SmolLM3, T5, ESM2, RoFormerV2: Dense q/k/v making heads·head_dim,
+  reshaped to (batch, seq, heads, head_dim); the output a Dense after a
+  merging reshape (T5, ESM2, RoFormerV2) or an EinsumDense (SmolLM3). T5's
+  attention also returns the position bias its core adds, and SmolLM3's
+  rotary frequencies are a (non-trainable) weight of their own layer: not
+  projections, so they no longer hide the pattern.
+
+A reshape splitting or merging (heads, head_dim) heads-major makes a
+heads·head_dim dimension's t blocks the heads' t blocks: the projections
+are ColumnParallel and the output RowParallel, one all-reduce follows, as
+with (heads, head_dim) kernels.
 """
 
 import warnings
@@ -17,6 +28,8 @@ import warnings
 import keras
 import keras_hub
 import numpy as np
+import pytest
+from keras.src.utils import naming
 
 import tfpar
 
@@ -26,15 +39,61 @@ import test_keras_hub as hub_checks
 HEADS, HEAD_DIM, SEQ = 4, 8, 16
 HIDDEN = HEADS * HEAD_DIM
 MESH = {"data": 2, "model": 4}
+VOCAB, FFN = 256, 64
+
+# Small keras-hub backbones from constructor arguments (no preset).
+BACKBONES = {
+    "gpt_neox": lambda: keras_hub.models.GPTNeoXBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
+        hidden_dim=HIDDEN, intermediate_dim=FFN, max_sequence_length=SEQ),
+    "smollm3": lambda: keras_hub.models.SmolLM3Backbone(
+        vocabulary_size=VOCAB, hidden_dim=2 * HIDDEN, intermediate_dim=FFN,
+        num_layers=2, num_attention_heads=2 * HEADS,
+        num_key_value_heads=HEADS, attention_bias=False,
+        attention_dropout=0.0, rope_layer_enabled_list=[True, False],
+        layer_types=["attention", "attention"], mlp_bias=False,
+        layer_norm_epsilon=1e-6, max_position_embeddings=SEQ,
+        rope_theta=10000.0, partial_rotary_factor=1.0),
+    "t5": lambda: keras_hub.models.T5Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
+        hidden_dim=HIDDEN, intermediate_dim=FFN),
+    "esm2": lambda: keras_hub.models.ESM2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
+        hidden_dim=HIDDEN, intermediate_dim=FFN),
+    "roformer_v2": lambda: keras_hub.models.RoformerV2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
+        hidden_dim=HIDDEN, intermediate_dim=FFN, head_size=HEAD_DIM),
+}
 
 
-def gpt_neox():
+def probe_model(name):
+    """The backbone `name`, seeded, with a Dense "probe" of 4 units on its
+    (decoder's) sequence output: every weight trains under an MSE loss."""
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPTNeoXBackbone(
-        vocabulary_size=256, num_layers=2, num_heads=HEADS,
-        hidden_dim=HIDDEN, intermediate_dim=64, max_sequence_length=SEQ)
-    return keras_hub.models.GPTNeoXCausalLM(backbone=backbone,
-                                            preprocessor=None)
+    naming.reset_uids()  # T5's unnamed norms: the same paths every build
+    backbone = BACKBONES[name]()
+    output = backbone.output
+    if isinstance(output, dict):
+        output = output.get("decoder_sequence_output",
+                            output.get("sequence_output"))
+    return keras.Model(backbone.input,
+                       keras.layers.Dense(4, name="probe")(output))
+
+
+def probe_data(model, batch=16):
+    """Random ids for the model's id inputs, all-ones masks, zero segment
+    ids; targets for the probe."""
+    rng = np.random.default_rng(0)
+    x = {}
+    for key, spec in model.input.items():
+        shape = (batch, SEQ)
+        if "mask" in key:
+            x[key] = np.ones(shape, bool)
+        elif "segment" in key:
+            x[key] = np.zeros(shape, "int32")
+        else:
+            x[key] = rng.integers(1, VOCAB, shape).astype("int32")
+    return x, rng.normal(size=(batch, SEQ, 4)).astype("float32")
 
 
 def attention_block(transpose_heads=False):
@@ -81,52 +140,60 @@ def test_heads_merged_after_a_transpose_are_not_read_as_heads():
     assert "out (Dense): in no MLP or attention pattern" in warned
 
 
-def test_gpt_neox_attention_trains_split_by_heads_like_one_device():
-    planned, warned = rules(gpt_neox())
-    for layer in (0, 1):
-        attention = f"transformer_layer_{layer}/self_attention/"
-        assert planned[attention + "query_key_value"] == "ColumnParallel"
-        assert planned[attention + "attention_output"] == "RowParallel"
-    assert "self_attention" not in warned, warned
+def kept_whole(warned):
+    """The Dense/EinsumDense layers auto_rules' warning keeps whole."""
+    return [line.strip() for line in warned.splitlines()
+            if "(Dense)" in line or "(EinsumDense)" in line]
 
-    weights = gpt_neox().get_weights()
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, 256, (16, SEQ)).astype("int32")
-    x = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
-    y = rng.integers(0, 256, (16, SEQ))
 
-    def build(strategy):
-        def built():
-            model = gpt_neox()
-            model.set_weights(weights)
-            if strategy is not None:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # embeddings: not here
-                    strategy.apply_rules(
-                        model, tfpar.auto_rules(model, mesh=strategy.mesh))
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(
-                              from_logits=True), weighted_metrics=[])
-            return model
-        return built
+def train(name, strategy):
+    """(model, per-batch losses) of `probe_model(name)` after fit with SGD
+    on `probe_data`, planned by auto_rules when `strategy` is given."""
+    weights = probe_model(name).get_weights()
+    x, y = probe_data(probe_model(name))
 
-    reference, want = models.train_built(None, build(None), x, y, 8)
+    def build():
+        model = probe_model(name)
+        model.set_weights(weights)
+        if strategy is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the probe: whole
+                strategy.apply_rules(
+                    model, tfpar.auto_rules(model, mesh=strategy.mesh))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+    return models.train_built(strategy, build, x, y, 8)
+
+
+@pytest.mark.parametrize("name", [
+    "gpt_neox", "smollm3",
+    pytest.param("t5", marks=pytest.mark.slow),
+    pytest.param("esm2", marks=pytest.mark.slow),
+    pytest.param("roformer_v2", marks=pytest.mark.slow)])
+def test_keras_hub_attention_trains_split_by_heads_like_one_device(name):
+    planned, warned = rules(probe_model(name))
+    assert kept_whole(warned) == [
+        "probe (Dense): an output head, kept whole so the logits are whole"
+    ], warned
+    assert "RowParallel" in planned.values(), planned
+
+    reference, want = train(name, None)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH))
     with tfpar.communication.capture() as programs:
-        model, got = models.train_built(strategy, build(strategy), x, y, 8)
+        model, got = train(name, strategy)
     assert models.relative_error(want, got) < 1e-4, (want, got)
     hub_checks.assert_same_weights(reference, model)
-    # Each device holds its heads: a quarter of the fused projection's
-    # heads (hidden, heads/4, 3·head_dim) and of the output's merged rows.
-    for weight in model.weights:
-        if "query_key_value/kernel" in weight.path:
-            models.assert_one_block_per_device(weight, (None, "model", None))
-        elif "attention_output/kernel" in weight.path:
-            models.assert_one_block_per_device(weight, ("model", None))
-    # The attention moves nothing but its all-reduce over the model axis:
-    # the only model-axis gathers are the hidden-split token embedding's.
-    gathers = [c for c in programs.train_report().select(spans="model")
-               if c.purpose != "all-reduce"]
-    assert gathers and all("token_embedding" in c.name for c in gathers), (
-        [(c.phase, c.purpose, c.name) for c in gathers])
-
+    # Each device holds only its heads' block of every split kernel.
+    weights = {w.path: w for w in model.weights}
+    split = [(path, spec) for path, spec, _ in strategy.placements("params")
+             if "model" in spec]
+    assert len(split) >= len(planned), (split, planned)
+    for path, spec in split:
+        models.assert_one_block_per_device(weights[path], spec)
+    # Inside the attention nothing moves over the model axis but the
+    # row-parallel output's all-reduce (and the column-parallel inputs'
+    # gradient all-reduce): each device computes its own heads.
+    moved = [c for c in programs.train_report().select(spans="model")
+             if ("attention" in c.name or "attn" in c.name)
+             and c.purpose != "all-reduce"]
+    assert not moved, [(c.phase, c.purpose, c.name) for c in moved]

@@ -69,13 +69,17 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
       head_dim: query, key, value) are RowParallel and ColumnParallel: each
       device computes whole heads (the first kernel letter the projection
       makes is the heads dimension, as in Keras and keras-hub); one
-      all-reduce follows. An output projection after a reshape that merges
-      (..., heads, head_dim) into heads·head_dim (a Dense or "abc,cd->abd"
-      contracting one dimension, as in keras-hub's GPT-NeoX) splits its
-      rows in the same blocks: heads-major, each device's rows are its
-      heads'. A fused query/key/value EinsumDense that makes the heads
-      dimension (GPT-NeoX's (heads, 3·head_dim)) is split by heads like
-      one of three. A Dense making q, k and v side by side in one
+      all-reduce follows. Heads may also be made and merged by reshapes,
+      heads-major: a Dense making heads·head_dim that a reshape splits
+      into (..., heads, head_dim) is a query/key/value projection (keras-hub's
+      T5, ESM2, RoFormerV2, SmolLM3), and a Dense or one-contraction
+      EinsumDense after a reshape merging (..., heads, head_dim) into
+      heads·head_dim is an output projection (GPT-NeoX, T5): a block split
+      of heads·head_dim is a split by heads. A fused query/key/value
+      EinsumDense that makes the heads dimension (GPT-NeoX's (heads,
+      3·head_dim)) is split by heads like one of three. Layers that are not
+      projections on the way (T5's position bias, rotary frequencies) are
+      looked past. A Dense making q, k and v side by side in one
       dimension ((3, heads, head_dim) flattened: keras-hub's MMDiT, Flux,
       Swin, ViTDet) stays whole (listed in the warning): no block split of
       that dimension gives a device whole heads of all three.
@@ -278,9 +282,9 @@ def _plan(model, axis, axis_size, sequence_parallel, experts,
     flow = _Dataflow.trace(model, units)
     plan, whole = {}, {}
     banks, silent = _plan_experts(units, experts, whole)
-    for projection, sources, heads in flow.attention():
-        _plan_attention(projection, sources, heads, column, row, axis_size,
-                        plan, whole)
+    for projection, sources, heads, made in flow.attention():
+        _plan_attention(projection, sources, heads, made, column, row,
+                        axis_size, plan, whole)
     for sources, target in flow.mlps(exclude=set(plan) | silent):
         for source in sources:
             _check_divides(source, _split_size(source, row=False), axis,
@@ -362,16 +366,17 @@ def _own_weights(layer):
     return [w for w in layer.weights if id(w) not in inner]
 
 
-def _plan_attention(projection, sources, heads, column, row, axis_size, plan,
-                    whole):
+def _plan_attention(projection, sources, heads, made, column, row,
+                    axis_size, plan, whole):
     """Attention by `heads`: the output `projection` row-parallel, the
-    query/key/value `sources` column-parallel (grouped-query key/value
-    heads the axis does not divide: whole)."""
+    query/key/value `sources` column-parallel (`made`: {path: the heads
+    each makes}; grouped-query key/value heads the axis does not divide:
+    whole)."""
     axis = row.axis
     _check_divides(projection, heads, axis, axis_size, "heads")
     plan[projection.path] = row
     for source in sources:
-        size = _split_size(source, row=False)
+        size = made[source.path]
         if size % axis_size == 0:
             plan[source.path] = column
         elif size < heads:  # grouped-query key/value heads
@@ -487,6 +492,30 @@ def _find_weight_owners(model):
         elif id(layer) in owning:
             out.append(layer)
     return out
+
+
+def _made_heads(layer, after):
+    """The heads `layer` makes for an attention core, or None: an
+    EinsumDense making >= 2 dimensions makes its first (heads); a Dense or
+    EinsumDense making one makes heads·head_dim outputs that a reshape
+    splits heads-major into (..., heads, head_dim) (`after`: the tensors
+    ops made of its output, as `_Dataflow._walk` reached it)."""
+    if not _is_projection(layer):
+        return None
+    if isinstance(layer, keras.layers.EinsumDense) and _makes(layer) >= 2:
+        return _split_size(layer, row=False)
+    if _makes(layer) != 1:
+        return None
+    width = _split_size(layer, row=False)
+    for tensor in after:
+        if tensor is None or tensor.op.type != "Reshape":
+            continue
+        shape = tensor.shape
+        if (shape.rank is not None and shape.rank >= 3
+                and None not in shape[-2:] and shape[-2] > 1
+                and shape[-2] * shape[-1] == width):
+            return shape[-2]
+    return None
 
 
 def _einsum_letters(layer):
@@ -618,16 +647,24 @@ class _Dataflow:
     def _reads(self, tensors, elementwise):
         """(layers whose outputs reach `tensors`, whether only elementwise
         ops on them and constants lie between)."""
+        found, pure = self._walk(tensors, elementwise)
+        return [layer for layer, _ in found.values()], pure
+
+    def _walk(self, tensors, elementwise):
+        """`_reads`, each layer found with the tensors the walk reached it
+        from ({id: (layer, [tensor an op made of its output, or None where
+        its output is one of `tensors`])}): a Reshape's output there is how
+        the layer's output was split (`_made_heads`)."""
         found, pure, seen = {}, True, set()
-        stack = list(tensors)
+        stack = [(tensor, None) for tensor in tensors]
         while stack:
-            tensor = stack.pop()
+            tensor, after = stack.pop()
             if tensor.name in seen:
                 continue
             seen.add(tensor.name)
             layer = self.producer.get(tensor.name)
             if layer is not None:
-                found[id(layer)] = layer
+                found.setdefault(id(layer), (layer, []))[1].append(after)
                 continue
             op = tensor.op
             if op.type in _SHAPE_OPS or op.type == "Const":
@@ -636,24 +673,29 @@ class _Dataflow:
                 pure = False  # a model input, a weight, or mixing values
                 if elementwise:
                     continue
-            stack.extend(op.inputs)
-        return list(found.values()), pure
+            # An Identity is looked through: what follows it stays `after`.
+            made = after if op.type == "Identity" else tensor
+            stack.extend((source, made) for source in op.inputs)
+        return found, pure
 
     def _first_input(self, layer):
         calls = (self.calls or {}).get(id(layer))
         return calls[0][0][:1] if calls else []
 
     def attention(self):
-        """[(output projection, [query/key/value projections], heads)].
+        """[(output projection, [query/key/value projections], heads,
+        {projection path: the heads it makes})].
 
         The output projection contracts the heads and their features:
         either itself (an EinsumDense contracting >= 2 dimensions,
         "btnh,nhd->btd") or after a reshape merging them heads-major
         ((..., heads, head_dim) -> (..., heads·head_dim), then a Dense or
-        "abc,cd->abd": GPT-NeoX), so that splitting its rows in t blocks
-        splits the heads. The projections it reads make the heads
-        themselves (EinsumDense making >= 2 dimensions, e.g. GPT-NeoX's
-        fused "abc,cde->abde" of (heads, 3·head_dim)).
+        "abc,cd->abd": GPT-NeoX, T5), so that splitting its rows in t
+        blocks splits the heads. The projections it reads make the heads
+        (`_made_heads`): an EinsumDense making >= 2 dimensions (e.g.
+        GPT-NeoX's fused "abc,cde->abde" of (heads, 3·head_dim)), or a
+        Dense whose heads·head_dim outputs a reshape splits heads-major
+        (T5, ESM, SmolLM3).
         """
         if self.calls is None:
             return []
@@ -662,19 +704,29 @@ class _Dataflow:
             heads = self._output_heads(layer)
             if heads is None:
                 continue
-            sources = self._through_head_norms(self._reads(
-                self._first_input(layer), elementwise=False)[0])
-            if not sources or not all(
-                    isinstance(s, keras.layers.EinsumDense) and _makes(s) >= 2
-                    for s in sources):
+            made = self._through_head_norms(self._heads_read(
+                self._first_input(layer)))
+            # Only projections make the heads: other layers read are
+            # looked past (T5's attention layers, which return the position
+            # bias their cores add; SmolLM3's rotary frequencies).
+            made = {source: n for source, n in made.items()
+                    if _is_projection(source)}
+            if not made or None in made.values():
                 continue
             # Merged heads: the reshape's (heads, head_dim) must be the
             # query's heads (not (head_dim, heads) after a transpose).
-            if _contracts(layer) == 1 and heads != max(
-                    _split_size(s, row=False) for s in sources):
+            if _contracts(layer) == 1 and heads != max(made.values()):
                 continue
-            found.append((layer, sources, heads))
+            found.append((layer, list(made), heads,
+                          {s.path: n for s, n in made.items()}))
         return found
+
+    def _heads_read(self, tensors):
+        """{layer whose output reaches `tensors`: the heads it makes, or
+        None} (`_made_heads`)."""
+        found, _ = self._walk(tensors, elementwise=False)
+        return {layer: _made_heads(layer, after)
+                for layer, after in found.values()}
 
     def _output_heads(self, layer):
         """How many heads `layer` contracts as an attention output
@@ -701,20 +753,20 @@ class _Dataflow:
             return None
         return split[-2]
 
-    def _through_head_norms(self, sources):
-        """`sources` with each norm replaced by what it reads (Qwen3's
-        query/key norms sit between the projections and the attention
-        core); the norms looked through are kept in `head_norms`."""
-        out = []
-        for source in sources:
+    def _through_head_norms(self, made):
+        """`made` ({layer: heads}) with each norm replaced by what it reads
+        (Qwen3's query/key norms sit between the projections and the
+        attention core); the norms looked through are kept in
+        `head_norms`."""
+        out = {}
+        for source, heads in made.items():
             if not _is_norm(source):
-                out.append(source)
+                out[source] = heads
                 continue
-            read = self._reads(self._first_input(source), elementwise=False)[0]
-            if read and all(isinstance(r, keras.layers.EinsumDense)
-                            for r in read):
+            read = self._heads_read(self._first_input(source))
+            if read and None not in read.values():
                 self.head_norms.add(source.path)
-            out.extend(read)
+            out.update(read)
         return out
 
     def mlps(self, exclude):

@@ -15,6 +15,9 @@ context axis (all-gather; with grouped-query attention only the key/value
 heads, the query heads' copies made after the gather), each device keeps
 its own queries and attends to key blocks with an online softmax, masks
 applied by global position. keras-hub's decoders: `context_keras_hub`.
+A hidden-split (tensor-parallel) embedding keeps the split too: its ids and
+gathered lookups are laid out as the inputs (`split_along_sequence`, which
+`tfpar.styles` calls).
 
 Causal load balance (`load_balance(strategy)`): the sequence is cut into
 2·cp chunks and device r holds chunks r and 2cp−1−r, so causal attention

@@ -316,7 +316,8 @@ class ColumnParallel(_TensorParallel):
     Embedding's output, split along the hidden dimension, is re-split along
     the sequence (gathered and sliced: DTensor's all-to-all is off, see
     tfpar/__init__.py); without sequence parallelism it is gathered along
-    the hidden dimension.
+    the hidden dimension (beside a context axis its ids and output stay
+    split along the sequence over it, as the step's inputs are).
 
     Example:
 

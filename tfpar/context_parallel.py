@@ -15,6 +15,9 @@ context axis (all-gather; with grouped-query attention only the key/value
 heads, the query heads' copies made after the gather), each device keeps
 its own queries and attends to key blocks with an online softmax, masks
 applied by global position. keras-hub's decoders: `context_keras_hub`.
+A hidden-split (tensor-parallel) embedding keeps the split too: its ids and
+gathered lookups are laid out as the inputs (`split_along_sequence`, which
+`tfpar.styles` calls).
 
 Causal load balance (`load_balance(strategy)`): the sequence is cut into
 2·cp chunks and device r holds chunks r and 2cp−1−r, so causal attention
@@ -206,6 +209,45 @@ def _pinned(tensor, sequence_spec, extended):
     specs = [_batch_spec(tensor, extended), sequence_spec, dtensor.MATCH]
     specs += [dtensor.UNSHARDED] * (tensor.shape.rank - 3)
     mesh = extended.registry.placement_mesh.dtensor_mesh
+    return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
+
+
+def split_along_sequence(tensor):
+    """`tensor` (batch, sequence, ...) laid out as a context-parallel step
+    places its inputs: the batch split over the data axis (when it splits
+    it), the sequence (dimension 1) over the context axis, the rest whole;
+    None when no step splits sequences (no context axis, `generate()`, an
+    eager call, a pipeline stage without the axis) or when the context axis
+    does not divide dimension 1.
+
+    What a hidden-split Embedding's ids and gathered lookups are relaid out
+    to beside a context axis (`tfpar.styles`): a lookup is per token,
+    y[b, s, :] = table[ids[b, s], :], so the (b/data, s/context) block of y
+    needs only that block of the ids and the table's hidden columns; the
+    hidden gather is then an all-gather over the model axis alone.
+    Gathering the sequence too (what a data-only step does) leaves the
+    residual stream whole on every context coordinate, and DTensor 2.21
+    fails to compile the backward pass when attention reads that stream and
+    a residual adds to it (tests/dtensor_context_lookup_repro.py).
+
+    Example (outside a step, nothing to lay out):
+
+    >>> import tensorflow as tf
+    >>> split_along_sequence(tf.zeros((2, 8), tf.int32)) is None
+    True
+    """
+    split = context_in_step()
+    extended = step_context.step_extended()
+    if (split is None or not step_context.in_spmd_step()
+            or extended.registry.placement_mesh is None
+            or tensor.shape.rank is None or tensor.shape.rank < 2
+            or tensor.shape[1] is None or tensor.shape[1] % split.size):
+        return None
+    mesh = extended.registry.placement_mesh.dtensor_mesh
+    if split.axis not in mesh.dim_names:
+        return None
+    specs = [_batch_spec(tensor, extended), split.axis]
+    specs += [dtensor.UNSHARDED] * (tensor.shape.rank - 2)
     return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
 
 

@@ -79,6 +79,7 @@ import inspect
 import re
 
 from tfpar import collectives
+from tfpar import context_parallel
 from tfpar import layout as layout_lib
 from tfpar import parallel_dims
 
@@ -181,7 +182,7 @@ class Style:
         if after is not None and after.dimension == "hidden":
             # A hidden-wise split lookup: its ids split over the batch.
             _transform_inputs(layer, "tfpar_ids_split_over_data",
-                              collectives.ids_split_over_data)
+                              _lookup_ids)
         if after is not None:
             name = ("tfpar_sequence_output" if after.dimension == "sequence"
                     else "tfpar_gather_hidden")
@@ -255,7 +256,7 @@ def _relayout(tensor, target, layer, where):
     """`tensor` relaid out to the `ActivationLayout` `target` by its named
     collective (see `tfpar.collectives`)."""
     if target.dimension == "hidden":
-        return collectives.gather_hidden(tensor)
+        return _gathered_lookup(tensor)
     move = (collectives.scatter_sequence if target.split
             else collectives.gather_sequence)
     return move(tensor, target.axis, layer, where)
@@ -315,7 +316,8 @@ class ColumnParallel(_TensorParallel):
     Embedding's output, split along the hidden dimension, is re-split along
     the sequence (gathered and sliced: DTensor's all-to-all is off, see
     tfpar/__init__.py); without sequence parallelism it is gathered along
-    the hidden dimension.
+    the hidden dimension (beside a context axis its ids and output stay
+    split along the sequence over it, as the step's inputs are).
 
     Example:
 
@@ -434,10 +436,31 @@ def _untied(layer):
     return getattr(layer, "tie_weights", True) is False
 
 
+def _lookup_ids(ids):
+    """The ids of a hidden-wise split lookup: beside a context axis, split
+    as the step's inputs are, (batch/data, sequence/context)
+    (`context_parallel.split_along_sequence`: a lookup is per token); else
+    split over the data axis along the batch, the rest whole
+    (`collectives.ids_split_over_data`)."""
+    split = context_parallel.split_along_sequence(ids)
+    return collectives.ids_split_over_data(ids) if split is None else split
+
+
+def _gathered_lookup(outputs):
+    """A hidden-wise split lookup's output (batch, sequence, hidden/t) made
+    whole along the hidden dimension: an all-gather over the model axis.
+    Beside a context axis the sequence stays split over it
+    (`context_parallel.split_along_sequence`); else it is whole
+    (`collectives.gather_hidden`)."""
+    split = context_parallel.split_along_sequence(outputs)
+    return collectives.gather_hidden(outputs) if split is None else split
+
+
 def _transform_lookups(layer, name):
     """Makes `layer`'s lookups (calls without `reverse=True`) read their ids
-    split over the batch and return their output gathered along the hidden
-    dimension (`collectives.gather_hidden`); reverse calls unchanged. Once
+    split over the batch (`_lookup_ids`) and return their output gathered
+    along the hidden dimension (`_gathered_lookup`); reverse calls
+    unchanged. Once
     per `name` (`_wrap_call_once`).
     """
     def make_call(original_call):
@@ -445,8 +468,8 @@ def _transform_lookups(layer, name):
             if kwargs.get("reverse", args[1] if len(args) > 1 else False):
                 return original_call(*args, **kwargs)
             if args:
-                args = (collectives.ids_split_over_data(args[0]),) + args[1:]
-            return collectives.gather_hidden(original_call(*args, **kwargs))
+                args = (_lookup_ids(args[0]),) + args[1:]
+            return _gathered_lookup(original_call(*args, **kwargs))
         return call
 
     _wrap_call_once(layer, name, make_call)

@@ -26,74 +26,15 @@ with (heads, head_dim) kernels.
 import warnings
 
 import keras
-import keras_hub
-import numpy as np
 import pytest
-from keras.src.utils import naming
 
 import tfpar
 
+import hub_probes
 import models
-import test_keras_hub as hub_checks
+from hub_probes import HEAD_DIM, HEADS, HIDDEN, SEQ
 
-HEADS, HEAD_DIM, SEQ = 4, 8, 16
-HIDDEN = HEADS * HEAD_DIM
 MESH = {"data": 2, "model": 4}
-VOCAB, FFN = 256, 64
-
-# Small keras-hub backbones from constructor arguments (no preset).
-BACKBONES = {
-    "gpt_neox": lambda: keras_hub.models.GPTNeoXBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
-        hidden_dim=HIDDEN, intermediate_dim=FFN, max_sequence_length=SEQ),
-    "smollm3": lambda: keras_hub.models.SmolLM3Backbone(
-        vocabulary_size=VOCAB, hidden_dim=2 * HIDDEN, intermediate_dim=FFN,
-        num_layers=2, num_attention_heads=2 * HEADS,
-        num_key_value_heads=HEADS, attention_bias=False,
-        attention_dropout=0.0, rope_layer_enabled_list=[True, False],
-        layer_types=["attention", "attention"], mlp_bias=False,
-        layer_norm_epsilon=1e-6, max_position_embeddings=SEQ,
-        rope_theta=10000.0, partial_rotary_factor=1.0),
-    "t5": lambda: keras_hub.models.T5Backbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
-        hidden_dim=HIDDEN, intermediate_dim=FFN),
-    "esm2": lambda: keras_hub.models.ESM2Backbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
-        hidden_dim=HIDDEN, intermediate_dim=FFN),
-    "roformer_v2": lambda: keras_hub.models.RoformerV2Backbone(
-        vocabulary_size=VOCAB, num_layers=2, num_heads=HEADS,
-        hidden_dim=HIDDEN, intermediate_dim=FFN, head_size=HEAD_DIM),
-}
-
-
-def probe_model(name):
-    """The backbone `name`, seeded, with a Dense "probe" of 4 units on its
-    (decoder's) sequence output: every weight trains under an MSE loss."""
-    keras.utils.set_random_seed(0)
-    naming.reset_uids()  # T5's unnamed norms: the same paths every build
-    backbone = BACKBONES[name]()
-    output = backbone.output
-    if isinstance(output, dict):
-        output = output.get("decoder_sequence_output",
-                            output.get("sequence_output"))
-    return keras.Model(backbone.input,
-                       keras.layers.Dense(4, name="probe")(output))
-
-
-def probe_data(model, batch=16):
-    """Random ids for the model's id inputs, all-ones masks, zero segment
-    ids; targets for the probe."""
-    rng = np.random.default_rng(0)
-    x = {}
-    for key, spec in model.input.items():
-        shape = (batch, SEQ)
-        if "mask" in key:
-            x[key] = np.ones(shape, bool)
-        elif "segment" in key:
-            x[key] = np.zeros(shape, "int32")
-        else:
-            x[key] = rng.integers(1, VOCAB, shape).astype("int32")
-    return x, rng.normal(size=(batch, SEQ, 4)).astype("float32")
 
 
 def attention_block(transpose_heads=False):
@@ -146,43 +87,24 @@ def kept_whole(warned):
             if "(Dense)" in line or "(EinsumDense)" in line]
 
 
-def train(name, strategy):
-    """(model, per-batch losses) of `probe_model(name)` after fit with SGD
-    on `probe_data`, planned by auto_rules when `strategy` is given."""
-    weights = probe_model(name).get_weights()
-    x, y = probe_data(probe_model(name))
-
-    def build():
-        model = probe_model(name)
-        model.set_weights(weights)
-        if strategy is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the probe: whole
-                strategy.apply_rules(
-                    model, tfpar.auto_rules(model, mesh=strategy.mesh))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
-    return models.train_built(strategy, build, x, y, 8)
-
-
 @pytest.mark.parametrize("name", [
     "gpt_neox", "smollm3",
     pytest.param("t5", marks=pytest.mark.slow),
     pytest.param("esm2", marks=pytest.mark.slow),
     pytest.param("roformer_v2", marks=pytest.mark.slow)])
 def test_keras_hub_attention_trains_split_by_heads_like_one_device(name):
-    planned, warned = rules(probe_model(name))
+    planned, warned = rules(hub_probes.probe_model(name))
     assert kept_whole(warned) == [
         "probe (Dense): an output head, kept whole so the logits are whole"
     ], warned
     assert "RowParallel" in planned.values(), planned
 
-    reference, want = train(name, None)
+    reference, want = hub_probes.train(name, None)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH))
     with tfpar.communication.capture() as programs:
-        model, got = train(name, strategy)
+        model, got = hub_probes.train(name, strategy)
     assert models.relative_error(want, got) < 1e-4, (want, got)
-    hub_checks.assert_same_weights(reference, model)
+    hub_probes.assert_same_weights(reference, model)
     # Each device holds only its heads' block of every split kernel.
     weights = {w.path: w for w in model.weights}
     split = [(path, spec) for path, spec, _ in strategy.placements("params")

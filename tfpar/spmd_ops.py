@@ -93,34 +93,50 @@ def _is_scalar_index(item):
 
 
 def index_keeping_dims(tensor, key):
-    """`tensor[key]` with no StridedSlice that drops a dimension: a Python
-    integer index i is taken as the slice i:i+1 and that dimension squeezed
-    after, a tensor index is a `tf.gather` along its dimension. The same
-    values. None when `key` needs the plain path (no integer index,
-    boolean or list indices, unknown rank or rank below 2).
+    """`tensor[key]` with no StridedSlice that drops or adds a dimension: a
+    Python integer index i is taken as the slice i:i+1 and that dimension
+    squeezed after, a tensor index is a `tf.gather` along its dimension, a
+    new axis (None) is a `tf.expand_dims` of the sliced result. The same
+    values. None when `key` needs the plain path (no integer index and no
+    new axis, boolean or list indices, unknown rank, or an integer index
+    on rank 1).
 
     DTensor 2.21 lays out a StridedSlice that drops a dimension d wrongly
     when a later dimension is sharded: the output keeps the sharding at the
     old position (dimension + 1), so `cache[:, i, ...]` of a cache split by
     heads comes out split by head size, with wrong values or a failed
     compile (tests/dtensor_shrink_slice_repro.py). This is keras-hub's
-    KV-cache indexing.
+    KV-cache indexing. A StridedSlice that adds a dimension (new-axis mask)
+    to a split tensor does not lay out at all ("'tf.StridedSlice' op
+    ComputeLayoutForward error: sharding spec", tests/
+    dtensor_newaxis_slice_repro.py): keras-hub's XLNet
+    (`segment_ids[:, None]`, split over data) failed every mesh.
+
+    >>> index_keeping_dims(tf.ones((2, 3)), (slice(None), None)).shape
+    TensorShape([2, 1, 3])
     """
     items = key if isinstance(key, tuple) else (key,)
     rank = tensor.shape.rank
+    new_axes = any(i is None for i in items)
     # A tensor of rank 1 has no later dimension to mislay: the plain path
     # (e.g. Keras' `tf.shape(y)[0]` in every step's metrics, no Squeeze).
-    if rank is None or rank < 2 or not any(_is_scalar_index(i) for i in items) or not all(
+    if rank is None or not (new_axes and rank >= 1 or rank >= 2 and any(
+            _is_scalar_index(i) for i in items)) or not all(
             i is None or i is Ellipsis or isinstance(i, slice)
             or _is_scalar_index(i) for i in items):
         return None
     used = sum(i is not None and i is not Ellipsis for i in items)
-    new_key, squeeze, gathers, in_axis, out_axis = [], [], [], 0, 0
+    new_key, squeeze, gathers, expand = [], [], [], []
+    in_axis = out_axis = final_axis = 0  # of the tensor, slice and result
     for item in items:
-        if item is Ellipsis or item is None:
-            skipped = rank - used if item is Ellipsis else 0
-            in_axis += skipped
-            out_axis += skipped if item is Ellipsis else 1
+        if item is None:  # a new axis of the result, added last
+            expand.append(final_axis)
+            final_axis += 1
+            continue
+        if item is Ellipsis:
+            skipped = rank - used
+            in_axis, out_axis = in_axis + skipped, out_axis + skipped
+            final_axis += skipped
             new_key.append(item)
             continue
         if isinstance(item, tf.Tensor):  # gathered below (negative: from
@@ -131,16 +147,22 @@ def index_keeping_dims(tensor, key):
             item = int(item)  # -1 is the slice -1: (to the end)
             item = slice(item, item + 1 if item != -1 else None)
             squeeze.append(out_axis)
+        else:
+            final_axis += 1
         new_key.append(item)
         in_axis += 1
         out_axis += 1
     result = _compat.unpatched(tf.Tensor, "__getitem__")(
-        tensor, tuple(new_key))
+        tensor, tuple(new_key) or (Ellipsis,))
     for axis, index in reversed(gathers):  # later axes first: positions hold
         result = tf.gather(result, index, axis=axis)
     # A gather at an axis before a squeezed one moved it down by one.
     squeeze = [a - sum(g < a for g, _ in gathers) for a in squeeze]
-    return tf.squeeze(result, squeeze) if squeeze else result
+    if squeeze:
+        result = tf.squeeze(result, squeeze)
+    for axis in expand:  # ascending: each lands at its place in the result
+        result = tf.expand_dims(result, axis)
+    return result
 
 
 def gumbel_categorical(logits, num_samples, seed, replicate):

@@ -245,6 +245,7 @@ def test_hosts_agree_when_one_loop_runs_behind_and_hears_late(workdir):
     status, out, _ = launch(workdir, "race", "--signal-grace", "30",
                             child=LOOP_CHILD)
     assert status == 128 + signal.SIGTERM, out[-4000:]
+    assert "did not exit within 30 s: killed" not in out, out[-4000:]
     saved = [host_result(workdir, f"loop-race-host{h}", out) for h in (0, 1)]
     assert [int(result["step"]) for result in saved] == [3, 3], out[-4000:]
     assert tfpar.latest_checkpoint(str(workdir / "preempt")).endswith(

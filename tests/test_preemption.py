@@ -31,7 +31,7 @@ import models
 import preemption_loop
 import tfpar
 from test_launch import TESTS, launch, workdir  # noqa: F401 (fixture)
-from tfpar import hosts
+from tfpar import hosts, preemption
 
 LOOP_CHILD = TESTS / "preemption_loop_child.py"
 
@@ -250,6 +250,23 @@ def test_hosts_agree_when_one_loop_runs_behind_and_hears_late(workdir):
     assert [int(result["step"]) for result in saved] == [3, 3], out[-4000:]
     assert tfpar.latest_checkpoint(str(workdir / "preempt")).endswith(
         "ckpt-3")
+
+
+def test_a_host_past_the_agreed_step_stops_with_a_clear_error():
+    # A peer's proposed step heard once this host has finished it (what the
+    # agreement rules out): an error naming both steps, not a save at a
+    # step the other hosts never reach (they would wait for it forever).
+    agreement = preemption.PreemptionAgreement(signals=())
+    agreement.begin(0)
+    try:
+        for _ in range(4):
+            assert not agreement.step_end()
+        agreement._heard(4)  # noqa: SLF001 (the peer hook)
+        with pytest.raises(RuntimeError, match=r"has finished step 5, past "
+                           r"the step 4 the hosts agreed to save at"):
+            agreement.step_end()
+    finally:
+        agreement.uninstall()
 
 
 # -- reuse for a second run, and bad arguments ---------------------------------

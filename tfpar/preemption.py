@@ -152,9 +152,24 @@ class PreemptionAgreement:
             watch.on_preempt = None
 
     def step_end(self):
-        """Counts a finished step; True when this is the step to save at."""
+        """Counts a finished step; True when this is the step to save at.
+        RuntimeError when this host has passed the agreed step already
+        (the other hosts save there: a hang in their next collective)."""
         self.completed += 1
         target = self._agreed_step()
+        if target is not None and self.completed > target:
+            watch = host_watch.current()
+            host = f"host {watch.host_id}" if watch else "this host"
+            raise RuntimeError(
+                f"tfpar preemption: {host} has finished step "
+                f"{self.completed}, past the step {target} the hosts agreed "
+                "to save at, so they cannot save at one step; it stops here "
+                "instead of waiting for the others in a collective. Every "
+                "host must report "
+                "every finished step (guard.step_end() after each step, on "
+                "every host); the last checkpoint in the directory is "
+                "intact. Received: agreed step "
+                f"{target}, steps finished {self.completed}")
         return target is not None and self.completed >= target
 
     def _agreed_step(self):

@@ -153,7 +153,7 @@ def _wait(processes, grace, signal_grace=60.0):
     seconds (after a forwarded signal, `signal_grace`), then kills them (a
     host stuck in a collective ignores SIGTERM). The first failing exit
     status, else 0."""
-    failed_at, status, reported = None, 0, set()
+    failed_at, status, reported, killed = None, 0, set(), set()
     while len(reported) < len(processes):
         if _signalled_at and time.monotonic() - _signalled_at[0] > (
                 signal_grace):
@@ -169,12 +169,24 @@ def _wait(processes, grace, signal_grace=60.0):
                 if failed_at is None:
                     failed_at, status = time.monotonic(), code
         if failed_at is not None and time.monotonic() - failed_at > grace:
-            for process in processes:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGCONT)  # a stopped host
-                    process.kill()
+            _kill_running(processes, grace, killed)
         time.sleep(0.1)
     return status
+
+
+def _kill_running(processes, grace, killed):
+    """Kills every host still running, naming each once (`killed`: the
+    hosts named already): a host that outlived its grace period is why
+    it left no result."""
+    for host, process in enumerate(processes):
+        if process.poll() is not None:
+            continue
+        if host not in killed:
+            killed.add(host)
+            print(f"[launch] host {host} did not exit within {grace:g} s: "
+                  "killed", flush=True)
+        process.send_signal(signal.SIGCONT)  # a stopped host
+        process.kill()
 
 
 def _die_with_launcher():

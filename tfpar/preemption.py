@@ -22,6 +22,14 @@ c' > c) already knows t and does not; two proposals made without knowing
 of each other are therefore made at the same c, and agree. On one host
 the save happens at the end of the step that is running.
 
+"Finish" is the step's collectives completing, not its call returning:
+TF runs a step asynchronously, and a loop that counted returned calls
+could run steps ahead of another host's, propose its own t and save
+at a step the others never reach (each host then waits for the others
+in a collective). So on several hosts a step is counted once this host's
+work has run: `fit` waits for each step's loss (`tfpar.watchdog`), a
+custom loop's `guard.step_end()` waits for everything it dispatched.
+
 A signal within the last two steps of training (or outside it) saves
 nothing here: no step is left to agree on without a collective, and the
 script's own end-of-training save applies (`.requested` says a signal
@@ -53,6 +61,7 @@ import weakref
 
 import keras
 from keras.src.backend.tensorflow import trainer as _tf_trainer
+from tensorflow.python.eager import context as _tf_context
 
 from tfpar import _compat
 from tfpar import host_watch
@@ -143,9 +152,24 @@ class PreemptionAgreement:
             watch.on_preempt = None
 
     def step_end(self):
-        """Counts a finished step; True when this is the step to save at."""
+        """Counts a finished step; True when this is the step to save at.
+        RuntimeError when this host has passed the agreed step already
+        (the other hosts save there: a hang in their next collective)."""
         self.completed += 1
         target = self._agreed_step()
+        if target is not None and self.completed > target:
+            watch = host_watch.current()
+            host = f"host {watch.host_id}" if watch else "this host"
+            raise RuntimeError(
+                f"tfpar preemption: {host} has finished step "
+                f"{self.completed}, past the step {target} the hosts agreed "
+                "to save at, so they cannot save at one step; it stops here "
+                "instead of waiting for the others in a collective. Every "
+                "host must report "
+                "every finished step (guard.step_end() after each step, on "
+                "every host); the last checkpoint in the directory is "
+                "intact. Received: agreed step "
+                f"{target}, steps finished {self.completed}")
         return target is not None and self.completed >= target
 
     def _agreed_step(self):
@@ -366,12 +390,24 @@ class PreemptionGuard:
                 "resume are installed on entering).")
         if self.preempted:
             return True
+        if host_watch.current() is not None:
+            _wait_for_dispatched_steps()
         if not self._agreement.step_end():
             return False
         self.saved_step = self._agreement.completed
         _save(self.model, self.directory, self.saved_step)
         self.preempted = True
         return True
+
+
+def _wait_for_dispatched_steps():
+    """Blocks until every op this host dispatched has run. TF runs a
+    DTensor step asynchronously (the call returns before its collectives
+    complete), so without this wait a custom loop's count of finished
+    steps runs ahead of the steps' collectives, and the agreement's
+    argument (module docstring) fails. Python's lock is released while
+    waiting: a peer's proposal is taken meanwhile."""
+    _tf_context.async_wait()
 
 
 def on_preemption(directory, model, resume=True, signals=SIGNALS):
@@ -385,7 +421,9 @@ def on_preemption(directory, model, resume=True, signals=SIGNALS):
     at the agreed step, after `tfpar.save_checkpoint(model, directory,
     step=...)` (the model's weights and `model.optimizer`'s state: compile
     the model with the optimizer the loop applies), and the loop stops.
-    Steps are counted from the restored step. On several hosts a signal
+    Steps are counted from the restored step; on several hosts
+    `step_end()` first waits for the work this host dispatched (one sync
+    per step, as `fit` does there). On several hosts a signal
     within the loop's last two steps saves nothing (`guard.requested`: the
     script's own final save applies).
 

@@ -253,10 +253,6 @@ def test_activation_einsum_equals_keras_einsum():
     (0, slice(1, 3), -1), (None, 1), (slice(None), None, 2, Ellipsis),
     (tf.constant(2),), (slice(None), tf.constant(-1)),
     (tf.constant(1), 0, tf.constant(3)),
-    # new axes (expand_dims after the slice)
-    None, (None,), (slice(None), None), (None, Ellipsis, None),
-    (Ellipsis, None), (None, 1, Ellipsis, None), (tf.constant(1), None),
-    (slice(0, 2), None, slice(None), None, -1),
 ])
 def test_index_keeping_dims_equals_tf_indexing(key):
     x = tf.reshape(tf.range(3 * 4 * 5, dtype=tf.float32), (3, 4, 5))

@@ -93,50 +93,34 @@ def _is_scalar_index(item):
 
 
 def index_keeping_dims(tensor, key):
-    """`tensor[key]` with no StridedSlice that drops or adds a dimension: a
-    Python integer index i is taken as the slice i:i+1 and that dimension
-    squeezed after, a tensor index is a `tf.gather` along its dimension, a
-    new axis (None) is a `tf.expand_dims` of the sliced result. The same
-    values. None when `key` needs the plain path (no integer index and no
-    new axis, boolean or list indices, unknown rank, or an integer index
-    on rank 1).
+    """`tensor[key]` with no StridedSlice that drops a dimension: a Python
+    integer index i is taken as the slice i:i+1 and that dimension squeezed
+    after, a tensor index is a `tf.gather` along its dimension. The same
+    values. None when `key` needs the plain path (no integer index,
+    boolean or list indices, unknown rank or rank below 2).
 
     DTensor 2.21 lays out a StridedSlice that drops a dimension d wrongly
     when a later dimension is sharded: the output keeps the sharding at the
     old position (dimension + 1), so `cache[:, i, ...]` of a cache split by
     heads comes out split by head size, with wrong values or a failed
     compile (tests/dtensor_shrink_slice_repro.py). This is keras-hub's
-    KV-cache indexing. A StridedSlice that adds a dimension (new-axis mask)
-    to a split tensor does not lay out at all ("'tf.StridedSlice' op
-    ComputeLayoutForward error: sharding spec", tests/
-    dtensor_newaxis_slice_repro.py): keras-hub's XLNet
-    (`segment_ids[:, None]`, split over data) failed every mesh.
-
-    >>> index_keeping_dims(tf.ones((2, 3)), (slice(None), None)).shape
-    TensorShape([2, 1, 3])
+    KV-cache indexing.
     """
     items = key if isinstance(key, tuple) else (key,)
     rank = tensor.shape.rank
-    new_axes = any(i is None for i in items)
     # A tensor of rank 1 has no later dimension to mislay: the plain path
     # (e.g. Keras' `tf.shape(y)[0]` in every step's metrics, no Squeeze).
-    if rank is None or not (new_axes and rank >= 1 or rank >= 2 and any(
-            _is_scalar_index(i) for i in items)) or not all(
+    if rank is None or rank < 2 or not any(_is_scalar_index(i) for i in items) or not all(
             i is None or i is Ellipsis or isinstance(i, slice)
             or _is_scalar_index(i) for i in items):
         return None
     used = sum(i is not None and i is not Ellipsis for i in items)
-    new_key, squeeze, gathers, expand = [], [], [], []
-    in_axis = out_axis = final_axis = 0  # of the tensor, slice and result
+    new_key, squeeze, gathers, in_axis, out_axis = [], [], [], 0, 0
     for item in items:
-        if item is None:  # a new axis of the result, added last
-            expand.append(final_axis)
-            final_axis += 1
-            continue
-        if item is Ellipsis:
-            skipped = rank - used
-            in_axis, out_axis = in_axis + skipped, out_axis + skipped
-            final_axis += skipped
+        if item is Ellipsis or item is None:
+            skipped = rank - used if item is Ellipsis else 0
+            in_axis += skipped
+            out_axis += skipped if item is Ellipsis else 1
             new_key.append(item)
             continue
         if isinstance(item, tf.Tensor):  # gathered below (negative: from
@@ -147,20 +131,78 @@ def index_keeping_dims(tensor, key):
             item = int(item)  # -1 is the slice -1: (to the end)
             item = slice(item, item + 1 if item != -1 else None)
             squeeze.append(out_axis)
-        else:
-            final_axis += 1
         new_key.append(item)
         in_axis += 1
         out_axis += 1
     result = _compat.unpatched(tf.Tensor, "__getitem__")(
-        tensor, tuple(new_key) or (Ellipsis,))
+        tensor, tuple(new_key))
     for axis, index in reversed(gathers):  # later axes first: positions hold
         result = tf.gather(result, index, axis=axis)
     # A gather at an axis before a squeezed one moved it down by one.
     squeeze = [a - sum(g < a for g, _ in gathers) for a in squeeze]
-    if squeeze:
-        result = tf.squeeze(result, squeeze)
-    for axis in expand:  # ascending: each lands at its place in the result
+    return tf.squeeze(result, squeeze) if squeeze else result
+
+
+def slice_adding_axes_by_expand_dims(strided_slice, input_, begin, end,
+                                     strides, begin_mask=0, end_mask=0,
+                                     ellipsis_mask=0, new_axis_mask=0,
+                                     shrink_axis_mask=0, name=None):
+    """TF's `StridedSlice` op (`strided_slice`, its generated wrapper) with
+    a `new_axis_mask`: the same slice without the new axes, then each new
+    axis added by `tf.expand_dims` at its place in the result. The same
+    values. Anything else (no new axis, an unknown rank or spec length, a
+    position both ellipsis and new axis): `strided_slice` itself.
+
+    DTensor 2.21 cannot lay out a StridedSlice that adds an axis to a split
+    tensor: "'tf.StridedSlice' op ComputeLayoutForward error: sharding
+    spec" in a step, or a segmentation fault of the process
+    (tests/dtensor_newaxis_slice_repro.py). keras-hub's XLNet
+    (`segment_ids[:, None]`, split over data) failed on every mesh, a
+    data-only one included. Spec position i of the slice's `begin`, `end`
+    and `strides` is bit i of each mask; the new axes' positions are
+    dropped from both, so the kept positions' bits are renumbered.
+
+    >>> slice_adding_axes_by_expand_dims(  # x[:, None, :]
+    ...     tf.strided_slice, tf.ones((2, 3)), [0, 0, 0], [0, 0, 0],
+    ...     [1, 1, 1], begin_mask=5, end_mask=5, new_axis_mask=2).shape
+    TensorShape([2, 1, 3])
+    """
+    def sliced(*spec, masks=(begin_mask, end_mask, ellipsis_mask,
+                             new_axis_mask, shrink_axis_mask)):
+        return strided_slice(input_, *spec, *masks, name=name)
+
+    length = tf.TensorShape(begin.shape if hasattr(begin, "shape")
+                            else [len(begin)])
+    rank = getattr(input_, "shape", tf.TensorShape(None)).rank
+    if (not new_axis_mask or rank is None or length.rank != 1
+            or length[0] is None or new_axis_mask & ellipsis_mask):
+        return sliced(begin, end, strides)
+    positions = range(length[0])
+    keep = [i for i in positions if not new_axis_mask >> i & 1]
+    specified = sum(not (new_axis_mask | ellipsis_mask) >> i & 1
+                    for i in positions)
+    new_axes, out_axis = [], 0  # the new axes' places in the result
+    for i in positions:
+        if new_axis_mask >> i & 1:
+            new_axes.append(out_axis)
+            out_axis += 1
+        elif ellipsis_mask >> i & 1:
+            out_axis += rank - specified
+        elif not shrink_axis_mask >> i & 1:
+            out_axis += 1
+
+    def renumbered(mask):  # bit i of a kept position -> its place in keep
+        return sum((mask >> i & 1) << j for j, i in enumerate(keep))
+
+    if keep:
+        result = sliced(*(tf.gather(spec, keep) for spec in (begin, end,
+                                                             strides)),
+                        masks=(renumbered(begin_mask), renumbered(end_mask),
+                               renumbered(ellipsis_mask), 0,
+                               renumbered(shrink_axis_mask)))
+    else:  # only new axes: the input, whole
+        result = tf.identity(input_)
+    for axis in new_axes:  # ascending: each lands at its place
         result = tf.expand_dims(result, axis)
     return result
 

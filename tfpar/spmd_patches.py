@@ -308,6 +308,26 @@ def _stack_by_concat_in_step(original, hooks):
     return pack
 
 
+def _new_axes_by_expand_dims_in_step(original, hooks):
+    """TF's `StridedSlice` wrapper with a new-axis mask (`x[:, None]`,
+    `tf.newaxis`, a raw `tf.strided_slice`) as
+    `spmd_ops.slice_adding_axes_by_expand_dims` in a graph step: DTensor
+    2.21 cannot lay out the new axis of a split tensor (a compile error or
+    a segfault). Elsewhere, and for any other slice, TF's op runs."""
+    @functools.wraps(original)
+    def strided_slice(input, begin, end, strides, begin_mask=0,  # noqa: A002
+                      end_mask=0, ellipsis_mask=0, new_axis_mask=0,
+                      shrink_axis_mask=0, name=None):
+        masks = (begin_mask, end_mask, ellipsis_mask, new_axis_mask,
+                 shrink_axis_mask)
+        if not new_axis_mask or not hooks.in_graph_step():
+            return original(input, begin, end, strides, *masks, name=name)
+        return spmd_ops.slice_adding_axes_by_expand_dims(
+            original, input, begin, end, strides, *masks, name=name)
+
+    return strided_slice
+
+
 def _concat_whole_along_axis_in_step(original, hooks):
     """TF's `ConcatV2` (`tf.concat`, Keras' `concatenate`, a user layer's
     own `tf.concat(..., axis=-1)`) as `spmd_ops.concat_whole_along_axis` in
@@ -521,6 +541,8 @@ PATCHES = (
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
+    _compat.Patch("strided_slice", _gen_array_ops, "strided_slice",
+                  _new_axes_by_expand_dims_in_step),
     _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",
                   _dense_slice_update_in_step),
     _compat.Patch("tensor_getitem", lambda: tf.Tensor, "__getitem__",

@@ -1,0 +1,90 @@
+"""Slices that add axes, in a step: `expand_dims` after the slice.
+
+DTensor 2.21 cannot lay out a StridedSlice with a new-axis mask on a split
+tensor: a compile error ("'tf.StridedSlice' op ComputeLayoutForward
+error: sharding spec") or a segmentation fault of the whole process
+(tests/dtensor_newaxis_slice_repro.py). keras-hub's XLNet indexes
+`segment_ids[:, None]` and failed on every mesh (tests/
+test_keras_hub_more.py); a user's layer with `x[:, tf.newaxis]` or a raw
+`tf.strided_slice(..., new_axis_mask=...)` on a batch-split activation
+met the same. In a step tfpar runs such a slice as the slice without its
+new axes and one `tf.expand_dims` per new axis
+(`spmd_ops.slice_adding_axes_by_expand_dims`).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.ops import gen_array_ops
+
+import tfpar
+from tfpar import _compat, spmd_ops
+
+import models
+
+MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+         "shrink_axis_mask")
+
+
+def strided_slice_of(key, x):
+    """(begin, end, strides, masks) of the StridedSlice TF makes for
+    `x[key]`, read from its graph."""
+    graph = tf.function(lambda t: t[key]).get_concrete_function(
+        tf.TensorSpec(x.shape, x.dtype)).graph
+    op = next(o for o in graph.get_operations() if o.type == "StridedSlice")
+    spec = [tf.get_static_value(t) for t in op.inputs[1:4]]
+    return spec, [op.get_attr(mask) for mask in MASKS]
+
+
+@pytest.mark.parametrize("key", [
+    (slice(None), None), (None,), (None, Ellipsis, None), (Ellipsis, None),
+    (1, None, slice(None)), (None, 1, Ellipsis, None),
+    (slice(None), None, -1), (slice(0, 1), None, slice(None), None, 2),
+    (Ellipsis, 1, None), (None, slice(None, None, -1)),
+    (slice(1, None), None, slice(None, None, 2)),
+])
+def test_a_slice_adding_axes_equals_tf_indexing(key):
+    x = tf.reshape(tf.range(2 * 3 * 4, dtype=tf.float32), (2, 3, 4))
+    spec, masks = strided_slice_of(key, x)
+    assert masks[3], "the key adds no axis: not this test's case"
+    plain = _compat.unpatched(gen_array_ops, "strided_slice")
+    got = spmd_ops.slice_adding_axes_by_expand_dims(plain, x, *spec, *masks)
+    want = x[key]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+class NewAxes(keras.layers.Layer):
+    """x (batch, n) -> x[:, None, :] by a raw `tf.strided_slice`, and
+    x[:, tf.newaxis] by indexing, summed over the new axes."""
+
+    def call(self, x):
+        raw = tf.strided_slice(x, [0, 0, 0], [0, 0, 0], [1, 1, 1],
+                               begin_mask=5, end_mask=5, new_axis_mask=2)
+        return tf.reduce_sum(raw, 1) + tf.reduce_sum(x[:, tf.newaxis], 1)
+
+
+def test_slices_adding_axes_train_in_a_step_like_one_device():
+    """On data=8 the raw new-axis slice of a batch-split activation
+    crashed the process (segmentation fault) before."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    keras.utils.set_random_seed(0)
+    weights = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        4)]).get_weights()
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                                  NewAxes()])
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    reference, want = models.train_built(None, build, x, y, 8)
+    model, got = models.train_built(
+        tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})), build, x, y, 8)
+    assert models.relative_error(want, got) < 1e-4, (want, got)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        assert models.relative_error(a, b) < 1e-4

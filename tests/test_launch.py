@@ -268,10 +268,12 @@ def test_hosts_with_different_numbers_of_batches_are_a_clear_error(workdir):
     assert "host 0: 3 batches, host 1: 2 batches" in out
 
 
-def test_the_launcher_forwards_sigterm_and_kills_after_the_grace(tmp_path):
+def test_the_launcher_forwards_sigterm_and_kills_after_the_grace(
+        tmp_path, capsys):
     """In-process, with two shell "hosts": SIGTERM to the launcher reaches
     both; the one that traps it exits 0 at once, the one that ignores it
-    is killed after the 2 s grace (not the 60 s failure grace)."""
+    is killed after the 2 s grace (not the 60 s failure grace), and the
+    launcher says which host it killed."""
     hosts_ = [subprocess.Popen(["sh", "-c", script]) for script in (
         f"trap 'echo got > {tmp_path}/h0; exit 0' TERM; "
         "while :; do sleep 0.1; done",
@@ -293,3 +295,6 @@ def test_the_launcher_forwards_sigterm_and_kills_after_the_grace(tmp_path):
     assert hosts_[0].returncode == 0 and hosts_[1].returncode == -9
     assert status == 0  # the launcher's own status is 128 + SIGTERM
     assert 2 <= time.monotonic() - start < 10
+    captured = capsys.readouterr()
+    assert "[launch] host 1 did not exit within 2 s: killed" in (
+        captured.out + captured.err)

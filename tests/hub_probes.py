@@ -63,6 +63,9 @@ BACKBONES = {
     "whisper": lambda: _M.WhisperBackbone(
         num_heads=HEADS, max_encoder_sequence_length=SEQ,
         max_decoder_sequence_length=SEQ, **_TEXT),
+    "dinov2": lambda: _M.DINOV2Backbone(
+        patch_size=4, num_layers=2, hidden_dim=HIDDEN, num_heads=HEADS,
+        intermediate_dim=FFN, image_shape=(16, 16, 3)),
     "deit": lambda: _M.DeiTBackbone(
         image_shape=(16, 16, 3), patch_size=4, num_layers=2,
         num_heads=HEADS, hidden_dim=HIDDEN, intermediate_dim=FFN),

@@ -3,8 +3,8 @@
 tests/test_keras_hub.py trains seven keras-hub models (and
 tests/test_moe_keras_hub.py three mixtures of experts) under every plan.
 This file trains the other families a user may pick — OPT, BLOOM,
-Falcon, Phi-3, Qwen, Gemma 3, DeBERTa-v3, BART, Whisper, DeiT, XLNet
-(tests/hub_probes.py: small backbones from constructor arguments, a
+Falcon, Phi-3, Qwen, Gemma 3, DeBERTa-v3, BART, Whisper, DeiT, XLNet,
+DINOv2 (tests/hub_probes.py: small backbones from constructor arguments, a
 Dense probe on the sequence output) — with `tfpar.auto_rules` on
 data=2 x model=4, in parity with one device (losses, every weight after
 SGD: `hub_probes.assert_same_weights`),
@@ -14,7 +14,11 @@ XLNet is the default case: it failed to compile on every mesh, data-only
 included — its `segment_ids[:, None]` is a StridedSlice adding an axis to
 a tensor split over data, which DTensor 2.21 cannot lay out
 (tests/dtensor_newaxis_slice_repro.py); tfpar now indexes with new axes
-as `expand_dims` in a step (`spmd_ops.index_keeping_dims`). The others
+as `expand_dims` in a step (`spmd_ops.slice_adding_axes_by_expand_dims`).
+DINOv2 is the other default case: it could not even be built in a
+strategy's scope — it resizes its position table eagerly when it builds,
+and DTensor 2.21 returned the resize as a regular tensor
+(`tfpar.hub_positions.interpolated_on_host`). The others
 passed when first run here; they are slow cases, so that a change which
 breaks one is seen.
 """
@@ -31,7 +35,7 @@ SLOW = ("opt", "bloom", "falcon", "phi3", "qwen", "gemma3", "deberta_v3",
         "bart", "whisper", "deit")
 
 
-@pytest.mark.parametrize("name", ["xlnet"] + [
+@pytest.mark.parametrize("name", ["xlnet", "dinov2"] + [
     pytest.param(name, marks=pytest.mark.slow) for name in SLOW])
 def test_keras_hub_family_trains_like_one_device(name):
     reference, want = hub_probes.train(name, None)

@@ -29,6 +29,16 @@ elsewhere and asked DTensor for impossible layouts. keras-hub's
 `SinePositionEncoding` broadcasts a constant (no gradient: nothing is
 gathered) and is left alone.
 
+keras-hub's DINOv2 keeps two tables, its pretrained `position_embeddings`
+and the `interpolated_position_embeddings` it trains for its image size,
+and resizes one into the other (bicubic) when it builds, saves and loads
+— eagerly, outside any step. Under a strategy the tables are DTensors,
+DTensor 2.21 runs the resize on one device and returns a regular tensor,
+and the concatenation with the class token's row then failed ("ConcatV2
+got a regular tensor ... but was expecting a DTensor"): DINOv2 could not
+be built in a strategy's scope. `interpolated_on_host` resizes the host
+copy of the table and returns the result replicated on the table's mesh.
+
 Example:
 
 >>> import tensorflow as tf
@@ -37,11 +47,14 @@ TensorShape([4, 2, 3])
 """
 
 
+import functools
+
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import context_parallel
+from tfpar import placement
 from tfpar import step_context
 
 
@@ -126,9 +139,42 @@ def _split_broadcast_ops(original, _):
     return _OpsWithSplitBroadcast(original)
 
 
-PATCHES = (_compat.Patch(
-    "hub_position_broadcast",
-    _compat.optional_owner(
-        "keras_hub.src.layers.modeling.position_embedding"),
-    "ops", _split_broadcast_ops),)
+def interpolated_on_host(interpolate):
+    """keras-hub DINOv2's `_interpolate_position_embeddings(table, ...)`
+    (a staticmethod) computed on the host copy of `table` when, eagerly,
+    `table` (a variable or tensor) is a DTensor; the result replicated on
+    its mesh. Otherwise `interpolate` itself.
+
+    >>> resize = interpolated_on_host(lambda table, **_: table * 2)
+    >>> float(resize(tf.ones((1, 2)))[0, 0])
+    2.0
+    """
+    @functools.wraps(interpolate)
+    def on_host(position_embeddings, **kwargs):
+        value = getattr(position_embeddings, "value", position_embeddings)
+        if hasattr(value, "read_value"):  # a variable: its current value
+            value = value.read_value()
+        if not tf.executing_eagerly() or not dtensor.is_dtensor(value):
+            return interpolate(position_embeddings, **kwargs)
+        mesh = dtensor.fetch_layout(value).mesh
+        result = interpolate(tf.constant(placement.fetch(value)), **kwargs)
+        return dtensor.copy_to_mesh(
+            result, dtensor.Layout.replicated(mesh, result.shape.rank))
+
+    return on_host
+
+
+PATCHES = (
+    _compat.Patch(
+        "hub_position_broadcast",
+        _compat.optional_owner(
+            "keras_hub.src.layers.modeling.position_embedding"),
+        "ops", _split_broadcast_ops),
+    _compat.Patch(
+        "hub_dinov2_interpolation",
+        _compat.optional_owner(
+            "keras_hub.src.models.dinov2.dinov2_layers", "DINOV2Embedding"),
+        "_interpolate_position_embeddings",
+        lambda original, _: staticmethod(interpolated_on_host(original))),
+)
 """Installed with the strategy's patches (`tfpar.patches.install`)."""

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 
 import tfpar
-from tfpar import _compat, spmd_ops
+from tfpar import _compat, compile_errors, spmd_ops
 
 import models
 
@@ -88,3 +88,23 @@ def test_slices_adding_axes_train_in_a_step_like_one_device():
     assert models.relative_error(want, got) < 1e-4, (want, got)
     for a, b in zip(reference.get_weights(), model.get_weights()):
         assert models.relative_error(a, b) < 1e-4
+
+
+def test_a_layout_error_without_an_operation_line_is_explained():
+    """The error XLNet's step raised ("'tf.StridedSlice' op
+    ComputeLayoutForward error: sharding spec (...", no "see current
+    operation" line, no DTensor source path) was re-raised as TF's own
+    UnknownError; such errors are DTensor's and are explained too."""
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    message = ("model.py:45:1: error: 'tf.StridedSlice' op "
+               "ComputeLayoutForward error: sharding spec (@ "
+               "[Op:__inference__in_replica_3898]")
+
+    def step():
+        raise tf.errors.UnknownError(None, None, message)
+
+    with pytest.raises(ValueError, match=r"DTensor could not compile the "
+                       r"train step.*its tf\.StridedSlice op failed"):
+        compile_errors.explaining(step, model, strategy.extended, "train")()

@@ -44,9 +44,11 @@ from tfpar import layout as layout_lib
 
 # DTensor's compile errors (SPMD expansion, layout propagation) say so.
 _DTENSOR_ERROR = re.compile(
-    r"SPMD expansion|layout propagation|tensorflow/dtensor/")
+    r"SPMD expansion|layout propagation|tensorflow/dtensor/"
+    r"|ComputeLayout(Forward|Backward) error")
 _REASON = re.compile(r"error: (.*)")
 _OPERATION = re.compile(r'see current operation: .*?"tf\.(\w+)"(.*)')
+_NAMED_OPERATION = re.compile(r"'tf\.(\w+)' op")  # no operands named
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-z]+\d*>")
 _ADVICE = (
     ("Filter for convolution must have fully replicated layout",
@@ -93,7 +95,8 @@ def explain(message, model, extended, mode="train"):
     if _MIXED_MESHES in reason:
         return _explain_mixed_meshes(message, model, extended, mode)
     operation = _OPERATION.search(message)
-    op = f"its tf.{operation[1]} op" if operation else "an op"
+    named = operation or _NAMED_OPERATION.search(message)
+    op = f"its tf.{named[1]} op" if named else "an op"
     operands = set()
     if operation:
         signature = operation[2].rsplit("} : (", 1)[-1].split(") ->")[0]

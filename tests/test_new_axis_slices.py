@@ -15,12 +15,14 @@ new axes and one `tf.expand_dims` per new axis
 import keras
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 
 import tfpar
 from tfpar import _compat, compile_errors, spmd_ops
 
+import fuzzing
 import models
 
 MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
@@ -53,6 +55,42 @@ def test_a_slice_adding_axes_equals_tf_indexing(key):
     want = x[key]
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+SHAPE = (2, 3, 4)
+
+
+@st.composite
+def keys_adding_axes(draw):
+    """An index of a (2, 3, 4) tensor with at least one new axis: Nones,
+    at most one Ellipsis, integers (negative too) and slices (any step but
+    0) for at most three dimensions, in any order."""
+    dims = draw(st.integers(0, len(SHAPE)))
+    items = []
+    for size in SHAPE[:dims]:
+        bound = st.integers(-size - 1, size + 1) | st.none()
+        items.append(draw(st.integers(-size, size - 1) | st.builds(
+            slice, bound, bound, st.sampled_from([None, 1, 2, -1, -2]))))
+    for _ in range(draw(st.integers(1, 3))):
+        items.insert(draw(st.integers(0, len(items))), None)
+    if draw(st.booleans()):
+        items.insert(draw(st.integers(0, len(items))), Ellipsis)
+    return tuple(items)
+
+
+def check_any_slice_adding_axes_equals_tf_indexing(case):
+    x = tf.reshape(tf.range(np.prod(SHAPE), dtype=tf.float32), SHAPE)
+    spec, masks = strided_slice_of(case, x)
+    plain = _compat.unpatched(gen_array_ops, "strided_slice")
+    got = spmd_ops.slice_adding_axes_by_expand_dims(plain, x, *spec, *masks)
+    want = x[case]
+    assert got.shape == want.shape, (case, got.shape, want.shape)
+    np.testing.assert_array_equal(got, want)
+
+
+(test_any_slice_adding_axes_equals_tf_indexing,
+ test_any_slice_adding_axes_equals_tf_indexing_long) = fuzzing.fast_and_long(
+    check_any_slice_adding_axes_equals_tf_indexing, keys_adding_axes(), 30)
 
 
 class NewAxes(keras.layers.Layer):

@@ -247,10 +247,6 @@ class Layout:
         # re-split along the sequence, an all-gather of its whole output
         # (DTensor's all-to-all is off: tfpar/__init__.py).
         self.resplit_bytes, self.resplit_count = np.zeros(n), np.zeros(n)
-        # A gathered tied table (`roofline.head_layout`'s table_gathered):
-        # its gather per micro-batch (bytes, count) and its workspace.
-        self.table_bytes, self.table_count = np.zeros(n), np.zeros(n)
-        self.table_workspace = np.zeros(n)
         self.carried = np.array([op.carried_in for op in profile.ops])
         self.split_out = np.zeros(n)  # 1: the op's output split over model
         params = [w.itemsize for op in profile.ops for w in op.weights
@@ -264,12 +260,8 @@ class Layout:
                  if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
         if fresh is not None and len(exact) < len(fresh):
             exact = None  # hand-written regexes: match them one by one
-        head, head_cfg = _vocab_head(profile, self.transformer, t,
-                                     vocab_parallel)
-        gathered = (profile.ops[head.table_op].layer.path
-                    if head_cfg is not None and head_cfg.table_gathered
-                    else None)
-        split_layers = self._split_layers(profile, rules, gathered)
+        split_layers = self._split_layers(
+            profile, rules, self._add_head(profile, vocab_parallel))
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
         # embeddings before it and the head after it stay whole).
@@ -285,18 +277,24 @@ class Layout:
             self.kept[i] = out
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
-        if head_cfg is not None:
-            self._add_head(head, head_cfg)
         self._state_cache = {}
 
-    def _add_head(self, head, cfg):
+    def _add_head(self, profile, vocab_parallel):
         """The vocabulary head's terms the profile does not hold, by the
         roofline's formulas (`cfg`: a micro-batch of one sample): a tied
         reverse projection's FLOPs (T × V × h, on the op making the
         logits), a hidden-split head's partial logits' all-reduce (T·V),
         a gathered tied table's gather (V·h per micro-batch, instead of
-        its lookup's T·h gather) and workspace (it and its gradient)."""
+        its lookup's T·h gather: `table_bytes`, `table_count`) and
+        workspace (it and its gradient: `table_workspace`). Returns the
+        path of the gathered table's layer, or None."""
+        n = len(profile.ops)
+        self.table_bytes, self.table_count, self.table_workspace = (
+            np.zeros((3, n)))
         model = self.transformer
+        head, cfg = _vocab_head(profile, model, self.t, vocab_parallel)
+        if head is None:
+            return None
         if head.tied:  # split over t both ways (V/t or h/t per device)
             whole = roofline.logits_flops(model, cfg) * cfg.model
             (self.flops_split if self.t > 1 else self.flops_repl)[
@@ -310,6 +308,8 @@ class Layout:
             self.table_count[head.table_op] = 1
             self.table_workspace[head.table_op] = 2 * roofline.table_bytes(
                 model)
+            return profile.ops[head.table_op].layer.path
+        return None
 
     def _add_compute(self, i, op, fresh, exact):
         """FLOPs split over the model axis or not, and the internals kept,

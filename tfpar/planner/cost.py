@@ -29,7 +29,12 @@ efficiencies) a transformer's step time is the per-op roofline of
 memory and message bytes stay this module's. The output head is costed as
 the rules lay it out: split over the vocabulary under `VocabParallel`
 (`Layout.vocab_parallel`), else whole (`roofline.head_layout`; here, its
-weights' specs).
+weights' specs). A model has one iff `transformer.vocab_head` finds it
+(the rule `tfpar.estimate` asks too); what its weights do not show is
+added with the roofline's formulas (`Layout._add_head`): a tied reverse
+projection's FLOPs, a hidden-split head's partial logits' all-reduce
+(T·V) and a gathered tied table's gather (V·h per micro-batch, instead
+of its lookup's) and workspace (2·V·h).
 
 Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half

@@ -10,13 +10,18 @@ import re
 import sys
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
+from tfpar.planner import cost
 from tfpar.planner import hardware
+from tfpar.planner import profile
 from tfpar.planner import roofline
+from tfpar.planner import search
+from tfpar.planner import transformer
 
 import test_plan_axes as axes_tests
 import test_plans_train as trained
@@ -61,8 +66,11 @@ def test_a_whole_head_costs_t_times_the_logits_of_a_split_one():
     assert executed["hidden"] == pytest.approx(executed["vocab"])
     assert steps["replicated"]["total"] > steps["vocab"]["total"]
     assert steps["hidden"]["model"] > steps["vocab"]["model"]
+    # A model without a vocabulary head ("none") runs no logits at all.
+    assert executed["vocab"] - executed["none"] == pytest.approx(logits / t)
     memory = {h: roofline.memory(model, cfg, batch)["workspace"]
               for h, cfg in heads.items()}
+    assert memory["none"] == 0
     fp32_logits = 8.0 * 4 * model.seq * model.vocab
     for head in ("replicated", "hidden"):
         assert memory[head] - memory["vocab"] == pytest.approx(
@@ -232,3 +240,121 @@ def test_a_head_layout_not_known_is_refused_naming_it():
                        r"True or False.*Received: vocab_parallel=1"):
         tfpar.estimate(gpt(4098), 16, cluster=A100,
                        axes={"data": 4, "model": 2}, vocab_parallel=1)
+
+
+def bert():
+    """A keras-hub BERT backbone: vocabulary 1024, hidden 64, 2 layers."""
+    return keras_hub.models.BertBackbone(
+        vocabulary_size=1024, num_layers=2, num_heads=4, hidden_dim=64,
+        intermediate_dim=128, max_sequence_length=SEQ)
+
+
+def bert_classifier():
+    return keras_hub.models.BertTextClassifier(bert(), num_classes=2,
+                                               preprocessor=None)
+
+
+def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
+    """A BERT classifier has no vocabulary head (its token embedding is
+    looked up once, its last kernel makes 2 outputs): tfpar.estimate
+    costs no logits — the masked LM on the same backbone (a tied reverse
+    projection, split over the vocabulary) costs 6·T·V·h/t FLOPs more,
+    the fp32 logits and the gathered table — and tfpar.plan splits no
+    head and costs a model-axis candidate as tfpar.estimate does."""
+    def masked_lm():
+        return keras_hub.models.BertMaskedLM(bert(), preprocessor=None)
+
+    read = {name: transformer.transformer_of(profile.profile_model(
+        profile.build_without_weights(build), SEQ))
+        for name, build in (("cls", bert_classifier), ("mlm", masked_lm))}
+    assert not read["cls"].lm_head and read["mlm"].lm_head
+    assert read["mlm"].tied
+    axes = {"data": 2, "model": 4}
+    none, tied = (tfpar.estimate(build, 16, cluster=A100, axes=axes,
+                                 sequence_length=SEQ)
+                  for build in (bert_classifier, masked_lm))
+    tokens, vocab, hidden, t = 8 * SEQ, 1024, 64, 4  # float32 (4 bytes)
+    assert tied.executed_flops - none.executed_flops == pytest.approx(
+        6 * tokens * vocab * hidden / t)
+    assert none.memory_per_device["workspace"] == 0
+    assert tied.memory_per_device["workspace"] == pytest.approx(
+        8 * tokens * vocab / t + 2 * vocab * hidden * 4)
+    with pytest.raises(ValueError, match="has no vocabulary head"):
+        tfpar.estimate(bert_classifier, 16, cluster=A100, axes=axes,
+                       sequence_length=SEQ, vocab_parallel=True)
+    plan = tfpar.plan(bert_classifier, 16, cluster=A100,
+                      sequence_length=SEQ, check=False)
+    costed = [c for c in plan.candidates if c.estimate is not None]
+    assert not any(c.vocab_parallel for c in costed)
+    assert not any(isinstance(s, tfpar.VocabParallel)
+                   for s in dict(plan.rules.items()).values())
+    assert "Output head" not in plan.explain()
+    split = next(c for c in costed if c.axes == {"data": 2, "pipe": 1,
+                                                 "model": 4}
+                 and not (c.fsdp or c.recompute or c.sequence_parallel))
+    assert split.estimate.step_time_s == pytest.approx(none.step_time_s)
+
+
+# A described 8-device host: the α-β cost path (no roofline).
+LOCAL = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
+                      device_flops=1e10, intra_host_bandwidth=1e9,
+                      inter_host_bandwidth=1e9)
+
+
+def local_estimates(t, whole_head=False):
+    """{"lm", "backbone"}: the α-β `Estimate` of keras-hub's GPT-2 task
+    (its tied table makes the logits) and of its backbone alone (no
+    head) on data 8/t × model t, one micro-batch, as the planner lays
+    them out (the head split over the vocabulary where it can be, or
+    whole)."""
+    found = {}
+    for name, build in (("lm", trained.small_gpt2),
+                        ("backbone", lambda: trained.small_gpt2().backbone)):
+        model = profile.build_without_weights(build)
+        layout = search._layout(profile.profile_model(model, SEQ), model, t)
+        layout = layout.whole_head() if whole_head else layout
+        found[name] = cost.estimate(
+            layout, [0], d=8 // t, p=1, m=1, schedule="1f1b", fsdp=False,
+            recompute=None, batch=16, cluster=LOCAL, slots=2)
+        found[name + "_layout"] = layout
+    return found
+
+
+def test_the_local_cost_counts_a_tied_reverse_projection_s_flops():
+    """The profile holds no FLOPs for a tied table's second call (the
+    logits' T × V × h GEMM): the local cost adds them, 3 passes of
+    2·s·V·h per sample on 2 samples per device (data 8)."""
+    found = local_estimates(1)
+    extra = found["lm"].breakdown["compute"] - found[
+        "backbone"].breakdown["compute"]
+    assert extra == pytest.approx(3 * 2 * 2 * SEQ * trained.VOCAB * 64
+                                  / LOCAL.device_flops)
+
+
+def test_the_local_cost_all_reduces_a_hidden_split_head_s_logits():
+    """An embedding head split over the hidden dimension makes partial
+    logits, all-reduced over the model axis: T·V float32 values per
+    sample, 4 samples per device (data 4 × model 2)."""
+    found = local_estimates(2, whole_head=True)
+    assert not found["lm_layout"].vocab_parallel
+    model = {name: found[name].communication_bytes_by_axis["model"]
+             for name in ("lm", "backbone")}
+    assert model["lm"] - model["backbone"] == pytest.approx(
+        4 * SEQ * trained.VOCAB * 4)
+
+
+def test_the_local_cost_gathers_a_vocabulary_parallel_tied_table():
+    """A tied table split over the vocabulary is gathered whole for each
+    lookup (V·h per micro-batch over the model axis, instead of the
+    hidden-split lookup's T·h gather: 4 samples per device) and held
+    with its whole gradient (2·V·h workspace)."""
+    found = local_estimates(2)
+    assert found["lm_layout"].vocab_parallel
+    table = trained.VOCAB * 64 * 4
+    model = {name: found[name].communication_bytes_by_axis["model"]
+             for name in ("lm", "backbone")}
+    lookup = 4 * SEQ * 64 * 4
+    assert model["lm"] - model["backbone"] == pytest.approx(table - lookup)
+    assert found["lm"].memory_per_device["workspace"] == pytest.approx(
+        2 * table)
+    assert found["backbone"].memory_per_device["workspace"] == 0

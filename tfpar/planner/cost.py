@@ -29,7 +29,12 @@ efficiencies) a transformer's step time is the per-op roofline of
 memory and message bytes stay this module's. The output head is costed as
 the rules lay it out: split over the vocabulary under `VocabParallel`
 (`Layout.vocab_parallel`), else whole (`roofline.head_layout`; here, its
-weights' specs).
+weights' specs). A model has one iff `transformer.vocab_head` finds it
+(the rule `tfpar.estimate` asks too); what its weights do not show is
+added with the roofline's formulas (`Layout._add_head`): a tied reverse
+projection's FLOPs, a hidden-split head's partial logits' all-reduce
+(T·V) and a gathered tied table's gather (V·h per micro-batch, instead
+of its lookup's) and workspace (2·V·h).
 
 Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half
@@ -260,7 +265,8 @@ class Layout:
                  if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
         if fresh is not None and len(exact) < len(fresh):
             exact = None  # hand-written regexes: match them one by one
-        split_layers = self._split_layers(profile, rules)
+        split_layers = self._split_layers(
+            profile, rules, self._add_head(profile, vocab_parallel))
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
         # embeddings before it and the head after it stay whole).
@@ -277,6 +283,38 @@ class Layout:
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
         self._state_cache = {}
+
+    def _add_head(self, profile, vocab_parallel):
+        """The vocabulary head's terms the profile does not hold, by the
+        roofline's formulas (`cfg`: a micro-batch of one sample): a tied
+        reverse projection's FLOPs (T × V × h, on the op making the
+        logits), a hidden-split head's partial logits' all-reduce (T·V),
+        a gathered tied table's gather (V·h per micro-batch, instead of
+        its lookup's T·h gather: `table_bytes`, `table_count`) and
+        workspace (it and its gradient: `table_workspace`). Returns the
+        path of the gathered table's layer, or None."""
+        n = len(profile.ops)
+        self.table_bytes, self.table_count, self.table_workspace = (
+            np.zeros((3, n)))
+        model = self.transformer
+        head, cfg = _vocab_head(profile, model, self.t, vocab_parallel)
+        if head is None:
+            return None
+        if head.tied:  # split over t both ways (V/t or h/t per device)
+            whole = roofline.logits_flops(model, cfg) * cfg.model
+            (self.flops_split if self.t > 1 else self.flops_repl)[
+                head.logits_op] += whole
+        if cfg.head == "hidden":
+            self.tp_bytes_fwd[head.logits_op] += roofline.logits_bytes(
+                model, cfg)
+            self.tp_count_fwd[head.logits_op] += 1
+        if cfg.table_gathered:
+            self.table_bytes[head.table_op] = roofline.table_bytes(model)
+            self.table_count[head.table_op] = 1
+            self.table_workspace[head.table_op] = 2 * roofline.table_bytes(
+                model)
+            return profile.ops[head.table_op].layer.path
+        return None
 
     def _add_compute(self, i, op, fresh, exact):
         """FLOPs split over the model axis or not, and the internals kept,
@@ -325,9 +363,11 @@ class Layout:
                 self.tp_count_bwd[i] += 1
 
     @staticmethod
-    def _split_layers(profile, rules):
+    def _split_layers(profile, rules, gathered=None):
         """{op index: [(kind, phase, per-sample elements)]} of the model
-        axis collectives each style implies, plus helper sets."""
+        axis collectives each style implies, plus helper sets; none for
+        the lookups of a `gathered` table's layer (its path: costed by
+        `_add_head`)."""
         out = {"column_out": set(), "gathered": set()}
         if rules is None:
             return out
@@ -349,6 +389,8 @@ class Layout:
             if isinstance(style, (tp.SequenceParallel, tp.Replicated)):
                 continue
             row = isinstance(style, tp.RowParallel)
+            if layer.path == gathered:
+                continue  # the table's gather replaces the lookup's
             if hasattr(layer, "input_dim") and hasattr(layer, "output_dim"):
                 # DTensor gathers hidden-split embeddings once where their
                 # outputs meet (e.g. token + position embeddings).
@@ -403,7 +445,8 @@ class Layout:
                 "convs", "layer_ops", "tp_bytes_fwd", "tp_bytes_bwd",
                 "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
                 "resplit_count", "kept", "internal", "attention_internal",
-                "attention_flops")}
+                "attention_flops", "table_bytes", "table_count",
+                "table_workspace")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3],
                           weighted=(state[:, 3] > 0).astype(float))
@@ -456,6 +499,18 @@ class Layout:
                     counts[i, index[kind]] += 1
             self._state_cache["kinds"] = (list(index), counts)
         return self._state_cache["kinds"]
+
+
+def _vocab_head(profile, model, t, vocab_parallel):
+    """(`transformer.vocab_head` of `profile`, the `roofline.Parallel` of
+    its head over t for one sample), or (None, None) for a model without
+    attention (`model` None) or without a vocabulary head."""
+    head = (transformer_lib.vocab_head(profile, model.hidden)
+            if model is not None else None)
+    if head is None:
+        return None, None
+    return head, roofline.Parallel(model=t, **roofline.head_layout(
+        model, t, vocab_parallel))
 
 
 def _whole_head_rules(profile, rules):
@@ -540,6 +595,9 @@ def _model_axis(layout, total, *, r, b, m, link, shared):
         # ... plus the embeddings' re-splits (again when recomputing).
         model_bytes += total("resplit_bytes") * (1 + r) * b
         count += total("resplit_count") * (1 + r) * m
+    # A gathered tied table: its gather per micro-batch.
+    model_bytes = model_bytes + total("table_bytes") * m
+    count = count + total("table_count") * m
     return model_bytes, _collective_time(kind, model_bytes, layout.t, link,
                                          count, shared)
 
@@ -771,7 +829,8 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
     return {"params": stored, "gradients": trainable,
             "optimizer": slots * trainable,
             "activations": (kept * in_flight + saved_internal) * mb,
-            "workspace": np.maximum(workspace, 0.0) + recomputing * mb}
+            "workspace": (np.maximum(workspace, 0.0) + recomputing * mb
+                          + total("table_workspace"))}
 
 
 # Ops a compiled step runs, counted in the traced steps of Dense stacks

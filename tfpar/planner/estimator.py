@@ -84,7 +84,11 @@ def estimate(model, global_batch_size, *, cluster, axes,
             parallelism and without a context axis, else whole (an
             embedding head split over the hidden dimension, its partial
             logits all-reduced; a Dense head replicated), and costed so.
-            True where that cannot be is an error; False: whole.
+            True where that cannot be is an error; False: whole. A model
+            without a vocabulary head (a classifier, a bare backbone:
+            neither a reverse call of its token embedding nor a last
+            kernel of V outputs, `transformer.vocab_head`) is costed
+            without logits, as `tfpar.plan` costs it.
 
     Returns:
         A `cost.Estimate`: `step_time_s`, `memory_per_device` (first
@@ -237,6 +241,15 @@ def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
             f"Received: vocab_parallel={vocab_parallel!r}")
     if transformer is None:
         return {}
+    if vocab_parallel and not transformer.lm_head:
+        raise ValueError(
+            "tfpar.estimate(vocab_parallel=True) splits the logits over the "
+            "vocabulary, and this model has no vocabulary head (its token "
+            "embedding is not called again as the logits' projection and "
+            "its last kernel does not make "
+            f"{transformer.vocab} outputs: a classifier or a bare "
+            "backbone), so it is costed without logits. Received: "
+            "vocab_parallel=True. Pass vocab_parallel=None.")
     allowed = transformer_lib.vocab_parallel(transformer, t,
                                              sequence_parallel, context)
     if vocab_parallel and t > 1 and not transformer_lib.vocab_parallel(

@@ -148,10 +148,11 @@ def _planned(model, global_batch_size, *, cluster, memory_per_device,
 
 
 def _vocabulary(profile):
-    """The vocabulary of a transformer (what `Plan.explain` says of its
-    head), or None."""
+    """The vocabulary of a transformer's logits (what `Plan.explain` says
+    of its head), or None (no attention, or no vocabulary head:
+    `transformer.vocab_head`)."""
     model = transformer_lib.read(profile)
-    return None if model is None else int(model.vocab)
+    return None if model is None or not model.lm_head else int(model.vocab)
 
 
 def _measured_first(candidates, timed, source, batch, optimizer):

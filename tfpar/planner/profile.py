@@ -84,6 +84,12 @@ class Op:
     carried_in: float = 0.0  # bytes per sample a cut just before it carries
     needs_input_grad: bool = True
     consumers: set = dataclasses.field(default_factory=set)  # op indices
+    # Layers of earlier ops it runs again on float inputs (a shared layer
+    # called a second time, e.g. a tied embedding's reverse projection, not
+    # a second lookup of token ids), or holds (nested in it:
+    # keras-hub's MaskedLMHead holding the token embedding); their weights
+    # are counted at their first op, their FLOPs here by no one.
+    reuses: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -143,6 +149,8 @@ def profile_model(model, sequence_length=None):
         if id(layer) in first_called:  # a shared layer called again
             ops[-1].outputs += _float_bytes(node.outputs, itemsize,
                                             sequence_length)
+            if node.inputs and "float" in str(node.inputs[0].dtype):
+                ops[-1].reuses.append(layer)  # a projection, not a lookup
             runs_in.append(len(ops) - 1)
             continue
         first_called.add(id(layer))
@@ -193,6 +201,7 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
     """The `Op` of a graph layer; weights already in `seen` (a layer shared
     with an earlier op, e.g. a tied embedding) are counted there."""
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
+    reuses = []
     composite = bool(sublayers(layer, include_self=False))
     for sub in _leaf_attention(layer):
         s = tokens
@@ -202,6 +211,7 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
         attention_internal += 2.0 * heads * s * tokens * itemsize
     for w in getattr(layer, "weights", []):
         if id(w) in seen:
+            reuses.append(owners.get(id(w), layer))
             continue
         seen.add(id(w))
         owner = owners.get(id(w), layer)
@@ -223,7 +233,7 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
     return Op(layer.name, layer, weights, flops + attention, attention,
               _float_bytes(node.outputs, itemsize, seq),
               internal + attention_internal, attention_internal, tokens,
-              layer_ops(layer))
+              layer_ops(layer), reuses=reuses)
 
 
 def sublayers(layer, include_self=True):

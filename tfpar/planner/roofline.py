@@ -42,7 +42,9 @@ memory-bound by whichever is larger.
   `vocab_parallel`), T × V × h GEMMs on every device, its V·h weights
   and their gradients not split over t. tfpar's `VocabParallel` on a
   tied table (`Parallel.table_gathered`) gathers the V × h table over t
-  for each lookup and writes its whole gradient.
+  for each lookup and writes its whole gradient. A model without a
+  vocabulary head (`Transformer.lm_head` False: a classifier, a bare
+  backbone; "none") has no logits: nothing of this.
 - Tensor parallelism: per block 2 all-reduces of T·h forward and 2 in the
   backward pass (with sequence parallelism a reduce-scatter and an
   all-gather each, the same ring time), plus the embedding's forward and
@@ -153,7 +155,7 @@ from tfpar.planner import hardware
 RECOMPUTE = (None, "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 # How the output head is split over the model axis (`Parallel.head`).
-HEADS = ("vocab", "hidden", "replicated")
+HEADS = ("vocab", "hidden", "replicated", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +172,8 @@ class Transformer:
     gated: bool = False     # SwiGLU-style MLP: three kernels
     dropout: bool = True    # hidden and attention dropout
     causal: bool = True
-    tied: bool = True       # logits share the embedding
+    tied: bool = True       # logits share the embedding (no V × h of
+    #                         their own; without `lm_head`: none held)
     # The logits are the token embedding layer's projection (a tied table,
     # or keras-hub's untied ReversibleEmbedding's reverse table: split by
     # hidden unless vocabulary-parallel); False: a separate Dense head.
@@ -180,6 +183,9 @@ class Transformer:
     param_bytes: int = 4    # stored weights (fp32 master; 2 + 4 Megatron)
     experts: int = 0        # mixture-of-experts MLPs (0: a dense MLP)
     top_k: int = 0          # experts per token
+    # Logits over the vocabulary (`transformer.vocab_head`); False: none
+    # (a classifier's few outputs or a backbone's states end the model).
+    lm_head: bool = True
 
     @property
     def ffn_width(self):
@@ -208,10 +214,14 @@ class Transformer:
         position = self.seq * self.hidden if self.position_embedding else 0
         return self.vocab * self.hidden + position
 
+    def head_params(self):
+        """The logits' own kernel: V·h for an untied head (or a reverse
+        table held without a head), else 0."""
+        return 0 if self.tied else self.vocab * self.hidden
+
     def num_params(self):
-        head = 0 if self.tied else self.vocab * self.hidden
         return (self.layers * self.block_params() + self.embedding_params()
-                + head + 2 * self.hidden)
+                + self.head_params() + 2 * self.hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +250,8 @@ class Parallel:
     # The output head over the model axis (`HEADS`, `head_layout`): split
     # over the vocabulary (Megatron-LM's vocab-parallel head, tfpar's
     # `VocabParallel`), over the hidden dimension (partial logits summed),
-    # or replicated; `table_gathered`: a tied table split over the
+    # or replicated ("none": the model has no vocabulary head);
+    # `table_gathered`: a tied table split over the
     # vocabulary is gathered whole for each lookup (tfpar under DTensor).
     head: str = "vocab"
     table_gathered: bool = False
@@ -254,6 +265,11 @@ class Parallel:
     def vocab_parallel(self):
         """Whether each device computes V/t of the logits."""
         return self.head == "vocab" or self.model == 1
+
+    @property
+    def logits(self):
+        """Whether the model computes logits over a vocabulary."""
+        return self.head != "none"
 
     @property
     def replicas(self):
@@ -489,11 +505,23 @@ def _logits_shape(model, cfg):
     return m, n, k
 
 
+def logits_flops(model, cfg):
+    """Forward FLOPs of the head's GEMM on one device (2·m·n·k of
+    `_logits_shape`; 0 without a vocabulary head)."""
+    if not cfg.logits:
+        return 0.0
+    m, n, k = _logits_shape(model, cfg)
+    return 2.0 * m * n * k
+
+
 def _logits(dev, model, cfg, backward=False):
     """The head's GEMM (or its data and weight gradients) and the
     cross-entropy over the logits a device holds (m × n, fp32: 14 bytes
-    per element forward, 10 backward)."""
+    per element forward, 10 backward); nothing without a vocabulary
+    head."""
     time = _Time()
+    if not cfg.logits:
+        return time
     m, n, k = _logits_shape(model, cfg)
     c = model.compute_bytes
     if backward:
@@ -510,7 +538,10 @@ def head_layout(model, t, vocab_parallel):
     runs for `model` over a model axis of t — `VocabParallel` when
     `vocab_parallel` (a tied table then gathered for each lookup), else
     auto_rules' default: an embedding head split by hidden (partial
-    logits summed over t), a Dense head whole."""
+    logits summed over t), a Dense head whole; "none" for a model
+    without a vocabulary head (`Transformer.lm_head`)."""
+    if not model.lm_head:
+        return {"head": "none", "table_gathered": False}
     if t == 1 or vocab_parallel:
         return {"head": "vocab",
                 "table_gathered": bool(t > 1 and model.tied)}
@@ -525,19 +556,26 @@ def _edges(model, cfg, group, one):
     all-gather ring) instead for a gathered table; for the logits none
     when the head is replicated, and the partial logits' all-reduce (T·V)
     too when it is split over the hidden dimension."""
-    t, c = cfg.model, model.compute_bytes
-    embedding = (ring(gather_kind(cfg), model.vocab * model.hidden * c, t,
-                      group) if cfg.table_gathered else one)
-    logits = {"vocab": one, "replicated": 0.0,
-              "hidden": one + ring("all-reduce", _logits_bytes(model, cfg),
+    t = cfg.model
+    embedding = (ring(gather_kind(cfg), table_bytes(model), t, group)
+                 if cfg.table_gathered else one)
+    logits = {"vocab": one, "replicated": 0.0, "none": 0.0,
+              "hidden": one + ring("all-reduce", logits_bytes(model, cfg),
                                    t, group)}[cfg.head]
     return embedding, logits
 
 
-def _logits_bytes(model, cfg):
+def logits_bytes(model, cfg):
     """The partial logits one all-reduce sums (T·V, compute dtype) when the
     head is split over the hidden dimension."""
     return tokens(model, cfg) * model.vocab * model.compute_bytes
+
+
+def table_bytes(model):
+    """The token table (V × h, compute dtype) a `table_gathered` head
+    gathers for each lookup; its workspace holds it and its whole
+    gradient: 2 × this."""
+    return model.vocab * model.hidden * model.compute_bytes
 
 
 def _tensor_parallel(model, cfg, cluster, hw):
@@ -721,8 +759,7 @@ def stage_params(model, blocks, first, last):
     if first:
         params += model.embedding_params()
     if last:  # the final norm; a tied head is the first stage's table
-        params += 2 * model.hidden + (
-            0 if model.tied else model.vocab * model.hidden)
+        params += 2 * model.hidden + model.head_params()
     return params
 
 
@@ -887,12 +924,12 @@ def memory(model, cfg, global_batch):
         in_flight *= 1 + (p - 1) / (p * v)
     activations = per_block * sbh * blocks * in_flight
     workspace = whole_block * sbh if cfg.recompute == "full" else 0.0
-    if p == 1:  # the logits and their gradient, fp32 (whole unless split
-        # over the vocabulary)
+    if p == 1 and cfg.logits:  # the logits and their gradient, fp32
+        # (whole unless split over the vocabulary)
         workspace += 8.0 * tokens(model, cfg) * model.vocab / (
             t if cfg.vocab_parallel else 1)
     if cfg.table_gathered:  # the tied table gathered, and its gradient
-        workspace += 2.0 * model.vocab * model.hidden * model.compute_bytes
+        workspace += 2.0 * table_bytes(model)
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
     # and the slots sharded over data, the half-precision copy whole.
     master = model.param_bytes - model.compute_bytes
@@ -970,8 +1007,7 @@ def _model_axis_bytes(model, cfg, collectives, m):
     activation = tokens(model, cfg) * model.hidden * model.compute_bytes
     nbytes = (collectives + 1) * activation * m
     if cfg.table_gathered:
-        nbytes += (model.vocab * model.hidden * model.compute_bytes
-                   - activation) * m
+        nbytes += (table_bytes(model) - activation) * m
     if cfg.pipe == 1 and cfg.head == "hidden":
-        nbytes += _logits_bytes(model, cfg) * m
+        nbytes += logits_bytes(model, cfg) * m
     return nbytes

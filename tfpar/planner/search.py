@@ -248,12 +248,14 @@ def _layout(profile, model, t, sequence_parallel=False):
 
 
 def _vocab_rules(profile, model, t, sequence_parallel):
-    """auto_rules(vocab_parallel=True) over t for a transformer whose
-    vocabulary t divides, without sequence parallelism
-    (`transformer.vocab_parallel`), when it splits only the vocabulary's
-    heads; else None (the head kept whole, and costed whole): a model
-    without attention, a head auto_rules refuses, or a `VocabParallel`
-    rule on a layer without the vocabulary (a classifier's head)."""
+    """auto_rules(vocab_parallel=True) over t for a transformer with a
+    vocabulary head (`transformer.vocab_head`: a classifier or a bare
+    backbone has none, and no logits are costed) whose vocabulary t
+    divides, without sequence parallelism (`transformer.vocab_parallel`),
+    when it splits only the vocabulary's heads; else None (the head kept
+    whole, and costed whole): a model without attention, a head
+    auto_rules refuses, or a `VocabParallel` rule on a layer without the
+    vocabulary (another output of a model with several)."""
     model_dims = transformer_lib.read(profile)
     if model_dims is None or not transformer_lib.vocab_parallel(
             model_dims, t, sequence_parallel):

@@ -6,6 +6,7 @@ Transformer(layers=24, hidden=2304, heads=24, ...)
 """
 
 import collections
+import dataclasses
 
 import keras
 
@@ -37,7 +38,8 @@ def transformer_of(profile):
             "other models.")
     hidden = profile_lib.attention_hidden(attention[0])
     heads = _heads(attention[0])
-    vocab, positions, tied, embedding_head = _embeddings(profile, hidden)
+    vocab, positions = _embeddings(profile, hidden)
+    head = vocab_head(profile, hidden)
     inside = {id(sub) for layer in attention
               for sub in profile_lib.sublayers(layer)}
     widths = collections.Counter()
@@ -56,8 +58,11 @@ def transformer_of(profile):
         layers=len(attention), hidden=hidden, heads=heads, seq=max(tokens),
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
         gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
-        tied=tied, embedding_head=embedding_head,
-        position_embedding=positions, experts=experts,
+        # Without a head: whether no reverse table of its own is held.
+        tied=head.tied if head else not _reverse_table(profile, hidden),
+        embedding_head=head is None or head.embedding,
+        lm_head=head is not None, position_embedding=positions,
+        experts=experts,
         top_k=top_k,
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights))
@@ -95,26 +100,88 @@ def _kv_heads(layer, heads):
 
 
 def _embeddings(profile, hidden):
-    """(vocabulary, whether a position table of width `hidden` exists,
-    whether the logits reuse the token table, whether an embedding layer
-    makes them: the tied table's, or an untied ReversibleEmbedding's own
-    reverse table, not a Dense head)."""
-    tables = [w.shape for op in profile.ops for w in op.weights
-              if w.path.rsplit("/", 1)[-1] == "embeddings" and len(w.shape) == 2
-              and w.shape[1] == hidden]
+    """(vocabulary, whether a position table of width `hidden` exists)."""
+    tables = _tables(profile, hidden)
     if not tables:
         raise ValueError(f"tfpar.estimate found no token embedding of width "
                          f"{hidden} in model {profile.name!r}.")
-    vocab = max(rows for rows, _ in tables)
-    # The logits' own kernel: an embedding layer's reverse table (keras-hub's
-    # untied ReversibleEmbedding), or the model's last kernel when it makes
-    # V outputs (a Dense head; an MLP as wide as the vocabulary is not one).
-    kernels = [w for op in profile.ops for w in op.weights if w.flops]
-    heads = [w for w in kernels
-             if profile_lib.out_width(w.owner, w.shape) == vocab
-             and (_is_embedding(w.owner) or w is kernels[-1])]
-    embedding_head = not heads or any(_is_embedding(w.owner) for w in heads)
-    return vocab, len(tables) > 1, not heads, embedding_head
+    return max(w.shape[0] for _, w in tables), len(tables) > 1
+
+
+def _tables(profile, hidden=None):
+    """[(op index, Weight)] of the 2-D `embeddings` tables (of width
+    `hidden` when given)."""
+    return [(i, w) for i, op in enumerate(profile.ops) for w in op.weights
+            if w.path.rsplit("/", 1)[-1] == "embeddings"
+            and len(w.shape) == 2 and hidden in (None, w.shape[1])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """A model's vocabulary head (`vocab_head`): the op indices of the
+    token table's lookup and of the logits' projection, whether the
+    logits reuse the table (tied) and whether the embedding layer makes
+    them (tied, or an untied ReversibleEmbedding's reverse table) rather
+    than a Dense head."""
+
+    vocab: int
+    table_op: int
+    logits_op: int
+    tied: bool
+    embedding: bool
+
+
+def vocab_head(profile, hidden=None):
+    """The one rule of whether a profiled model computes logits over a
+    vocabulary — `tfpar.estimate`, `tfpar.plan`'s layouts and its cost
+    model all ask it. The token table is the largest 2-D `embeddings`
+    weight (of width `hidden` when given, V rows). A head exists iff
+    the table's layer runs again after its lookup (a reverse
+    projection: keras-hub's ReversibleEmbedding called with
+    reverse=True, tied or with its own reverse table, or held by a head
+    layer such as MaskedLMHead), or the model's last kernel makes V
+    outputs (a Dense head; an MLP as wide as the vocabulary is not
+    one). Else None: a classifier, a bare backbone — no logits.
+
+    >>> vocab_head(profile_model(gpt2_causal_lm)).tied
+    True
+    """
+    tables = _tables(profile, hidden)
+    if not tables:
+        return None
+    table_op, table = _token_table(tables)
+    vocab = table.shape[0]
+    for i, op in enumerate(profile.ops[table_op + 1:], table_op + 1):
+        if any(w.path == table.path for layer in op.reuses
+               for w in layer.weights):
+            return Head(vocab, table_op, i,
+                        tied=not _reverse_table(profile, hidden),
+                        embedding=True)
+    kernels = [(i, w) for i, op in enumerate(profile.ops)
+               for w in op.weights if w.flops]
+    if kernels and not _is_embedding(kernels[-1][1].owner) and (
+            profile_lib.out_width(kernels[-1][1].owner, kernels[-1][1].shape)
+            == vocab):
+        return Head(vocab, table_op, kernels[-1][0], tied=False,
+                    embedding=False)
+    return None
+
+
+def _token_table(tables):
+    """(op index, Weight) of the token table: the most rows."""
+    return max(tables, key=lambda found: found[1].shape[0])
+
+
+def _reverse_table(profile, hidden=None):
+    """Whether the token table's layer owns a kernel of its own (an
+    untied ReversibleEmbedding's `reverse_embeddings`), called or not."""
+    tables = _tables(profile, hidden)
+    if not tables:
+        return False
+    table_op, table = _token_table(tables)
+    layer_path = table.path.rsplit("/", 1)[0]
+    return any(w.flops and w.path.rsplit("/", 1)[0] == layer_path
+               for w in profile.ops[table_op].weights)
 
 
 def _is_embedding(layer):
@@ -133,7 +200,8 @@ def _dropout(profile):
 def vocab_parallel(model, t, sequence_parallel, context=1):
     """Whether tfpar's plans split the head of `model` (a
     `roofline.Transformer`) over the vocabulary on a model axis of size t
-    (`auto_rules(vocab_parallel=True)`, style `VocabParallel`): when t > 1
+    (`auto_rules(vocab_parallel=True)`, style `VocabParallel`): when it
+    has a vocabulary head (`vocab_head`: `lm_head`) and t > 1
     divides its vocabulary, without sequence parallelism (which auto_rules
     does not combine with it) and, for now, without a context axis: the
     head compiles there, but some model × context steps do not on DTensor
@@ -141,5 +209,5 @@ def vocab_parallel(model, t, sequence_parallel, context=1):
     tests/test_plan_vocab.py), and a split head would rank them ahead of
     data × context plans that train. Else the head is costed and laid out
     whole (`roofline.head_layout`)."""
-    return (t > 1 and not sequence_parallel and context == 1
-            and model.vocab % t == 0)
+    return (model.lm_head and t > 1 and not sequence_parallel
+            and context == 1 and model.vocab % t == 0)

@@ -227,6 +227,20 @@ def test_self_check_falls_back_from_a_candidate_that_does_not_train():
     assert "Self-check: not checked" in described.explain()
 
 
+def test_a_built_model_is_checked_as_itself_not_an_untied_clone():
+    """The self-check rebuilds a built model to train it on the plan's
+    mesh: `keras.models.clone_model` of the newcomer's GPT-2 task untied
+    its embedding (37 weights for 36, the head a second table), so the
+    check trained another model than the plan's and refused every
+    vocabulary-parallel plan of it."""
+    x, _ = token_data(2)
+    model = built(small_gpt2, x)
+    with tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})).scope():
+        clone = measure._uncompiled_clone(model)
+    assert [(w.path, w.shape) for w in clone.weights] == [
+        (w.path, w.shape) for w in model.weights]
+
+
 @pytest.mark.parametrize("source, limit", [
     ("builder", 700_000),
     pytest.param("model", 700_000, marks=pytest.mark.slow),

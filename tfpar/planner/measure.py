@@ -3,8 +3,8 @@
 (`first_step_error`: `tfpar.plan`'s self-check of its choice).
 
 Each candidate's model is built under its strategy (from the builder, or
-as a `keras.models.clone_model` of a built model: same layers, fresh
-weights), laid out by the candidate, compiled with the plan's optimizer
+rebuilt from a built model's config: same layers, shared as they were,
+fresh weights), laid out by the candidate, compiled with the plan's optimizer
 and a mean-squared-error loss on random data of the model's input and
 output shapes, and warmed up (traced and compiled) once. The built
 candidates are then timed round after round (`interleaved`): each round
@@ -80,12 +80,36 @@ def build_and_apply(plan, source):
 
 
 def _uncompiled_clone(model):
-    """`keras.models.clone_model(model)` (same layers, fresh weights), not
-    compiled: Keras compiles the clone of a compiled model (a keras-hub
-    task compiles in its constructor) and builds its optimizer, after
-    which its weights can no longer be laid out (`apply_rules`)."""
-    clone = keras.models.clone_model(model)
+    """The same model with fresh weights (`_same_model`), not compiled:
+    Keras compiles the clone of a compiled model (a keras-hub task
+    compiles in its constructor) and builds its optimizer, after which its
+    weights can no longer be laid out (`apply_rules`)."""
+    clone = _same_model(model)
     clone.optimizer, clone.compiled = None, False
+    return clone
+
+
+def _same_model(model):
+    """`type(model).from_config(model.get_config())`, which keeps layers
+    shared between calls, or where that fails `keras.models.clone_model`;
+    an error if the copy's weights are not the model's (by shape, in
+    order). `clone_model` of a keras-hub task is a plain Functional whose
+    nested backbone is cloned apart from the task's own calls: GPT-2's
+    tied token embedding came back untied (37 weights for 36, the head a
+    second table), so the planner's self-check trained another model and
+    refused its plans."""
+    try:
+        clone = type(model).from_config(model.get_config())
+    except Exception:  # noqa: BLE001 (no config: Keras' cloning instead)
+        clone = keras.models.clone_model(model)
+    shapes = [tuple(w.shape) for w in model.weights]
+    if [tuple(w.shape) for w in clone.weights] != shapes:
+        raise ValueError(
+            f"tfpar.plan could not rebuild model {model.name!r} with the "
+            f"same weights to check a plan on this machine (its copy has "
+            f"{len(clone.weights)} weights, the model {len(shapes)}). Pass "
+            "a zero-argument builder of the model instead (as "
+            "`tfpar.plan(lambda: build_model(), ...)`).")
     return clone
 
 

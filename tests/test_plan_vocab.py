@@ -85,9 +85,9 @@ def test_a_whole_head_costs_t_times_the_logits_of_a_split_one():
 def test_plan_splits_the_head_only_where_the_model_axis_divides_the_vocabulary(
         tmp_path):
     """A vocabulary of 4098: model=2 divides it (VocabParallel rules,
-    candidates marked vocab-parallel, but those with sequence parallelism
-    or a context axis), model=4 does not (whole, and its estimate is
-    tfpar.estimate's of a whole head)."""
+    candidates marked vocab-parallel, a context axis beside it too, but
+    not with sequence parallelism), model=4 does not (whole, and its
+    estimate is tfpar.estimate's of a whole head)."""
     builder = gpt(4098)
     # 3 MB per device: the model must be split (7.8 MB on data alone).
     plan = tfpar.plan(builder, 16, cluster=A100, memory_per_device=3e6,
@@ -98,9 +98,10 @@ def test_plan_splits_the_head_only_where_the_model_axis_divides_the_vocabulary(
         key = (c.axes["model"], c.sequence_parallel, "context" in c.axes)
         flags.setdefault(key, set()).add(c.vocab_parallel)
     assert flags[2, False, False] == {True}
-    # model=4, sequence parallelism, a context axis, no model axis: whole.
+    assert flags[2, False, True] == {True}  # beside a context axis too
+    # model=4, sequence parallelism, no model axis: whole.
     assert flags[4, False, False] == flags[2, True, False] == {False}
-    assert flags[2, False, True] == flags[1, False, False] == {False}
+    assert flags[1, False, False] == {False}
     assert plan.axes.get("model") == 2 and plan.vocab_parallel
     rules = dict(plan.rules.items())
     assert rules[re.escape("lm_head")] == tfpar.VocabParallel()
@@ -216,20 +217,22 @@ def fit_beside_a_context_axis(rules):
     return model.fit(x, y, batch_size=2, verbose=0)
 
 
-def test_beside_a_context_axis_the_head_compiles_a_split_embedding_not():
-    """Why plans keep the head whole beside a context axis, for now: a
-    `VocabParallel` head compiles and trains there, but the hidden-split
-    Keras `Embedding` of the same model does not compile on DTensor 2.21
-    (a relayout's layout after propagation does not match; other models'
-    do: tests/test_context_parallel.py), whatever the head — so this
-    model's model × context candidates cannot train, and
-    a split head would rank them ahead of the data × context plan that
-    does (`tfpar.planner.transformer.vocab_parallel`). When the second
-    half fails, the planner can lift the restriction."""
-    history = fit_beside_a_context_axis({"head": tfpar.VocabParallel()})
-    assert np.isfinite(history.history["loss"]).all()
-    with pytest.raises(ValueError, match="could not compile"):
-        fit_beside_a_context_axis({"embed": tfpar.ColumnParallel()})
+def test_beside_a_context_axis_a_split_head_and_embedding_train():
+    """Why plans split the head beside a context axis too
+    (`tfpar.planner.transformer.vocab_parallel`): a `VocabParallel` head
+    and the model's hidden-split Keras `Embedding` compile and train on
+    data=2 × model=2 × context=2, alone and together. The embedding did
+    not compile there until its lookup kept the sequence split over the
+    context axis (`context_parallel.split_along_sequence`; parity and
+    blocks: tests/test_context_embedding.py), and the planner kept the
+    head whole so as not to rank those model × context candidates ahead
+    of the data × context plan that trained."""
+    for rules in ({"head": tfpar.VocabParallel()},
+                  {"embed": tfpar.ColumnParallel()},
+                  {"embed": tfpar.ColumnParallel(),
+                   "head": tfpar.VocabParallel()}):
+        history = fit_beside_a_context_axis(rules)
+        assert np.isfinite(history.history["loss"]).all(), rules
 
 
 def test_a_head_layout_not_known_is_refused_naming_it():

@@ -225,15 +225,14 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         sequence_parallel=sequence_parallel,
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
         tf32=tf32, optimizer_slots=slots,
-        **_head(transformer, t, sequence_parallel, vocab_parallel, c))
+        **_head(transformer, t, sequence_parallel, vocab_parallel))
 
 
-def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
+def _head(transformer, t, sequence_parallel, vocab_parallel):
     """The `Parallel` fields of the head (`roofline.head_layout`) tfpar
     runs: split over the vocabulary where `transformer_lib.vocab_parallel`
-    allows it (None: then; True: wherever the axis divides the vocabulary
-    without sequence parallelism, a context axis too, or an error saying
-    why not), else whole. Without a `transformer`, the defaults
+    allows it (None: then; True: the same, or an error saying why not),
+    else whole. Without a `transformer`, the defaults
     (vocabulary-parallel)."""
     if not (vocab_parallel is None or isinstance(vocab_parallel, bool)):
         raise ValueError(
@@ -251,9 +250,8 @@ def _head(transformer, t, sequence_parallel, vocab_parallel, context=1):
             "backbone), so it is costed without logits. Received: "
             "vocab_parallel=True. Pass vocab_parallel=None.")
     allowed = transformer_lib.vocab_parallel(transformer, t,
-                                             sequence_parallel, context)
-    if vocab_parallel and t > 1 and not transformer_lib.vocab_parallel(
-            transformer, t, sequence_parallel):
+                                             sequence_parallel)
+    if vocab_parallel and t > 1 and not allowed:
         raise ValueError(
             "tfpar.estimate(vocab_parallel=True) splits the head over the "
             f"vocabulary of {transformer.vocab} on a model axis of {t}: "

@@ -54,17 +54,12 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
     without attention (the roofline's transformer)."""
     found = []
     cf = capacity_factor(profile)
-    for (t, sp), split_head in sorted(layouts.items()):
-        model = split_head.transformer
+    for (t, sp), layout in sorted(layouts.items()):
+        model = layout.transformer
         if sp or model is None:
             continue
         for data, extra, expert_axis in _shapes(model,
                                                 cluster.num_devices // t):
-            # Beside a context axis the head stays whole for now
-            # (`transformer.vocab_parallel`: some model x context steps do
-            # not compile whatever the head; tests/test_plan_vocab.py).
-            layout = (split_head.whole_head() if "context" in extra
-                      else split_head)
             axes = {"data": data, "pipe": 1, "model": t, **extra}
             if batch % data:
                 found.append(search_lib.Candidate(

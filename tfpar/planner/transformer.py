@@ -197,17 +197,15 @@ def _dropout(profile):
     return False
 
 
-def vocab_parallel(model, t, sequence_parallel, context=1):
+def vocab_parallel(model, t, sequence_parallel):
     """Whether tfpar's plans split the head of `model` (a
     `roofline.Transformer`) over the vocabulary on a model axis of size t
     (`auto_rules(vocab_parallel=True)`, style `VocabParallel`): when it
     has a vocabulary head (`vocab_head`: `lm_head`) and t > 1
     divides its vocabulary, without sequence parallelism (which auto_rules
-    does not combine with it) and, for now, without a context axis: the
-    head compiles there, but some model × context steps do not on DTensor
-    2.21 whatever the head (a test model's hidden-split `Embedding`:
-    tests/test_plan_vocab.py), and a split head would rank them ahead of
-    data × context plans that train. Else the head is costed and laid out
-    whole (`roofline.head_layout`)."""
+    does not combine with it), beside a context axis too (a hidden-split
+    embedding keeps the sequence split there:
+    `context_parallel.split_along_sequence`). Else the head is costed and
+    laid out whole (`roofline.head_layout`)."""
     return (model.lm_head and t > 1 and not sequence_parallel
-            and context == 1 and model.vocab % t == 0)
+            and model.vocab % t == 0)

@@ -66,6 +66,14 @@ BACKBONES = {
     "dinov2": lambda: _M.DINOV2Backbone(
         patch_size=4, num_layers=2, hidden_dim=HIDDEN, num_heads=HEADS,
         intermediate_dim=FFN, image_shape=(16, 16, 3)),
+    "swin": lambda: _M.SwinTransformerBackbone(
+        image_shape=(16, 16, 3), embed_dim=16, depths=[2], num_heads=[2],
+        window_size=2, patch_size=2),
+    "mit": lambda: _M.MiTBackbone(
+        layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1], max_drop_path_rate=0.0,
+        layerwise_patch_sizes=[3, 3], layerwise_strides=[2, 2],
+        image_shape=(16, 16, 3), hidden_dims=[8, 16]),
     "deit": lambda: _M.DeiTBackbone(
         image_shape=(16, 16, 3), patch_size=4, num_layers=2,
         num_heads=HEADS, hidden_dim=HIDDEN, intermediate_dim=FFN),

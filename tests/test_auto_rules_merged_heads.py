@@ -81,6 +81,20 @@ def test_heads_merged_after_a_transpose_are_not_read_as_heads():
     assert "out (Dense): in no MLP or attention pattern" in warned
 
 
+def test_heads_made_by_reshapes_the_axis_does_not_divide_stay_whole():
+    """4 heads on model=8: attention made by reshapes was kept whole
+    before it was read as attention (SegFormer's 1- and 2-head stages), so
+    it stays whole, warned with the reason, rather than an error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned = tfpar.auto_rules(attention_block(),
+                                   mesh=tfpar.Mesh({"model": 8}))
+    assert "out" not in dict(planned.items())
+    assert ("out (Dense): 4 attention heads (made by reshapes), which mesh "
+            "axis 'model' of size 8 does not divide") in " ".join(
+                str(w.message) for w in caught)
+
+
 def kept_whole(warned):
     """The Dense/EinsumDense layers auto_rules' warning keeps whole."""
     return [line.strip() for line in warned.splitlines()

@@ -26,7 +26,7 @@ symbolic trace fails.
 DTensor 2.21 cannot lay out two of their ops: the `MatrixDiagV3` of
 `ops.eye` and the filter gradient of the causal depthwise convolution
 (`DepthwiseConv2dNativeBackpropFilter`). tfpar's steps run
-`tfpar.spmd_ops.eye_by_comparison` and `depthwise_conv1d_by_shifts`
+`tfpar.spmd_ops.eye_by_comparison` and `depthwise_conv_by_shifts`
 instead (tests/test_spmd_linear_attention_ops.py: values and gradients);
 the rest of the net (cumsum, triu's band part, the chunked recurrence's
 slices, einsums and concats) lays out as it is. Such a model trains on
@@ -218,7 +218,7 @@ def test_linear_attention_trains_as_one_device(mesh_id, optimizer,
     Why one step for Adam: after Adam's first step the second step's
     gradients move by up to 6.7e-5 relative between two one-device runs
     that differ only in the order of the convolution's k-term sum (TF's op
-    vs `depthwise_conv1d_by_shifts`), and the suite's Adam check fails on
+    vs `depthwise_conv_by_shifts`), and the suite's Adam check fails on
     that pair of one-device runs too (measured, seed 5): rounding Adam
     amplifies at eps-sensitive coordinates, not layout. The first step's
     gradients agree within 7e-7 on both meshes."""

@@ -1,6 +1,6 @@
 """The stand-ins for the ops of Qwen3.5's gated delta net that DTensor 2.21
 cannot lay out (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
-`depthwise_conv1d_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`):
+`depthwise_conv_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`):
 the values and gradients of Keras' TF ops on random inputs, and a small
 model with both training on data=8 as on one device.
 
@@ -54,26 +54,80 @@ def test_eye_by_comparison_is_keras_eye(rows, columns, dtype):
             np.eye(rows, columns, diagonal, "float32"))
 
 
-@pytest.mark.parametrize("size, multiplier", [(1, 1), (4, 1), (3, 2)])
-def test_depthwise_conv1d_by_shifts_is_keras_op(size, multiplier):
+@pytest.mark.parametrize("shape, kernel_size, multiplier, options", [
+    ((9, 5), (1,), 1, {}), ((9, 5), (4,), 1, {}), ((9, 5), (3,), 2, {}),
+    ((9, 5), (3,), 1, {"padding": "same", "dilation_rate": 2}),
+    ((7, 6, 3), (3, 3), 1, {"padding": "same"}),
+    ((7, 6, 3), (3, 2), 2, {"strides": 2}),
+    ((7, 6, 3), (3, 3), 1, {"padding": "same", "strides": (2, 1)}),
+    ((8, 8, 3), (2, 3), 1, {"dilation_rate": (2, 1)})])
+def test_depthwise_conv_by_shifts_is_keras_op(shape, kernel_size,
+                                              multiplier, options):
     """Values and gradients (inputs and kernel, under a random cotangent)
-    of Keras' `ops.depthwise_conv` ("valid", channels last) within 1e-5
-    relative: only the order of the k-term sum differs."""
-    rng = np.random.default_rng(size)
-    x = tf.constant(rng.normal(size=(3, 9, 5)), tf.float32)
-    kernel = tf.constant(rng.normal(size=(size, 5, multiplier)), tf.float32)
-    cotangent = tf.constant(rng.normal(
-        size=(3, 9 - size + 1, 5 * multiplier)), tf.float32)
+    of Keras' `ops.depthwise_conv` (channels last; 1-D and 2-D, valid and
+    same padding, strides, dilations) within 1e-5 relative: only the order
+    of the sum differs."""
+    rng = np.random.default_rng(len(shape) + sum(kernel_size))
+    x = tf.constant(rng.normal(size=(3, *shape)), tf.float32)
+    kernel = tf.constant(rng.normal(
+        size=(*kernel_size, shape[-1], multiplier)), tf.float32)
+    want_shape = _keras_depthwise_conv()(x, kernel, **options).shape
+    cotangent = tf.constant(rng.normal(size=want_shape), tf.float32)
     results = []
-    for conv in (_keras_depthwise_conv(), spmd_ops.depthwise_conv1d_by_shifts):
+    for conv in (_keras_depthwise_conv(), spmd_ops.depthwise_conv_by_shifts):
         with tf.GradientTape() as tape:
             tape.watch([x, kernel])
-            y = conv(x, kernel)
+            y = conv(x, kernel, **options)
             loss = tf.reduce_sum(y * cotangent)
         results.append((y, *tape.gradient(loss, [x, kernel])))
     for want, got in zip(*results):
         assert want.shape == got.shape
         assert models.relative_error(want.numpy(), got.numpy()) < RTOL
+
+
+@pytest.mark.parametrize("shift, axis", [
+    (2, 0), (-1, 1), (7, 2), ((1, -2), (0, 2)), (0, 1), ((3, 3), (1, 1))])
+def test_roll_by_slices_is_tf_roll(shift, axis):
+    """Values and gradients of `tf.roll` for static shifts (negative, past
+    the size, several axes, one axis twice)."""
+    x = tf.reshape(tf.range(2 * 3 * 4, dtype=tf.float32), (2, 3, 4))
+    cotangent = tf.reshape(tf.range(24.0) ** 2, (2, 3, 4))
+    results = []
+    for roll in (tf.roll, lambda *a: spmd_ops.roll_by_slices(tf.roll, *a)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = roll(x, shift, axis)
+        results.append((y, tape.gradient(y * cotangent, x)))
+    for want, got in zip(*results):
+        np.testing.assert_array_equal(got, want)
+
+
+class _RollFeatures(keras.layers.Layer):
+    def call(self, x):
+        return keras.ops.roll(x, 1, axis=1) * x
+
+
+def test_a_roll_trains_in_a_step_like_one_device():
+    """DTensor 2.21 cannot lay out TF's `Roll` (Swin's shifted windows
+    failed on every mesh): in a step it is slices and a concatenation."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 6)).astype("float32")
+    keras.utils.set_random_seed(0)
+    weights = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
+        6)]).get_weights()
+
+    def build():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6),
+                                  _RollFeatures()])
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    _, want = models.train_built(None, build, x, y, 8)
+    _, got = models.train_built(tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 8})), build, x, y, 8)
+    assert models.relative_error(want, got) < 1e-4, (want, got)
 
 
 class _EyeResidual(keras.layers.Layer):

@@ -373,6 +373,16 @@ def _plan_attention(projection, sources, heads, made, column, row,
     each makes}; grouped-query key/value heads the axis does not divide:
     whole)."""
     axis = row.axis
+    if heads % axis_size and (_contracts(projection) == 1 or any(
+            _makes(source) == 1 for source in sources)):
+        # Heads made by reshapes were kept whole before they were read as
+        # attention (SegFormer's first stages have 1 or 2): still whole.
+        for layer in (projection, *sources):
+            whole[layer.path] = (layer, (
+                f"{heads} attention heads (made by reshapes), which mesh "
+                f"axis {axis!r} of size {axis_size} does not divide: every "
+                "device uses them whole"))
+        return
     _check_divides(projection, heads, axis, axis_size, "heads")
     plan[projection.path] = row
     for source in sources:

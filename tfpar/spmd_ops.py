@@ -18,6 +18,7 @@ array([[0., 1., 1., 0.],
        [0., 1., 1., 0.]], dtype=float32)
 """
 
+import itertools
 import numpy as np
 import tensorflow as tf
 
@@ -372,32 +373,110 @@ def eye_by_comparison(rows, columns=None, diagonal=0, dtype="float32"):
     return tf.cast(tf.equal(row, tf.range(columns)[None, :]), dtype)
 
 
-def depthwise_conv1d_by_shifts(inputs, kernel):
-    """A depthwise 1-D convolution, "valid" padding, stride and dilation 1,
-    channels last (Keras' `ops.depthwise_conv` of rank-3 `inputs` (batch,
-    length, channels) and `kernel` (k, channels, multiplier)), as a sum of
-    k shifted copies: out[b, t, c·m + q] = Σ_j x[b, t + j, c] · w[j, c, q]
-    for t < length - k + 1, each term a slice of x times a row of w.
+def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
+                             dilation_rate=1):
+    """A depthwise 1-D or 2-D convolution, channels last (Keras'
+    `ops.depthwise_conv` of `inputs` (batch, *spatial, channels) and
+    `kernel` (*k, channels, multiplier)), as a sum of shifted copies: with
+    stride and dilation 1 and "valid" padding,
+    out[b, t, c·m + q] = Σ_j x[b, t + j, c] · w[j, c, q] (1-D; in 2-D the
+    sum runs over both kernel offsets), each term a slice of x times a row
+    of w. Dilation d shifts by j·d; "same" pads x as TF does (total
+    (k - 1)·d + 1 - s for stride s where the length is a multiple of s,
+    in general max((out - 1)·s + (k - 1)·d + 1 - length, 0), the smaller
+    half before); a stride s keeps every s-th output of the stride-1 sum.
 
     TF's `DepthwiseConv2dNative` runs forward, but DTensor 2.21 cannot lay
     out the filter gradient (`DepthwiseConv2dNativeBackpropFilter` "does
     not implement layout propagation": keras-hub's Qwen3.5 gated delta net
-    has a causal depthwise convolution, kernel 4). Here the gradients are
-    slices, multiplies and sums. The same values up to float rounding (the
-    order of the k-term sum).
+    (a causal 1-D convolution, kernel 4) and SegFormer's MiT (3×3 in its
+    Mix-FFN) failed to compile, on a data-only mesh too). Here the
+    gradients are slices, multiplies and sums. The same values up to float
+    rounding (the order of the sum).
 
     >>> x = tf.reshape(tf.range(4.0), (1, 4, 1))
-    >>> depthwise_conv1d_by_shifts(x, tf.ones((2, 1, 1)))[0, :, 0].numpy()
+    >>> depthwise_conv_by_shifts(x, tf.ones((2, 1, 1)))[0, :, 0].numpy()
     array([1., 3., 5.], dtype=float32)
     """
     inputs = tf.convert_to_tensor(inputs)
     kernel = tf.convert_to_tensor(kernel, inputs.dtype)
-    size, channels, multiplier = kernel.shape
-    length = tf.shape(inputs)[1] - size + 1
-    terms = [inputs[:, j:j + length, :, None] * kernel[j]
-             for j in range(size)]
-    out = tf.add_n(terms) if size > 1 else terms[0]
+    spatial = inputs.shape.rank - 2
+    sizes, (channels, multiplier) = kernel.shape[:spatial], kernel.shape[
+        spatial:]
+    strides, dilations = (_per_dimension(v, spatial)
+                          for v in (strides, dilation_rate))
+    if padding == "same":
+        inputs = tf.pad(inputs, [[0, 0]] + [
+            _same_padding(inputs.shape[1 + i], sizes[i], strides[i],
+                          dilations[i]) for i in range(spatial)] + [[0, 0]])
+    reach = [(k - 1) * d for k, d in zip(sizes, dilations)]
+    lengths = [tf.shape(inputs)[1 + i] - reach[i] for i in range(spatial)]
+    terms = []
+    for offsets in itertools.product(*(range(k) for k in sizes)):
+        window = tuple(slice(j * d, j * d + n)
+                       for j, d, n in zip(offsets, dilations, lengths))
+        terms.append(inputs[(slice(None),) + window + (slice(None), None)]
+                     * kernel[offsets])
+    out = tf.add_n(terms) if len(terms) > 1 else terms[0]
+    if any(s > 1 for s in strides):
+        out = out[(slice(None),) + tuple(slice(None, None, s)
+                                         for s in strides)]
     if multiplier == 1:
         return tf.squeeze(out, -1)
+    shape = tf.shape(out)
     return tf.reshape(out, tf.concat(
-        [tf.shape(inputs)[:1], [length], [channels * multiplier]], 0))
+        [shape[:-2], [channels * multiplier]], 0))
+
+
+def roll_by_slices(roll, inputs, shift, axis, name=None):
+    """TF's `Roll` (`tf.roll`, Keras' `ops.roll` with an axis) of a tensor
+    whose rolled dimensions have static sizes, for static shifts and axes:
+    along each axis a of size n, shifted by s (mod n), the concatenation
+    of its last s elements and its first n - s —
+    roll(x, s)[i] = x[(i - s) mod n]. Anything else: `roll` itself.
+
+    DTensor 2.21 cannot lay out TF's `Roll` ("'tf.Roll' op does not
+    implement layout propagation"): keras-hub's Swin Transformer (its
+    shifted windows) failed to compile on every mesh. Slices and a
+    concatenation lay out; the same values.
+
+    >>> roll_by_slices(tf.roll, tf.range(5), 2, 0).numpy()
+    array([3, 4, 0, 1, 2], dtype=int32)
+    """
+    inputs = tf.convert_to_tensor(inputs)
+    shifts, axes = tf.get_static_value(shift), tf.get_static_value(axis)
+    rank = inputs.shape.rank
+    if shifts is None or axes is None or rank is None:
+        return roll(inputs, shift, axis, name=name)
+    shifts, axes = np.atleast_1d(shifts), np.atleast_1d(axes)
+    if len(shifts) != len(axes) or any(
+            inputs.shape[int(a)] is None for a in axes):
+        return roll(inputs, shift, axis, name=name)
+    out = inputs
+    for s, a in zip(shifts, axes):
+        a = int(a) % rank
+        n = inputs.shape[a]
+        s = int(s) % n if n else 0
+        if s:
+            head = [slice(None)] * a
+            out = tf.concat([out[tuple(head + [slice(n - s, None)])],
+                             out[tuple(head + [slice(None, n - s)])]], a)
+    return out
+
+
+def _per_dimension(value, spatial):
+    """An int or a sequence of ints as a tuple of `spatial` ints."""
+    values = tuple(value) if isinstance(value, (tuple, list)) else (
+        value,) * spatial
+    return values if len(values) == spatial else values * spatial
+
+
+def _same_padding(length, size, stride, dilation):
+    """[before, after] of TF's "same" padding of one spatial dimension of
+    static `length` (stride 1: `length` may be None)."""
+    extent = (size - 1) * dilation + 1
+    if stride == 1:
+        total = extent - 1
+    else:
+        total = max((-(-length // stride) - 1) * stride + extent - length, 0)
+    return [total // 2, total - total // 2]

@@ -84,6 +84,10 @@ def _keras_numpy():
     return _compat.keras_module("backend.tensorflow.numpy")
 
 
+def _gen_manip_ops():
+    return _compat.tf_python_module("ops.gen_manip_ops")
+
+
 def _gen_array_ops():
     return _compat.tf_python_module("ops.gen_array_ops")
 
@@ -328,6 +332,19 @@ def _new_axes_by_expand_dims_in_step(original, hooks):
     return strided_slice
 
 
+def _roll_by_slices_in_step(original, hooks):
+    """TF's `Roll` wrapper (`tf.roll`, Keras' `ops.roll`) as
+    `spmd_ops.roll_by_slices` in a graph step: DTensor 2.21 cannot lay out
+    `Roll` (Swin's shifted windows). Elsewhere TF's op runs."""
+    @functools.wraps(original)
+    def roll(input, shift, axis, name=None):  # noqa: A002 (TF's names)
+        if not hooks.in_graph_step():
+            return original(input, shift, axis, name=name)
+        return spmd_ops.roll_by_slices(original, input, shift, axis, name)
+
+    return roll
+
+
 def _concat_whole_along_axis_in_step(original, hooks):
     """TF's `ConcatV2` (`tf.concat`, Keras' `concatenate`, a user layer's
     own `tf.concat(..., axis=-1)`) as `spmd_ops.concat_whole_along_axis` in
@@ -500,31 +517,42 @@ def _eye_by_comparison_in_step(original, hooks):
     return eye
 
 
-def _depthwise_conv1d_by_shifts_in_step(original, hooks):
-    """Keras' TF `nn.depthwise_conv` of a 1-D input ("valid", stride and
-    dilation 1, channels last, a static kernel) as
-    `spmd_ops.depthwise_conv1d_by_shifts` in a step: DTensor 2.21 cannot lay
+def _depthwise_conv_by_shifts_in_step(original, hooks):
+    """Keras' TF `nn.depthwise_conv` of a 1-D or 2-D input (channels last,
+    a static kernel, "valid" or "same" padding, any stride and dilation;
+    "same" with a stride needs static spatial sizes) as
+    `spmd_ops.depthwise_conv_by_shifts` in a step: DTensor 2.21 cannot lay
     out the filter gradient of TF's op
     (`DepthwiseConv2dNativeBackpropFilter`: Qwen3.5's causal convolution in
-    its gated delta net failed to compile). Other convolutions, and
-    everything outside a step, run Keras' op."""
+    its gated delta net and SegFormer's Mix-FFN failed to compile). Other
+    convolutions, and everything outside a step, run Keras' op."""
     @functools.wraps(original)
     def depthwise_conv(inputs, kernel, strides=1, padding="valid",
                        data_format=None, dilation_rate=1):
         if in_spmd_step():
             inputs = tf.convert_to_tensor(inputs)
             kernel = tf.convert_to_tensor(kernel)
-            if (inputs.shape.rank == 3 and kernel.shape.rank == 3
-                    and kernel.shape.is_fully_defined() and padding == "valid"
-                    and strides in (1, (1,)) and dilation_rate in (1, (1,))
-                    and _compat.keras_module(
-                        "backend").standardize_data_format(
-                            data_format) == "channels_last"):
-                return spmd_ops.depthwise_conv1d_by_shifts(inputs, kernel)
+            if _by_shifts(inputs, kernel, strides, padding, data_format):
+                return spmd_ops.depthwise_conv_by_shifts(
+                    inputs, kernel, strides, padding, dilation_rate)
         return original(inputs, kernel, strides=strides, padding=padding,
                         data_format=data_format, dilation_rate=dilation_rate)
 
     return depthwise_conv
+
+
+def _by_shifts(inputs, kernel, strides, padding, data_format):
+    """Whether `spmd_ops.depthwise_conv_by_shifts` computes this call."""
+    rank = inputs.shape.rank
+    strided = any(s > 1 for s in (strides if isinstance(strides, (
+        tuple, list)) else (strides,)))
+    return (rank in (3, 4) and kernel.shape.rank == rank
+            and kernel.shape.is_fully_defined()
+            and padding in ("valid", "same")
+            and not (padding == "same" and strided
+                     and None in inputs.shape[1:-1])
+            and _compat.keras_module("backend").standardize_data_format(
+                data_format) == "channels_last")
 
 
 PATCHES = (
@@ -537,10 +565,11 @@ PATCHES = (
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
     _compat.Patch("eye", _keras_numpy, "eye", _eye_by_comparison_in_step),
     _compat.Patch("depthwise_conv", _keras_nn, "depthwise_conv",
-                  _depthwise_conv1d_by_shifts_in_step),
+                  _depthwise_conv_by_shifts_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
+    _compat.Patch("roll", _gen_manip_ops, "roll", _roll_by_slices_in_step),
     _compat.Patch("strided_slice", _gen_array_ops, "strided_slice",
                   _new_axes_by_expand_dims_in_step),
     _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",

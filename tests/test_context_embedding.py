@@ -115,6 +115,55 @@ def test_split_embedding_beside_context_trains_in_parity(corpus):
         (BATCH // 2, SEQ // 2, axes_tests.HIDDEN)}, stream
 
 
+def test_a_lookup_without_a_sequence_is_gathered_whole_beside_context():
+    """A label's embedding ((batch,) ids, (batch, hidden) lookup) has no
+    sequence to keep split: split over the context axis along its hidden
+    dimension instead, it added an all-gather of the broadcast label
+    (ExpandDims) and turned an all-reduce of the mixing layer's gradient
+    into a reduce-scatter and an all-gather."""
+    seq, vocab, hidden = 8, 16, 8
+
+    def build():
+        ids = keras.Input((seq,), dtype="int32", name="ids")
+        label = keras.Input((), dtype="int32", name="label")
+        tokens = keras.layers.Embedding(vocab, hidden, name="tokens")(ids)
+        labels = keras.layers.Embedding(10, hidden, name="labels")(label)
+        mixed = keras.layers.Dense(hidden, name="mix")(
+            tokens + keras.ops.expand_dims(labels, 1))
+        return keras.Model({"ids": ids, "label": label},
+                           keras.layers.Dense(vocab, name="out")(mixed))
+
+    rng = np.random.default_rng(0)
+    x = {"ids": rng.integers(0, vocab, (8, seq)).astype("int32"),
+         "label": rng.integers(0, 10, (8,)).astype("int32")}
+    y = rng.integers(0, vocab, (8, seq)).astype("int32")
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def fit(model):
+        model.set_weights(weights)
+        model.compile(optimizer="sgd", loss=loss)
+        return model.fit(x, y, batch_size=4, verbose=0,
+                         shuffle=False).history["loss"]
+
+    want = fit(build())
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 2, "context": 2}))
+    with strategy.scope():
+        model = build()
+        strategy.apply_rules(model, tfpar.LayoutRules(
+            {"labels": tfpar.ColumnParallel()}))
+    with tfpar.communication.capture() as programs:
+        got = fit(model)
+    assert models.relative_error(want, got) < 1e-4, (want, got)
+    moved = [(c.phase, c.purpose, c.name) for c in
+             programs.train_report().select(spans="context")
+             if "ExpandDims" in c.name or c.purpose == "reduce-scatter"
+             and "mix" in c.name]
+    assert not moved, moved
+
+
 def test_whole_sequence_lookup_does_not_compile_on_dtensor():
     """Why the lookup keeps the context split: DTensor 2.21 fails to
     compile the gradient of attention plus a residual over a stream whole

@@ -212,13 +212,14 @@ def _pinned(tensor, sequence_spec, extended):
     return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
 
 
-def split_along_sequence(tensor):
-    """`tensor` (batch, sequence, ...) laid out as a context-parallel step
-    places its inputs: the batch split over the data axis (when it splits
-    it), the sequence (dimension 1) over the context axis, the rest whole;
-    None when no step splits sequences (no context axis, `generate()`, an
-    eager call, a pipeline stage without the axis) or when the context axis
-    does not divide dimension 1.
+def split_along_sequence(tensor, rank):
+    """`tensor` (batch, sequence, ...) of rank `rank` laid out as a
+    context-parallel step places its inputs: the batch split over the data
+    axis (when it splits it), the sequence (dimension 1) over the context
+    axis, the rest whole; None when no step splits sequences (no context
+    axis, `generate()`, an eager call, a pipeline stage without the axis),
+    when `tensor` has another rank (a (batch,) id's (batch, hidden) lookup
+    has no sequence) or when the context axis does not divide dimension 1.
 
     What a hidden-split Embedding's ids and gathered lookups are relaid out
     to beside a context axis (`tfpar.styles`): a lookup is per token,
@@ -233,14 +234,14 @@ def split_along_sequence(tensor):
     Example (outside a step, nothing to lay out):
 
     >>> import tensorflow as tf
-    >>> split_along_sequence(tf.zeros((2, 8), tf.int32)) is None
+    >>> split_along_sequence(tf.zeros((2, 8), tf.int32), 2) is None
     True
     """
     split = context_in_step()
     extended = step_context.step_extended()
     if (split is None or not step_context.in_spmd_step()
             or extended.registry.placement_mesh is None
-            or tensor.shape.rank is None or tensor.shape.rank < 2
+            or tensor.shape.rank != rank or rank < 2
             or tensor.shape[1] is None or tensor.shape[1] % split.size):
         return None
     mesh = extended.registry.placement_mesh.dtensor_mesh

@@ -437,22 +437,24 @@ def _untied(layer):
 
 
 def _lookup_ids(ids):
-    """The ids of a hidden-wise split lookup: beside a context axis, split
-    as the step's inputs are, (batch/data, sequence/context)
+    """The ids of a hidden-wise split lookup: beside a context axis, token
+    ids (batch, sequence) split as the step's inputs are,
+    (batch/data, sequence/context)
     (`context_parallel.split_along_sequence`: a lookup is per token); else
     split over the data axis along the batch, the rest whole
     (`collectives.ids_split_over_data`)."""
-    split = context_parallel.split_along_sequence(ids)
+    split = context_parallel.split_along_sequence(ids, 2)
     return collectives.ids_split_over_data(ids) if split is None else split
 
 
 def _gathered_lookup(outputs):
     """A hidden-wise split lookup's output (batch, sequence, hidden/t) made
     whole along the hidden dimension: an all-gather over the model axis.
-    Beside a context axis the sequence stays split over it
-    (`context_parallel.split_along_sequence`); else it is whole
+    Beside a context axis a (batch, sequence, hidden) lookup keeps its
+    sequence split over it (`context_parallel.split_along_sequence`); any
+    other is whole
     (`collectives.gather_hidden`)."""
-    split = context_parallel.split_along_sequence(outputs)
+    split = context_parallel.split_along_sequence(outputs, 3)
     return collectives.gather_hidden(outputs) if split is None else split
 
 

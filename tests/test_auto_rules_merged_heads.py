@@ -37,22 +37,23 @@ from hub_probes import HEAD_DIM, HEADS, HIDDEN, SEQ
 MESH = {"data": 2, "model": 4}
 
 
-def attention_block(transpose_heads=False):
+def attention_block(transpose_heads=False, heads=HEADS, head_dim=HEAD_DIM):
     """q, k, v EinsumDense (batch, seq, heads, head_dim), softmax attention,
     the heads merged by a reshape (after swapping heads and head_dim when
     `transpose_heads`), a Dense "out", the residual and a norm."""
-    x = keras.Input((SEQ, HIDDEN))
+    hidden = heads * head_dim
+    x = keras.Input((SEQ, hidden))
 
     def project(name):
         return keras.layers.EinsumDense(
-            "btd,dnh->btnh", (SEQ, HEADS, HEAD_DIM), name=name)(x)
+            "btd,dnh->btnh", (SEQ, heads, head_dim), name=name)(x)
     q, k, v = project("q"), project("k"), project("v")
     scores = keras.ops.softmax(keras.ops.einsum("btnh,bsnh->bnts", q, k))
-    heads = keras.ops.einsum("bnts,bsnh->btnh", scores, v)
+    attended = keras.ops.einsum("bnts,bsnh->btnh", scores, v)
     if transpose_heads:
-        heads = keras.ops.transpose(heads, (0, 1, 3, 2))
-    merged = keras.layers.Reshape((SEQ, HIDDEN))(heads)
-    out = keras.layers.Dense(HIDDEN, name="out")(merged)
+        attended = keras.ops.transpose(attended, (0, 1, 3, 2))
+    merged = keras.layers.Reshape((SEQ, hidden))(attended)
+    out = keras.layers.Dense(hidden, name="out")(merged)
     # A norm after the residual: "out" is not the model's output head.
     return keras.Model(x, keras.layers.LayerNormalization(name="norm")(
         keras.layers.Add()([x, out])))
@@ -73,10 +74,13 @@ def test_an_output_dense_over_merged_heads_is_row_parallel():
                        "v": "ColumnParallel", "out": "RowParallel"}
 
 
-def test_heads_merged_after_a_transpose_are_not_read_as_heads():
+@pytest.mark.parametrize("heads, head_dim", [(HEADS, HEAD_DIM), (8, 8)])
+def test_heads_merged_after_a_transpose_are_not_read_as_heads(heads,
+                                                              head_dim):
     """(head_dim, heads) merged: the rows' blocks are not heads, so the
-    output is not planned as attention (it stays whole, warned)."""
-    planned, warned = rules(attention_block(transpose_heads=True))
+    output is not planned as attention (it stays whole, warned) — also
+    when heads == head_dim, where the shapes cannot tell."""
+    planned, warned = rules(attention_block(True, heads, head_dim))
     assert "out" not in planned, planned
     assert "out (Dense): in no MLP or attention pattern" in warned
 

@@ -146,3 +146,34 @@ def test_a_layout_error_without_an_operation_line_is_explained():
     with pytest.raises(ValueError, match=r"DTensor could not compile the "
                        r"train step.*its tf\.StridedSlice op failed"):
         compile_errors.explaining(step, model, strategy.extended, "train")()
+
+
+class _PositionsOuter(keras.layers.Layer):
+    """RoFormerV2's positions: `arange(seq)[None]` (new axes only) into
+    Keras' "...,d->...d" einsum."""
+
+    def call(self, x):
+        positions = keras.ops.arange(0, keras.ops.shape(x)[1],
+                                     dtype=x.dtype)[None]
+        angles = keras.ops.einsum("...,d->...d", positions,
+                                  keras.ops.arange(0, 4, dtype=x.dtype))
+        return x + keras.ops.sum(angles, -1)
+
+
+def test_a_slice_of_new_axes_only_feeds_an_ellipsis_einsum():
+    """`x[None]` is `expand_dims(x)` itself: with an Identity in between,
+    DTensor 2.21 could not lay out the einsum's broadcast ("Broadcasting
+    is unimplemented for einsum")."""
+    x = np.linspace(-1, 1, 16 * 6, dtype="float32").reshape(16, 6)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6),
+                                  _PositionsOuter()])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    _, want = models.train_built(None, build, x, x, 8)
+    _, got = models.train_built(tfpar.ParallelStrategy(
+        tfpar.Mesh({"data": 2, "model": 4})), build, x, x, 8)
+    assert models.relative_error(want, got) < 1e-4, (want, got)

@@ -18,6 +18,7 @@ import warnings
 import weakref
 
 import keras
+import tensorflow as tf
 
 from tfpar import _compat
 from tfpar import keras_graph
@@ -504,6 +505,14 @@ def _find_weight_owners(model):
     return out
 
 
+def _moves_last_axis(transpose):
+    """Whether a Transpose op's permutation (static) does not keep the last
+    axis last (unknown: True), e.g. (..., heads, head_dim) swapped."""
+    perm = tf.get_static_value(getattr(transpose.inputs[1], "tensor",
+                                       transpose.inputs[1]))
+    return perm is None or int(perm[-1]) != len(perm) - 1
+
+
 def _made_heads(layer, after):
     """The heads `layer` makes for an attention core, or None: an
     EinsumDense making >= 2 dimensions makes its first (heads); a Dense or
@@ -756,7 +765,11 @@ class _Dataflow:
             merged = merged.op.inputs[0]
         if merged.op.type != "Reshape" or self.producer.get(merged.name):
             return None
-        split = merged.op.inputs[0].shape
+        heads = merged.op.inputs[0]
+        if heads.op.type == "Transpose" and not self.producer.get(
+                heads.name) and _moves_last_axis(heads.op):
+            return None  # (..., head_dim, heads): its blocks are not heads
+        split = heads.shape
         rows = _split_size(layer, row=True)
         if (split.rank is None or split.rank < 3 or None in split[-2:]
                 or split[-2] * split[-1] != rows or split[-2] == 1):

@@ -174,7 +174,7 @@ def slice_adding_axes_by_expand_dims(strided_slice, input_, begin, end,
 
     length = tf.TensorShape(begin.shape if hasattr(begin, "shape")
                             else [len(begin)])
-    rank = getattr(input_, "shape", tf.TensorShape(None)).rank
+    rank = tf.TensorShape(getattr(input_, "shape", None)).rank
     if (not new_axis_mask or rank is None or length.rank != 1
             or length[0] is None or new_axis_mask & ellipsis_mask):
         return sliced(begin, end, strides)
@@ -196,13 +196,15 @@ def slice_adding_axes_by_expand_dims(strided_slice, input_, begin, end,
         return sum((mask >> i & 1) << j for j, i in enumerate(keep))
 
     if keep:
-        result = sliced(*(tf.gather(spec, keep) for spec in (begin, end,
-                                                             strides)),
+        result = sliced(*(_kept(spec, keep) for spec in (begin, end,
+                                                         strides)),
                         masks=(renumbered(begin_mask), renumbered(end_mask),
                                renumbered(ellipsis_mask), 0,
                                renumbered(shrink_axis_mask)))
-    else:  # only new axes: the input, whole
-        result = tf.identity(input_)
+    else:  # only new axes: the input itself (an Identity before the
+        # expand_dims left Keras' "...,d->...d" einsum of RoFormerV2's
+        # positions unable to lay out its broadcast)
+        result = tf.convert_to_tensor(input_)
     for axis in new_axes:  # ascending: each lands at its place
         result = tf.expand_dims(result, axis)
     return result
@@ -426,6 +428,16 @@ def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
     shape = tf.shape(out)
     return tf.reshape(out, tf.concat(
         [shape[:-2], [channels * multiplier]], 0))
+
+
+def _kept(spec, keep):
+    """The entries `keep` of a slice's begin, end or strides: constants
+    where they are known (DTensor lays them out as constants), else a
+    gather."""
+    static = tf.get_static_value(spec)
+    if static is None:
+        return tf.gather(spec, keep)
+    return [int(np.asarray(static)[i]) for i in keep]
 
 
 def roll_by_slices(roll, inputs, shift, axis, name=None):

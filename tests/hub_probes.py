@@ -154,3 +154,24 @@ def train(name, strategy):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         return model
     return models.train_built(strategy, build, x, y, 8)
+
+
+def assert_trains_like_one_device(name, mesh):
+    """`train(name, ...)` on `mesh` ({axis: size}) in parity with one
+    device (losses 1e-4 relative, every weight by `assert_same_weights`),
+    each device holding only its block of every weight split over
+    "model" (at least one). Returns the compiled step's
+    `tfpar.communication` programs."""
+    reference, want = train(name, None)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh))
+    with tfpar.communication.capture() as programs:
+        model, got = train(name, strategy)
+    assert models.relative_error(want, got) < 1e-4, (want, got)
+    assert_same_weights(reference, model)
+    weights = {w.path: w for w in model.weights}
+    split = [(path, spec) for path, spec, _ in strategy.placements("params")
+             if "model" in spec]
+    assert split, "auto_rules split nothing"
+    for path, spec in split:
+        models.assert_one_block_per_device(weights[path], spec)
+    return programs

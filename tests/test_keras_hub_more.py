@@ -28,6 +28,7 @@ passed when first run here; they are slow cases, so that a change which
 breaks one is seen.
 """
 
+import numpy as np
 import pytest
 
 import tfpar
@@ -45,22 +46,38 @@ SLOW = ("opt", "bloom", "falcon", "phi3", "qwen", "gemma3", "deberta_v3",
 @pytest.mark.parametrize("name", ["xlnet", "dinov2", "mit"] + [
     pytest.param(name, marks=pytest.mark.slow) for name in SLOW])
 def test_keras_hub_family_trains_like_one_device(name):
-    reference, want = hub_probes.train(name, None)
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESHES.get(name, MESH)))
-    model, got = hub_probes.train(name, strategy)
-    assert models.relative_error(want, got) < 1e-4, (want, got)
-    hub_probes.assert_same_weights(reference, model)
-    weights = {w.path: w for w in model.weights}
-    split = [(path, spec) for path, spec, _ in strategy.placements("params")
-             if "model" in spec]
-    assert split, "auto_rules split nothing"
-    for path, spec in split:
-        models.assert_one_block_per_device(weights[path], spec)
+    hub_probes.assert_trains_like_one_device(name, MESHES.get(name, MESH))
 
 
+@pytest.mark.slow
 def test_xlnet_trains_data_parallel_like_one_device():
     """The new-axis index failed on a data-only mesh too."""
     _, want = hub_probes.train("xlnet", None)
     _, got = hub_probes.train("xlnet", tfpar.ParallelStrategy(
         tfpar.Mesh({"data": 8})))
     assert models.relative_error(want, got) < 1e-4, (want, got)
+
+
+def test_dinov2_built_in_scope_resizes_its_table_as_one_device(tmp_path):
+    """The parity test sets the weights after building; this checks the
+    resize itself: DINOv2 built in a strategy's scope (fsdp: its tables
+    split over data) interpolates the same table one device does, and a
+    save/load round trip (which resizes back and forth) keeps it."""
+    def table(model):
+        embeddings = next(layer for layer in model._flatten_layers()  # noqa: SLF001
+                          if type(layer).__name__ == "DINOV2Embedding")
+        return embeddings.interpolated_position_embeddings
+
+    want = np.asarray(table(hub_probes.probe_model("dinov2")))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(MESH), fsdp=True)
+    with strategy.scope():
+        model = hub_probes.probe_model("dinov2")
+    np.testing.assert_allclose(np.asarray(table(model)), want, rtol=1e-6,
+                               atol=1e-7)
+    path = str(tmp_path / "dinov2.weights.h5")
+    model.save_weights(path)
+    with strategy.scope():
+        loaded = hub_probes.probe_model("dinov2")
+    loaded.load_weights(path)
+    np.testing.assert_allclose(np.asarray(table(loaded)), want, rtol=1e-6,
+                               atol=1e-7)

@@ -128,6 +128,13 @@ def tf_python_module(path):
     return importlib.import_module(f"tensorflow.python.{path}")
 
 
+def async_wait():
+    """Waits until every op this host dispatched has run (TF's private
+    `context.async_wait`: a step call returns before its collectives
+    complete)."""
+    tf_python_module("eager.context").async_wait()
+
+
 def keras_tf_core():
     """Keras' TensorFlow backend core module (its `Variable`, `remat`,
     `slice_update`): the owner several patches replace attributes of."""

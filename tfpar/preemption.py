@@ -61,7 +61,6 @@ import weakref
 
 import keras
 from keras.src.backend.tensorflow import trainer as _tf_trainer
-from tensorflow.python.eager import context as _tf_context
 
 from tfpar import _compat
 from tfpar import host_watch
@@ -407,7 +406,7 @@ def _wait_for_dispatched_steps():
     steps runs ahead of the steps' collectives, and the agreement's
     argument (module docstring) fails. Python's lock is released while
     waiting: a peer's proposal is taken meanwhile."""
-    _tf_context.async_wait()
+    _compat.async_wait()
 
 
 def on_preemption(directory, model, resume=True, signals=SIGNALS):

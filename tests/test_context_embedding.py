@@ -26,6 +26,7 @@ from tensorflow.experimental import dtensor
 
 import tfpar
 from tfpar import context_parallel
+from tfpar import parallel_dims
 from tfpar import layout as layout_lib
 
 import context_models
@@ -162,6 +163,26 @@ def test_a_lookup_without_a_sequence_is_gathered_whole_beside_context():
              if "ExpandDims" in c.name or c.purpose == "reduce-scatter"
              and "mix" in c.name]
     assert not moved, moved
+
+
+def test_sequence_parallelism_beside_a_context_axis_is_refused(
+        corpus, monkeypatch):
+    """A sequence-parallel style beside a context axis is a ValueError
+    naming the rule before anything is laid out; without that check the
+    step does not compile on DTensor 2.21 — the sequence dimension split
+    over both axes where a Megatron-SP gather meets a context split."""
+    weights, x, y = corpus
+    mesh = {"data": 2, "model": 2, "context": 2}
+    rules = {"embed": tfpar.ColumnParallel(sequence_parallel=True)}
+    with pytest.raises(ValueError, match=r"Layout rule 'embed' turns on "
+                       r"sequence parallelism.*context axis 'context' of "
+                       r"size 2.*Received: sequence-parallel rules"):
+        train(weights, x, y, mesh, rules, "sgd")
+    monkeypatch.setattr(parallel_dims.ParallelDims,
+                        "_check_one_sequence_split", lambda self, rules: None)
+    with pytest.raises(ValueError, match=r"could not compile.*mapped to "
+                       r"mesh dimension"):
+        train(weights, x, y, mesh, rules, "sgd")
 
 
 def test_whole_sequence_lookup_does_not_compile_on_dtensor():

@@ -325,9 +325,30 @@ class ParallelDims:
         return self.fsdp and sum(
             self.mesh.axis_size(a) > 1 for a in self.mesh.axis_names) == 1
 
+    def _check_one_sequence_split(self, rules):
+        """Sequence parallelism (Megatron-SP: the sequence split over the
+        model axis between blocks) and a context axis (the sequence split
+        over it everywhere) cannot split one dimension over two axes where
+        they meet: DTensor 2.21 fails to compile the step ("label 'b' is
+        mapped to mesh dimension 'model' and 'context'",
+        tests/test_context_embedding.py). Refused before training."""
+        patterns = _sequence_parallel_rules(rules)
+        if patterns and self.context_parallel_size > 1:
+            raise ValueError(
+                f"Layout rule {patterns[0]!r} turns on sequence parallelism "
+                f"(sequence_parallel=True), and the mesh splits sequences "
+                f"over its context axis {self.context_axis!r} of size "
+                f"{self.context_parallel_size}: DTensor 2.21 cannot split "
+                "the sequence over both. Received: sequence-parallel rules "
+                f"{patterns}. Leave sequence_parallel=False beside a "
+                "context axis (the context axis already splits every "
+                "activation along the sequence).")
+
     def check_rules(self, rules):
         """Raises unless every axis `rules` (a `LayoutRules`) names is a
-        mesh axis other than a pipeline axis of size > 1."""
+        mesh axis other than a pipeline axis of size > 1, and no style
+        splits the sequence (sequence parallelism) beside a context axis."""
+        self._check_one_sequence_split(rules)
         for axis, pattern in rules.axes_used().items():
             if axis == self.pipeline_axis and self.num_stages > 1:
                 raise ValueError(
@@ -344,6 +365,12 @@ class ParallelDims:
                     f"{self.mesh.axis_names}. Use one of the mesh's axis "
                     "names or add that axis."
                 )
+
+
+def _sequence_parallel_rules(rules):
+    """The patterns of `rules` whose styles turn sequence parallelism on."""
+    return [pattern for pattern, spec in rules.items()
+            if getattr(spec, "sequence_parallel", False)]
 
 
 def current():

@@ -191,10 +191,13 @@ def test_whole_sequence_lookup_does_not_compile_on_dtensor():
     along the sequence beside a context axis, and compiles it split
     (tests/dtensor_context_lookup_repro.py). If the first half fails, a
     newer DTensor compiles the whole-sequence stream."""
-    on_mesh = lookup_repro.mesh()
-    assert "does not match layout specified by Relayout op" in (
-        lookup_repro.attempt("whole", on_mesh))
-    assert lookup_repro.attempt("split", on_mesh).startswith("compiled ")
+    dmesh = lookup_repro.mesh()
+    status, _ = lookup_repro.attempt("whole", dmesh)
+    assert "does not match layout specified by Relayout op" in status
+    status, gradient = lookup_repro.attempt("split", dmesh)
+    assert status == "compiled"
+    np.testing.assert_allclose(gradient, lookup_repro.one_device_gradient(),
+                               rtol=1e-5, atol=1e-6)
 
 
 CASES = [

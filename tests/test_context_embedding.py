@@ -30,8 +30,9 @@ from tfpar import parallel_dims
 from tfpar import layout as layout_lib
 
 import context_models
+import test_context_hub_matrix as hub_matrix
+import test_context_parallel as context_checks
 import dtensor_context_lookup_repro as lookup_repro
-import fuzzing
 import models
 import test_plan_axes as axes_tests
 
@@ -233,26 +234,10 @@ def test_hub_decoders_split_embedding_beside_context(kind):
     and Llama 3 with `auto_rules` on context=2 × model=2 × data=2, Adam,
     in parity with one device (the suite's check with a float64 run); each
     device holds its hidden block of every embedding table."""
-    x, y = context_models.hub_corpus(32)
-    keras.utils.set_random_seed(0)
-    weights = context_models.hub_causal_lm(kind).get_weights()
-    want = context_models.train_hub(kind, None, weights, x, y)
-    exact = context_models.train_hub(kind, None, weights, x, y,
-                                     policy="float64")
-    strategy = tfpar.ParallelStrategy(
-        tfpar.Mesh({"context": 2, "model": 2, "data": 2}))
     built = []
-
-    def build(kind):
-        model = context_models.hub_causal_lm(kind)
-        strategy.apply_rules(model, tfpar.auto_rules(model,
-                                                     mesh=strategy.mesh))
-        built.append(model)
-        return model
-
-    got = context_models.train_hub(kind, strategy, weights, x, y,
-                                   build=build)
-    fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
+    context_checks.assert_hub_parity(
+        kind, mesh={"context": 2, "model": 2, "data": 2},
+        build=lambda strategy: hub_matrix.with_auto_rules(strategy, built))
     tables = [w for w in built[0].weights if w.path.endswith("/embeddings")]
     assert len(tables) == {"gpt2": 2, "llama3": 1}[kind], tables
     for table in tables:

@@ -293,20 +293,25 @@ def test_group_query_attention_gathers_only_key_value_heads(corpus, balance):
 # -- keras-hub decoders (tfpar/context_keras_hub.py) -------------------------
 
 
-def assert_hub_parity(kind, balance=False):
-    """`kind` on data=2 × context=4, load balanced or not, in
-    parity with one device (the suite's check: 1e-4 relative, or float32's
-    own noise where the exact gradient is 0, from a float64 run)."""
+def assert_hub_parity(kind, balance=False, mesh=None, build=None):
+    """`kind` on `mesh` (default data=2 × context=4), load balanced or
+    not, built by `build(strategy)` (a `train_hub` builder; None: its
+    own), in parity with one device (the suite's check: 1e-4 relative, or
+    float32's own noise where the exact gradient is 0, from a float64
+    run)."""
     x, y = context_models.hub_corpus(32)
     keras.utils.set_random_seed(0)
     weights = context_models.hub_causal_lm(kind).get_weights()
     want = context_models.train_hub(kind, None, weights, x, y)
     exact = context_models.train_hub(kind, None, weights, x, y,
                                      policy="float64")
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(
+        mesh or {"data": 2, "context": 4}))
     if balance:
         context_parallel.load_balance(strategy)
-    got = context_models.train_hub(kind, strategy, weights, x, y)
+    got = context_models.train_hub(
+        kind, strategy, weights, x, y,
+        **({} if build is None else {"build": build(strategy)}))
     fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
 
 

@@ -106,26 +106,7 @@ class NewAxes(keras.layers.Layer):
 def test_slices_adding_axes_train_in_a_step_like_one_device():
     """On data=8 the raw new-axis slice of a batch-split activation
     crashed the process (segmentation fault) before."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 4)).astype("float32")
-    y = rng.normal(size=(16, 4)).astype("float32")
-    keras.utils.set_random_seed(0)
-    weights = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
-        4)]).get_weights()
-
-    def build():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
-                                  NewAxes()])
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
-
-    reference, want = models.train_built(None, build, x, y, 8)
-    model, got = models.train_built(
-        tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})), build, x, y, 8)
-    assert models.relative_error(want, got) < 1e-4, (want, got)
-    for a, b in zip(reference.get_weights(), model.get_weights()):
-        assert models.relative_error(a, b) < 1e-4
+    models.assert_layer_trains_like_one_device(NewAxes, {"data": 8}, 4)
 
 
 def test_a_layout_error_without_an_operation_line_is_explained():
@@ -164,16 +145,5 @@ def test_a_slice_of_new_axes_only_feeds_an_ellipsis_einsum():
     """`x[None]` is `expand_dims(x)` itself: with an Identity in between,
     DTensor 2.21 could not lay out the einsum's broadcast ("Broadcasting
     is unimplemented for einsum")."""
-    x = np.linspace(-1, 1, 16 * 6, dtype="float32").reshape(16, 6)
-
-    def build():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6),
-                                  _PositionsOuter()])
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
-
-    _, want = models.train_built(None, build, x, x, 8)
-    _, got = models.train_built(tfpar.ParallelStrategy(
-        tfpar.Mesh({"data": 2, "model": 4})), build, x, x, 8)
-    assert models.relative_error(want, got) < 1e-4, (want, got)
+    models.assert_layer_trains_like_one_device(
+        _PositionsOuter, {"data": 2, "model": 4}, 6)

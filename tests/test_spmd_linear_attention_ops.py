@@ -110,24 +110,8 @@ class _RollFeatures(keras.layers.Layer):
 def test_a_roll_trains_in_a_step_like_one_device():
     """DTensor 2.21 cannot lay out TF's `Roll` (Swin's shifted windows
     failed on every mesh): in a step it is slices and a concatenation."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 6)).astype("float32")
-    y = rng.normal(size=(16, 6)).astype("float32")
-    keras.utils.set_random_seed(0)
-    weights = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
-        6)]).get_weights()
-
-    def build():
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6),
-                                  _RollFeatures()])
-        model.set_weights(weights)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        return model
-
-    _, want = models.train_built(None, build, x, y, 8)
-    _, got = models.train_built(tfpar.ParallelStrategy(
-        tfpar.Mesh({"data": 8})), build, x, y, 8)
-    assert models.relative_error(want, got) < 1e-4, (want, got)
+    models.assert_layer_trains_like_one_device(_RollFeatures, {"data": 8},
+                                               6)
 
 
 class _EyeResidual(keras.layers.Layer):

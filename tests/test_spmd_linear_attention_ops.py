@@ -160,3 +160,28 @@ def test_causal_depthwise_conv_and_eye_train_as_one_device(mesh):
     assert models.relative_error(want, got) < 1e-4, (want, got)
     for a, b in zip(reference.get_weights(), model.get_weights()):
         assert models.relative_error(a, b) < 1e-4
+
+
+def test_inference_keeps_tf_s_depthwise_convolution(monkeypatch):
+    """Only steps whose gradients are taken need the shifted sums (the
+    filter gradient is what DTensor cannot lay out): predict runs TF's own
+    depthwise convolution, with the same values."""
+    calls = []
+    original = spmd_ops.depthwise_conv_by_shifts
+    monkeypatch.setattr(spmd_ops, "depthwise_conv_by_shifts",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    x = np.linspace(-1, 1, 16 * 8 * 3, dtype="float32").reshape(16, 8, 3)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 3)),
+                              keras.layers.DepthwiseConv1D(3)])
+    want = model.predict(x, verbose=0)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    with strategy.scope():
+        laid = keras.Sequential([keras.Input((8, 3)),
+                                 keras.layers.DepthwiseConv1D(3)])
+    laid.set_weights(model.get_weights())
+    np.testing.assert_allclose(laid.predict(x, verbose=0), want, rtol=1e-6)
+    assert not calls
+    laid.compile(optimizer="sgd", loss="mse")
+    laid.fit(x, want, batch_size=16, verbose=0)
+    assert calls  # the training step's forward pass

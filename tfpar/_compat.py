@@ -128,6 +128,13 @@ def tf_python_module(path):
     return importlib.import_module(f"tensorflow.python.{path}")
 
 
+def tape_recording():
+    """Whether a gradient tape could record the ops run now (TF's private
+    `record.could_possibly_record`): a training step's forward pass, not
+    an inference step's."""
+    return tf_python_module("eager.record").could_possibly_record()
+
+
 def async_wait():
     """Waits until every op this host dispatched has run (TF's private
     `context.async_wait`: a step call returns before its collectives

@@ -521,15 +521,17 @@ def _depthwise_conv_by_shifts_in_step(original, hooks):
     """Keras' TF `nn.depthwise_conv` of a 1-D or 2-D input (channels last,
     a static kernel, "valid" or "same" padding, any stride and dilation;
     "same" with a stride needs static spatial sizes) as
-    `spmd_ops.depthwise_conv_by_shifts` in a step: DTensor 2.21 cannot lay
-    out the filter gradient of TF's op
-    (`DepthwiseConv2dNativeBackpropFilter`: Qwen3.5's causal convolution in
-    its gated delta net and SegFormer's Mix-FFN failed to compile). Other
-    convolutions, and everything outside a step, run Keras' op."""
+    `spmd_ops.depthwise_conv_by_shifts` in a step whose gradients are
+    taken (a tape records): DTensor 2.21 cannot lay out the filter
+    gradient of TF's op (`DepthwiseConv2dNativeBackpropFilter`: Qwen3.5's
+    causal convolution in its gated delta net and SegFormer's Mix-FFN
+    failed to compile). Inference steps (predict, generate), other
+    convolutions and everything outside a step run Keras' op, whose
+    forward pass lays out."""
     @functools.wraps(original)
     def depthwise_conv(inputs, kernel, strides=1, padding="valid",
                        data_format=None, dilation_rate=1):
-        if in_spmd_step():
+        if in_spmd_step() and _compat.tape_recording():
             inputs = tf.convert_to_tensor(inputs)
             kernel = tf.convert_to_tensor(kernel)
             if _by_shifts(inputs, kernel, strides, padding, data_format):

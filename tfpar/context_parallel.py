@@ -201,6 +201,16 @@ def _batch_spec(tensor, extended):
     return extended.dims.batch_split(tensor.shape[0]) or dtensor.UNSHARDED
 
 
+def _along_sequence(tensor, sequence_spec, extended):
+    """`tensor` (batch, sequence, ...) laid out with the batch as the
+    inputs, the sequence `sequence_spec` (the context axis: split;
+    UNSHARDED: gathered), every other dimension whole."""
+    specs = [_batch_spec(tensor, extended), sequence_spec]
+    specs += [dtensor.UNSHARDED] * (tensor.shape.rank - 2)
+    mesh = extended.registry.placement_mesh.dtensor_mesh
+    return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
+
+
 def _pinned(tensor, sequence_spec, extended):
     """`tensor` (batch, sequence, heads, dim) laid out with the sequence
     `sequence_spec` (the context axis: split; UNSHARDED: an all-gather over
@@ -247,9 +257,7 @@ def split_along_sequence(tensor, rank):
     mesh = extended.registry.placement_mesh.dtensor_mesh
     if split.axis not in mesh.dim_names:
         return None
-    specs = [_batch_spec(tensor, extended), split.axis]
-    specs += [dtensor.UNSHARDED] * (tensor.shape.rank - 2)
-    return dtensor.relayout(tensor, dtensor.Layout(specs, mesh))
+    return _along_sequence(tensor, split.axis, extended)
 
 
 class FactoredMask(blockwise.BlockMasks):
@@ -304,10 +312,7 @@ def factored_or_none(key_valid, causal, window=None, query_valid=None):
 def _pinned_vector(valid, sequence_spec, extended):
     """A (batch, s) validity vector as bool, the batch as the inputs, the
     sequence `sequence_spec` (split, or gathered: b·s bools)."""
-    valid = tf.cast(valid, tf.bool)
-    mesh = extended.registry.placement_mesh.dtensor_mesh
-    return dtensor.relayout(valid, dtensor.Layout(
-        [_batch_spec(valid, extended), sequence_spec], mesh))
+    return _along_sequence(tf.cast(valid, tf.bool), sequence_spec, extended)
 
 
 def _mask_options(mask, causal, split, extended, query_spec=None):
@@ -332,9 +337,7 @@ def _mask_options(mask, causal, split, extended, query_spec=None):
 def _pinned_mask(mask, split, extended):
     """An attention mask (batch or 1, queries, keys) split like the
     queries: each device keeps the rows of its queries."""
-    specs = [_batch_spec(mask, extended), split.axis, dtensor.UNSHARDED]
-    mesh = extended.registry.placement_mesh.dtensor_mesh
-    return dtensor.relayout(mask, dtensor.Layout(specs, mesh))
+    return _along_sequence(mask, split.axis, extended)
 
 
 def _check_attention(layer, query, training, return_scores):

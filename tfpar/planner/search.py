@@ -10,8 +10,7 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   sequence: every kept activation 1/t as large, Megatron-LM's sequence
   parallelism). A transformer's output head is split over the vocabulary
   (`vocab_parallel=True`, `VocabParallel`) where t divides the vocabulary,
-  without sequence parallelism or a context axis
-  (`transformer.vocab_parallel`), else kept whole (`Layout.whole_head`);
+  without sequence parallelism (`transformer.vocab_parallel`), else kept whole (`Layout.whole_head`);
   the candidate records it (`Candidate.vocab_parallel`), the plan applies
   it and the cost model costs that head (`Layout`).
 - Stage cuts (Alpa's inter-op pass, simplified to one objective): for p

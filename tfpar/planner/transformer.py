@@ -59,7 +59,8 @@ def transformer_of(profile):
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
         gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
         # Without a head: whether no reverse table of its own is held.
-        tied=head.tied if head else not _reverse_table(profile, hidden),
+        tied=head.tied if head else not _reverse_table(
+            profile, *_token_table(_tables(profile, hidden))),
         embedding_head=head is None or head.embedding,
         lm_head=head is not None, position_embedding=positions,
         experts=experts,
@@ -155,7 +156,7 @@ def vocab_head(profile, hidden=None):
         if any(w.path == table.path for layer in op.reuses
                for w in layer.weights):
             return Head(vocab, table_op, i,
-                        tied=not _reverse_table(profile, hidden),
+                        tied=not _reverse_table(profile, table_op, table),
                         embedding=True)
     kernels = [(i, w) for i, op in enumerate(profile.ops)
                for w in op.weights if w.flops]
@@ -172,13 +173,10 @@ def _token_table(tables):
     return max(tables, key=lambda found: found[1].shape[0])
 
 
-def _reverse_table(profile, hidden=None):
-    """Whether the token table's layer owns a kernel of its own (an
-    untied ReversibleEmbedding's `reverse_embeddings`), called or not."""
-    tables = _tables(profile, hidden)
-    if not tables:
-        return False
-    table_op, table = _token_table(tables)
+def _reverse_table(profile, table_op, table):
+    """Whether the token table's layer (`table`, looked up by op
+    `table_op`) owns a kernel of its own (an untied ReversibleEmbedding's
+    `reverse_embeddings`), called or not."""
     layer_path = table.path.rsplit("/", 1)[0]
     return any(w.flops and w.path.rsplit("/", 1)[0] == layer_path
                for w in profile.ops[table_op].weights)

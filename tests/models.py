@@ -267,6 +267,18 @@ def train_sgd_in_order(strategy, build, weights, x, y):
               callbacks=[losses])
     return np.array(losses.losses), model
 
+def assert_trains_in_order_like_one_device(build, x, y, mesh, rules=None):
+    """`build()` from one set of initial weights, trained as
+    `train_sgd_in_order` does on one device and on `mesh` ({axis: size},
+    with `rules`): losses and weights within 1e-4 relative."""
+    weights = build().get_weights()
+    want, reference = train_sgd_in_order(None, build, weights, x, y)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh), rules=rules)
+    got, model = train_sgd_in_order(strategy, build, weights, x, y)
+    assert relative_error(want, got) < 1e-4, (want, got)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        assert relative_error(a, b) < 1e-4
+
 # The MLP the two-host tests train (tests/test_hosts.py, hosts_child.py).
 HOST_RULES = {r".*up0/kernel": (None, "model"), r".*up0/bias": ("model",),
               r".*down0/kernel": ("model", None)}

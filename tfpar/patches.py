@@ -13,7 +13,8 @@ per process; `tfpar._compat.uninstall()` undoes it):
   publish the Keras variable being created
   (`variable_creation.VARIABLE_CREATION_PATCHES`);
 - context parallelism's (`context_parallel.PATCHES`: attention computed
-  blockwise across the sequence split; inert without a context axis).
+  blockwise across the sequence split; inert without a context axis);
+- Keras' recurrent layers unrolled in a step (`recurrent.PATCHES`).
 
 What the routing asks tfpar is passed down as `hooks` (the strategy's
 `compat_hooks()`): `owns(strategy)`, whether a strategy is a
@@ -37,6 +38,7 @@ from tfpar import context_keras_hub
 from tfpar import context_parallel
 from tfpar import hub_positions
 from tfpar import moe_keras_hub
+from tfpar import recurrent
 from tfpar import spmd_patches
 from tfpar import variable_creation
 from tfpar import vocab_parallel
@@ -257,7 +259,8 @@ def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
     `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`,
     `context_parallel.PATCHES`, `context_keras_hub.PATCHES`,
-    `hub_positions.PATCHES`, `vocab_parallel.PATCHES`) with `hooks`, and
+    `hub_positions.PATCHES`, `vocab_parallel.PATCHES`,
+    `recurrent.PATCHES`) with `hooks`, and
     keras-hub's MoE blocks' (`moe_keras_hub.install`, a group of their
     own, also installed by `dispatch_experts` without a strategy); once per
     process."""
@@ -265,7 +268,8 @@ def install(hooks):
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
         *context_parallel.PATCHES, *context_keras_hub.PATCHES,
-        *hub_positions.PATCHES, *vocab_parallel.PATCHES), hooks)
+        *hub_positions.PATCHES, *vocab_parallel.PATCHES,
+        *recurrent.PATCHES), hooks)
     moe_keras_hub.install()
 
 

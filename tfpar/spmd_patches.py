@@ -543,6 +543,36 @@ def _depthwise_conv_by_shifts_in_step(original, hooks):
     return depthwise_conv
 
 
+def _separable_conv_by_shifts_in_step(original, hooks):
+    """Keras' TF `nn.separable_conv` (SeparableConv1D/2D: a depthwise
+    convolution, then a 1×1 "pointwise" one) in a step whose gradients are
+    taken, as Keras' `depthwise_conv` — `spmd_ops.depthwise_conv_by_shifts`
+    there (`_depthwise_conv_by_shifts_in_step`) — then Keras' `conv` with
+    the pointwise kernel: TF's `separable_conv2d` runs the same
+    `DepthwiseConv2dNative`, whose filter gradient DTensor 2.21 cannot lay
+    out. Elsewhere Keras' op runs."""
+    @functools.wraps(original)
+    def separable_conv(inputs, depthwise_kernel, pointwise_kernel, strides=1,
+                       padding="valid", data_format=None, dilation_rate=1):
+        if in_spmd_step() and _compat.tape_recording():
+            inputs = tf.convert_to_tensor(inputs)
+            depthwise_kernel = tf.convert_to_tensor(depthwise_kernel)
+            if _by_shifts(inputs, depthwise_kernel, strides, padding,
+                          data_format):
+                nn = _keras_nn()
+                depthwise = nn.depthwise_conv(
+                    inputs, depthwise_kernel, strides=strides,
+                    padding=padding, data_format=data_format,
+                    dilation_rate=dilation_rate)
+                return nn.conv(depthwise, pointwise_kernel, strides=1,
+                               padding="valid", data_format=data_format)
+        return original(inputs, depthwise_kernel, pointwise_kernel,
+                        strides=strides, padding=padding,
+                        data_format=data_format, dilation_rate=dilation_rate)
+
+    return separable_conv
+
+
 def _by_shifts(inputs, kernel, strides, padding, data_format):
     """Whether `spmd_ops.depthwise_conv_by_shifts` computes this call."""
     rank = inputs.shape.rank
@@ -568,6 +598,8 @@ PATCHES = (
     _compat.Patch("eye", _keras_numpy, "eye", _eye_by_comparison_in_step),
     _compat.Patch("depthwise_conv", _keras_nn, "depthwise_conv",
                   _depthwise_conv_by_shifts_in_step),
+    _compat.Patch("separable_conv", _keras_nn, "separable_conv",
+                  _separable_conv_by_shifts_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),

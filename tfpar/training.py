@@ -45,6 +45,7 @@ from tfpar import context_keras_hub
 from tfpar import inputs as inputs_lib
 from tfpar import logs
 from tfpar import placement
+from tfpar import recurrent
 from tfpar import watchdog
 
 
@@ -116,11 +117,15 @@ class Runner(abc.ABC):
         a `tf.function`. (Of a `functools.partial`: TF counts retracings per
         Python function (per code object), so the steps of every model and
         mode, traced once each, would add up to "triggered tf.function
-        retracing" warnings; a partial makes each runner's count its own.)"""
+        retracing" warnings; a partial makes each runner's count its own.)
+        A model with recurrent layers traces each input shape exactly: a
+        step unrolls its recurrences, so it needs their sequence length
+        (`tfpar.recurrent`), which relaxing a shape to None would lose."""
         if self._model.run_eagerly:
             return step
-        return tf.function(_named_partial(step),
-                           reduce_retracing=reduce_retracing)
+        return tf.function(_named_partial(step), reduce_retracing=(
+            reduce_retracing and not recurrent.has_recurrent_layers(
+                self._model)))
 
     def run(self, host_batches):
         """Runs the step over `host_batches` (a list).

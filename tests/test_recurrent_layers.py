@@ -13,6 +13,7 @@ mesh are slow cases.
 """
 
 import contextlib
+import doctest
 
 import keras
 import numpy as np
@@ -21,6 +22,7 @@ import tensorflow as tf
 
 import tfpar
 from tfpar import _compat
+from tfpar import recurrent
 from tfpar.step_context import in_spmd_step
 
 import dtensor_tensor_list_repro as repro
@@ -229,3 +231,8 @@ def test_cudnn_kernels_are_not_asked_for_in_a_step(monkeypatch):
         model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert True not in calls, calls
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(recurrent)
+    assert result.attempted >= 3 and result.failed == 0

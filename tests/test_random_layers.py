@@ -19,7 +19,11 @@ RandomCrop too, also on data x model (Keras 3.15 does not crop at
 inference, keras-team/keras#21868, which failed every strategy's build:
 under tfpar the inference crop is the centred one Keras documents, and a
 step cuts the drawn window by gathers). `keras.random.shuffle` draws one
-device's permutation (also recomputed); `gamma`, `beta` and `binomial`
+device's permutation (also recomputed). RandomRotation, RandomZoom,
+RandomTranslation and RandomShear transform by TF's
+ImageProjectiveTransformV3, which DTensor cannot lay out: a step gathers
+(`spmd_ops.affine_transform_by_gather`, equal to TF's op here) and they
+train as one device on data=8. `gamma`, `beta` and `binomial`
 are refused in a step with a ValueError (DTensor 2.21 cannot lay out
 their TF ops at all, tests/dtensor_random_gamma_repro.py).
 """
@@ -29,8 +33,10 @@ import contextlib
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpar
+from tfpar import spmd_ops
 
 import models
 import test_dropout_parity
@@ -121,13 +127,34 @@ def build_images(seed=1):
     return keras.Model(x, keras.layers.Dense(3, name="out")(h))
 
 
-def train_images(strategy, weights, seed=1):
+def build_geometric(seed=1):
+    """(8, 8, 2) images -> RandomRotation (reflect, bilinear) ->
+    RandomZoom (wrap) -> RandomTranslation (constant fill) -> RandomShear
+    (nearest fill and interpolation) -> Conv2D -> out(3): each transforms
+    by Keras' `image.affine_transform` (TF's ImageProjectiveTransformV3,
+    which DTensor 2.21 cannot lay out; a step gathers)."""
+    x = keras.Input((8, 8, 2))
+    h = keras.layers.RandomRotation(0.2, seed=seed, name="rotation")(x)
+    h = keras.layers.RandomZoom(0.3, fill_mode="wrap", seed=seed + 1,
+                                name="zoom")(h)
+    h = keras.layers.RandomTranslation(0.2, 0.2, fill_mode="constant",
+                                       fill_value=0.5, seed=seed + 2,
+                                       name="translation")(h)
+    h = keras.layers.RandomShear(0.3, 0.3, fill_mode="nearest",
+                                 interpolation="nearest", seed=seed + 3,
+                                 name="shear")(h)
+    h = keras.layers.Conv2D(4, 3, name="conv")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+def train_images(strategy, weights, seed=1, build=build_images):
     """Two epochs of SGD(0.05) in order, batch 16: (losses, weights)."""
     rng = np.random.RandomState(0)
     x = rng.normal(size=(64, 8, 8, 2)).astype("float32")
     y = rng.normal(size=(64, 3)).astype("float32")
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = build_images(seed)
+        model = build(seed)
         model.set_weights(weights)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     losses = models.BatchLosses()
@@ -136,17 +163,19 @@ def train_images(strategy, weights, seed=1):
     return np.array(losses.losses), model.get_weights()
 
 
-@pytest.mark.parametrize("axes", [{"data": 2}, {"data": 8}],
-                         ids=["data2", "data8"])
-def test_random_flip_and_contrast_match_one_device(axes):
+@pytest.mark.parametrize("axes,build", [
+    ({"data": 2}, build_images), ({"data": 8}, build_images),
+    ({"data": 8}, build_geometric)],
+    ids=["data2", "data8", "geometric-data8"])
+def test_random_image_layers_match_one_device(axes, build):
     keras.utils.set_random_seed(0)
-    weights = build_images().get_weights()
-    want_losses, want = train_images(None, weights)
+    weights = build().get_weights()
+    want_losses, want = train_images(None, weights, build=build)
     devices = [f"CPU:{i}" for i in range(int(np.prod(list(axes.values()))))]
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices))
-    got_losses, got = train_images(strategy, weights)
+    got_losses, got = train_images(strategy, weights, build=build)
     # The draws matter: other seeds train elsewhere on one device.
-    other_losses, _ = train_images(None, weights, seed=11)
+    other_losses, _ = train_images(None, weights, seed=11, build=build)
     assert models.relative_error(want_losses, other_losses) > 1e-2
     assert models.relative_error(want_losses, got_losses) < RTOL, (
         want_losses, got_losses)
@@ -309,3 +338,32 @@ def test_random_crop_matches_one_device(axes, rules):
     np.testing.assert_allclose(model.predict(x[:8], verbose=0),
                                uncropped.predict(resized, verbose=0),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
+@pytest.mark.parametrize("fill_mode", ["constant", "nearest", "wrap",
+                                       "reflect"])
+def test_affine_transform_by_gather_is_tf_op(interpolation, fill_mode):
+    """`spmd_ops.affine_transform_by_gather` equals TF's
+    ImageProjectiveTransformV3 on 30 random images (sizes 1-9, so the
+    1-pixel edge cases too) and projective transforms (some with k = 0
+    somewhere, some one transform for the whole batch)."""
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        height, width = (int(n) for n in rng.integers(1, 10, 2))
+        images = rng.normal(size=(3, height, width, 2)).astype("float32")
+        scale = np.array([1, 1, 4, 1, 1, 4, 0.2, 0.2], "float32")
+        transforms = (rng.normal(size=(3 if trial % 2 else 1, 8))
+                      * scale).astype("float32")
+        if trial % 5 == 0:
+            transforms[:, 6:] = 0.0
+        if trial % 7 == 0:  # k = c0·x + c1·y + 1 = 0 at (x, y) = (1, 0)
+            transforms[:, 6:] = [-1.0, 0.0]
+        want = tf.raw_ops.ImageProjectiveTransformV3(
+            images=images, transforms=transforms,
+            output_shape=[height, width], fill_value=0.5,
+            interpolation=interpolation.upper(), fill_mode=fill_mode.upper())
+        got = spmd_ops.affine_transform_by_gather(
+            images, transforms, interpolation, fill_mode, 0.5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"trial {trial}")

@@ -3,7 +3,7 @@
 Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-`numpy.eye`, a 1-D `nn.depthwise_conv`, TF's `ConcatV2` and `Pack`,
+`numpy.eye`, a 1-D `nn.depthwise_conv`, `image.affine_transform`, TF's `ConcatV2` and `Pack`,
 RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
@@ -474,6 +474,104 @@ def roll_by_slices(roll, inputs, shift, axis, name=None):
             out = tf.concat([out[tuple(head + [slice(n - s, None)])],
                              out[tuple(head + [slice(None, n - s)])]], a)
     return out
+
+
+def affine_transform_by_gather(images, transforms, interpolation="bilinear",
+                               fill_mode="constant", fill_value=0.0):
+    """TF's `ImageProjectiveTransformV3` (Keras' `image.affine_transform`:
+    RandomRotation, RandomZoom, RandomTranslation, RandomShear) of (batch,
+    height, width, channels) images with static height and width, by
+    gathers: the same math as TF's kernel (tensorflow/core/kernels/image/
+    image_ops.h), value for value.
+
+    For output pixel (x, y) and a transform [a0 a1 a2 b0 b1 b2 c0 c1] (one
+    per image, or one for all): k = c0·x + c1·y + 1, the input point is
+    ((a0·x + a1·y + a2)/k, (b0·x + b1·y + b2)/k), mapped into the image by
+    `fill_mode` (`_mapped_coordinate`), then read nearest (rounded half
+    away from zero) or bilinear (the four neighbours weighted by distance);
+    a read outside the image, or k = 0, gives `fill_value`. DTensor 2.21
+    cannot lay out TF's op ("'tf.ImageProjectiveTransformV3' op does not
+    implement layout propagation"); it lays out a gather per image
+    (`batch_dims=1`).
+
+    >>> image = tf.reshape(tf.range(4.0), (1, 2, 2, 1))
+    >>> shift_right = [[1.0, 0, -1, 0, 1, 0, 0, 0]]  # reads x - 1
+    >>> affine_transform_by_gather(image, shift_right)[0, :, :, 0].numpy()
+    array([[0., 0.],
+           [0., 2.]], dtype=float32)
+    """
+    images = tf.convert_to_tensor(images)
+    _, height, width, channels = images.shape
+    t = tf.unstack(tf.cast(transforms, tf.float32)[:, :, None, None], axis=1)
+    ys, xs = tf.meshgrid(tf.range(height, dtype=tf.float32),
+                         tf.range(width, dtype=tf.float32), indexing="ij")
+    projection = t[6] * xs + t[7] * ys + 1.0  # (batch or 1, height, width)
+    safe = tf.where(projection == 0, tf.ones_like(projection), projection)
+    x = _mapped_coordinate((t[0] * xs + t[1] * ys + t[2]) / safe, width,
+                           fill_mode)
+    y = _mapped_coordinate((t[3] * xs + t[4] * ys + t[5]) / safe, height,
+                           fill_mode)
+    flat = tf.reshape(images, (-1, height * width, channels))
+    fill = tf.cast(fill_value, images.dtype)
+    shape = tf.shape(images)
+
+    def read(row, col):
+        """images[b, row, col] at whole-number float coordinates, the fill
+        value outside the image."""
+        inside = (row >= 0) & (row < height) & (col >= 0) & (col < width)
+        index = tf.cast(tf.clip_by_value(row, 0, height - 1) * width
+                        + tf.clip_by_value(col, 0, width - 1), tf.int32)
+        index = tf.reshape(tf.broadcast_to(index, shape[:3]),
+                           (-1, height * width))
+        got = tf.reshape(tf.gather(flat, index, batch_dims=1), shape)
+        return tf.where(tf.broadcast_to(inside[..., None], shape), got, fill)
+
+    if interpolation == "nearest":
+        out = read(_rounded_half_away(y), _rounded_half_away(x))
+    else:
+        y0, x0 = tf.floor(y), tf.floor(x)
+        left, right = (x0 + 1 - x)[..., None], (x - x0)[..., None]
+        top = left * read(y0, x0) + right * read(y0, x0 + 1)
+        bottom = left * read(y0 + 1, x0) + right * read(y0 + 1, x0 + 1)
+        out = (y0 + 1 - y)[..., None] * top + (y - y0)[..., None] * bottom
+    at_infinity = tf.broadcast_to((projection == 0)[..., None], shape)
+    return tf.where(at_infinity, fill, tf.cast(out, images.dtype))
+
+
+def _truncated(x):
+    """C++'s float-to-integer cast, toward zero (as floats)."""
+    return tf.where(x < 0, tf.math.ceil(x), tf.floor(x))
+
+
+def _rounded_half_away(x):
+    """`std::round`: halves away from zero (`tf.round` rounds to even)."""
+    return tf.sign(x) * tf.floor(tf.abs(x) + 0.5)
+
+
+def _mapped_coordinate(coord, length, fill_mode):
+    """TF's `MapCoordinate` for `fill_mode`: "constant" keeps the
+    coordinate (a read outside gives the fill value); "nearest" clamps it
+    to [0, n - 1]; "reflect" folds it back (dcba|abcd|dcba), "wrap" wraps
+    it (abcd|abcd|abcd), both then clamped, as the kernel computes them."""
+    n = float(length)
+    if fill_mode == "constant":
+        return coord
+    if fill_mode in ("reflect", "wrap") and length <= 1:
+        return tf.zeros_like(coord)
+    if fill_mode == "reflect":
+        period = 2.0 * n
+        below = period * _truncated(-coord / period) + coord
+        below = tf.where(below < -n, below + period, -below - 1)
+        above = coord - period * _truncated(coord / period)
+        above = tf.where(above >= n, period - above - 1, above)
+        coord = tf.where(coord < 0, below,
+                         tf.where(coord > n - 1, above, coord))
+    elif fill_mode == "wrap":
+        below = coord + n * (_truncated(-coord / (n - 1)) + 1)
+        above = coord - n * _truncated(coord / (n - 1))
+        coord = tf.where(coord < 0, below,
+                         tf.where(coord > n - 1, above, coord))
+    return tf.clip_by_value(coord, 0.0, n - 1)
 
 
 def _per_dimension(value, spatial):

@@ -573,6 +573,45 @@ def _separable_conv_by_shifts_in_step(original, hooks):
     return separable_conv
 
 
+def _keras_image():
+    return _compat.keras_module("backend.tensorflow.image")
+
+
+def _affine_transform_by_gather_in_step(original, hooks):
+    """Keras' TF `image.affine_transform` (RandomRotation, RandomZoom,
+    RandomTranslation, RandomShear) as `spmd_ops.affine_transform_by_gather`
+    in a step, for a batch of images of static height and width: DTensor
+    2.21 cannot lay out TF's `ImageProjectiveTransformV3`. Elsewhere, and
+    for arguments Keras refuses (its own error), Keras' op runs."""
+    @functools.wraps(original)
+    def affine_transform(images, transform, interpolation="bilinear",
+                         fill_mode="constant", fill_value=0,
+                         data_format=None):
+        if not in_spmd_step() or interpolation not in (
+                "nearest", "bilinear") or fill_mode not in (
+                "constant", "nearest", "wrap", "reflect"):
+            return original(images, transform, interpolation, fill_mode,
+                            fill_value, data_format)
+        images = tf.convert_to_tensor(images)
+        transform = tf.convert_to_tensor(transform)
+        channels_first = _compat.keras_module(
+            "backend").standardize_data_format(data_format) == "channels_first"
+        if images.shape.rank != 4 or transform.shape.rank not in (1, 2):
+            return original(images, transform, interpolation, fill_mode,
+                            fill_value, data_format)
+        if channels_first:
+            images = tf.transpose(images, (0, 2, 3, 1))
+        if None in images.shape[1:3]:
+            return original(images, transform, interpolation, fill_mode,
+                            fill_value, "channels_last")
+        out = spmd_ops.affine_transform_by_gather(
+            images, tf.reshape(transform, (-1, 8)), interpolation,
+            fill_mode, fill_value)
+        return tf.transpose(out, (0, 3, 1, 2)) if channels_first else out
+
+    return affine_transform
+
+
 def _by_shifts(inputs, kernel, strides, padding, data_format):
     """Whether `spmd_ops.depthwise_conv_by_shifts` computes this call."""
     rank = inputs.shape.rank
@@ -600,6 +639,8 @@ PATCHES = (
                   _depthwise_conv_by_shifts_in_step),
     _compat.Patch("separable_conv", _keras_nn, "separable_conv",
                   _separable_conv_by_shifts_in_step),
+    _compat.Patch("affine_transform", _keras_image, "affine_transform",
+                  _affine_transform_by_gather_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),

@@ -236,3 +236,22 @@ def test_cudnn_kernels_are_not_asked_for_in_a_step(monkeypatch):
 def test_docstring_examples_run():
     result = doctest.testmod(recurrent)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_a_long_unrolled_sequence_warns_of_its_compile_time():
+    """Over `LONG_SEQUENCE` steps the unrolled step compiles slowly (a copy
+    of the cell per step): a warning names the layer and the length,
+    before Keras' function runs (here a stand-in recording its arguments)."""
+    calls = []
+
+    def keras_rnn(step_function, inputs, initial_states, **kwargs):
+        calls.append(kwargs)
+        return "ran"
+
+    steps = recurrent.LONG_SEQUENCE + 1
+    with tf.name_scope("encoder"), pytest.warns(UserWarning) as warned:
+        out = recurrent.unrolled_rnn(keras_rnn, None, tf.zeros((2, steps, 3)),
+                                     [])
+    message = str(warned[0].message)
+    assert "encoder" in message and str(steps) in message, message
+    assert out == "ran" and calls[0]["unroll"] is True

@@ -22,12 +22,17 @@ Outside a step Keras' functions run unchanged.
 """
 
 import functools
+import warnings
 
 import keras
 import tensorflow as tf
 
 from tfpar import _compat
 from tfpar.step_context import in_spmd_step
+
+
+# Sequences longer than this warn that the unrolled step compiles slowly.
+LONG_SEQUENCE = 256
 
 
 def _keras_backend():
@@ -60,6 +65,16 @@ def unrolled_rnn(rnn, step_function, inputs, initial_states,
             "length: give keras.Input a fixed length, e.g. keras.Input("
             "(128, features)), and pad or cut every batch to it (e.g. "
             "dataset.padded_batch(batch, padded_shapes=...)).")
+    steps = first.shape[time_axis]
+    if steps > LONG_SEQUENCE:
+        warnings.warn(
+            f"tfpar unrolls the recurrent layer at "
+            f"'{tf.get_current_name_scope()}' over {steps} time steps in the "
+            f"step (DTensor 2.21 cannot run Keras' loop): the step's graph "
+            f"holds {steps} copies of the cell, so compiling it takes long "
+            "(about 10 s per 100 steps of an LSTM on a CPU host). Shorter "
+            "sequences (e.g. a sequence split into chunks) compile faster.",
+            stacklevel=2)
     if go_backwards:
         inputs = tf.nest.map_structure(
             lambda x: _reversed_in_time(x, time_axis), inputs)

@@ -52,3 +52,15 @@ def module_leaves_process_state_as_found(request):
     assert not changed, (
         f"{request.module.__name__} left process-wide state changed for "
         f"the test files after it: {changed}")
+
+
+@pytest.fixture
+def float64():
+    """floatx and the global dtype policy float64 (the policy, once read,
+    no longer follows floatx), restored after the test."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)

@@ -85,6 +85,35 @@ def test_depthwise_conv_by_shifts_is_keras_op(shape, kernel_size,
         assert models.relative_error(want.numpy(), got.numpy()) < RTOL
 
 
+@pytest.mark.parametrize("shape, pool_size, strides, padding", [
+    ((9, 5), 2, None, "valid"), ((9, 5), 3, 2, "same"),
+    ((10, 5), 4, 1, "same"), ((7, 6, 3), (3, 3), (2, 2), "same"),
+    ((7, 6, 3), (2, 3), (1, 2), "valid"), ((8, 8, 3), 3, 3, "same")])
+def test_average_pool_by_shifts_is_tf_op(shape, pool_size, strides,
+                                         padding):
+    """Values and input gradients (under a random cotangent) of TF's
+    `avg_pool` (1-D and 2-D, valid and same padding, whose windows at the
+    border divide by the inputs they hold) within 1e-5 relative."""
+    rng = np.random.default_rng(len(shape) + len(padding))
+    x = tf.constant(rng.normal(size=(3, *shape)), tf.float32)
+    want_shape = tf.nn.avg_pool(x, pool_size, strides or pool_size,
+                                padding.upper()).shape
+    cotangent = tf.constant(rng.normal(size=want_shape), tf.float32)
+    results = []
+    for pool in (lambda v: tf.nn.avg_pool(v, pool_size, strides or pool_size,
+                                          padding.upper()),
+                 lambda v: spmd_ops.average_pool_by_shifts(
+                     v, pool_size, strides, padding)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = pool(x)
+            loss = tf.reduce_sum(y * cotangent)
+        results.append((y, tape.gradient(loss, x)))
+    for want, got in zip(*results):
+        assert want.shape == got.shape
+        assert models.relative_error(want.numpy(), got.numpy()) < RTOL
+
+
 @pytest.mark.parametrize("shift, axis", [
     (2, 0), (-1, 1), (7, 2), ((1, -2), (0, 2)), (0, 1), ((3, 3), (1, 1))])
 def test_roll_by_slices_is_tf_roll(shift, axis):
@@ -203,4 +232,70 @@ def test_separable_convolutions_train_as_one_device():
     x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
     y = rng.normal(size=(32, 3)).astype("float32")
     models.assert_trains_in_order_like_one_device(_separable, x, y,
+                                                  {"data": 8})
+
+
+def _pooled_and_grouped_2d():
+    """(9, 9, 4) -> Conv2D -> AveragePooling2D (valid) -> Conv2D with a
+    group per channel -> AveragePooling2D (3, stride 2, same) -> Conv2D of
+    2 groups -> Dense(3)."""
+    x = keras.Input((9, 9, 4))
+    h = keras.layers.Conv2D(8, 3, padding="same")(x)
+    h = keras.layers.AveragePooling2D(2)(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", groups=8)(h)
+    h = keras.layers.AveragePooling2D(3, strides=2, padding="same")(h)
+    h = keras.layers.Conv2D(6, 1, groups=2)(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def _pooled_and_grouped_1d():
+    """(10, 4) -> Conv1D -> AveragePooling1D (3, stride 2, same) -> Conv1D
+    of 4 groups -> AveragePooling1D (valid) -> Dense(3)."""
+    x = keras.Input((10, 4))
+    h = keras.layers.Conv1D(8, 3)(x)
+    h = keras.layers.AveragePooling1D(3, strides=2, padding="same")(h)
+    h = keras.layers.Conv1D(8, 3, groups=4, padding="same")(h)
+    h = keras.layers.AveragePooling1D(2)(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("build, shape", [
+    (_pooled_and_grouped_2d, (9, 9, 4)), (_pooled_and_grouped_1d, (10, 4))],
+    ids=["2d", "1d"])
+def test_average_pooling_and_grouped_convolutions_train_as_one_device(
+        build, shape):
+    """Average pooling of a convolution (its `AvgPoolGrad`: DenseNet)
+    failed in a step on data=8; with the stand-in losses and weights are one
+    device's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, *shape)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    models.assert_trains_in_order_like_one_device(build, x, y, {"data": 8})
+
+
+def _convnext_like():
+    """(8, 8, 3) -> a 2×2 stride-2 stem -> a 3×3 Conv2D with a group per
+    channel (ConvNeXt's depthwise form) -> LayerNormalization -> a 1×1
+    Conv2D of 2 groups -> global average -> Dense(3)."""
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 2, strides=2)(x)
+    h = keras.layers.Conv2D(8, 3, padding="same", groups=8)(h)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Conv2D(6, 1, groups=2)(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def test_grouped_convolutions_train_as_one_device_in_float64(float64):
+    """Keras' grouped convolution (its nested XLA function) failed in a
+    float64 step on data=8 ("filter_size does not have enough elements":
+    ConvNeXt); as a depthwise convolution (a group per channel) or one
+    convolution per group it trains as one device."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8, 8, 3)), rng.normal(size=(32, 3))
+    keras.utils.set_random_seed(0)
+    models.assert_trains_in_order_like_one_device(_convnext_like, x, y,
                                                   {"data": 8})

@@ -3,7 +3,8 @@
 Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
-`numpy.eye`, a 1-D `nn.depthwise_conv`, `image.affine_transform`, TF's `ConcatV2` and `Pack`,
+`numpy.eye`, `nn.depthwise_conv`, `nn.separable_conv`, `nn.average_pool`,
+`image.affine_transform`, TF's `ConcatV2` and `Pack`,
 RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
@@ -428,6 +429,56 @@ def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
     shape = tf.shape(out)
     return tf.reshape(out, tf.concat(
         [shape[:-2], [channels * multiplier]], 0))
+
+
+def average_pool_by_shifts(inputs, pool_size, strides=None,
+                           padding="valid"):
+    """TF's average pooling (`tf.nn.avg_pool`, Keras' AveragePooling1D/2D)
+    of (batch, *spatial, channels) inputs, 1-D or 2-D, as the window sum of
+    `depthwise_conv_by_shifts` (a kernel of ones) divided by the number of
+    inputs each window holds: the pool size with "valid" padding; with
+    "same", only the positions inside the input (TF does not count the
+    padding), a static table (`_window_counts`).
+
+    DTensor 2.21 cannot lay out `AvgPoolGrad` ("does not implement layout
+    propagation"): keras.applications' DenseNet, whose transition blocks
+    average-pool a convolution's output, failed to compile on a data-only
+    mesh. The same values up to float rounding (the order of the sum).
+
+    >>> x = tf.reshape(tf.range(4.0), (1, 4, 1))
+    >>> average_pool_by_shifts(x, 2, 1, "same")[0, :, 0].numpy()
+    array([0.5, 1.5, 2.5, 3. ], dtype=float32)
+    """
+    inputs = tf.convert_to_tensor(inputs)
+    spatial = inputs.shape.rank - 2
+    sizes = _per_dimension(pool_size, spatial)
+    strides = _per_dimension(sizes if strides is None else strides, spatial)
+    ones = tf.ones(sizes + (inputs.shape[-1], 1), inputs.dtype)
+    total = depthwise_conv_by_shifts(inputs, ones, strides, padding)
+    if padding == "valid":
+        return total / float(np.prod(sizes))
+    counts = _window_counts(inputs.shape[1:-1], sizes, strides)
+    return total / tf.constant(counts[None, ..., None], inputs.dtype)
+
+
+def _window_counts(lengths, sizes, strides):
+    """How many input positions each "same"-padded window of `sizes` and
+    `strides` covers, per output position (an array of the output's
+    spatial shape): per dimension, the stride-1 windows of the input padded
+    by `_same_padding`, every s-th kept, counted inside the input; the
+    product over dimensions (a window is a box)."""
+    per_dimension = []
+    for length, size, stride in zip(lengths, sizes, strides):
+        before, after = _same_padding(length, size, stride, 1)
+        starts = np.arange(length + before + after - size + 1)[::stride]
+        inside = [np.sum((t + np.arange(size) - before >= 0)
+                         & (t + np.arange(size) - before < length))
+                  for t in starts]
+        per_dimension.append(np.asarray(inside, np.float64))
+    counts = per_dimension[0]
+    for more in per_dimension[1:]:
+        counts = np.multiply.outer(counts, more)
+    return counts
 
 
 def _kept(spec, keep):

@@ -573,6 +573,76 @@ def _separable_conv_by_shifts_in_step(original, hooks):
     return separable_conv
 
 
+def _average_pool_by_shifts_in_step(original, hooks):
+    """Keras' TF `nn.average_pool` of a 1-D or 2-D input ("valid", or
+    "same" with static spatial sizes) as `spmd_ops.average_pool_by_shifts`
+    in a step whose gradients are taken: DTensor 2.21 cannot lay out TF's
+    `AvgPoolGrad` (DenseNet failed to compile). Inference steps and
+    everything else run Keras' op, whose forward pass lays out."""
+    @functools.wraps(original)
+    def average_pool(inputs, pool_size, strides=None, padding="valid",
+                     data_format=None):
+        if not (in_spmd_step() and _compat.tape_recording()):
+            return original(inputs, pool_size, strides, padding,
+                            data_format)
+        inputs = tf.convert_to_tensor(inputs)
+        channels_first = _channels_first(data_format)
+        rank = inputs.shape.rank
+        if rank not in (3, 4) or padding not in ("valid", "same") or (
+                padding == "same" and None in inputs.shape[1:-1]):
+            return original(inputs, pool_size, strides, padding,
+                            data_format)
+        if channels_first:
+            inputs = tf.transpose(inputs, (0, *range(2, rank), 1))
+        out = spmd_ops.average_pool_by_shifts(inputs, pool_size, strides,
+                                              padding)
+        return tf.transpose(out, (0, rank - 1, *range(1, rank - 1))) \
+            if channels_first else out
+
+    return average_pool
+
+
+def _channels_first(data_format):
+    return _compat.keras_module("backend").standardize_data_format(
+        data_format) == "channels_first"
+
+
+def _grouped_conv_in_step(original, hooks):
+    """Keras' TF `nn.conv` with groups (Conv layers' `groups`: the kernel
+    reads channels/groups inputs) in a step: Keras runs a grouped
+    convolution as its own XLA-compiled function nested in the step, whose
+    filter gradient failed in float64 ("filter_size does not have enough
+    elements", or "Function was cancelled": keras.applications' ConvNeXt,
+    whose depthwise 7×7 is a Conv2D with groups = channels). There, one group per channel is Keras'
+    `depthwise_conv` with the kernel (*k, 1, channels·m) read as
+    (*k, channels, m) — output c·m + q reads input c either way — and
+    other groupings are one plain convolution per group, concatenated
+    along the channels. Ungrouped convolutions run Keras' op."""
+    @functools.wraps(original)
+    def conv(inputs, kernel, strides=1, padding="valid", data_format=None,
+             dilation_rate=1):
+        inputs = tf.convert_to_tensor(inputs)
+        kernel = tf.convert_to_tensor(kernel)
+        axis = 1 if _channels_first(data_format) else -1
+        channels, per_group = inputs.shape[axis], kernel.shape[-2]
+        if not in_spmd_step() or channels is None or channels == per_group:
+            return original(inputs, kernel, strides, padding, data_format,
+                            dilation_rate)
+        if per_group == 1 and axis == -1 and inputs.shape.rank in (3, 4):
+            depthwise = tf.reshape(kernel, kernel.shape[:-2] + (
+                channels, kernel.shape[-1] // channels))
+            return _keras_nn().depthwise_conv(
+                inputs, depthwise, strides, padding, data_format,
+                dilation_rate)
+        groups = channels // per_group
+        pieces = zip(tf.split(inputs, groups, axis),
+                     tf.split(kernel, groups, -1))
+        return tf.concat([original(x, k, strides, padding, data_format,
+                                   dilation_rate) for x, k in pieces], axis)
+
+    return conv
+
+
 def _keras_image():
     return _compat.keras_module("backend.tensorflow.image")
 
@@ -594,8 +664,7 @@ def _affine_transform_by_gather_in_step(original, hooks):
                             fill_value, data_format)
         images = tf.convert_to_tensor(images)
         transform = tf.convert_to_tensor(transform)
-        channels_first = _compat.keras_module(
-            "backend").standardize_data_format(data_format) == "channels_first"
+        channels_first = _channels_first(data_format)
         if images.shape.rank != 4 or transform.shape.rank not in (1, 2):
             return original(images, transform, interpolation, fill_mode,
                             fill_value, data_format)
@@ -641,6 +710,9 @@ PATCHES = (
                   _separable_conv_by_shifts_in_step),
     _compat.Patch("affine_transform", _keras_image, "affine_transform",
                   _affine_transform_by_gather_in_step),
+    _compat.Patch("average_pool", _keras_nn, "average_pool",
+                  _average_pool_by_shifts_in_step),
+    _compat.Patch("conv", _keras_nn, "conv", _grouped_conv_in_step),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),

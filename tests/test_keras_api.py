@@ -194,6 +194,25 @@ def test_eager_model_call_on_host_arrays():
         assert models.relative_error(expected, got.numpy()) < RTOL
 
 
+def test_eager_call_of_causal_attention_matches_one_device():
+    """`model(x)` eagerly through `MultiHeadAttention(use_causal_mask=True)`
+    on data=8: Keras' causal mask is a host tensor DTensor refused to mix
+    with the logits (an UnimplementedError); it equals one device's."""
+    def build():
+        keras.utils.set_random_seed(0)
+        x = keras.Input((6, 8))
+        attention = keras.layers.MultiHeadAttention(2, 4)
+        return keras.Model(x, attention(x, x, use_causal_mask=True))
+
+    x = np.random.default_rng(0).normal(size=(16, 6, 8)).astype("float32")
+    single = build()
+    with tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})).scope():
+        parallel = build()
+    parallel.set_weights(single.get_weights())
+    got = parallel(x).numpy()
+    assert models.relative_error(single(x).numpy(), got) < RTOL
+
+
 def test_submodel_built_outside_the_scope_runs_on_the_mesh():
     """keras.Model(model.inputs, model.get_layer(...).output) made after the
     scope was left still predicts and evaluates on the mesh."""

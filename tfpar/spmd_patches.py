@@ -13,6 +13,7 @@ The factories' `hooks` are the strategy's (`tfpar.patches`): `owns` and
 import functools
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -643,6 +644,33 @@ def _grouped_conv_in_step(original, hooks):
     return conv
 
 
+def _eager_causal_mask_on_mesh(original, hooks):
+    """Keras' TF `nn._apply_masks` (its `dot_product_attention`, which
+    `MultiHeadAttention` calls) on a DTensor run eagerly — `model(x)` under
+    a strategy: Keras builds the causal mask from `tf.ones((T, S))`, a
+    regular tensor that DTensor refuses to mix with the DTensor logits
+    ("StridedSlice got a regular tensor ... expecting a DTensor"), so a
+    model with `use_causal_mask=True` failed its eager call (and TF's
+    band_part of a DTensor returns a regular tensor). There the same lower
+    triangle is made on the host and copied to the logits' mesh,
+    replicated. Traced steps and everything else run Keras'
+    function."""
+    @functools.wraps(original)
+    def apply_masks(logits, mask, is_causal):
+        if not (is_causal and tf.executing_eagerly()
+                and dtensor.is_dtensor(logits)):
+            return original(logits, mask, is_causal)
+        logits = original(logits, mask, False)
+        rows, columns = logits.shape[2], logits.shape[3]
+        causal = dtensor.copy_to_mesh(
+            tf.constant(np.tril(np.ones((1, 1, rows, columns), bool))),
+            dtensor.Layout.replicated(dtensor.fetch_layout(logits).mesh, 4))
+        return tf.where(causal, logits, _compat.keras_module(
+            "backend.tensorflow.nn")._get_large_negative(logits.dtype))
+
+    return apply_masks
+
+
 def _keras_image():
     return _compat.keras_module("backend.tensorflow.image")
 
@@ -713,6 +741,8 @@ PATCHES = (
     _compat.Patch("average_pool", _keras_nn, "average_pool",
                   _average_pool_by_shifts_in_step),
     _compat.Patch("conv", _keras_nn, "conv", _grouped_conv_in_step),
+    _compat.Patch("apply_masks", _keras_nn, "_apply_masks",
+                  _eager_causal_mask_on_mesh),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),

@@ -23,7 +23,8 @@ device's permutation (also recomputed). RandomRotation, RandomZoom,
 RandomTranslation and RandomShear transform by TF's
 ImageProjectiveTransformV3, which DTensor cannot lay out: a step gathers
 (`spmd_ops.affine_transform_by_gather`, equal to TF's op here) and they
-train as one device on data=8. `gamma`, `beta` and `binomial`
+train as one device on data=8; RandomHue and RandomSaturation too (TF's
+RGBToHSV and HSVToRGB as elementwise ops). `gamma`, `beta` and `binomial`
 are refused in a step with a ValueError (DTensor 2.21 cannot lay out
 their TF ops at all, tests/dtensor_random_gamma_repro.py).
 """
@@ -148,15 +149,30 @@ def build_geometric(seed=1):
     return keras.Model(x, keras.layers.Dense(3, name="out")(h))
 
 
+def build_colour(seed=1):
+    """(8, 8, 3) images in [0, 1] -> RandomHue -> RandomSaturation ->
+    Conv2D -> out(3): both convert to HSV and back (TF's RGBToHSV, which
+    DTensor 2.21 cannot lay out; a step computes it in elementwise ops)."""
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Rescaling(0.25, 0.5)(x)
+    h = keras.layers.RandomHue(0.5, value_range=(0, 1), seed=seed,
+                               name="hue")(h)
+    h = keras.layers.RandomSaturation(0.8, value_range=(0, 1),
+                                      seed=seed + 1, name="saturation")(h)
+    h = keras.layers.Conv2D(4, 3, name="conv")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
 def train_images(strategy, weights, seed=1, build=build_images):
     """Two epochs of SGD(0.05) in order, batch 16: (losses, weights)."""
-    rng = np.random.RandomState(0)
-    x = rng.normal(size=(64, 8, 8, 2)).astype("float32")
-    y = rng.normal(size=(64, 3)).astype("float32")
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build(seed)
         model.set_weights(weights)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(64, *model.input_shape[1:])).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
     losses = models.BatchLosses()
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
               callbacks=[losses])
@@ -165,8 +181,8 @@ def train_images(strategy, weights, seed=1, build=build_images):
 
 @pytest.mark.parametrize("axes,build", [
     ({"data": 2}, build_images), ({"data": 8}, build_images),
-    ({"data": 8}, build_geometric)],
-    ids=["data2", "data8", "geometric-data8"])
+    ({"data": 8}, build_geometric), ({"data": 8}, build_colour)],
+    ids=["data2", "data8", "geometric-data8", "colour-data8"])
 def test_random_image_layers_match_one_device(axes, build):
     keras.utils.set_random_seed(0)
     weights = build().get_weights()
@@ -367,3 +383,21 @@ def test_affine_transform_by_gather_is_tf_op(interpolation, fill_mode):
             images, transforms, interpolation, fill_mode, 0.5)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                    err_msg=f"trial {trial}")
+
+
+def test_colour_conversions_by_ops_are_tf_ops():
+    """`spmd_ops.rgb_to_hsv_by_ops` and `hsv_to_rgb_by_ops` equal TF's
+    RGBToHSV and HSVToRGB on random colours, greys (range 0: hue 0),
+    black (value 0) and ties between channels."""
+    rng = np.random.default_rng(0)
+    rgb = rng.uniform(size=(200, 3)).astype("float32")
+    rgb[:10] = rgb[:10, :1]  # greys
+    rgb[10:12] = 0.0  # black
+    rgb[12:20, 1] = rgb[12:20, 0]  # red == green
+    rgb[20:28, 2] = rgb[20:28, 1]  # green == blue
+    hsv = tf.image.rgb_to_hsv(rgb)
+    np.testing.assert_allclose(spmd_ops.rgb_to_hsv_by_ops(rgb), hsv,
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(spmd_ops.hsv_to_rgb_by_ops(hsv),
+                               tf.image.hsv_to_rgb(hsv), rtol=1e-6,
+                               atol=1e-7)

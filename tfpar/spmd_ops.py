@@ -4,7 +4,7 @@ Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
 `numpy.eye`, `nn.depthwise_conv`, `nn.separable_conv`, `nn.average_pool`,
-`image.affine_transform`, TF's `ConcatV2` and `Pack`,
+`image.affine_transform`, `image.rgb_to_hsv`/`hsv_to_rgb`, TF's `ConcatV2` and `Pack`,
 RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
@@ -587,6 +587,55 @@ def affine_transform_by_gather(images, transforms, interpolation="bilinear",
         out = (y0 + 1 - y)[..., None] * top + (y - y0)[..., None] * bottom
     at_infinity = tf.broadcast_to((projection == 0)[..., None], shape)
     return tf.where(at_infinity, fill, tf.cast(out, images.dtype))
+
+
+def rgb_to_hsv_by_ops(images):
+    """TF's `RGBToHSV` (`tf.image.rgb_to_hsv`: Keras' RandomHue and
+    RandomSaturation) of (..., 3) float images, in elementwise ops, as
+    TF's kernel computes it (tensorflow/core/kernels/image/colorspace_op.h):
+    V = max(r, g, b), range = V - min(r, g, b), S = range / V (0 where
+    V = 0), H = ((g - b), (b - r) + 2 or (r - g) + 4, by which channel is
+    the maximum) / (6 · range), 0 where range = 0, plus 1 where negative.
+    DTensor 2.21 cannot lay out TF's op.
+
+    >>> rgb_to_hsv_by_ops(tf.constant([[0.5, 0.25, 0.0]])).numpy()
+    array([[0.08333334, 1.        , 0.5       ]], dtype=float32)
+    """
+    r, g, b = tf.unstack(tf.convert_to_tensor(images), axis=-1)
+    value = tf.maximum(tf.maximum(r, g), b)
+    spread = value - tf.minimum(tf.minimum(r, g), b)
+    saturation = tf.where(value > 0, spread / tf.where(
+        value > 0, value, tf.ones_like(value)), tf.zeros_like(value))
+    norm = 1.0 / (6.0 * tf.where(spread > 0, spread, tf.ones_like(spread)))
+    hue = tf.where(r == value, norm * (g - b), tf.where(
+        g == value, norm * (b - r) + 2.0 / 6.0, norm * (r - g) + 4.0 / 6.0))
+    hue = tf.where(spread > 0, hue, tf.zeros_like(hue))
+    hue = tf.where(hue < 0, hue + 1.0, hue)
+    return tf.stack([hue, saturation, value], axis=-1)
+
+
+def hsv_to_rgb_by_ops(images):
+    """TF's `HSVToRGB` (`tf.image.hsv_to_rgb`) of (..., 3) float images in
+    elementwise ops, as TF's kernel computes it: with h6 = 6·H, each
+    channel is V · (1 - S + S · c), c = clip(|h6 - 3| - 1) for red,
+    clip(2 - |h6 - 2|) for green, clip(2 - |h6 - 4|) for blue, clipped to
+    [0, 1]. DTensor 2.21 cannot lay out TF's op.
+
+    >>> hsv_to_rgb_by_ops(tf.constant([[1 / 12, 1.0, 0.5]])).numpy()
+    array([[0.5 , 0.25, 0.  ]], dtype=float32)
+    """
+    hue, saturation, value = tf.unstack(tf.convert_to_tensor(images),
+                                        axis=-1)
+    sixths = hue * 6.0
+
+    def clipped(x):
+        return tf.minimum(tf.maximum(x, 0.0), 1.0)
+
+    channels = (clipped(tf.abs(sixths - 3.0) - 1.0),
+                clipped(2.0 - tf.abs(sixths - 2.0)),
+                clipped(2.0 - tf.abs(sixths - 4.0)))
+    return tf.stack([(1.0 - saturation + saturation * c) * value
+                     for c in channels], axis=-1)
 
 
 def _truncated(x):

@@ -709,6 +709,33 @@ def _affine_transform_by_gather_in_step(original, hooks):
     return affine_transform
 
 
+def _colour_conversion_in_step(name):
+    """Keras' TF `image.rgb_to_hsv` / `hsv_to_rgb` (RandomHue,
+    RandomSaturation) of float images as `spmd_ops.rgb_to_hsv_by_ops` /
+    `hsv_to_rgb_by_ops` in a step: DTensor 2.21 cannot lay out TF's
+    `RGBToHSV` and `HSVToRGB`. Elsewhere, and for inputs Keras refuses
+    (its own error), Keras' function runs."""
+    convert = getattr(spmd_ops, f"{name}_by_ops")
+
+    def make(original, hooks):
+        @functools.wraps(original)
+        def conversion(images, data_format=None):
+            images = tf.convert_to_tensor(images)
+            if not in_spmd_step() or images.shape.rank not in (3, 4) \
+                    or not images.dtype.is_floating:
+                return original(images, data_format)
+            if not _channels_first(data_format):
+                return convert(images)
+            c = images.shape.rank - 3  # (..., c, h, w) <-> (..., h, w, c)
+            to_last = (*range(c), c + 1, c + 2, c)
+            back = (*range(c), c + 2, c, c + 1)
+            return tf.transpose(convert(tf.transpose(images, to_last)), back)
+
+        return conversion
+
+    return make
+
+
 def _by_shifts(inputs, kernel, strides, padding, data_format):
     """Whether `spmd_ops.depthwise_conv_by_shifts` computes this call."""
     rank = inputs.shape.rank
@@ -738,6 +765,8 @@ PATCHES = (
                   _separable_conv_by_shifts_in_step),
     _compat.Patch("affine_transform", _keras_image, "affine_transform",
                   _affine_transform_by_gather_in_step),
+    *(_compat.Patch(name, _keras_image, name, _colour_conversion_in_step(name))
+      for name in ("rgb_to_hsv", "hsv_to_rgb")),
     _compat.Patch("average_pool", _keras_nn, "average_pool",
                   _average_pool_by_shifts_in_step),
     _compat.Patch("conv", _keras_nn, "conv", _grouped_conv_in_step),

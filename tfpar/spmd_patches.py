@@ -6,6 +6,8 @@ instead of Keras' or TF's op: ops DTensor 2.21 cannot lay out, or lays out
 wrongly, become the `tfpar.spmd_ops` that give the same values, and
 Keras' random draws give the numbers one device draws. Outside a step the
 original op runs, after one check (the fast path every Keras op takes).
+One acts in an eager call instead: Keras' causal attention mask is made on
+the mesh (`_eager_causal_mask_on_mesh`).
 The factories' `hooks` are the strategy's (`tfpar.patches`): `owns` and
 `in_graph_step`.
 """
@@ -614,11 +616,12 @@ def _grouped_conv_in_step(original, hooks):
     convolution as its own XLA-compiled function nested in the step, whose
     filter gradient failed in float64 ("filter_size does not have enough
     elements", or "Function was cancelled": keras.applications' ConvNeXt,
-    whose depthwise 7×7 is a Conv2D with groups = channels). There, one group per channel is Keras'
-    `depthwise_conv` with the kernel (*k, 1, channels·m) read as
-    (*k, channels, m) — output c·m + q reads input c either way — and
-    other groupings are one plain convolution per group, concatenated
-    along the channels. Ungrouped convolutions run Keras' op."""
+    whose depthwise 7×7 is a Conv2D with groups = channels). There, one
+    group per channel is Keras' `depthwise_conv` with the kernel
+    (*k, 1, channels·m) read as (*k, channels, m) — output c·m + q reads
+    input c either way — and other groupings are one plain convolution
+    per group, concatenated along the channels. Ungrouped convolutions run
+    Keras' op."""
     @functools.wraps(original)
     def conv(inputs, kernel, strides=1, padding="valid", data_format=None,
              dilation_rate=1):
@@ -665,8 +668,8 @@ def _eager_causal_mask_on_mesh(original, hooks):
         causal = dtensor.copy_to_mesh(
             tf.constant(np.tril(np.ones((1, 1, rows, columns), bool))),
             dtensor.Layout.replicated(dtensor.fetch_layout(logits).mesh, 4))
-        return tf.where(causal, logits, _compat.keras_module(
-            "backend.tensorflow.nn")._get_large_negative(logits.dtype))
+        return tf.where(causal, logits,
+                        _keras_nn()._get_large_negative(logits.dtype))
 
     return apply_masks
 

@@ -625,11 +625,14 @@ def _grouped_conv_in_step(original, hooks):
     @functools.wraps(original)
     def conv(inputs, kernel, strides=1, padding="valid", data_format=None,
              dilation_rate=1):
+        if not in_spmd_step():
+            return original(inputs, kernel, strides, padding, data_format,
+                            dilation_rate)
         inputs = tf.convert_to_tensor(inputs)
         kernel = tf.convert_to_tensor(kernel)
         axis = 1 if _channels_first(data_format) else -1
         channels, per_group = inputs.shape[axis], kernel.shape[-2]
-        if not in_spmd_step() or channels is None or channels == per_group:
+        if channels is None or channels == per_group:
             return original(inputs, kernel, strides, padding, data_format,
                             dilation_rate)
         if per_group == 1 and axis == -1 and inputs.shape.rank in (3, 4):
@@ -723,9 +726,10 @@ def _colour_conversion_in_step(name):
     def make(original, hooks):
         @functools.wraps(original)
         def conversion(images, data_format=None):
+            if not in_spmd_step():
+                return original(images, data_format)
             images = tf.convert_to_tensor(images)
-            if not in_spmd_step() or images.shape.rank not in (3, 4) \
-                    or not images.dtype.is_floating:
+            if images.shape.rank not in (3, 4) or not images.dtype.is_floating:
                 return original(images, data_format)
             if not _channels_first(data_format):
                 return convert(images)

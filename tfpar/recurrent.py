@@ -48,11 +48,12 @@ def unrolled_rnn(rnn, step_function, inputs, initial_states,
     dimension (axis 1; 0 when `time_major`) is unknown.
 
     A backwards recurrence reads its inputs and mask reversed along time
-    here (`_reversed_in_time`) and runs forwards: Keras' unrolled path zeroes masked outputs
-    (`zero_output_for_mask`, which Bidirectional sets when it returns
-    sequences) with the mask in its original order beside outputs in
-    reversed order, where its loop reverses both — a masked Bidirectional
-    LSTM unrolled gave other outputs than its loop (0.46 apart)."""
+    here (`_reversed_in_time`) and runs forwards: Keras' unrolled path
+    zeroes masked outputs (`zero_output_for_mask`, which Bidirectional sets
+    when it returns sequences) with the mask in its original order beside
+    outputs in reversed order, where its loop reverses both — a masked
+    Bidirectional LSTM unrolled gave other outputs than its loop (0.46
+    apart)."""
     time_axis = 0 if time_major else 1
     first = tf.nest.flatten(inputs)[0]
     if first.shape.rank is None or first.shape[time_axis] is None:

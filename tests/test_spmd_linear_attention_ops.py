@@ -88,20 +88,24 @@ def test_depthwise_conv_by_shifts_is_keras_op(shape, kernel_size,
 @pytest.mark.parametrize("shape, pool_size, strides, padding", [
     ((9, 5), 2, None, "valid"), ((9, 5), 3, 2, "same"),
     ((10, 5), 4, 1, "same"), ((7, 6, 3), (3, 3), (2, 2), "same"),
-    ((7, 6, 3), (2, 3), (1, 2), "valid"), ((8, 8, 3), 3, 3, "same")])
+    ((7, 6, 3), (2, 3), (1, 2), "valid"), ((8, 8, 3), 3, 3, "same"),
+    ((5, 6, 4, 2), (2, 3, 2), (2, 1, 2), "same")])
 def test_average_pool_by_shifts_is_tf_op(shape, pool_size, strides,
                                          padding):
     """Values and input gradients (under a random cotangent) of TF's
-    `avg_pool` (1-D and 2-D, valid and same padding, whose windows at the
-    border divide by the inputs they hold) within 1e-5 relative."""
+    `avg_pool` (1-D, 2-D and 3-D, valid and same padding, whose windows at
+    the border divide by the inputs they hold) within 1e-5 relative."""
     rng = np.random.default_rng(len(shape) + len(padding))
     x = tf.constant(rng.normal(size=(3, *shape)), tf.float32)
-    want_shape = tf.nn.avg_pool(x, pool_size, strides or pool_size,
-                                padding.upper()).shape
-    cotangent = tf.constant(rng.normal(size=want_shape), tf.float32)
+    layout = {3: "NWC", 4: "NHWC", 5: "NDHWC"}[x.shape.rank]
+
+    def tf_pool(v):
+        return tf.nn.avg_pool(v, pool_size, strides or pool_size,
+                              padding.upper(), data_format=layout)
+
+    cotangent = tf.constant(rng.normal(size=tf_pool(x).shape), tf.float32)
     results = []
-    for pool in (lambda v: tf.nn.avg_pool(v, pool_size, strides or pool_size,
-                                          padding.upper()),
+    for pool in (tf_pool,
                  lambda v: spmd_ops.average_pool_by_shifts(
                      v, pool_size, strides, padding)):
         with tf.GradientTape() as tape:
@@ -249,6 +253,16 @@ def _pooled_and_grouped_2d():
     return keras.Model(x, keras.layers.Dense(3)(h))
 
 
+def _pooled_3d():
+    """(4, 4, 4, 2) volumes -> Conv3D -> AveragePooling3D (same) -> Dense(3)
+    (`AvgPool3DGrad`)."""
+    x = keras.Input((4, 4, 4, 2))
+    h = keras.layers.Conv3D(3, 2, padding="same")(x)
+    h = keras.layers.AveragePooling3D(2, strides=1, padding="same")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
 def _pooled_and_grouped_1d():
     """(10, 4) -> Conv1D -> AveragePooling1D (3, stride 2, same) -> Conv1D
     of 4 groups -> AveragePooling1D (valid) -> Dense(3)."""
@@ -262,12 +276,13 @@ def _pooled_and_grouped_1d():
 
 
 @pytest.mark.parametrize("build, shape", [
-    (_pooled_and_grouped_2d, (9, 9, 4)), (_pooled_and_grouped_1d, (10, 4))],
-    ids=["2d", "1d"])
+    (_pooled_and_grouped_2d, (9, 9, 4)), (_pooled_and_grouped_1d, (10, 4)),
+    (_pooled_3d, (4, 4, 4, 2))],
+    ids=["2d", "1d", "3d"])
 def test_average_pooling_and_grouped_convolutions_train_as_one_device(
         build, shape):
-    """Average pooling of a convolution (its `AvgPoolGrad`: DenseNet)
-    failed in a step on data=8; with the stand-in losses and weights are one
+    """Average pooling of a convolution (its `AvgPoolGrad`: DenseNet;
+    `AvgPool3DGrad`) failed in a step on data=8; with the stand-in losses and weights are one
     device's."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, *shape)).astype("float32")

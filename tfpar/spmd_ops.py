@@ -379,10 +379,11 @@ def eye_by_comparison(rows, columns=None, diagonal=0, dtype="float32"):
 
 def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
                              dilation_rate=1):
-    """A depthwise 1-D or 2-D convolution, channels last (Keras'
-    `ops.depthwise_conv` of `inputs` (batch, *spatial, channels) and
-    `kernel` (*k, channels, multiplier)), as a sum of shifted copies: with
-    stride and dilation 1 and "valid" padding,
+    """A depthwise convolution, channels last (Keras' 1-D or 2-D
+    `ops.depthwise_conv`, or any number of spatial dimensions: the sum
+    runs over every kernel offset), of `inputs` (batch, *spatial,
+    channels) and `kernel` (*k, channels, multiplier), as a sum of shifted
+    copies: with stride and dilation 1 and "valid" padding,
     out[b, t, c·m + q] = Σ_j x[b, t + j, c] · w[j, c, q] (1-D; in 2-D the
     sum runs over both kernel offsets), each term a slice of x times a row
     of w. Dilation d shifts by j·d; "same" pads x as TF does (total
@@ -434,8 +435,8 @@ def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
 
 def average_pool_by_shifts(inputs, pool_size, strides=None,
                            padding="valid"):
-    """TF's average pooling (`tf.nn.avg_pool`, Keras' AveragePooling1D/2D)
-    of (batch, *spatial, channels) inputs, 1-D or 2-D, as the window sum of
+    """TF's average pooling (`tf.nn.avg_pool`, Keras' AveragePooling1D/2D/
+    3D) of (batch, *spatial, channels) inputs as the window sum of
     `depthwise_conv_by_shifts` (a kernel of ones) divided by the number of
     inputs each window holds: the pool size with "valid" padding; with
     "same", only the positions inside the input (TF does not count the

@@ -577,11 +577,12 @@ def _separable_conv_by_shifts_in_step(original, hooks):
 
 
 def _average_pool_by_shifts_in_step(original, hooks):
-    """Keras' TF `nn.average_pool` of a 1-D or 2-D input ("valid", or
+    """Keras' TF `nn.average_pool` of a 1-D, 2-D or 3-D input ("valid", or
     "same" with static spatial sizes) as `spmd_ops.average_pool_by_shifts`
     in a step whose gradients are taken: DTensor 2.21 cannot lay out TF's
-    `AvgPoolGrad` (DenseNet failed to compile). Inference steps and
-    everything else run Keras' op, whose forward pass lays out."""
+    `AvgPoolGrad` (DenseNet failed to compile) nor `AvgPool3DGrad`.
+    Inference steps and everything else run Keras' op, whose forward pass
+    lays out."""
     @functools.wraps(original)
     def average_pool(inputs, pool_size, strides=None, padding="valid",
                      data_format=None):
@@ -589,14 +590,16 @@ def _average_pool_by_shifts_in_step(original, hooks):
             return original(inputs, pool_size, strides, padding,
                             data_format)
         inputs = tf.convert_to_tensor(inputs)
-        channels_first = _channels_first(data_format)
         rank = inputs.shape.rank
-        if rank not in (3, 4) or padding not in ("valid", "same") or (
-                padding == "same" and None in inputs.shape[1:-1]):
+        if rank not in (3, 4, 5) or padding not in ("valid", "same"):
             return original(inputs, pool_size, strides, padding,
                             data_format)
+        channels_first = _channels_first(data_format)
         if channels_first:
             inputs = tf.transpose(inputs, (0, *range(2, rank), 1))
+        if padding == "same" and None in inputs.shape[1:-1]:
+            return original(inputs, pool_size, strides, padding,
+                            "channels_last")
         out = spmd_ops.average_pool_by_shifts(inputs, pool_size, strides,
                                               padding)
         return tf.transpose(out, (0, rank - 1, *range(1, rank - 1))) \

@@ -1,8 +1,10 @@
-"""The stand-ins for the ops of Qwen3.5's gated delta net that DTensor 2.21
-cannot lay out (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
-`depthwise_conv_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`):
-the values and gradients of Keras' TF ops on random inputs, and a small
-model with both training on data=8 as on one device.
+"""Stand-ins for ops DTensor 2.21 cannot lay out in a step: Qwen3.5's gated
+delta net's (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
+`depthwise_conv_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`),
+`tf.roll`, separable and grouped convolutions, average pooling
+(`AvgPoolGrad`) and resizing (`ResizeBicubic`, `ScaleAndTranslate`): the
+values and gradients of TF's ops on random inputs, and small models
+training on data=8 as on one device.
 
 The whole keras-hub model (a linear-attention layer beside a full-attention
 one, experts dispatched) is tests/test_qwen3_5_attention_over_model.py's
@@ -313,4 +315,45 @@ def test_grouped_convolutions_train_as_one_device_in_float64(float64):
     x, y = rng.normal(size=(32, 8, 8, 3)), rng.normal(size=(32, 3))
     keras.utils.set_random_seed(0)
     models.assert_trains_in_order_like_one_device(_convnext_like, x, y,
+                                                  {"data": 8})
+
+
+@pytest.mark.parametrize("method", ["bicubic", "lanczos3", "lanczos5",
+                                    "area", "gaussian", "mitchellcubic"])
+def test_resize_by_matmul_is_tf_resize(method):
+    """`spmd_ops.resize_by_matmul` equals `tf.image.resize` up and down,
+    with and without antialiasing, 1-pixel sides included (1e-5)."""
+    rng = np.random.default_rng(0)
+    for antialias in (False, True):
+        for old, new in (((5, 7), (9, 4)), ((8, 8), (3, 3)),
+                         ((6, 4), (6, 11)), ((1, 5), (3, 2))):
+            x = rng.normal(size=(2, *old, 3)).astype("float32")
+            want = tf.image.resize(x, new, method, antialias=antialias)
+            got = spmd_ops.resize_by_matmul(tf.image.resize, x, new, method,
+                                            antialias)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _resized():
+    """(8, 8, 3) -> Conv2D -> bicubic Resizing to 12×12 -> antialiased
+    lanczos3 `ops.image.resize` to 5×5 -> Dense(3): the gradient flows
+    through both (TF's ResizeBicubic and ScaleAndTranslate)."""
+    x = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(x)
+    h = keras.layers.Resizing(12, 12, interpolation="bicubic")(h)
+    h = keras.layers.Lambda(lambda t: keras.ops.image.resize(
+        t, (5, 5), interpolation="lanczos3", antialias=True))(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def test_bicubic_and_lanczos_resizing_train_as_one_device():
+    """DTensor 2.21 cannot lay out TF's ResizeBicubic nor ScaleAndTranslate
+    (the model failed to compile on data=8); as two matrix products per
+    resize it trains as one device."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    models.assert_trains_in_order_like_one_device(_resized, x, y,
                                                   {"data": 8})

@@ -5,7 +5,8 @@ Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
 `numpy.eye`, `nn.depthwise_conv`, `nn.separable_conv`, `nn.average_pool`,
 `image.affine_transform`, `image.rgb_to_hsv`/`hsv_to_rgb`, TF's
-`ConcatV2`, `Pack` and `Roll`, RandomCrop's drawn window and TF's
+`image.resize` (bicubic, lanczos, area, antialiased), `ConcatV2`, `Pack`
+and `Roll`, RandomCrop's drawn window and TF's
 `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
@@ -20,6 +21,7 @@ array([[0., 1., 1., 0.],
        [0., 1., 1., 0.]], dtype=float32)
 """
 
+import functools
 import itertools
 import numpy as np
 import tensorflow as tf
@@ -638,6 +640,44 @@ def hsv_to_rgb_by_ops(images):
                 clipped(2.0 - tf.abs(sixths - 4.0)))
     return tf.stack([(1.0 - saturation + saturation * c) * value
                      for c in channels], axis=-1)
+
+
+def resize_by_matmul(resize, images, size, method, antialias=False):
+    """`resize(images, size, method=method, antialias=antialias)` (TF's
+    `tf.image.resize`, passed as `resize`) of (batch, height, width,
+    channels) images of static spatial size, as two matrix products:
+    every method TF offers is linear in the image and separable, out =
+    R_h · image · R_wᵀ, where R (new length × old length) is `resize` of the
+    identity along one dimension (`_resize_matrix`, computed once per
+    length, method and antialias by TF's own op on the host). DTensor 2.21
+    cannot lay out TF's ResizeBicubic nor ScaleAndTranslate (lanczos,
+    area, antialiased resizing), in a step or its gradient; it lays out
+    einsums. float32 like TF's result.
+
+    >>> x = tf.reshape(tf.range(4.0), (1, 2, 2, 1))
+    >>> got = resize_by_matmul(tf.image.resize, x, (3, 3), "bicubic")
+    >>> want = tf.image.resize(x, (3, 3), "bicubic")
+    >>> bool(np.allclose(got, want, atol=1e-6))
+    True
+    """
+    images = tf.cast(images, tf.float32)
+    _, height, width, _ = images.shape
+    rows = _resize_matrix(resize, height, int(size[0]), method, antialias)
+    columns = _resize_matrix(resize, width, int(size[1]), method, antialias)
+    out = tf.einsum("oh,bhwc->bowc", tf.constant(rows), images)
+    return tf.einsum("pw,bowc->bopc", tf.constant(columns), out)
+
+
+@functools.lru_cache(maxsize=None)
+def _resize_matrix(resize, old, new, method, antialias):
+    """R (new × old, float32): column i is `resize` of the i-th unit vector
+    of length `old` to length `new` (run eagerly on the host: `old` images
+    of old × 1 pixels resized to new × 1; a 1-pixel width stays itself)."""
+    with tf.init_scope():
+        unit = np.eye(old, dtype=np.float32).reshape(old, old, 1, 1)
+        out = resize(tf.constant(unit), (new, 1), method=method,
+                     antialias=antialias)
+        return np.asarray(out, np.float32).reshape(old, new).T
 
 
 def _truncated(x):

@@ -746,6 +746,32 @@ def _colour_conversion_in_step(name):
     return make
 
 
+def _resize_by_matmul_in_step(original, hooks):
+    """TF's `image.resize` (Keras' `image.resize`, Resizing, keras-hub's
+    image converters) in a step, for methods other than "bilinear" and
+    "nearest" or antialiased, of (batch, height, width, channels) images of
+    static size to a static size, as `spmd_ops.resize_by_matmul`: DTensor
+    2.21 cannot lay out TF's ResizeBicubic or ScaleAndTranslate. Bilinear,
+    nearest and everything else run TF's op."""
+    @functools.wraps(original)
+    def resize(images, size, method="bilinear", preserve_aspect_ratio=False,
+               antialias=False, name=None):
+        if not in_spmd_step() or preserve_aspect_ratio or (
+                method in ("bilinear", "nearest") and not antialias):
+            return original(images, size, method, preserve_aspect_ratio,
+                            antialias, name)
+        images = tf.convert_to_tensor(images)
+        static_size = tf.get_static_value(size)
+        if images.shape.rank != 4 or None in images.shape[1:3] \
+                or static_size is None or method == "nearest":
+            return original(images, size, method, preserve_aspect_ratio,
+                            antialias, name)
+        return spmd_ops.resize_by_matmul(original, images, static_size,
+                                         method, antialias)
+
+    return resize
+
+
 def _by_shifts(inputs, kernel, strides, padding, data_format):
     """Whether `spmd_ops.depthwise_conv_by_shifts` computes this call."""
     rank = inputs.shape.rank
@@ -777,6 +803,8 @@ PATCHES = (
                   _affine_transform_by_gather_in_step),
     *(_compat.Patch(name, _keras_image, name, _colour_conversion_in_step(name))
       for name in ("rgb_to_hsv", "hsv_to_rgb")),
+    _compat.Patch("image_resize", lambda: tf.image, "resize",
+                  _resize_by_matmul_in_step),
     _compat.Patch("average_pool", _keras_nn, "average_pool",
                   _average_pool_by_shifts_in_step),
     _compat.Patch("conv", _keras_nn, "conv", _grouped_conv_in_step),

@@ -36,21 +36,15 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
+import repro_report  # noqa: E402
+
 VOCAB, HIDDEN, BATCH, SEQ, HEADS = 16, 8, 2, 8, 2
 U = dtensor.UNSHARDED
 
 
 def mesh():
-    """The data=2 × model=2 × context=2 DTensor mesh on 8 CPU devices
-    (configured here when TF has not started yet)."""
-    try:
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * 8)
-    except RuntimeError:  # already configured (e.g. by the test suite)
-        pass
-    return dtensor.create_mesh([("data", 2), ("model", 2), ("context", 2)],
-                               device_type="CPU")
+    """The data=2 × model=2 × context=2 DTensor mesh on 8 CPU devices."""
+    return repro_report.cpu_mesh([("data", 2), ("model", 2), ("context", 2)])
 
 
 def _inputs():
@@ -103,21 +97,15 @@ def attempt(sequence, dmesh):
             loss = _loss(table, ids, lay, along)
         return lay(tf.convert_to_tensor(tape.gradient(loss, table)), U, U)
 
-    try:
-        grad = gradient(put(table, U, "model"), put(ids, "data", "context"))
-    except Exception as error:  # noqa: BLE001 - DTensor's compile error
-        return str(error).strip().splitlines()[0], None
-    return "compiled", dtensor.unpack(grad)[0].numpy()
+    return repro_report.compiled_or_error(
+        lambda: gradient(put(table, U, "model"),
+                         put(ids, "data", "context")))
 
 
 def main():
     dmesh = mesh()
-    want = one_device_gradient()
-    for sequence in ("whole", "split"):
-        status, grad = attempt(sequence, dmesh)
-        if grad is not None:
-            status += f", {np.abs(grad - want).max():.1e} from one device"
-        print(f"{sequence}: {status}")
+    repro_report.print_beside_one_device(attempt, ("whole", "split"), dmesh,
+                                         one_device_gradient())
 
 
 if __name__ == "__main__":

@@ -28,20 +28,15 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
+import repro_report  # noqa: E402
+
 BATCH, TIME, FEATURES, UNITS = 8, 5, 3, 4
 U = dtensor.UNSHARDED
 
 
 def mesh():
-    """A data=8 DTensor mesh on 8 CPU devices (configured here when TF has
-    not started yet)."""
-    try:
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * 8)
-    except RuntimeError:  # already configured (e.g. by the test suite)
-        pass
-    return dtensor.create_mesh([("data", 8)], device_type="CPU")
+    """A data=8 DTensor mesh on 8 CPU devices."""
+    return repro_report.cpu_mesh([("data", 8)])
 
 
 def _inputs():
@@ -104,21 +99,15 @@ def attempt(kind, dmesh):
         return dtensor.relayout(tape.gradient(loss, w),
                                 dtensor.Layout.replicated(dmesh, 2))
 
-    try:
-        grad = gradient(put(x, "data", U, U), put(w, U, U), put(u, U, U))
-    except Exception as error:  # noqa: BLE001 - DTensor's compile error
-        return str(error).strip().splitlines()[0], None
-    return "compiled", dtensor.unpack(grad)[0].numpy()
+    return repro_report.compiled_or_error(
+        lambda: gradient(put(x, "data", U, U), put(w, U, U),
+                         put(u, U, U)))
 
 
 def main():
     dmesh = mesh()
-    want = one_device_gradient()
-    for kind in ("loop", "unrolled"):
-        status, grad = attempt(kind, dmesh)
-        if grad is not None:
-            status += f", {np.abs(grad - want).max():.1e} from one device"
-        print(f"{kind}: {status}")
+    repro_report.print_beside_one_device(attempt, ("loop", "unrolled"), dmesh,
+                                         one_device_gradient())
 
 
 if __name__ == "__main__":

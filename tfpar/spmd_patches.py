@@ -596,14 +596,13 @@ def _average_pool_by_shifts_in_step(original, hooks):
                             data_format)
         channels_first = _channels_first(data_format)
         if channels_first:
-            inputs = tf.transpose(inputs, (0, *range(2, rank), 1))
+            inputs = _axis_moved(inputs, 1, -1)
         if padding == "same" and None in inputs.shape[1:-1]:
             return original(inputs, pool_size, strides, padding,
                             "channels_last")
         out = spmd_ops.average_pool_by_shifts(inputs, pool_size, strides,
                                               padding)
-        return tf.transpose(out, (0, rank - 1, *range(1, rank - 1))) \
-            if channels_first else out
+        return _axis_moved(out, -1, 1) if channels_first else out
 
     return average_pool
 
@@ -611,6 +610,14 @@ def _average_pool_by_shifts_in_step(original, hooks):
 def _channels_first(data_format):
     return _compat.keras_module("backend").standardize_data_format(
         data_format) == "channels_first"
+
+
+def _axis_moved(tensor, source, destination):
+    """`tensor` with its axis `source` moved to `destination` (numpy's
+    `moveaxis`): channels first to last and back."""
+    order = list(range(tensor.shape.rank))
+    order.insert(destination % len(order), order.pop(source % len(order)))
+    return tf.transpose(tensor, order)
 
 
 def _grouped_conv_in_step(original, hooks):
@@ -706,14 +713,14 @@ def _affine_transform_by_gather_in_step(original, hooks):
             return original(images, transform, interpolation, fill_mode,
                             fill_value, data_format)
         if channels_first:
-            images = tf.transpose(images, (0, 2, 3, 1))
+            images = _axis_moved(images, 1, -1)
         if None in images.shape[1:3]:
             return original(images, transform, interpolation, fill_mode,
                             fill_value, "channels_last")
         out = spmd_ops.affine_transform_by_gather(
             images, tf.reshape(transform, (-1, 8)), interpolation,
             fill_mode, fill_value)
-        return tf.transpose(out, (0, 3, 1, 2)) if channels_first else out
+        return _axis_moved(out, -1, 1) if channels_first else out
 
     return affine_transform
 
@@ -736,10 +743,9 @@ def _colour_conversion_in_step(name):
                 return original(images, data_format)
             if not _channels_first(data_format):
                 return convert(images)
-            c = images.shape.rank - 3  # (..., c, h, w) <-> (..., h, w, c)
-            to_last = (*range(c), c + 1, c + 2, c)
-            back = (*range(c), c + 2, c, c + 1)
-            return tf.transpose(convert(tf.transpose(images, to_last)), back)
+            channels = images.shape.rank - 3  # (..., c, h, w)
+            return _axis_moved(convert(_axis_moved(images, channels, -1)),
+                               -1, channels)
 
         return conversion
 
@@ -782,8 +788,7 @@ def _by_shifts(inputs, kernel, strides, padding, data_format):
             and padding in ("valid", "same")
             and not (padding == "same" and strided
                      and None in inputs.shape[1:-1])
-            and _compat.keras_module("backend").standardize_data_format(
-                data_format) == "channels_last")
+            and not _channels_first(data_format))
 
 
 PATCHES = (

@@ -144,7 +144,27 @@ def build_geometric(seed=1):
     h = keras.layers.RandomShear(0.3, 0.3, fill_mode="nearest",
                                  interpolation="nearest", seed=seed + 3,
                                  name="shear")(h)
+    h = keras.layers.RandomPerspective(0.8, 0.5, seed=seed + 4,
+                                       name="perspective")(h)
     h = keras.layers.Conv2D(4, 3, name="conv")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+def build_channels_first(seed=1):
+    """(3, 8, 8) channels-first images in [0, 1] -> RandomPerspective ->
+    RandomRotation -> RandomHue -> Conv2D -> AveragePooling2D (its
+    gradient: AvgPoolGrad) -> out(3), every layer channels first: the
+    stand-ins move channels last and back."""
+    first = dict(data_format="channels_first")
+    x = keras.Input((3, 8, 8))
+    h = keras.layers.Rescaling(0.25, 0.5)(x)
+    h = keras.layers.RandomPerspective(0.8, 0.5, seed=seed, **first)(h)
+    h = keras.layers.RandomRotation(0.2, seed=seed + 1, **first)(h)
+    h = keras.layers.RandomHue(0.5, value_range=(0, 1), seed=seed + 2,
+                               **first)(h)
+    h = keras.layers.Conv2D(4, 3, name="conv", **first)(h)
+    h = keras.layers.AveragePooling2D(2, padding="same", **first)(h)
     h = keras.layers.Flatten()(h)
     return keras.Model(x, keras.layers.Dense(3, name="out")(h))
 
@@ -181,8 +201,10 @@ def train_images(strategy, weights, seed=1, build=build_images):
 
 @pytest.mark.parametrize("axes,build", [
     ({"data": 2}, build_images), ({"data": 8}, build_images),
-    ({"data": 8}, build_geometric), ({"data": 8}, build_colour)],
-    ids=["data2", "data8", "geometric-data8", "colour-data8"])
+    ({"data": 8}, build_geometric), ({"data": 8}, build_colour),
+    ({"data": 8}, build_channels_first)],
+    ids=["data2", "data8", "geometric-data8", "colour-data8",
+         "channels-first-data8"])
 def test_random_image_layers_match_one_device(axes, build):
     keras.utils.set_random_seed(0)
     weights = build().get_weights()

@@ -1,7 +1,7 @@
 """Stand-ins for ops DTensor 2.21 cannot lay out in a step: Qwen3.5's gated
 delta net's (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
 `depthwise_conv_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`),
-`tf.roll`, separable and grouped convolutions, average pooling
+`tf.roll`, `tf.math.cumprod`, `tf.linalg.solve`, separable and grouped convolutions, average pooling
 (`AvgPoolGrad`) and resizing (`ResizeBicubic`, `ScaleAndTranslate`): the
 values and gradients of TF's ops on random inputs, and small models
 training on data=8 as on one device.
@@ -132,8 +132,10 @@ def test_roll_by_slices_is_tf_roll(shift, axis):
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = roll(x, shift, axis)
-        results.append((y, tape.gradient(y * cotangent, x)))
+            loss = tf.reduce_sum(y * cotangent)
+        results.append((y, tape.gradient(loss, x)))
     for want, got in zip(*results):
+        assert got is not None
         np.testing.assert_array_equal(got, want)
 
 
@@ -147,6 +149,99 @@ def test_a_roll_trains_in_a_step_like_one_device():
     failed on every mesh): in a step it is slices and a concatenation."""
     models.assert_layer_trains_like_one_device(_RollFeatures, {"data": 8},
                                                6)
+
+
+def _cumprod_by_loop(x, axis, exclusive, reverse):
+    """The running product element by element: the reference whose
+    gradient is the product rule everywhere (TF's divides by x)."""
+    parts = tf.unstack(x, axis=axis)
+    if reverse:
+        parts = parts[::-1]
+    running, out = tf.ones_like(parts[0]), []
+    for part in parts:
+        out.append(running if exclusive else running * part)
+        running = running * part
+    return tf.stack(out[::-1] if reverse else out, axis=axis)
+
+
+@pytest.mark.parametrize("axis, exclusive, reverse, dtype", [
+    (0, False, False, "float32"), (1, True, False, "float32"),
+    (-1, False, True, "float32"), (2, True, True, "float32"),
+    (1, False, False, "int32"), (-2, True, True, "float64")])
+def test_cumprod_by_shifts_is_tf_cumprod(axis, exclusive, reverse, dtype):
+    """Values of `tf.math.cumprod` (exclusive, reversed, negative axes,
+    sizes 2, 5 and 7 — not powers of two), and the product rule's
+    gradient, also at a zero (float64), where TF's own Cumprod gradient,
+    which divides by x, gives 0 instead."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.uniform(0.5, 1.5, (2, 5, 7)), dtype)
+    if dtype == "int32":
+        x = tf.constant(rng.integers(-3, 4, (2, 5, 7)), dtype)
+    if dtype == "float64":
+        x = tf.tensor_scatter_nd_update(x, [[1, 2, 3]], tf.zeros(1, dtype))
+    cotangent = tf.constant(rng.normal(size=(2, 5, 7)), dtype)
+    got = spmd_ops.cumprod_by_shifts(tf.math.cumprod, x, axis, exclusive,
+                                     reverse)
+    want = tf.math.cumprod(x, axis, exclusive=exclusive, reverse=reverse)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    if dtype == "int32":
+        return
+    gradients = []
+    for cumprod in (_cumprod_by_loop, lambda *a: spmd_ops.cumprod_by_shifts(
+            tf.math.cumprod, *a)):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(cumprod(x, axis, exclusive, reverse)
+                                 * cotangent)
+        gradients.append(tape.gradient(loss, x).numpy())
+    want, got = gradients
+    np.testing.assert_allclose(got, want, rtol=1e-5,
+                               atol=1e-6 * np.abs(want).max())
+
+
+def test_solve_by_elimination_is_tf_solve():
+    """Values and gradients of `tf.linalg.solve` in float64 for batches of
+    1x1 to 8x8 systems (RandomPerspective's are 8x8), with zeros on the
+    diagonal (the pivot must be searched) and several right-hand sides;
+    larger systems are left to TF's op (None)."""
+    rng = np.random.default_rng(0)
+    for n in (1, 3, 8):
+        a = rng.normal(size=(4, n, n))
+        a[:, np.arange(n), np.arange(n)] = 0.0
+        if n == 1:
+            a += 2.0
+        a, b = tf.constant(a), tf.constant(rng.normal(size=(4, n, 2)))
+        results = []
+        for solve in (tf.linalg.solve, spmd_ops.solve_by_elimination):
+            with tf.GradientTape() as tape:
+                tape.watch([a, b])
+                x = solve(a, b)
+                loss = tf.reduce_sum(x * tf.range(2.0, dtype=x.dtype))
+            results.append([x, *tape.gradient(loss, [a, b])])
+        for want, got in zip(*results):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    big = tf.eye(spmd_ops.MAX_ELIMINATION_SIZE + 1)
+    assert spmd_ops.solve_by_elimination(big, big) is None
+
+
+class _PrefixProducts(keras.layers.Layer):
+    """x * cumprod(sigmoid(x)) along the sequence, forwards and backwards:
+    a soft "everything before matched" mask, as keras-hub's
+    SpeculativeSampler takes `ops.cumprod` of its matches."""
+
+    def call(self, x):
+        gates = keras.ops.sigmoid(x)
+        forwards = keras.ops.cumprod(gates, axis=1)
+        backwards = tf.math.cumprod(gates, axis=1, exclusive=True,
+                                    reverse=True)
+        return x * forwards + backwards
+
+
+def test_a_cumprod_trains_in_a_step_like_one_device():
+    """DTensor 2.21 cannot lay out TF's `Cumprod`: in a step it is
+    shifted products."""
+    models.assert_layer_trains_like_one_device(_PrefixProducts,
+                                               {"data": 8}, 6)
 
 
 class _EyeResidual(keras.layers.Layer):

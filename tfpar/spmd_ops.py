@@ -531,6 +531,100 @@ def roll_by_slices(roll, inputs, shift, axis, name=None):
     return out
 
 
+def cumprod_by_shifts(cumprod, x, axis, exclusive=False, reverse=False,
+                      name=None):
+    """TF's `Cumprod` (`tf.math.cumprod`, Keras' `ops.cumprod`) along a
+    static axis of static size n, by log2(n) shifted products
+    (Hillis-Steele): after the round with shift k = 1, 2, 4, ... each
+    element is the product of itself and the 2k - 1 elements before it
+    (after it when `reverse`), y[i] <- y[i] * y[i - k] with ones shifted
+    in, so after ceil(log2 n) rounds y[i] = x[0]·…·x[i]. `exclusive`
+    shifts the result by one more, a one first. Anything else:
+    `cumprod` itself.
+
+    DTensor 2.21 cannot lay out TF's `Cumprod` ("'tf.Cumprod' op does not
+    implement layout propagation": keras-hub's SpeculativeSampler's
+    accepted-prefix mask, any `ops.cumprod` in a step); slices, a
+    concatenation and products lay out, and their gradient is the
+    product rule (TF's own Cumprod gradient divides by x).
+
+    >>> cumprod_by_shifts(tf.math.cumprod, tf.constant([1, 2, 3, 4]), 0).numpy()
+    array([ 1,  2,  6, 24], dtype=int32)
+    """
+    x = tf.convert_to_tensor(x)
+    static_axis = tf.get_static_value(axis)
+    rank = x.shape.rank
+    if static_axis is None or rank is None or np.ndim(static_axis) or (
+            x.shape[int(static_axis) % rank] is None):
+        return cumprod(x, axis, exclusive=exclusive, reverse=reverse,
+                       name=name)
+    a = int(static_axis) % rank
+    n = x.shape[a]
+
+    def shifted(y, k):
+        """y moved k places along `a` (towards the end, or the start when
+        `reverse`), ones filling the k places it leaves."""
+        head = [slice(None)] * a
+        ones = tf.ones_like(y[tuple(head + [slice(0, k)])])
+        if reverse:
+            return tf.concat([y[tuple(head + [slice(k, None)])], ones], a)
+        return tf.concat([ones, y[tuple(head + [slice(None, n - k)])]], a)
+
+    k = 1
+    while k < n:
+        x = x * shifted(x, k)
+        k *= 2
+    return shifted(x, 1) if exclusive and n else x
+
+
+MAX_ELIMINATION_SIZE = 16
+
+
+def solve_by_elimination(matrix, rhs):
+    """TF's `MatrixSolve` (`tf.linalg.solve`, Keras' `ops.solve`) of a
+    batch of small systems A x = b, (..., n, n) and (..., n, m) with a
+    static n ≤ MAX_ELIMINATION_SIZE, by Gauss-Jordan elimination with
+    partial pivoting written as elementwise ops and reductions, one
+    unrolled round per column: at column k the row p ≥ k with the
+    largest |a_pk| is swapped into row k, row k is divided by its pivot,
+    and every other row i loses a_ik times row k; after n rounds [A | b]
+    is [I | x]. `None` for larger or unknown n (the caller runs TF's
+    op).
+
+    DTensor 2.21 cannot lay out TF's `MatrixSolve` ("'tf.MatrixSolve' op
+    does not implement layout propagation": RandomPerspective solves an
+    8 × 8 system per image for its homography). TF's kernel factors A by
+    LU with the same partial pivoting; the two agree to rounding, and the
+    gradient is autodiff's of the same rounds.
+
+    >>> a = tf.constant([[[0.0, 2.0], [1.0, 1.0]]])
+    >>> solve_by_elimination(a, tf.constant([[[4.0], [3.0]]]))[0, :, 0].numpy()
+    array([1., 2.], dtype=float32)
+    """
+    matrix, rhs = tf.convert_to_tensor(matrix), tf.convert_to_tensor(rhs)
+    n = matrix.shape[-1]
+    if n is None or n > MAX_ELIMINATION_SIZE or matrix.shape[-2] != n:
+        return None
+    system = tf.concat([matrix, tf.cast(rhs, matrix.dtype)], axis=-1)
+    rows = np.arange(n)
+    for k in range(n):
+        unit = tf.constant(rows == k, matrix.dtype)  # e_k over the rows
+        candidates = tf.where(rows >= k, tf.abs(system[..., :, k]),
+                              -tf.ones_like(tf.abs(system[..., :, k])))
+        chosen = tf.one_hot(tf.argmax(candidates, axis=-1), n,
+                            dtype=matrix.dtype)  # e_p
+        pivot_row = tf.reduce_sum(system * chosen[..., :, None], axis=-2)
+        # swap rows k and p: row k += (row p - row k), row p -= the same
+        system += ((unit - chosen)[..., :, None]
+                   * (pivot_row - system[..., k, :])[..., None, :])
+        pivot_row /= pivot_row[..., k:k + 1]
+        factors = system[..., :, k] * (1 - unit)
+        system -= factors[..., :, None] * pivot_row[..., None, :]
+        system = (system * (1 - unit)[:, None]
+                  + unit[:, None] * pivot_row[..., None, :])
+    return system[..., :, n:]
+
+
 def affine_transform_by_gather(images, transforms, interpolation="bilinear",
                                fill_mode="constant", fill_value=0.0):
     """TF's `ImageProjectiveTransformV3` (Keras' `image.affine_transform`:

@@ -95,6 +95,10 @@ def _gen_array_ops():
     return _compat.tf_python_module("ops.gen_array_ops")
 
 
+def _gen_math_ops():
+    return _compat.tf_python_module("ops.gen_math_ops")
+
+
 def _batch_normalization():
     return _compat.keras_module(
         "layers.normalization.batch_normalization").BatchNormalization
@@ -346,6 +350,21 @@ def _roll_by_slices_in_step(original, hooks):
         return spmd_ops.roll_by_slices(original, input, shift, axis, name)
 
     return roll
+
+
+def _cumprod_by_shifts_in_step(original, hooks):
+    """TF's `Cumprod` wrapper (`tf.math.cumprod`, Keras' `ops.cumprod`) as
+    `spmd_ops.cumprod_by_shifts` in a graph step: DTensor 2.21 cannot lay
+    out `Cumprod`. Elsewhere TF's op runs."""
+    @functools.wraps(original)
+    def cumprod(x, axis, exclusive=False, reverse=False, name=None):
+        if not hooks.in_graph_step():
+            return original(x, axis, exclusive=exclusive, reverse=reverse,
+                            name=name)
+        return spmd_ops.cumprod_by_shifts(original, x, axis, exclusive,
+                                          reverse, name)
+
+    return cumprod
 
 
 def _concat_whole_along_axis_in_step(original, hooks):
@@ -725,6 +744,65 @@ def _affine_transform_by_gather_in_step(original, hooks):
     return affine_transform
 
 
+def _solve_by_elimination_in_step(original, hooks):
+    """`tf.linalg.solve` (Keras' `ops.solve`, RandomPerspective's
+    homography) of small systems as `spmd_ops.solve_by_elimination` in a
+    step: DTensor 2.21 cannot lay out TF's `MatrixSolve`. Systems larger
+    than `spmd_ops.MAX_ELIMINATION_SIZE`, and everything outside a step,
+    run TF's op."""
+    @functools.wraps(original)
+    def solve(matrix, rhs, adjoint=False, name=None):
+        if not in_spmd_step():
+            return original(matrix, rhs, adjoint=adjoint, name=name)
+        matrix = tf.convert_to_tensor(matrix)
+        solution = spmd_ops.solve_by_elimination(
+            tf.linalg.adjoint(matrix) if adjoint else matrix, rhs)
+        if solution is None:
+            return original(matrix, rhs, adjoint=adjoint, name=name)
+        return solution
+
+    return solve
+
+
+def _perspective_transform_by_gather_in_step(original, hooks):
+    """Keras' TF `image.perspective_transform` (RandomPerspective) in a
+    step: Keras' own homography (its `tf.linalg.solve` by elimination,
+    `_solve_by_elimination_in_step`) applied by
+    `spmd_ops.affine_transform_by_gather` — TF's
+    `ImageProjectiveTransformV3` with a constant fill, which is what Keras
+    asks of it, and which DTensor 2.21 cannot lay out. Elsewhere, and for
+    arguments Keras refuses (its own error), Keras' op runs."""
+    @functools.wraps(original)
+    def perspective_transform(images, start_points, end_points,
+                              interpolation="bilinear", fill_value=0,
+                              data_format=None):
+        def keras_op():
+            return original(images, start_points, end_points,
+                            interpolation, fill_value, data_format)
+
+        if not in_spmd_step() or interpolation not in ("nearest", "bilinear"):
+            return keras_op()
+        images = tf.convert_to_tensor(images)
+        start = tf.convert_to_tensor(start_points, tf.float32)
+        end = tf.convert_to_tensor(end_points, tf.float32)
+        channels_first = _channels_first(data_format)
+        if start.shape.rank == 2:  # one set of points for every image
+            start, end = start[None], end[None]
+        if images.shape.rank != 4 or start.shape.rank != 3 \
+                or start.shape != end.shape:
+            return keras_op()
+        if channels_first:
+            images = _axis_moved(images, 1, -1)
+        if None in images.shape[1:3]:
+            return keras_op()
+        transform = _keras_image().compute_homography_matrix(start, end)
+        out = spmd_ops.affine_transform_by_gather(
+            images, transform, interpolation, "constant", fill_value)
+        return _axis_moved(out, -1, 1) if channels_first else out
+
+    return perspective_transform
+
+
 def _colour_conversion_in_step(name):
     """Keras' TF `image.rgb_to_hsv` / `hsv_to_rgb` (RandomHue,
     RandomSaturation) of float images as `spmd_ops.rgb_to_hsv_by_ops` /
@@ -808,6 +886,11 @@ PATCHES = (
                   _affine_transform_by_gather_in_step),
     *(_compat.Patch(name, _keras_image, name, _colour_conversion_in_step(name))
       for name in ("rgb_to_hsv", "hsv_to_rgb")),
+    _compat.Patch("perspective_transform", _keras_image,
+                  "perspective_transform",
+                  _perspective_transform_by_gather_in_step),
+    _compat.Patch("linalg_solve", lambda: tf.linalg, "solve",
+                  _solve_by_elimination_in_step),
     _compat.Patch("image_resize", lambda: tf.image, "resize",
                   _resize_by_matmul_in_step),
     _compat.Patch("average_pool", _keras_nn, "average_pool",
@@ -819,6 +902,8 @@ PATCHES = (
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
     _compat.Patch("roll", _gen_manip_ops, "roll", _roll_by_slices_in_step),
+    _compat.Patch("cumprod", _gen_math_ops, "cumprod",
+                  _cumprod_by_shifts_in_step),
     _compat.Patch("strided_slice", _gen_array_ops, "strided_slice",
                   _new_axes_by_expand_dims_in_step),
     _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",

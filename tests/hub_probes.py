@@ -21,6 +21,9 @@ import tfpar
 import models
 
 HEADS, HEAD_DIM, SEQ = 4, 8, 16
+# Moonshine's audio front end (convolutions of 127 samples, stride 64,
+# then 7 / 3 and 3 / 2) needs at least 1024 samples for one frame.
+AUDIO_SAMPLES = 1024
 HIDDEN = HEADS * HEAD_DIM
 VOCAB, FFN = 256, 64
 _M = keras_hub.models
@@ -74,15 +77,158 @@ BACKBONES = {
         layerwise_sr_ratios=[2, 1], max_drop_path_rate=0.0,
         layerwise_patch_sizes=[3, 3], layerwise_strides=[2, 2],
         image_shape=(16, 16, 3), hidden_dims=[8, 16]),
+    "qwen2": lambda: _M.Qwen2Backbone(
+        num_query_heads=HEADS, num_key_value_heads=2, **_TEXT),
+    "qwen3": lambda: _M.Qwen3Backbone(
+        num_query_heads=HEADS, num_key_value_heads=2, head_dim=HEAD_DIM,
+        **_TEXT),
+    "qwen3_5_moe": lambda: _M.Qwen3_5MoeBackbone(
+        vocabulary_size=VOCAB, num_layers=2, hidden_dim=HIDDEN,
+        num_query_heads=HEADS, num_key_value_heads=2, head_dim=HEAD_DIM,
+        moe_intermediate_dim=16, shared_expert_intermediate_size=16,
+        num_experts=4, top_k=2),
+    "gemma4": lambda: _M.Gemma4Backbone(
+        image_size=None, num_query_heads=HEADS, num_key_value_heads=2,
+        head_dim=HEAD_DIM, **_TEXT),
+    "t5gemma": lambda: _M.T5GemmaBackbone(
+        vocabulary_size=VOCAB, encoder_hidden_dim=HIDDEN,
+        encoder_intermediate_dim=FFN, encoder_num_layers=2,
+        encoder_num_attention_heads=HEADS, encoder_num_key_value_heads=HEADS,
+        encoder_head_dim=HEAD_DIM, encoder_layer_types=["full_attention"] * 2,
+        decoder_hidden_dim=HIDDEN, decoder_intermediate_dim=FFN,
+        decoder_num_layers=2, decoder_num_attention_heads=HEADS,
+        decoder_num_key_value_heads=HEADS, decoder_head_dim=HEAD_DIM,
+        decoder_layer_types=["full_attention"] * 2),
+    "electra": lambda: _M.ElectraBackbone(
+        vocab_size=VOCAB, num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN,
+        embedding_dim=HIDDEN, intermediate_dim=FFN, max_sequence_length=SEQ),
+    "roberta": lambda: _M.RobertaBackbone(
+        num_heads=HEADS, max_sequence_length=SEQ, **_TEXT),
+    "xlm_roberta": lambda: _M.XLMRobertaBackbone(
+        num_heads=HEADS, max_sequence_length=SEQ, **_TEXT),
+    "distil_bert": lambda: _M.DistilBertBackbone(
+        num_heads=HEADS, max_sequence_length=SEQ, **_TEXT),
+    "albert": lambda: _M.AlbertBackbone(
+        num_heads=HEADS, embedding_dim=16, max_sequence_length=SEQ, **_TEXT),
+    "f_net": lambda: _M.FNetBackbone(max_sequence_length=SEQ, **_TEXT),
+    "esm": lambda: _M.ESMBackbone(num_heads=HEADS, **_TEXT),
+    "vitdet": lambda: _M.ViTDetBackbone(
+        hidden_size=HIDDEN, num_layers=2, intermediate_dim=FFN,
+        num_heads=HEADS, global_attention_layer_indices=[1],
+        image_shape=(32, 32, 3), patch_size=8, window_size=2),
+    "dinov3": lambda: _M.DINOV3Backbone(
+        patch_size=4, num_layers=2, hidden_dim=HIDDEN, num_heads=HEADS,
+        intermediate_dim=FFN, image_shape=(16, 16, 3)),
+    "gemma3n": lambda: _M.Gemma3nBackbone(
+        text_vocab_size=VOCAB, text_hidden_size=HIDDEN, num_hidden_layers=2,
+        pad_token_id=0, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, head_dim=HEAD_DIM,
+        intermediate_size=[FFN, FFN], hidden_activation="gelu_approximate",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8, rope_theta=10000.0, max_position_embeddings=SEQ,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        altup_num_inputs=2, laurel_rank=4),
+    "moonshine": lambda: _M.MoonshineBackbone(
+        vocabulary_size=VOCAB, filter_dim=HIDDEN, encoder_num_layers=2,
+        decoder_num_layers=2, hidden_dim=HIDDEN, intermediate_dim=FFN,
+        encoder_num_heads=HEADS, decoder_num_heads=HEADS),
+    "edrec": lambda: _M.EdRecBackbone(
+        vocab_size=VOCAB, num_layers_enc=2, num_layers_dec=2,
+        hidden_dim=HIDDEN, intermediate_dim=FFN, num_heads=HEADS),
     "deit": lambda: _M.DeiTBackbone(
         image_shape=(16, 16, 3), patch_size=4, num_layers=2,
         num_heads=HEADS, hidden_dim=HIDDEN, intermediate_dim=FFN),
 }
 
 
+IMAGE = (32, 32, 3)
+
+
+def _resnet():
+    """A small ResNet (keras-hub requires 64 filters in its first stack)."""
+    return _M.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 64, 64], stackwise_num_blocks=[1, 1, 1],
+        stackwise_num_strides=[1, 2, 2], block_type="basic_block",
+        use_pre_activation=False, image_shape=IMAGE)
+
+
+def _dfine():
+    """D-FINE on a small HGNetV2, 8 queries, no denoising."""
+    hgnet = _M.HGNetV2Backbone(
+        stem_channels=[3, 8, 8],
+        stackwise_stage_filters=[[8, 8, 16, 1, 1, 3], [16, 8, 32, 1, 1, 3]],
+        apply_downsample=[False, True],
+        use_lightweight_conv_block=[False, False], depths=[1, 1],
+        hidden_sizes=[16, 32], embedding_size=8,
+        use_learnable_affine_block=True, hidden_act="relu",
+        image_shape=IMAGE, out_features=["stage1", "stage2"])
+    return _M.DFineBackbone(
+        backbone=hgnet, decoder_in_channels=[32, 32], encoder_hidden_dim=32,
+        num_denoising=0, num_labels=4, hidden_dim=32,
+        learn_initial_query=False, num_queries=8, anchor_image_size=(32, 32),
+        feat_strides=[4, 8], num_feature_levels=2,
+        encoder_in_channels=[16, 32], encode_proj_layers=[1],
+        num_attention_heads=HEADS, encoder_ffn_dim=FFN,
+        num_encoder_layers=1, hidden_expansion=0.5, depth_multiplier=0.5,
+        eval_idx=-1, num_decoder_layers=2, decoder_attention_heads=HEADS,
+        decoder_ffn_dim=FFN, decoder_n_points=[2, 2], lqe_hidden_dim=16,
+        num_lqe_layers=2, out_features=["stage1", "stage2"],
+        image_shape=IMAGE, seed=0)
+
+
+def _blip2():
+    """BLIP-2: a ViT, a Q-Former of 4 queries and an OPT."""
+    common = dict(num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN,
+                  intermediate_dim=FFN)
+    vision = _M.BLIP2VisionEncoder(
+        image_size=32, patch_size=8, use_patch_bias=True,
+        use_class_token=True, use_mha_bias=True, use_mlp_bias=True,
+        dropout_rate=0.0, layer_norm_epsilon=1e-6, initializer_range=0.02,
+        **common)
+    qformer = _M.BLIP2QFormer(
+        num_query_tokens=4, vision_dim=HIDDEN, cross_attention_frequency=1,
+        dropout=0.0, layer_norm_epsilon=1e-6, **common)
+    language = _M.BLIP2CustomOPT(
+        vocabulary_size=VOCAB, num_query_tokens=4, dropout=0.0,
+        max_sequence_length=SEQ + 4, qformer_hidden_dim=HIDDEN, **common)
+    return _M.BLIP2Backbone(vision_encoder=vision, qformer=qformer,
+                            language_model=language)
+
+
+VISION = {
+    "deeplab_v3": lambda: _M.DeepLabV3Backbone(
+        image_encoder=_resnet(), spatial_pyramid_pooling_key="P4",
+        low_level_feature_key="P2", upsampling_size=4,
+        dilation_rates=[1, 2, 3], projection_filters=16, image_shape=IMAGE),
+    "d_fine": _dfine,
+    "blip2": _blip2,
+}
+BACKBONES.update(VISION)
+
+
+def _pooled_features(outputs):
+    """The float outputs of known width, each averaged over its middle
+    dimensions and joined: a probe input for a model whose outputs are
+    feature maps, boxes and logits (D-FINE, DeepLabV3)."""
+    features = []
+    for output in keras.tree.flatten(outputs):
+        if not output.dtype.startswith("float") or len(output.shape) < 2 \
+                or output.shape[-1] is None:
+            continue
+        if len(output.shape) > 2:
+            output = keras.ops.mean(
+                output, axis=tuple(range(1, len(output.shape) - 1)))
+        features.append(output)
+    if len(features) == 1:
+        return features[0]
+    return keras.layers.Concatenate()(features)
+
+
 def probe_model(name):
     """The backbone `name`, seeded, with a Dense "probe" of 4 units on its
-    (decoder's) sequence output."""
+    (decoder's) sequence output, or on its pooled outputs
+    (`_pooled_features`: the VISION models)."""
     keras.utils.set_random_seed(0)
     naming.reset_uids()  # unnamed layers: the same paths every build
     backbone = BACKBONES[name]()
@@ -90,6 +236,8 @@ def probe_model(name):
     if isinstance(output, dict):
         output = output.get("decoder_sequence_output",
                             output.get("sequence_output"))
+    if output is None or name in VISION:
+        output = _pooled_features(backbone.output)
     return keras.Model(backbone.input,
                        keras.layers.Dense(4, name="probe")(output))
 
@@ -97,13 +245,19 @@ def probe_model(name):
 def probe_data(model, batch=16):
     """(x, y): random ids for the model's integer inputs, all-ones masks,
     zero segment ids, normal floats for its float inputs (images, audio
-    features; unknown lengths SEQ); normal targets for the probe."""
+    features; unknown lengths SEQ, or AUDIO_SAMPLES for an audio
+    encoder's); normal targets for the probe."""
     rng = np.random.default_rng(0)
     x = {}
-    inputs = model.input if isinstance(model.input, dict) else {
-        "images": model.input}
+    inputs = model.input
+    if isinstance(inputs, list):  # Gemma 3n: by the inputs' names
+        inputs = {t.name: t for t in inputs}
+    elif not isinstance(inputs, dict):
+        inputs = {"images": inputs}
     for key, spec in inputs.items():
-        shape = (batch,) + tuple(SEQ if d is None else d
+        audio = "encoder_input_values" in inputs
+        length = AUDIO_SAMPLES if audio and key.startswith("encoder") else SEQ
+        shape = (batch,) + tuple(length if d is None else d
                                  for d in spec.shape[1:])
         if "mask" in key:
             x[key] = np.ones(shape, bool)
@@ -115,7 +269,9 @@ def probe_data(model, batch=16):
             x[key] = rng.normal(size=shape).astype("float32")
     out = (batch,) + tuple(SEQ if d is None else d
                            for d in model.output.shape[1:])
-    if not isinstance(model.input, dict):
+    if isinstance(model.input, list):
+        x = [x[t.name] for t in model.input]
+    elif not isinstance(model.input, dict):
         x = x["images"]
     return x, rng.normal(size=out).astype("float32")
 

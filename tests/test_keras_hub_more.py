@@ -4,7 +4,9 @@ tests/test_keras_hub.py trains seven keras-hub models (and
 tests/test_moe_keras_hub.py three mixtures of experts) under every plan.
 This file trains the other families a user may pick — OPT, BLOOM,
 Falcon, Phi-3, Qwen, Gemma 3, DeBERTa-v3, BART, Whisper, DeiT, XLNet,
-DINOv2, Swin, MiT (SegFormer's encoder) (tests/hub_probes.py: small backbones from constructor arguments, a
+DINOv2, Swin, MiT (SegFormer's encoder), Moonshine, EdRec, Qwen2, Qwen3,
+Qwen3.5-MoE, Gemma 4, T5Gemma, ELECTRA, RoBERTa, XLM-RoBERTa, DistilBERT,
+ALBERT, FNet, ESM, ViTDet, DINOv3, Gemma 3n (tests/hub_probes.py: small backbones from constructor arguments, a
 Dense probe on the sequence output) — with `tfpar.auto_rules` on
 data=2 x model=4, in parity with one device (losses, every weight after
 SGD: `hub_probes.assert_same_weights`),
@@ -23,6 +25,13 @@ every mesh on its 3×3 depthwise convolution's filter gradient, which
 DTensor 2.21 cannot lay out (`spmd_ops.depthwise_conv_by_shifts`), and
 its 1-head stage stays whole (model=2 here; on model=4 both stages do); Swin (slow) on
 `tf.roll`, which DTensor cannot lay out either (`spmd_ops.roll_by_slices`).
+Moonshine
+(slow) failed in `auto_rules` itself: its rotary table declares the
+shape (None,) and is 2-D, and the attention reading it failed when traced
+node by node on the declared shape; such a model is now traced whole
+(`keras_graph._traced_by_node`). Gemma 3n (slow) was refused by
+`auto_rules` on model=4: its AltUp router is an MLP 2 units wide; it now
+stays whole. EdRec (slow) is compared in float64.
 The others
 passed when first run here; they are slow cases, so that a change which
 breaks one is seen.
@@ -40,13 +49,44 @@ MESH = {"data": 2, "model": 4}
 # MiT's stages have 1 and 2 heads: model=2 splits the second stage's.
 MESHES = {"mit": {"data": 4, "model": 2}}
 SLOW = ("opt", "bloom", "falcon", "phi3", "qwen", "gemma3", "deberta_v3",
-        "bart", "whisper", "deit", "swin")
+        "bart", "whisper", "deit", "swin", "moonshine",
+        # passed when first run here (2026-12-05): kept, so that a change
+        # which breaks one is seen
+        "qwen2", "qwen3", "qwen3_5_moe", "gemma4", "t5gemma", "electra",
+        "roberta", "xlm_roberta", "distil_bert", "albert", "f_net", "esm",
+        "vitdet", "dinov3", "gemma3n")
 
 
 @pytest.mark.parametrize("name", ["xlnet", "dinov2", "mit"] + [
     pytest.param(name, marks=pytest.mark.slow) for name in SLOW])
 def test_keras_hub_family_trains_like_one_device(name):
     hub_probes.assert_trains_like_one_device(name, MESHES.get(name, MESH))
+
+
+@pytest.mark.slow
+def test_edrec_trains_like_one_device_in_float64(float64):
+    """EdRec in float64: at SGD(0.1) its float32 loss grows from 8e1 and
+    rounding differences grow with it (2e-4 relative after two steps,
+    the same on data=8 and on data=2 x model=4); in float64 both meshes
+    equal one device to 1e-14."""
+    hub_probes.assert_trains_like_one_device("edrec", MESH)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deeplab_v3", "d_fine", "blip2"])
+def test_keras_hub_vision_model_trains_like_one_device(name, float64):
+    """keras-hub's DeepLabV3 failed to compile on every mesh (its dilated
+    convolutions: SpaceToBatchND), D-FINE too (`ops.map`'s TensorLists,
+    then TopKV2's gradient), and BLIP-2's plan clashed (two layers share
+    the path "transformer_layer_0/self_attention"). In float64: their
+    BatchNormalizations amplify float32 rounding."""
+    if name == "deeplab_v3":  # no attention: auto_rules splits nothing
+        _, want = hub_probes.train(name, None)
+        _, got = hub_probes.train(name, tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 8})))
+        assert models.relative_error(want, got) < 1e-10, (want, got)
+        return
+    hub_probes.assert_trains_like_one_device(name, MESH)
 
 
 @pytest.mark.slow

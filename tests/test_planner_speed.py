@@ -165,6 +165,52 @@ def test_plans_from_the_by_node_trace_equal_the_whole_model_trace(
     assert plans[True] == plans[False]
 
 
+class _TableDeclaredFlat(keras.layers.Layer):
+    """A (length, 16) table of the positions of its input, which declares
+    its output (None,) — as keras-hub's Moonshine rotary embedding does
+    (its declared shape is its 1-D input's, its call makes a 2-D table)."""
+
+    def call(self, x):
+        positions = keras.ops.arange(keras.ops.shape(x)[1], dtype="float32")
+        return positions[:, None] * keras.ops.ones((16,))
+
+    def compute_output_shape(self, input_shape):
+        return (None,)
+
+
+class _AddTable(keras.layers.Layer):
+    """x + table[:length]: a 2-D index, which fails on the declared (None,)
+    spec; declares its output shape, so Keras never traces it symbolically."""
+
+    def call(self, x, table):
+        return x + table[: keras.ops.shape(x)[1], :]
+
+    def compute_output_shape(self, x_shape, table_shape):
+        return x_shape
+
+
+def test_a_layer_declaring_the_wrong_output_shape_is_traced_whole(
+        whole_model_trace):
+    """The node trace reads each node's inputs from the shapes Keras
+    recorded; where a layer declared a shape its call does not make, the
+    node reading it fails there, and the whole model is traced instead:
+    the same rules as the whole-model trace (auto_rules failed on
+    keras-hub's Moonshine before)."""
+    x = keras.Input((8, 16))
+    h = _AddTable(name="add")(x, _TableDeclaredFlat(name="table")(x))
+    h = keras.layers.Dense(32, activation="relu", name="up")(h)
+    h = keras.layers.Dense(16, name="down")(h)
+    model = keras.Model(x, keras.layers.Dense(4, name="head")(h))
+    found = {}
+    for by_node in (True, False):
+        whole_model_trace(by_node)
+        found[by_node] = _rules_and_warnings(
+            model, mesh=tfpar.Mesh({"data": 2, "model": 4}))
+    assert found[True] == found[False]
+    split = {path.split("/")[0] for path, _ in found[True][0]}
+    assert split == {"up", "down"}, found
+
+
 def _peak_rss_reset():
     """Resets this process' peak resident memory (VmHWM) to its current
     size (Linux: /proc/self/clear_refs) and returns it in bytes."""

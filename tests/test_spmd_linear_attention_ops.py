@@ -1,7 +1,8 @@
 """Stand-ins for ops DTensor 2.21 cannot lay out in a step: Qwen3.5's gated
 delta net's (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
 `depthwise_conv_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`),
-`tf.roll`, `tf.math.cumprod`, `tf.linalg.solve`, separable and grouped convolutions, average pooling
+`tf.roll`, `tf.math.cumprod`, `tf.linalg.solve`, `ops.map`, `ops.scan`,
+top-k, dilated, separable and grouped convolutions, average pooling
 (`AvgPoolGrad`) and resizing (`ResizeBicubic`, `ScaleAndTranslate`): the
 values and gradients of TF's ops on random inputs, and small models
 training on data=8 as on one device.
@@ -149,6 +150,164 @@ def test_a_roll_trains_in_a_step_like_one_device():
     failed on every mesh): in a step it is slices and a concatenation."""
     models.assert_layer_trains_like_one_device(_RollFeatures, {"data": 8},
                                                6)
+
+
+@pytest.mark.parametrize("shape, kernel_size, dilation, padding, strides", [
+    ((2, 11, 3), (3,), 2, "valid", 1), ((2, 9, 3), (2,), 3, "same", 1),
+    ((2, 9, 8, 3), (3, 3), (2, 3), "same", 1),
+    ((2, 9, 8, 3), (3, 2), 1, "valid", (2, 1)),
+    ((1, 5, 6, 4, 2), (2, 2, 2), 2, "same", 1)])
+def test_conv_by_shifts_is_tf_convolution(shape, kernel_size, dilation,
+                                          padding, strides):
+    """Values and gradients of `tf.nn.convolution` (1-D to 3-D, dilated,
+    "same" and "valid", strided) by shifted matrix products."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    kernel = tf.constant(rng.normal(size=kernel_size + (shape[-1], 5)),
+                         tf.float32)
+    spatial = len(kernel_size)
+    results = []
+    for conv in (lambda x, w: tf.nn.convolution(
+            x, w, strides, padding.upper(),
+            dilations=dilation if isinstance(dilation, tuple)
+            else (dilation,) * spatial),
+                 lambda x, w: spmd_ops.conv_by_shifts(x, w, strides, padding,
+                                                      dilation)):
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            y = conv(x, kernel)
+            cotangent = tf.cos(tf.reshape(tf.range(tf.size(y),
+                                                   dtype=tf.float32),
+                                          tf.shape(y)))
+            loss = tf.reduce_sum(y * cotangent)
+        results.append([y, *tape.gradient(loss, [x, kernel])])
+    for want, got in zip(*results):
+        assert want.shape == got.shape
+        assert models.relative_error(want.numpy(), got.numpy()) < RTOL
+
+
+def _dilated_convolutions(data_format="channels_last"):
+    """(12, 2) series -> dilated Conv1D (rate 2, same) -> (6, 8, 1) ->
+    dilated Conv2D (rates 2 and 3) -> out(3): TF runs both through
+    SpaceToBatchND on CPU, which DTensor 2.21 cannot lay out. Channels
+    first the Conv1D has no bias (`test_channels_first_conv1d_with_bias`)."""
+    first = data_format == "channels_first"
+    x = keras.Input((2, 12) if first else (12, 2))
+    h = keras.layers.Conv1D(4, 3, dilation_rate=2, padding="same",
+                            use_bias=not first, data_format=data_format,
+                            name="conv1d")(x)
+    h = keras.layers.Reshape((1, 6, 8) if first else (6, 8, 1))(h)
+    h = keras.layers.Conv2D(3, 3, dilation_rate=(2, 3), padding="same",
+                            data_format=data_format, name="conv2d")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+@pytest.mark.parametrize("data_format", [
+    "channels_last",
+    pytest.param("channels_first", marks=pytest.mark.slow)])
+def test_dilated_convolutions_train_as_one_device(data_format):
+    """keras-hub's DeepLabV3 (its atrous pyramid) failed to compile on a
+    data-only mesh: in a step a dilated convolution is shifted matrix
+    products (`spmd_ops.conv_by_shifts`)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32,) + _dilated_convolutions(
+        data_format).input_shape[1:]).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    models.assert_trains_in_order_like_one_device(
+        lambda: _dilated_convolutions(data_format), x, y, {"data": 8})
+
+
+@pytest.mark.xfail(strict=True, reason="DTensor 2.21 lays the bias "
+                   "gradient of a channels-first Conv1D out over the data "
+                   "axis along its channels; not found where (open)")
+def test_channels_first_conv1d_with_bias_trains_on_a_data_mesh():
+    """Found on 2026-12-05 and left: a plain channels-first Conv1D with a
+    bias does not compile on data=8 ("'tf.DTensorLayout' op requires
+    dimension 1 to be divisible by sharding ... size=4 ... shards=8"),
+    with or without dilation; without its bias, or 2-D, or a bias added by
+    a layer of one's own, it trains. Passes when that is fixed."""
+    def build():
+        x = keras.Input((2, 12))
+        h = keras.layers.Conv1D(4, 3, padding="same",
+                                data_format="channels_first")(x)
+        model = keras.Model(x, keras.layers.Dense(3)(
+            keras.layers.Flatten()(h)))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(16, 2, 12)).astype("float32")
+    models.train_built(tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})),
+                       build, x, np.zeros((16, 3), "float32"), 8)
+
+
+class _TopQueriesByMap(keras.layers.Layer):
+    """(batch, 6) -> 3 pairs, each example's pairs reordered by their sums'
+    top-k and read with `ops.map` over the examples, as keras-hub's D-FINE
+    gathers each image's top queries; plus an `ops.scan` (a decaying
+    running sum over the features). `ops.map` and `ops.scan` loop over
+    TensorArrays (DTensor lays out no TensorList op), and TopKV2's own
+    gradient fails on a batch-split tensor."""
+
+    def call(self, x):
+        pairs = keras.ops.reshape(x, (-1, 3, 2))
+        values, order = keras.ops.top_k(keras.ops.sum(pairs, -1), k=2)
+        top = keras.ops.map(lambda e: keras.ops.take(e[0], e[1], axis=0),
+                            (pairs, order))
+
+        def decay(carry, column):
+            carry = 0.5 * carry + column
+            return carry, carry
+
+        _, running = keras.ops.scan(decay, keras.ops.zeros_like(x[:, 0]),
+                                    keras.ops.transpose(x), reverse=True)
+        return keras.ops.concatenate(
+            [keras.ops.reshape(top, (-1, 4)), values,
+             keras.ops.transpose(running)[:, :0]], axis=-1)
+
+
+def test_map_scan_and_top_k_train_in_a_step_like_one_device():
+    """In a step `ops.map` and `ops.scan` are written out element by
+    element (`spmd_ops.unrolled_map`, `unrolled_scan`) and top-k values
+    are read by a gather (`spmd_ops.top_k_read_by_gather`). DTensor lays
+    this small layer out without them too (checked): the test holds their
+    values to one device's; keras-hub's D-FINE, which failed without them,
+    is tests/test_keras_hub_more.py's (slow)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.normal(size=(32, 6)).astype("float32")
+    keras.utils.set_random_seed(0)
+    models.assert_trains_in_order_like_one_device(
+        lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(6),
+                                  _TopQueriesByMap()]), x, y, {"data": 8})
+
+
+def test_unrolled_map_and_scan_are_keras_ops():
+    """Values of Keras' own `ops.map` and `ops.scan` (structures in and
+    out, reverse, no xs but a length, no ys)."""
+    rng = np.random.default_rng(0)
+    xs = {"a": tf.constant(rng.normal(size=(4, 3))),
+          "b": tf.constant(rng.normal(size=(4,)))}
+    f = lambda e: (e["a"] * e["b"], tf.reduce_sum(e["a"]))  # noqa: E731
+    for want, got in zip(keras.ops.map(f, xs),
+                         spmd_ops.unrolled_map(None, f, xs)):
+        np.testing.assert_allclose(got, want)
+
+    def step(carry, x):
+        total, count = carry  # Keras' TF scan: ys shaped as the carry
+        return (total + x, count + 1), (total * x, count)
+
+    for reverse in (False, True):
+        want = keras.ops.scan(step, (tf.zeros(3, tf.float64), 0), xs["a"],
+                              reverse=reverse)
+        got = spmd_ops.unrolled_scan(None, step, (tf.zeros(
+            3, tf.float64), 0), xs["a"], reverse=reverse)
+        for a, b in zip(keras.tree.flatten(want), keras.tree.flatten(got)):
+            np.testing.assert_allclose(b, a)
+    count = lambda c, _: (c + 1, None)  # noqa: E731
+    assert int(spmd_ops.unrolled_scan(None, count, 0, None, 5)[0]) == int(
+        keras.ops.scan(count, 0, None, 5)[0]) == 5
 
 
 def _cumprod_by_loop(x, axis, exclusive, reverse):

@@ -96,6 +96,81 @@ def test_auto_rules_rejects_indivisible_heads_and_warns_on_unknown_layers():
         tfpar.auto_rules(conv_model, axis_size=2)
 
 
+def _with_router(router_units):
+    """(8, 16) -> MLP 32 wide, plus a router MLP Dense(router_units) ->
+    tanh -> Dense(16) on the same input, as Gemma 3n's AltUp router."""
+    x = keras.Input((8, 16))
+    h = keras.layers.Dense(32, activation="gelu", name="up")(x)
+    h = keras.layers.Dense(16, name="down")(h)
+    r = keras.layers.Dense(router_units, activation="tanh", name="router")(x)
+    r = keras.layers.Dense(16, name="router_out")(r)
+    out = keras.layers.Dense(4, name="head")(keras.layers.Add()([h, r]))
+    return keras.Model(x, out)
+
+
+def test_auto_rules_keeps_an_mlp_narrower_than_the_axis_whole():
+    """A hidden layer of 2 units on model=4 cannot be split: the pair stays
+    whole, named in the warning, and the other MLP is split (auto_rules
+    raised on keras-hub's Gemma 3n before). A hidden layer of 6 units the
+    axis does not divide is still the error naming it."""
+    with pytest.warns(UserWarning, match=r"router \(Dense\): an MLP 2 units "
+                      r"wide, fewer than mesh axis 'model' has devices \(4\)"):
+        rules = tfpar.auto_rules(_with_router(2), axis_size=4)
+    assert dict(rules.items()) == {"up": tfpar.ColumnParallel(),
+                                   "down": tfpar.RowParallel()}
+    with pytest.raises(ValueError, match=r"'router' \(Dense\) has units=6"):
+        tfpar.auto_rules(_with_router(6), axis_size=4)
+
+
+class _WrappedAttention(keras.layers.Layer):
+    """A block holding a MultiHeadAttention "attention" (BLIP-2's Q-Former
+    attention block)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(4, 8,
+                                                         name="attention")
+
+    def call(self, x):
+        return self.attention(x, x)
+
+
+def _two_models_one_path():
+    """Two sub-models, each with a layer named "attn": the first's wraps an
+    attention ("attn/attention/query/kernel"), the second's is one
+    ("attn/query/kernel") — as keras-hub's BLIP-2's Q-Former and language
+    model both have "transformer_layer_0/self_attention"."""
+    x = keras.Input((8, 32))
+    first = keras.Model(x, _WrappedAttention(name="attn")(x), name="first")
+    y = keras.Input((8, 32))
+    second = keras.Model(y, keras.layers.MultiHeadAttention(
+        4, 8, name="attn")(y, y), name="second")
+    z = keras.Input((8, 32))
+    return keras.Model(z, keras.layers.Dense(4, name="head")(
+        second(first(z))))
+
+
+def test_auto_rules_keeps_a_layer_whole_whose_path_holds_other_weights():
+    """A rule for path "attn" is matched by every weight under "attn/",
+    the other attention's too, which its own rule also matches: auto_rules
+    gave both rules, and applying them failed ("matched by 2 layout
+    rules"; keras-hub's BLIP-2). The layer whose path holds other weights
+    stays whole, named in the warning; the other is split."""
+    model = _two_models_one_path()
+    with pytest.warns(UserWarning, match=r"attn \(MultiHeadAttention\): "
+                      r"another layer's weights sit under its path"):
+        rules = tfpar.auto_rules(model, axis_size=4)
+    assert dict(rules.items()) == {r"attn/attention": tfpar.ColumnParallel()}
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
+    with strategy.scope():
+        model = _two_models_one_path()
+    strategy.apply_rules(model, rules)
+    split = {path for path, spec, _ in strategy.placements("params")
+             if "model" in spec}
+    assert split and all(path.startswith("attn/attention/")
+                         for path in split), split
+
+
 def train_transformer(strategy=None, plan=None, epochs=2):
     """Trains the transformer from fixed weights; `plan(model)` gives the
     rules `strategy.apply_rules` lays it out by."""

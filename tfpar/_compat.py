@@ -183,11 +183,6 @@ def keras_globals(values):
             global_state.set_global_attribute(name, value)
 
 
-def could_record():
-    """Whether a gradient tape may record the ops run now."""
-    return record.could_possibly_record()
-
-
 def stop_recording():
     """A block in which no gradient tape records."""
     return record.stop_recording()

@@ -287,6 +287,8 @@ def _plan(model, axis, axis_size, sequence_parallel, experts,
         _plan_attention(projection, sources, heads, made, column, row,
                         axis_size, plan, whole)
     for sources, target in flow.mlps(exclude=set(plan) | silent):
+        if _narrower_than_axis(sources, target, axis, axis_size, whole):
+            continue
         for source in sources:
             _check_divides(source, _split_size(source, row=False), axis,
                            axis_size, "units")
@@ -301,11 +303,42 @@ def _plan(model, axis, axis_size, sequence_parallel, experts,
         plan = {}
         whole = {path: why for path, why in whole.items()
                  if path in _bank_paths(units)}
+    _keep_shared_paths_whole(units, plan, whole)
     if sequence_parallel:
         for layer in units:
             if layer.path in plan:
                 _check_sequence_divides(layer, axis, axis_size)
     return plan, whole, banks
+
+
+def _keep_shared_paths_whole(units, plan, whole):
+    """Moves from `plan` to `whole` every planned layer whose path another
+    layer's weights sit under: a rule for path P is matched by each weight
+    whose layer path starts with P, so it would lay those out too, and
+    clash with their own rule (keras-hub's BLIP-2: the Q-Former's
+    attention block and the language model's attention are both
+    "transformer_layer_0/self_attention", and the Q-Former's projections
+    sit under it)."""
+    under = {}  # layer path prefix -> ids of the weights below it
+    for layer in units:
+        for weight in layer.weights:
+            parts = weight.path.split("/")
+            for cut in range(1, len(parts)):
+                under.setdefault("/".join(parts[:cut]), set()).add(id(weight))
+    planned = {}
+    for layer in units:
+        if layer.path in plan:
+            planned.setdefault(layer.path, set()).update(
+                id(w) for w in layer.weights)
+    for path, own in planned.items():
+        if under.get(path, set()) - own:
+            for layer in units:
+                if layer.path == path:
+                    whole[path] = (layer, (
+                        "another layer's weights sit under its path "
+                        f"{path!r} (a rule for it would lay them out too): "
+                        "every device uses it whole"))
+            del plan[path]
 
 
 def _expert_bank_weights(layer):
@@ -397,6 +430,23 @@ def _plan_attention(projection, sources, heads, made, column, row,
                 "attention): every device uses them whole"))
         else:
             _check_divides(source, size, axis, axis_size, "heads")
+
+
+def _narrower_than_axis(sources, target, axis, axis_size, whole):
+    """Whether an MLP's hidden layer has fewer units than the model axis
+    has devices (Gemma 3n's AltUp router, Dense(2) -> tanh -> Dense, on
+    model=4): no split of it exists, so the pair stays whole, in `whole`
+    with the reason. A wider hidden layer the axis does not divide is
+    still `_check_divides`' error (a width the user chose)."""
+    widths = [_split_size(source, row=False) for source in sources]
+    if min(widths) >= axis_size:
+        return False
+    for layer in (*sources, target):
+        whole[layer.path] = (layer, (
+            f"an MLP {min(widths)} units wide, fewer than mesh axis "
+            f"{axis!r} has devices ({axis_size}): every device uses it "
+            "whole"))
+    return True
 
 
 def _plan_unpaired(layer, flow, column, axis_size, plan, whole,

@@ -198,16 +198,19 @@ def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
         # `tf.recompute_grad` refuses keyword arguments (`training=`) in a
         # graph: traced with it off, the model still recomputes after.
         with _compat.remat_off():
+            traced = None
             if by_node:
                 hooked = {id(layer) for layer, previous in saved
                           if previous is not None}
-                calls, outputs = _NodeTracer(model, layers, log, hooked,
-                                             unknown_size).run()
-            else:
+                traced = _traced_by_node(model, layers, log, hooked,
+                                         unknown_size)
+            if traced is None:
                 outputs = _trace_whole(model, struct, unknown_size)
                 calls = {id(layer): [] for layer in layers}
                 for layer, inputs, made in log:
                     calls[id(layer)].append((inputs, made))
+            else:
+                calls, outputs = traced
     finally:
         for layer, previous in saved:
             if previous is None:
@@ -215,6 +218,21 @@ def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
             else:
                 layer.call = previous
     return calls, outputs
+
+
+def _traced_by_node(model, layers, log, hooked, unknown_size):
+    """`_NodeTracer(...).run()`, or None when some node cannot be traced
+    on the specs Keras recorded for its inputs: a layer whose declared
+    output shape is not what its call makes (keras-hub's Moonshine
+    declares its rotary table (None,) and makes it 2-D, and the attention
+    reading it fails on the declared spec). The whole model, traced on
+    its inputs, carries the shapes the calls make instead (`log` is
+    emptied for it)."""
+    try:
+        return _NodeTracer(model, layers, log, hooked, unknown_size).run()
+    except (ValueError, TypeError):
+        del log[:]
+        return None
 
 
 def _spec(tensor, unknown_size=None):

@@ -209,7 +209,7 @@ def recompute(f):
     """
 
     def call(*args, **kwargs):
-        if not _compat.could_record() or step_context.stack("checkpoints"):
+        if not _compat.tape_recording() or step_context.stack("checkpoints"):
             return f(*args, **kwargs)
         layer = getattr(f, "__self__", None)  # a Layer's call (or an op's)
         if not hasattr(layer, "losses"):

@@ -14,6 +14,10 @@ not its memory: a loop keeps every step's activations for the backward
 pass too). The cuDNN kernels (`backend.lstm`, `backend.gru`) are declined
 in a step, so Keras takes that generic path on a GPU as well.
 
+Keras' `ops.map` and `ops.scan` loop over TensorArrays too; a step
+writes their loops out as well (`spmd_ops.unrolled_map`,
+`spmd_ops.unrolled_scan`).
+
 Outside a step Keras' functions run unchanged.
 
 >>> import tfpar

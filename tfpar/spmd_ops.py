@@ -25,6 +25,7 @@ import functools
 import itertools
 import numpy as np
 import tensorflow as tf
+from keras import tree
 
 from tfpar import _compat
 from tfpar import collectives
@@ -408,8 +409,49 @@ def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
     inputs = tf.convert_to_tensor(inputs)
     kernel = tf.convert_to_tensor(kernel, inputs.dtype)
     spatial = inputs.shape.rank - 2
-    sizes, (channels, multiplier) = kernel.shape[:spatial], kernel.shape[
-        spatial:]
+    channels, multiplier = kernel.shape[spatial:]
+    out = _shifted_sum(inputs, kernel, strides, padding, dilation_rate,
+                       lambda window, w: window[..., None] * w)
+    if multiplier == 1:
+        return tf.squeeze(out, -1)
+    shape = tf.shape(out)
+    return tf.reshape(out, tf.concat(
+        [shape[:-2], [channels * multiplier]], 0))
+
+
+def conv_by_shifts(inputs, kernel, strides=1, padding="valid",
+                   dilation_rate=1):
+    """A convolution, channels last (Keras' `ops.conv`, any number of
+    spatial dimensions), of `inputs` (batch, *spatial, in) and `kernel`
+    (*k, in, out) as the sum over kernel offsets of shifted copies of x
+    times that offset's (in, out) matrix: with stride and dilation 1 and
+    "valid" padding, out[b, t] = Σ_j x[b, t + j] · w[j] (1-D; in 2-D the
+    sum runs over both offsets); dilation, "same" padding and strides as
+    `depthwise_conv_by_shifts`.
+
+    TF runs a dilated convolution on CPU as SpaceToBatchND, a convolution
+    and BatchToSpaceND, and DTensor 2.21 cannot lay out SpaceToBatchND
+    ("'tf.SpaceToBatchND' op does not implement layout propagation":
+    keras-hub's DeepLabV3, whose atrous pyramid dilates by 6, 12 and 18,
+    failed to compile on a data-only mesh). Here the shifts are slices and
+    each term a matrix product. The same values up to float rounding.
+
+    >>> x = tf.reshape(tf.range(5.0), (1, 5, 1))
+    >>> conv_by_shifts(x, tf.ones((2, 1, 1)), dilation_rate=2)[0, :, 0].numpy()
+    array([2., 4., 6.], dtype=float32)
+    """
+    inputs = tf.convert_to_tensor(inputs)
+    kernel = tf.convert_to_tensor(kernel, inputs.dtype)
+    return _shifted_sum(inputs, kernel, strides, padding, dilation_rate,
+                        tf.linalg.matmul)
+
+
+def _shifted_sum(inputs, kernel, strides, padding, dilation_rate, term):
+    """Σ over the kernel's offsets j of term(x shifted by j·dilation, w[j])
+    for channels-last `inputs` (padded as TF pads "same"), every stride-th
+    output kept: the convolutions by shifts."""
+    spatial = inputs.shape.rank - 2
+    sizes = kernel.shape[:spatial]
     strides, dilations = (_per_dimension(v, spatial)
                           for v in (strides, dilation_rate))
     if padding == "same":
@@ -422,17 +464,13 @@ def depthwise_conv_by_shifts(inputs, kernel, strides=1, padding="valid",
     for offsets in itertools.product(*(range(k) for k in sizes)):
         window = tuple(slice(j * d, j * d + n)
                        for j, d, n in zip(offsets, dilations, lengths))
-        terms.append(inputs[(slice(None),) + window + (slice(None), None)]
-                     * kernel[offsets])
+        terms.append(term(inputs[(slice(None),) + window + (slice(None),)],
+                          kernel[offsets]))
     out = tf.add_n(terms) if len(terms) > 1 else terms[0]
     if any(s > 1 for s in strides):
         out = out[(slice(None),) + tuple(slice(None, None, s)
                                          for s in strides)]
-    if multiplier == 1:
-        return tf.squeeze(out, -1)
-    shape = tf.shape(out)
-    return tf.reshape(out, tf.concat(
-        [shape[:-2], [channels * multiplier]], 0))
+    return out
 
 
 def average_pool_by_shifts(inputs, pool_size, strides=None,
@@ -529,6 +567,93 @@ def roll_by_slices(roll, inputs, shift, axis, name=None):
             out = tf.concat([out[tuple(head + [slice(n - s, None)])],
                              out[tuple(head + [slice(None, n - s)])]], a)
     return out
+
+
+def unrolled_map(keras_map, f, xs):
+    """Keras' `ops.map` (TF: `tf.map_fn` over TensorArrays) as f applied to
+    each element along the first axis of `xs` (a tensor or a structure of
+    them) and the results stacked: `stack([f(xs[0]), f(xs[1]), ...])`. An
+    unknown first axis runs `keras_map` (and fails in a step with the op
+    named). keras-hub's D-FINE gathers each image's top queries this way.
+
+    >>> unrolled_map(None, lambda x: x * 2, tf.constant([[1], [2]])).numpy()
+    array([[2],
+           [4]], dtype=int32)
+    """
+    flat = [tf.convert_to_tensor(x) for x in tree.flatten(xs)]
+    length = flat[0].shape[0] if flat[0].shape.rank else None
+    if length is None:
+        return keras_map(f, xs)
+    outputs = [f(tree.pack_sequence_as(xs, [x[i] for x in flat]))
+               for i in range(length)]
+    return tree.map_structure(lambda *ys: _stacked_whole(ys),
+                                    *outputs)
+
+
+def unrolled_scan(keras_scan, f, init, xs=None, length=None, reverse=False,
+                  unroll=1):
+    """Keras' `ops.scan` (jax.lax.scan's meaning: f(carry, x) -> (carry,
+    y); returns the last carry and the ys stacked) with its loop written
+    out, element by element along the first axis of `xs` (backwards when
+    `reverse`, the ys still in the xs' order). A length unknown when the
+    step is traced runs `keras_scan`.
+
+    >>> carry, ys = unrolled_scan(None, lambda c, x: (c + x, c + x), 0,
+    ...                           tf.constant([1, 2, 3]))
+    >>> int(carry), ys.numpy().tolist()
+    (6, [1, 3, 6])
+    """
+    flat = [] if xs is None else [tf.convert_to_tensor(x)
+                                  for x in tree.flatten(xs)]
+    n = length if length is not None else (
+        flat[0].shape[0] if flat and flat[0].shape.rank else None)
+    if n is None:
+        return keras_scan(f, init, xs, length, reverse, unroll)
+    carry, ys = init, [None] * int(n)
+    for i in (reversed(range(int(n))) if reverse else range(int(n))):
+        x = (None if xs is None
+             else tree.pack_sequence_as(xs, [x[i] for x in flat]))
+        carry, ys[i] = f(carry, x)
+    if ys and ys[0] is None:
+        return carry, None
+    stacked = tree.map_structure(lambda *y: _stacked_whole(y), *ys) \
+        if ys else None
+    return carry, stacked
+
+
+def _stacked_whole(values):
+    """`tf.stack(values)`, the new first dimension whole on every device
+    for floating values (`collectives.whole_along`): a consumer splitting
+    it — the batch, when a map runs over the examples — made DTensor 2.21
+    refuse the stack's concat ("Concat op SPMD with concat dimension in
+    sharded dimension is not supported"); it slices its block instead."""
+    stacked = tf.stack(values)
+    if not stacked.dtype.is_floating:
+        return stacked
+    return collectives.whole_along(stacked, 0)
+
+
+def top_k_read_by_gather(top_k, inputs, k, *args, **kwargs):
+    """TF's `TopKV2` (`tf.math.top_k`, Keras' `ops.top_k`) whose values are
+    read from `inputs` by a gather along the last axis at its indices
+    (`batch_dims` = the other axes), so that their gradient is the
+    gather's: DTensor 2.21 fails TopKV2's own gradient on a batch-split
+    tensor (it scatters into the flattened global shape with per-device
+    indices: "indices[..] = [..] does not index into shape [..]",
+    tests/dtensor_top_k_gradient_repro.py; keras-hub's D-FINE ranks its
+    corner distributions this way). The same values and indices.
+
+    >>> top_k_read_by_gather(tf.math.top_k, tf.constant([[1.0, 3.0, 2.0]]),
+    ...                      2).values.numpy()
+    array([[3., 2.]], dtype=float32)
+    """
+    result = top_k(inputs, k, *args, **kwargs)
+    inputs = tf.convert_to_tensor(inputs)
+    if not inputs.dtype.is_floating or not inputs.shape.rank:
+        return result
+    values = tf.gather(inputs, tf.stop_gradient(result.indices),
+                       batch_dims=inputs.shape.rank - 1)
+    return type(result)(values, result.indices)
 
 
 def cumprod_by_shifts(cumprod, x, axis, exclusive=False, reverse=False,

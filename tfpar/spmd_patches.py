@@ -95,6 +95,10 @@ def _gen_array_ops():
     return _compat.tf_python_module("ops.gen_array_ops")
 
 
+def _gen_nn_ops():
+    return _compat.tf_python_module("ops.gen_nn_ops")
+
+
 def _gen_math_ops():
     return _compat.tf_python_module("ops.gen_math_ops")
 
@@ -365,6 +369,41 @@ def _cumprod_by_shifts_in_step(original, hooks):
                                           reverse, name)
 
     return cumprod
+
+
+def _loop_unrolled_in_step(unrolled):
+    """Keras' TF `map` / `scan` as `unrolled(original, ...)` in a step:
+    both loop over TensorArrays, which DTensor 2.21 cannot lay out."""
+    def make(original, hooks):
+        @functools.wraps(original)
+        def loop(*args, **kwargs):
+            if not in_spmd_step():
+                return original(*args, **kwargs)
+            return unrolled(original, *args, **kwargs)
+
+        return loop
+
+    return make
+
+
+def _keras_core():
+    return _compat.keras_module("backend.tensorflow.core")
+
+
+def _top_k_read_by_gather_in_step(original, hooks):
+    """TF's `TopKV2` wrapper (`tf.math.top_k`, Keras' `ops.top_k`) in a
+    training step's forward pass (a tape recording) as
+    `spmd_ops.top_k_read_by_gather`: DTensor 2.21 fails TopKV2's own
+    gradient on a batch-split tensor. Inference steps (samplers) and
+    everything else run TF's op."""
+    @functools.wraps(original)
+    def top_kv2(input, k, *args, **kwargs):  # noqa: A002 (TF's names)
+        if not (hooks.in_graph_step() and _compat.tape_recording()):
+            return original(input, k, *args, **kwargs)
+        return spmd_ops.top_k_read_by_gather(original, input, k, *args,
+                                             **kwargs)
+
+    return top_kv2
 
 
 def _concat_whole_along_axis_in_step(original, hooks):
@@ -639,7 +678,7 @@ def _axis_moved(tensor, source, destination):
     return tf.transpose(tensor, order)
 
 
-def _grouped_conv_in_step(original, hooks):
+def _grouped_or_dilated_conv_in_step(original, hooks):
     """Keras' TF `nn.conv` with groups (Conv layers' `groups`: the kernel
     reads channels/groups inputs) in a step: Keras runs a grouped
     convolution as its own XLA-compiled function nested in the step, whose
@@ -649,8 +688,12 @@ def _grouped_conv_in_step(original, hooks):
     group per channel is Keras' `depthwise_conv` with the kernel
     (*k, 1, channels·m) read as (*k, channels, m) — output c·m + q reads
     input c either way — and other groupings are one plain convolution
-    per group, concatenated along the channels. Ungrouped convolutions run
-    Keras' op."""
+    per group, concatenated along the channels. A dilated convolution
+    (ungrouped) is `spmd_ops.conv_by_shifts`: TF runs it on CPU through
+    SpaceToBatchND, which DTensor 2.21 cannot lay out (keras-hub's
+    DeepLabV3). A dilated or grouped channels-first convolution runs
+    channels last between two transposes. Other convolutions run Keras'
+    op."""
     @functools.wraps(original)
     def conv(inputs, kernel, strides=1, padding="valid", data_format=None,
              dilation_rate=1):
@@ -661,6 +704,16 @@ def _grouped_conv_in_step(original, hooks):
         kernel = tf.convert_to_tensor(kernel)
         axis = 1 if _channels_first(data_format) else -1
         channels, per_group = inputs.shape[axis], kernel.shape[-2]
+        dilated = _dilated(dilation_rate)
+        if axis == 1 and (dilated or channels != per_group):
+            out = conv(_axis_moved(inputs, 1, -1), kernel, strides, padding,
+                       "channels_last", dilation_rate)
+            return _axis_moved(out, -1, 1)
+        if channels == per_group and dilated and \
+                kernel.shape.is_fully_defined() and padding in (
+                    "valid", "same"):
+            return spmd_ops.conv_by_shifts(inputs, kernel, strides,
+                                           padding, dilation_rate)
         if channels is None or channels == per_group:
             return original(inputs, kernel, strides, padding, data_format,
                             dilation_rate)
@@ -677,6 +730,14 @@ def _grouped_conv_in_step(original, hooks):
                                    dilation_rate) for x, k in pieces], axis)
 
     return conv
+
+
+def _dilated(dilation_rate):
+    """Whether a convolution's `dilation_rate` (an int or one per spatial
+    dimension) dilates some dimension."""
+    rates = dilation_rate if isinstance(dilation_rate, (tuple, list)) else (
+        dilation_rate,)
+    return any(rate > 1 for rate in rates)
 
 
 def _eager_causal_mask_on_mesh(original, hooks):
@@ -895,13 +956,20 @@ PATCHES = (
                   _resize_by_matmul_in_step),
     _compat.Patch("average_pool", _keras_nn, "average_pool",
                   _average_pool_by_shifts_in_step),
-    _compat.Patch("conv", _keras_nn, "conv", _grouped_conv_in_step),
+    _compat.Patch("conv", _keras_nn, "conv",
+                  _grouped_or_dilated_conv_in_step),
     _compat.Patch("apply_masks", _keras_nn, "_apply_masks",
                   _eager_causal_mask_on_mesh),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
     _compat.Patch("roll", _gen_manip_ops, "roll", _roll_by_slices_in_step),
+    _compat.Patch("map", _keras_core, "map",
+                  _loop_unrolled_in_step(spmd_ops.unrolled_map)),
+    _compat.Patch("scan", _keras_core, "scan",
+                  _loop_unrolled_in_step(spmd_ops.unrolled_scan)),
+    _compat.Patch("top_k", _gen_nn_ops, "top_kv2",
+                  _top_k_read_by_gather_in_step),
     _compat.Patch("cumprod", _gen_math_ops, "cumprod",
                   _cumprod_by_shifts_in_step),
     _compat.Patch("strided_slice", _gen_array_ops, "strided_slice",

@@ -582,12 +582,11 @@ def unrolled_map(keras_map, f, xs):
     """
     flat = [tf.convert_to_tensor(x) for x in tree.flatten(xs)]
     length = flat[0].shape[0] if flat[0].shape.rank else None
-    if length is None:
+    if not length:  # unknown, or no element to give the results' structure
         return keras_map(f, xs)
     outputs = [f(tree.pack_sequence_as(xs, [x[i] for x in flat]))
                for i in range(length)]
-    return tree.map_structure(lambda *ys: _stacked_whole(ys),
-                                    *outputs)
+    return tree.map_structure(lambda *ys: _stacked_whole(ys), *outputs)
 
 
 def unrolled_scan(keras_scan, f, init, xs=None, length=None, reverse=False,
@@ -607,18 +606,16 @@ def unrolled_scan(keras_scan, f, init, xs=None, length=None, reverse=False,
                                   for x in tree.flatten(xs)]
     n = length if length is not None else (
         flat[0].shape[0] if flat and flat[0].shape.rank else None)
-    if n is None:
+    if not n:  # unknown, or no element to give the ys' structure
         return keras_scan(f, init, xs, length, reverse, unroll)
     carry, ys = init, [None] * int(n)
     for i in (reversed(range(int(n))) if reverse else range(int(n))):
         x = (None if xs is None
              else tree.pack_sequence_as(xs, [x[i] for x in flat]))
         carry, ys[i] = f(carry, x)
-    if ys and ys[0] is None:
+    if ys[0] is None:
         return carry, None
-    stacked = tree.map_structure(lambda *y: _stacked_whole(y), *ys) \
-        if ys else None
-    return carry, stacked
+    return carry, tree.map_structure(lambda *y: _stacked_whole(y), *ys)
 
 
 def _stacked_whole(values):

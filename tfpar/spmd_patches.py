@@ -852,13 +852,12 @@ def _perspective_transform_by_gather_in_step(original, hooks):
         if images.shape.rank != 4 or start.shape.rank != 3 \
                 or start.shape != end.shape:
             return keras_op()
-        if channels_first:
-            images = _axis_moved(images, 1, -1)
-        if None in images.shape[1:3]:
+        last = _axis_moved(images, 1, -1) if channels_first else images
+        if None in last.shape[1:3]:
             return keras_op()
         transform = _keras_image().compute_homography_matrix(start, end)
         out = spmd_ops.affine_transform_by_gather(
-            images, transform, interpolation, "constant", fill_value)
+            last, transform, interpolation, "constant", fill_value)
         return _axis_moved(out, -1, 1) if channels_first else out
 
     return perspective_transform

@@ -4,10 +4,11 @@ Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations, `numpy.flip`,
 `numpy.eye`, `nn.depthwise_conv`, `nn.separable_conv`, `nn.average_pool`,
-`image.affine_transform`, `image.rgb_to_hsv`/`hsv_to_rgb`, TF's
-`image.resize` (bicubic, lanczos, area, antialiased), `ConcatV2`, `Pack`
-and `Roll`, RandomCrop's drawn window and TF's
-`tensor[key]` use these instead of ops DTensor cannot lay out or lays out
+`nn.conv` (dilated or grouped), `core.map`/`scan`,
+`image.affine_transform`, `image.perspective_transform`,
+`image.rgb_to_hsv`/`hsv_to_rgb`, TF's `image.resize` (bicubic, lanczos,
+area, antialiased), `linalg.solve`, `ConcatV2`, `Pack`, `Roll`, `Cumprod`
+and `TopKV2`, RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
 

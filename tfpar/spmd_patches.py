@@ -653,14 +653,14 @@ def _average_pool_by_shifts_in_step(original, hooks):
             return original(inputs, pool_size, strides, padding,
                             data_format)
         channels_first = _channels_first(data_format)
-        if channels_first:
-            inputs = _axis_moved(inputs, 1, -1)
-        if padding == "same" and None in inputs.shape[1:-1]:
+        spatial = inputs.shape[2:] if channels_first else inputs.shape[1:-1]
+        if padding == "same" and None in spatial:
             return original(inputs, pool_size, strides, padding,
-                            "channels_last")
-        out = spmd_ops.average_pool_by_shifts(inputs, pool_size, strides,
-                                              padding)
-        return _axis_moved(out, -1, 1) if channels_first else out
+                            data_format)
+        return _channels_last_applied(
+            lambda x: spmd_ops.average_pool_by_shifts(x, pool_size, strides,
+                                                      padding),
+            inputs, 1 if channels_first else None)
 
     return average_pool
 
@@ -676,6 +676,16 @@ def _axis_moved(tensor, source, destination):
     order = list(range(tensor.shape.rank))
     order.insert(destination % len(order), order.pop(source % len(order)))
     return tf.transpose(tensor, order)
+
+
+def _channels_last_applied(compute, inputs, channels_axis=None):
+    """`compute` (which takes and returns channels-last tensors) applied
+    to `inputs`, whose channels are at `channels_axis` (None: already
+    last): moved last for it, and its result's channels moved back."""
+    if channels_axis is None:
+        return compute(inputs)
+    return _axis_moved(compute(_axis_moved(inputs, channels_axis, -1)), -1,
+                       channels_axis)
 
 
 def _grouped_or_dilated_conv_in_step(original, hooks):
@@ -706,9 +716,9 @@ def _grouped_or_dilated_conv_in_step(original, hooks):
         channels, per_group = inputs.shape[axis], kernel.shape[-2]
         dilated = _dilated(dilation_rate)
         if axis == 1 and (dilated or channels != per_group):
-            out = conv(_axis_moved(inputs, 1, -1), kernel, strides, padding,
-                       "channels_last", dilation_rate)
-            return _axis_moved(out, -1, 1)
+            return _channels_last_applied(
+                lambda x: conv(x, kernel, strides, padding, "channels_last",
+                               dilation_rate), inputs, 1)
         if channels == per_group and dilated and \
                 kernel.shape.is_fully_defined() and padding in (
                     "valid", "same"):
@@ -717,7 +727,7 @@ def _grouped_or_dilated_conv_in_step(original, hooks):
         if channels is None or channels == per_group:
             return original(inputs, kernel, strides, padding, data_format,
                             dilation_rate)
-        if per_group == 1 and axis == -1 and inputs.shape.rank in (3, 4):
+        if per_group == 1 and inputs.shape.rank in (3, 4):
             depthwise = tf.reshape(kernel, kernel.shape[:-2] + (
                 channels, kernel.shape[-1] // channels))
             return _keras_nn().depthwise_conv(
@@ -789,20 +799,22 @@ def _affine_transform_by_gather_in_step(original, hooks):
         images = tf.convert_to_tensor(images)
         transform = tf.convert_to_tensor(transform)
         channels_first = _channels_first(data_format)
-        if images.shape.rank != 4 or transform.shape.rank not in (1, 2):
+        if images.shape.rank != 4 or transform.shape.rank not in (1, 2) \
+                or None in _image_size(images, channels_first):
             return original(images, transform, interpolation, fill_mode,
                             fill_value, data_format)
-        if channels_first:
-            images = _axis_moved(images, 1, -1)
-        if None in images.shape[1:3]:
-            return original(images, transform, interpolation, fill_mode,
-                            fill_value, "channels_last")
-        out = spmd_ops.affine_transform_by_gather(
-            images, tf.reshape(transform, (-1, 8)), interpolation,
-            fill_mode, fill_value)
-        return _axis_moved(out, -1, 1) if channels_first else out
+        return _channels_last_applied(
+            lambda x: spmd_ops.affine_transform_by_gather(
+                x, tf.reshape(transform, (-1, 8)), interpolation, fill_mode,
+                fill_value),
+            images, 1 if channels_first else None)
 
     return affine_transform
+
+
+def _image_size(images, channels_first):
+    """(height, width) of a batch of images, static or None."""
+    return images.shape[2:4] if channels_first else images.shape[1:3]
 
 
 def _solve_by_elimination_in_step(original, hooks):
@@ -850,15 +862,14 @@ def _perspective_transform_by_gather_in_step(original, hooks):
         if start.shape.rank == 2:  # one set of points for every image
             start, end = start[None], end[None]
         if images.shape.rank != 4 or start.shape.rank != 3 \
-                or start.shape != end.shape:
-            return keras_op()
-        last = _axis_moved(images, 1, -1) if channels_first else images
-        if None in last.shape[1:3]:
+                or start.shape != end.shape \
+                or None in _image_size(images, channels_first):
             return keras_op()
         transform = _keras_image().compute_homography_matrix(start, end)
-        out = spmd_ops.affine_transform_by_gather(
-            last, transform, interpolation, "constant", fill_value)
-        return _axis_moved(out, -1, 1) if channels_first else out
+        return _channels_last_applied(
+            lambda x: spmd_ops.affine_transform_by_gather(
+                x, transform, interpolation, "constant", fill_value),
+            images, 1 if channels_first else None)
 
     return perspective_transform
 
@@ -879,11 +890,10 @@ def _colour_conversion_in_step(name):
             images = tf.convert_to_tensor(images)
             if images.shape.rank not in (3, 4) or not images.dtype.is_floating:
                 return original(images, data_format)
-            if not _channels_first(data_format):
-                return convert(images)
             channels = images.shape.rank - 3  # (..., c, h, w)
-            return _axis_moved(convert(_axis_moved(images, channels, -1)),
-                               -1, channels)
+            return _channels_last_applied(
+                convert, images,
+                channels if _channels_first(data_format) else None)
 
         return conversion
 

@@ -2,7 +2,8 @@
 delta net's (`tfpar.spmd_ops.eye_by_comparison` for `MatrixDiagV3`,
 `depthwise_conv_by_shifts` for `DepthwiseConv2dNativeBackpropFilter`),
 `tf.roll`, `tf.math.cumprod`, `tf.linalg.solve`, `ops.map`, `ops.scan`,
-top-k, dilated, separable and grouped convolutions, average pooling
+top-k, dilated, separable and grouped convolutions, a channels-first
+Conv1D's bias (`BiasAdd`), average pooling
 (`AvgPoolGrad`) and resizing (`ResizeBicubic`, `ScaleAndTranslate`): the
 values and gradients of TF's ops on random inputs, and small models
 training on data=8 as on one device.
@@ -11,6 +12,10 @@ The whole keras-hub model (a linear-attention layer beside a full-attention
 one, experts dispatched) is tests/test_qwen3_5_attention_over_model.py's
 parity test (slow profile).
 """
+
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -189,13 +194,11 @@ def test_conv_by_shifts_is_tf_convolution(shape, kernel_size, dilation,
 def _dilated_convolutions(data_format="channels_last"):
     """(12, 2) series -> dilated Conv1D (rate 2, same) -> (6, 8, 1) ->
     dilated Conv2D (rates 2 and 3) -> out(3): TF runs both through
-    SpaceToBatchND on CPU, which DTensor 2.21 cannot lay out. Channels
-    first the Conv1D has no bias (`test_channels_first_conv1d_with_bias`)."""
+    SpaceToBatchND on CPU, which DTensor 2.21 cannot lay out."""
     first = data_format == "channels_first"
     x = keras.Input((2, 12) if first else (12, 2))
     h = keras.layers.Conv1D(4, 3, dilation_rate=2, padding="same",
-                            use_bias=not first, data_format=data_format,
-                            name="conv1d")(x)
+                            data_format=data_format, name="conv1d")(x)
     h = keras.layers.Reshape((1, 6, 8) if first else (6, 8, 1))(h)
     h = keras.layers.Conv2D(3, 3, dilation_rate=(2, 3), padding="same",
                             data_format=data_format, name="conv2d")(h)
@@ -219,27 +222,58 @@ def test_dilated_convolutions_train_as_one_device(data_format):
         lambda: _dilated_convolutions(data_format), x, y, {"data": 8})
 
 
-@pytest.mark.xfail(strict=True, reason="DTensor 2.21 lays the bias "
-                   "gradient of a channels-first Conv1D out over the data "
-                   "axis along its channels; not found where (open)")
-def test_channels_first_conv1d_with_bias_trains_on_a_data_mesh():
-    """Found on 2026-12-05 and left: a plain channels-first Conv1D with a
-    bias does not compile on data=8 ("'tf.DTensorLayout' op requires
-    dimension 1 to be divisible by sharding ... size=4 ... shards=8"),
-    with or without dilation; without its bias, or 2-D, or a bias added by
-    a layer of one's own, it trains. Passes when that is fixed."""
+def test_channels_first_conv1d_with_bias_trains_as_one_device():
+    """Found on 2026-12-05: a plain channels-first Conv1D with a bias did
+    not compile on data=8 ("'tf.DTensorLayout' op requires dimension 1 to
+    be divisible ... size=4 ... shards=8"). Keras adds that bias with
+    `tf.nn.bias_add(..., "NCHW")` on a rank-3 value, whose bias DTensor
+    lays out like the batch; in a step it is a broadcast add
+    (`spmd_ops.bias_add_by_broadcast`)."""
     def build():
         x = keras.Input((2, 12))
         h = keras.layers.Conv1D(4, 3, padding="same",
                                 data_format="channels_first")(x)
-        model = keras.Model(x, keras.layers.Dense(3)(
+        return keras.Model(x, keras.layers.Dense(3)(
             keras.layers.Flatten()(h)))
-        model.compile(optimizer="sgd", loss="mse")
-        return model
 
-    x = np.random.default_rng(0).normal(size=(16, 2, 12)).astype("float32")
-    models.train_built(tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})),
-                       build, x, np.zeros((16, 3), "float32"), 8)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 2, 12)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    models.assert_trains_in_order_like_one_device(build, x, y, {"data": 8})
+
+
+@pytest.mark.slow  # a child process importing TF: ~10 s
+def test_channels_first_bias_add_of_rank_3_fails_in_dtensor_alone():
+    """The DTensor bug the stand-in exists for, in pure TF + DTensor
+    (tests/dtensor_bias_add_repro.py, in a child process): rank 3 fails,
+    rank 4 and the broadcast add are right. If a newer TF lays the rank-3
+    bias out right, the stand-in may go."""
+    repro = Path(__file__).with_name("dtensor_bias_add_repro.py")
+    result = subprocess.run([sys.executable, str(repro)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.stdout.split("\n")[:3] == [
+        "bias_add rank 3: failed", "bias_add rank 4: right",
+        "broadcast add rank 3: right"], result.stdout + result.stderr[-2000:]
+
+
+def test_bias_add_by_broadcast_is_tf_bias_add():
+    """Values and both gradients equal TF's BiasAdd, channels first on
+    ranks 3 and 5; channels last and rank 4 are TF's op itself."""
+    rng = np.random.default_rng(0)
+    for shape, data_format in [((2, 3, 5), "NCHW"), ((2, 3, 2, 2, 2), "NCDHW"),
+                               ((2, 5, 3), "NHWC"), ((2, 3, 4, 4), "NCHW")]:
+        value = tf.constant(rng.normal(size=shape))
+        bias = tf.constant(rng.normal(size=(3,)))
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([value, bias])
+            want = tf.nn.bias_add(value, bias, data_format) ** 2
+            got = spmd_ops.bias_add_by_broadcast(
+                tf.nn.bias_add, value, bias, data_format) ** 2
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        for wrt in (value, bias):
+            np.testing.assert_allclose(tape.gradient(got, wrt),
+                                       tape.gradient(want, wrt), rtol=1e-12)
 
 
 class _TopQueriesByMap(keras.layers.Layer):

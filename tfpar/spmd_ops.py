@@ -7,8 +7,8 @@ Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `nn.conv` (dilated or grouped), `core.map`/`scan`,
 `image.affine_transform`, `image.perspective_transform`,
 `image.rgb_to_hsv`/`hsv_to_rgb`, TF's `image.resize` (bicubic, lanczos,
-area, antialiased), `linalg.solve`, `ConcatV2`, `Pack`, `Roll`, `Cumprod`
-and `TopKV2`, RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
+area, antialiased), `linalg.solve`, `ConcatV2`, `Pack`, `Roll`, `Cumprod`,
+`TopKV2` and channels-first `BiasAdd`, RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
 
@@ -698,6 +698,35 @@ def cumprod_by_shifts(cumprod, x, axis, exclusive=False, reverse=False,
         x = x * shifted(x, k)
         k *= 2
     return shifted(x, 1) if exclusive and n else x
+
+
+def bias_add_by_broadcast(bias_add, value, bias, data_format=None,
+                          name=None):
+    """TF's `BiasAdd` (`tf.nn.bias_add`; Keras' `ops.add` of a bias to
+    channels-first features) as a broadcast add: channels first ("NC..."),
+    y[n, c, ...] = value[n, c, ...] + bias[c], with `bias` reshaped to
+    (1, C, 1, ..., 1). Any other data format, or rank 4: `bias_add`
+    itself.
+
+    DTensor 2.21 lays the bias of a channels-first `BiasAdd` on a rank-3
+    value out like the value's batch dimension, so on a data mesh the
+    bias (C,) is split C ways by the data axis and a channels-first
+    `Conv1D` with a bias fails to compile
+    (`tests/dtensor_bias_add_repro.py`); rank 4 (NCHW) is laid out right.
+    A broadcast add lays out on every rank, and its bias gradient is the
+    sum over every other dimension, as BiasAddGrad's.
+
+    >>> bias_add_by_broadcast(tf.nn.bias_add, tf.zeros((1, 2, 3)),
+    ...                       tf.constant([1., 2.]), "NCHW").numpy()
+    array([[[1., 1., 1.],
+            [2., 2., 2.]]], dtype=float32)
+    """
+    value = tf.convert_to_tensor(value)
+    rank = value.shape.rank
+    if not (data_format or "").startswith("NC") or rank in (None, 4):
+        return bias_add(value, bias, data_format=data_format, name=name)
+    bias = tf.reshape(bias, [1, -1] + [1] * (rank - 2))
+    return tf.add(value, tf.cast(bias, value.dtype), name=name)
 
 
 MAX_ELIMINATION_SIZE = 16

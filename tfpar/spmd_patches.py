@@ -371,6 +371,22 @@ def _cumprod_by_shifts_in_step(original, hooks):
     return cumprod
 
 
+def _bias_add_by_broadcast_in_step(original, hooks):
+    """TF's `BiasAdd` wrapper (`tf.nn.bias_add`; Keras' `ops.add` of a
+    bias to channels-first features, as in a channels-first `Conv1D`) as
+    `spmd_ops.bias_add_by_broadcast` in a graph step: DTensor 2.21 lays a
+    rank-3 channels-first bias out like the batch. Elsewhere TF's op
+    runs."""
+    @functools.wraps(original)
+    def bias_add(value, bias, data_format="NHWC", name=None):
+        if not hooks.in_graph_step():
+            return original(value, bias, data_format=data_format, name=name)
+        return spmd_ops.bias_add_by_broadcast(original, value, bias,
+                                              data_format, name)
+
+    return bias_add
+
+
 def _loop_unrolled_in_step(unrolled):
     """Keras' TF `map` / `scan` as `unrolled(original, ...)` in a step:
     both loop over TensorArrays, which DTensor 2.21 cannot lay out."""
@@ -981,6 +997,8 @@ PATCHES = (
                   _top_k_read_by_gather_in_step),
     _compat.Patch("cumprod", _gen_math_ops, "cumprod",
                   _cumprod_by_shifts_in_step),
+    _compat.Patch("bias_add", _gen_nn_ops, "bias_add",
+                  _bias_add_by_broadcast_in_step),
     _compat.Patch("strided_slice", _gen_array_ops, "strided_slice",
                   _new_axes_by_expand_dims_in_step),
     _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",

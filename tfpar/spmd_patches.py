@@ -595,8 +595,8 @@ def _eye_by_comparison_in_step(original, hooks):
 
 
 def _depthwise_conv_by_shifts_in_step(original, hooks):
-    """Keras' TF `nn.depthwise_conv` of a 1-D or 2-D input (channels last,
-    a static kernel, "valid" or "same" padding, any stride and dilation;
+    """Keras' TF `nn.depthwise_conv` of a 1-D or 2-D input (channels
+    first between two transposes, or last; a static kernel, "valid" or "same" padding, any stride and dilation;
     "same" with a stride needs static spatial sizes) as
     `spmd_ops.depthwise_conv_by_shifts` in a step whose gradients are
     taken (a tape records): DTensor 2.21 cannot lay out the filter
@@ -612,8 +612,10 @@ def _depthwise_conv_by_shifts_in_step(original, hooks):
             inputs = tf.convert_to_tensor(inputs)
             kernel = tf.convert_to_tensor(kernel)
             if _by_shifts(inputs, kernel, strides, padding, data_format):
-                return spmd_ops.depthwise_conv_by_shifts(
-                    inputs, kernel, strides, padding, dilation_rate)
+                return _channels_last_applied(
+                    lambda x: spmd_ops.depthwise_conv_by_shifts(
+                        x, kernel, strides, padding, dilation_rate),
+                    inputs, 1 if _channels_first(data_format) else None)
         return original(inputs, kernel, strides=strides, padding=padding,
                         data_format=data_format, dilation_rate=dilation_rate)
 
@@ -627,7 +629,9 @@ def _separable_conv_by_shifts_in_step(original, hooks):
     there (`_depthwise_conv_by_shifts_in_step`) — then Keras' `conv` with
     the pointwise kernel: TF's `separable_conv2d` runs the same
     `DepthwiseConv2dNative`, whose filter gradient DTensor 2.21 cannot lay
-    out. Elsewhere Keras' op runs."""
+    out. Channels first, both run channels last between two transposes (a
+    channels-first pointwise convolution after the stand-in was 2% off one
+    device in float32 and failed in float64). Elsewhere Keras' op runs."""
     @functools.wraps(original)
     def separable_conv(inputs, depthwise_kernel, pointwise_kernel, strides=1,
                        padding="valid", data_format=None, dilation_rate=1):
@@ -637,12 +641,19 @@ def _separable_conv_by_shifts_in_step(original, hooks):
             if _by_shifts(inputs, depthwise_kernel, strides, padding,
                           data_format):
                 nn = _keras_nn()
-                depthwise = nn.depthwise_conv(
-                    inputs, depthwise_kernel, strides=strides,
-                    padding=padding, data_format=data_format,
-                    dilation_rate=dilation_rate)
-                return nn.conv(depthwise, pointwise_kernel, strides=1,
-                               padding="valid", data_format=data_format)
+
+                def separable(x):
+                    depthwise = nn.depthwise_conv(
+                        x, depthwise_kernel, strides=strides,
+                        padding=padding, data_format="channels_last",
+                        dilation_rate=dilation_rate)
+                    return nn.conv(depthwise, pointwise_kernel, strides=1,
+                                   padding="valid",
+                                   data_format="channels_last")
+
+                return _channels_last_applied(
+                    separable, inputs,
+                    1 if _channels_first(data_format) else None)
         return original(inputs, depthwise_kernel, pointwise_kernel,
                         strides=strides, padding=padding,
                         data_format=data_format, dilation_rate=dilation_rate)
@@ -718,7 +729,10 @@ def _grouped_or_dilated_conv_in_step(original, hooks):
     (ungrouped) is `spmd_ops.conv_by_shifts`: TF runs it on CPU through
     SpaceToBatchND, which DTensor 2.21 cannot lay out (keras-hub's
     DeepLabV3). A dilated or grouped channels-first convolution runs
-    channels last between two transposes. Other convolutions run Keras'
+    channels last between two transposes, and so does a channels-first
+    3-D one, which Keras also runs as a nested XLA function (a Conv3D's
+    second step on data=8 was 1% off one device's in float32, and
+    "Function was cancelled" in float64). Other convolutions run Keras'
     op."""
     @functools.wraps(original)
     def conv(inputs, kernel, strides=1, padding="valid", data_format=None,
@@ -731,7 +745,8 @@ def _grouped_or_dilated_conv_in_step(original, hooks):
         axis = 1 if _channels_first(data_format) else -1
         channels, per_group = inputs.shape[axis], kernel.shape[-2]
         dilated = _dilated(dilation_rate)
-        if axis == 1 and (dilated or channels != per_group):
+        if axis == 1 and (dilated or channels != per_group
+                          or inputs.shape.rank == 5):
             return _channels_last_applied(
                 lambda x: conv(x, kernel, strides, padding, "channels_last",
                                dilation_rate), inputs, 1)
@@ -947,12 +962,12 @@ def _by_shifts(inputs, kernel, strides, padding, data_format):
     rank = inputs.shape.rank
     strided = any(s > 1 for s in (strides if isinstance(strides, (
         tuple, list)) else (strides,)))
+    spatial = inputs.shape[2:] if _channels_first(data_format) else (
+        inputs.shape[1:-1])
     return (rank in (3, 4) and kernel.shape.rank == rank
             and kernel.shape.is_fully_defined()
             and padding in ("valid", "same")
-            and not (padding == "same" and strided
-                     and None in inputs.shape[1:-1])
-            and not _channels_first(data_format))
+            and not (padding == "same" and strided and None in spatial))
 
 
 PATCHES = (

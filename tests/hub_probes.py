@@ -196,6 +196,20 @@ def _blip2():
                             language_model=language)
 
 
+def _clip():
+    """CLIP: a ViT and a text encoder, projected to one width; its
+    outputs are the batch-by-batch logits."""
+    common = dict(hidden_dim=HIDDEN, num_layers=2, num_heads=HEADS,
+                  intermediate_dim=FFN)
+    vision = _M.CLIPVisionEncoder(patch_size=8, image_shape=IMAGE,
+                                  name="vision_encoder", **common)
+    text = _M.CLIPTextEncoder(vocabulary_size=VOCAB, embedding_dim=HIDDEN,
+                              max_sequence_length=SEQ, name="text_encoder",
+                              **common)
+    return _M.CLIPBackbone(vision_encoder=vision, text_encoder=text,
+                           projection_dim=HIDDEN)
+
+
 VISION = {
     "deeplab_v3": lambda: _M.DeepLabV3Backbone(
         image_encoder=_resnet(), spatial_pyramid_pooling_key="P4",
@@ -203,6 +217,7 @@ VISION = {
         dilation_rates=[1, 2, 3], projection_filters=16, image_shape=IMAGE),
     "d_fine": _dfine,
     "blip2": _blip2,
+    "clip": _clip,
 }
 BACKBONES.update(VISION)
 
@@ -210,7 +225,8 @@ BACKBONES.update(VISION)
 def _pooled_features(outputs):
     """The float outputs of known width, each averaged over its middle
     dimensions and joined: a probe input for a model whose outputs are
-    feature maps, boxes and logits (D-FINE, DeepLabV3)."""
+    feature maps, boxes and logits (D-FINE, DeepLabV3); if none has a
+    known width, every output averaged over its last dimension (CLIP)."""
     features = []
     for output in keras.tree.flatten(outputs):
         if not output.dtype.startswith("float") or len(output.shape) < 2 \
@@ -220,6 +236,9 @@ def _pooled_features(outputs):
             output = keras.ops.mean(
                 output, axis=tuple(range(1, len(output.shape) - 1)))
         features.append(output)
+    if not features:  # CLIP: (batch, batch) logits, each row averaged
+        features = [keras.ops.mean(output, axis=-1, keepdims=True)
+                    for output in keras.tree.flatten(outputs)]
     if len(features) == 1:
         return features[0]
     return keras.layers.Concatenate()(features)

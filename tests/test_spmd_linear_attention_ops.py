@@ -645,3 +645,113 @@ def test_bicubic_and_lanczos_resizing_train_as_one_device():
     keras.utils.set_random_seed(0)
     models.assert_trains_in_order_like_one_device(_resized, x, y,
                                                   {"data": 8})
+
+
+@pytest.mark.parametrize("mode", ["REFLECT", "SYMMETRIC"])
+def test_mirror_pad_by_gather_is_tf_mirror_pad(mode):
+    """Values and gradients equal TF's MirrorPad (DTensor 2.21 cannot lay
+    it out: Keras' centred STFT, MelSpectrogram), on padded and unpadded
+    axes of ranks 1 to 3."""
+    rng = np.random.default_rng(0)
+    for shape, pads in [((5,), [[2, 3]]), ((4, 6), [[0, 0], [3, 1]]),
+                        ((3, 5, 4), [[1, 2], [0, 4], [2, 0]])]:
+        x = tf.constant(rng.normal(size=shape))
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            want = tf.pad(x, pads, mode=mode)
+            got = spmd_ops.mirror_pad_by_gather(
+                tf.raw_ops.MirrorPad, x, pads, mode)
+            weights = tf.constant(rng.normal(size=want.shape))
+            want_sum, got_sum = [tf.reduce_sum(v * weights)
+                                 for v in (want, got)]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(  # a gather's gradient: IndexedSlices
+            tf.convert_to_tensor(tape.gradient(got_sum, x)),
+            tape.gradient(want_sum, x), rtol=1e-12)
+
+
+class _ReflectPadded(keras.layers.Layer):
+    """(batch, 8, c) -> (batch, 11, c): `tf.pad` reflecting along time,
+    with gradients flowing through it to the Dense before."""
+
+    def call(self, x):
+        return tf.pad(x, [[0, 0], [2, 1], [0, 0]], mode="REFLECT")
+
+    def compute_output_shape(self, input_shape):
+        return input_shape[:1] + (input_shape[1] + 3,) + input_shape[2:]
+
+
+def test_reflect_padding_and_mel_spectrogram_train_as_one_device():
+    """A reflecting `tf.pad` between two layers and Keras' MelSpectrogram
+    (a centred STFT pads by reflection) failed to compile on data=8
+    ("'tf.MirrorPad' op does not implement layout propagation"); in a
+    step MirrorPad is a gather (`spmd_ops.mirror_pad_by_gather`)."""
+    def build():
+        audio = keras.Input((128,))
+        mel = keras.layers.MelSpectrogram(fft_length=32, sequence_stride=16,
+                                          num_mel_bins=8)(audio)
+        h = _ReflectPadded()(keras.layers.Dense(3)(mel))
+        return keras.Model(audio, keras.layers.Dense(3)(
+            keras.layers.Flatten()(h)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 128)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    models.assert_trains_in_order_like_one_device(build, x, y, {"data": 8})
+
+
+def test_transpose_by_einsum_is_tf_transpose():
+    """The same values as TF's transpose for permutations of ranks 1 to 4
+    (given, negative, or None: reversed); integer tensors and axes that
+    are no permutation are left to the op itself (which refuses the
+    latter)."""
+    rng = np.random.default_rng(0)
+    for shape, axes in [((3,), None), ((2, 3), None), ((2, 3), (1, 0)),
+                        ((2, 3, 4), (2, 0, 1)), ((2, 3, 4, 5), (0, -2, -1, 1)),
+                        ((2, 3, 4, 5), None)]:
+        x = tf.constant(rng.normal(size=shape))
+        np.testing.assert_array_equal(
+            spmd_ops.transpose_by_einsum(tf.transpose, x, axes),
+            tf.transpose(x, axes))
+    integers = tf.reshape(tf.range(6), (2, 3))
+    np.testing.assert_array_equal(
+        spmd_ops.transpose_by_einsum(tf.transpose, integers), tf.transpose(
+            integers))
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        spmd_ops.transpose_by_einsum(tf.transpose, x, (0, 0, 1, 2))
+
+
+class _ContrastiveHead(keras.layers.Layer):
+    """keras-hub's CLIPHead: text-by-image logits t @ transpose(v), and
+    the image-by-text ones as their transpose; a probe of both's means."""
+
+    def call(self, vision, text):
+        text_logits = keras.ops.matmul(text, keras.ops.transpose(vision))
+        vision_logits = keras.ops.transpose(text_logits)
+        return keras.ops.stack([keras.ops.mean(text_logits, 1),
+                                keras.ops.mean(vision_logits, 1)], 1)
+
+    def compute_output_shape(self, vision_shape, text_shape):
+        return (vision_shape[0], 2)
+
+
+def test_transposed_logits_of_split_projections_train_as_one_device():
+    """keras-hub's CLIP did not compile under `auto_rules` on data=2 x
+    model=4: its head transposes logits whose consumer wants another
+    layout ("TransposeOp SPMD needs communication is not supported yet");
+    in a step Keras' transpose is an Einsum, which DTensor relayouts
+    (`spmd_ops.transpose_by_einsum`)."""
+    def build():
+        x = keras.Input((6,))
+        vision = keras.layers.Dense(8, name="vision_projection")(x)
+        text = keras.layers.Dense(8, name="text_projection")(x)
+        return keras.Model(x, keras.layers.Dense(3)(
+            _ContrastiveHead()(vision, text)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    models.assert_trains_in_order_like_one_device(
+        build, x, y, {"data": 2, "model": 4},
+        rules={"vision_projection/kernel": (None, "model"),
+               "text_projection/kernel": (None, "model")})

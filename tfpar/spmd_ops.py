@@ -8,7 +8,7 @@ Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `image.affine_transform`, `image.perspective_transform`,
 `image.rgb_to_hsv`/`hsv_to_rgb`, TF's `image.resize` (bicubic, lanczos,
 area, antialiased), `linalg.solve`, `ConcatV2`, `Pack`, `Roll`, `Cumprod`,
-`TopKV2` and channels-first `BiasAdd`, RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
+`TopKV2`, `MirrorPad`, channels-first `BiasAdd`, Keras' `transpose`, RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops DTensor cannot lay out or lays out
 wrongly. Each gives the same values as the op it replaces (the sampler:
 the same distribution).
 
@@ -24,6 +24,7 @@ array([[0., 1., 1., 0.],
 
 import functools
 import itertools
+import string
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -86,6 +87,43 @@ def activation_einsum(subscripts, x, y):
             or not x.dtype.is_floating):
         return None
     return tf.einsum(subscripts, x, y)
+
+
+def transpose_by_einsum(transpose, x, axes=None):
+    """Keras' `ops.transpose(x, axes)` of a floating tensor as one
+    one-operand TF Einsum op ("abc->cab" for axes (2, 0, 1); reversed axes
+    when `axes` is None). Anything else (sparse, integer, unknown rank,
+    axes that are no permutation): `transpose` itself.
+
+    DTensor 2.21 cannot lay out a transpose whose consumer wants a layout
+    the permuted operand does not have ("TransposeOp SPMD needs
+    communication is not supported yet", tests/dtensor_transpose_repro.py):
+    keras-hub's CLIP head transposes its text-by-image logits, split over
+    the data axis, and its step on data=2 x model=4 did not compile. Its
+    Einsum expander relayouts the operand itself. Values are the
+    transpose's exactly (a permutation moves no bits).
+
+    >>> transpose_by_einsum(tf.transpose, tf.reshape(tf.range(6.), (2, 3))
+    ...                     ).numpy()
+    array([[0., 3.],
+           [1., 4.],
+           [2., 5.]], dtype=float32)
+    """
+    if isinstance(x, tf.SparseTensor):
+        return transpose(x, axes)
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    if rank is None or not 0 < rank <= len(string.ascii_lowercase) or not (
+            x.dtype.is_floating):
+        return transpose(x, axes)
+    order = list(reversed(range(rank))) if axes is None else [
+        int(axis) % rank if -rank <= int(axis) < rank else -1
+        for axis in axes]
+    if sorted(order) != list(range(rank)):
+        return transpose(x, axes)
+    letters = string.ascii_lowercase[:rank]
+    return tf.einsum(
+        f"{letters}->{''.join(letters[axis] for axis in order)}", x)
 
 
 def _is_scalar_index(item):
@@ -275,6 +313,42 @@ def reverse_by_gather(x, axis):
         n = tf.shape(x)[a]
         x = tf.gather(x, tf.range(n - 1, -1, -1), axis=a)
     return x
+
+
+def mirror_pad_by_gather(mirror_pad, tensor, paddings, mode, name=None):
+    """TF's `MirrorPad` (`tf.pad` with mode "reflect" or "symmetric";
+    Keras' `ops.stft` with `center=True`, so MelSpectrogram) as one gather
+    per padded axis, for static paddings and sizes: along an axis of size
+    n padded by (b, a), the result reads x at
+
+      reflect:   b, ..., 1,  0, ..., n-1,  n-2, ..., n-1-a
+      symmetric: b-1, ..., 0,  0, ..., n-1,  n-1, ..., n-a
+
+    (the edge repeated or not). Anything else: `mirror_pad` itself.
+    DTensor 2.21 cannot lay out MirrorPad ("'tf.MirrorPad' op does not
+    implement layout propagation"); it lays out GatherV2.
+
+    >>> mirror_pad_by_gather(tf.raw_ops.MirrorPad, tf.constant([1, 2, 3]),
+    ...                      [[2, 1]], "REFLECT").numpy()
+    array([3, 2, 1, 2, 3, 2], dtype=int32)
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    pads = tf.get_static_value(paddings)
+    how = mode.decode() if isinstance(mode, bytes) else str(mode)
+    shift = {"REFLECT": 1, "SYMMETRIC": 0}.get(how.upper())
+    if pads is None or shift is None or tensor.shape.rank is None or any(
+            tensor.shape[axis] is None
+            for axis, pad in enumerate(pads) if any(pad)):
+        return mirror_pad(input=tensor, paddings=paddings, mode=mode,
+                          name=name)
+    for axis, (before, after) in enumerate(np.asarray(pads).tolist()):
+        if before or after:
+            n = tensor.shape[axis]
+            index = (list(range(before - 1 + shift, shift - 1, -1))
+                     + list(range(n))
+                     + list(range(n - 1 - shift, n - 1 - shift - after, -1)))
+            tensor = tf.gather(tensor, index, axis=axis)
+    return tensor
 
 
 def crop_by_gather(x, starts, sizes, axes):

@@ -356,6 +356,21 @@ def _roll_by_slices_in_step(original, hooks):
     return roll
 
 
+def _mirror_pad_by_gather_in_step(original, hooks):
+    """TF's `MirrorPad` wrapper (`tf.pad` reflecting; Keras' centred
+    `ops.stft`, MelSpectrogram) as `spmd_ops.mirror_pad_by_gather` in a
+    graph step: DTensor 2.21 cannot lay out `MirrorPad`. Elsewhere TF's op
+    runs."""
+    @functools.wraps(original)
+    def mirror_pad(input, paddings, mode, name=None):  # noqa: A002
+        if not hooks.in_graph_step():
+            return original(input, paddings, mode, name=name)
+        return spmd_ops.mirror_pad_by_gather(original, input, paddings,
+                                             mode, name)
+
+    return mirror_pad
+
+
 def _cumprod_by_shifts_in_step(original, hooks):
     """TF's `Cumprod` wrapper (`tf.math.cumprod`, Keras' `ops.cumprod`) as
     `spmd_ops.cumprod_by_shifts` in a graph step: DTensor 2.21 cannot lay
@@ -571,6 +586,20 @@ def _static_sparse_division(original, hooks):
         return original(x1, x2)
 
     return divide
+
+
+def _transpose_by_einsum_in_step(original, hooks):
+    """Keras' TF `numpy.transpose` (`ops.transpose`) as
+    `spmd_ops.transpose_by_einsum` in a graph step: DTensor 2.21 refuses a
+    transpose whose consumer wants another layout (keras-hub's CLIP head
+    on data=2 x model=4). Elsewhere Keras' op runs."""
+    @functools.wraps(original)
+    def transpose(x, axes=None):
+        if not hooks.in_graph_step():
+            return original(x, axes)
+        return spmd_ops.transpose_by_einsum(original, x, axes)
+
+    return transpose
 
 
 def _keras_nn():
@@ -978,6 +1007,8 @@ PATCHES = (
     _compat.Patch("lora_kernel", _einsum_dense, "kernel",
                   _lora_kernel_as_einsum_in_step),
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
+    _compat.Patch("transpose", _keras_numpy, "transpose",
+                  _transpose_by_einsum_in_step),
     _compat.Patch("eye", _keras_numpy, "eye", _eye_by_comparison_in_step),
     _compat.Patch("depthwise_conv", _keras_nn, "depthwise_conv",
                   _depthwise_conv_by_shifts_in_step),
@@ -1004,6 +1035,8 @@ PATCHES = (
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
     _compat.Patch("roll", _gen_manip_ops, "roll", _roll_by_slices_in_step),
+    _compat.Patch("mirror_pad", _gen_array_ops, "mirror_pad",
+                  _mirror_pad_by_gather_in_step),
     _compat.Patch("map", _keras_core, "map",
                   _loop_unrolled_in_step(spmd_ops.unrolled_map)),
     _compat.Patch("scan", _keras_core, "scan",

@@ -11,7 +11,7 @@ channels last only), and a Conv3D trained *silently wrong* (second loss
 1% off one device's in float32; "Function was cancelled" in float64):
 Keras runs a channels-first 3-D convolution as a nested XLA function.
 Each now runs channels last between two transposes in a step
-(`tfpar.spmd_patches`); the separable convolution as a whole, since its
+(`tfpar.spmd_image_patches`); the separable convolution as a whole, since its
 depthwise stand-in followed by a channels-first pointwise convolution
 and bias was 2% off one device in float32.
 

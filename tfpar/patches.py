@@ -39,6 +39,7 @@ from tfpar import context_parallel
 from tfpar import hub_positions
 from tfpar import moe_keras_hub
 from tfpar import recurrent
+from tfpar import spmd_image_patches
 from tfpar import spmd_patches
 from tfpar import variable_creation
 from tfpar import vocab_parallel
@@ -257,7 +258,8 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
-    `spmd_patches.PATCHES`, `variable_creation.VARIABLE_CREATION_PATCHES`,
+    `spmd_patches.PATCHES`, `spmd_image_patches.PATCHES`,
+    `variable_creation.VARIABLE_CREATION_PATCHES`,
     `context_parallel.PATCHES`, `context_keras_hub.PATCHES`,
     `hub_positions.PATCHES`, `vocab_parallel.PATCHES`,
     `recurrent.PATCHES`) with `hooks`, and
@@ -266,6 +268,7 @@ def install(hooks):
     process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
+        *spmd_image_patches.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
         *context_parallel.PATCHES, *context_keras_hub.PATCHES,
         *hub_positions.PATCHES, *vocab_parallel.PATCHES,

@@ -8,7 +8,7 @@ data_format="NCHW")` (what Keras' `ops.add` makes of a channels-first
 and fails ("The sharding spec for axis 0 splits among 8 values, which
 does not evenly divide the length of that axis (4)"). Rank 4 (NCHW
 proper) compiles, and so does the same sum as a broadcast add (what
-`tfpar.spmd_ops.bias_add_by_broadcast` does in a step). Prints one line
+`tfpar.spmd_image_ops.bias_add_by_broadcast` does in a step). Prints one line
 per case: "<case>: right", "<case>: wrong" or "<case>: failed".
 """
 

@@ -22,7 +22,7 @@ strategy's scope — it resizes its position table eagerly when it builds,
 and DTensor 2.21 returned the resize as a regular tensor
 (`tfpar.hub_positions.interpolated_on_host`). MiT, the third, failed on
 every mesh on its 3×3 depthwise convolution's filter gradient, which
-DTensor 2.21 cannot lay out (`spmd_ops.depthwise_conv_by_shifts`), and
+DTensor 2.21 cannot lay out (`spmd_image_ops.depthwise_conv_by_shifts`), and
 its 1-head stage stays whole (model=2 here; on model=4 both stages do); Swin (slow) on
 `tf.roll`, which DTensor cannot lay out either (`spmd_ops.roll_by_slices`).
 Moonshine

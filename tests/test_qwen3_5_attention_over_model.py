@@ -26,7 +26,7 @@ symbolic trace fails.
 DTensor 2.21 cannot lay out two of their ops: the `MatrixDiagV3` of
 `ops.eye` and the filter gradient of the causal depthwise convolution
 (`DepthwiseConv2dNativeBackpropFilter`). tfpar's steps run
-`tfpar.spmd_ops.eye_by_comparison` and `depthwise_conv_by_shifts`
+`tfpar.spmd_ops.eye_by_comparison` and `spmd_image_ops.depthwise_conv_by_shifts`
 instead (tests/test_spmd_linear_attention_ops.py: values and gradients);
 the rest of the net (cumsum, triu's band part, the chunked recurrence's
 slices, einsums and concats) lays out as it is. Such a model trains on

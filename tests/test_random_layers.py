@@ -22,7 +22,7 @@ step cuts the drawn window by gathers). `keras.random.shuffle` draws one
 device's permutation (also recomputed). RandomRotation, RandomZoom,
 RandomTranslation and RandomShear transform by TF's
 ImageProjectiveTransformV3, which DTensor cannot lay out: a step gathers
-(`spmd_ops.affine_transform_by_gather`, equal to TF's op here) and they
+(`spmd_image_ops.affine_transform_by_gather`, equal to TF's op here) and they
 train as one device on data=8; RandomHue and RandomSaturation too (TF's
 RGBToHSV and HSVToRGB as elementwise ops). `gamma`, `beta` and `binomial`
 are refused in a step with a ValueError (DTensor 2.21 cannot lay out
@@ -37,7 +37,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from tfpar import spmd_ops
+from tfpar import spmd_image_ops
 
 import models
 import test_dropout_parity
@@ -382,7 +382,7 @@ def test_random_crop_matches_one_device(axes, rules):
 @pytest.mark.parametrize("fill_mode", ["constant", "nearest", "wrap",
                                        "reflect"])
 def test_affine_transform_by_gather_is_tf_op(interpolation, fill_mode):
-    """`spmd_ops.affine_transform_by_gather` equals TF's
+    """`spmd_image_ops.affine_transform_by_gather` equals TF's
     ImageProjectiveTransformV3 on 30 random images (sizes 1-9, so the
     1-pixel edge cases too) and projective transforms (some with k = 0
     somewhere, some one transform for the whole batch)."""
@@ -401,14 +401,14 @@ def test_affine_transform_by_gather_is_tf_op(interpolation, fill_mode):
             images=images, transforms=transforms,
             output_shape=[height, width], fill_value=0.5,
             interpolation=interpolation.upper(), fill_mode=fill_mode.upper())
-        got = spmd_ops.affine_transform_by_gather(
+        got = spmd_image_ops.affine_transform_by_gather(
             images, transforms, interpolation, fill_mode, 0.5)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                    err_msg=f"trial {trial}")
 
 
 def test_colour_conversions_by_ops_are_tf_ops():
-    """`spmd_ops.rgb_to_hsv_by_ops` and `hsv_to_rgb_by_ops` equal TF's
+    """`spmd_image_ops.rgb_to_hsv_by_ops` and `hsv_to_rgb_by_ops` equal TF's
     RGBToHSV and HSVToRGB on random colours, greys (range 0: hue 0),
     black (value 0) and ties between channels."""
     rng = np.random.default_rng(0)
@@ -418,8 +418,8 @@ def test_colour_conversions_by_ops_are_tf_ops():
     rgb[12:20, 1] = rgb[12:20, 0]  # red == green
     rgb[20:28, 2] = rgb[20:28, 1]  # green == blue
     hsv = tf.image.rgb_to_hsv(rgb)
-    np.testing.assert_allclose(spmd_ops.rgb_to_hsv_by_ops(rgb), hsv,
+    np.testing.assert_allclose(spmd_image_ops.rgb_to_hsv_by_ops(rgb), hsv,
                                rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(spmd_ops.hsv_to_rgb_by_ops(hsv),
+    np.testing.assert_allclose(spmd_image_ops.hsv_to_rgb_by_ops(hsv),
                                tf.image.hsv_to_rgb(hsv), rtol=1e-6,
                                atol=1e-7)

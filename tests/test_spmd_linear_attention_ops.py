@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import tfpar
 from tfpar import _compat
+from tfpar import spmd_image_ops
 from tfpar import spmd_ops
 
 import models
@@ -82,7 +83,7 @@ def test_depthwise_conv_by_shifts_is_keras_op(shape, kernel_size,
     want_shape = _keras_depthwise_conv()(x, kernel, **options).shape
     cotangent = tf.constant(rng.normal(size=want_shape), tf.float32)
     results = []
-    for conv in (_keras_depthwise_conv(), spmd_ops.depthwise_conv_by_shifts):
+    for conv in (_keras_depthwise_conv(), spmd_image_ops.depthwise_conv_by_shifts):
         with tf.GradientTape() as tape:
             tape.watch([x, kernel])
             y = conv(x, kernel, **options)
@@ -114,7 +115,7 @@ def test_average_pool_by_shifts_is_tf_op(shape, pool_size, strides,
     cotangent = tf.constant(rng.normal(size=tf_pool(x).shape), tf.float32)
     results = []
     for pool in (tf_pool,
-                 lambda v: spmd_ops.average_pool_by_shifts(
+                 lambda v: spmd_image_ops.average_pool_by_shifts(
                      v, pool_size, strides, padding)):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -176,7 +177,7 @@ def test_conv_by_shifts_is_tf_convolution(shape, kernel_size, dilation,
             x, w, strides, padding.upper(),
             dilations=dilation if isinstance(dilation, tuple)
             else (dilation,) * spatial),
-                 lambda x, w: spmd_ops.conv_by_shifts(x, w, strides, padding,
+                 lambda x, w: spmd_image_ops.conv_by_shifts(x, w, strides, padding,
                                                       dilation)):
         with tf.GradientTape() as tape:
             tape.watch([x, kernel])
@@ -212,7 +213,7 @@ def _dilated_convolutions(data_format="channels_last"):
 def test_dilated_convolutions_train_as_one_device(data_format):
     """keras-hub's DeepLabV3 (its atrous pyramid) failed to compile on a
     data-only mesh: in a step a dilated convolution is shifted matrix
-    products (`spmd_ops.conv_by_shifts`)."""
+    products (`spmd_image_ops.conv_by_shifts`)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32,) + _dilated_convolutions(
         data_format).input_shape[1:]).astype("float32")
@@ -228,7 +229,7 @@ def test_channels_first_conv1d_with_bias_trains_as_one_device():
     be divisible ... size=4 ... shards=8"). Keras adds that bias with
     `tf.nn.bias_add(..., "NCHW")` on a rank-3 value, whose bias DTensor
     lays out like the batch; in a step it is a broadcast add
-    (`spmd_ops.bias_add_by_broadcast`)."""
+    (`spmd_image_ops.bias_add_by_broadcast`)."""
     def build():
         x = keras.Input((2, 12))
         h = keras.layers.Conv1D(4, 3, padding="same",
@@ -268,7 +269,7 @@ def test_bias_add_by_broadcast_is_tf_bias_add():
         with tf.GradientTape(persistent=True) as tape:
             tape.watch([value, bias])
             want = tf.nn.bias_add(value, bias, data_format) ** 2
-            got = spmd_ops.bias_add_by_broadcast(
+            got = spmd_image_ops.bias_add_by_broadcast(
                 tf.nn.bias_add, value, bias, data_format) ** 2
         np.testing.assert_allclose(got, want, rtol=1e-12)
         for wrt in (value, bias):
@@ -405,7 +406,7 @@ def test_solve_by_elimination_is_tf_solve():
             a += 2.0
         a, b = tf.constant(a), tf.constant(rng.normal(size=(4, n, 2)))
         results = []
-        for solve in (tf.linalg.solve, spmd_ops.solve_by_elimination):
+        for solve in (tf.linalg.solve, spmd_image_ops.solve_by_elimination):
             with tf.GradientTape() as tape:
                 tape.watch([a, b])
                 x = solve(a, b)
@@ -413,8 +414,8 @@ def test_solve_by_elimination_is_tf_solve():
             results.append([x, *tape.gradient(loss, [a, b])])
         for want, got in zip(*results):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
-    big = tf.eye(spmd_ops.MAX_ELIMINATION_SIZE + 1)
-    assert spmd_ops.solve_by_elimination(big, big) is None
+    big = tf.eye(spmd_image_ops.MAX_ELIMINATION_SIZE + 1)
+    assert spmd_image_ops.solve_by_elimination(big, big) is None
 
 
 class _PrefixProducts(keras.layers.Layer):
@@ -484,8 +485,8 @@ def test_inference_keeps_tf_s_depthwise_convolution(monkeypatch):
     filter gradient is what DTensor cannot lay out): predict runs TF's own
     depthwise convolution, with the same values."""
     calls = []
-    original = spmd_ops.depthwise_conv_by_shifts
-    monkeypatch.setattr(spmd_ops, "depthwise_conv_by_shifts",
+    original = spmd_image_ops.depthwise_conv_by_shifts
+    monkeypatch.setattr(spmd_image_ops, "depthwise_conv_by_shifts",
                         lambda *a, **k: calls.append(1) or original(*a, **k))
     x = np.linspace(-1, 1, 16 * 8 * 3, dtype="float32").reshape(16, 8, 3)
     keras.utils.set_random_seed(0)
@@ -609,7 +610,7 @@ def test_grouped_convolutions_train_as_one_device_in_float64(float64):
 @pytest.mark.parametrize("method", ["bicubic", "lanczos3", "lanczos5",
                                     "area", "gaussian", "mitchellcubic"])
 def test_resize_by_matmul_is_tf_resize(method):
-    """`spmd_ops.resize_by_matmul` equals `tf.image.resize` up and down,
+    """`spmd_image_ops.resize_by_matmul` equals `tf.image.resize` up and down,
     with and without antialiasing, 1-pixel sides included (1e-5)."""
     rng = np.random.default_rng(0)
     for antialias in (False, True):
@@ -617,7 +618,7 @@ def test_resize_by_matmul_is_tf_resize(method):
                          ((6, 4), (6, 11)), ((1, 5), (3, 2))):
             x = rng.normal(size=(2, *old, 3)).astype("float32")
             want = tf.image.resize(x, new, method, antialias=antialias)
-            got = spmd_ops.resize_by_matmul(tf.image.resize, x, new, method,
+            got = spmd_image_ops.resize_by_matmul(tf.image.resize, x, new, method,
                                             antialias)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

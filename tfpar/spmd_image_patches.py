@@ -4,8 +4,8 @@
 
 Inside a step (`tfpar.step_context.in_spmd_step`) each of these runs
 instead of Keras' or TF's op: the ones DTensor 2.21 cannot lay out, or
-lays out wrongly, become the `tfpar.spmd_ops` that give the same values —
-depthwise, separable, grouped and dilated convolutions, average pooling,
+lays out wrongly, become the `tfpar.spmd_image_ops` that give the same
+values — depthwise, separable, grouped and dilated convolutions, average pooling,
 a channels-first bias, image transforms, colour conversions, resizing,
 and the small linear solves of the perspective transform. Channels-first
 inputs run channels last between two transposes
@@ -19,7 +19,7 @@ import functools
 import tensorflow as tf
 
 from tfpar import _compat
-from tfpar import spmd_ops
+from tfpar import spmd_image_ops
 from tfpar.step_context import in_spmd_step
 
 
@@ -39,7 +39,7 @@ def _depthwise_conv_by_shifts_in_step(original, hooks):
     """Keras' TF `nn.depthwise_conv` of a 1-D or 2-D input (channels
     first between two transposes, or last; a static kernel, "valid" or "same" padding, any stride and dilation;
     "same" with a stride needs static spatial sizes) as
-    `spmd_ops.depthwise_conv_by_shifts` in a step whose gradients are
+    `spmd_image_ops.depthwise_conv_by_shifts` in a step whose gradients are
     taken (a tape records): DTensor 2.21 cannot lay out the filter
     gradient of TF's op (`DepthwiseConv2dNativeBackpropFilter`: Qwen3.5's
     causal convolution in its gated delta net and SegFormer's Mix-FFN
@@ -54,7 +54,7 @@ def _depthwise_conv_by_shifts_in_step(original, hooks):
             kernel = tf.convert_to_tensor(kernel)
             if _by_shifts(inputs, kernel, strides, padding, data_format):
                 return _channels_last_applied(
-                    lambda x: spmd_ops.depthwise_conv_by_shifts(
+                    lambda x: spmd_image_ops.depthwise_conv_by_shifts(
                         x, kernel, strides, padding, dilation_rate),
                     inputs, 1 if _channels_first(data_format) else None)
         return original(inputs, kernel, strides=strides, padding=padding,
@@ -66,7 +66,7 @@ def _depthwise_conv_by_shifts_in_step(original, hooks):
 def _separable_conv_by_shifts_in_step(original, hooks):
     """Keras' TF `nn.separable_conv` (SeparableConv1D/2D: a depthwise
     convolution, then a 1×1 "pointwise" one) in a step whose gradients are
-    taken, as Keras' `depthwise_conv` — `spmd_ops.depthwise_conv_by_shifts`
+    taken, as Keras' `depthwise_conv` — `spmd_image_ops.depthwise_conv_by_shifts`
     there (`_depthwise_conv_by_shifts_in_step`) — then Keras' `conv` with
     the pointwise kernel: TF's `separable_conv2d` runs the same
     `DepthwiseConv2dNative`, whose filter gradient DTensor 2.21 cannot lay
@@ -104,7 +104,7 @@ def _separable_conv_by_shifts_in_step(original, hooks):
 
 def _average_pool_by_shifts_in_step(original, hooks):
     """Keras' TF `nn.average_pool` of a 1-D, 2-D or 3-D input ("valid", or
-    "same" with static spatial sizes) as `spmd_ops.average_pool_by_shifts`
+    "same" with static spatial sizes) as `spmd_image_ops.average_pool_by_shifts`
     in a step whose gradients are taken: DTensor 2.21 cannot lay out TF's
     `AvgPoolGrad` (DenseNet failed to compile) nor `AvgPool3DGrad`.
     Inference steps and everything else run Keras' op, whose forward pass
@@ -126,7 +126,7 @@ def _average_pool_by_shifts_in_step(original, hooks):
             return original(inputs, pool_size, strides, padding,
                             data_format)
         return _channels_last_applied(
-            lambda x: spmd_ops.average_pool_by_shifts(x, pool_size, strides,
+            lambda x: spmd_image_ops.average_pool_by_shifts(x, pool_size, strides,
                                                       padding),
             inputs, 1 if channels_first else None)
 
@@ -167,7 +167,7 @@ def _grouped_or_dilated_conv_in_step(original, hooks):
     (*k, 1, channels·m) read as (*k, channels, m) — output c·m + q reads
     input c either way — and other groupings are one plain convolution
     per group, concatenated along the channels. A dilated convolution
-    (ungrouped) is `spmd_ops.conv_by_shifts`: TF runs it on CPU through
+    (ungrouped) is `spmd_image_ops.conv_by_shifts`: TF runs it on CPU through
     SpaceToBatchND, which DTensor 2.21 cannot lay out (keras-hub's
     DeepLabV3). A dilated or grouped channels-first convolution runs
     channels last between two transposes, and so does a channels-first
@@ -194,7 +194,7 @@ def _grouped_or_dilated_conv_in_step(original, hooks):
         if channels == per_group and dilated and \
                 kernel.shape.is_fully_defined() and padding in (
                     "valid", "same"):
-            return spmd_ops.conv_by_shifts(inputs, kernel, strides,
+            return spmd_image_ops.conv_by_shifts(inputs, kernel, strides,
                                            padding, dilation_rate)
         if channels is None or channels == per_group:
             return original(inputs, kernel, strides, padding, data_format,
@@ -224,7 +224,7 @@ def _dilated(dilation_rate):
 
 def _affine_transform_by_gather_in_step(original, hooks):
     """Keras' TF `image.affine_transform` (RandomRotation, RandomZoom,
-    RandomTranslation, RandomShear) as `spmd_ops.affine_transform_by_gather`
+    RandomTranslation, RandomShear) as `spmd_image_ops.affine_transform_by_gather`
     in a step, for a batch of images of static height and width: DTensor
     2.21 cannot lay out TF's `ImageProjectiveTransformV3`. Elsewhere, and
     for arguments Keras refuses (its own error), Keras' op runs."""
@@ -245,7 +245,7 @@ def _affine_transform_by_gather_in_step(original, hooks):
             return original(images, transform, interpolation, fill_mode,
                             fill_value, data_format)
         return _channels_last_applied(
-            lambda x: spmd_ops.affine_transform_by_gather(
+            lambda x: spmd_image_ops.affine_transform_by_gather(
                 x, tf.reshape(transform, (-1, 8)), interpolation, fill_mode,
                 fill_value),
             images, 1 if channels_first else None)
@@ -260,16 +260,16 @@ def _image_size(images, channels_first):
 
 def _solve_by_elimination_in_step(original, hooks):
     """`tf.linalg.solve` (Keras' `ops.solve`, RandomPerspective's
-    homography) of small systems as `spmd_ops.solve_by_elimination` in a
+    homography) of small systems as `spmd_image_ops.solve_by_elimination` in a
     step: DTensor 2.21 cannot lay out TF's `MatrixSolve`. Systems larger
-    than `spmd_ops.MAX_ELIMINATION_SIZE`, and everything outside a step,
+    than `spmd_image_ops.MAX_ELIMINATION_SIZE`, and everything outside a step,
     run TF's op."""
     @functools.wraps(original)
     def solve(matrix, rhs, adjoint=False, name=None):
         if not in_spmd_step():
             return original(matrix, rhs, adjoint=adjoint, name=name)
         matrix = tf.convert_to_tensor(matrix)
-        solution = spmd_ops.solve_by_elimination(
+        solution = spmd_image_ops.solve_by_elimination(
             tf.linalg.adjoint(matrix) if adjoint else matrix, rhs)
         if solution is None:
             return original(matrix, rhs, adjoint=adjoint, name=name)
@@ -282,7 +282,7 @@ def _perspective_transform_by_gather_in_step(original, hooks):
     """Keras' TF `image.perspective_transform` (RandomPerspective) in a
     step: Keras' own homography (its `tf.linalg.solve` by elimination,
     `_solve_by_elimination_in_step`) applied by
-    `spmd_ops.affine_transform_by_gather` — TF's
+    `spmd_image_ops.affine_transform_by_gather` — TF's
     `ImageProjectiveTransformV3` with a constant fill, which is what Keras
     asks of it, and which DTensor 2.21 cannot lay out. Elsewhere, and for
     arguments Keras refuses (its own error), Keras' op runs."""
@@ -308,7 +308,7 @@ def _perspective_transform_by_gather_in_step(original, hooks):
             return keras_op()
         transform = _keras_image().compute_homography_matrix(start, end)
         return _channels_last_applied(
-            lambda x: spmd_ops.affine_transform_by_gather(
+            lambda x: spmd_image_ops.affine_transform_by_gather(
                 x, transform, interpolation, "constant", fill_value),
             images, 1 if channels_first else None)
 
@@ -317,11 +317,11 @@ def _perspective_transform_by_gather_in_step(original, hooks):
 
 def _colour_conversion_in_step(name):
     """Keras' TF `image.rgb_to_hsv` / `hsv_to_rgb` (RandomHue,
-    RandomSaturation) of float images as `spmd_ops.rgb_to_hsv_by_ops` /
+    RandomSaturation) of float images as `spmd_image_ops.rgb_to_hsv_by_ops` /
     `hsv_to_rgb_by_ops` in a step: DTensor 2.21 cannot lay out TF's
     `RGBToHSV` and `HSVToRGB`. Elsewhere, and for inputs Keras refuses
     (its own error), Keras' function runs."""
-    convert = getattr(spmd_ops, f"{name}_by_ops")
+    convert = getattr(spmd_image_ops, f"{name}_by_ops")
 
     def make(original, hooks):
         @functools.wraps(original)
@@ -345,7 +345,7 @@ def _resize_by_matmul_in_step(original, hooks):
     """TF's `image.resize` (Keras' `image.resize`, Resizing, keras-hub's
     image converters) in a step, for methods other than "bilinear" and
     "nearest" or antialiased, of (batch, height, width, channels) images of
-    static size to a static size, as `spmd_ops.resize_by_matmul`: DTensor
+    static size to a static size, as `spmd_image_ops.resize_by_matmul`: DTensor
     2.21 cannot lay out TF's ResizeBicubic or ScaleAndTranslate. Bilinear,
     nearest and everything else run TF's op."""
     @functools.wraps(original)
@@ -361,14 +361,14 @@ def _resize_by_matmul_in_step(original, hooks):
                 or static_size is None or method == "nearest":
             return original(images, size, method, preserve_aspect_ratio,
                             antialias, name)
-        return spmd_ops.resize_by_matmul(original, images, static_size,
+        return spmd_image_ops.resize_by_matmul(original, images, static_size,
                                          method, antialias)
 
     return resize
 
 
 def _by_shifts(inputs, kernel, strides, padding, data_format):
-    """Whether `spmd_ops.depthwise_conv_by_shifts` computes this call."""
+    """Whether `spmd_image_ops.depthwise_conv_by_shifts` computes this call."""
     rank = inputs.shape.rank
     strided = any(s > 1 for s in (strides if isinstance(strides, (
         tuple, list)) else (strides,)))
@@ -383,14 +383,14 @@ def _by_shifts(inputs, kernel, strides, padding, data_format):
 def _bias_add_by_broadcast_in_step(original, hooks):
     """TF's `BiasAdd` wrapper (`tf.nn.bias_add`; Keras' `ops.add` of a
     bias to channels-first features, as in a channels-first `Conv1D`) as
-    `spmd_ops.bias_add_by_broadcast` in a graph step: DTensor 2.21 lays a
+    `spmd_image_ops.bias_add_by_broadcast` in a graph step: DTensor 2.21 lays a
     rank-3 channels-first bias out like the batch. Elsewhere TF's op
     runs."""
     @functools.wraps(original)
     def bias_add(value, bias, data_format="NHWC", name=None):
         if not hooks.in_graph_step():
             return original(value, bias, data_format=data_format, name=name)
-        return spmd_ops.bias_add_by_broadcast(original, value, bias,
+        return spmd_image_ops.bias_add_by_broadcast(original, value, bias,
                                               data_format, name)
 
     return bias_add

@@ -279,6 +279,23 @@ def assert_trains_in_order_like_one_device(build, x, y, mesh, rules=None):
     for a, b in zip(reference.get_weights(), model.get_weights()):
         assert relative_error(a, b) < 1e-4
 
+def assert_layer_trains_as_one_device(shape, layer, mesh=None):
+    """`layer()` on inputs of `shape` (without the batch), flattened into
+    a Dense of 3, trained as `assert_trains_in_order_like_one_device` on
+    random float32 data: on `mesh` ({"data": 8} by default) as on one
+    device."""
+    def build():
+        x = keras.Input(shape)
+        return keras.Model(x, keras.layers.Dense(3)(
+            keras.layers.Flatten()(layer()(x))))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16,) + tuple(shape)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    assert_trains_in_order_like_one_device(build, x, y, mesh or {"data": 8})
+
+
 # The MLP the two-host tests train (tests/test_hosts.py, hosts_child.py).
 HOST_RULES = {r".*up0/kernel": (None, "model"), r".*up0/bias": ("model",),
               r".*down0/kernel": ("model", None)}

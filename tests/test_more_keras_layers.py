@@ -110,17 +110,7 @@ LAYERS = {
     name if name == "MelSpectrogram" else pytest.param(
         name, marks=pytest.mark.slow) for name in LAYERS])
 def test_keras_layer_trains_as_one_device(name):
-    shape, layer = LAYERS[name]
-
-    def build():
-        x = keras.Input(shape)
-        return keras.Model(x, L.Dense(3)(L.Flatten()(layer()(x))))
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16,) + shape).astype("float32")
-    y = rng.normal(size=(16, 3)).astype("float32")
-    keras.utils.set_random_seed(0)
-    models.assert_trains_in_order_like_one_device(build, x, y, {"data": 8})
+    models.assert_layer_trains_as_one_device(*LAYERS[name])
 
 
 @pytest.mark.slow

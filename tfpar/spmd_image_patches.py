@@ -23,16 +23,11 @@ from tfpar import spmd_image_ops
 from tfpar.step_context import in_spmd_step
 
 
-def _keras_nn():
-    return _compat.keras_module("backend.tensorflow.nn")
-
-
-def _gen_nn_ops():
-    return _compat.tf_python_module("ops.gen_nn_ops")
-
-
-def _keras_image():
-    return _compat.keras_module("backend.tensorflow.image")
+# The modules whose attributes these patches replace (read when installed).
+_keras_nn = functools.partial(_compat.keras_module, "backend.tensorflow.nn")
+_keras_image = functools.partial(_compat.keras_module,
+                                 "backend.tensorflow.image")
+_gen_nn_ops = functools.partial(_compat.tf_python_module, "ops.gen_nn_ops")
 
 
 def _depthwise_conv_by_shifts_in_step(original, hooks):

@@ -35,6 +35,7 @@ Weights involved (their per-device blocks are the op's operands):
 What to change: DTensor's convolutions take only replicated filters: ...
 """
 
+import functools
 import re
 
 import tensorflow as tf
@@ -184,3 +185,38 @@ def _describe(weight, layer, info, shape, pattern=None):
     rule = f", by rule {pattern!r}" if pattern is not None else ""
     return (f"  layer {owner!r}{kind}: weight {weight.path!r} shape {shape}, "
             f"layout {info.spec}{computed}, per-device block {block}{rule}")
+
+
+def _error_interpolation():
+    return _compat.tf_python_module("framework.error_interpolation")
+
+
+# TF's error tag "{{type name}}" (its error_interpolation's _TAG_REGEX).
+_NAME = r"[A-Za-z0-9_.][A-Za-z0-9_.\-/]*?"
+_ERROR_TAG = re.compile(r"\{\{%s %s\}\}" % (_NAME, _NAME))
+
+
+def _error_tags_read_to_the_last(original, hooks):
+    """TF's `error_interpolation.parse_message`, which finds the
+    "{{node ...}}" tags of an error raised from a function, read up to
+    the end of the message's last tag only, the rest appended as it is.
+
+    TF's reads with the pattern `(.*?)({{tag}})` from every position, so
+    the text after the last tag costs the square of its length: a DTensor
+    compile error carries the whole step's program (a million characters
+    for Keras' RandomElasticTransform on data=8, with no tag), and its
+    reading did not end in ten minutes — the failure looked like a hang.
+    Up to the last tag each position's match ends at the next tag (linear),
+    and no match ends after the last tag, so the result is TF's own."""
+    @functools.wraps(original)
+    def parse_message(message):
+        end = max((tag.end() for tag in _ERROR_TAG.finditer(message)),
+                  default=0)
+        parsed, function_tags, node_tags = original(message[:end])
+        return parsed + message[end:], function_tags, node_tags
+
+    return parse_message
+
+
+PATCHES = (_compat.Patch("error_tags", _error_interpolation, "parse_message",
+                         _error_tags_read_to_the_last),)

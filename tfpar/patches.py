@@ -34,6 +34,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import compile_errors
 from tfpar import context_keras_hub
 from tfpar import context_parallel
 from tfpar import hub_positions
@@ -259,6 +260,7 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients,
     `spmd_patches.PATCHES`, `spmd_image_patches.PATCHES`,
+    `compile_errors.PATCHES`,
     `variable_creation.VARIABLE_CREATION_PATCHES`,
     `context_parallel.PATCHES`, `context_keras_hub.PATCHES`,
     `hub_positions.PATCHES`, `vocab_parallel.PATCHES`,
@@ -268,7 +270,7 @@ def install(hooks):
     process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
-        *spmd_image_patches.PATCHES,
+        *spmd_image_patches.PATCHES, *compile_errors.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
         *context_parallel.PATCHES, *context_keras_hub.PATCHES,
         *hub_positions.PATCHES, *vocab_parallel.PATCHES,

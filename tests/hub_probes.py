@@ -210,6 +210,18 @@ def _clip():
                            projection_dim=HIDDEN)
 
 
+def _flux():
+    """Flux: one double-stream and one single-stream block over 16 image
+    and 16 text tokens."""
+    return _M.FluxBackbone(
+        input_channels=HIDDEN, hidden_size=HIDDEN, mlp_ratio=1.0,
+        num_heads=HEADS, depth=1, depth_single_blocks=1, axes_dim=[2, 2, 4],
+        theta=10_000, use_bias=True, guidance_embed=True,
+        image_shape=(SEQ, HIDDEN), text_shape=(SEQ, HIDDEN),
+        image_ids_shape=(SEQ, 3), text_ids_shape=(SEQ, 3),
+        y_shape=(HIDDEN,))
+
+
 VISION = {
     "deeplab_v3": lambda: _M.DeepLabV3Backbone(
         image_encoder=_resnet(), spatial_pyramid_pooling_key="P4",
@@ -218,6 +230,7 @@ VISION = {
     "d_fine": _dfine,
     "blip2": _blip2,
     "clip": _clip,
+    "flux": _flux,
 }
 BACKBONES.update(VISION)
 

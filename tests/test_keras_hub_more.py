@@ -73,14 +73,16 @@ def test_edrec_trains_like_one_device_in_float64(float64):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deeplab_v3", "d_fine", "blip2", "clip"])
+@pytest.mark.parametrize("name", ["deeplab_v3", "d_fine", "blip2", "clip",
+                                  "flux"])
 def test_keras_hub_vision_model_trains_like_one_device(name, float64):
     """keras-hub's DeepLabV3 failed to compile on every mesh (its dilated
     convolutions: SpaceToBatchND), D-FINE too (`ops.map`'s TensorLists,
     then TopKV2's gradient), BLIP-2's plan clashed (two layers share
-    the path "transformer_layer_0/self_attention"), and CLIP's head
-    transposed logits DTensor would not relayout (on data x model). In
-    float64: their BatchNormalizations amplify float32 rounding."""
+    the path "transformer_layer_0/self_attention"), CLIP's head
+    transposed logits DTensor would not relayout (on data x model), and
+    Flux's rotary table is an einsum with "..." (every mesh). In float64:
+    their BatchNormalizations amplify float32 rounding."""
     if name == "deeplab_v3":  # no attention: auto_rules splits nothing
         _, want = hub_probes.train(name, None)
         _, got = hub_probes.train(name, tfpar.ParallelStrategy(

@@ -12,8 +12,8 @@ Not here, and why: MixUp, CutMix and AugMix draw from `keras.random.beta`
 or `gamma`, refused in a step with an error naming the layer and the fix
 (`tests/test_random_layers.py`); RandAugment's equalization counts with
 `DenseBincount`, which DTensor cannot lay out (left; the error names the
-op); RandomElasticTransform's step did not finish compiling in 10 minutes
-(left, not examined); STFTSpectrogram needs scipy, not installed; the
+op); RandomElasticTransform's step does not compile (a Reshape of a shape
+unknown when traced; it fails naming the op, tests/test_compile_errors.py); STFTSpectrogram needs scipy, not installed; the
 backend wrappers (JaxLayer, FlaxLayer, TorchModuleWrapper, TFSMLayer) and
 string preprocessing (TextVectorization, StringLookup, Hashing, ...) are
 not model layers a step trains.

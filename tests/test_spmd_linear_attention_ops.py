@@ -756,3 +756,58 @@ def test_transposed_logits_of_split_projections_train_as_one_device():
         build, x, y, {"data": 2, "model": 4},
         rules={"vision_projection/kernel": (None, "model"),
                "text_projection/kernel": (None, "model")})
+
+
+def test_subscripts_without_ellipsis_give_tf_einsum():
+    """"..." written out as letters: the same values as TF's einsum with
+    it; left to Keras (None) where the written-out form would change what
+    TF does (broadcast "..." dimensions, "..." summed away) or a rank is
+    unknown."""
+    rng = np.random.default_rng(0)
+    for subscripts, shapes in [
+            ("...n,d->...nd", [(2, 5, 3), (4,)]),
+            ("...ij,...jk->...ik", [(2, 3, 4, 5), (3, 5, 6)]),
+            ("b...d,d->b...", [(2, 3, 4, 5), (5,)]),
+            ("...,...->...", [(3, 4), (3, 4)])]:
+        operands = [tf.constant(rng.normal(size=s)) for s in shapes]
+        written = spmd_ops.subscripts_without_ellipsis(subscripts, operands)
+        assert "..." not in written
+        np.testing.assert_allclose(tf.einsum(written, *operands),
+                                   tf.einsum(subscripts, *operands),
+                                   rtol=1e-12)
+    for subscripts, shapes in [("...ij,...jk->...ik", [(1, 4, 5), (3, 5, 6)]),
+                               ("i...,i...->i", [(3, 4), (3, 4)])]:
+        operands = [tf.zeros(s) for s in shapes]
+        assert spmd_ops.subscripts_without_ellipsis(
+            subscripts, operands) is None
+
+
+class _RotaryTable(keras.layers.Layer):
+    """keras-hub Flux's rotary table: positions (batch, n) times
+    frequencies (d,) by "...n,d->...nd", then cos and sin."""
+
+    def call(self, positions):
+        frequencies = 1.0 / (10.0 ** keras.ops.arange(0, 4, dtype="float32"))
+        angles = keras.ops.einsum("...n,d->...nd", positions, frequencies)
+        return keras.ops.concatenate([keras.ops.cos(angles),
+                                      keras.ops.sin(angles)], -1)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape + (8,)
+
+
+def test_an_einsum_with_an_ellipsis_trains_as_one_device():
+    """keras-hub's Flux failed to compile on every mesh, data=8 included
+    ("Broadcasting is unimplemented for einsum. Received equation
+    ...a,b->...ab"): in a step "..." is written out as letters
+    (`spmd_ops.subscripts_without_ellipsis`)."""
+    def build():
+        x = keras.Input((6,))
+        positions = keras.layers.Dense(5)(x)
+        return keras.Model(x, keras.layers.Dense(3)(
+            keras.layers.Flatten()(_RotaryTable()(positions))))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    models.assert_trains_in_order_like_one_device(build, x, y, {"data": 8})

@@ -86,6 +86,54 @@ def activation_einsum(subscripts, x, y):
     return tf.einsum(subscripts, x, y)
 
 
+def subscripts_without_ellipsis(subscripts, operands):
+    """`subscripts` of an einsum with "..." written out as letters of their
+    own, from the operands' static shapes ("...n,d->...nd" of a rank-3
+    and a rank-1 operand: "ABn,d->ABnd"), or None if a rank is unknown,
+    there is no "->" or no "..." after it, or the dimensions "..." covers
+    would broadcast (a 1 against another size). Each operand's "..." covers its last dimensions
+    of the longest "...", aligned at the right as numpy aligns them.
+
+    DTensor 2.21 refuses an Einsum with "..." ("Broadcasting is
+    unimplemented for einsum": keras-hub's Flux, its rotary table
+    "...n,d->...nd"); written out, the same contraction lays out.
+
+    >>> subscripts_without_ellipsis("...n,d->...nd",
+    ...                             [tf.zeros((2, 5, 3)), tf.zeros(4)])
+    'ABn,d->ABnd'
+    """
+    inputs, arrow, output = subscripts.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if not arrow or len(terms) != len(operands):
+        return None
+    shapes = [tf.convert_to_tensor(operand).shape for operand in operands]
+    if any(shape.rank is None for shape in shapes):
+        return None
+    covered = [shape[:shape.rank - len(term.replace("...", ""))]
+               if "..." in term else None for term, shape in zip(terms, shapes)]
+    longest = max((len(dims) for dims in covered if dims is not None),
+                  default=0)
+    if longest and "..." not in output:
+        return None  # TF refuses it; so does one device
+    sizes = {}
+    for dims in covered:
+        for place, size in enumerate(dims or (), longest - len(dims or ())):
+            if sizes.setdefault(place, size) != size:
+                return None  # a broadcast: written out it would not be one
+    free = [letter for letter in string.ascii_uppercase + string.ascii_lowercase
+            if letter not in subscripts][:longest]
+    if len(free) < longest:
+        return None
+
+    def written_out(term, dims):
+        return term.replace("...", "".join(free[longest - len(dims):]))
+
+    return "->".join([",".join(
+        written_out(term, dims) if dims is not None else term
+        for term, dims in zip(terms, covered)),
+        written_out(output, free)])
+
+
 def transpose_by_einsum(transpose, x, axes=None):
     """Keras' `ops.transpose(x, axes)` of a floating tensor as one
     one-operand TF Einsum op ("abc->cab" for axes (2, 0, 1); reversed axes

@@ -510,9 +510,14 @@ def _activation_einsum_in_step(original, hooks):
     `spmd_ops.activation_einsum` in a step: Keras' transposes of an operand
     failed in keras-hub's cached Gemma attention split by heads ("TransposeOp
     SPMD needs communication is not supported yet", tests/test_generate.py).
-    Elsewhere, and for weights (EinsumDense), Keras' einsum runs."""
+    In a step "..." is written out as letters first
+    (`spmd_ops.subscripts_without_ellipsis`: DTensor refuses it, keras-hub's
+    Flux). Elsewhere, and for weights (EinsumDense), Keras' einsum runs."""
     @functools.wraps(original)
     def einsum(subscripts, *operands, **kwargs):
+        if in_spmd_step() and "..." in subscripts:
+            subscripts = spmd_ops.subscripts_without_ellipsis(
+                subscripts, operands) or subscripts
         if in_spmd_step() and len(operands) == 2 and not kwargs:
             result = spmd_ops.activation_einsum(subscripts, *operands)
             if result is not None:

@@ -196,18 +196,18 @@ def _blip2():
                             language_model=language)
 
 
-def _clip():
-    """CLIP: a ViT and a text encoder, projected to one width; its
-    outputs are the batch-by-batch logits."""
+def _clip(family="CLIP"):
+    """CLIP (or MetaCLIP2, `family`): a ViT and a text encoder, projected
+    to one width; its outputs are the batch-by-batch logits."""
     common = dict(hidden_dim=HIDDEN, num_layers=2, num_heads=HEADS,
                   intermediate_dim=FFN)
-    vision = _M.CLIPVisionEncoder(patch_size=8, image_shape=IMAGE,
-                                  name="vision_encoder", **common)
-    text = _M.CLIPTextEncoder(vocabulary_size=VOCAB, embedding_dim=HIDDEN,
-                              max_sequence_length=SEQ, name="text_encoder",
-                              **common)
-    return _M.CLIPBackbone(vision_encoder=vision, text_encoder=text,
-                           projection_dim=HIDDEN)
+    vision = getattr(_M, f"{family}VisionEncoder")(
+        patch_size=8, image_shape=IMAGE, name="vision_encoder", **common)
+    text = getattr(_M, f"{family}TextEncoder")(
+        vocabulary_size=VOCAB, embedding_dim=HIDDEN, max_sequence_length=SEQ,
+        name="text_encoder", **common)
+    return getattr(_M, f"{family}Backbone")(
+        vision_encoder=vision, text_encoder=text, projection_dim=HIDDEN)
 
 
 def _flux():
@@ -230,6 +230,7 @@ VISION = {
     "d_fine": _dfine,
     "blip2": _blip2,
     "clip": _clip,
+    "metaclip2": lambda: _clip("MetaCLIP2"),
     "flux": _flux,
 }
 BACKBONES.update(VISION)

@@ -74,7 +74,7 @@ def test_edrec_trains_like_one_device_in_float64(float64):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["deeplab_v3", "d_fine", "blip2", "clip",
-                                  "flux"])
+                                  "metaclip2", "flux"])
 def test_keras_hub_vision_model_trains_like_one_device(name, float64):
     """keras-hub's DeepLabV3 failed to compile on every mesh (its dilated
     convolutions: SpaceToBatchND), D-FINE too (`ops.map`'s TensorLists,

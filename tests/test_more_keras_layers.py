@@ -103,6 +103,8 @@ LAYERS = {
     "Solarization": (IMAGE, lambda: L.Solarization(
         0.5, value_range=(-3, 3), seed=1)),
     "CenterCrop": (IMAGE, lambda: L.CenterCrop(6, 6)),
+    "Equalization": (IMAGE, lambda: L.Equalization(value_range=(-3, 3))),
+    "AutoContrast": (IMAGE, lambda: L.AutoContrast(value_range=(-3, 3))),
 }
 
 

@@ -106,8 +106,10 @@ def subscripts_without_ellipsis(subscripts, operands):
     terms = inputs.split(",")
     if not arrow or len(terms) != len(operands):
         return None
-    shapes = [tf.convert_to_tensor(operand).shape for operand in operands]
-    if any(shape.rank is None for shape in shapes):
+    shapes = [tf.TensorShape(getattr(operand, "shape", np.shape(operand)))
+              for operand in operands]  # read only: no op made
+    if any(shape.rank is None or shape.rank < len(term.replace("...", ""))
+           for term, shape in zip(terms, shapes)):
         return None
     covered = [shape[:shape.rank - len(term.replace("...", ""))]
                if "..." in term else None for term, shape in zip(terms, shapes)]
@@ -138,7 +140,7 @@ def transpose_by_einsum(transpose, x, axes=None):
     """Keras' `ops.transpose(x, axes)` of a floating tensor as one
     one-operand TF Einsum op ("abc->cab" for axes (2, 0, 1); reversed axes
     when `axes` is None). Anything else (sparse, integer, unknown rank,
-    axes that are no permutation): `transpose` itself.
+    axes given as a tensor or no permutation): `transpose` itself.
 
     DTensor 2.21 cannot lay out a transpose whose consumer wants a layout
     the permuted operand does not have ("TransposeOp SPMD needs
@@ -159,7 +161,8 @@ def transpose_by_einsum(transpose, x, axes=None):
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
     if rank is None or not 0 < rank <= len(string.ascii_lowercase) or not (
-            x.dtype.is_floating):
+            x.dtype.is_floating) or (axes is not None and not all(
+                isinstance(axis, (int, np.integer)) for axis in axes)):
         return transpose(x, axes)
     order = list(reversed(range(rank))) if axes is None else [
         int(axis) % rank if -rank <= int(axis) < rank else -1

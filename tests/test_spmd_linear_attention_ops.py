@@ -230,18 +230,9 @@ def test_channels_first_conv1d_with_bias_trains_as_one_device():
     `tf.nn.bias_add(..., "NCHW")` on a rank-3 value, whose bias DTensor
     lays out like the batch; in a step it is a broadcast add
     (`spmd_image_ops.bias_add_by_broadcast`)."""
-    def build():
-        x = keras.Input((2, 12))
-        h = keras.layers.Conv1D(4, 3, padding="same",
-                                data_format="channels_first")(x)
-        return keras.Model(x, keras.layers.Dense(3)(
-            keras.layers.Flatten()(h)))
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 2, 12)).astype("float32")
-    y = rng.normal(size=(16, 3)).astype("float32")
-    keras.utils.set_random_seed(0)
-    models.assert_trains_in_order_like_one_device(build, x, y, {"data": 8})
+    models.assert_layer_trains_as_one_device(
+        (2, 12), lambda: keras.layers.Conv1D(4, 3, padding="same",
+                                             data_format="channels_first"))
 
 
 @pytest.mark.slow  # a child process importing TF: ~10 s

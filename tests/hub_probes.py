@@ -99,6 +99,18 @@ BACKBONES = {
         decoder_num_layers=2, decoder_num_attention_heads=HEADS,
         decoder_num_key_value_heads=HEADS, decoder_head_dim=HEAD_DIM,
         decoder_layer_types=["full_attention"] * 2),
+    "t5gemma2": lambda: _M.T5Gemma2Backbone(
+        vocabulary_size=VOCAB, encoder_hidden_dim=HIDDEN,
+        encoder_intermediate_dim=FFN, encoder_num_layers=2,
+        encoder_num_attention_heads=HEADS, encoder_num_key_value_heads=HEADS,
+        encoder_head_dim=HEAD_DIM,
+        encoder_layer_types=["sliding_attention", "full_attention"],
+        decoder_hidden_dim=HIDDEN, decoder_intermediate_dim=FFN,
+        decoder_num_layers=2, decoder_num_attention_heads=HEADS,
+        decoder_num_key_value_heads=HEADS, decoder_head_dim=HEAD_DIM,
+        decoder_layer_types=["sliding_attention", "full_attention"],
+        sliding_window=SEQ, cross_attention_hidden_size=HIDDEN,
+        eoi_token_index=VOCAB - 1),
     "electra": lambda: _M.ElectraBackbone(
         vocab_size=VOCAB, num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN,
         embedding_dim=HIDDEN, intermediate_dim=FFN, max_sequence_length=SEQ),
@@ -144,13 +156,14 @@ BACKBONES = {
 IMAGE = (32, 32, 3)
 
 
-def _resnet():
-    """A small ResNet (keras-hub requires 64 filters in its first stack)."""
+def _resnet(stages=3):
+    """A small ResNet (keras-hub requires 64 filters in its first stack),
+    its `stages` strided 1, then 2."""
     return _M.ResNetBackbone(
         input_conv_filters=[64], input_conv_kernel_sizes=[3],
-        stackwise_num_filters=[64, 64, 64], stackwise_num_blocks=[1, 1, 1],
-        stackwise_num_strides=[1, 2, 2], block_type="basic_block",
-        use_pre_activation=False, image_shape=IMAGE)
+        stackwise_num_filters=[64] * stages, stackwise_num_blocks=[1] * stages,
+        stackwise_num_strides=[1] + [2] * (stages - 1),
+        block_type="basic_block", use_pre_activation=False, image_shape=IMAGE)
 
 
 def _dfine():
@@ -197,8 +210,9 @@ def _blip2():
 
 
 def _clip(family="CLIP"):
-    """CLIP (or MetaCLIP2, `family`): a ViT and a text encoder, projected
-    to one width; its outputs are the batch-by-batch logits."""
+    """CLIP (or MetaCLIP2 or SigLIP, `family`): a ViT and a text encoder
+    (CLIP's projected to one width); its outputs are the batch-by-batch
+    logits."""
     common = dict(hidden_dim=HIDDEN, num_layers=2, num_heads=HEADS,
                   intermediate_dim=FFN)
     vision = getattr(_M, f"{family}VisionEncoder")(
@@ -206,8 +220,78 @@ def _clip(family="CLIP"):
     text = getattr(_M, f"{family}TextEncoder")(
         vocabulary_size=VOCAB, embedding_dim=HIDDEN, max_sequence_length=SEQ,
         name="text_encoder", **common)
+    projection = {} if family == "SigLIP" else dict(projection_dim=HIDDEN)
     return getattr(_M, f"{family}Backbone")(
-        vision_encoder=vision, text_encoder=text, projection_dim=HIDDEN)
+        vision_encoder=vision, text_encoder=text, **projection)
+
+
+def _vit_args(prefix=""):
+    """A 2-layer ViT's widths, its argument names prefixed."""
+    return {prefix + k: v for k, v in dict(
+        num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN).items()}
+
+
+def _sam():
+    """SAM: a windowed ViTDet image encoder (4x4 embeddings), the prompt
+    encoder (points, boxes, 16x16 masks) and the mask decoder applied to
+    the backbone's outputs, as keras-hub's SAMImageSegmenter does."""
+    image_encoder = _M.ViTDetBackbone(
+        hidden_size=HIDDEN, num_layers=2, intermediate_dim=FFN,
+        num_heads=HEADS, global_attention_layer_indices=[1],
+        image_shape=IMAGE, patch_size=8, num_output_channels=HIDDEN,
+        window_size=2)
+    prompt_encoder = keras_hub.layers.SAMPromptEncoder(
+        hidden_size=HIDDEN, image_embedding_size=(4, 4),
+        input_image_size=IMAGE[:2], mask_in_channels=16)
+    mask_decoder = keras_hub.layers.SAMMaskDecoder(
+        hidden_size=HIDDEN, num_layers=2, intermediate_dim=FFN,
+        num_heads=HEADS, embedding_dim=HIDDEN, num_multimask_outputs=3,
+        iou_head_depth=2, iou_head_hidden_dim=HIDDEN)
+    backbone = _M.SAMBackbone(image_encoder=image_encoder,
+                              prompt_encoder=prompt_encoder,
+                              mask_decoder=mask_decoder)
+    # One prompt mask per image: (batch, 1, 16, 16, 1).
+    inputs = dict(backbone.input, masks=keras.Input((16, 16, 1),
+                                                    name="masks"))
+    prompts = backbone(dict(inputs, masks=keras.ops.expand_dims(
+        inputs["masks"], 1)))
+    return keras.Model(inputs, mask_decoder(**prompts))
+
+
+def _paligemma():
+    """PaliGemma: a ViT of 16 patches before a Gemma decoder."""
+    return _M.PaliGemmaBackbone(
+        vocabulary_size=VOCAB, image_size=32, num_layers=2,
+        num_query_heads=HEADS, num_key_value_heads=HEADS, hidden_dim=HIDDEN,
+        intermediate_dim=FFN, head_dim=HEAD_DIM, vit_patch_size=8,
+        vit_num_heads=HEADS, vit_hidden_dim=HIDDEN, vit_num_layers=2,
+        vit_intermediate_dim=FFN)
+
+
+def _depth_anything():
+    """Depth Anything: a DINOv2 encoder, its two stages reassembled and
+    fused into a depth map."""
+    encoder = _M.DINOV2Backbone(
+        patch_size=4, intermediate_dim=FFN, image_shape=IMAGE,
+        position_embedding_shape=IMAGE, apply_layernorm=True,
+        name="image_encoder", **_vit_args())
+    return _M.DepthAnythingBackbone(
+        image_encoder=encoder, reassemble_factors=[2, 1],
+        neck_hidden_dims=[16, HIDDEN], fusion_hidden_dim=16,
+        head_hidden_dim=16, head_in_index=-1,
+        feature_keys=["stage1", "stage2"])
+
+
+def _parseq():
+    """PARSeq: a ViT and a 1-layer permuted autoregressive decoder."""
+    encoder = _M.ViTBackbone(
+        image_shape=IMAGE, patch_size=8, mlp_dim=FFN, use_class_token=False,
+        name="image_encoder", **_vit_args())
+    return _M.PARSeqBackbone(
+        image_encoder=encoder, vocabulary_size=VOCAB,
+        max_label_length=SEQ - 1, decoder_hidden_dim=HIDDEN,
+        num_decoder_layers=1, num_decoder_heads=HEADS, decoder_mlp_dim=FFN,
+        dropout_rate=0.0, attention_dropout=0.0)
 
 
 def _flux():
@@ -231,8 +315,70 @@ VISION = {
     "blip2": _blip2,
     "clip": _clip,
     "metaclip2": lambda: _clip("MetaCLIP2"),
+    "siglip": lambda: _clip("SigLIP"),
+    "sam": _sam,
     "flux": _flux,
+    "paligemma": _paligemma,
+    "depth_anything": _depth_anything,
+    "parseq": _parseq,
+    "video_prism": lambda: _M.VideoPrismBackbone(
+        num_frames=4, patch_size=8, hidden_dim=HIDDEN, intermediate_dim=FFN,
+        num_heads=HEADS, num_spatial_layers=2, num_temporal_layers=2,
+        num_auxiliary_layers=1, vocabulary_size=VOCAB, num_text_layers=2,
+        image_shape=IMAGE),
+    "segformer": lambda: _M.SegFormerBackbone(  # on MiT's two stages
+        image_encoder=BACKBONES["mit"](), projection_filters=HIDDEN),
 }
+# Convolutional backbones: no attention, so `auto_rules` splits nothing;
+# they train data parallel (tests/test_keras_hub_more.py).
+CONVOLUTIONAL = {
+    "cspnet": lambda: _M.CSPNetBackbone(
+        stem_filters=16, stem_kernel_size=3, stem_strides=1,
+        stackwise_depth=[1, 1], stackwise_strides=2,
+        stackwise_num_filters=[32, 64], block_type="dark_block",
+        stage_type="csp", down_growth=True, bottle_ratio=(0.5, 1.0),
+        block_ratio=(1.0, 0.5), expand_ratio=(2.0, 1.0),
+        stem_padding="same", image_shape=IMAGE),
+    "vgg": lambda: _M.VGGBackbone(
+        stackwise_num_repeats=[1, 1], stackwise_num_filters=[16, 32],
+        image_shape=IMAGE),
+    "mobilenet_v5": lambda: _M.MobileNetV5Backbone(
+        stackwise_block_types=[["er"], ["uir", "uir"]],
+        stackwise_num_blocks=[1, 2], stackwise_num_filters=[[24], [48, 48]],
+        stackwise_strides=[[2], [2, 1]],
+        stackwise_act_layers=[["relu"], ["relu", "relu"]],
+        stackwise_exp_ratios=[[2.0], [2.0, 2.0]],
+        stackwise_se_ratios=[[0.0], [0.0, 0.0]],
+        stackwise_dw_kernel_sizes=[[0], [3, 3]],
+        stackwise_dw_start_kernel_sizes=[[0], [0, 0]],
+        stackwise_dw_end_kernel_sizes=[[0], [0, 0]],
+        stackwise_exp_kernel_sizes=[[3], [0, 0]],
+        stackwise_pw_kernel_sizes=[[1], [0, 0]],
+        stackwise_num_heads=[[0], [0, 0]], stackwise_key_dims=[[0], [0, 0]],
+        stackwise_value_dims=[[0], [0, 0]],
+        stackwise_kv_strides=[[0], [0, 0]],
+        stackwise_use_cpe=[[False], [False, False]], stem_size=16,
+        num_features=HIDDEN, use_msfa=False, image_shape=IMAGE),
+    "retinanet": lambda: _M.RetinaNetBackbone(
+        image_encoder=_resnet(stages=4), min_level=3, max_level=5,
+        use_p5=True, image_shape=IMAGE),
+    "efficientnet": lambda: _M.EfficientNetBackbone(
+        stackwise_kernel_sizes=[3, 3], stackwise_num_repeats=[1, 1],
+        stackwise_input_filters=[16, 16], stackwise_output_filters=[16, 32],
+        stackwise_expansion_ratios=[1, 4],
+        stackwise_squeeze_and_excite_ratios=[0.0, 0.25],
+        stackwise_strides=[1, 2], stackwise_block_types=["fused", "unfused"],
+        stackwise_force_input_filters=[0, 0],
+        stackwise_nores_option=[False, False], width_coefficient=1.0,
+        depth_coefficient=1.0, num_features=HIDDEN, input_shape=IMAGE),
+    "densenet": lambda: _M.DenseNetBackbone(
+        stackwise_num_repeats=[1, 1], compression_ratio=0.5, growth_rate=8,
+        image_shape=IMAGE),
+    "xception": lambda: _M.XceptionBackbone(
+        stackwise_conv_filters=[[16, 32], [HIDDEN, HIDDEN]],
+        stackwise_pooling=[False, True], image_shape=IMAGE),
+}
+VISION.update(CONVOLUTIONAL)
 BACKBONES.update(VISION)
 
 

@@ -13,6 +13,7 @@ one, experts dispatched) is tests/test_qwen3_5_attention_over_model.py's
 parity test (slow profile).
 """
 
+import doctest
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,36 @@ def _keras_eye():
 def _keras_depthwise_conv():
     return _compat.unpatched(_compat.keras_module(
         "backend.tensorflow.nn"), "depthwise_conv")
+
+
+class _Hooks:
+    """A strategy's hooks as a stand-in's factory reads them."""
+    in_step = True
+
+    def in_graph_step(self):
+        return self.in_step
+
+
+def test_a_stand_in_gets_the_calls_arguments_by_position():
+    """`_compat.in_graph_step_instead` (roll, mirror pad, cumprod, bias add,
+    transpose): in a graph step the stand-in gets the call's arguments in
+    the original's order with its defaults, however the caller named them
+    (TF's `input` is the stand-ins' `inputs` or `tensor`); elsewhere the
+    original runs with the call as made."""
+    def roll(input, shift, axis, name=None):  # noqa: A002 (TF's names)
+        return "tf", input, shift, axis, name
+
+    def stand_in(original, inputs, shift, axis, name=None):
+        assert original is roll
+        return "stand-in", inputs, shift, axis, name
+
+    hooks = _Hooks()
+    patched = _compat.in_graph_step_instead(stand_in)(roll, hooks)
+    assert patched(input=1, axis=3, shift=2) == ("stand-in", 1, 2, 3, None)
+    hooks.in_step = False
+    assert patched(1, 2, axis=3, name="r") == ("tf", 1, 2, 3, "r")
+    assert patched.__wrapped__ is roll
+    assert doctest.testmod(_compat).failed == 0
 
 
 @pytest.mark.parametrize("rows, columns, dtype", [

@@ -6,7 +6,8 @@ tensorflow 2.21. What is here: one-line shims named for the private
 attribute or module they reach (e.g. `functional_of`, `inbound_nodes`,
 `optimizer_strategy`), short helpers that encode a TF 2.21 internal (the
 names DTensor gives its ops), and the patch registry (`Patch`,
-`install_group`, `unpatched`, `uninstall`). Imports no tfpar module.
+`install_group`, `in_graph_step_instead`, `unpatched`, `uninstall`).
+Imports no tfpar module.
 
 The patches themselves live with the features that own them, each a tuple
 of `Patch`es installed through `install_group`: routing and the SPMD
@@ -24,6 +25,7 @@ import collections
 import contextlib
 import functools
 import importlib
+import inspect
 
 import keras
 import tensorflow as tf
@@ -115,6 +117,36 @@ def install_group(group, patches, hooks):
         _replace(patch.owner(), patch.attribute,
                  lambda original, p=patch: p.make(original, hooks))
     return True
+
+
+def in_graph_step_instead(stand_in):
+    """A `Patch` factory for a stand-in of the same arguments: in a graph
+    step (`hooks.in_graph_step()`) the replacement returns
+    `stand_in(original, *arguments)`, the call's arguments bound to the
+    original's signature, in its order and with its defaults (so a call by
+    keyword reaches the stand-in's parameter of the same place, whatever
+    its name); elsewhere it returns the original's result.
+
+    >>> class InStep:
+    ...     in_graph_step = staticmethod(lambda: True)
+    >>> make = in_graph_step_instead(lambda original, x, k: -original(x, k))
+    >>> make(lambda x, k=2: x * k, InStep())(3, k=5)
+    -15
+    """
+    def make(original, hooks):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def in_step(*args, **kwargs):
+            if not hooks.in_graph_step():
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return stand_in(original, *bound.args, **bound.kwargs)
+
+        return in_step
+
+    return make
 
 
 def keras_module(path):

@@ -375,22 +375,6 @@ def _by_shifts(inputs, kernel, strides, padding, data_format):
             and not (padding == "same" and strided and None in spatial))
 
 
-def _bias_add_by_broadcast_in_step(original, hooks):
-    """TF's `BiasAdd` wrapper (`tf.nn.bias_add`; Keras' `ops.add` of a
-    bias to channels-first features, as in a channels-first `Conv1D`) as
-    `spmd_image_ops.bias_add_by_broadcast` in a graph step: DTensor 2.21 lays a
-    rank-3 channels-first bias out like the batch. Elsewhere TF's op
-    runs."""
-    @functools.wraps(original)
-    def bias_add(value, bias, data_format="NHWC", name=None):
-        if not hooks.in_graph_step():
-            return original(value, bias, data_format=data_format, name=name)
-        return spmd_image_ops.bias_add_by_broadcast(original, value, bias,
-                                              data_format, name)
-
-    return bias_add
-
-
 PATCHES = (
     _compat.Patch("depthwise_conv", _keras_nn, "depthwise_conv",
                   _depthwise_conv_by_shifts_in_step),
@@ -411,6 +395,9 @@ PATCHES = (
                   _average_pool_by_shifts_in_step),
     _compat.Patch("conv", _keras_nn, "conv",
                   _grouped_or_dilated_conv_in_step),
+    # DTensor 2.21 lays a rank-3 channels-first bias (a channels-first
+    # Conv1D's) out like the batch (tests/dtensor_bias_add_repro.py).
     _compat.Patch("bias_add", _gen_nn_ops, "bias_add",
-                  _bias_add_by_broadcast_in_step),
+                  _compat.in_graph_step_instead(
+                      spmd_image_ops.bias_add_by_broadcast)),
 )

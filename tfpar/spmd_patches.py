@@ -344,49 +344,6 @@ def _new_axes_by_expand_dims_in_step(original, hooks):
     return strided_slice
 
 
-def _roll_by_slices_in_step(original, hooks):
-    """TF's `Roll` wrapper (`tf.roll`, Keras' `ops.roll`) as
-    `spmd_ops.roll_by_slices` in a graph step: DTensor 2.21 cannot lay out
-    `Roll` (Swin's shifted windows). Elsewhere TF's op runs."""
-    @functools.wraps(original)
-    def roll(input, shift, axis, name=None):  # noqa: A002 (TF's names)
-        if not hooks.in_graph_step():
-            return original(input, shift, axis, name=name)
-        return spmd_ops.roll_by_slices(original, input, shift, axis, name)
-
-    return roll
-
-
-def _mirror_pad_by_gather_in_step(original, hooks):
-    """TF's `MirrorPad` wrapper (`tf.pad` reflecting; Keras' centred
-    `ops.stft`, MelSpectrogram) as `spmd_ops.mirror_pad_by_gather` in a
-    graph step: DTensor 2.21 cannot lay out `MirrorPad`. Elsewhere TF's op
-    runs."""
-    @functools.wraps(original)
-    def mirror_pad(input, paddings, mode, name=None):  # noqa: A002
-        if not hooks.in_graph_step():
-            return original(input, paddings, mode, name=name)
-        return spmd_ops.mirror_pad_by_gather(original, input, paddings,
-                                             mode, name)
-
-    return mirror_pad
-
-
-def _cumprod_by_shifts_in_step(original, hooks):
-    """TF's `Cumprod` wrapper (`tf.math.cumprod`, Keras' `ops.cumprod`) as
-    `spmd_ops.cumprod_by_shifts` in a graph step: DTensor 2.21 cannot lay
-    out `Cumprod`. Elsewhere TF's op runs."""
-    @functools.wraps(original)
-    def cumprod(x, axis, exclusive=False, reverse=False, name=None):
-        if not hooks.in_graph_step():
-            return original(x, axis, exclusive=exclusive, reverse=reverse,
-                            name=name)
-        return spmd_ops.cumprod_by_shifts(original, x, axis, exclusive,
-                                          reverse, name)
-
-    return cumprod
-
-
 def _loop_unrolled_in_step(unrolled):
     """Keras' TF `map` / `scan` as `unrolled(original, ...)` in a step:
     both loop over TensorArrays, which DTensor 2.21 cannot lay out."""
@@ -515,10 +472,12 @@ def _activation_einsum_in_step(original, hooks):
     Flux). Elsewhere, and for weights (EinsumDense), Keras' einsum runs."""
     @functools.wraps(original)
     def einsum(subscripts, *operands, **kwargs):
-        if in_spmd_step() and "..." in subscripts:
+        if not in_spmd_step():
+            return original(subscripts, *operands, **kwargs)
+        if "..." in subscripts:
             subscripts = spmd_ops.subscripts_without_ellipsis(
                 subscripts, operands) or subscripts
-        if in_spmd_step() and len(operands) == 2 and not kwargs:
+        if len(operands) == 2 and not kwargs:
             result = spmd_ops.activation_einsum(subscripts, *operands)
             if result is not None:
                 return result
@@ -578,20 +537,6 @@ def _static_sparse_division(original, hooks):
     return divide
 
 
-def _transpose_by_einsum_in_step(original, hooks):
-    """Keras' TF `numpy.transpose` (`ops.transpose`) as
-    `spmd_ops.transpose_by_einsum` in a graph step: DTensor 2.21 refuses a
-    transpose whose consumer wants another layout (keras-hub's CLIP head
-    on data=2 x model=4). Elsewhere Keras' op runs."""
-    @functools.wraps(original)
-    def transpose(x, axes=None):
-        if not hooks.in_graph_step():
-            return original(x, axes)
-        return spmd_ops.transpose_by_einsum(original, x, axes)
-
-    return transpose
-
-
 def _keras_nn():
     return _compat.keras_module("backend.tensorflow.nn")
 
@@ -648,17 +593,23 @@ PATCHES = (
     _compat.Patch("lora_kernel", _einsum_dense, "kernel",
                   _lora_kernel_as_einsum_in_step),
     _compat.Patch("flip", _keras_numpy, "flip", _gathered_flip_in_step),
+    # DTensor 2.21 refuses a transpose whose consumer wants another layout
+    # (keras-hub's CLIP head on data=2 x model=4).
     _compat.Patch("transpose", _keras_numpy, "transpose",
-                  _transpose_by_einsum_in_step),
+                  _compat.in_graph_step_instead(spmd_ops.transpose_by_einsum)),
     _compat.Patch("eye", _keras_numpy, "eye", _eye_by_comparison_in_step),
     _compat.Patch("apply_masks", _keras_nn, "_apply_masks",
                   _eager_causal_mask_on_mesh),
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
-    _compat.Patch("roll", _gen_manip_ops, "roll", _roll_by_slices_in_step),
+    # DTensor 2.21 cannot lay out `Roll` (Swin's shifted windows),
+    # `MirrorPad` (a reflecting `tf.pad`; Keras' centred `ops.stft`, so
+    # MelSpectrogram) nor `Cumprod`.
+    _compat.Patch("roll", _gen_manip_ops, "roll",
+                  _compat.in_graph_step_instead(spmd_ops.roll_by_slices)),
     _compat.Patch("mirror_pad", _gen_array_ops, "mirror_pad",
-                  _mirror_pad_by_gather_in_step),
+                  _compat.in_graph_step_instead(spmd_ops.mirror_pad_by_gather)),
     _compat.Patch("map", _keras_core, "map",
                   _loop_unrolled_in_step(spmd_ops.unrolled_map)),
     _compat.Patch("scan", _keras_core, "scan",
@@ -666,7 +617,7 @@ PATCHES = (
     _compat.Patch("top_k", _gen_nn_ops, "top_kv2",
                   _top_k_read_by_gather_in_step),
     _compat.Patch("cumprod", _gen_math_ops, "cumprod",
-                  _cumprod_by_shifts_in_step),
+                  _compat.in_graph_step_instead(spmd_ops.cumprod_by_shifts)),
     _compat.Patch("strided_slice", _gen_array_ops, "strided_slice",
                   _new_axes_by_expand_dims_in_step),
     _compat.Patch("slice_update", _compat.keras_tf_core, "slice_update",

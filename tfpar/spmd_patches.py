@@ -609,7 +609,8 @@ PATCHES = (
     _compat.Patch("roll", _gen_manip_ops, "roll",
                   _compat.in_graph_step_instead(spmd_ops.roll_by_slices)),
     _compat.Patch("mirror_pad", _gen_array_ops, "mirror_pad",
-                  _compat.in_graph_step_instead(spmd_ops.mirror_pad_by_gather)),
+                  _compat.in_graph_step_instead(
+                      spmd_ops.mirror_pad_by_gather)),
     _compat.Patch("map", _keras_core, "map",
                   _loop_unrolled_in_step(spmd_ops.unrolled_map)),
     _compat.Patch("scan", _keras_core, "scan",

@@ -283,11 +283,17 @@ def assert_layer_trains_as_one_device(shape, layer, mesh=None):
     """`layer()` on inputs of `shape` (without the batch), flattened into
     a Dense of 3, trained as `assert_trains_in_order_like_one_device` on
     random float32 data: on `mesh` ({"data": 8} by default) as on one
-    device."""
+    device. A layer whose symbolic call returns its input is refused: the
+    functional model would not hold it, and the test would train the
+    Dense alone (Keras 3.15's `Equalization` does this)."""
     def build():
         x = keras.Input(shape)
+        h = layer()(x)
+        assert h is not x, (
+            f"{layer}: its symbolic call returned its input, so the model "
+            "would skip it; call it inside a layer of one's own")
         return keras.Model(x, keras.layers.Dense(3)(
-            keras.layers.Flatten()(layer()(x))))
+            keras.layers.Flatten()(h)))
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16,) + tuple(shape)).astype("float32")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import keras
+import pytest
 from tensorflow.experimental import dtensor
 
 import tfpar
@@ -151,6 +152,9 @@ def _train(strategy, weights, x, y, recompute_blocks):
     return model, rules, losses.losses, programs.train_report()
 
 
+# Slow: by default auto_rules of recomputed models is checked above and
+# recomputation trains on data=2 x model=4 in tests/test_recompute.py.
+@pytest.mark.slow
 def test_recomputed_gpt_trains_with_auto_rules_like_one_device():
     """data=2×model=4: auto_rules on the recomputed GPT gives the rules of
     the GPT without recomputation, and trained with them it matches one

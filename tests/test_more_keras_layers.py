@@ -2,21 +2,24 @@
 
 On 2026-12-06, 86 of Keras 3's 163 layer classes were named by no test
 (about 20 of them aliases). Asked of the rest, each trained as one device
-but two: MelSpectrogram (Keras' centred STFT pads by reflection:
+but three: MelSpectrogram (Keras' centred STFT pads by reflection:
 `MirrorPad`, which DTensor 2.21 cannot lay out; now a gather in a step,
-`tests/test_spmd_linear_attention_ops.py`) and RandAugment (below).
-Randomised layers are seeded, as Keras draws each model's seeds anew.
-MelSpectrogram runs by default; the rest are slow.
+`tests/test_spmd_linear_attention_ops.py`), Equalization and RandAugment
+(below). Randomised layers are seeded, as Keras draws each model's seeds
+anew. MelSpectrogram and Equalization's case run by default; the rest are
+slow.
 
 Not here, and why: MixUp, CutMix and AugMix draw from `keras.random.beta`
 or `gamma`, refused in a step with an error naming the layer and the fix
-(`tests/test_random_layers.py`); RandAugment's equalization counts with
-`DenseBincount`, which DTensor cannot lay out (left; the error names the
-op); RandomElasticTransform's step does not compile (a Reshape of a shape
-unknown when traced; it fails naming the op, tests/test_compile_errors.py); STFTSpectrogram needs scipy, not installed; the
-backend wrappers (JaxLayer, FlaxLayer, TorchModuleWrapper, TFSMLayer) and
-string preprocessing (TextVectorization, StringLookup, Hashing, ...) are
-not model layers a step trains.
+(`tests/test_random_layers.py`); Equalization, and RandAugment through it,
+count a histogram with `DenseBincount`, which DTensor cannot lay out (left;
+the error names the op; Equalization's test below);
+RandomElasticTransform's step does not compile (a Reshape of a shape
+unknown when traced; it fails naming the op,
+tests/test_compile_errors.py); STFTSpectrogram needs scipy, not
+installed; the backend wrappers (JaxLayer, FlaxLayer, TorchModuleWrapper,
+TFSMLayer) and string preprocessing (TextVectorization, StringLookup,
+Hashing, ...) are not model layers a step trains.
 """
 
 import keras
@@ -103,7 +106,6 @@ LAYERS = {
     "Solarization": (IMAGE, lambda: L.Solarization(
         0.5, value_range=(-3, 3), seed=1)),
     "CenterCrop": (IMAGE, lambda: L.CenterCrop(6, 6)),
-    "Equalization": (IMAGE, lambda: L.Equalization(value_range=(-3, 3))),
     "AutoContrast": (IMAGE, lambda: L.AutoContrast(value_range=(-3, 3))),
 }
 
@@ -113,6 +115,33 @@ LAYERS = {
         name, marks=pytest.mark.slow) for name in LAYERS])
 def test_keras_layer_trains_as_one_device(name):
     models.assert_layer_trains_as_one_device(*LAYERS[name])
+
+
+class _Equalized(L.Layer):
+    """`Equalization` called in a layer's own `call`, where it runs."""
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.equalization = L.Equalization(value_range=(-3, 3))
+
+    def call(self, images):
+        return self.equalization(images, training=True)
+
+
+def test_a_layer_keras_leaves_out_of_the_model_is_refused_not_passed():
+    """Keras 3.15's `Equalization` returns its own input when called on a
+    `keras.Input`, so a functional model skips it: a parity test of it
+    trained the Dense after it alone, and passed (this file's first
+    version). `models.assert_layer_trains_as_one_device` now refuses such
+    a layer. Applied in a layer of one's own it runs, and on data=8 its
+    step does not compile: DTensor 2.21 cannot lay out the `DenseBincount`
+    of its histogram (nor, after it, the first-nonzero read of the
+    cumulative histogram, whose shape is known only when run); tfpar's
+    error names the op at the first step."""
+    with pytest.raises(AssertionError, match="returned its input"):
+        models.assert_layer_trains_as_one_device(
+            IMAGE, lambda: L.Equalization(value_range=(-3, 3)))
+    with pytest.raises(ValueError, match="DenseBincount"):
+        models.assert_layer_trains_as_one_device(IMAGE, _Equalized)
 
 
 @pytest.mark.slow

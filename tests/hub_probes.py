@@ -154,6 +154,7 @@ BACKBONES = {
 
 
 IMAGE = (32, 32, 3)
+_VIT = dict(num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN)  # 2-layer ViTs
 
 
 def _resnet(stages=3):
@@ -225,12 +226,6 @@ def _clip(family="CLIP"):
         vision_encoder=vision, text_encoder=text, **projection)
 
 
-def _vit_args(prefix=""):
-    """A 2-layer ViT's widths, its argument names prefixed."""
-    return {prefix + k: v for k, v in dict(
-        num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN).items()}
-
-
 def _sam():
     """SAM: a windowed ViTDet image encoder (4x4 embeddings), the prompt
     encoder (points, boxes, 16x16 masks) and the mask decoder applied to
@@ -274,7 +269,7 @@ def _depth_anything():
     encoder = _M.DINOV2Backbone(
         patch_size=4, intermediate_dim=FFN, image_shape=IMAGE,
         position_embedding_shape=IMAGE, apply_layernorm=True,
-        name="image_encoder", **_vit_args())
+        name="image_encoder", **_VIT)
     return _M.DepthAnythingBackbone(
         image_encoder=encoder, reassemble_factors=[2, 1],
         neck_hidden_dims=[16, HIDDEN], fusion_hidden_dim=16,
@@ -286,7 +281,7 @@ def _parseq():
     """PARSeq: a ViT and a 1-layer permuted autoregressive decoder."""
     encoder = _M.ViTBackbone(
         image_shape=IMAGE, patch_size=8, mlp_dim=FFN, use_class_token=False,
-        name="image_encoder", **_vit_args())
+        name="image_encoder", **_VIT)
     return _M.PARSeqBackbone(
         image_encoder=encoder, vocabulary_size=VOCAB,
         max_label_length=SEQ - 1, decoder_hidden_dim=HIDDEN,

@@ -302,10 +302,6 @@ def _flux():
 
 
 VISION = {
-    "deeplab_v3": lambda: _M.DeepLabV3Backbone(
-        image_encoder=_resnet(), spatial_pyramid_pooling_key="P4",
-        low_level_feature_key="P2", upsampling_size=4,
-        dilation_rates=[1, 2, 3], projection_filters=16, image_shape=IMAGE),
     "d_fine": _dfine,
     "blip2": _blip2,
     "clip": _clip,
@@ -327,6 +323,10 @@ VISION = {
 # Convolutional backbones: no attention, so `auto_rules` splits nothing;
 # they train data parallel (tests/test_keras_hub_more.py).
 CONVOLUTIONAL = {
+    "deeplab_v3": lambda: _M.DeepLabV3Backbone(
+        image_encoder=_resnet(), spatial_pyramid_pooling_key="P4",
+        low_level_feature_key="P2", upsampling_size=4,
+        dilation_rates=[1, 2, 3], projection_filters=16, image_shape=IMAGE),
     "cspnet": lambda: _M.CSPNetBackbone(
         stem_filters=16, stem_kernel_size=3, stem_strides=1,
         stackwise_depth=[1, 1], stackwise_strides=2,
@@ -484,6 +484,14 @@ def train(name, strategy):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         return model
     return models.train_built(strategy, build, x, y, 8)
+
+
+def assert_data_parallel_like_one_device(name, rtol):
+    """`train(name, ...)` on data=8: the losses within `rtol` (relative)
+    of one device's."""
+    _, want = train(name, None)
+    _, got = train(name, tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})))
+    assert models.relative_error(want, got) < rtol, (want, got)
 
 
 def assert_trains_like_one_device(name, mesh):

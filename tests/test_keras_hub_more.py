@@ -47,7 +47,6 @@ import pytest
 import tfpar
 
 import hub_probes
-import models
 
 MESH = {"data": 2, "model": 4}
 # MiT's stages (SegFormer's encoder) have 1 and 2 heads: model=2 splits
@@ -91,17 +90,13 @@ def test_keras_hub_vision_model_trains_like_one_device(name, float64):
     the path "transformer_layer_0/self_attention"), CLIP's head
     transposed logits DTensor would not relayout (on data x model), and
     Flux's rotary table is an einsum with "..." (every mesh). SigLIP,
-    PaliGemma, Depth Anything, PARSeq, VideoPrism, SegFormer and the
-    convolutional backbones (`hub_probes.CONVOLUTIONAL`: CSPNet, VGG,
-    MobileNetV5, RetinaNet, EfficientNet, DenseNet, Xception) passed when
-    first run here (2026-12-06). In float64: their BatchNormalizations
+    PaliGemma, Depth Anything, PARSeq, VideoPrism, SegFormer and the other
+    convolutional backbones (`hub_probes.CONVOLUTIONAL`, on data=8: CSPNet,
+    VGG, MobileNetV5, RetinaNet, EfficientNet, DenseNet, Xception) passed
+    when first run here (2026-12-06). In float64: their BatchNormalizations
     amplify float32 rounding."""
-    if name in hub_probes.CONVOLUTIONAL or name == "deeplab_v3":
-        # no attention: auto_rules splits nothing
-        _, want = hub_probes.train(name, None)
-        _, got = hub_probes.train(name, tfpar.ParallelStrategy(
-            tfpar.Mesh({"data": 8})))
-        assert models.relative_error(want, got) < 1e-10, (want, got)
+    if name in hub_probes.CONVOLUTIONAL:  # auto_rules splits nothing
+        hub_probes.assert_data_parallel_like_one_device(name, 1e-10)
         return
     hub_probes.assert_trains_like_one_device(name, MESHES.get(name, MESH))
 
@@ -109,10 +104,7 @@ def test_keras_hub_vision_model_trains_like_one_device(name, float64):
 @pytest.mark.slow
 def test_xlnet_trains_data_parallel_like_one_device():
     """The new-axis index failed on a data-only mesh too."""
-    _, want = hub_probes.train("xlnet", None)
-    _, got = hub_probes.train("xlnet", tfpar.ParallelStrategy(
-        tfpar.Mesh({"data": 8})))
-    assert models.relative_error(want, got) < 1e-4, (want, got)
+    hub_probes.assert_data_parallel_like_one_device("xlnet", 1e-4)
 
 
 def test_dinov2_built_in_scope_resizes_its_table_as_one_device(tmp_path):

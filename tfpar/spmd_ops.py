@@ -91,8 +91,9 @@ def subscripts_without_ellipsis(subscripts, operands):
     own, from the operands' static shapes ("...n,d->...nd" of a rank-3
     and a rank-1 operand: "ABn,d->ABnd"), or None if a rank is unknown,
     there is no "->" or no "..." after it, or the dimensions "..." covers
-    would broadcast (a 1 against another size). Each operand's "..." covers its last dimensions
-    of the longest "...", aligned at the right as numpy aligns them.
+    would broadcast (a 1 against another size). Each operand's "..."
+    covers its last dimensions of the longest "...", aligned at the right
+    as numpy aligns them.
 
     DTensor 2.21 refuses an Einsum with "..." ("Broadcasting is
     unimplemented for einsum": keras-hub's Flux, its rotary table

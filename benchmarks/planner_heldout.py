@@ -240,7 +240,8 @@ NOT_COUNTED = {"TT": "hardware not a preset: 500 W H100 with HBM2e, peak "
 # DeepSpeed's pipeline engine and ZeRO stage 1 (gradients reduced after
 # the last micro-batch: planner_published.RUNTIME["S5"]); PyTorch FSDP
 # (llm-foundry, torchtitan) overlaps.
-RUNTIME = {"MC": {"tp_overlap": True, "zero1": True},
+RUNTIME = {"MC": {"tp_overlap": True, "zero1": True,
+                  "pipe_outermost": True},
            "BL": dev.RUNTIME["S5"]}
 TABLE = dict(rows=ROWS, links=LINKS, megatron_sources=(), runtime=RUNTIME)
 

@@ -167,22 +167,24 @@ ROWS = {
 #
 # The fraction of that Omni-Path line rate NCCL's rings reach
 # (`network_inter`) is fitted on the development set's Jean Zay rows (S5,
-# `fit_links`; the only rows on that network) over LINK_GRID: 0.55, where
-# the preset's InfiniBand figure is 0.9. NCCL drives Omni-Path through
-# its InfiniBand-verbs transport (NVIDIA/nccl#333: "NET/IB : Using
+# `fit_links`; the only rows on that network) over LINK_GRID: 0.35, where
+# the preset's InfiniBand figure is 0.9 (2.2 GB/s per GPU with all eight
+# GPUs of a node sending). NCCL drives Omni-Path through its
+# InfiniBand-verbs transport (NVIDIA/nccl#333: "NET/IB : Using
 # [0]hfi1_0:1/IB ..."), and without GPUDirect RDMA it stages every
-# message through host memory: nccl-tests reach about half of a 100 Gb/s
-# link's rate that way (NVIDIA/nccl#465: 6 GB/s bus bandwidth, "half of
-# what I expected"). Whether Jean Zay's nodes had GPUDirect RDMA the
-# sources do not say: the figure is a fit, consistent with that
+# message through host memory: nccl-tests reach about half of one 100
+# Gb/s link's rate that way with one GPU (NVIDIA/nccl#465: 6 GB/s bus
+# bandwidth, "half of what I expected"); eight GPUs staging at once share
+# the host's memory and PCIe too. Whether Jean Zay's nodes had GPUDirect
+# RDMA the sources do not say: the figure is a fit, below that
 # measurement, not a citation.
 LINKS = {"S5": {"intra_bandwidth": 4 * 25e9,
                 "inter_bandwidth": 4 * 100e9 / 8 / 8,
-                "network_inter": 0.55}}
+                "network_inter": 0.35}}
 # Link figures fitted on the development set: {source: (field, grid)}.
 LINK_GRID = {"S5": ("network_inter",
-                    (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85,
-                     0.9))}
+                    (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65,
+                     0.7, 0.75, 0.8, 0.85, 0.9))}
 LEFT_OUT = {"K22-5": "the abstract states MFU only: no batch, no step time"}
 MEGATRON_SOURCES = ("S1", "S3", "S4", "S15")
 # What each source's runtime overlaps (not fitted: read from its code).
@@ -192,8 +194,18 @@ MEGATRON_SOURCES = ("S1", "S3", "S4", "S15")
 # did DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py:
 # TrainSchedule issues ReduceGrads after the last micro-batch), with ZeRO
 # stage 1 for BLOOM. llm-foundry's FSDP overlaps (the default).
-RUNTIME = {source: {"grad_overlap": False} for source in MEGATRON_SOURCES}
-RUNTIME["S5"] = {"grad_overlap": False, "zero1": True}
+# And where each runtime puts the ranks (`pipe_outermost`, not fitted):
+# Megatron-LM orders them model, data, pipe from the fastest
+# (megatron/mpu/initialize.py, `initialize_model_parallel`'s docstring:
+# with t=2, p=4 on 16 GPUs the data groups are [g0, g2], [g1, g3], ...
+# and the pipeline groups [g0, g4, g8, g12], ...), and so does DeepSpeed
+# (deepspeed/runtime/pipe/topology.py: PipeModelDataParallelTopology's
+# axes ['pipe', 'data', 'model'], row-major): the data axis' members are
+# t ranks apart, so with t < 8 a data group has 8/t members per host.
+RUNTIME = {source: {"grad_overlap": False, "pipe_outermost": True}
+           for source in MEGATRON_SOURCES}
+RUNTIME["S5"] = {"grad_overlap": False, "zero1": True,
+                 "pipe_outermost": True}
 
 
 def published_config(row_id, presets=None, rows=None, links=None,
@@ -356,8 +368,8 @@ def constants_table():
         f"| Jean Zay (S5, BLOOM) | Omni-Path per GPU × network_inter | "
         f"{jz['inter_bandwidth'] / 1e9:.2f} GB/s × {jz['network_inter']} | "
         "BLOOM model card (4 × 100 Gb/s per 8 GPUs); fitted on the "
-        "development set's S5 rows (NCCL without GPUDirect RDMA ≈ 0.5: "
-        "NVIDIA/nccl#465) |")
+        "development set's S5 rows (NCCL without GPUDirect RDMA: about "
+        "0.5 of one link for one GPU, NVIDIA/nccl#465) |")
     return "\n".join(rows)
 
 

@@ -121,10 +121,13 @@ memory-bound by whichever is larger.
   balance, which evens the unmasked blocks over the devices); the
   weights' gradients are reduced over data × context.
 
-Links: a group of n devices whose members are `stride` apart (axes laid
-out data, pipe, model: model groups are neighbours) uses NVLink when it
-fits in a host, else InfiniBand; on GPU hosts the group's k members per
-host share k network ports (rail-optimised: β = k × per-GPU port), on a
+Links: a group of n devices whose members are `stride` apart uses NVLink
+when it fits in a host, else InfiniBand (tfpar's mesh lays its axes out
+data, pipe, model: model groups are neighbours, data members t·p apart;
+Megatron-LM and DeepSpeed put the pipe axis outermost,
+`Parallel.pipe_outermost`: data members t apart, stage neighbours t·d
+apart); on GPU hosts the group's k members per host share k network
+ports (rail-optimised: β = k × per-GPU port), on a
 TPU torus every group gets the ICI axis' bandwidth.
 
 Memory per device (Korthikanti et al. 2022, eq. 1-2 and their Table 2):
@@ -242,6 +245,10 @@ class Parallel:
     tp_overlap: bool = False     # --tp-comm-overlap (Transformer Engine)
     zero1: bool = False          # optimizer sharded over data (ZeRO-1)
     grad_overlap: bool = True    # data-axis reduction under the backward
+    # Rank order: tfpar's mesh lays devices out data, pipe, model (data
+    # members t·p apart, stage neighbours t apart); Megatron-LM's and
+    # DeepSpeed's is pipe, data, model (True: data members t apart).
+    pipe_outermost: bool = False
     optimizer_slots: int = 2
     expert: int = 1              # expert banks split e ways (EP)
     expert_on_data: bool = False  # the data axis splits the banks (e = d)
@@ -283,6 +290,16 @@ class Parallel:
         """The separate expert axis' size (1 when the banks are split over
         the data axis, or not at all)."""
         return 1 if self.expert_on_data else self.expert
+
+    @property
+    def data_stride(self):
+        """How many ranks apart the data axis' members are."""
+        return self.model * (1 if self.pipe_outermost else self.pipe)
+
+    @property
+    def pipe_stride(self):
+        """How many ranks apart neighbouring stages are."""
+        return self.model * (self.data if self.pipe_outermost else 1)
 
 
 def tokens(model, cfg):
@@ -729,7 +746,7 @@ def _pipe_seconds(model, cfg, cluster, hw, stage):
         return 0.0
     nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
     sends = 2 * cfg.virtual_stages - (stage == 0) - (stage == p - 1)
-    if t * p <= cluster.devices_per_host:
+    if p * cfg.pipe_stride <= cluster.devices_per_host:
         alpha, beta = hw.intra_latency, hw.intra_bandwidth * hw.network_intra
         gather = 0.0
     else:
@@ -826,7 +843,7 @@ def _reduction_link(cluster, hw, cfg, n):
     a group whose first members are t apart (an approximation: the
     expert and context coordinates are neighbours, the data ones far)."""
     if n == cfg.data or cfg.context == 1:
-        return link(cluster, hw, n, cfg.model * cfg.pipe)
+        return link(cluster, hw, n, cfg.data_stride)
     return link(cluster, hw, n, cfg.model)
 
 

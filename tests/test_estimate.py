@@ -318,6 +318,26 @@ def test_megatron_rank_order_gives_a_data_group_its_hosts_ports():
     assert megatron_order["data"] < tfpar_order["data"] / 3
 
 
+def test_the_order_of_estimates_axes_is_the_meshs():
+    """`tfpar.estimate(axes)` lays devices out in the dict's order, as
+    `tfpar.Mesh` does: on 8-GPU hosts with t=2, p=2, "pipe" before "data"
+    puts four members of each data group on a host (two with data
+    first): about half the gradient reduction, and stage neighbours on other
+    hosts (in one with data first)."""
+    def estimate(axes):
+        return tfpar.estimate(
+            gpt_builder(1024, 16, 4, seq_len=512), 64,
+            cluster=tfpar.Cluster.preset("a100-80gb", num_hosts=4),
+            axes=axes, num_microbatches=4).breakdown
+
+    data_first = estimate({"data": 8, "pipe": 2, "model": 2})
+    pipe_first = estimate({"pipe": 2, "data": 8, "model": 2})
+    # Twice the ports; the ring's latency steps do not shrink.
+    assert 1.5 < data_first["data"] / pipe_first["data"] <= 2
+    assert pipe_first["pipe"] > 2 * data_first["pipe"]
+    assert estimate({"model": 2, "data": 8, "pipe": 2}) == data_first
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_stage_parameters_sum_to_the_model_with_and_without_a_pipeline(tied):
     """A tied head is the embedding table: counted once on one stage (p=1:

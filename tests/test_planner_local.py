@@ -10,6 +10,7 @@ import dataclasses
 import os
 import sys
 
+import keras_hub
 import pytest
 
 import tfpar
@@ -88,6 +89,29 @@ def test_sequence_parallel_pipelines_without_a_data_axis_are_rejected():
     assert found
     for c in found:
         assert c.rejected and "needs a data axis" in c.rejected
+
+
+def test_sequence_parallelism_over_a_model_axis_must_divide_the_sequence():
+    """A keras-hub model leaves its sequence unknown, so auto_rules cannot
+    check it; the planner knows it (`sequence_length`) and must not offer
+    a sequence-parallel candidate whose model axis does not divide it
+    (DTensor splits evenly: it would not compile). It offered t=6 on
+    Megatron-LM's 76B GPT (sequence 2048) on paper."""
+    def gpt2():
+        return keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(
+            vocabulary_size=64, num_layers=2, num_heads=8, hidden_dim=32,
+            intermediate_dim=64, max_sequence_length=16),
+            preprocessor=None)
+
+    plan = tfpar.plan(gpt2, 16, sequence_length=12,
+                      cluster=tfpar.Cluster(1, 8, 1e9, 1e10, 1e9, 1e9))
+    sequence_parallel = {c.axes["model"]: c for c in plan.candidates
+                         if c.sequence_parallel and c.axes["pipe"] == 1}
+    assert "sequence of 12 tokens over model=8, which does not divide" in (
+        sequence_parallel[8].rejected)
+    for t in (2, 4):
+        assert not (sequence_parallel[t].rejected or "").startswith(
+            "sequence parallelism splits")
 
 
 def test_a_builder_with_unnamed_layers_is_cut_by_position():

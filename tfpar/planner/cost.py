@@ -689,12 +689,14 @@ def _gathers_before_sends(layout, lo, *, d, m, batch, link):
 
 
 def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
-             batch, cluster, slots, virtual_stages=1):
+             batch, cluster, slots, virtual_stages=1, pipe_outermost=False):
     """The `Estimate` of one candidate; `stages` are the first op index of
     each of the p stages (vectorised over stages: prefix sums). Interleaved
     (`virtual_stages` v > 1: stage s holds parts s, s + p, ... of v·p): a
     stage costed as its span, v times the sends, bubble (p-1)/(v·m),
-    activations in flight × (1 + (p-1)/(p·v)) (Narayanan et al. 2021)."""
+    activations in flight × (1 + (p-1)/(p·v)) (Narayanan et al. 2021).
+    `pipe_outermost`: the mesh's axes ordered pipe, data, model (the
+    roofline's links of a preset cluster; the α-β model lays data first)."""
     v, t = virtual_stages, layout.t
     lo = np.asarray(stages)
     hi = np.append(lo[1:], len(layout.flops_split))
@@ -746,7 +748,7 @@ def estimate(layout, stages, *, d, p, m, schedule, fsdp, recompute,
     step, time_s, executed = _roofline_time(
         layout, (step, time_s), d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
         recompute=recompute, batch=batch, cluster=cluster, slots=slots,
-        virtual_stages=v)
+        virtual_stages=v, pipe_outermost=pipe_outermost)
     return _per_device(step, time_s, executed, memory, comm)
 
 
@@ -767,7 +769,8 @@ def _per_device(step, time_s, executed, memory, comm):
 
 
 def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
-                   batch, cluster, slots, virtual_stages=1):
+                   batch, cluster, slots, virtual_stages=1,
+                   pipe_outermost=False):
     """(step seconds, {part: seconds}, executed FLOPs per device) of a
     transformer on a preset cluster (`Cluster.preset`: vendor figures and
     efficiencies), from the per-op roofline `tfpar.estimate` uses
@@ -781,7 +784,8 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         schedule="interleaved" if virtual_stages > 1 else schedule,
         sequence_parallel=layout.sequence_parallel,
         recompute=recompute, fsdp=fsdp, flash=flash_attention(),
-        tf32=tf32(), optimizer_slots=slots, **roofline.head_layout(
+        tf32=tf32(), optimizer_slots=slots, pipe_outermost=pipe_outermost,
+        **roofline.head_layout(
             layout.transformer, layout.t, layout.vocab_parallel))
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
                                batch, cluster.devices_per_host)

@@ -50,8 +50,13 @@ def estimate(model, global_batch_size, *, cluster, axes,
             vendor figures and efficiencies the roofline uses.
         axes: {"data": d, "pipe": p, "model": t, "expert": e,
             "context": c} (missing axes are 1); their product must be the
-            cluster's device count. The batch is split over data, expert
-            banks over expert (its devices hold the same tokens: every op
+            cluster's device count. Their order is the mesh's (devices
+            laid out row-major, as `tfpar.Mesh(axes)` does): tfpar's plans
+            put data first, so a data group's members are t·p apart; with
+            "pipe" before "data" (Megatron-LM's and DeepSpeed's order)
+            they are t apart, more of them share a host and its network
+            ports, and neighbouring stages sit t·d apart. The batch is
+            split over data, expert banks over expert (its devices hold the same tokens: every op
             outside the expert FFNs runs on each; a model without experts
             refuses e > 1), the sequence over context (s a multiple of c).
         num_microbatches: micro-batches per step (gradient-accumulation
@@ -219,6 +224,7 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                          f"received axes data={d}.")
     sequence_parallel = bool(sequence_parallel and t > 1)
     return roofline.Parallel(
+        pipe_outermost=roofline.pipe_outermost(axes),
         data=d, pipe=p, model=t, expert=e, expert_on_data=on_data, context=c,
         capacity_factor=capacity_factor, microbatch=batch // replicas // m,
         virtual_stages=v, schedule="interleaved" if v > 1 else schedule,
@@ -352,7 +358,7 @@ def _positive_int(name, value):
 
 
 def _axes(axes, cluster):
-    """{data, pipe, model} sizes, checked against the cluster."""
+    """{axis: size} of every axis in `AXES`, checked against the cluster."""
     if not isinstance(axes, dict):
         raise TypeError("tfpar.estimate(axes) must be a dict such as "
                         f"{{'data': 4, 'model': 8}}. Received: {axes!r}")
@@ -360,7 +366,9 @@ def _axes(axes, cluster):
     if unknown:
         raise ValueError(
             f"tfpar.estimate(axes) has {unknown}: it knows {list(AXES)}.")
-    sizes = {k: _positive_int(f"axes[{k!r}]", axes.get(k, 1)) for k in AXES}
+    # In the caller's order (the mesh's: `pipe_outermost`), then the rest.
+    sizes = {k: _positive_int(f"axes[{k!r}]", axes.get(k, 1))
+             for k in [*axes, *(k for k in AXES if k not in axes)]}
     if int(np.prod(list(sizes.values()))) != cluster.num_devices:
         raise ValueError(
             f"tfpar.estimate(axes={axes}) uses {np.prod(list(sizes.values()))}"

@@ -302,6 +302,15 @@ class Parallel:
         return self.model * (self.data if self.pipe_outermost else 1)
 
 
+def pipe_outermost(axes):
+    """Whether the ordered `axes` ({name: size}, a mesh's axes: devices
+    laid out row-major) put "pipe" before "data", as Megatron-LM and
+    DeepSpeed do (`Parallel.pipe_outermost`)."""
+    order = list(axes)
+    return ("pipe" in order and "data" in order
+            and order.index("pipe") < order.index("data"))
+
+
 def tokens(model, cfg):
     """T, the tokens of one micro-batch on one device: b·s/c."""
     return cfg.microbatch * model.seq / cfg.context
@@ -674,15 +683,16 @@ def all_to_all(nbytes, n, alpha_beta):
 def _exchanges(model, cfg, cluster, hw):
     """(expert forward, expert backward, context) seconds of one block:
     the exchanges over the expert group (`expert_exchange_bytes`: on the
-    data axis, whose members are t·p apart, or on a separate expert axis
-    inside it: model innermost, then expert, then context) and the keys'
-    and values' all-gather over c (its backward reduce-scatter costs the
-    same). tfpar's gathers run as `gather_kind(cfg)`'s ring."""
+    data axis, whose members are t·p·c apart (t·c with the pipe axis
+    outermost), or on a separate expert axis inside it: model innermost,
+    then expert, then context) and the keys' and values' all-gather over
+    c (its backward reduce-scatter costs the same). tfpar's gathers run as
+    `gather_kind(cfg)`'s ring."""
     t, e, c = cfg.model, cfg.expert, cfg.context
     sizes = expert_exchange_bytes(model, cfg)
     gather = gather_kind(cfg)
     if cfg.expert_on_data:
-        group = link(cluster, hw, e, t * cfg.pipe * c)
+        group = link(cluster, hw, e, cfg.data_stride * c)
         forward = backward = 2 * ring(gather, sizes["forward"] / 2, e, group)
     else:
         group = link(cluster, hw, e, t)

@@ -2,7 +2,10 @@
 schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
 
 - Mesh shapes: every ordered factorisation data × pipe × model of the
-  device count.
+  device count, laid out data, pipe, model; on a preset cluster of
+  several hosts also pipe, data, model (Megatron-LM's order: a data
+  group's members t apart rather than t·p, sharing a host's network
+  ports), where the roofline prices that faster (`_in_faster_order`).
 - Layouts: for each model-axis size t, `tfpar.auto_rules(model,
   axis_size=t)` (what it cannot split — heads or widths t does not divide
   — rejects the candidates with its message), and the same with
@@ -39,6 +42,7 @@ import numpy as np
 from tfpar import auto_plan as tp
 from tfpar import styles
 from tfpar.planner import cost as cost_lib
+from tfpar.planner import roofline
 from tfpar.planner import transformer as transformer_lib
 
 
@@ -192,7 +196,8 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
     layouts, rule_errors = {}, {}
     candidates = []
     # Sequence parallelism needs a token dimension (not an MLP's features).
-    sequences = any(op.tokens > 1 for op in profile.ops)
+    sequence = max((op.tokens for op in profile.ops), default=1)
+    sequences = sequence > 1
     with tp.unchanged_model(model):
         for d, p, t in factorisations(cluster.num_devices):
             axes = {"data": d, "pipe": p, "model": t}
@@ -205,7 +210,7 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                         rule_errors[key] = str(e)
                 reject = _reject_reason(axes, rule_errors.get(key),
                                         global_batch_size, len(profile.ops),
-                                        sp)
+                                        sequence if sp else None)
                 if reject:
                     candidates.append(Candidate(
                         axes, False, None, 1, "1f1b", None, rejected=reject,
@@ -277,8 +282,10 @@ def _vocab_rules(profile, model, t, sequence_parallel):
 
 
 def _reject_reason(axes, rule_error, global_batch_size, n_ops,
-                   sequence_parallel=False):
-    """Why a mesh shape cannot run at all, or None."""
+                   sequence=None):
+    """Why a mesh shape cannot run at all, or None (`sequence`: the tokens
+    a sequence-parallel candidate splits over the model axis, None for
+    the others)."""
     d, p, t = axes["data"], axes["pipe"], axes["model"]
     if rule_error:
         return f"model={t}: {rule_error}"
@@ -289,7 +296,13 @@ def _reject_reason(axes, rule_error, global_batch_size, n_ops,
         return (f"pipe={p} needs at least {p} layers to cut between; the "
                 f"model has {n_ops} (PipelineModel's cut points: its layers, "
                 "nested functional models inlined)")
-    if sequence_parallel and p > 1 and d == 1:
+    if sequence is not None and sequence % t:
+        # auto_rules checks a sequence the model's shapes state; this is
+        # the one given as `sequence_length` (keras-hub models).
+        return (f"sequence parallelism splits the sequence of {sequence} "
+                f"tokens over model={t}, which does not divide it (DTensor "
+                "splits a dimension evenly)")
+    if sequence is not None and p > 1 and d == 1:
         # PipelineModel refuses it: DTensor (TF 2.21) crashes compiling it.
         return ("sequence parallelism inside pipeline stages needs a data "
                 "axis (DTensor 2.21 cannot compile it without one)")
@@ -300,7 +313,7 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
                 memory_limit, slots):
     """Every (micro-batches, schedule, fsdp, recompute) choice on one mesh
     shape, estimated; those over `memory_limit` marked rejected."""
-    d, p, t = axes["data"], axes["pipe"], axes["model"]
+    d, p = axes["data"], axes["pipe"]
     stages = _cuts(_stage_cost(layout), p) if p > 1 else [0]
     boundaries = [profile.ops[i].name for i in stages[1:]] if p > 1 else None
     found = []
@@ -315,15 +328,33 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
                       sequence_parallel=layout.sequence_parallel,
                       stage_starts=[int(i) for i in stages] if p > 1 else None,
                       vocab_parallel=layout.vocab_parallel)
-        c.estimate = cost_lib.estimate(
-            layout, stages, d=d, p=p, m=m, schedule=schedule, fsdp=fsdp,
-            recompute=recompute, batch=global_batch_size, cluster=cluster,
-            slots=slots)
+        _in_faster_order(c, layout, cluster, functools.partial(
+            cost_lib.estimate, layout, stages, d=d, p=p, m=m,
+            schedule=schedule, fsdp=fsdp, recompute=recompute,
+            batch=global_batch_size, cluster=cluster, slots=slots))
         reject_unfit(c, memory_limit)
         found.append(c)
     return found + _interleaved(profile, layout, found, stages,
                                 global_batch_size, cluster, memory_limit,
                                 slots)
+
+
+def _in_faster_order(candidate, layout, cluster, estimate):
+    """Sets `candidate.estimate` (`estimate(pipe_outermost=...)`), and its
+    axes to pipe, data, model where a preset cluster's roofline prices
+    that order faster than data, pipe, model (only a data and a pipe axis
+    over several hosts can differ: their groups' hosts and ports)."""
+    candidate.estimate = estimate(pipe_outermost=False)
+    axes = candidate.axes
+    if (cluster.hardware is None or layout.transformer is None
+            or cluster.num_hosts == 1 or axes["pipe"] == 1
+            or axes["data"] == 1):
+        return
+    pipe_first = estimate(pipe_outermost=True)
+    if pipe_first.step_time_s < candidate.estimate.step_time_s:
+        candidate.axes = {"pipe": axes["pipe"], **{
+            k: v for k, v in axes.items() if k != "pipe"}}
+        candidate.estimate = pipe_first
 
 
 def _stage_cost(layout):
@@ -374,7 +405,8 @@ def _interleaved(profile, layout, found, stages, global_batch_size,
             x.estimate = cost_lib.estimate(
                 layout, stages, d=d, p=p, m=m, schedule="1f1b",
                 fsdp=c.fsdp, recompute=c.recompute, batch=global_batch_size,
-                cluster=cluster, slots=slots, virtual_stages=v)
+                cluster=cluster, slots=slots, virtual_stages=v,
+                pipe_outermost=roofline.pipe_outermost(c.axes))
             reject_unfit(x, memory_limit)
             out.append(x)
     return out

@@ -117,7 +117,7 @@ def _options(layout, data):
 def _estimate(layout, candidate, batch, cluster, slots, cf):
     """The candidate's `Estimate`: the base configuration's (its data and
     model axes alone) scaled by the roofline (module docstring)."""
-    d, t = candidate.axes["data"], candidate.axes["model"]
+    d = candidate.axes["data"]
     base = cost_lib.estimate(
         layout, [0], d=d, p=1, m=1, schedule="1f1b", fsdp=candidate.fsdp,
         recompute=candidate.recompute, batch=batch, cluster=cluster,

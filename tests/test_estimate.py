@@ -12,6 +12,7 @@ import threading
 import time
 
 import keras
+import keras_hub
 import pytest
 
 import tfpar
@@ -336,6 +337,42 @@ def test_the_order_of_estimates_axes_is_the_meshs():
     assert 1.5 < data_first["data"] / pipe_first["data"] <= 2
     assert pipe_first["pipe"] > 2 * data_first["pipe"]
     assert estimate({"model": 2, "data": 8, "pipe": 2}) == data_first
+
+
+def test_full_recomputation_keeps_what_tfpar_keeps_of_a_block():
+    """tfpar recomputes layer by layer, so a block keeps every layer's
+    output: examples/gpt.py's six h-wide ones and the MLP's 4h-wide one
+    (split over t), a keras-hub block (one layer) its input alone, as
+    Megatron-LM does; `tfpar.estimate`'s activations under
+    recompute="full" are in that ratio."""
+    def hub_gpt2():
+        return keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(
+            vocabulary_size=512, num_layers=4, num_heads=8, hidden_dim=256,
+            intermediate_dim=1024, max_sequence_length=128),
+            preprocessor=None)
+
+    def read(build):
+        return transformer_of(profile.profile_model(
+            profile.build_without_weights(build), 128))
+
+    per_op = gpt_builder(256, 8, 4, vocab=512, seq_len=128)
+    gpt = read(per_op)
+    assert (gpt.kept_hidden, gpt.kept_wide) == (6, 4)
+    blocks = read(hub_gpt2)
+    assert (blocks.kept_hidden, blocks.kept_wide) == (1, 0)
+
+    def activations(recompute):
+        return tfpar.estimate(
+            per_op, 16, cluster=tfpar.Cluster.preset("a100-80gb"),
+            axes={"data": 2, "model": 4}, recompute=recompute
+        ).memory_per_device["activations"]
+
+    megatron = roofline.memory(
+        dataclasses.replace(gpt, kept_hidden=1, kept_wide=0),
+        roofline.Parallel(data=2, model=4, recompute="full", microbatch=8),
+        16)["activations"]
+    assert activations("full") == pytest.approx(megatron * (6 + 4 / 4))
+    assert activations("full") < activations(None)
 
 
 @pytest.mark.parametrize("tied", [True, False])

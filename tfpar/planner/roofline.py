@@ -135,7 +135,9 @@ activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
 bytes, 34/t + 5as/(ht) with sequence parallelism, without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
 with full recomputation (plus one block's whole activations, rebuilt
-for its backward pass); × compute bytes / 2 for other than 16-bit
+for its backward pass; tfpar recomputes layer by layer, so a block of
+several layers keeps each one's output: 2 per h-wide output plus 2·w/(h·t)
+per wider one, `Transformer.kept_hidden`, `kept_wide`); × compute bytes / 2 for other than 16-bit
 activations; the first stage holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
@@ -189,6 +191,14 @@ class Transformer:
     # Logits over the vocabulary (`transformer.vocab_head`); False: none
     # (a classifier's few outputs or a backbone's states end the model).
     lm_head: bool = True
+    # What full recomputation keeps of a block, layer by layer as tfpar
+    # recomputes: its layers' outputs (the next layers' inputs), h wide
+    # (`kept_hidden` of them, whole on every device) and wider (their
+    # widths over h summed in `kept_wide`, split over t: column-parallel
+    # outputs). A block that is one layer keeps its input alone, as
+    # Megatron-LM does: (1, 0), Korthikanti's 2·s·b·h bytes.
+    kept_hidden: float = 1.0
+    kept_wide: float = 0.0
 
     @property
     def ffn_width(self):
@@ -945,7 +955,8 @@ def memory(model, cfg, global_batch):
         34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
     whole_block += _moe_and_context_activations(model, cfg)
     per_block = {None: whole_block, "selective": whole_block - scores,
-                 "full": 2.0}[cfg.recompute]
+                 "full": 2.0 * (model.kept_hidden + model.kept_wide / t)
+                 }[cfg.recompute]
     in_flight = m if cfg.schedule == "gpipe" else min(m, p)
     if v > 1:
         in_flight *= 1 + (p - 1) / (p * v)

@@ -66,7 +66,31 @@ def transformer_of(profile):
         experts=experts,
         top_k=top_k,
         compute_bytes=profile.compute_itemsize,
-        param_bytes=max(w.itemsize for op in profile.ops for w in op.weights))
+        param_bytes=max(w.itemsize for op in profile.ops for w in op.weights),
+        **_kept_per_block(profile, hidden))
+
+
+def _kept_per_block(profile, hidden):
+    """{kept_hidden, kept_wide} of `roofline.Transformer`: the outputs of
+    the layers from one attention layer to the next (one block's worth,
+    averaged over the blocks), h wide or wider (widths over h summed); a
+    block that is one layer (keras-hub's) keeps one output. One block
+    alone: Megatron's (1, 0)."""
+    first = [i for i, op in enumerate(profile.ops)
+             if any(profile_lib.is_attention(s)
+                    for s in profile_lib.sublayers(op.layer))]
+    if len(first) < 2:
+        return {}
+    kept_hidden = kept_wide = 0.0
+    for op in profile.ops[first[0]:first[-1]]:
+        width = op.outputs / (max(op.tokens, 1) * profile.compute_itemsize)
+        if width > hidden:
+            kept_wide += width / hidden
+        else:
+            kept_hidden += width / hidden
+    blocks = len(first) - 1
+    return {"kept_hidden": kept_hidden / blocks,
+            "kept_wide": kept_wide / blocks}
 
 
 def _experts(profile):

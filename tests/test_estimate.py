@@ -325,8 +325,8 @@ def test_the_order_of_estimates_axes_is_the_meshs():
     """`tfpar.estimate(axes)` lays devices out in the dict's order, as
     `tfpar.Mesh` does: on 8-GPU hosts with t=2, p=2, "pipe" before "data"
     puts four members of each data group on a host (two with data
-    first): about half the gradient reduction, and stage neighbours on other
-    hosts (in one with data first)."""
+    first): about half the gradient reduction, and stage neighbours on
+    other hosts (in one with data first)."""
     def estimate(axes):
         return tfpar.estimate(
             gpt_builder(1024, 16, 4, seq_len=512), 64,

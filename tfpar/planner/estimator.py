@@ -56,9 +56,10 @@ def estimate(model, global_batch_size, *, cluster, axes,
             "pipe" before "data" (Megatron-LM's and DeepSpeed's order)
             they are t apart, more of them share a host and its network
             ports, and neighbouring stages sit t·d apart. The batch is
-            split over data, expert banks over expert (its devices hold the same tokens: every op
-            outside the expert FFNs runs on each; a model without experts
-            refuses e > 1), the sequence over context (s a multiple of c).
+            split over data, expert banks over expert (its devices hold
+            the same tokens: every op outside the expert FFNs runs on
+            each; a model without experts refuses e > 1), the sequence
+            over context (s a multiple of c).
         num_microbatches: micro-batches per step (gradient-accumulation
             steps without a pipe axis). None: micro-batches of one sample
             with a pipe axis, else one micro-batch.

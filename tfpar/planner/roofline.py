@@ -127,8 +127,8 @@ data, pipe, model: model groups are neighbours, data members t·p apart;
 Megatron-LM and DeepSpeed put the pipe axis outermost,
 `Parallel.pipe_outermost`: data members t apart, stage neighbours t·d
 apart); on GPU hosts the group's k members per host share k network
-ports (rail-optimised: β = k × per-GPU port), on a
-TPU torus every group gets the ICI axis' bandwidth.
+ports (rail-optimised: β = k × per-GPU port), on a TPU torus every group
+gets the ICI axis' bandwidth.
 
 Memory per device (Korthikanti et al. 2022, eq. 1-2 and their Table 2):
 activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
@@ -136,9 +136,10 @@ bytes, 34/t + 5as/(ht) with sequence parallelism, without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
 with full recomputation (plus one block's whole activations, rebuilt
 for its backward pass; tfpar recomputes layer by layer, so a block of
-several layers keeps each one's output: 2 per h-wide output plus 2·w/(h·t)
-per wider one, `Transformer.kept_hidden`, `kept_wide`); × compute bytes / 2 for other than 16-bit
-activations; the first stage holds p micro-batches of its
+several layers keeps each one's output: 2 per h-wide output plus
+2·w/(h·t) per wider one, `Transformer.kept_hidden`, `kept_wide`);
+× compute bytes / 2 for other than 16-bit activations; the first stage
+holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
 fsdp; a replicated head's not split over t), the last stage's fp32

@@ -28,7 +28,8 @@ def transformer_of(profile):
     attention = [sub for op in profile.ops
                  for sub in profile_lib.sublayers(op.layer)
                  if profile_lib.is_attention(sub)]
-    tokens = [op.tokens for op in profile.ops
+    # The ops holding an attention layer: where each block starts.
+    starts = [i for i, op in enumerate(profile.ops)
               if any(profile_lib.is_attention(s)
                      for s in profile_lib.sublayers(op.layer))]
     if not attention:
@@ -55,7 +56,8 @@ def transformer_of(profile):
     if experts:
         ffn, kernels = expert_width, 2 * len(attention) * expert_gated
     return roofline.Transformer(
-        layers=len(attention), hidden=hidden, heads=heads, seq=max(tokens),
+        layers=len(attention), hidden=hidden, heads=heads,
+        seq=max(profile.ops[i].tokens for i in starts),
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
         gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
         # Without a head: whether no reverse table of its own is held.
@@ -67,28 +69,25 @@ def transformer_of(profile):
         top_k=top_k,
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights),
-        **_kept_per_block(profile, hidden))
+        **_kept_per_block(profile, starts, hidden))
 
 
-def _kept_per_block(profile, hidden):
+def _kept_per_block(profile, starts, hidden):
     """{kept_hidden, kept_wide} of `roofline.Transformer`: the outputs of
-    the layers from one attention layer to the next (one block's worth,
-    averaged over the blocks), h wide or wider (widths over h summed); a
-    block that is one layer (keras-hub's) keeps one output. One block
-    alone: Megatron's (1, 0)."""
-    first = [i for i, op in enumerate(profile.ops)
-             if any(profile_lib.is_attention(s)
-                    for s in profile_lib.sublayers(op.layer))]
-    if len(first) < 2:
+    the layers from one attention layer to the next (`starts`: the ops
+    holding them; one block's worth, averaged over the blocks), h wide or
+    wider (widths over h summed); a block that is one layer (keras-hub's)
+    keeps one output. One block alone: Megatron's (1, 0)."""
+    if len(starts) < 2:
         return {}
     kept_hidden = kept_wide = 0.0
-    for op in profile.ops[first[0]:first[-1]]:
+    for op in profile.ops[starts[0]:starts[-1]]:
         width = op.outputs / (max(op.tokens, 1) * profile.compute_itemsize)
         if width > hidden:
             kept_wide += width / hidden
         else:
             kept_hidden += width / hidden
-    blocks = len(first) - 1
+    blocks = len(starts) - 1
     return {"kept_hidden": kept_hidden / blocks,
             "kept_wide": kept_wide / blocks}
 

@@ -7,11 +7,12 @@ On 8 virtual CPUs, data=2 × model=4, float32, batch 8 of 128 tokens, two
 blocks of width 256 (8 heads, MLP 1024), vocabulary 512, for the same GPT
 written two ways: with each block one Keras layer (keras-hub's GPT-2) and
 with one Keras layer per op (examples/gpt.py); without recomputation and
-with full recomputation (tfpar recomputes layer by layer). Printed per
-row: the plan's candidate, its activations by `tfpar.plan`'s count (the
-α-β model's, per traced layer), by `tfpar.estimate`'s (Korthikanti et
-al.'s formulas; under full recomputation every layer's output of a
-block, `Transformer.kept_hidden` / `kept_wide`) and measured
+with full recomputation (each block recomputed whole,
+`tfpar.recompute_spans`). Printed per row: the plan's candidate, its
+activations by `tfpar.plan`'s count (the α-β model's, per traced layer),
+by `tfpar.estimate`'s (Korthikanti et al.'s formulas; under full
+recomputation what the blocks keep, `Transformer.kept_hidden` /
+`kept_wide`) and measured
 (`tfpar.memory_report`: the distinct forward tensors the compiled
 step's backward pass reads, on the largest device).
 """

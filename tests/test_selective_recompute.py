@@ -65,15 +65,26 @@ def train(strategy, mode, weights, plan=None):
                 model, mesh=strategy.mesh))
         if plan is None:
             set_recompute(model, mode)
-        model.compile(optimizer=keras.optimizers.Adam(3e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(
-                          from_logits=True))
+        compile_adam(model)
+    losses, programs = fit_capturing(model)
+    return model, losses, programs
+
+
+def compile_adam(model):
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+
+
+def fit_capturing(model):
+    """(per-batch losses, the captured step programs) of two epochs on
+    `corpus()`."""
     losses = models.BatchLosses()
     x, y = corpus()
     with tfpar.communication.capture() as programs:
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                   callbacks=[losses])
-    return model, losses.losses, programs
+    return losses.losses, programs
 
 
 def test_selective_recomputation_matches_one_device_and_keeps_less():

@@ -328,6 +328,31 @@ def inbound_nodes(layer):
     return getattr(layer, "_inbound_nodes", [])
 
 
+def keras_mask(tensor):
+    """The Keras mask `tensor` carries (its `_keras_mask`), or None."""
+    return keras_module("backend.common.masking").get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask):
+    """Sets the Keras mask `tensor` carries (None: none)."""
+    keras_module("backend.common.masking").set_keras_mask(tensor, mask)
+
+
+def graph_runner(graph):
+    """What a Functional's `call` runs its graph with: its
+    `_run_through_graph(inputs, operation_fn, call_fn)`, bound."""
+    return graph._run_through_graph  # noqa: SLF001
+
+
+def set_graph_runner(graph, runner):
+    """`runner` in place of this Functional's `_run_through_graph` (None:
+    Keras' own again); set on the instance, untracked by Keras."""
+    if runner is None:
+        vars(graph).pop("_run_through_graph", None)
+    else:
+        object.__setattr__(graph, "_run_through_graph", runner)
+
+
 def operation_fn(operation, training):
     """`operation` as Keras' Functional.call calls it (`training` passed
     to layers that take it)."""

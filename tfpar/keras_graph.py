@@ -95,12 +95,13 @@ def node_inputs(node):
     return list(node.input_tensors)
 
 
-def run_node(node, tensors, training):
+def run_node(node, tensors, training, operation_fn=None):
     """Runs one functional graph node on concrete tensors.
 
     `tensors` maps id(KerasTensor) to a value; the node's outputs are added
     to it. `training` is passed to layers that take it, as Keras'
-    Functional.call does.
+    Functional.call does; or `operation_fn(operation)` is called instead,
+    the op as a Functional.call hands it to its graph runner.
     """
     args, kwargs = node.arguments.fill_in(tensors)
     if not tf.executing_eagerly():
@@ -111,7 +112,9 @@ def run_node(node, tensors, training):
         # it follows the mesh of the code being traced (a pipeline stage).
         args, kwargs = keras.tree.map_structure(_as_graph_constant,
                                                 (args, kwargs))
-    outputs = _compat.operation_fn(node.operation, training)(*args, **kwargs)
+    call = (operation_fn(node.operation) if operation_fn is not None
+            else _compat.operation_fn(node.operation, training))
+    outputs = call(*args, **kwargs)
     for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
         tensors[id(symbolic)] = value
 

@@ -11,8 +11,9 @@ checkpointed calls, replayed seeds and variable-read dependencies) is kept
 in `tfpar.step_context`.
 
 `set_recompute(model, mode)` chooses what a model recomputes: nothing,
-each attention layer's core (`"selective"`, Korthikanti et al.) or every
-layer (`"full"`); `tfpar.Plan.apply` sets a plan's with it.
+each attention layer's core (`"selective"`, Korthikanti et al.) or each
+transformer block whole and every other layer (`"full"`; the blocks are
+`tfpar.recompute_spans`'); `tfpar.Plan.apply` sets a plan's with it.
 
 Example (a layer recomputed in the backward pass, the same gradients):
 
@@ -26,6 +27,7 @@ Example (a layer recomputed in the backward pass, the same gradients):
 [TensorShape([3, 4]), TensorShape([4])]
 """
 
+import dataclasses
 import functools
 import types
 
@@ -34,7 +36,10 @@ import tensorflow as tf
 
 from tfpar import _compat
 from tfpar import data_dependency
+from tfpar import keras_graph
+from tfpar import recompute_spans
 from tfpar import step_context
+from tfpar.pipeline import split
 from tfpar.step_context import pushed
 
 # Keras' per-thread attributes a layer's call reads: its `training` value
@@ -109,7 +114,7 @@ def _scope_values():
 
 
 def _recomputed_gradients(call, tensors, read, seeds, context, upstream,
-                          variables):
+                          variables, masks):
     """The gradients of `call` at `tensors` (its own, then the values its
     forward pass read through a StatelessScope, keyed by `read`) and
     `variables`, from running it again in the forward pass's Keras
@@ -123,6 +128,12 @@ def _recomputed_gradients(call, tensors, read, seeds, context, upstream,
     zero = data_dependency.scalar_zero_waiting_on(upstream[0])
     again = [t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t
              for t in tensors]
+    # The call's tensors carry the Keras masks they had in the forward
+    # pass (an Embedding(mask_zero=True)'s padding mask, which attention
+    # and pooling read from their inputs).
+    for tensor, mask in zip(again, masks):
+        if mask is not None:
+            _compat.set_keras_mask(tensor, mask)
     own = len(again) - len(read)
     variables = list(variables or ())
     with _compat.keras_globals(dict(zip(_KERAS_CALL_CONTEXT, context))), \
@@ -166,20 +177,29 @@ def _checkpointed(call):
     context = [_compat.keras_global(name) for name in _KERAS_CALL_CONTEXT]
     read, values = _scope_values()
     own = len(call.at)
+    masks = [_compat.keras_mask(t) for t in call.tensors()]
+    made = {}
 
     @tf.custom_gradient
     def checkpointed(*tensors):
         # Keep no intermediate results; note the seeds drawn.
         with _compat.stop_recording(), pushed("seeds", _Seeds()) as seeds:
             result = call.run(*tensors[:own])
+        made["masks"] = [_compat.keras_mask(t)
+                         for t in tf.nest.flatten(result)]
 
         def grad(*upstream, variables=None):
             return _recomputed_gradients(call, tensors, read, seeds, context,
-                                         upstream, variables)
+                                         upstream, variables, masks)
 
         return result, grad
 
-    return checkpointed(*call.tensors(), *values)
+    result = checkpointed(*call.tensors(), *values)
+    # custom_gradient hands back copies: give them the outputs' masks.
+    for tensor, mask in zip(tf.nest.flatten(result), made["masks"]):
+        if mask is not None:
+            _compat.set_keras_mask(tensor, mask)
+    return result
 
 
 def recompute(f):
@@ -226,6 +246,105 @@ def recompute(f):
         return result
 
     return call
+
+
+def _run_span(nodes, span, tensors, run):
+    """Runs `nodes[span.start:span.stop]` as one `recompute`d call: only
+    the span's inputs are kept for the backward pass, which runs the span
+    again (`recompute_spans`). Refuses a span whose layers add losses."""
+    layers = [node.operation for node in nodes[span.start:span.stop]]
+    losses_before = [len(getattr(layer, "losses", ())) for layer in layers]
+
+    def block(*values):
+        local = {id(t): v for t, v in zip(span.inputs, values)}
+        for node in nodes[span.start:span.stop]:
+            run(node, local)
+        return [local[id(t)] for t in span.outputs]
+
+    values = recompute(block)(*[tensors[id(t)] for t in span.inputs])
+    adding = [layer.name for layer, before in zip(layers, losses_before)
+              if len(getattr(layer, "losses", ())) > before]
+    if adding:
+        raise ValueError(
+            f"Layers {adding} add a loss in call() (add_loss) and are "
+            "recomputed as one block (set_recompute(model, 'full')): the "
+            "block's forward pass runs without recording gradients, so "
+            "that loss would get none. Recompute with mode='selective' or "
+            "None, or move the loss out of the layer.")
+    tensors.update(zip([id(t) for t in span.outputs], values))
+
+
+def run_graph(nodes, spans, tensors, run):
+    """Runs a graph's `nodes` in order, each of `spans` (`recompute_spans.
+    Span`) as one recomputed call; `run(node, tensors)` runs one node,
+    adding its outputs to `tensors` (values by id(KerasTensor))."""
+    by_start = {span.start: span for span in spans}
+    i = 0
+    while i < len(nodes):
+        span = by_start.get(i)
+        if span is None:
+            run(nodes[i], tensors)
+            i += 1
+        else:
+            _run_span(nodes, span, tensors, run)
+            i = span.stop
+
+
+class _BlockRunner:
+    """What a functional model under `set_recompute(model, "full")` runs
+    in place of Keras' `Functional._run_through_graph` when a training step
+    records gradients: its graph with nested models inlined (the graph a
+    pipeline runs, `split.model_graph`), each block of `recompute_spans`
+    recomputed as one call. Anywhere else (inference, symbolic calls, a
+    recomputation's forward) Keras' own runs."""
+
+    def __init__(self, model, keras_runner):
+        self.model = model
+        self.nodes, _, self.inputs, self.outputs, _ = split.model_graph(model)
+        self.spans = recompute_spans.block_spans(self.nodes, self.outputs)
+        self.keras_runner = keras_runner
+
+    def __call__(self, inputs, operation_fn=lambda op: op, call_fn=None):
+        flat = keras.tree.flatten(inputs)
+        if (call_fn is not None or not _compat.tape_recording()
+                or step_context.stack("checkpoints")
+                or keras_graph.has_keras_tensor(flat)):
+            return self.keras_runner(inputs, operation_fn, call_fn)
+        tensors = {id(k): v for k, v in zip(self.inputs, flat)}
+        run_graph(self.nodes, self.spans, tensors,
+                  lambda node, values: node.run(values, None, operation_fn))
+        return keras_graph.model_output_structure(
+            self.model, [tensors[id(t)] for t in self.outputs])
+
+
+def spans_in(model, nodes):
+    """The blocks of `model` recomputed whole (`recomputes_blocks`) that lie
+    in `nodes` (a pipeline part's `split.GraphNode`s, in order), as spans
+    of `nodes`; a block cut by the part's ends is left to per-layer
+    recomputation."""
+    if not recomputes_blocks(model):
+        return []
+    graph = _compat.functional_of(model)
+    every = _compat.graph_runner(graph)
+    at = {id(node.node): i for i, node in enumerate(nodes)}  # Keras' nodes
+    spans = []
+    for span in every.spans:
+        local = [at.get(id(node.node))
+                 for node in every.nodes[span.start:span.stop]]
+        if None not in local and local == list(range(local[0],
+                                                     local[0] + len(local))):
+            spans.append(dataclasses.replace(
+                span, start=local[0], stop=local[-1] + 1))
+    return spans
+
+
+def recomputes_blocks(model):
+    """Whether `model` recomputes its blocks whole: `set_recompute(model,
+    "full")` was called on it and its graph has blocks
+    (`recompute_spans.block_spans`)."""
+    graph = _compat.functional_of(model)
+    return graph is not None and isinstance(
+        _compat.graph_runner(graph), _BlockRunner)
 
 
 def _check_random_recomputation(generator):
@@ -299,16 +418,7 @@ def install():
 # -- tfpar's recomputation modes: none, selective (the attention core), full --
 
 RECOMPUTE_MODES = (None, "selective", "full")
-
-# The attention core's method: Keras' MultiHeadAttention and
-# GroupedQueryAttention and keras-hub's attention layers (GPT-2's
-# CachedMultiHeadAttention, Llama, Gemma, Mistral, Qwen, ...) compute
-# softmax(Q K^T / sqrt(d) + mask) (dropout) V from projected Q, K, V there.
-_CORE_METHOD = "_compute_attention"
-# Layers that are an attention core whole (no projections):
-# keras.layers.Attention, AdditiveAttention.
-_WHOLE_CORES = (keras.layers.Attention,)
-
+_CORE = recompute_spans.CORE_METHOD  # the attention core's method
 
 def _attention_cores(model):
     """The (layer, kind) pairs of `model`'s attention cores: "method" (a
@@ -317,10 +427,9 @@ def _attention_cores(model):
     layers = _compat.all_layers(model, include_self=False)
     cores = []
     for layer in layers:
-        if callable(getattr(type(layer), _CORE_METHOD, None)):
-            cores.append((layer, "method"))
-        elif isinstance(layer, _WHOLE_CORES):
-            cores.append((layer, "whole"))
+        kind = recompute_spans.is_core(layer)
+        if kind:
+            cores.append((layer, kind))
     found = {id(layer) for layer, _ in cores}
     for layer in layers:
         inner = _compat.all_layers(layer, include_self=False)
@@ -394,8 +503,11 @@ def _reset(model):
     for layer in _compat.all_layers(model):
         if _compat.remat_mode(layer) is not None:
             _compat.set_remat_mode(layer, None)
-        if _CORE_METHOD in vars(layer):  # the instance's recomputed core
-            delattr(layer, _CORE_METHOD)
+        if _CORE in vars(layer):  # the instance's recomputed core
+            delattr(layer, _CORE)
+    graph = _compat.functional_of(model)
+    if graph is not None and recomputes_blocks(model):
+        _compat.set_graph_runner(graph, None)
 
 
 def set_recompute(model, mode):
@@ -416,9 +528,15 @@ def set_recompute(model, mode):
       MultiHeadAttention, GroupedQueryAttention, keras-hub's attention
       layers) or `keras.layers.Attention`; another layer named like
       attention raises a ValueError naming it.
-    - `"full"`: every layer the model's graph calls that has weights is
-      recomputed whole (`keras.RematScope(mode="full")`): only the layers'
-      inputs are kept.
+    - `"full"`: each transformer block of a functional model's graph
+      (`tfpar.recompute_spans.block_spans`: the nodes from one block's
+      input to the next's, found between attention layers) runs as one
+      recomputed call, in plain steps and in pipeline parts: only the
+      block's input is kept, as in Megatron-LM, also when the block is
+      written one Keras layer per op. Every other layer with weights is
+      recomputed on its own (`keras.RematScope(mode="full")`, also the
+      blocks' layers where a step runs Keras' own graph: inference, a
+      zero-bubble schedule's split backward), keeping its inputs.
 
     It installs tfpar's recomputation (`install`), so it also works on one
     device without a `ParallelStrategy`.
@@ -445,8 +563,13 @@ def set_recompute(model, mode):
         if kind == "whole":
             _compat.set_remat_mode(layer, "full")
         else:  # the bound method, recomputed; looked up on the instance
-            method = getattr(type(layer), _CORE_METHOD).__get__(layer)
-            setattr(layer, _CORE_METHOD, _recomputed_core(method))
+            method = getattr(type(layer), _CORE).__get__(layer)
+            setattr(layer, _CORE, _recomputed_core(method))
     if mode == "full":
         for layer in _full_layers(model):
             _compat.set_remat_mode(layer, "full")
+        if keras_graph.functional_graph(model) is not None:
+            functional = _compat.functional_of(model)
+            runner = _BlockRunner(model, _compat.graph_runner(functional))
+            if runner.spans:  # its blocks, each one recomputed call
+                _compat.set_graph_runner(functional, runner)

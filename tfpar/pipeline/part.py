@@ -44,6 +44,7 @@ from tensorflow.experimental import dtensor
 from tfpar import _compat
 from tfpar import collectives
 from tfpar import keras_graph
+from tfpar import recompute
 from tfpar.pipeline import ordering
 from tfpar.pipeline import split as split_lib
 from tfpar.pipeline.tied import accumulate
@@ -164,14 +165,7 @@ class ModelPart:
         with keras_graph.reading_values(guests, [
                 v for layer in graph.layers
                 for v in getattr(layer, "variables", [])]):
-            for node in graph.nodes:
-                node.run(tensors, training)
-                if layer_outputs is not None and \
-                        node.operation not in graph.guests and \
-                        split_lib.weights_of(node.operation, trainable=True):
-                    layer_outputs.setdefault(id(node.operation), []).append(
-                        [v for v in (tensors[id(k)] for k in node.outputs)
-                         if v.dtype.is_floating])
+            self._run_nodes(tensors, training, layer_outputs)
         outputs = [tensors[id(k)] for k in graph.outputs]
         losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
                   for layer in graph.layers
@@ -182,6 +176,27 @@ class ModelPart:
                 [layer.name for layer in graph.layers
                  if getattr(layer, "losses", [])], "add losses in call()"))
         return outputs, (tf.add_n(losses) if losses else None)
+
+    def _run_nodes(self, tensors, training, layer_outputs):
+        """Runs the part's nodes (`run`); under `set_recompute(model,
+        "full")` its whole blocks each as one recomputed call
+        (`recompute.spans_in`), except when recording `layer_outputs`."""
+        graph = self.graph
+        spans = (recompute.spans_in(self._model.wrapped, graph.nodes)
+                 if layer_outputs is None else ())
+        if spans:
+            recompute.run_graph(
+                graph.nodes, spans, tensors,
+                lambda node, values: node.run(values, training))
+            return
+        for node in graph.nodes:
+            node.run(tensors, training)
+            if layer_outputs is not None and \
+                    node.operation not in graph.guests and \
+                    split_lib.weights_of(node.operation, trainable=True):
+                layer_outputs.setdefault(id(node.operation), []).append(
+                    [v for v in (tensors[id(k)] for k in node.outputs)
+                     if v.dtype.is_floating])
 
     def forward(self, i, values, objective_of, split_backward):
         """F(k, i): runs micro-batch i under a tape kept for its backward.

@@ -104,9 +104,9 @@ class GraphNode:
                        for t in keras_graph.node_inputs(node)]
         self.outputs = list(node.outputs)
 
-    def run(self, tensors, training):
+    def run(self, tensors, training, operation_fn=None):
         keras_graph.run_node(self.node, _Aliased(tensors, self._aliases),
-                             training)
+                             training, operation_fn)
 
 
 class _Aliased:

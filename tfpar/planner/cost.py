@@ -241,6 +241,7 @@ class Layout:
                                for op in profile.ops], float)
         self.layer_ops = np.array([op.layer_ops for op in profile.ops], float)
         self.kept, self.internal = np.zeros(n), np.zeros(n)
+        self.kept_full, self.recomputed = np.zeros(n), np.zeros(n)
         # The attention core's part of `internal` (scores and softmax, per
         # device) and its forward FLOPs per device: what selective
         # recomputation drops and runs again.
@@ -279,10 +280,21 @@ class Layout:
                     sequence_lo <= i <= sequence_hi):
                 out /= t  # split by features, or (sequence parallel) by tokens
                 self.split_out[i] = float(t > 1)
-            self.kept[i] = out
+            self._add_kept(i, out, profile.ops)
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
         self._state_cache = {}
+
+    def _add_kept(self, i, out, ops):
+        """Op i's output bytes kept for the backward pass (`out`), also
+        under full recomputation: kept unless read only inside its block
+        (`Op.in_block`); recomputing a block holds its outputs and
+        internals at once (summed up to the block's last op)."""
+        self.kept[i] = out
+        self.kept_full[i] = 0.0 if ops[i].in_block else out
+        before = self.recomputed[i - 1] if i and ops[i - 1].in_block else 0.0
+        self.recomputed[i] = (self.internal[i] + before
+                              + (out if ops[i].in_block else 0.0))
 
     def _add_head(self, profile, vocab_parallel):
         """The vocabulary head's terms the profile does not hold, by the
@@ -444,7 +456,8 @@ class Layout:
                 "flops_split", "flops_repl", "conv_split", "conv_repl",
                 "convs", "layer_ops", "tp_bytes_fwd", "tp_bytes_bwd",
                 "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
-                "resplit_count", "kept", "internal", "attention_internal",
+                "resplit_count", "kept", "kept_full", "internal",
+                "attention_internal",
                 "attention_flops", "table_bytes", "table_count",
                 "table_workspace")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
@@ -605,9 +618,11 @@ def _model_axis(layout, total, *, r, b, m, link, shared):
 def _internals(layout, total, *, recompute, d, fsdp, span):
     """Bytes per sample kept inside a stage's layers: all of them, without
     the attention cores' with selective recomputation, or with full
-    recomputation the largest one layer's (recomputed one at a time)."""
+    recomputation the largest one layer's or block's (recomputed one at
+    a time; a block, `tfpar.recompute_spans`, with the outputs it makes
+    and reads itself)."""
     if recompute == "full":
-        return layout.stage_max("internal", d, fsdp, *span)
+        return layout.stage_max("recomputed", d, fsdp, *span)
     internal = total("internal")
     if recompute == "selective":
         internal = internal - total("attention_internal")
@@ -814,17 +829,18 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
     s = np.arange(p)
     stored, trainable = total("stored"), total("trainable")
     # What stage 0 reads is the batch itself, not an activation.
-    kept = total("kept") + before
+    kept = total("kept_full" if recompute == "full" else "kept") + before
     internal = _internals(layout, total, recompute=recompute, d=d, fsdp=fsdp,
                           span=span)
     in_flight = np.full(p, m) if schedule == "gpipe" else np.minimum(p - s, m)
     if virtual_stages > 1:  # Megatron's interleaved warm-up, in stages' worth
         in_flight = in_flight * (1 + (p - 1) / (p * virtual_stages))
     # Every micro-batch in flight keeps its layers' outputs (the next
-    # layers' inputs) and, without full recomputation, their internals
-    # (selective: not the attention cores'). Recomputed internals are
-    # transient: only the one layer (attention core) being recomputed holds
-    # them, for one micro-batch at a time (workspace, as fsdp's gathers).
+    # layers' inputs; under full recomputation those read outside their
+    # block) and, without full recomputation, their internals (selective:
+    # not the attention cores'). Recomputed internals are transient: only
+    # the one layer, block or attention core being recomputed holds them,
+    # for one micro-batch at a time (workspace, as fsdp's gathers).
     full = recompute == "full"
     saved_internal = 0.0 if full else internal * in_flight
     recomputing = internal if full else 0.0

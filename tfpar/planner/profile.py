@@ -47,6 +47,7 @@ import numpy as np
 
 from tfpar import _compat
 from tfpar import keras_graph
+from tfpar import recompute_spans
 from tfpar.pipeline import split
 # Re-exported: the planner's callers build a builder's model through it.
 from tfpar.weightless import build_without_weights  # noqa: F401
@@ -90,6 +91,9 @@ class Op:
     # keras-hub's MaskedLMHead holding the token embedding); their weights
     # are counted at their first op, their FLOPs here by no one.
     reuses: list = dataclasses.field(default_factory=list)
+    # Its outputs are read only inside a block that full recomputation
+    # runs again as one call (`tfpar.recompute_spans`): not kept then.
+    in_block: bool = False
 
 
 @dataclasses.dataclass
@@ -159,6 +163,7 @@ def profile_model(model, sequence_length=None):
                        sequence_length))
     _carried(ops, nodes, runs_in, inputs, outputs, itemsize,
              sequence_length)
+    _mark_blocks(ops, nodes, runs_in, outputs)
     seen_weights = False
     for op in ops:
         op.needs_input_grad = seen_weights
@@ -373,6 +378,19 @@ def _nonlinear(owner):
     activation = getattr(owner, "activation", None)
     return activation is not None and getattr(
         activation, "__name__", "linear") not in ("linear", "relu")
+
+
+def _mark_blocks(ops, nodes, runs_in, outputs):
+    """op.in_block for the ops all of whose nodes make tensors read only
+    inside their block (`recompute_spans.block_spans`)."""
+    internal = set()
+    for span in recompute_spans.block_spans(nodes, outputs):
+        leaving = {id(t) for t in span.outputs}
+        internal.update(n for n in range(span.start, span.stop)
+                        if not any(id(t) in leaving for t in nodes[n].outputs))
+    for i, op in enumerate(ops):
+        mine = [n for n, at in enumerate(runs_in) if at == i]
+        op.in_block = bool(mine) and all(n in internal for n in mine)
 
 
 def _carried(ops, nodes, runs_in, inputs, outputs, itemsize, seq):

@@ -962,6 +962,11 @@ def memory(model, cfg, global_batch):
     if v > 1:
         in_flight *= 1 + (p - 1) / (p * v)
     activations = per_block * sbh * blocks * in_flight
+    if p == 1:
+        # The first stage is the last: the final norm's input and the
+        # output layer's input are kept too, 2 + 2 (÷ t under sequence
+        # parallelism), Korthikanti et al. 2022, section 4.3.
+        activations += (4.0 / t if cfg.sequence_parallel else 4.0) * sbh
     workspace = whole_block * sbh if cfg.recompute == "full" else 0.0
     if p == 1 and cfg.logits:  # the logits and their gradient, fp32
         # (whole unless split over the vocabulary)

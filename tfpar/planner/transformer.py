@@ -76,12 +76,17 @@ def _kept_per_block(profile, starts, hidden):
     """{kept_hidden, kept_wide} of `roofline.Transformer`: the outputs of
     the layers from one attention layer to the next (`starts`: the ops
     holding them; one block's worth, averaged over the blocks), h wide or
-    wider (widths over h summed); a block that is one layer (keras-hub's)
-    keeps one output. One block alone: Megatron's (1, 0)."""
+    wider (widths over h summed), those read only inside a block that
+    `set_recompute(model, "full")` recomputes whole left out
+    (`Op.in_block`); a block that is one layer (keras-hub's), or one
+    recomputed whole, keeps one output. One block alone: Megatron's
+    (1, 0)."""
     if len(starts) < 2:
         return {}
     kept_hidden = kept_wide = 0.0
     for op in profile.ops[starts[0]:starts[-1]]:
+        if op.in_block:  # recomputed with its block, not kept
+            continue
         width = op.outputs / (max(op.tokens, 1) * profile.compute_itemsize)
         if width > hidden:
             kept_wide += width / hidden

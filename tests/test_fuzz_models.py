@@ -10,8 +10,9 @@ MultiHeadAttention, a custom `add_weight` layer) with random widths, and
 one random spec per weight (each dimension None or a mesh axis, the data
 axis included, divisible or not; sometimes a wrong rank or an unknown
 axis), and
-Keras recomputation (none, every layer, some layers) for the parallel
-model. Two steps of plain SGD must then give the one-device losses and
+Keras recomputation (none, every layer, some layers) or tfpar's
+(`set_recompute(model, "full")`: the layers between two attention layers
+recomputed as one call) for the parallel model. Two steps of plain SGD must then give the one-device losses and
 weights within 1e-4 (or, for a value that is float32 rounding noise, within
 10x float32's own distance from float64: `fuzzing.assert_parity`), every device
 holding only its block of every weight; or the case raises a clear Python
@@ -32,6 +33,7 @@ from tensorflow.experimental import dtensor
 
 import tfpar
 from tfpar import layout as layout_lib
+from tfpar.recompute import set_recompute
 
 import fuzzing
 import models
@@ -73,14 +75,15 @@ CASES = st.tuples(
     st.lists(LAYERS, min_size=1, max_size=4),   # the trunk
     st.one_of(st.none(), WIDTHS),               # an Embedding branch (dim)
     st.lists(st.integers(0, 2**16), min_size=96, max_size=96),  # rule picks
-    st.sampled_from([None, "full", "odd layers"]),  # recomputation
+    st.sampled_from([None, "full", "odd layers", "blocks"]),  # recomputation
 )
 
 
 def remat_scope(recompute, trunk):
     """Keras' recomputation for the parallel model: none, every layer
-    (`RematScope(mode="full")`), or the trunk's odd layers by name."""
-    if recompute is None:
+    (`RematScope(mode="full")`), or the trunk's odd layers by name ("blocks":
+    none here, `set_recompute(model, "full")` after the build)."""
+    if recompute in (None, "blocks"):
         return contextlib.nullcontext()
     if recompute == "full":
         return keras.RematScope(mode="full")
@@ -211,6 +214,8 @@ def check_random_model(case):
                                           rules=rules, fsdp=fsdp)
         with strategy.scope(), remat_scope(recompute, trunk):
             model = build(trunk, embed_dim)
+        if recompute == "blocks":  # runs of layers between attention ones
+            set_recompute(model, "full")
         built(model)
         return fuzzing.train(model, x, y, weights, losses)
 

@@ -81,10 +81,12 @@ def test_each_block_is_one_span_keeping_its_input():
     assert spans(hub) == []
 
 
-def train(strategy, weights, mode, blocks=2, pipe=False, dropout=0.1):
-    """(model, per-batch losses, the step's saved activation bytes): two
-    epochs of Adam; `mode` "blocks" (set_recompute "full"), "layers"
-    (every layer recomputed on its own) or None."""
+def train(strategy, weights, mode, blocks=2, pipe=False, dropout=0.1,
+          report=False):
+    """(model, per-batch losses, the step's saved activation bytes, or its
+    communication report if `report`): two epochs of Adam; `mode`
+    "blocks" (set_recompute "full"), "layers" (every layer recomputed on
+    its own) or None."""
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = build_gpt(blocks, dropout=dropout)
         model.set_weights(weights)
@@ -100,13 +102,13 @@ def train(strategy, weights, mode, blocks=2, pipe=False, dropout=0.1):
                     _compat.set_remat_mode(layer, "full")
         wrapped = model
         if pipe:
-            model = tfpar.PipelineModel(model, 2, schedule="1f1b",
-                                        stage_boundaries=["b2_ln1"])
+            model = tfpar.PipelineModel(model, 2, schedule="1f1b")
         compile_adam(model)
     losses, programs = fit_capturing(model)
-    saved = None if pipe or not strategy else (
-        programs.train_report().saved_activation_bytes)
-    return wrapped, losses, saved
+    if pipe or not strategy:
+        return wrapped, losses, None
+    step = programs.train_report()
+    return wrapped, losses, step if report else step.saved_activation_bytes
 
 
 def assert_parity(reference, want, model, got):
@@ -137,10 +139,33 @@ def test_recomputed_blocks_match_one_device_and_keep_less_than_layers():
     assert saved["layers"] - saved["blocks"] > 2 * 8 * SEQ * DIM * 4, saved
 
 
+def test_recomputed_blocks_gather_fsdp_weights_again_in_parity():
+    """data=4 × model=2 with fsdp: the recomputation of a block reads its
+    weights again, so they are gathered again in the backward pass
+    (`recompute`'s variable-read dependency) instead of being kept
+    gathered from the forward pass; the same training as one device."""
+    keras.utils.set_random_seed(0)
+    weights = build_gpt().get_weights()
+    reference, want, _ = train(None, weights, None)
+    steps = {}
+    for mode in ("blocks", None):
+        strategy = tfpar.ParallelStrategy(
+            tfpar.Mesh({"data": 4, "model": 2}), fsdp=True)
+        model, got, steps[mode] = train(strategy, weights, mode, report=True)
+        if mode == "blocks":
+            assert_parity(reference, want, model, got)
+    gathers = {m: r.count(purpose="all-gather", spans="data",
+                          phase="backward") for m, r in steps.items()}
+    # Each block's weights (norms, q, k, v, output, MLP: 16) once more.
+    assert gathers["blocks"] - gathers[None] >= 2 * 8, gathers
+
+
 @pytest.mark.slow
 def test_pipeline_parts_recompute_their_blocks_whole_in_parity():
-    """pipe=2 × data=2 × model=2, four blocks cut into two parts of two:
-    each part runs its blocks as recomputed calls, as one device trains
+    """pipe=2 × data=2 × model=2, four blocks cut into two parts (balanced
+    by parameters: after block 2's first norm): each part runs its blocks
+    as recomputed calls, the second its piece of block 2 as one too (two
+    inputs: the norm's output and the residual), as one device trains
     (without dropout: a pipeline draws each micro-batch's masks apart)."""
     keras.utils.set_random_seed(0)
     weights = build_gpt(4).get_weights()
@@ -149,8 +174,10 @@ def test_pipeline_parts_recompute_their_blocks_whole_in_parity():
         tfpar.Mesh({"pipe": 2, "data": 2, "model": 2}))
     model, got, _ = train(strategy, weights, "blocks", blocks=4, pipe=True,
                           dropout=0.0)
-    parts = split.split_model(model, 2, ["b2_ln1"])
-    assert [len(spans_in(model, part.nodes)) for part in parts] == [2, 2]
+    parts = split.split_model(model, 2)
+    assert [[(s.stop - s.start, len(s.inputs))
+             for s in spans_in(model, part.nodes, part.outputs)]
+            for part in parts] == [[(7, 1), (7, 1)], [(6, 2), (7, 1)]]
     assert_parity(reference, want, model, got)
 
 

@@ -27,7 +27,6 @@ Example (a layer recomputed in the backward pass, the same gradients):
 [TensorShape([3, 4]), TensorShape([4])]
 """
 
-import dataclasses
 import functools
 import types
 
@@ -317,24 +316,24 @@ class _BlockRunner:
             self.model, [tensors[id(t)] for t in self.outputs])
 
 
-def spans_in(model, nodes):
-    """The blocks of `model` recomputed whole (`recomputes_blocks`) that lie
-    in `nodes` (a pipeline part's `split.GraphNode`s, in order), as spans
-    of `nodes`; a block cut by the part's ends is left to per-layer
-    recomputation."""
+def spans_in(model, nodes, outputs):
+    """The blocks of `model` recomputed whole (`recomputes_blocks`) in a
+    pipeline part that runs `nodes` (`split.GraphNode`s, in order) and
+    hands on `outputs`, as spans of `nodes`: a block the part holds
+    whole, or the part's piece of a block a stage boundary cuts, each one
+    recomputed call."""
     if not recomputes_blocks(model):
         return []
-    graph = _compat.functional_of(model)
-    every = _compat.graph_runner(graph)
+    every = _compat.graph_runner(_compat.functional_of(model))
     at = {id(node.node): i for i, node in enumerate(nodes)}  # Keras' nodes
     spans = []
     for span in every.spans:
-        local = [at.get(id(node.node))
-                 for node in every.nodes[span.start:span.stop]]
-        if None not in local and local == list(range(local[0],
-                                                     local[0] + len(local))):
-            spans.append(dataclasses.replace(
-                span, start=local[0], stop=local[-1] + 1))
+        local = sorted(at[id(node.node)]
+                       for node in every.nodes[span.start:span.stop]
+                       if id(node.node) in at)
+        if len(local) > 1 and local[-1] - local[0] == len(local) - 1:
+            spans.append(recompute_spans.span_of(
+                nodes, local[0], local[-1] + 1, outputs))
     return spans
 
 
@@ -531,9 +530,10 @@ def set_recompute(model, mode):
     - `"full"`: each transformer block of a functional model's graph
       (`tfpar.recompute_spans.block_spans`: the nodes from one block's
       input to the next's, found between attention layers) runs as one
-      recomputed call, in plain steps and in pipeline parts: only the
-      block's input is kept, as in Megatron-LM, also when the block is
-      written one Keras layer per op. Every other layer with weights is
+      recomputed call, in plain steps and in pipeline parts (a block a
+      stage boundary cuts: one call on each side): only the block's input
+      is kept, as in Megatron-LM, also when the block is written one
+      Keras layer per op. Every other layer with weights is
       recomputed on its own (`keras.RematScope(mode="full")`, also the
       blocks' layers where a step runs Keras' own graph: inference, a
       zero-bubble schedule's split backward), keeping its inputs.

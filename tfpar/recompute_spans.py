@@ -122,7 +122,9 @@ def _cuts(attention, crossing):
     return cuts
 
 
-def _span(nodes, start, stop, graph_outputs):
+def span_of(nodes, start, stop, graph_outputs):
+    """The `Span` of `nodes[start:stop]` in a graph of `nodes` returning
+    `graph_outputs`: what it reads from before it and hands on."""
     inside = nodes[start:stop]
     made = {id(t) for node in inside for t in node.outputs}
     inputs, seen = [], set()
@@ -150,5 +152,5 @@ def block_spans(nodes, graph_outputs):
     if len(attention) < 2:
         return []
     cuts = _cuts(attention, crossings(nodes, graph_outputs))
-    return [_span(nodes, a, b, graph_outputs)
+    return [span_of(nodes, a, b, graph_outputs)
             for a, b in zip(cuts, cuts[1:]) if b - a > 1]

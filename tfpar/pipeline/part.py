@@ -182,7 +182,8 @@ class ModelPart:
         "full")` its whole blocks each as one recomputed call
         (`recompute.spans_in`), except when recording `layer_outputs`."""
         graph = self.graph
-        spans = (recompute.spans_in(self._model.wrapped, graph.nodes)
+        spans = (recompute.spans_in(self._model.wrapped, graph.nodes,
+                                    graph.outputs)
                  if layer_outputs is None else ())
         if spans:
             recompute.run_graph(

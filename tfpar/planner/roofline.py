@@ -135,9 +135,11 @@ activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
 bytes, 34/t + 5as/(ht) with sequence parallelism, without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
 with full recomputation (plus one block's whole activations, rebuilt
-for its backward pass; tfpar recomputes layer by layer, so a block of
-several layers keeps each one's output: 2 per h-wide output plus
-2·w/(h·t) per wider one, `Transformer.kept_hidden`, `kept_wide`);
+for its backward pass; tfpar recomputes each block whole where it finds
+it, `tfpar.recompute_spans`, else layer by layer, when a block of several
+layers keeps each one's output: 2 per h-wide output plus 2·w/(h·t) per
+wider one, `Transformer.kept_hidden`, `kept_wide`); where the first
+stage is the last, the final norm's and the head's inputs, 2 + 2;
 × compute bytes / 2 for other than 16-bit activations; the first stage
 holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
@@ -192,12 +194,13 @@ class Transformer:
     # Logits over the vocabulary (`transformer.vocab_head`); False: none
     # (a classifier's few outputs or a backbone's states end the model).
     lm_head: bool = True
-    # What full recomputation keeps of a block, layer by layer as tfpar
-    # recomputes: its layers' outputs (the next layers' inputs), h wide
-    # (`kept_hidden` of them, whole on every device) and wider (their
-    # widths over h summed in `kept_wide`, split over t: column-parallel
-    # outputs). A block that is one layer keeps its input alone, as
-    # Megatron-LM does: (1, 0), Korthikanti's 2·s·b·h bytes.
+    # What full recomputation keeps of a block: recomputed whole (a block
+    # `tfpar.recompute_spans` finds, or one that is one layer) its input
+    # alone, as Megatron-LM does: (1, 0), Korthikanti's 2·s·b·h bytes;
+    # recomputed layer by layer, its layers' outputs (the next layers'
+    # inputs), h wide (`kept_hidden` of them, whole on every device) and
+    # wider (their widths over h summed in `kept_wide`, split over t:
+    # column-parallel outputs).
     kept_hidden: float = 1.0
     kept_wide: float = 0.0
 

@@ -388,9 +388,10 @@ def _mark_blocks(ops, nodes, runs_in, outputs):
         leaving = {id(t) for t in span.outputs}
         internal.update(n for n in range(span.start, span.stop)
                         if not any(id(t) in leaving for t in nodes[n].outputs))
+    # An op runs its layer's first call and any later one (runs_in).
+    outside = {at for n, at in enumerate(runs_in) if n not in internal}
     for i, op in enumerate(ops):
-        mine = [n for n, at in enumerate(runs_in) if at == i]
-        op.in_block = bool(mine) and all(n in internal for n in mine)
+        op.in_block = i not in outside
 
 
 def _carried(ops, nodes, runs_in, inputs, outputs, itemsize, seq):

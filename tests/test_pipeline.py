@@ -16,9 +16,11 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfpar
+from tfpar.pipeline import ordering
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.training import StagedModel
 
@@ -398,6 +400,55 @@ def test_gradients_of_integer_inputs_and_embeddings(schedule):
                                    schedule=schedule)
     for a, b in zip(want, fit(pipe)):
         assert models.relative_error(a, b) < RTOL
+
+
+def test_an_ordering_token_from_a_nan_leaves_token_ids_whole():
+    """A stage's actions are chained by adding a zero computed from the
+    previous action's results (`ordering`); after a diverged step that
+    zero is NaN, which cast to int32 is its most negative value: token
+    ids must stay what they are (floats turn NaN, as the step's would)."""
+    token = ordering.token_of([tf.constant([[1.0], [np.nan]])], rows=2)
+    ids, values = ordering.after(
+        [tf.constant([[3, 4], [5, 6]], tf.int32), tf.ones((2, 2))], token)
+    assert ids.numpy().tolist() == [[3, 4], [5, 6]]
+    assert np.isnan(values.numpy()[1]).all() and (values.numpy()[0] == 1).all()
+
+
+def test_a_diverging_pipeline_of_token_ids_reports_nan_like_one_device():
+    """SGD(0.1) on a residual stack diverges (losses ~1e15, then NaN) on
+    one device; the pipeline reports the same losses instead of failing
+    with "indices[0,0] = -2147483618 is not in [0, 20)" in its next
+    micro-batch's Embedding (found 2026-12-06)."""
+    def build():
+        tokens = keras.Input((8,), dtype="int32")
+        h = keras.layers.Embedding(20, 16, name="emb")(tokens)
+        for i in range(4):
+            h = h + keras.layers.Dense(16, name=f"x{i}")(h)
+            h = h + keras.layers.Dense(16, name=f"d{i}")(h)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        return keras.Model(tokens, keras.layers.Dense(1, name="out")(h))
+
+    rng = np.random.RandomState(0)
+    x = rng.randint(1, 20, (32, 8)).astype("int32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    weights = build().get_weights()
+
+    def fit(model):
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return np.array(losses.losses)
+
+    want = fit(build())
+    assert np.isnan(want[-1]) and want[-2] > 1e12  # it does diverge
+    strategy = tfpar.ParallelStrategy(
+        tfpar.Mesh({"pipe": 2}, devices=["CPU:0", "CPU:1"]))
+    with strategy.scope():
+        got = fit(tfpar.PipelineModel(build(), 2, schedule="1f1b"))
+    np.testing.assert_allclose(got, want, rtol=1e-3, equal_nan=True)
 
 
 def compiled(model):

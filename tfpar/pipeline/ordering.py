@@ -39,7 +39,14 @@ def token_of(tensors, rows):
 
 
 def after(values, token):
-    """`values` plus zero from `token`: they exist only after the token."""
+    """`values` plus zero from `token`: they exist only after the token.
+
+    The token is NaN where the results it came from are (a diverged
+    step): floating values then turn NaN too, as the step's would; integer
+    values (token ids) get min(isnan(t), 0), a zero whatever t is, since
+    NaN cast to an integer is the most negative one (an Embedding would
+    then fail on an index out of range instead of training on to a NaN
+    loss as one device does)."""
     if token is None:
         return values
     out = []
@@ -52,5 +59,9 @@ def after(values, token):
             t = tf.reduce_sum(t)  # a value without the batch dimension
         if t.shape.rank:
             t = tf.reshape(t, [-1] + [1] * (v.shape.rank - 1))
-        out.append(v + tf.cast(t, v.dtype))
+        if v.dtype.is_floating or v.dtype.is_complex:
+            out.append(v + tf.cast(t, v.dtype))
+        else:
+            out.append(v + tf.minimum(tf.cast(tf.math.is_nan(t), v.dtype),
+                                      0))
     return out

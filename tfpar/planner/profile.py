@@ -15,8 +15,10 @@ functional models such as a keras-hub task's backbone inlined:
   and their product with V). The backward pass costs 2× the forward.
 - activation bytes kept for the backward pass: the layer's outputs, plus,
   inside a composite layer (attention, a transformer block), each kernel's
-  output and attention's scores and probabilities (2 · heads · s per
-  token); a Dense with a non-linear activation also keeps its
+  output and input (its weight gradient reads the input; self-attention's
+  key and value read the query's, counted once), each normalization's
+  normalized input and attention's scores and probabilities (2 · heads ·
+  s per token); a Dense with a non-linear activation also keeps its
   pre-activation.
 - its weights (path, shape, bytes per element, trainable, owning layer,
   whether a convolution's kernel: convolutions run at their own measured
@@ -208,7 +210,11 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
     reuses = []
     composite = bool(sublayers(layer, include_self=False))
+    shared_inputs = set()
     for sub in _leaf_attention(layer):
+        # self-attention's key and value read the query's input
+        shared_inputs.update(id(getattr(sub, name, None))
+                             for name in ("_key_dense", "_value_dense"))
         s = tokens
         width = _attention_width(sub)
         attention += 4.0 * s * width * tokens
@@ -223,22 +229,41 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
         shape = tuple(int(d) for d in w.shape)
         record = Weight(w.path, shape, np.dtype(w.dtype).itemsize,
                         bool(w.trainable), owner)
-        if len(shape) >= 2 and w.path.rsplit("/", 1)[-1] != "embeddings":
+        # a kernel: not a table, nor an einsum layer's (heads, width) bias
+        if len(shape) >= 2 and w.path.rsplit("/", 1)[-1] not in (
+                "embeddings", "bias"):
             positions = tokens
             if len(shape) >= 3 and hasattr(owner, "kernel_size"):  # conv
                 positions = max(tokens, 1)
                 record.conv = True
             record.flops = 2.0 * record.size * positions
             width = out_width(owner, shape)
+            if composite and id(owner) not in shared_inputs:
+                # the weight gradient reads the kernel's input
+                width += in_width(owner, shape)
             if composite or _nonlinear(owner):
                 record.activation = float(positions * width * itemsize)
         flops += record.flops
         internal += record.activation
         weights.append(record)
+    if composite:
+        internal += _normalized(layer, tokens, itemsize)
     return Op(layer.name, layer, weights, flops + attention, attention,
               _float_bytes(node.outputs, itemsize, seq),
               internal + attention_internal, attention_internal, tokens,
               layer_ops(layer), reuses=reuses)
+
+
+def _normalized(layer, tokens, itemsize):
+    """Bytes per sample the normalizations nested in a composite layer keep
+    beyond their outputs: each its normalized input (x̂ = (x - μ)/σ, which
+    its scale's gradient and its input's read), one element per feature."""
+    total = 0.0
+    for sub in sublayers(layer, include_self=False):
+        weights = getattr(sub, "weights", [])
+        if "norm" in type(sub).__name__.lower() and weights:
+            total += tokens * int(weights[0].shape[-1]) * itemsize
+    return total
 
 
 def sublayers(layer, include_self=True):

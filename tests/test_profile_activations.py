@@ -48,9 +48,10 @@ class Feedforward(keras.layers.Layer):
         return self.down(self.up(x))
 
 
-def _op(layer):
+def _op(layer, *, attention=False):
     inputs = keras.Input((SEQ, WIDTH))
-    model = keras.Model(inputs, layer(inputs))
+    outputs = layer(inputs, inputs) if attention else layer(inputs)
+    model = keras.Model(inputs, outputs)
     ops = profile.profile_model(model).ops
     return next(op for op in ops if op.layer is layer)
 
@@ -80,19 +81,33 @@ def test_a_block_counts_self_attentions_input_once_and_its_norms():
         2 * SEQ * kernel_sizes + 4 * SEQ * h * SEQ)
 
 
-def test_the_plans_count_of_keras_hub_blocks_is_near_the_compiled_steps():
-    """keras-hub GPT-2 (each block one layer), data=2 × model=4, no
-    recomputation: the plan's activation count within 25% of what the
-    compiled step saves (it was 44% below before kernel inputs and norms
-    were counted)."""
-    plan = tfpar.plan(bench.blocks, bench.BATCH,
-                      cluster=tfpar.Cluster.local(), check=False,
-                      sequence_length=bench.SEQ)
+def test_an_attention_op_keeps_no_copy_of_its_input_or_output():
+    """An attention layer that is itself a graph op: its input (the
+    query's) and its output projection's output are the graph's tensors,
+    counted as the ops' outputs, not again inside it."""
+    op = _op(keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS),
+             attention=True)
+    h, scores = WIDTH, 2 * HEADS * SEQ
+    kept = 3 * h + h  # query, key, value outputs; the projection's input
+    assert op.internal == pytest.approx(SEQ * (kept + scores) * 4)
+
+
+@pytest.mark.parametrize("build, hub", [(bench.blocks, True),
+                                        (bench.ops, False)],
+                         ids=["keras-hub blocks", "one layer per op"])
+def test_the_plans_count_is_near_what_the_compiled_step_saves(build, hub):
+    """The same GPT with each block one layer (keras-hub GPT-2) and one
+    layer per op (examples/gpt.py), data=2 × model=4, no recomputation:
+    the plan's activation count within 10% of what the compiled step
+    saves (keras-hub's was 44% below before kernel inputs, norms and
+    which side of a kernel the model axis splits were counted)."""
+    plan = tfpar.plan(build, bench.BATCH, cluster=tfpar.Cluster.local(),
+                      check=False, sequence_length=bench.SEQ)
     candidate = next(
         c for c in plan.candidates
         if (c.axes["data"], c.axes["pipe"], c.axes["model"]) == (2, 1, 4)
         and c.num_microbatches == 1 and not c.fsdp and c.recompute is None
         and not c.sequence_parallel)
     counted = candidate.estimate.memory_per_device["activations"]
-    measured = bench.saved_activations(candidate, bench.blocks, True)
-    assert abs(counted / measured - 1) <= 0.25, (counted, measured)
+    measured = bench.saved_activations(candidate, build, hub)
+    assert abs(counted / measured - 1) <= 0.10, (counted, measured)

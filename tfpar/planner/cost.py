@@ -341,7 +341,12 @@ class Layout:
             if "model" in spec and t > 1:
                 self.flops_split[i] += w.flops
                 self.conv_split[i] += w.flops * w.conv
-                internal -= w.activation * (1 - 1 / t)
+                # split: the input's part of what it keeps if the split
+                # dimension is contracted (row-parallel), else the output's
+                side = (w.activation_in if any(
+                    c for c, axis in zip(w.contracted, spec)
+                    if axis == "model") else w.activation - w.activation_in)
+                internal -= side * (1 - 1 / t)
                 attention_split = True
             else:
                 self.flops_repl[i] += w.flops

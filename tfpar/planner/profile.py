@@ -16,10 +16,13 @@ functional models such as a keras-hub task's backbone inlined:
 - activation bytes kept for the backward pass: the layer's outputs, plus,
   inside a composite layer (attention, a transformer block), each kernel's
   output and input (its weight gradient reads the input; self-attention's
-  key and value read the query's, counted once), each normalization's
-  normalized input and attention's scores and probabilities (2 · heads ·
-  s per token); a Dense with a non-linear activation also keeps its
-  pre-activation.
+  key and value read the query's, counted once; an attention layer that
+  is itself the op keeps neither its input nor its output projection's
+  output, which the graph holds; `Weight.activation_in` and
+  `Weight.contracted` tell the cost model which side a model-axis split
+  divides), each normalization's normalized input and attention's scores
+  and probabilities (2 · heads · s per token); a Dense with a non-linear
+  activation also keeps its pre-activation.
 - its weights (path, shape, bytes per element, trainable, owning layer,
   whether a convolution's kernel: convolutions run at their own measured
   rate on a calibrated host, `cost.py`).
@@ -63,7 +66,9 @@ class Weight:
     trainable: bool
     owner: object          # the innermost layer owning it
     flops: float = 0.0     # forward FLOPs per sample of its matmul/conv
-    activation: float = 0.0  # bytes per sample of its output (composites)
+    activation: float = 0.0  # bytes per sample kept: its output (composites)
+    activation_in: float = 0.0  # ... of which its input (composites)
+    contracted: tuple = ()  # per dimension: read from the input side
     conv: bool = False     # a convolution's kernel (not a matmul's)
 
     @property
@@ -210,11 +215,8 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
     reuses = []
     composite = bool(sublayers(layer, include_self=False))
-    shared_inputs = set()
+    unread, unkept = _boundary_kernels(layer)
     for sub in _leaf_attention(layer):
-        # self-attention's key and value read the query's input
-        shared_inputs.update(id(getattr(sub, name, None))
-                             for name in ("_key_dense", "_value_dense"))
         s = tokens
         width = _attention_width(sub)
         attention += 4.0 * s * width * tokens
@@ -237,12 +239,15 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
                 positions = max(tokens, 1)
                 record.conv = True
             record.flops = 2.0 * record.size * positions
-            width = out_width(owner, shape)
-            if composite and id(owner) not in shared_inputs:
-                # the weight gradient reads the kernel's input
-                width += in_width(owner, shape)
+            record.contracted = contracted_dims(owner, shape)
+            width = 0 if id(owner) in unkept else out_width(owner, shape)
+            read = 0
+            if composite and id(owner) not in unread:
+                read = in_width(owner, shape)  # the weight gradient's
             if composite or _nonlinear(owner):
-                record.activation = float(positions * width * itemsize)
+                record.activation = float(positions * (width + read)
+                                          * itemsize)
+                record.activation_in = float(positions * read * itemsize)
         flops += record.flops
         internal += record.activation
         weights.append(record)
@@ -252,6 +257,22 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
               _float_bytes(node.outputs, itemsize, seq),
               internal + attention_internal, attention_internal, tokens,
               layer_ops(layer), reuses=reuses)
+
+
+def _boundary_kernels(layer):
+    """(ids of kernels whose input a composite layer does not keep as its
+    own, ids of those whose output it does not): self-attention's key and
+    value read the query's input; an attention layer that is itself the
+    graph's op reads its input and returns its output projection's, both
+    counted as the graph's tensors."""
+    unread, unkept = set(), set()
+    for sub in _leaf_attention(layer):
+        unread.update(id(getattr(sub, name, None))
+                      for name in ("_key_dense", "_value_dense"))
+    if is_attention(layer):
+        unread.add(id(getattr(layer, "_query_dense", None)))
+        unkept.add(id(getattr(layer, "_output_dense", None)))
+    return unread, unkept
 
 
 def _normalized(layer, tokens, itemsize):
@@ -332,6 +353,17 @@ def _einsum_sides(owner):
         return None
     inputs, output = equation.split("->")
     return inputs.split(",")[-1], output
+
+
+def contracted_dims(owner, shape):
+    """Per dimension of a kernel of `shape`, whether it is contracted with
+    the input (a Dense kernel's first, a convolution's all but the last,
+    an einsum layer's letters missing from its output)."""
+    sides = _einsum_sides(owner)
+    if sides is not None and len(sides[0]) == len(shape):
+        letters, output = sides
+        return tuple(c not in output for c in letters)
+    return tuple(i < len(shape) - 1 for i in range(len(shape)))
 
 
 def in_width(owner, shape):

@@ -70,7 +70,7 @@ def test_a_block_counts_self_attentions_input_once_and_its_norms():
     inputs = h + h + h + f              # q (k, v read it too), output,
     #                                     up, down
     norms = 2 * h                       # each norm's normalized input
-    scores = 2 * HEADS * SEQ            # probabilities and their dropout
+    scores = 2 * HEADS * SEQ            # scores and probabilities
     assert op.internal == pytest.approx(
         SEQ * (kernels + inputs + norms + scores) * 4)
     assert op.attention_internal == pytest.approx(SEQ * scores * 4)
@@ -92,9 +92,10 @@ def test_an_attention_op_keeps_no_copy_of_its_input_or_output():
     assert op.internal == pytest.approx(SEQ * (kept + scores) * 4)
 
 
-@pytest.mark.parametrize("build, hub", [(bench.blocks, True),
-                                        (bench.ops, False)],
-                         ids=["keras-hub blocks", "one layer per op"])
+@pytest.mark.parametrize("build, hub", [
+    pytest.param(bench.blocks, True, id="keras-hub blocks"),
+    pytest.param(bench.ops, False, id="one layer per op",
+                 marks=pytest.mark.slow)])
 def test_the_plans_count_is_near_what_the_compiled_step_saves(build, hub):
     """The same GPT with each block one layer (keras-hub GPT-2) and one
     layer per op (examples/gpt.py), data=2 × model=4, no recomputation:

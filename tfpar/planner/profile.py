@@ -215,8 +215,9 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
     reuses = []
     composite = bool(sublayers(layer, include_self=False))
-    unread, unkept = _boundary_kernels(layer)
-    for sub in _leaf_attention(layer):
+    attentions = _leaf_attention(layer)
+    unread, unkept = _boundary_kernels(layer, attentions)
+    for sub in attentions:
         s = tokens
         width = _attention_width(sub)
         attention += 4.0 * s * width * tokens
@@ -259,14 +260,15 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
               layer_ops(layer), reuses=reuses)
 
 
-def _boundary_kernels(layer):
+def _boundary_kernels(layer, attentions):
     """(ids of kernels whose input a composite layer does not keep as its
     own, ids of those whose output it does not): self-attention's key and
-    value read the query's input; an attention layer that is itself the
-    graph's op reads its input and returns its output projection's, both
-    counted as the graph's tensors."""
+    value (of `attentions`, the layer's `_leaf_attention`) read the
+    query's input; an attention layer that is itself the graph's op reads
+    its input and returns its output projection's, both counted as the
+    graph's tensors."""
     unread, unkept = set(), set()
-    for sub in _leaf_attention(layer):
+    for sub in attentions:
         unread.update(id(getattr(sub, name, None))
                       for name in ("_key_dense", "_value_dense"))
     if is_attention(layer):

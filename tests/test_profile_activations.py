@@ -92,6 +92,63 @@ def test_an_attention_op_keeps_no_copy_of_its_input_or_output():
     assert op.internal == pytest.approx(SEQ * (kept + scores) * 4)
 
 
+class Standardized(keras.layers.Layer):
+    """A fixed standardization (Keras' preprocessing `Normalization`: a
+    linear map, nothing kept for its backward pass) before a projection."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.standardize = keras.layers.Normalization()
+        self.project = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        return self.project(self.standardize(x))
+
+
+def test_only_normalizations_keep_a_normalized_input():
+    """The profile knows a normalization as the tensor-parallel rules do
+    (`keras_graph.is_norm`): Keras' preprocessing `Normalization` is a
+    fixed linear map that keeps nothing, whatever its class is named."""
+    op = _op(Standardized())
+    assert op.internal == pytest.approx(SEQ * (WIDTH + WIDTH) * 4)
+
+
+class PatchEmbedding(keras.layers.Layer):
+    """A convolution then a projection as one layer (keras-hub ViT's
+    patch embedding is a strided convolution in a composite layer)."""
+
+    def __init__(self, kernel, strides, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = keras.layers.Conv2D(WIDTH, kernel, strides=strides,
+                                        padding="same")
+        self.project = keras.layers.Dense(WIDTH)
+
+    def call(self, x):
+        return self.project(self.conv(x))
+
+
+@pytest.mark.parametrize("kernel, strides", [(4, 4), (3, 1)],
+                         ids=["patches", "stride 1"])
+def test_a_convolution_keeps_its_input_channels_at_its_strides(kernel,
+                                                               strides):
+    """The kept input of a convolution inside a composite layer: the
+    input's channels at Π strides positions per output position (a 4×4
+    patch of 5 channels: 80 elements; a stride-1 3×3 one: 5), not its
+    kernel's height."""
+    inputs = keras.Input((16, 16, 5))
+    layer = PatchEmbedding(kernel, strides)
+    model = keras.Model(inputs, layer(inputs))
+    op = next(op for op in profile.profile_model(model).ops
+              if op.layer is layer)
+    positions = (16 // strides) ** 2
+    conv = 5 * strides * strides + WIDTH   # input read, output written
+    project = WIDTH + WIDTH
+    assert op.tokens == positions
+    assert op.internal == pytest.approx(positions * (conv + project) * 4)
+    assert op.flops == pytest.approx(
+        2 * positions * (kernel * kernel * 5 * WIDTH + WIDTH * WIDTH))
+
+
 @pytest.mark.parametrize("build, hub", [
     pytest.param(bench.blocks, True, id="keras-hub blocks"),
     pytest.param(bench.ops, False, id="one layer per op",

@@ -40,15 +40,6 @@ _ELEMENTWISE_OPS = frozenset({
 })
 # Ops that read only a tensor's shape: no value flows through them.
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-_KERAS_NORMS = (
-    keras.layers.LayerNormalization, keras.layers.BatchNormalization,
-    keras.layers.GroupNormalization, keras.layers.UnitNormalization,
-    keras.layers.RMSNormalization,
-)
-# Norm classes of other libraries (keras-hub's RMSNormalization,
-# LlamaLayerNorm, MistralLayerNormalization, ...), known by name: they
-# normalize each token over its last axis with 1-D weights.
-_NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
 
 
 def auto_rules(model, axis=None, axis_size=None, mesh=None,
@@ -466,7 +457,7 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole,
         _check_divides(layer, _embedding_table(layer).shape[1], axis,
                        axis_size, "output_dim")
         plan[layer.path] = column
-    elif _is_norm(layer):
+    elif keras_graph.is_norm(layer):
         if column.sequence_parallel and _normalizes_each_token(
                 layer, flow.input_rank(layer)):
             plan[layer.path] = SequenceParallel(axis)
@@ -634,12 +625,6 @@ def _embedding_table(layer):
             or not set(tables) <= {"embeddings", "reverse_embeddings"}):
         return None
     return table
-
-
-def _is_norm(layer):
-    return isinstance(layer, _KERAS_NORMS) or (
-        _NORM_NAME.fullmatch(type(layer).__name__) is not None
-        and all(len(w.shape) == 1 for w in layer.weights))
 
 
 def _why_whole(layer, flow):
@@ -833,7 +818,7 @@ class _Dataflow:
         `head_norms`."""
         out = {}
         for source, heads in made.items():
-            if not _is_norm(source):
+            if not keras_graph.is_norm(source):
                 out[source] = heads
                 continue
             read = self._heads_read(self._first_input(source))
@@ -899,7 +884,7 @@ def _normalizes_each_token(layer, rank):
     `rank` input (None: unknown), so each token is normalized alone and
     sequence parallelism applies. Norms of other libraries normalize the
     last axis."""
-    if isinstance(layer, _KERAS_NORMS) and not isinstance(
+    if isinstance(layer, keras_graph.KERAS_NORMS) and not isinstance(
             layer, (keras.layers.LayerNormalization,
                     keras.layers.RMSNormalization)):
         return False  # batch, group and unit norms mix tokens or channels

@@ -20,6 +20,7 @@ Example:
 
 import contextlib
 import functools
+import re
 
 import keras
 import tensorflow as tf
@@ -66,6 +67,26 @@ def call_count(layer):
 def is_model(layer):
     """Whether `layer` is a Keras Model (a nested model can be inlined)."""
     return isinstance(layer, keras.Model)
+
+
+KERAS_NORMS = (
+    keras.layers.LayerNormalization, keras.layers.BatchNormalization,
+    keras.layers.GroupNormalization, keras.layers.UnitNormalization,
+    keras.layers.RMSNormalization,
+)
+# Norm classes of other libraries (keras-hub's RMSNormalization,
+# LlamaLayerNorm, MistralLayerNormalization, ...), known by name: they
+# normalize each token over its last axis with 1-D weights.
+_NORM_NAME = re.compile(r".*(RMS|Layer)Norm(alization)?")
+
+
+def is_norm(layer):
+    """Whether `layer` is a normalization: one of Keras' (`KERAS_NORMS`) or
+    another library's class named `...(RMS|Layer)Norm(alization)` whose
+    weights are all 1-D (a scale and maybe an offset per feature)."""
+    return isinstance(layer, KERAS_NORMS) or (
+        _NORM_NAME.fullmatch(type(layer).__name__) is not None
+        and all(len(w.shape) == 1 for w in layer.weights))
 
 
 def has_keras_tensor(structure):

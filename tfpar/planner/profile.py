@@ -22,7 +22,10 @@ functional models such as a keras-hub task's backbone inlined:
   `Weight.contracted` tell the cost model which side a model-axis split
   divides), each normalization's normalized input and attention's scores
   and probabilities (2 · heads · s per token); a Dense with a non-linear
-  activation also keeps its pre-activation.
+  activation also keeps its pre-activation. A convolution's input is its
+  input channels at Π strides positions per output position (a patch
+  embedding's kh·kw·cin); a normalization is what the tensor-parallel
+  rules take for one (`keras_graph.is_norm`).
 - its weights (path, shape, bytes per element, trainable, owning layer,
   whether a convolution's kernel: convolutions run at their own measured
   rate on a calibrated host, `cost.py`).
@@ -236,7 +239,7 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
         if len(shape) >= 2 and w.path.rsplit("/", 1)[-1] not in (
                 "embeddings", "bias"):
             positions = tokens
-            if len(shape) >= 3 and hasattr(owner, "kernel_size"):  # conv
+            if _is_conv(owner, shape):
                 positions = max(tokens, 1)
                 record.conv = True
             record.flops = 2.0 * record.size * positions
@@ -284,7 +287,7 @@ def _normalized(layer, tokens, itemsize):
     total = 0.0
     for sub in sublayers(layer, include_self=False):
         weights = getattr(sub, "weights", [])
-        if "norm" in type(sub).__name__.lower() and weights:
+        if keras_graph.is_norm(sub) and weights:
             total += tokens * int(weights[0].shape[-1]) * itemsize
     return total
 
@@ -369,23 +372,45 @@ def contracted_dims(owner, shape):
 
 
 def in_width(owner, shape):
-    """Elements per token a kernel of `shape` reads: its contracted
-    dimensions (a Dense kernel's first)."""
-    sides = _einsum_sides(owner)
-    if sides is None:
-        return int(shape[0])
-    letters, output = sides
-    return int(np.prod([d for c, d in zip(letters, shape) if c not in output]))
+    """Elements a kernel of `shape` reads per output position: its
+    contracted dimensions (a Dense kernel's first); a convolution reads
+    its input channels at Π strides positions per output position (a
+    patch embedding's kh·kw·cin, a stride-1 convolution's cin)."""
+    if _is_conv(owner, shape):
+        return _conv_widths(owner, shape)[0]
+    return int(np.prod([d for d, c in zip(shape, contracted_dims(owner, shape))
+                        if c]))
 
 
 def out_width(owner, shape):
-    """Elements per token a kernel of `shape` writes: its dimensions kept
-    in the output (a Dense kernel's last)."""
-    sides = _einsum_sides(owner)
-    if sides is not None and len(sides[0]) == len(shape):
-        letters, output = sides
-        return int(np.prod([d for c, d in zip(letters, shape) if c in output]))
-    return int(shape[-1])
+    """Elements a kernel of `shape` writes per output position: its
+    dimensions kept in the output (a Dense kernel's last, a convolution's
+    output channels)."""
+    if _is_conv(owner, shape):
+        return _conv_widths(owner, shape)[1]
+    return int(np.prod([d for d, c in zip(shape, contracted_dims(owner, shape))
+                        if not c]))
+
+
+def _is_conv(owner, shape):
+    return len(shape) >= 3 and hasattr(owner, "kernel_size")
+
+
+def _conv_widths(owner, shape):
+    """(input elements read, output elements written) per output position
+    of a convolution kernel (k₁, ..., cin/groups, cout): the input holds
+    Π strides positions per output position of cin = groups·shape[-2]
+    channels. A depthwise kernel (k₁, ..., cin, multiplier) writes
+    cin·multiplier channels; a separable layer's 1×1 pointwise kernel
+    reads the depthwise output at the output's positions."""
+    channels_in = int(shape[-2]) * int(getattr(owner, "groups", 1) or 1)
+    channels_out = int(shape[-1])
+    pointwise = (hasattr(owner, "pointwise_kernel")
+                 and all(d == 1 for d in shape[:-2]))
+    if not pointwise and getattr(owner, "depth_multiplier", None) == shape[-1]:
+        channels_out = int(shape[-2]) * int(shape[-1])
+    strides = 1 if pointwise else int(np.prod(getattr(owner, "strides", 1)))
+    return channels_in * strides, channels_out
 
 
 # The forward and backward ops of a layer beyond 4 per weight, counted in

@@ -7,7 +7,10 @@ Core's H100 weak-scaling table (tensor, pipeline and data parallelism),
 llm-foundry's MPT tables on A100-40GB, A100-80GB and H100 (PyTorch FSDP:
 fsdp-style data parallelism), BigScience's BLOOM topology benchmarks on
 A100-80GB (Megatron-DeepSpeed: the same 181B model under 16 t/p/d and
-micro-batch configurations) and torchtitan's Llama 3.1 runs (FSDP, TP).
+micro-batch configurations), torchtitan's Llama 3.1 runs (FSDP, TP) and
+MaxText's TPU v5p table (JAX/XLA: FSDP with tensor parallelism; the
+only TPU runs, so the TPU preset's first check: its GEMM constants are
+the A100's, unfitted).
 Every row cites the file and table it comes from
 (`benchmarks/planner_heldout.csv`, written by `--csv`).
 
@@ -16,7 +19,11 @@ Megatron-Core gives model TFLOP/s per GPU of its `num_floating_point_
 operations` (F = 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) for these GPTs):
 seconds = F / (TFLOP/s · GPUs); llm-foundry and torchtitan give tokens/s
 per GPU: seconds = B·s / (tokens/s · GPUs); BLOOM's tables give seconds
-per iteration.
+per iteration; MaxText gives TFLOP/s per chip of its
+`calculate_tflops_training_per_device` (per chip: 3 · b·s · (L · (6·h·f
++ 2·h·(a + 2·kv)·d_h + 2·h·a·d_h) + 2·h·V) + 3 · L · 4 · b·s²·a·d_h,
+attention counted without causality; b the per-chip batch): seconds =
+that / TFLOP/s.
 
 The rule for what a row leaves unstated (written before evaluating):
 
@@ -26,13 +33,32 @@ The rule for what a row leaves unstated (written before evaluating):
 - recomputation: Megatron-Core: none (its default; its MFU counts model
   FLOPs), llm-foundry: "Activation Checkpointing" column (True: full),
   torchtitan: its config (full, or op-level selective: mapped to
-  "selective"), BLOOM: full (the tr11 slurm script).
+  "selective"), BLOOM: full (the tr11 slurm script), MaxText: its
+  script's `remat_policy` ("minimal" saves every weight matmul's output
+  and recomputes the rest, attention's core included: "selective";
+  "full": full).
+- MaxText: its `base.yml` model (Llama-2 decoder: SwiGLU MLP, rotary
+  positions, no dropout, untied logits, V = 32000, s = 2048) at the
+  script's `global_parameter_scale` (MaxText's rule: of log₂ scale = 3q
+  + r, heads and MLP × 2^(q + [r > 0]), width × 2^(q + [r > 1]), layers
+  × 2^q), flash attention (`attention='flash'`); a v5p-N slice holds N/2
+  chips; the tensor axis its script's `ici_tensor_parallelism`, the rest
+  fsdp; each tensor group's batch (the micro-batch) b · t; its
+  activations' hidden dimension split over the tensor axis
+  (`activation_embed: tensor`: sequence parallelism's bytes); the
+  tensor-parallel collectives overlapped (its scripts' XLA flags
+  `--xla_tpu_overlap_compute_collective_tc`, async collective fusion:
+  `tp_overlap`). Left out: the 128B and 1024B rows (the scale rule gives
+  heads · d_h twice the width, which `roofline.Transformer` does not
+  describe) and every two-slice row (slices joined by the data-center
+  network, which the TPU presets do not describe).
 - Megatron-Core: sequence parallelism when t > 1 (its
   `--tp-comm-overlap`, stated, requires it: megatron/training/
   arguments.py), fused (flash) attention (Transformer Engine), 1F1B
   without interleaving, dropout 0.1 and learned positions (its defaults),
   untied logits (the stated parameter counts need them).
-- vocabulary: as published (131072, 50368, 128256, BLOOM 250880).
+- vocabulary: as published (131072, 50368, 128256, BLOOM 250880,
+  MaxText 32000).
 - pairs: every two rows of one source, model, hardware and sequence
   length whose published throughput per GPU differs by at least 10%
   (BLOOM's repeated measurement of one configuration differs by 3%: a
@@ -74,6 +100,9 @@ LF_CITE = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md "
 BL_CITE = ("bigscience-workshop/bigscience train/tr11-176B-ml/"
            "chronicles-prequel.md, '{}' (02-25; 48 nodes of 8 A100-80GB, "
            "Jean Zay)")
+MX_CITE = ("AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md "
+           "(commit 0ed7bd52), {} model, 1x {}; config MaxText/configs/v5p/"
+           "{}.sh (commit {}) and MaxText/configs/base.yml")
 TT_CITE = ("pytorch/torchtitan benchmarks/{} (Grand Teton H100 96GB "
            "HBM2e, 500 W); seq_len from train_configs/llama3_{}.toml at "
            "commit 9dec370")
@@ -114,6 +143,28 @@ def _lf_row(table, size, s, gpus, mb, ga, B, ac, per_gpu, sharded=True):
             "full" if ac else None, sharded, True,
             _tokens(B, s, per_gpu, gpus),
             LF_CITE.format(_LF_TABLES[table], size))
+
+
+MAXTEXT = dict(dropout=False, tied=False, position_embedding=False,
+              gated=True)
+
+
+def _mx_row(size, slice_cores, scale, b, t, remat, tflops, commit):
+    """A MaxText v5p row: (model size, v5p-N, global_parameter_scale,
+    per-chip batch, ici_tensor_parallelism, remat_policy, TFLOP/s per chip,
+    the config's commit)."""
+    q, r = divmod(scale.bit_length() - 1, 3)
+    heads = 16 * 2 ** (q + (r > 0))
+    L, h, f = 16 * 2 ** q, 2048 * 2 ** (q + (r > 1)), 7168 * 2 ** (q + (r > 0))
+    assert heads * 128 == h, "heads · head_dim must be the width"
+    s, V, chips = 2048, 32000, slice_cores // 2
+    per_chip = 3 * b * s * (L * (6 * h * f + 2 * h * 3 * h + 2 * h * h)
+                            + 2 * h * V) + 3 * L * 4 * b * s * s * h
+    return ("MX", "tpu-v5p", (L, h, heads, s, V), dict(MAXTEXT, ffn=f),
+            b * chips, b * t, t, 1, chips // t, 1, True,
+            {"minimal": "selective", "full": "full"}[remat], True, True,
+            per_chip / (tflops * 1e12),
+            MX_CITE.format(size, f"v5p-{slice_cores}", size.lower(), commit))
 
 
 def _bl_row(d, t, p, mb, B, seconds, table):
@@ -229,6 +280,12 @@ ROWS = {
                           TT_CITE.format("asyncTP_llama3_h100_2025-06_"
                                          "torchtitan.md, 70b bfloat16 "
                                          "vanilla TP", "70b")),
+    # MaxText, TPU v5p, one slice: (size, v5p-N, global_parameter_scale,
+    # per-chip batch, tensor, remat_policy, TFLOP/s per chip, commit).
+    "MX-32B": _mx_row("32B", 128, 32, 7, 4, "minimal", 328, "0d9779a5"),
+    "MX-64B": _mx_row("64B", 128, 64, 3, 4, "minimal", 323, "3d048f7b"),
+    "MX-256B": _mx_row("256B", 1024, 256, 1, 8, "minimal", 308, "07775101"),
+    "MX-512B": _mx_row("512B", 1024, 512, 2, 8, "full", 294, "07775101"),
 }
 LINKS = {"BL": dev.LINKS["S5"],
          "TT": {"hbm_bandwidth": 2.4e12, "memory": 96e9}}
@@ -239,10 +296,12 @@ NOT_COUNTED = {"TT": "hardware not a preset: 500 W H100 with HBM2e, peak "
 # distributed optimizer: megatron/training/arguments.py); BLOOM with
 # DeepSpeed's pipeline engine and ZeRO stage 1 (gradients reduced after
 # the last micro-batch: planner_published.RUNTIME["S5"]); PyTorch FSDP
-# (llm-foundry, torchtitan) overlaps.
+# (llm-foundry, torchtitan) overlaps; MaxText's scripts turn on XLA's
+# overlap of collectives with compute (`--xla_tpu_overlap_compute_
+# collective_tc`, async collective fusion).
 RUNTIME = {"MC": {"tp_overlap": True, "zero1": True,
                   "pipe_outermost": True},
-           "BL": dev.RUNTIME["S5"]}
+           "BL": dev.RUNTIME["S5"], "MX": {"tp_overlap": True}}
 TABLE = dict(rows=ROWS, links=LINKS, megatron_sources=(), runtime=RUNTIME)
 
 

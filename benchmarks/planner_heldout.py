@@ -48,10 +48,12 @@ The rule for what a row leaves unstated (written before evaluating):
   (`activation_embed: tensor`: sequence parallelism's bytes); the
   tensor-parallel collectives overlapped (its scripts' XLA flags
   `--xla_tpu_overlap_compute_collective_tc`, async collective fusion:
-  `tp_overlap`). Left out: the 128B and 1024B rows (the scale rule gives
-  heads · d_h twice the width, which `roofline.Transformer` does not
-  describe) and every two-slice row (slices joined by the data-center
-  network, which the TPU presets do not describe).
+  `tp_overlap`). Heads are 128 wide (`head_dim`), so the 128B model's 128
+  heads span twice its width. Left out: the 1024B rows (its script's
+  `ici_tensor_parallelism=8\\ ici_data_parallelism=16` passes one
+  argument, the axes it ran with are not readable) and every two-slice
+  row (slices joined by the data-center network, which the TPU presets
+  do not describe).
 - Megatron-Core: sequence parallelism when t > 1 (its
   `--tp-comm-overlap`, stated, requires it: megatron/training/
   arguments.py), fused (flash) attention (Transformer Engine), 1F1B
@@ -156,11 +158,12 @@ def _mx_row(size, slice_cores, scale, b, t, remat, tflops, commit):
     q, r = divmod(scale.bit_length() - 1, 3)
     heads = 16 * 2 ** (q + (r > 0))
     L, h, f = 16 * 2 ** q, 2048 * 2 ** (q + (r > 1)), 7168 * 2 ** (q + (r > 0))
-    assert heads * 128 == h, "heads · head_dim must be the width"
+    q = heads * 128  # base.yml's head_dim: q is h or 2h
     s, V, chips = 2048, 32000, slice_cores // 2
-    per_chip = 3 * b * s * (L * (6 * h * f + 2 * h * 3 * h + 2 * h * h)
-                            + 2 * h * V) + 3 * L * 4 * b * s * s * h
-    return ("MX", "tpu-v5p", (L, h, heads, s, V), dict(MAXTEXT, ffn=f),
+    per_chip = 3 * b * s * (L * (6 * h * f + 2 * h * 3 * q + 2 * h * q)
+                            + 2 * h * V) + 3 * L * 4 * b * s * s * q
+    return ("MX", "tpu-v5p", (L, h, heads, s, V),
+            dict(MAXTEXT, ffn=f, key_dim=128),
             b * chips, b * t, t, 1, chips // t, 1, True,
             {"minimal": "selective", "full": "full"}[remat], True, True,
             per_chip / (tflops * 1e12),
@@ -284,6 +287,10 @@ ROWS = {
     # per-chip batch, tensor, remat_policy, TFLOP/s per chip, commit).
     "MX-32B": _mx_row("32B", 128, 32, 7, 4, "minimal", 328, "0d9779a5"),
     "MX-64B": _mx_row("64B", 128, 64, 3, 4, "minimal", 323, "3d048f7b"),
+    "MX-128B-256": _mx_row("128B", 256, 128, 1, 8, "minimal", 315,
+                           "07775101"),
+    "MX-128B-512": _mx_row("128B", 512, 128, 1, 8, "minimal", 316,
+                           "07775101"),
     "MX-256B": _mx_row("256B", 1024, 256, 1, 8, "minimal", 308, "07775101"),
     "MX-512B": _mx_row("512B", 1024, 512, 2, 8, "full", 294, "07775101"),
 }

@@ -222,6 +222,31 @@ def test_interleaved_configurations_are_checked_as_the_planner_builds_them():
     assert e.step_time_s > 0
 
 
+def test_a_keras_hub_gemma_is_read_with_heads_wider_than_its_width():
+    """Gemma's heads are not hidden / heads wide (7B: 16 × 256 at 3072)
+    and its query kernel is (heads, hidden, head width): read from the
+    kernel's einsum equation, the shape holds the model's parameters and
+    `tfpar.estimate` costs it (it could not find a token table of width
+    4, the heads, before)."""
+    import keras_hub  # noqa: PLC0415 (installed; slow to import)
+
+    def build():
+        return keras_hub.models.GemmaBackbone(
+            vocabulary_size=1000, num_layers=2, num_query_heads=4,
+            num_key_value_heads=1, hidden_dim=128, intermediate_dim=512,
+            head_dim=64)
+    profiled = profile.profile_model(profile.build_without_weights(build),
+                                     sequence_length=64)
+    shape = estimator.transformer_of(profiled)
+    assert (shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+            shape.attention_width, shape.ffn_width, shape.gated) == (
+                128, 4, 1, 64, 256, 256, True)
+    assert shape.num_params() == pytest.approx(profiled.num_params, rel=1e-2)
+    e = tfpar.estimate(build, 8, cluster=tfpar.Cluster.preset("a100-80gb"),
+                       axes={"data": 4, "model": 2}, sequence_length=64)
+    assert e.step_time_s > 0 and e.memory_per_device["activations"] > 0
+
+
 def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
     import keras_hub  # noqa: PLC0415 (installed; slow to import)
 

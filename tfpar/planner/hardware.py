@@ -65,7 +65,7 @@ on H100; 0 on a TPU: not measured). TPU v4
 and v5p have no published run in the development set: their GEMM
 constants are the A100's, unfitted. The v5p's are checked on the
 held-out set (`benchmarks/planner_heldout.py`: MaxText's v5p table,
-FSDP with tensor parallelism): three of four runs within 7%, the one
+FSDP with tensor parallelism): five of six runs within 7%, the one
 with full recomputation 30% slow; v4 is unchecked.
 
 >>> from tfpar.planner import hardware

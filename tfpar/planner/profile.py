@@ -222,7 +222,7 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
     unread, unkept = _boundary_kernels(layer, attentions)
     for sub in attentions:
         s = tokens
-        width = _attention_width(sub)
+        width = attention_width(sub)
         attention += 4.0 * s * width * tokens
         heads = _num_heads(sub)
         attention_internal += 2.0 * heads * s * tokens * itemsize
@@ -318,12 +318,19 @@ def is_attention(layer):
 
 
 def attention_hidden(layer):
-    """The model width attention reads and writes (0: not attention)."""
-    if isinstance(layer, keras.layers.MultiHeadAttention):
-        return int(layer.query_dense.kernel.shape[0])
-    if is_attention(layer):
-        return int(_query_weight(layer).shape[0])
-    return 0
+    """The model width attention reads and writes (0: not attention): its
+    query kernel's contracted dimensions (MultiHeadAttention's and Llama's
+    (h, heads, head width), Gemma's (heads, h, head width))."""
+    if not is_attention(layer):
+        return 0
+    return in_width(*_query_kernel(layer))
+
+
+def attention_width(layer):
+    """heads × head width of attention's query: its query kernel's
+    dimensions kept in the output (the model width unless the heads are
+    wider or narrower, as Gemma's 16 × 256 at width 3072)."""
+    return out_width(*_query_kernel(layer))
 
 
 def _query_weight(layer):
@@ -333,11 +340,15 @@ def _query_weight(layer):
     return None
 
 
-def _attention_width(layer):
+def _query_kernel(layer):
+    """(the layer owning attention's query kernel, the kernel's shape)."""
     if isinstance(layer, keras.layers.MultiHeadAttention):
-        return layer.num_heads * layer.key_dim
-    shape = tuple(_query_weight(layer).shape)
-    return int(np.prod(shape[1:]))
+        kernel = layer.query_dense.kernel
+    else:
+        kernel = _query_weight(layer)
+    owner = next((sub for sub in sublayers(layer)
+                  if getattr(sub, "kernel", None) is kernel), layer)
+    return owner, tuple(int(d) for d in kernel.shape)
 
 
 def _num_heads(layer):

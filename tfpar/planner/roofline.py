@@ -1,7 +1,8 @@
 """Step time and memory of a transformer stack on given hardware, per op.
 
 The cost model of `tfpar.estimate`: a transformer of L blocks (hidden h,
-heads a, head width h/a, MLP width f, sequence s, vocabulary V) trained
+heads a, head width dₕ (h/a unless given: Gemma's 256 at h = 3072, a =
+16), attention width q = a·dₕ, MLP width f, sequence s, vocabulary V) trained
 with data d × pipe p × model t, micro-batches of b samples, costed op by op
 on one device of the slowest pipeline stage (Megatron-LM's layout:
 Narayanan et al. 2021, Korthikanti et al. 2022).
@@ -132,7 +133,9 @@ gets the ICI axis' bandwidth.
 
 Memory per device (Korthikanti et al. 2022, eq. 1-2 and their Table 2):
 activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
-bytes, 34/t + 5as/(ht) with sequence parallelism, without the score term
+bytes, 34/t + 5as/(ht) with sequence parallelism (the 24/t's 8/t of
+query, key, value and the output projection's input × q/h when the
+attention width is not h), without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
 with full recomputation (plus one block's whole activations, rebuilt
 for its backward pass; tfpar recomputes each block whole where it finds
@@ -177,6 +180,7 @@ class Transformer:
     vocab: int
     ffn: int = 0            # MLP width (0: 4 · hidden)
     kv_heads: int = 0       # key/value heads (0: heads)
+    key_dim: int = 0        # width of one head (0: hidden // heads)
     gated: bool = False     # SwiGLU-style MLP: three kernels
     dropout: bool = True    # hidden and attention dropout
     causal: bool = True
@@ -210,7 +214,13 @@ class Transformer:
 
     @property
     def head_dim(self):
-        return self.hidden // self.heads
+        return self.key_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self):
+        """q = heads · head width: the query's and the output projection's
+        inner width (h unless the heads are wider or narrower)."""
+        return self.heads * self.head_dim
 
     def mlp_params(self):
         """One MLP's (one expert's) kernels."""
@@ -221,11 +231,13 @@ class Transformer:
         return self.experts * self.mlp_params()
 
     def block_params(self):
-        h, f = self.hidden, self.ffn_width
+        h, f, q = self.hidden, self.ffn_width, self.attention_width
         kv = (self.kv_heads or self.heads) * self.head_dim
         mlp = (self.bank_params() + h * self.experts if self.experts
                else self.mlp_params())
-        return h * (h + 2 * kv) + h * h + mlp + 4 * h + h + 2 * kv + f + h
+        # kernels: query, key, value, output projection, MLP; biases and
+        # the two norms' scales and offsets
+        return h * (q + 2 * kv) + q * h + mlp + 4 * h + q + 2 * kv + f + h
 
     def embedding_params(self):
         position = self.seq * self.hidden if self.position_embedding else 0
@@ -424,10 +436,10 @@ def ring(kind, nbytes, n, alpha_beta, count=1):
 def _gemm_shapes(model, cfg):
     """(m, n, k) of a block's forward GEMMs on one device (T = b·s)."""
     rows, t = tokens(model, cfg), cfg.model
-    h, f = model.hidden, model.ffn_width
+    h, f, q = model.hidden, model.ffn_width, model.attention_width
     kv = (model.kv_heads or model.heads) * model.head_dim
     up = (2 if model.gated else 1) * f
-    attention = [(rows, (h + 2 * kv) / t, h), (rows, h, h / t)]
+    attention = [(rows, (q + 2 * kv) / t, h), (rows, h, q / t)]
     if model.experts:  # the MLP is `_experts`' routed FFN
         return attention
     return attention + [(rows, up / t, h), (rows, h, f / t)]
@@ -957,6 +969,8 @@ def memory(model, cfg, global_batch):
         5.0 * model.heads * model.seq / model.hidden / t)
     whole_block = scores + (
         34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
+    # Q, K, V and the output projection's input: 8/t of them at width h
+    whole_block += 8.0 / t * (model.attention_width / model.hidden - 1)
     whole_block += _moe_and_context_activations(model, cfg)
     per_block = {None: whole_block, "selective": whole_block - scores,
                  "full": 2.0 * (model.kept_hidden + model.kept_wide / t)

@@ -39,6 +39,7 @@ def transformer_of(profile):
             "other models.")
     hidden = profile_lib.attention_hidden(attention[0])
     heads = _heads(attention[0])
+    key_dim = profile_lib.attention_width(attention[0]) // heads
     vocab, positions = _embeddings(profile, hidden)
     head = vocab_head(profile, hidden)
     inside = {id(sub) for layer in attention
@@ -59,6 +60,7 @@ def transformer_of(profile):
         layers=len(attention), hidden=hidden, heads=heads,
         seq=max(profile.ops[i].tokens for i in starts),
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
+        key_dim=0 if key_dim * heads == hidden else key_dim,
         gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
         # Without a head: whether no reverse table of its own is held.
         tied=head.tied if head else not _reverse_table(

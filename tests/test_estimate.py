@@ -473,6 +473,29 @@ def test_full_recomputation_rebuilds_one_block_of_activations(
     assert memory("full")["workspace"] == pytest.approx(stored)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_stored_activations_follow_the_attention_and_mlp_widths(
+        sequence_parallel):
+    """Korthikanti's 24/t (34/t) holds query, key, value and the output
+    projection's input at 8/t and the MLP's GeLU input and output at 16/t
+    for f = 4h: heads twice as wide add 8/t, a SwiGLU MLP of f = 3.5h
+    (gate, up and their product: Megatron-LM's fused SwiGLU) stores
+    16/t · 1.5 · 3.5/4, here with t = 4."""
+    def per_block(**kw):
+        model = roofline.Transformer(layers=4, hidden=1024, heads=16,
+                                     seq=2048, vocab=1000, **kw)
+        cfg = roofline.Parallel(pipe=2, model=4, flash=True,
+                                sequence_parallel=sequence_parallel)
+        sbh = roofline.tokens(model, cfg) * model.hidden * 2 / 2
+        return roofline.memory(model, cfg, 1)["activations"] / 2 / sbh
+    t = 4
+    korthikanti = 34 / t if sequence_parallel else 10 + 24 / t
+    assert per_block() == pytest.approx(korthikanti)
+    assert per_block(key_dim=128) == pytest.approx(korthikanti + 8 / t)
+    assert per_block(ffn=3584, gated=True) == pytest.approx(
+        korthikanti + 16 / t * (1.5 * 3.5 / 4 - 1))
+
+
 def test_concurrent_builds_leave_the_optimizer_constructor_as_it_was():
     """Two threads building without weights at once (the first finishing
     while the second is inside): BaseOptimizer.__init__ ends as Keras'

@@ -135,7 +135,9 @@ Memory per device (Korthikanti et al. 2022, eq. 1-2 and their Table 2):
 activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
 bytes, 34/t + 5as/(ht) with sequence parallelism (the 24/t's 8/t of
 query, key, value and the output projection's input × q/h when the
-attention width is not h), without the score term
+attention width is not h, its MLP's 16/t × f/(4h), × 1.5 for a gated
+MLP: gate, up and their product against GeLU's input and output),
+without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
 with full recomputation (plus one block's whole activations, rebuilt
 for its backward pass; tfpar recomputes each block whole where it finds
@@ -969,8 +971,10 @@ def memory(model, cfg, global_batch):
         5.0 * model.heads * model.seq / model.hidden / t)
     whole_block = scores + (
         34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
-    # Q, K, V and the output projection's input: 8/t of them at width h
+    # Q, K, V and the output projection's input: 8/t of them at width h;
+    # the MLP's 16/t (GeLU's input and output, 4h wide) at its width
     whole_block += 8.0 / t * (model.attention_width / model.hidden - 1)
+    whole_block += 16.0 / t * (_mlp_width(model) - 1)
     whole_block += _moe_and_context_activations(model, cfg)
     per_block = {None: whole_block, "selective": whole_block - scores,
                  "full": 2.0 * (model.kept_hidden + model.kept_wide / t)
@@ -1003,6 +1007,15 @@ def memory(model, cfg, global_batch):
             "activations": activations, "workspace": workspace}
 
 
+def _mlp_width(model):
+    """The MLP's stored activations against Korthikanti's (f = 4h, GeLU:
+    its input and output, two f-wide tensors): × f/(4h), and × 1.5 gated
+    (the gate's and the up projection's outputs, which Megatron-LM's fused
+    SwiGLU keeps, and their product, the down projection's input)."""
+    return model.ffn_width / (4.0 * model.hidden) * (
+        1.5 if model.gated else 1.0)
+
+
 def _moe_and_context_activations(model, cfg):
     """Extra bytes per (T·h at 2 bytes) of one block: the MLP's stored
     activations (Korthikanti's 2 + 16/t for f = 4h, scaled by f and
@@ -1014,9 +1027,7 @@ def _moe_and_context_activations(model, cfg):
         slots = model.experts * capacity(model, cfg) / (
             1 if cfg.expert_on_data else cfg.expert)
         routed = slots / tokens(model, cfg)
-        width = model.ffn_width / (4.0 * model.hidden) * (
-            1.5 if model.gated else 1.0)
-        extra += (routed - 1) * (2.0 + 16.0 / t * width)
+        extra += (routed - 1) * (2.0 + 16.0 / t * _mlp_width(model))
     if cfg.context > 1:
         kv = (model.kv_heads or model.heads) * model.head_dim
         extra += 4.0 * kv * cfg.context / (model.hidden * t)

@@ -247,6 +247,64 @@ def test_a_keras_hub_gemma_is_read_with_heads_wider_than_its_width():
     assert e.step_time_s > 0 and e.memory_per_device["activations"] > 0
 
 
+# keras-hub's decoder-only language models, widths that no two of hidden
+# (32), MLP (48), vocabulary (256) and sequence (16) share (the reader
+# tells the MLP's width from the others).
+_M = keras_hub.models
+_DECODER = dict(vocabulary_size=256, num_layers=2, hidden_dim=32,
+                intermediate_dim=48)
+HUB_DECODERS = {
+    "gpt_neox": lambda: _M.GPTNeoXBackbone(  # fused query_key_value
+        num_heads=4, max_sequence_length=16, **_DECODER),
+    "smollm3": lambda: _M.SmolLM3Backbone(  # q_proj, num_attention_heads
+        vocabulary_size=256, hidden_dim=32, intermediate_dim=48,
+        num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attention_bias=False, attention_dropout=0.0,
+        rope_layer_enabled_list=[True, False],
+        layer_types=["attention", "attention"], mlp_bias=False,
+        layer_norm_epsilon=1e-6, max_position_embeddings=16,
+        rope_theta=10000.0, partial_rotary_factor=1.0),
+    "opt": lambda: _M.OPTBackbone(num_heads=4, max_sequence_length=16,
+                                  **_DECODER),
+    "bloom": lambda: _M.BloomBackbone(num_heads=4, **_DECODER),
+    "falcon": lambda: _M.FalconBackbone(num_attention_heads=4, **_DECODER),
+    "phi3": lambda: _M.Phi3Backbone(num_query_heads=4, num_key_value_heads=4,
+                                    **_DECODER),
+    "qwen2": lambda: _M.Qwen2Backbone(num_query_heads=4,
+                                      num_key_value_heads=2, **_DECODER),
+    "qwen3": lambda: _M.Qwen3Backbone(num_query_heads=4,
+                                      num_key_value_heads=2, head_dim=16,
+                                      **_DECODER),
+    "gemma3": lambda: _M.Gemma3Backbone(
+        image_size=None, num_query_heads=4, num_key_value_heads=2,
+        head_dim=16, **_DECODER),
+    "mistral": lambda: _M.MistralBackbone(
+        num_query_heads=4, num_key_value_heads=2, sliding_window=16,
+        **_DECODER),
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[] if name in ("gpt_neox", "smollm3")
+                 else pytest.mark.slow)
+    for name in HUB_DECODERS])
+def test_keras_hub_decoders_are_read_with_their_parameters(name):
+    """Every keras-hub decoder family's shape holds its parameters (within
+    2%: norms and biases it does not name) and `tfpar.estimate` costs it.
+    SmolLM3's `q_proj` was not taken for a query (no attention found);
+    Qwen3's and Gemma 3's heads (4 × 16 at width 32) were read as 4 × 8;
+    GPT-NeoX's fused query-key-value kernel holds the query in a third."""
+    build = HUB_DECODERS[name]
+    profiled = profile.profile_model(profile.build_without_weights(build),
+                                     sequence_length=16)
+    shape = estimator.transformer_of(profiled)
+    assert (shape.hidden, shape.heads, shape.ffn_width) == (32, 4, 48)
+    assert shape.num_params() == pytest.approx(profiled.num_params, rel=0.02)
+    e = tfpar.estimate(build, 8, cluster=tfpar.Cluster.preset("a100-80gb"),
+                       axes={"data": 4, "model": 2}, sequence_length=16)
+    assert e.step_time_s > 0
+
+
 def test_a_keras_hub_llama_is_read_with_grouped_heads_and_a_gated_mlp():
     import keras_hub  # noqa: PLC0415 (installed; slow to import)
 

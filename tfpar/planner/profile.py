@@ -329,15 +329,27 @@ def attention_hidden(layer):
 def attention_width(layer):
     """heads × head width of attention's query: its query kernel's
     dimensions kept in the output (the model width unless the heads are
-    wider or narrower, as Gemma's 16 × 256 at width 3072)."""
-    return out_width(*_query_kernel(layer))
+    wider or narrower, as Gemma's 16 × 256 at width 3072); a third of a
+    fused query-key-value kernel's (GPT-NeoX's `query_key_value`)."""
+    width = out_width(*_query_kernel(layer))
+    return width // 3 if _is_fused(_query_weight(layer)) else width
 
 
 def _query_weight(layer):
+    """Attention's query kernel: a weight `.../<name>/kernel` whose
+    layer is named like a query (`query`, `query_key_value`, `q_proj`,
+    `wq`, `q`)."""
     for w in layer.weights:
-        if "query" in w.path and w.path.endswith("kernel"):
+        parts = w.path.split("/")
+        if len(parts) > 1 and parts[-1] == "kernel" and (
+                "query" in parts[-2] or parts[-2] in ("q_proj", "wq", "q")):
             return w
     return None
+
+
+def _is_fused(kernel):
+    """Whether a query kernel also makes the keys and values."""
+    return "key" in kernel.path.split("/")[-2]
 
 
 def _query_kernel(layer):
@@ -351,12 +363,25 @@ def _query_kernel(layer):
     return owner, tuple(int(d) for d in kernel.shape)
 
 
-def _num_heads(layer):
-    for name in ("num_heads", "num_query_heads", "_num_heads",
-                 "_num_query_heads"):
+_HEADS_ATTRIBUTES = ("num_heads", "num_query_heads", "num_attention_heads",
+                     "_num_heads", "_num_query_heads",
+                     "_num_attention_heads")
+
+
+def num_heads(layer):
+    """An attention layer's number of (query) heads, from its attribute
+    (None: it has none of `_HEADS_ATTRIBUTES`)."""
+    for name in _HEADS_ATTRIBUTES:
         value = getattr(layer, name, None)
         if isinstance(value, int):
             return value
+    return None
+
+
+def _num_heads(layer):
+    heads = num_heads(layer)
+    if heads is not None:
+        return heads
     shape = tuple(_query_weight(layer).shape)
     return int(shape[1]) if len(shape) == 3 else 1
 

@@ -115,10 +115,9 @@ def _experts(profile):
 
 
 def _heads(layer):
-    for name in ("num_heads", "num_query_heads", "_num_heads",
-                 "_num_query_heads"):
-        if isinstance(getattr(layer, name, None), int):
-            return getattr(layer, name)
+    heads = profile_lib.num_heads(layer)
+    if heads is not None:
+        return heads
     raise ValueError(f"tfpar.estimate cannot read the heads of attention "
                      f"layer {layer.name!r} ({type(layer).__name__}).")
 

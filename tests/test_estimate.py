@@ -281,6 +281,12 @@ HUB_DECODERS = {
     "mistral": lambda: _M.MistralBackbone(
         num_query_heads=4, num_key_value_heads=2, sliding_window=16,
         **_DECODER),
+    "qwen3_moe": lambda: _M.Qwen3MoeBackbone(
+        num_query_heads=4, num_key_value_heads=2, head_dim=16,
+        moe_intermediate_dim=48, num_experts=4, top_k=2, **_DECODER),
+    "gpt_oss": lambda: _M.GptOssBackbone(
+        num_query_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, top_k=2, **_DECODER),
 }
 
 
@@ -289,8 +295,9 @@ HUB_DECODERS = {
                  else pytest.mark.slow)
     for name in HUB_DECODERS])
 def test_keras_hub_decoders_are_read_with_their_parameters(name):
-    """Every keras-hub decoder family's shape holds its parameters (within
-    2%: norms and biases it does not name) and `tfpar.estimate` costs it.
+    """Every keras-hub decoder family's shape (mixture-of-experts ones
+    with their experts) holds its parameters (within 2%: norms and biases
+    it does not name) and `tfpar.estimate` costs it.
     SmolLM3's `q_proj` was not taken for a query (no attention found);
     Qwen3's and Gemma 3's heads (4 × 16 at width 32) were read as 4 × 8;
     GPT-NeoX's fused query-key-value kernel holds the query in a third."""

@@ -519,6 +519,27 @@ def unchanged_model(model):
         _OWNERS.pop(model, None)
 
 
+def first_inputs(model):
+    """{id(layer): the name of the first graph tensor it reads} of the
+    layers of `model` that own weights, from the trace `auto_rules` makes
+    (cached: no second trace after `auto_rules`); {} for a model without
+    a graph. Two layers of one call with the same name read one tensor:
+    self-attention's query, key and value, a gated MLP's gate and up
+    projections (the cost model sums their input gradients before one
+    all-reduce, as the compiled step does).
+
+    >>> first_inputs(model)  # {id(query layer): "…/add_2:0", ...}
+    """
+    units = _weight_owners(model)
+    flow = _Dataflow.trace(model, units)
+    names = {}
+    for layer in units:
+        first = flow._first_input(layer)
+        if first:
+            names[id(layer)] = first[0].name
+    return names
+
+
 def _weight_owners(model):
     """The layers that own weights themselves (not only through sublayers),
     outermost first; a MultiHeadAttention counts as one (its projections

@@ -217,15 +217,18 @@ class Layout:
 
     `rules` are auto_rules' LayoutRules for t (None: t = 1), made with
     `vocab_parallel` (the head split over the vocabulary, or whole: what
-    the roofline costs, `roofline.head_layout`). Arrays hold one
-    entry per op of the profile (a layer PipelineModel can cut before), per
-    sample where sizes scale with the batch.
+    the roofline costs, `roofline.head_layout`); `first_inputs`
+    ({id(layer): name of the tensor it reads}, `auto_plan.first_inputs`)
+    tells which column-parallel layers share one backward all-reduce.
+    Arrays hold one entry per op of the profile (a layer PipelineModel can
+    cut before), per sample where sizes scale with the batch.
     """
 
     def __init__(self, profile, rules, t, sequence_parallel=False,
-                 vocab_parallel=False):
+                 vocab_parallel=False, first_inputs=None):
         self.t = t
         self.rules = rules
+        self._first_inputs = first_inputs or {}
         self.sequence_parallel = sequence_parallel
         self.vocab_parallel = vocab_parallel
         self._profile = profile
@@ -259,15 +262,10 @@ class Layout:
                   if w.trainable] or [profile.compute_itemsize]
         self.grad_ratio = profile.compute_itemsize / max(params)
         self._weights = []  # per op: [(tp block shape, spec, itemsize, trainable)]
-        fresh = (layout_lib.LayoutRules(dict(rules.items()))
-                 if rules is not None else None)
-        # auto_rules' patterns are escaped layer paths: look them up.
-        exact = {re.sub(r"\\(.)", r"\1", p): s for p, s in rules.items()
-                 if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
-        if fresh is not None and len(exact) < len(fresh):
-            exact = None  # hand-written regexes: match them one by one
-        split_layers = self._split_layers(
-            profile, rules, self._add_head(profile, vocab_parallel))
+        fresh, exact = _rule_lookup(rules)
+        split_layers = _model_axis_collectives(
+            profile, rules, self._add_head(profile, vocab_parallel),
+            self._first_inputs)
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
         # embeddings before it and the head after it stay whole).
@@ -301,13 +299,16 @@ class Layout:
         roofline's formulas (`cfg`: a micro-batch of one sample): a tied
         reverse projection's FLOPs (T × V × h, on the op making the
         logits), a hidden-split head's partial logits' all-reduce (T·V),
+        a vocabulary-split reverse projection's input gradient's (T·h),
         a gathered tied table's gather (V·h per micro-batch, instead of
-        its lookup's T·h gather: `table_bytes`, `table_count`) and
-        workspace (it and its gradient: `table_workspace`). Returns the
-        path of the gathered table's layer, or None."""
+        its lookup's T·h gather: `table_bytes`, `table_count`), workspace
+        (it and its gradient: `table_workspace`) and whole gradient summed
+        over the data axis (V·h where its shard is V·h/t:
+        `table_gradient`, the difference). Returns the path of the
+        gathered table's layer, or None."""
         n = len(profile.ops)
-        self.table_bytes, self.table_count, self.table_workspace = (
-            np.zeros((3, n)))
+        (self.table_bytes, self.table_count, self.table_workspace,
+         self.table_gradient) = np.zeros((4, n))
         model = self.transformer
         head, cfg = _vocab_head(profile, model, self.t, vocab_parallel)
         if head is None:
@@ -320,11 +321,20 @@ class Layout:
             self.tp_bytes_fwd[head.logits_op] += roofline.logits_bytes(
                 model, cfg)
             self.tp_count_fwd[head.logits_op] += 1
+        if cfg.head == "vocab" and head.embedding and self.t > 1:
+            # the reverse projection's input gradient (T·h, partial over
+            # the vocabulary split): a Dense head's comes with its rule
+            self.tp_bytes_bwd[head.logits_op] += (
+                roofline.tokens(model, cfg) * model.hidden
+                * model.compute_bytes)
+            self.tp_count_bwd[head.logits_op] += 1
         if cfg.table_gathered:
             self.table_bytes[head.table_op] = roofline.table_bytes(model)
             self.table_count[head.table_op] = 1
             self.table_workspace[head.table_op] = 2 * roofline.table_bytes(
                 model)
+            self.table_gradient[head.table_op] = roofline.table_bytes(
+                model) * (1 - 1 / self.t)
             return profile.ops[head.table_op].layer.path
         return None
 
@@ -379,67 +389,6 @@ class Layout:
                 self.tp_bytes_bwd[i] += nbytes * itemsize
                 self.tp_count_bwd[i] += 1
 
-    @staticmethod
-    def _split_layers(profile, rules, gathered=None):
-        """{op index: [(kind, phase, per-sample elements)]} of the model
-        axis collectives each style implies, plus helper sets; none for
-        the lookups of a `gathered` table's layer (its path: costed by
-        `_add_head`)."""
-        out = {"column_out": set(), "gathered": set()}
-        if rules is None:
-            return out
-        op_of = {}
-        for i, op in enumerate(profile.ops):
-            op_of[id(op.layer)] = i
-            for sub in profile_lib.sublayers(op.layer, include_self=False):
-                op_of.setdefault(id(sub), i)
-        for pattern, style in rules.items():
-            layer = layer_for(profile, pattern)
-            if layer is None or id(layer) not in op_of:
-                continue
-            i = op_of[id(layer)]
-            tokens = profile.ops[i].tokens
-            top = profile.ops[i].layer is layer
-            entries = out.setdefault(i, [])
-            if isinstance(style, tp.SequenceParallel):
-                out.setdefault("sequence_split", []).append(i)
-            if isinstance(style, (tp.SequenceParallel, tp.Replicated)):
-                continue
-            row = isinstance(style, tp.RowParallel)
-            if layer.path == gathered:
-                continue  # the table's gather replaces the lookup's
-            if hasattr(layer, "input_dim") and hasattr(layer, "output_dim"):
-                # DTensor gathers hidden-split embeddings once where their
-                # outputs meet (e.g. token + position embeddings).
-                meet = frozenset(profile.ops[i].consumers) if top else None
-                if not row:
-                    entries.append(("resplit", "forward",
-                                    tokens * layer.output_dim, top))
-                if row or meet is None or meet not in out["gathered"]:
-                    entries.append(("all-reduce" if row else "all-gather",
-                                    "forward", tokens * layer.output_dim, top))
-                    out["gathered"].add(meet)
-                continue
-            attention = profile_lib.attention_hidden(layer)
-            if attention:
-                entries.append(("all-reduce", "forward", tokens * attention, top))
-                entries.append(("all-reduce", "backward", tokens * attention,
-                                top))
-                continue
-            kernel = getattr(layer, "kernel", None)
-            if kernel is None:
-                continue
-            shape = tuple(kernel.shape)
-            if row:
-                entries.append(("all-reduce", "forward",
-                                tokens * profile_lib.out_width(layer, shape), top))
-            else:
-                entries.append(("all-reduce", "backward",
-                                tokens * profile_lib.in_width(layer, shape), top))
-                if top:
-                    out["column_out"].add(id(layer))
-        return out
-
     def whole_head(self):
         """This layout with the output head kept whole, as
         `auto_rules(vocab_parallel=False)` plans it (`_whole_head_rules`),
@@ -449,7 +398,8 @@ class Layout:
         if "whole_head" not in self._state_cache:
             self._state_cache["whole_head"] = Layout(
                 self._profile, _whole_head_rules(self._profile, self.rules),
-                self.t, self.sequence_parallel)
+                self.t, self.sequence_parallel,
+                first_inputs=self._first_inputs)
         return self._state_cache["whole_head"]
 
     def prefix(self, d, fsdp):
@@ -464,7 +414,7 @@ class Layout:
                 "resplit_count", "kept", "kept_full", "internal",
                 "attention_internal",
                 "attention_flops", "table_bytes", "table_count",
-                "table_workspace")}
+                "table_workspace", "table_gradient")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3],
                           weighted=(state[:, 3] > 0).astype(float))
@@ -562,6 +512,87 @@ def _spec(rules, exact, weight):
     return None
 
 
+def _rule_lookup(rules):
+    """(`rules` as fresh LayoutRules or None, {layer path: style} when
+    every pattern is an escaped layer path — auto_rules' — else None:
+    hand-written regexes are matched one by one)."""
+    fresh = (layout_lib.LayoutRules(dict(rules.items()))
+             if rules is not None else None)
+    exact = {re.sub(r"\\(.)", r"\1", p): s for p, s in rules.items()
+             if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
+    if fresh is not None and len(exact) < len(fresh):
+        exact = None
+    return fresh, exact
+
+
+def _model_axis_collectives(profile, rules, gathered=None, first_inputs=None):
+    """{op index: [(kind, phase, per-sample elements)]} of the model
+    axis collectives each style implies, plus helper sets; none for
+    the lookups of a `gathered` table's layer (its path: costed by
+    `_add_head`); one backward all-reduce for the column-parallel
+    layers of an op reading one tensor (`first_inputs`: the compiled
+    step sums their partial input gradients, dX = Σ dYᵢ·Wᵢᵀ, first)."""
+    out = {"column_out": set(), "gathered": set()}
+    reduced = set()  # (op, tensor) whose input gradient is all-reduced
+    if rules is None:
+        return out
+    op_of = {}
+    for i, op in enumerate(profile.ops):
+        op_of[id(op.layer)] = i
+        for sub in profile_lib.sublayers(op.layer, include_self=False):
+            op_of.setdefault(id(sub), i)
+    for pattern, style in rules.items():
+        layer = layer_for(profile, pattern)
+        if layer is None or id(layer) not in op_of:
+            continue
+        i = op_of[id(layer)]
+        tokens = profile.ops[i].tokens
+        top = profile.ops[i].layer is layer
+        entries = out.setdefault(i, [])
+        if isinstance(style, tp.SequenceParallel):
+            out.setdefault("sequence_split", []).append(i)
+        if isinstance(style, (tp.SequenceParallel, tp.Replicated)):
+            continue
+        row = isinstance(style, tp.RowParallel)
+        if layer.path == gathered:
+            continue  # the table's gather replaces the lookup's
+        if hasattr(layer, "input_dim") and hasattr(layer, "output_dim"):
+            # DTensor gathers hidden-split embeddings once where their
+            # outputs meet (e.g. token + position embeddings).
+            meet = frozenset(profile.ops[i].consumers) if top else None
+            if not row:
+                entries.append(("resplit", "forward",
+                                tokens * layer.output_dim, top))
+            if row or meet is None or meet not in out["gathered"]:
+                entries.append(("all-reduce" if row else "all-gather",
+                                "forward", tokens * layer.output_dim, top))
+                out["gathered"].add(meet)
+            continue
+        attention = profile_lib.attention_hidden(layer)
+        if attention:
+            entries.append(("all-reduce", "forward", tokens * attention, top))
+            entries.append(("all-reduce", "backward", tokens * attention,
+                            top))
+            continue
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None:
+            continue
+        shape = tuple(kernel.shape)
+        if row:
+            entries.append(("all-reduce", "forward",
+                            tokens * profile_lib.out_width(layer, shape), top))
+        else:
+            read = (i, (first_inputs or {}).get(id(layer), id(layer)))
+            if read not in reduced:
+                reduced.add(read)
+                entries.append((
+                    "all-reduce", "backward",
+                    tokens * profile_lib.in_width(layer, shape), top))
+            if top:
+                out["column_out"].add(id(layer))
+    return out
+
+
 def block_shape_full(block, spec, t):
     """The full shape back from a model-axis block (for fsdp's choice of
     dimension, which looks at the whole weight)."""
@@ -654,8 +685,9 @@ def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared,
         count = total("weighted")
     p = len(gathered)
     # Gradients are summed in the compute dtype (bfloat16 under
-    # mixed_bfloat16); fsdp gathers the stored (float32) weights.
-    grads = gathered * layout.grad_ratio
+    # mixed_bfloat16); fsdp gathers the stored (float32) weights. A
+    # gathered tied table's gradient is summed whole.
+    grads = (gathered + total("table_gradient")) * layout.grad_ratio
     if not (fsdp and d > 1):
         data_bytes = grads if d > 1 else np.zeros(p)
         return (data_bytes,

@@ -147,10 +147,10 @@ def test_cost_model_matches_a_compiled_keras_hub_decoder(name):
     query, key and value — and of the gate and up projections — before
     one; and the vocabulary-split reverse projection's was missing;
     Gemma's attention width was read as its head count). The data axis
-    within 15%: Keras' Adam sums a looked-up table's sparse gradient rows
-    and their squares apart, a second all-reduce of each table the model
-    does not count (Gemma's tied table, gathered for its lookups, has its
-    gradient summed whole: counted)."""
+    within 15%: Adam reduces a looked-up table's gradient twice (once per
+    use in its update; SGD once), the model counts once (Gemma's tied
+    table, gathered for its lookups, has its gradient summed whole:
+    counted)."""
     build = functools.partial(_hub_decoder, name)
     plan = tfpar.plan(build, 16, cluster=tfpar.Cluster.local(),
                       check=False, sequence_length=16)

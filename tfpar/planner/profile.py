@@ -331,8 +331,9 @@ def attention_width(layer):
     dimensions kept in the output (the model width unless the heads are
     wider or narrower, as Gemma's 16 × 256 at width 3072); a third of a
     fused query-key-value kernel's (GPT-NeoX's `query_key_value`)."""
-    width = out_width(*_query_kernel(layer))
-    return width // 3 if _is_fused(_query_weight(layer)) else width
+    owner, shape = _query_kernel(layer)
+    width = out_width(owner, shape)
+    return width // 3 if "key" in owner.name else width
 
 
 def _query_weight(layer):
@@ -345,11 +346,6 @@ def _query_weight(layer):
                 "query" in parts[-2] or parts[-2] in ("q_proj", "wq", "q")):
             return w
     return None
-
-
-def _is_fused(kernel):
-    """Whether a query kernel also makes the keys and values."""
-    return "key" in kernel.path.split("/")[-2]
 
 
 def _query_kernel(layer):

@@ -324,9 +324,8 @@ class Layout:
         if cfg.head == "vocab" and head.embedding and self.t > 1:
             # the reverse projection's input gradient (T·h, partial over
             # the vocabulary split): a Dense head's comes with its rule
-            self.tp_bytes_bwd[head.logits_op] += (
-                roofline.tokens(model, cfg) * model.hidden
-                * model.compute_bytes)
+            self.tp_bytes_bwd[head.logits_op] += roofline.hidden_bytes(
+                model, cfg)
             self.tp_count_bwd[head.logits_op] += 1
         if cfg.table_gathered:
             self.table_bytes[head.table_op] = roofline.table_bytes(model)
@@ -534,6 +533,7 @@ def _model_axis_collectives(profile, rules, gathered=None, first_inputs=None):
     step sums their partial input gradients, dX = Σ dYᵢ·Wᵢᵀ, first)."""
     out = {"column_out": set(), "gathered": set()}
     reduced = set()  # (op, tensor) whose input gradient is all-reduced
+    first_inputs = first_inputs or {}
     if rules is None:
         return out
     op_of = {}
@@ -582,7 +582,7 @@ def _model_axis_collectives(profile, rules, gathered=None, first_inputs=None):
             entries.append(("all-reduce", "forward",
                             tokens * profile_lib.out_width(layer, shape), top))
         else:
-            read = (i, (first_inputs or {}).get(id(layer), id(layer)))
+            read = (i, first_inputs.get(id(layer), id(layer)))
             if read not in reduced:
                 reduced.add(read)
                 entries.append((

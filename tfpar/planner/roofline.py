@@ -619,6 +619,13 @@ def _edges(model, cfg, group, one):
     return embedding, logits
 
 
+def hidden_bytes(model, cfg):
+    """One micro-batch's T·h activations in the compute dtype: what a
+    block's tensor-parallel all-reduce, a pipeline send and a vocabulary-
+    split head's input gradient move."""
+    return tokens(model, cfg) * model.hidden * model.compute_bytes
+
+
 def logits_bytes(model, cfg):
     """The partial logits one all-reduce sums (T·V, compute dtype) when the
     head is split over the hidden dimension."""
@@ -635,7 +642,7 @@ def table_bytes(model):
 def _tensor_parallel(model, cfg, cluster, hw):
     """Seconds of one block's forward all-reduces over the model axis (its
     backward costs the same), and (embedding, logits) of `_edges`."""
-    nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
+    nbytes = hidden_bytes(model, cfg)
     group = link(cluster, hw, cfg.model, 1)
     one = ring("all-reduce", nbytes, cfg.model, group)
     return 2 * one, _edges(model, cfg, group, one)
@@ -782,7 +789,7 @@ def _pipe_seconds(model, cfg, cluster, hw, stage):
     p, t = cfg.pipe, cfg.model
     if p == 1:
         return 0.0
-    nbytes = tokens(model, cfg) * model.hidden * model.compute_bytes
+    nbytes = hidden_bytes(model, cfg)
     sends = 2 * cfg.virtual_stages - (stage == 0) - (stage == p - 1)
     if p * cfg.pipe_stride <= cluster.devices_per_host:
         alpha, beta = hw.intra_latency, hw.intra_bandwidth * hw.network_intra
@@ -962,7 +969,7 @@ def memory(model, cfg, global_batch):
                                                     p == 1), blocks, p == 1)
     trainable_split = d if cfg.fsdp else 1
     m = microbatches(cfg, global_batch)
-    sbh = tokens(model, cfg) * model.hidden * model.compute_bytes / 2
+    sbh = hidden_bytes(model, cfg) / 2
     # Korthikanti's bytes per s·b·h (2-byte activations; `sbh` scales them
     # to the compute dtype) of one block: what it stores without
     # recomputation (the scores dropped by a fused kernel), what a full
@@ -1048,7 +1055,7 @@ def communication_bytes(model, cfg, global_batch):
     counts them)."""
     m = microbatches(cfg, global_batch)
     blocks = _stage_blocks(model.layers, cfg.pipe)[0]
-    activation = tokens(model, cfg) * model.hidden * model.compute_bytes
+    activation = hidden_bytes(model, cfg)
     full = cfg.recompute == "full"
     passes = 4 + (2 if full else 0)
     params = _local_params(model, cfg, stage_params(
@@ -1076,7 +1083,7 @@ def _model_axis_bytes(model, cfg, collectives, m):
     blocks' `collectives` T·h all-reduces and the embedding's (the gathered
     V × h table instead with `table_gathered`) per micro-batch, and when
     it holds a head split over the hidden dimension its partial logits'."""
-    activation = tokens(model, cfg) * model.hidden * model.compute_bytes
+    activation = hidden_bytes(model, cfg)
     nbytes = (collectives + 1) * activation * m
     if cfg.table_gathered:
         nbytes += (table_bytes(model) - activation) * m

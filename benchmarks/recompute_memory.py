@@ -6,7 +6,8 @@ step keeps, next to `tfpar.plan`'s count and `tfpar.estimate`'s.
 On 8 virtual CPUs, data=2 × model=4, float32, batch 8 of 128 tokens, two
 blocks of width 256 (8 heads, MLP 1024), vocabulary 512, for the same GPT
 written two ways: with each block one Keras layer (keras-hub's GPT-2) and
-with one Keras layer per op (examples/gpt.py); without recomputation and
+with one Keras layer per op (examples/gpt.py), and keras-hub's Llama (a
+gated MLP of width 768); without recomputation and
 with full recomputation (each block recomputed whole,
 `tfpar.recompute_spans`). Printed per row: the plan's candidate, its
 activations by `tfpar.plan`'s count (the α-β model's, per traced layer),
@@ -41,6 +42,15 @@ def blocks():
         preprocessor=None)
 
 
+def gated_blocks():
+    """keras-hub's Llama (gated MLP: gate and up read one tensor) at the
+    same width, depth and MLP FLOPs (three 256 × 768 kernels)."""
+    return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=8,
+        num_key_value_heads=8, hidden_dim=256, intermediate_dim=768),
+        preprocessor=None)
+
+
 def ops():
     return build_gpt(vocab=VOCAB, seq_len=SEQ, dim=256, heads=8, layers=2)
 
@@ -66,6 +76,7 @@ def main():
           "measured (MB) |")
     print("|---|---|---|---|---|---|")
     for name, build in (("blocks (keras-hub GPT-2)", blocks),
+                        ("gated blocks (keras-hub Llama)", gated_blocks),
                         ("one layer per op (examples/gpt.py)", ops)):
         plan = tfpar.plan(build, BATCH, cluster=tfpar.Cluster.local(),
                           check=False, sequence_length=SEQ)
@@ -80,7 +91,7 @@ def main():
                 axes={"data": 2, "model": 4}, recompute=recompute,
                 sequence_length=SEQ,
                 vocab_parallel=candidate.vocab_parallel)
-            measured = saved_activations(candidate, build, build is blocks)
+            measured = saved_activations(candidate, build, build is not ops)
             counts = (candidate.estimate.memory_per_device["activations"],
                       estimate.memory_per_device["activations"], measured)
             print(f"| {name} | {recompute or 'none'} | {candidate.label} | "

@@ -20,8 +20,8 @@ Qwen3.5's linear-attention layers (`Qwen3_5GatedDeltaNet`, a gated delta
 rule over chunks of the sequence) have no tensor-parallel pattern: they
 stay whole on every device, named with the reason in auto_rules' warning.
 Their Python code needs a known sequence length (`if pad_size > 0`), so
-auto_rules traces such a model again with one (`_TRACE_LENGTH`) when the
-symbolic trace fails.
+auto_rules (and the planner's profile) trace such a model again with one
+(`keras_graph.RETRY_LENGTH`) when the symbolic trace fails.
 
 DTensor 2.21 cannot lay out two of their ops: the `MatrixDiagV3` of
 `ops.eye` and the filter gradient of the causal depthwise convolution

@@ -519,27 +519,6 @@ def unchanged_model(model):
         _OWNERS.pop(model, None)
 
 
-def first_inputs(model):
-    """{id(layer): the name of the first graph tensor it reads} of the
-    layers of `model` that own weights, from the trace `auto_rules` makes
-    (cached: no second trace after `auto_rules`); {} for a model without
-    a graph. Two layers of one call with the same name read one tensor:
-    self-attention's query, key and value, a gated MLP's gate and up
-    projections (the cost model sums their input gradients before one
-    all-reduce, as the compiled step does).
-
-    >>> first_inputs(model)  # {id(query layer): "…/add_2:0", ...}
-    """
-    units = _weight_owners(model)
-    flow = _Dataflow.trace(model, units)
-    names = {}
-    for layer in units:
-        first = flow._first_input(layer)
-        if first:
-            names[id(layer)] = first[0].name
-    return names
-
-
 def _weight_owners(model):
     """The layers that own weights themselves (not only through sublayers),
     outermost first; a MultiHeadAttention counts as one (its projections
@@ -665,9 +644,6 @@ def _why_whole(layer, flow):
 # layers): tracing a large model symbolically takes most of a plan's time,
 # and the planner asks auto_rules once per model-axis size.
 _TRACES = weakref.WeakKeyDictionary()
-# The length of the unknown dimensions (the sequence) of a model whose trace
-# needs a known one (`_trace_known_length_if_needed`).
-_TRACE_LENGTH = 8
 
 
 class _Dataflow:
@@ -700,7 +676,7 @@ class _Dataflow:
             traced = cached[1]
             return cls(units) if traced is None else cls(units, *traced)
         try:
-            traced = _trace_known_length_if_needed(model, units)
+            traced = keras_graph.trace_layer_calls_any_length(model, units)
         except Exception as error:  # noqa: BLE001 (any failure: say what to do)
             first = (str(error).strip().splitlines() or [""])[0]
             raise ValueError(
@@ -866,23 +842,6 @@ class _Dataflow:
                 found.append((sources, layer))
                 used.update([layer.path] + [s.path for s in sources])
         return found
-
-
-def _trace_known_length_if_needed(model, units):
-    """`keras_graph.trace_layer_calls` of `model`; if that trace fails, again
-    with the inputs' unknown dimensions after the batch set to
-    `_TRACE_LENGTH` (which layer reads which does not depend on the
-    length): keras-hub's Qwen3.5 gated delta net (`linear_attention`
-    layers) compares its padding with 0 in Python, which a symbolic
-    sequence length refuses. The first failure is raised if both fail."""
-    try:
-        return keras_graph.trace_layer_calls(model, units)
-    except Exception as error:  # noqa: BLE001 (retried once, then raised)
-        try:
-            return keras_graph.trace_layer_calls(
-                model, units, unknown_size=_TRACE_LENGTH)
-        except Exception:  # noqa: BLE001
-            raise error from None
 
 
 def _chained_dense_pairs(units):

@@ -4,7 +4,8 @@ A functional (or Sequential) Keras model is a graph of call nodes between
 KerasTensors. The pipeline cuts that graph into parts and runs it node by
 node (`tfpar.pipeline.split`), the planner costs it node by node
 (`tfpar.planner.profile`), and `tfpar.auto_plan` traces a model once to see
-which layer reads which. The private Keras attributes this needs are reached
+which layer reads which (`trace_layer_calls`; the profile traces a model's
+blocks to see which of their kernels read one tensor). The private Keras attributes this needs are reached
 through `tfpar._compat`'s one-line shims (`functional_of`, `nodes_by_depth`,
 `inputs_struct`, `outputs_struct`, `inbound_nodes`, `operation_fn`).
 
@@ -242,6 +243,30 @@ def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
             else:
                 layer.call = previous
     return calls, outputs
+
+
+# The length of the unknown dimensions (the sequence) of a model whose trace
+# needs a known one (`trace_layer_calls_any_length`).
+RETRY_LENGTH = 8
+
+
+def trace_layer_calls_any_length(model, layers):
+    """`trace_layer_calls(model, layers)`; if that trace fails, again with
+    the inputs' unknown dimensions after the batch set to `RETRY_LENGTH`
+    (which layer reads which does not depend on the length): keras-hub's
+    Qwen3.5 gated delta net (`linear_attention` layers) compares its
+    padding with 0 in Python, which a symbolic sequence length refuses.
+    The first failure is raised if both fail.
+
+    >>> calls, outputs = trace_layer_calls_any_length(model, [model.layers[1]])
+    """
+    try:
+        return trace_layer_calls(model, layers)
+    except Exception as error:  # noqa: BLE001 (retried once, then raised)
+        try:
+            return trace_layer_calls(model, layers, unknown_size=RETRY_LENGTH)
+        except Exception:  # noqa: BLE001
+            raise error from None
 
 
 def _traced_by_node(model, layers, log, hooked, unknown_size):

@@ -217,18 +217,17 @@ class Layout:
 
     `rules` are auto_rules' LayoutRules for t (None: t = 1), made with
     `vocab_parallel` (the head split over the vocabulary, or whole: what
-    the roofline costs, `roofline.head_layout`); `first_inputs`
-    ({id(layer): name of the tensor it reads}, `auto_plan.first_inputs`)
-    tells which column-parallel layers share one backward all-reduce.
+    the roofline costs, `roofline.head_layout`); the profile's
+    `Weight.reads` tells which column-parallel layers share one backward
+    all-reduce.
     Arrays hold one entry per op of the profile (a layer PipelineModel can
     cut before), per sample where sizes scale with the batch.
     """
 
     def __init__(self, profile, rules, t, sequence_parallel=False,
-                 vocab_parallel=False, first_inputs=None):
+                 vocab_parallel=False):
         self.t = t
         self.rules = rules
-        self._first_inputs = first_inputs or {}
         self.sequence_parallel = sequence_parallel
         self.vocab_parallel = vocab_parallel
         self._profile = profile
@@ -264,8 +263,7 @@ class Layout:
         self._weights = []  # per op: [(tp block shape, spec, itemsize, trainable)]
         fresh, exact = _rule_lookup(rules)
         split_layers = _model_axis_collectives(
-            profile, rules, self._add_head(profile, vocab_parallel),
-            self._first_inputs)
+            profile, rules, self._add_head(profile, vocab_parallel))
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
         # embeddings before it and the head after it stay whole).
@@ -397,8 +395,7 @@ class Layout:
         if "whole_head" not in self._state_cache:
             self._state_cache["whole_head"] = Layout(
                 self._profile, _whole_head_rules(self._profile, self.rules),
-                self.t, self.sequence_parallel,
-                first_inputs=self._first_inputs)
+                self.t, self.sequence_parallel)
         return self._state_cache["whole_head"]
 
     def prefix(self, d, fsdp):
@@ -524,23 +521,20 @@ def _rule_lookup(rules):
     return fresh, exact
 
 
-def _model_axis_collectives(profile, rules, gathered=None, first_inputs=None):
+def _model_axis_collectives(profile, rules, gathered=None):
     """{op index: [(kind, phase, per-sample elements)]} of the model
     axis collectives each style implies, plus helper sets; none for
     the lookups of a `gathered` table's layer (its path: costed by
     `_add_head`); one backward all-reduce for the column-parallel
-    layers of an op reading one tensor (`first_inputs`: the compiled
+    layers of an op reading one tensor (`Weight.reads`: the compiled
     step sums their partial input gradients, dX = Σ dYᵢ·Wᵢᵀ, first)."""
     out = {"column_out": set(), "gathered": set()}
-    reduced = set()  # (op, tensor) whose input gradient is all-reduced
-    first_inputs = first_inputs or {}
     if rules is None:
         return out
-    op_of = {}
-    for i, op in enumerate(profile.ops):
-        op_of[id(op.layer)] = i
-        for sub in profile_lib.sublayers(op.layer, include_self=False):
-            op_of.setdefault(id(sub), i)
+    reduced = set()  # (op, tensor) whose input gradient is all-reduced
+    reads = {id(w.owner): w.reads for op in profile.ops for w in op.weights
+             if w.reads}
+    op_of = _op_of_layers(profile)
     for pattern, style in rules.items():
         layer = layer_for(profile, pattern)
         if layer is None or id(layer) not in op_of:
@@ -582,7 +576,7 @@ def _model_axis_collectives(profile, rules, gathered=None, first_inputs=None):
             entries.append(("all-reduce", "forward",
                             tokens * profile_lib.out_width(layer, shape), top))
         else:
-            read = (i, first_inputs.get(id(layer), id(layer)))
+            read = (i, reads.get(id(layer)) or id(layer))
             if read not in reduced:
                 reduced.add(read)
                 entries.append((
@@ -591,6 +585,17 @@ def _model_axis_collectives(profile, rules, gathered=None, first_inputs=None):
             if top:
                 out["column_out"].add(id(layer))
     return out
+
+
+def _op_of_layers(profile):
+    """{id(layer): index of the profile's op holding it} for each op's
+    layer and the layers nested in it."""
+    op_of = {}
+    for i, op in enumerate(profile.ops):
+        op_of[id(op.layer)] = i
+        for sub in profile_lib.sublayers(op.layer, include_self=False):
+            op_of.setdefault(id(sub), i)
+    return op_of
 
 
 def block_shape_full(block, spec, t):

@@ -15,10 +15,12 @@ functional models such as a keras-hub task's backbone inlined:
   and their product with V). The backward pass costs 2× the forward.
 - activation bytes kept for the backward pass: the layer's outputs, plus,
   inside a composite layer (attention, a transformer block), each kernel's
-  output and input (its weight gradient reads the input; self-attention's
-  key and value read the query's, counted once; an attention layer that
-  is itself the op keeps neither its input nor its output projection's
-  output, which the graph holds; `Weight.activation_in` and
+  output and input (its weight gradient reads the input; an input several
+  kernels read — self-attention's query, key and value, a gated MLP's gate
+  and up projections — counted once, one another kernel makes counted as
+  its output, and none that is the layer's own input or output, which the
+  graph holds: which kernel reads which tensor is read from one symbolic
+  trace; `Weight.activation_in` and
   `Weight.contracted` tell the cost model which side a model-axis split
   divides), each normalization's normalized input and attention's scores
   and probabilities (2 · heads · s per token); a Dense with a non-linear
@@ -73,6 +75,9 @@ class Weight:
     activation_in: float = 0.0  # ... of which its input (composites)
     contracted: tuple = ()  # per dimension: read from the input side
     conv: bool = False     # a convolution's kernel (not a matmul's)
+    # The tensor its owner reads (a name from the profile's trace) inside a
+    # composite op: kernels of one op reading one tensor share its gradient.
+    reads: str = None
 
     @property
     def size(self):
@@ -152,6 +157,7 @@ def profile_model(model, sequence_length=None):
         getattr(model.dtype_policy, "compute_dtype", "float32"))
     itemsize = np.dtype(compute if compute != "bfloat16" else "float16").itemsize
     owners = keras_graph.owning_layers(model)
+    reads = _tensor_reads(model, nodes, owners)
     # runs_in[n]: the op whose stage runs node n, the last layer first
     # called at or before it (a shared layer called again, e.g. a tied
     # output head, runs where its call falls, as PipelineModel runs it).
@@ -170,7 +176,7 @@ def profile_model(model, sequence_length=None):
         first_called.add(id(layer))
         runs_in.append(len(ops))
         ops.append(_op(layer, node, tokens, owners, itemsize, seen,
-                       sequence_length))
+                       sequence_length, reads))
     _carried(ops, nodes, runs_in, inputs, outputs, itemsize,
              sequence_length)
     _mark_blocks(ops, nodes, runs_in, outputs)
@@ -212,14 +218,15 @@ def _float_bytes(tensors, itemsize, seq):
     return float(total)
 
 
-def _op(layer, node, tokens, owners, itemsize, seen, seq):
+def _op(layer, node, tokens, owners, itemsize, seen, seq, reads):
     """The `Op` of a graph layer; weights already in `seen` (a layer shared
-    with an earlier op, e.g. a tied embedding) are counted there."""
+    with an earlier op, e.g. a tied embedding) are counted there; `reads`:
+    `_tensor_reads`."""
     weights, flops, attention, internal, attention_internal = [], 0.0, 0.0, 0.0, 0.0
     reuses = []
     composite = bool(sublayers(layer, include_self=False))
     attentions = _leaf_attention(layer)
-    unread, unkept = _boundary_kernels(layer, attentions)
+    unread, unkept = _boundary_kernels(layer, owners, reads)
     for sub in attentions:
         s = tokens
         width = attention_width(sub)
@@ -235,15 +242,15 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
         shape = tuple(int(d) for d in w.shape)
         record = Weight(w.path, shape, np.dtype(w.dtype).itemsize,
                         bool(w.trainable), owner)
-        # a kernel: not a table, nor an einsum layer's (heads, width) bias
-        if len(shape) >= 2 and w.path.rsplit("/", 1)[-1] not in (
-                "embeddings", "bias"):
+        if _is_kernel(w):
             positions = tokens
             if _is_conv(owner, shape):
                 positions = max(tokens, 1)
                 record.conv = True
             record.flops = 2.0 * record.size * positions
             record.contracted = contracted_dims(owner, shape)
+            if composite and reads.get(id(owner), ((),))[0]:
+                record.reads = reads[id(owner)][0][0]
             width = 0 if id(owner) in unkept else out_width(owner, shape)
             read = 0
             if composite and id(owner) not in unread:
@@ -263,21 +270,73 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq):
               layer_ops(layer), reuses=reuses)
 
 
-def _boundary_kernels(layer, attentions):
-    """(ids of kernels whose input a composite layer does not keep as its
-    own, ids of those whose output it does not): self-attention's key and
-    value (of `attentions`, the layer's `_leaf_attention`) read the
-    query's input; an attention layer that is itself the graph's op reads
-    its input and returns its output projection's, both counted as the
-    graph's tensors."""
-    unread, unkept = set(), set()
-    for sub in attentions:
-        unread.update(id(getattr(sub, name, None))
-                      for name in ("_key_dense", "_value_dense"))
-    if is_attention(layer):
-        unread.add(id(getattr(layer, "_query_dense", None)))
-        unkept.add(id(getattr(layer, "_output_dense", None)))
+def _tensor_reads(model, nodes, owners):
+    """{id(layer): (names of the tensors it reads, of those it makes)} of
+    the graph's composite layers and the layers owning weights inside them,
+    from their first calls in one symbolic trace of `model`
+    (`keras_graph.trace_layer_calls_any_length`, by node: one trace per
+    distinct block). {} when no composite layer holds a weight of another
+    layer, or the model cannot be traced (then each kernel of a composite
+    layer counts its own input and output: an upper bound).
+
+    >>> reads = _tensor_reads(model, split.model_graph(model)[0],
+    ...                       keras_graph.owning_layers(model))
+    """
+    composites = [node.operation for node in nodes
+                  if sublayers(node.operation, include_self=False)]
+    layers = {}
+    for layer in composites:
+        layers[id(layer)] = layer
+        for w in layer.weights:
+            owner = owners.get(id(w), layer)
+            layers.setdefault(id(owner), owner)
+    if len(layers) == len(composites):
+        return {}
+    try:
+        traced = keras_graph.trace_layer_calls_any_length(
+            model, list(layers.values()))
+    except Exception:  # noqa: BLE001 (an upper bound instead, as documented)
+        return {}
+    if traced is None:
+        return {}
+    return {key: tuple([t.name for t in tensors] for tensors in calls[0])
+            for key, calls in traced[0].items() if calls}
+
+
+def _boundary_kernels(layer, owners, reads):
+    """(ids of kernels whose input the composite `layer` does not keep as
+    its own, ids of those whose output it does not), from the trace
+    (`reads`, `_tensor_reads`): an input that is the layer's own input
+    (the graph holds it), another kernel's output (counted there, but
+    for one of a non-linear activation, whose input is also kept) or one
+    an earlier kernel of the layer reads (self-attention's key and value
+    read the query's, a gated MLP's gate the up projection's: one tensor
+    kept once); an output that is the layer's own output (an attention
+    layer that is itself the graph's op returns its output projection's),
+    which the graph holds."""
+    own_inputs, own_outputs = reads.get(id(layer), ((), ()))
+    kernels = {id(owner): owner for owner in (
+        owners.get(id(w), layer) for w in getattr(layer, "weights", [])
+        if _is_kernel(w)) if owner is not layer and id(owner) in reads}
+    made = {reads[key][1][0] for key, owner in kernels.items()
+            if reads[key][1] and not _nonlinear(owner)}
+    seen, unread, unkept = set(own_inputs) | made, set(), set()
+    for key in kernels:
+        inputs, outputs = reads[key]
+        if inputs and inputs[0] in seen:
+            unread.add(key)
+        elif inputs:
+            seen.add(inputs[0])
+        if outputs and outputs[0] in own_outputs:
+            unkept.add(key)
     return unread, unkept
+
+
+def _is_kernel(weight):
+    """A matmul's or convolution's weight: rank >= 2, not a table, nor an
+    einsum layer's (heads, width) bias."""
+    return len(weight.shape) >= 2 and weight.path.rsplit("/", 1)[-1] not in (
+        "embeddings", "bias")
 
 
 def _normalized(layer, tokens, itemsize):

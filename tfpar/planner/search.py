@@ -248,8 +248,7 @@ def _layout(profile, model, t, sequence_parallel=False):
         raise ValueError("auto_rules found no layer to split over the model "
                          "axis")
     return cost_lib.Layout(profile, rules, t, sequence_parallel,
-                           vocab_parallel,
-                           tp.first_inputs(model) if t > 1 else None)
+                           vocab_parallel)
 
 
 def _vocab_rules(profile, model, t, sequence_parallel):

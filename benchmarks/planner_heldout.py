@@ -8,9 +8,9 @@ llm-foundry's MPT tables on A100-40GB, A100-80GB and H100 (PyTorch FSDP:
 fsdp-style data parallelism), BigScience's BLOOM topology benchmarks on
 A100-80GB (Megatron-DeepSpeed: the same 181B model under 16 t/p/d and
 micro-batch configurations), torchtitan's Llama 3.1 runs (FSDP, TP) and
-MaxText's TPU v5p table (JAX/XLA: FSDP with tensor parallelism; the
-only TPU runs, so the TPU preset's first check: its GEMM constants are
-the A100's, unfitted).
+MaxText's TPU v5p and v4 tables (JAX/XLA: FSDP, with tensor parallelism
+on v5p; the only TPU runs, so the TPU presets' first check: their GEMM
+constants are the A100's, unfitted).
 Every row cites the file and table it comes from
 (`benchmarks/planner_heldout.csv`, written by `--csv`).
 
@@ -54,6 +54,14 @@ The rule for what a row leaves unstated (written before evaluating):
   argument, the axes it ran with are not readable) and every two-slice
   row (slices joined by the data-center network, which the TPU presets
   do not describe).
+- MaxText on TPU v4: the v4 README's first commit (76bd53b0, 2023-12),
+  with that commit's scripts and `base.yml` (a ReLU MLP, heads 256 wide,
+  logits through the token table, V = 32768, s = 2048, flash attention)
+  at the script's explicit widths; all fsdp, full recomputation
+  (`remat_policy=full`); a v4-N slice holds N/2 chips (megacore: one
+  device per chip); seconds from that commit's FLOP count (6 ·
+  parameters · s · b plus causal attention). Its two-slice rows left out
+  as on v5p.
 - Megatron-Core: sequence parallelism when t > 1 (its
   `--tp-comm-overlap`, stated, requires it: megatron/training/
   arguments.py), fused (flash) attention (Transformer Engine), 1F1B
@@ -105,6 +113,10 @@ BL_CITE = ("bigscience-workshop/bigscience train/tr11-176B-ml/"
 MX_CITE = ("AI-Hypercomputer/maxtext MaxText/configs/v5p/README.md "
            "(commit 0ed7bd52), {} model, 1x {}; config MaxText/configs/v5p/"
            "{}.sh (commit {}) and MaxText/configs/base.yml")
+MX_V4_CITE = ("AI-Hypercomputer/maxtext MaxText/configs/v4/README.md "
+              "(commit 76bd53b0, its first), {} model, 1x {}; config "
+              "MaxText/configs/v4/{}.sh and MaxText/configs/base.yml at "
+              "that commit")
 TT_CITE = ("pytorch/torchtitan benchmarks/{} (Grand Teton H100 96GB "
            "HBM2e, 500 W); seq_len from train_configs/llama3_{}.toml at "
            "commit 9dec370")
@@ -151,17 +163,45 @@ MAXTEXT = dict(dropout=False, tied=False, position_embedding=False,
               gated=True)
 
 
+# MaxText's base.yml of 2023-12 (commit 76bd53b0): a ReLU MLP, heads 256
+# wide, logits through the token table, V = 32768, dropout rate 0.
+MAXTEXT_2023 = dict(dropout=False, tied=True, position_embedding=False,
+                    gated=False)
+
+
+def _mx_v4_row(size, slice_cores, dims, b, tflops):
+    """A MaxText TPU v4 row: (model size, v4-N, (layers, width, heads,
+    MLP width) from its script, per-chip batch, TFLOP/s per chip), all
+    fsdp, full recomputation; seconds from that commit's FLOP count
+    (`train.calculate_training_tflops`: 6 · parameters · s · b, plus the
+    causal half of attention's 12 · heads · L · d_h · s² · b)."""
+    L, h, heads, f = dims
+    head_dim, s, V, chips = 256, 2048, 32768, slice_cores // 2
+    width = heads * head_dim
+    params = L * (4 * h * width + 2 * h * f + 2 * h) + V * h + h
+    per_chip = 6 * params * s * b + 6 * heads * L * head_dim * s * s * b
+    return ("MX", "tpu-v4", (L, h, heads, s, V),
+            dict(MAXTEXT_2023, ffn=f, key_dim=head_dim), b * chips, b, 1,
+            1, chips, 1, False, "full", True, True,
+            per_chip / (tflops * 1e12),
+            MX_V4_CITE.format(size, f"v4-{slice_cores}", size.lower()))
+
+
 def _mx_row(size, slice_cores, scale, b, t, remat, tflops, commit):
     """A MaxText v5p row: (model size, v5p-N, global_parameter_scale,
     per-chip batch, ici_tensor_parallelism, remat_policy, TFLOP/s per chip,
     the config's commit)."""
-    q, r = divmod(scale.bit_length() - 1, 3)
-    heads = 16 * 2 ** (q + (r > 0))
-    L, h, f = 16 * 2 ** q, 2048 * 2 ** (q + (r > 1)), 7168 * 2 ** (q + (r > 0))
-    q = heads * 128  # base.yml's head_dim: q is h or 2h
+    # scale = 8^octaves · 2^r: each factor 8 doubles depth, width, heads
+    octaves, r = divmod(scale.bit_length() - 1, 3)
+    heads = 16 * 2 ** (octaves + (r > 0))
+    L = 16 * 2 ** octaves
+    h = 2048 * 2 ** (octaves + (r > 1))
+    f = 7168 * 2 ** (octaves + (r > 0))
+    width = heads * 128  # base.yml's head_dim: attention is h or 2h wide
     s, V, chips = 2048, 32000, slice_cores // 2
-    per_chip = 3 * b * s * (L * (6 * h * f + 2 * h * 3 * q + 2 * h * q)
-                            + 2 * h * V) + 3 * L * 4 * b * s * s * q
+    per_chip = 3 * b * s * (L * (6 * h * f + 2 * h * 3 * width
+                                 + 2 * h * width)
+                            + 2 * h * V) + 3 * L * 4 * b * s * s * width
     return ("MX", "tpu-v5p", (L, h, heads, s, V),
             dict(MAXTEXT, ffn=f, key_dim=128),
             b * chips, b * t, t, 1, chips // t, 1, True,
@@ -293,6 +333,10 @@ ROWS = {
                            "07775101"),
     "MX-256B": _mx_row("256B", 1024, 256, 1, 8, "minimal", 308, "07775101"),
     "MX-512B": _mx_row("512B", 1024, 512, 2, 8, "full", 294, "07775101"),
+    # MaxText, TPU v4, one slice: (size, v4-N, (L, h, heads, MLP), per-chip
+    # batch, TFLOP/s per chip).
+    "MX-v4-22B": _mx_v4_row("22B", 128, (48, 6144, 24, 24576), 16, 156),
+    "MX-v4-52B": _mx_v4_row("52B", 384, (32, 12288, 32, 49152), 10, 154),
 }
 LINKS = {"BL": dev.LINKS["S5"],
          "TT": {"hbm_bandwidth": 2.4e12, "memory": 96e9}}

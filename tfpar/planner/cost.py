@@ -13,7 +13,9 @@ per device):
   per-device block, in the compute dtype); with fsdp one all-gather of
   each weight block per forward pass (per micro-batch in a pipeline, again
   in the backward pass of a recomputed layer) and one reduce-scatter of
-  its gradient.
+  its gradient. A looked-up table's sparse gradient is reduced once per
+  sum the optimizer's update makes of it (`sparse_gradient_sums`: Adam
+  sums g and g² apart).
 - model axis t (Megatron): a column-parallel layer all-reduces its input
   gradient in the backward pass (unless nothing before it needs
   gradients); a row-parallel layer all-reduces its output in the forward
@@ -100,6 +102,7 @@ layer, or attention core, being recomputed, for one micro-batch).
 import dataclasses
 import math
 import re
+import threading
 
 import keras
 import numpy as np
@@ -136,6 +139,77 @@ def optimizer_slots(optimizer):
         f"tfpar.plan does not know optimizer {type(optimizer).__name__}. "
         f"Received: optimizer={optimizer!r}; pass one of {sorted(_SLOTS)} "
         "by name.")
+
+
+# Ops that sum a sparse gradient's rows (an IndexedSlices: the rows a
+# lookup read, per token) into a dense tensor: converting it
+# (UnsortedSegmentSum) or scattering it into a variable (tfpar's
+# ShardedVariable runs scatters as segment sums, `tfpar/variables.py`).
+_ROW_SUMS = ("UnsortedSegmentSum", "ResourceScatterAdd", "ResourceScatterSub",
+             "ResourceScatterUpdate")
+_SPARSE_SUMS = {}
+
+
+def sparse_gradient_sums(optimizer):
+    """How many sums of a looked-up table's sparse gradient `optimizer`'s
+    update makes (a name or a Keras optimizer): on a data axis each is an
+    all-reduce of the table's gradient, the batch's rows living on
+    different devices. Read from one trace of a fresh copy's update of a
+    small table (its `_ROW_SUMS` ops): Keras sums the gradient and, apart,
+    each elementwise function of its rows it uses — SGD 1; Adam, AdamW,
+    Adamax, Lion, FTRL 2 (g and g²); Nadam 3. 1 (one dense gradient's
+    reduction) for an optimizer that cannot be copied or traced so.
+
+    >>> sparse_gradient_sums("adam")
+    2
+    """
+    if isinstance(optimizer, str):
+        key, config = optimizer.lower(), None
+    else:
+        config = optimizer.get_config()
+        key = (type(optimizer), repr(sorted(config.items())))
+    if key not in _SPARSE_SUMS:
+        try:
+            _SPARSE_SUMS[key] = _traced_row_sums(
+                lambda: keras.optimizers.get(key) if config is None
+                else type(optimizer).from_config(config))
+        except Exception:  # noqa: BLE001 (documented: counted as dense)
+            _SPARSE_SUMS[key] = 1
+    return _SPARSE_SUMS[key]
+
+
+def _traced_row_sums(make_optimizer):
+    """The `_ROW_SUMS` ops of `make_optimizer().apply` on an (8, 4) table's
+    sparse gradient of 3 rows, made and traced in a thread of its own
+    (TensorFlow's strategy scopes are per thread: a plain optimizer and
+    variable, whatever scope the caller is in)."""
+    found = []
+
+    def count():
+        try:
+            optimizer = make_optimizer()
+            table = keras.Variable(np.zeros((8, 4), "float32"))
+            optimizer.build([table])
+            shape = tf.constant([8, 4], tf.int64)
+
+            @tf.function(autograph=False)
+            def update(values, indices):
+                optimizer.apply([tf.IndexedSlices(values, indices, shape)],
+                                [table])
+
+            graph = update.get_concrete_function(
+                tf.TensorSpec((3, 4)), tf.TensorSpec((3,), tf.int32)).graph
+            found.append(sum(op.type in _ROW_SUMS
+                             for op in graph.get_operations()))
+        except Exception as error:  # noqa: BLE001 (raised in the caller)
+            found.append(error)
+
+    worker = threading.Thread(target=count)
+    worker.start()
+    worker.join()
+    if isinstance(found[0], Exception):
+        raise found[0]
+    return max(1, found[0])
 
 
 @dataclasses.dataclass
@@ -225,9 +299,10 @@ class Layout:
     """
 
     def __init__(self, profile, rules, t, sequence_parallel=False,
-                 vocab_parallel=False):
+                 vocab_parallel=False, table_sums=1):
         self.t = t
         self.rules = rules
+        self.table_sums = table_sums
         self.sequence_parallel = sequence_parallel
         self.vocab_parallel = vocab_parallel
         self._profile = profile
@@ -279,6 +354,7 @@ class Layout:
             self._add_kept(i, out, profile.ops)
             self._add_collectives(i, op, split_layers.get(i, []),
                                   profile.compute_itemsize)
+        self.sparse_gradient = _looked_up_tables(profile, self._weights)
         self._state_cache = {}
 
     def _add_kept(self, i, out, ops):
@@ -301,9 +377,9 @@ class Layout:
         a gathered tied table's gather (V·h per micro-batch, instead of
         its lookup's T·h gather: `table_bytes`, `table_count`), workspace
         (it and its gradient: `table_workspace`) and whole gradient summed
-        over the data axis (V·h where its shard is V·h/t:
-        `table_gradient`, the difference). Returns the path of the
-        gathered table's layer, or None."""
+        over the data axis (V·h, `table_gradient`, beside its V·h/t
+        shard's sum). Returns the path of the gathered table's layer, or
+        None."""
         n = len(profile.ops)
         (self.table_bytes, self.table_count, self.table_workspace,
          self.table_gradient) = np.zeros((4, n))
@@ -330,8 +406,9 @@ class Layout:
             self.table_count[head.table_op] = 1
             self.table_workspace[head.table_op] = 2 * roofline.table_bytes(
                 model)
-            self.table_gradient[head.table_op] = roofline.table_bytes(
-                model) * (1 - 1 / self.t)
+            # summed over the data axis whole (V·h) beside its shard's
+            # sum (counted with the weights): measured on keras-hub Gemma
+            self.table_gradient[head.table_op] = roofline.table_bytes(model)
             return profile.ops[head.table_op].layer.path
         return None
 
@@ -395,7 +472,7 @@ class Layout:
         if "whole_head" not in self._state_cache:
             self._state_cache["whole_head"] = Layout(
                 self._profile, _whole_head_rules(self._profile, self.rules),
-                self.t, self.sequence_parallel)
+                self.t, self.sequence_parallel, table_sums=self.table_sums)
         return self._state_cache["whole_head"]
 
     def prefix(self, d, fsdp):
@@ -410,7 +487,7 @@ class Layout:
                 "resplit_count", "kept", "kept_full", "internal",
                 "attention_internal",
                 "attention_flops", "table_bytes", "table_count",
-                "table_workspace", "table_gradient")}
+                "table_workspace", "table_gradient", "sparse_gradient")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3],
                           weighted=(state[:, 3] > 0).astype(float))
@@ -587,6 +664,24 @@ def _model_axis_collectives(profile, rules, gathered=None):
     return out
 
 
+def _looked_up_tables(profile, weights):
+    """Per op, the model-axis block bytes of its trainable lookup tables
+    (an Embedding's `embeddings`) that no op reuses as a projection: their
+    gradients reach the optimizer sparse (rows by token; a tied table's
+    adds the projection's dense gradient; an untied ReversibleEmbedding
+    projects with a kernel of its own). `weights`: `Layout._weights`."""
+    reused = {id(layer) for op in profile.ops for layer in op.reuses}
+    out = np.zeros(len(profile.ops))
+    for i, op in enumerate(profile.ops):
+        projects = {id(w.owner) for w in op.weights if w.flops}
+        for w, (block, _, itemsize, trainable) in zip(op.weights, weights[i]):
+            tied = id(w.owner) in reused and id(w.owner) not in projects
+            if (trainable and not tied and hasattr(w.owner, "input_dim")
+                    and w.path.rsplit("/", 1)[-1] == "embeddings"):
+                out[i] += float(math.prod(block)) * itemsize
+    return out
+
+
 def _op_of_layers(profile):
     """{id(layer): index of the profile's op holding it} for each op's
     layer and the layers nested in it."""
@@ -691,8 +786,10 @@ def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared,
     p = len(gathered)
     # Gradients are summed in the compute dtype (bfloat16 under
     # mixed_bfloat16); fsdp gathers the stored (float32) weights. A
-    # gathered tied table's gradient is summed whole.
-    grads = (gathered + total("table_gradient")) * layout.grad_ratio
+    # gathered tied table's gradient is summed whole; a looked-up table's
+    # sparse gradient once per sum the optimizer's update makes of it.
+    grads = (gathered + total("table_gradient") + (layout.table_sums - 1)
+             * total("sparse_gradient")) * layout.grad_ratio
     if not (fsdp and d > 1):
         data_bytes = grads if d > 1 else np.zeros(p)
         return (data_bytes,

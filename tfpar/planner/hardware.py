@@ -66,7 +66,8 @@ and v5p have no published run in the development set: their GEMM
 constants are the A100's, unfitted. The v5p's are checked on the
 held-out set (`benchmarks/planner_heldout.py`: MaxText's v5p table,
 FSDP with tensor parallelism): five of six runs within 7%, the one
-with full recomputation 30% slow; v4 is unchecked.
+with full recomputation 30% slow; the v4's on MaxText's v4 table (FSDP,
+full recomputation): both runs within 9%.
 
 >>> from tfpar.planner import hardware
 >>> hardware.PRESETS["a100-80gb"].peak_flops["bfloat16"]

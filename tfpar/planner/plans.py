@@ -122,7 +122,8 @@ def _planned(model, global_batch_size, *, cluster, memory_per_device,
             "tfpar.plan(memory_per_device) must be a positive number of "
             f"bytes. Received: memory_per_device={memory_per_device!r}")
     candidates, seconds, layouts = search_lib.search(
-        profile, model, int(global_batch_size), cluster, limit, slots)
+        profile, model, int(global_batch_size), cluster, limit, slots,
+        cost_lib.sparse_gradient_sums(optimizer))
     candidates = search_lib.ranked(candidates + split_axes.candidates(
         profile, layouts, int(global_batch_size), cluster, limit, slots))
     feasible = [c for c in candidates if c.rejected is None]

@@ -189,9 +189,10 @@ def microbatch_counts(per_replica, p):
 
 
 def search(profile, model, global_batch_size, cluster, memory_limit,
-           slots):
+           slots, table_sums=1):
     """Every candidate (list of `Candidate`), the search's seconds and the
-    cost `Layout` of each (model-axis size, sequence parallel)."""
+    cost `Layout` of each (model-axis size, sequence parallel);
+    `table_sums`: `cost.sparse_gradient_sums` of the optimizer."""
     start = time.perf_counter()
     layouts, rule_errors = {}, {}
     candidates = []
@@ -205,7 +206,8 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
                 key = (t, sp)
                 if key not in layouts and key not in rule_errors:
                     try:
-                        layouts[key] = _layout(profile, model, t, sp)
+                        layouts[key] = _layout(profile, model, t, sp,
+                                               table_sums)
                     except ValueError as e:
                         rule_errors[key] = str(e)
                 reject = _reject_reason(axes, rule_errors.get(key),
@@ -233,7 +235,7 @@ def ranked(candidates):
         order[id(c)]))
 
 
-def _layout(profile, model, t, sequence_parallel=False):
+def _layout(profile, model, t, sequence_parallel=False, table_sums=1):
     """The cost `Layout` of `auto_rules` over a model axis of size t: with
     the head split over the vocabulary where `_vocab_rules` gives it, else
     whole."""
@@ -248,7 +250,7 @@ def _layout(profile, model, t, sequence_parallel=False):
         raise ValueError("auto_rules found no layer to split over the model "
                          "axis")
     return cost_lib.Layout(profile, rules, t, sequence_parallel,
-                           vocab_parallel)
+                           vocab_parallel, table_sums)
 
 
 def _vocab_rules(profile, model, t, sequence_parallel):

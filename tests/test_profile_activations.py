@@ -41,9 +41,9 @@ class Block(keras.layers.Layer):
 
 
 class Feedforward(keras.layers.Layer):
-    def __init__(self, **kwargs):
+    def __init__(self, activation="gelu", **kwargs):
         super().__init__(**kwargs)
-        self.up = keras.layers.Dense(4 * WIDTH, activation="gelu")
+        self.up = keras.layers.Dense(4 * WIDTH, activation=activation)
         self.down = keras.layers.Dense(WIDTH)
 
     def call(self, x):
@@ -95,16 +95,11 @@ def test_a_composite_does_not_keep_the_graphs_tensors_again():
     nothing of its own there: the graph holds those tensors (the previous
     op's output, this op's output); a ReLU's output, which its gradient
     reads, is the next kernel's input, kept once."""
-    class Bare(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.up = keras.layers.Dense(4 * WIDTH, activation="relu")
-            self.down = keras.layers.Dense(WIDTH)
-
+    class Bare(Feedforward):
         def call(self, x):
             return self.down(self.up(x))
 
-    op = _op(Bare())
+    op = _op(Bare(activation="relu"))
     assert op.internal == pytest.approx(SEQ * 4 * WIDTH * 4)
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import tfpar
-from tfpar.planner import cost as cost_lib
 from tfpar.planner import measure
+from tfpar.planner import optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -156,7 +156,7 @@ def test_cost_model_matches_a_compiled_keras_hub_decoder(name, optimizer,
     Gemma's attention width was read as its head count). The data axis
     within 2% (was 12% low with Adam, 8.5% with Gemma's): the optimizer's
     update sums a looked-up table's sparse gradient once per use
-    (`cost.sparse_gradient_sums`: SGD 1, Adam 2, Nadam 3); Gemma's tied
+    (`optimizers.sparse_gradient_sums`: SGD 1, Adam 2, Nadam 3); Gemma's tied
     table, gathered for its lookups, has its gradient summed whole and
     its shard's again. Under fsdp each sum is a reduce-scatter."""
     build = functools.partial(_hub_decoder, name)
@@ -184,16 +184,16 @@ def test_cost_model_matches_a_compiled_keras_hub_decoder(name, optimizer,
 
 
 def test_an_optimizers_sums_of_a_sparse_gradient_are_read_from_its_update():
-    """`cost.sparse_gradient_sums` traces a fresh copy of the optimizer's
+    """`optimizers.sparse_gradient_sums` traces a fresh copy of the optimizer's
     update of a looked-up table (each sum is one data-axis reduction in
     a compiled step): Keras sums the gradient, and apart each function
     of its rows the update uses; in a strategy's scope too (the copy is
     made and traced outside it)."""
-    counts = {name: cost_lib.sparse_gradient_sums(name)
+    counts = {name: optimizers.sparse_gradient_sums(name)
               for name in ("sgd", "adam", "lion", "nadam")}
     assert counts == {"sgd": 1, "adam": 2, "lion": 2, "nadam": 3}
     with tfpar.ParallelStrategy(tfpar.Mesh({"data": 8})).scope():
-        assert cost_lib.sparse_gradient_sums(
+        assert optimizers.sparse_gradient_sums(
             keras.optimizers.Nadam(learning_rate=3e-4)) == 3
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from tfpar.planner import cost as cost_lib
 from tfpar.planner import hardware as hardware_lib
+from tfpar.planner import optimizers
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import roofline
 from tfpar.planner import transformer as transformer_lib
@@ -143,7 +144,7 @@ def estimate(model, global_batch_size, *, cluster, axes,
         shape, batch, num_microbatches=num_microbatches, schedule=schedule,
         virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
         recompute=recompute, fsdp=fsdp,
-        slots=cost_lib.optimizer_slots(optimizer),
+        slots=optimizers.optimizer_slots(optimizer),
         flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=transformer.layers, capacity_factor=capacity_factor,
         transformer=transformer, expert_axis=expert_axis,

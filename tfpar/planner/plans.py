@@ -15,8 +15,8 @@ import keras
 import numpy as np
 
 from tfpar import layout as layout_lib
-from tfpar.planner import cost as cost_lib
 from tfpar.planner import measure as measure_lib
+from tfpar.planner import optimizers
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import search as search_lib
 from tfpar.planner import split_axes
@@ -104,7 +104,7 @@ def _planned(model, global_batch_size, *, cluster, memory_per_device,
         raise ValueError(
             f"tfpar.plan(measure) must be an integer >= 0. Received: "
             f"measure={measure!r}")
-    slots = cost_lib.optimizer_slots(optimizer)
+    slots = optimizers.optimizer_slots(optimizer)
     build = model if callable(model) and not isinstance(model, keras.Model) else None
     if build is not None:
         model = build_without_weights(build)
@@ -123,7 +123,7 @@ def _planned(model, global_batch_size, *, cluster, memory_per_device,
             f"bytes. Received: memory_per_device={memory_per_device!r}")
     candidates, seconds, layouts = search_lib.search(
         profile, model, int(global_batch_size), cluster, limit, slots,
-        cost_lib.sparse_gradient_sums(optimizer))
+        optimizers.sparse_gradient_sums(optimizer))
     candidates = search_lib.ranked(candidates + split_axes.candidates(
         profile, layouts, int(global_batch_size), cluster, limit, slots))
     feasible = [c for c in candidates if c.rejected is None]

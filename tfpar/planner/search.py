@@ -192,7 +192,7 @@ def search(profile, model, global_batch_size, cluster, memory_limit,
            slots, table_sums=1):
     """Every candidate (list of `Candidate`), the search's seconds and the
     cost `Layout` of each (model-axis size, sequence parallel);
-    `table_sums`: `cost.sparse_gradient_sums` of the optimizer."""
+    `table_sums`: `optimizers.sparse_gradient_sums` of the optimizer."""
     start = time.perf_counter()
     layouts, rule_errors = {}, {}
     candidates = []

@@ -54,7 +54,9 @@ def plan(model, global_batch_size, *, cluster=None, memory_per_device=None,
         cluster: a `tfpar.Cluster`; default `Cluster.local()`.
         memory_per_device: bytes a device may use (default: the cluster's
             `device_memory`).
-        optimizer: name or Keras optimizer (its slots count as memory).
+        optimizer: name or Keras optimizer (its slots count as memory;
+            the sums its update makes of a looked-up table's sparse
+            gradient as data-axis reductions).
         measure: time the `measure` best candidates on this machine's
             devices and choose the fastest measured (all built first,
             then timed in 3 interleaved rounds of 2 steps each, medians:

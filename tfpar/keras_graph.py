@@ -5,9 +5,10 @@ KerasTensors. The pipeline cuts that graph into parts and runs it node by
 node (`tfpar.pipeline.split`), the planner costs it node by node
 (`tfpar.planner.profile`), and `tfpar.auto_plan` traces a model once to see
 which layer reads which (`trace_layer_calls`; the profile traces a model's
-blocks to see which of their kernels read one tensor). The private Keras attributes this needs are reached
-through `tfpar._compat`'s one-line shims (`functional_of`, `nodes_by_depth`,
-`inputs_struct`, `outputs_struct`, `inbound_nodes`, `operation_fn`).
+blocks to see which of their kernels read one tensor). The private Keras
+attributes this needs are reached through `tfpar._compat`'s one-line shims
+(`functional_of`, `nodes_by_depth`, `inputs_struct`, `outputs_struct`,
+`inbound_nodes`, `operation_fn`).
 
 Example:
 

@@ -462,7 +462,7 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole,
                 layer, flow.input_rank(layer)):
             plan[layer.path] = SequenceParallel(axis)
     else:
-        whole[layer.path] = (layer, _why_whole(layer, flow))
+        whole[_label(layer)] = (layer, _why_whole(layer, flow))
 
 
 def _vocab_split(head, column, axis_size):
@@ -633,11 +633,23 @@ def _why_whole(layer, flow):
             return "an output head, kept whole so the logits are whole"
         return ("in no MLP or attention pattern (no Dense/EinsumDense pairs "
                 "with it through elementwise ops)")
-    own = sorted({w.path.rsplit("/", 1)[-1] for w in layer.weights}
-                 - {w.path.rsplit("/", 1)[-1]
-                    for sub in _compat.all_layers(layer, include_self=False)
-                    for w in sub.weights})
-    return f"no plan for {type(layer).__name__} weights {own}"
+    inner = {id(w) for sub in _compat.all_layers(layer, include_self=False)
+             for w in sub.weights}
+    own = [w for w in layer.weights if id(w) not in inner]
+    names = sorted({w.path.rsplit("/", 1)[-1] for w in own})
+    if own and not any(w.trainable for w in own):
+        return (f"non-trainable constants {names} (e.g. rotary "
+                "frequencies): the same on every device")
+    return f"no plan for {type(layer).__name__} weights {names}"
+
+
+def _label(layer):
+    """`layer.path`, or for a layer Keras gave none (keras-hub SmolLM3's
+    rotary embedding) the path its weights sit under."""
+    if layer.path:
+        return layer.path
+    paths = [w.path.rsplit("/", 1)[0] for w in layer.weights]
+    return paths[0] if paths else layer.name
 
 
 # The last trace of each model (by the identity of its weight-owning

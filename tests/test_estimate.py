@@ -559,6 +559,15 @@ def test_stored_activations_follow_the_attention_and_mlp_widths(
     assert per_block(key_dim=128) == pytest.approx(korthikanti + 8 / t)
     assert per_block(ffn=3584, gated=True) == pytest.approx(
         korthikanti + 16 / t * (1.5 * 3.5 / 4 - 1))
+    # half the blocks gated (Moonshine: plain encoder, gated decoder MLPs)
+    assert per_block(ffn=3584, gated=0.5) == pytest.approx(
+        korthikanti + 16 / t * (1.25 * 3.5 / 4 - 1))
+    # a cross attention per block: another attention's norm input, query
+    # input and dropout mask (5, ÷ t under sequence parallelism) and its
+    # Q, K, V and output projection's input (8/t)
+    cross = (5 / t if sequence_parallel else 5) + 8 / t
+    assert per_block(cross_attention=1.0) == pytest.approx(
+        korthikanti + cross)
 
 
 def test_concurrent_builds_leave_the_optimizer_constructor_as_it_was():

@@ -109,6 +109,10 @@ class Op:
     # Its outputs are read only inside a block that full recomputation
     # runs again as one call (`tfpar.recompute_spans`): not kept then.
     in_block: bool = False
+    # Its attention layers whose keys and values are another tensor than
+    # their queries (an encoder-decoder's cross attention reading the
+    # encoder's output: `_cross_attentions`).
+    cross_attention: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -267,17 +271,38 @@ def _op(layer, node, tokens, owners, itemsize, seen, seq, reads):
     return Op(layer.name, layer, weights, flops + attention, attention,
               _float_bytes(node.outputs, itemsize, seq),
               internal + attention_internal, attention_internal, tokens,
-              layer_ops(layer), reuses=reuses)
+              layer_ops(layer), reuses=reuses,
+              cross_attention=_cross_attentions(attentions, owners, reads))
+
+
+def _cross_attentions(attentions, owners, reads):
+    """Those of `attentions` a kernel of which reads one of the layer's
+    own inputs other than the one its query kernel reads: cross attention
+    (`value=encoder_output`), where self-attention's query, key and value
+    read one tensor. From the trace (`reads`, `_tensor_reads`); none when
+    it has not traced them."""
+    cross = []
+    for layer in attentions:
+        own_inputs = reads.get(id(layer), ((), ()))[0]
+        query_input = reads.get(id(_query_kernel(layer)[0]), ((), ()))[0]
+        if not own_inputs or not query_input:
+            continue
+        kernel_inputs = {reads[id(owner)][0][0] for owner in (
+            owners.get(id(w), layer) for w in layer.weights
+            if _is_kernel(w)) if reads.get(id(owner), ((), ()))[0]}
+        if kernel_inputs & (set(own_inputs) - {query_input[0]}):
+            cross.append(layer)
+    return cross
 
 
 def _tensor_reads(model, nodes, owners):
     """{id(layer): (names of the tensors it reads, of those it makes)} of
-    the graph's composite layers and the layers owning weights inside them,
-    from their first calls in one symbolic trace of `model`
-    (`keras_graph.trace_layer_calls_any_length`, by node: one trace per
-    distinct block). {} when no composite layer holds a weight of another
-    layer, or the model cannot be traced (then each kernel of a composite
-    layer counts its own input and output: an upper bound).
+    the graph's composite layers, the layers owning weights inside them and
+    their attention layers, from their first calls in one symbolic trace
+    of `model` (`keras_graph.trace_layer_calls_any_length`, by node: one
+    trace per distinct block). {} when no composite layer holds a weight
+    of another layer, or the model cannot be traced (then each kernel of a
+    composite layer counts its own input and output: an upper bound).
 
     >>> reads = _tensor_reads(model, split.model_graph(model)[0],
     ...                       keras_graph.owning_layers(model))
@@ -290,6 +315,8 @@ def _tensor_reads(model, nodes, owners):
         for w in layer.weights:
             owner = owners.get(id(w), layer)
             layers.setdefault(id(owner), owner)
+        for attention in _leaf_attention(layer):  # `_cross_attentions`
+            layers.setdefault(id(attention), attention)
     if len(layers) == len(composites):
         return {}
     try:

@@ -11,6 +11,14 @@ Every op is a roofline (Williams et al. 2009): time = max(FLOPs ÷
 achievable FLOP/s, bytes ÷ achievable HBM bandwidth), compute-bound or
 memory-bound by whichever is larger.
 
+An encoder-decoder is one stack of its encoder and decoder blocks, a
+decoder block holding a cross attention too (`Transformer.
+cross_attention`: per block on average): its GEMMs, scores (unmasked),
+norm, residual add, tensor-parallel all-reduces and stored activations
+are another attention's, over the same length s; `Transformer.gated` is
+the share of blocks whose MLP is gated (an encoder and a decoder may
+differ).
+
 - GEMMs (forward per block, T = b·s tokens: QKV T×h×(h+2·kv·dₕ)/t,
   projection T×(h/t)×h, MLP T×h×f/t and T×(f/t)×h, gated MLPs one more)
   reach `peak × gemm × Π_x x/(x + gemm_half)` over their three dimensions
@@ -47,7 +55,7 @@ memory-bound by whichever is larger.
   vocabulary head (`Transformer.lm_head` False: a classifier, a bare
   backbone; "none") has no logits: nothing of this.
 - Tensor parallelism: per block 2 all-reduces of T·h forward and 2 in the
-  backward pass (with sequence parallelism a reduce-scatter and an
+  backward pass (one more each per cross attention) (with sequence parallelism a reduce-scatter and an
   all-gather each, the same ring time), plus the embedding's forward and
   the logits' backward one (the embedding's: the table's gather instead
   when `table_gathered`; the logits': none for a replicated head, and
@@ -136,7 +144,8 @@ activations per block and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t))
 bytes, 34/t + 5as/(ht) with sequence parallelism (the 24/t's 8/t of
 query, key, value and the output projection's input × q/h when the
 attention width is not h, its MLP's 16/t × f/(4h), × 1.5 for a gated
-MLP: gate, up and their product against GeLU's input and output),
+MLP: gate, up and their product against GeLU's input and output; a
+cross attention adds another attention's 5 + 8/t, 13/t, and scores),
 without the score term
 with selective recomputation or a fused kernel, 2 (the block's input)
 with full recomputation (plus one block's whole activations, rebuilt
@@ -183,7 +192,9 @@ class Transformer:
     ffn: int = 0            # MLP width (0: 4 · hidden)
     kv_heads: int = 0       # key/value heads (0: heads)
     key_dim: int = 0        # width of one head (0: hidden // heads)
-    gated: bool = False     # SwiGLU-style MLP: three kernels
+    # SwiGLU-style MLP (three kernels): the share of blocks with one
+    # (True: every block; an encoder-decoder may mix, Moonshine)
+    gated: float = False
     dropout: bool = True    # hidden and attention dropout
     causal: bool = True
     tied: bool = True       # logits share the embedding (no V × h of
@@ -193,6 +204,7 @@ class Transformer:
     # hidden unless vocabulary-parallel); False: a separate Dense head.
     embedding_head: bool = True
     position_embedding: bool = True
+    token_tables: int = 1   # V × h tables (an encoder's and a decoder's)
     compute_bytes: int = 2  # bf16/fp16 activations
     param_bytes: int = 4    # stored weights (fp32 master; 2 + 4 Megatron)
     experts: int = 0        # mixture-of-experts MLPs (0: a dense MLP)
@@ -209,6 +221,12 @@ class Transformer:
     # column-parallel outputs).
     kept_hidden: float = 1.0
     kept_wide: float = 0.0
+    # Cross-attention layers per block: an encoder-decoder's decoder
+    # blocks hold one each (queries from the decoder, keys and values from
+    # the encoder's output), averaged over its blocks (0.5 for as many
+    # encoder as decoder blocks); each costed as another attention of the
+    # block, its scores unmasked, over the same length s.
+    cross_attention: float = 0.0
 
     @property
     def ffn_width(self):
@@ -226,24 +244,36 @@ class Transformer:
 
     def mlp_params(self):
         """One MLP's (one expert's) kernels."""
-        return (3 if self.gated else 2) * self.hidden * self.ffn_width
+        return (2 + self.gated) * self.hidden * self.ffn_width
 
     def bank_params(self):
         """A block's expert banks (0 without experts)."""
         return self.experts * self.mlp_params()
 
-    def block_params(self):
-        h, f, q = self.hidden, self.ffn_width, self.attention_width
+    def attention_params(self):
+        """One attention's kernels (query, key, value, output projection),
+        biases and its norm's scale and offset."""
+        h, q = self.hidden, self.attention_width
         kv = (self.kv_heads or self.heads) * self.head_dim
+        return h * (q + 2 * kv) + q * h + q + 2 * kv + h + 2 * h
+
+    def block_params(self):
+        h, f = self.hidden, self.ffn_width
         mlp = (self.bank_params() + h * self.experts if self.experts
                else self.mlp_params())
-        # kernels: query, key, value, output projection, MLP; biases and
-        # the two norms' scales and offsets
-        return h * (q + 2 * kv) + q * h + mlp + 4 * h + q + 2 * kv + f + h
+        # its attentions, the MLP with its bias and its norm's scale and
+        # offset
+        return ((1 + self.cross_attention) * self.attention_params() + mlp
+                + f + 2 * h)
+
+    @property
+    def attentions(self):
+        """Attention layers per block: its own and `cross_attention`."""
+        return 1 + self.cross_attention
 
     def embedding_params(self):
         position = self.seq * self.hidden if self.position_embedding else 0
-        return self.vocab * self.hidden + position
+        return self.token_tables * self.vocab * self.hidden + position
 
     def head_params(self):
         """The logits' own kernel: V·h for an untied head (or a reverse
@@ -436,15 +466,17 @@ def ring(kind, nbytes, n, alpha_beta, count=1):
 
 
 def _gemm_shapes(model, cfg):
-    """(m, n, k) of a block's forward GEMMs on one device (T = b·s)."""
+    """(m, n, k, count) of a block's forward GEMMs on one device (T = b·s;
+    count: `model.attentions` for the attention's)."""
     rows, t = tokens(model, cfg), cfg.model
     h, f, q = model.hidden, model.ffn_width, model.attention_width
     kv = (model.kv_heads or model.heads) * model.head_dim
-    up = (2 if model.gated else 1) * f
-    attention = [(rows, (q + 2 * kv) / t, h), (rows, h, q / t)]
+    up = (1 + model.gated) * f
+    n = model.attentions
+    attention = [(rows, (q + 2 * kv) / t, h, n), (rows, h, q / t, n)]
     if model.experts:  # the MLP is `_experts`' routed FFN
         return attention
-    return attention + [(rows, up / t, h), (rows, h, f / t)]
+    return attention + [(rows, up / t, h, 1), (rows, h, f / t, 1)]
 
 
 def _experts(dev, model, cfg, backward=False):
@@ -460,7 +492,7 @@ def _experts(dev, model, cfg, backward=False):
     e, t, E = cfg.expert, cfg.model, model.experts
     cap = capacity(model, cfg)
     h, f = model.hidden, model.ffn_width
-    up = (2 if model.gated else 1) * f
+    up = (1 + model.gated) * f
     slots = E * cap if cfg.expert_on_data else E / e * cap
     per_expert = e * cap if cfg.expert_on_data else cap
     shapes = [((rows, E, h), 1, 4),                 # router, float32
@@ -474,14 +506,25 @@ def _experts(dev, model, cfg, backward=False):
             dev.gemm(time, k, n, m, count=count, itemsize=itemsize)
         else:
             dev.gemm(time, m, n, k, count=count, itemsize=itemsize)
-    act = (5 if backward else 3) if model.gated else (3 if backward else 2)
+    # elementwise passes over f: (3, 2) plain, (5, 3) gated
+    act = (3 + 2 * model.gated) if backward else (2 + model.gated)
     dev.stream(time, E / e * per_expert * act * f / t * c)
     return time
 
 
 def _attention_core(dev, model, cfg, backward=False):
     """QKᵀ, softmax, dropout and the product with V (or their gradients)
-    of one block and micro-batch."""
+    of one block and micro-batch: its self-attention's and its
+    `cross_attention`'s (scores unmasked)."""
+    time = _self_attention_core(dev, model, cfg, backward)
+    if model.cross_attention:
+        cross = dataclasses.replace(model, causal=False)
+        time.merge(_self_attention_core(dev, cross, cfg, backward).scaled(
+            model.cross_attention))
+    return time
+
+
+def _self_attention_core(dev, model, cfg, backward=False):
     time = _Time()
     # q queries (the device's s/c) against all s keys (gathered over c).
     s, q, dh = model.seq, model.seq / cfg.context, model.head_dim
@@ -508,12 +551,12 @@ def _block(dev, model, cfg, backward=False):
     tensor-parallel communication."""
     time = _Time()
     c = model.compute_bytes
-    for m, n, k in _gemm_shapes(model, cfg):
+    for m, n, k, count in _gemm_shapes(model, cfg):
         if backward:
-            dev.gemm(time, m, k, n, itemsize=c)   # data gradient
-            dev.gemm(time, k, n, m, itemsize=c)   # weight gradient
+            dev.gemm(time, m, k, n, count=count, itemsize=c)  # data grad
+            dev.gemm(time, k, n, m, count=count, itemsize=c)  # weight grad
         else:
-            dev.gemm(time, m, n, k, itemsize=c)
+            dev.gemm(time, m, n, k, count=count, itemsize=c)
     time.merge(_attention_core(dev, model, cfg, backward))
     time.merge(_experts(dev, model, cfg, backward))
     h, f, t = model.hidden, model.ffn_width, cfg.model
@@ -521,11 +564,13 @@ def _block(dev, model, cfg, backward=False):
     norm = 3 if backward else 2
     add = (2.5 if backward else 3.5) if model.dropout else (
         1 if backward else 3)
-    act = (5 if backward else 3) if model.gated else (3 if backward else 2)
+    # elementwise passes over f: (3, 2) plain, (5, 3) gated
+    act = (3 + 2 * model.gated) if backward else (2 + model.gated)
     if model.experts:  # counted in `_experts`
         act = 0
-    elements = tokens(model, cfg) * (2 * (norm + add) * h / split
-                                     + act * f / t)
+    # a norm and a residual add per attention and one for the MLP
+    elements = tokens(model, cfg) * ((1 + model.attentions) * (norm + add)
+                                     * h / split + act * f / t)
     dev.stream(time, elements * c)
     return time
 
@@ -641,11 +686,12 @@ def table_bytes(model):
 
 def _tensor_parallel(model, cfg, cluster, hw):
     """Seconds of one block's forward all-reduces over the model axis (its
-    backward costs the same), and (embedding, logits) of `_edges`."""
+    backward costs the same): one per attention and one for the MLP; and
+    (embedding, logits) of `_edges`."""
     nbytes = hidden_bytes(model, cfg)
     group = link(cluster, hw, cfg.model, 1)
     one = ring("all-reduce", nbytes, cfg.model, group)
-    return 2 * one, _edges(model, cfg, group, one)
+    return (1 + model.attentions) * one, _edges(model, cfg, group, one)
 
 
 def expert_exchange_bytes(model, cfg):
@@ -697,13 +743,14 @@ def gather_kind(cfg):
 
 
 def context_gather_bytes(model, cfg):
-    """Bytes of one block's key/value all-gather over the context axis per
-    device: the gathered keys and values, b·s·2·kv·dₕ/t elements."""
+    """Bytes of one block's key/value all-gathers over the context axis per
+    device: the gathered keys and values, b·s·2·kv·dₕ/t elements, for
+    each of its attentions."""
     if cfg.context == 1:
         return 0.0
     kv = (model.kv_heads or model.heads) * model.head_dim
     return (cfg.microbatch * model.seq * 2 * kv / cfg.model
-            * model.compute_bytes)
+            * model.compute_bytes * model.attentions)
 
 
 def all_to_all(nbytes, n, alpha_beta):
@@ -976,14 +1023,18 @@ def memory(model, cfg, global_batch):
     # recomputation rebuilds one block at a time (the workspace).
     scores = 0.0 if cfg.flash else (
         5.0 * model.heads * model.seq / model.hidden / t)
-    whole_block = scores + (
-        34.0 / t if cfg.sequence_parallel else 10 + 24.0 / t)
-    # Q, K, V and the output projection's input: 8/t of them at width h;
-    # the MLP's 16/t (GeLU's input and output, 4h wide) at its width
-    whole_block += 8.0 / t * (model.attention_width / model.hidden - 1)
-    whole_block += 16.0 / t * (_mlp_width(model) - 1)
-    whole_block += _moe_and_context_activations(model, cfg)
-    per_block = {None: whole_block, "selective": whole_block - scores,
+    whole = 1.0 / t if cfg.sequence_parallel else 1.0  # else not split
+    # Per attention: its norm's input, the query's input and the output's
+    # dropout mask (5), Q, K, V and the output projection's input (8/t at
+    # width h, × q/h), the scores; the MLP: its norm's input, its input
+    # and the dropout mask (5), GeLU's input and output (16/t, 4h wide;
+    # × `_mlp_width`). One attention: 10 + 24/t (34/t), Korthikanti's.
+    attention = 5.0 * whole + 8.0 / t * model.attention_width / model.hidden
+    mlp = 5.0 * whole + 16.0 / t * _mlp_width(model)
+    whole_block = (model.attentions * (attention + scores) + mlp
+                   + _moe_and_context_activations(model, cfg))
+    per_block = {None: whole_block,
+                 "selective": whole_block - model.attentions * scores,
                  "full": 2.0 * (model.kept_hidden + model.kept_wide / t)
                  }[cfg.recompute]
     in_flight = m if cfg.schedule == "gpipe" else min(m, p)
@@ -1020,7 +1071,7 @@ def _mlp_width(model):
     (the gate's and the up projection's outputs, which Megatron-LM's fused
     SwiGLU keeps, and their product, the down projection's input)."""
     return model.ffn_width / (4.0 * model.hidden) * (
-        1.5 if model.gated else 1.0)
+        1.0 + 0.5 * model.gated)
 
 
 def _moe_and_context_activations(model, cfg):
@@ -1037,7 +1088,8 @@ def _moe_and_context_activations(model, cfg):
         extra += (routed - 1) * (2.0 + 16.0 / t * _mlp_width(model))
     if cfg.context > 1:
         kv = (model.kv_heads or model.heads) * model.head_dim
-        extra += 4.0 * kv * cfg.context / (model.hidden * t)
+        extra += (4.0 * kv * cfg.context / (model.hidden * t)
+                  * model.attentions)
     return extra
 
 
@@ -1057,7 +1109,9 @@ def communication_bytes(model, cfg, global_batch):
     blocks = _stage_blocks(model.layers, cfg.pipe)[0]
     activation = hidden_bytes(model, cfg)
     full = cfg.recompute == "full"
-    passes = 4 + (2 if full else 0)
+    # one all-reduce per attention and one for the MLP, forward, backward
+    # and (full recomputation) forward again
+    passes = (1 + model.attentions) * (2 + full)
     params = _local_params(model, cfg, stage_params(
         model, blocks, True, cfg.pipe == 1), blocks, cfg.pipe == 1)
     grads = params * model.compute_bytes

@@ -23,14 +23,18 @@ def read(profile):
 
 
 def transformer_of(profile):
-    """The `roofline.Transformer` of a profiled Keras model: its attention
-    layers are the blocks; a ValueError for a model without attention."""
+    """The `roofline.Transformer` of a profiled Keras model: its
+    self-attention layers are the blocks, its cross-attention layers (an
+    encoder-decoder's, `profile.Op.cross_attention`) part of theirs; a
+    ValueError for a model without attention."""
+    cross = [sub for op in profile.ops for sub in op.cross_attention]
+    crossing = {id(sub) for sub in cross}
     attention = [sub for op in profile.ops
                  for sub in profile_lib.sublayers(op.layer)
-                 if profile_lib.is_attention(sub)]
-    # The ops holding an attention layer: where each block starts.
+                 if profile_lib.is_attention(sub) and id(sub) not in crossing]
+    # The ops holding a self-attention layer: where each block starts.
     starts = [i for i, op in enumerate(profile.ops)
-              if any(profile_lib.is_attention(s)
+              if any(profile_lib.is_attention(s) and id(s) not in crossing
                      for s in profile_lib.sublayers(op.layer))]
     if not attention:
         raise ValueError(
@@ -40,38 +44,59 @@ def transformer_of(profile):
     hidden = profile_lib.attention_hidden(attention[0])
     heads = _heads(attention[0])
     key_dim = profile_lib.attention_width(attention[0]) // heads
-    vocab, positions = _embeddings(profile, hidden)
+    vocab, token_tables, positions = _embeddings(profile, hidden)
     head = vocab_head(profile, hidden)
-    inside = {id(sub) for layer in attention
+    inside = {id(sub) for layer in attention + cross
               for sub in profile_lib.sublayers(layer)}
-    widths = collections.Counter()
+    ups, downs = collections.Counter(), collections.Counter()
     for op in profile.ops:
         for w in op.weights:
-            if w.flops and id(w.owner) not in inside:
+            if w.flops and not w.conv and id(w.owner) not in inside:
                 i = profile_lib.in_width(w.owner, w.shape)
                 o = profile_lib.out_width(w.owner, w.shape)
                 if i == hidden and o not in (hidden, vocab):
-                    widths[o] += 1
-    ffn, kernels = widths.most_common(1)[0] if widths else (4 * hidden, 0)
+                    ups[o] += 1
+                elif o == hidden and i not in (hidden, vocab):
+                    downs[i] += 1
+    ffn, gated = _mlp(ups, downs, hidden, len(attention))
     experts, top_k, expert_width, expert_gated = _experts(profile)
     if experts:
-        ffn, kernels = expert_width, 2 * len(attention) * expert_gated
+        ffn, gated = expert_width, float(expert_gated)
     return roofline.Transformer(
         layers=len(attention), hidden=hidden, heads=heads,
         seq=max(profile.ops[i].tokens for i in starts),
         vocab=vocab, ffn=ffn, kv_heads=_kv_heads(attention[0], heads),
         key_dim=0 if key_dim * heads == hidden else key_dim,
-        gated=kernels >= 2 * len(attention), dropout=_dropout(profile),
+        gated=gated, dropout=_dropout(profile),
         # Without a head: whether no reverse table of its own is held.
         tied=head.tied if head else not _reverse_table(
             profile, *_token_table(_tables(profile, hidden))),
         embedding_head=head is None or head.embedding,
         lm_head=head is not None, position_embedding=positions,
+        token_tables=token_tables,
         experts=experts,
         top_k=top_k,
+        cross_attention=len(cross) / len(attention),
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights),
         **_kept_per_block(profile, starts, hidden))
+
+
+def _mlp(ups, downs, hidden, blocks):
+    """(MLP width f, the share of MLPs that are gated) from the kernels
+    outside attention that read the model width h (`ups`: {output width:
+    kernels}) and that write it (`downs`: {input width: kernels}). f is
+    the down projections' width; an up kernel f wide is one projection,
+    one 2f wide a gate and an up projection fused (Moonshine's decoder);
+    an MLP with two is gated. An encoder-decoder may mix them (Moonshine:
+    plain encoder MLPs, gated decoder ones). Without down projections,
+    the widest-used up width, gated if there are two per block."""
+    if not downs:
+        ffn, kernels = ups.most_common(1)[0] if ups else (4 * hidden, 0)
+        return ffn, float(kernels >= 2 * blocks)
+    ffn, mlps = downs.most_common(1)[0]
+    kernels = ups[ffn] + 2 * ups[2 * ffn]
+    return ffn, min(1.0, max(0.0, kernels / mlps - 1.0))
 
 
 def _kept_per_block(profile, starts, hidden):
@@ -130,12 +155,17 @@ def _kv_heads(layer, heads):
 
 
 def _embeddings(profile, hidden):
-    """(vocabulary, whether a position table of width `hidden` exists)."""
+    """(vocabulary V, token tables, whether a position table exists) of
+    the tables of width `hidden`: those with V rows are token tables (an
+    encoder-decoder may hold one for each side: T5Gemma), any other a
+    position table."""
     tables = _tables(profile, hidden)
     if not tables:
         raise ValueError(f"tfpar.estimate found no token embedding of width "
                          f"{hidden} in model {profile.name!r}.")
-    return max(w.shape[0] for _, w in tables), len(tables) > 1
+    vocab = max(w.shape[0] for _, w in tables)
+    token_tables = sum(w.shape[0] == vocab for _, w in tables)
+    return vocab, token_tables, token_tables < len(tables)
 
 
 def _tables(profile, hidden=None):

@@ -8,7 +8,7 @@ import keras_hub
 import pytest
 
 import tfpar
-from tfpar.planner import profile
+from tfpar.planner import hardware, profile, roofline
 from tfpar.planner.transformer import transformer_of
 
 _M = keras_hub.models
@@ -59,7 +59,9 @@ def test_keras_hub_encoder_decoders_are_read_with_their_blocks(name):
     profiled = profile.profile_model(profile.build_without_weights(build),
                                      sequence_length=16)
     shape = transformer_of(profiled)
-    assert (shape.layers, shape.cross_attention) == (4, 0.5)
+    # the decoder's two blocks (those with a cross attention) causal
+    assert (shape.layers, shape.cross_attention, shape.causal) == (
+        4, 0.5, 0.5)
     assert (shape.hidden, shape.heads) == (32, 4)
     assert (shape.ffn_width, shape.gated) == (ffn, gated)
     conv = [w for op in profiled.ops for w in op.weights if w.conv]
@@ -113,8 +115,8 @@ def test_a_functional_encoder_decoders_cross_attention_is_part_of_a_block():
     crossing = [op.name for op in profiled.ops if op.cross_attention]
     assert len(crossing) == 2
     shape = transformer_of(profiled)
-    assert (shape.layers, shape.cross_attention, shape.ffn_width,
-            shape.gated) == (4, 0.5, 48, 0.0)
+    assert (shape.layers, shape.cross_attention, shape.causal,
+            shape.ffn_width, shape.gated) == (4, 0.5, 0.5, 48, 0.0)
     assert shape.num_params() == pytest.approx(profiled.num_params,
                                                rel=0.02)
     e = tfpar.estimate(
@@ -123,3 +125,17 @@ def test_a_functional_encoder_decoders_cross_attention_is_part_of_a_block():
         axes={"data": 1})
     assert e.executed_flops == pytest.approx(
         3 * 8 * profiled.total_flops, rel=1e-9)
+
+
+def test_a_fused_kernel_skips_only_the_decoders_masked_scores():
+    """With flash attention a causal self-attention skips the tiles above
+    the diagonal (half its 4·s²·dₕ FLOPs per head); an encoder's
+    self-attention and a cross attention compute all of them."""
+    model = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
+                                 vocab=1000, cross_attention=0.5,
+                                 causal=0.5)
+    dev = roofline._Device(hardware.PRESETS["a100-80gb"])
+    core = roofline._attention_core(dev, model, roofline.Parallel(flash=True))
+    per_head = 4.0 * 2048 ** 2 * 64
+    # self-attention: half the blocks causal (0.5 + 0.5 · 0.5); cross: 0.5
+    assert core.flops == pytest.approx(16 * per_head * (0.75 + 0.5))

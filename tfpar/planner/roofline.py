@@ -17,7 +17,8 @@ cross_attention`: per block on average): its GEMMs, scores (unmasked),
 norm, residual add, tensor-parallel all-reduces and stored activations
 are another attention's, over the same length s; `Transformer.gated` is
 the share of blocks whose MLP is gated (an encoder and a decoder may
-differ).
+differ), `Transformer.causal` the share whose self-attention is causal
+(the decoder's; a fused kernel skips half their scores).
 
 - GEMMs (forward per block, T = b·s tokens: QKV T×h×(h+2·kv·dₕ)/t,
   projection T×(h/t)×h, MLP T×h×f/t and T×(f/t)×h, gated MLPs one more)
@@ -196,7 +197,9 @@ class Transformer:
     # (True: every block; an encoder-decoder may mix, Moonshine)
     gated: float = False
     dropout: bool = True    # hidden and attention dropout
-    causal: bool = True
+    # Causal self-attention: the share of blocks masking later tokens (an
+    # encoder-decoder's decoder blocks; True: every block)
+    causal: float = True
     tied: bool = True       # logits share the embedding (no V × h of
     #                         their own; without `lm_head`: none held)
     # The logits are the token embedding layer's projection (a tied table,
@@ -531,7 +534,8 @@ def _self_attention_core(dev, model, cfg, backward=False):
     heads = cfg.microbatch * model.heads / cfg.model
     c = model.compute_bytes
     if cfg.flash:
-        flops = 4.0 * heads * q * s * dh * (0.5 if model.causal else 1.0)
+        # a causal mask's tiles above the diagonal skipped: half the FLOPs
+        flops = 4.0 * heads * q * s * dh * (1.0 - 0.5 * model.causal)
         dev.flash(time, flops * (2.5 if backward else 1.0))
         return time
     if backward:  # dQ, dK of QKᵀ; dP, dV of the product with V

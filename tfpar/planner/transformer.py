@@ -77,6 +77,9 @@ def transformer_of(profile):
         experts=experts,
         top_k=top_k,
         cross_attention=len(cross) / len(attention),
+        # the blocks holding a cross attention are a decoder's, causal;
+        # the encoder's are not
+        causal=min(1.0, len(cross) / len(attention)) if cross else True,
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights),
         **_kept_per_block(profile, starts, hidden))

@@ -497,8 +497,11 @@ def _node_key(node, distinct, hooked=()):
     """What a node's trace depends on — its operation's class and config
     (name aside), each sublayer's class, config, weight shapes and
     recomputation mode, its arguments with tensors by spec — as a string;
-    None when some part is not plain data (a tensor constant, an object)
-    or a layer of it is in `hooked` (ids): such a node is traced on its own.
+    None when some part is not plain data (a tensor constant, an object),
+    the operation itself has no config, or a layer of it is in `hooked`
+    (ids): such a node is traced on its own. A sublayer without a config
+    (keras-hub Mixtral's expert block) is compared by class and weights:
+    its parent's config, compared, is what built it.
     """
     position = {id(t): i for i, t in enumerate(distinct)}
     arguments = keras.tree.map_structure(
@@ -506,19 +509,27 @@ def _node_key(node, distinct, hooked=()):
         if isinstance(v, keras.KerasTensor) else v,
         (node.arguments.args, node.arguments.kwargs))
     parts = [arguments, [(tuple(t.shape), str(t.dtype)) for t in distinct]]
-    try:
-        for layer in _layers_of(node.operation) or [node.operation]:
-            if id(layer) in hooked:
-                return None
-            config = dict(layer.get_config())
-            config.pop("name", None)
-            parts.append((type(layer).__module__, type(layer).__qualname__,
-                          config, _compat.remat_mode(layer),
-                          [(tuple(w.shape), str(w.dtype), bool(w.trainable))
-                           for w in getattr(layer, "weights", [])]))
-    except (NotImplementedError, TypeError, ValueError, AttributeError):
-        return None  # no config to compare by
+    for layer in _layers_of(node.operation) or [node.operation]:
+        if id(layer) in hooked:
+            return None
+        config = _config(layer)
+        if config is None and layer is node.operation:
+            return None  # no config to compare by
+        parts.append((type(layer).__module__, type(layer).__qualname__,
+                      config, _compat.remat_mode(layer),
+                      [(tuple(w.shape), str(w.dtype), bool(w.trainable))
+                       for w in getattr(layer, "weights", [])]))
     return repr(parts) if _plain(parts) else None
+
+
+def _config(layer):
+    """`layer`'s config without its name, or None if it has none."""
+    try:
+        config = dict(layer.get_config())
+    except (NotImplementedError, TypeError, ValueError, AttributeError):
+        return None
+    config.pop("name", None)
+    return config
 
 
 def _plain(value):

@@ -497,11 +497,12 @@ def _node_key(node, distinct, hooked=()):
     """What a node's trace depends on — its operation's class and config
     (name aside), each sublayer's class, config, weight shapes and
     recomputation mode, its arguments with tensors by spec — as a string;
-    None when some part is not plain data (a tensor constant, an object),
-    the operation itself has no config, or a layer of it is in `hooked`
-    (ids): such a node is traced on its own. A sublayer without a config
-    (keras-hub Mixtral's expert block) is compared by class and weights:
-    its parent's config, compared, is what built it.
+    None when some part is not plain data (a tensor constant, an object)
+    or a layer of it is in `hooked` (ids): such a node is traced on its
+    own. A layer whose `get_config` fails (keras-hub Llama's decoder block
+    reads an attribute it never set; Mixtral's expert block was built from
+    objects) is compared by its public attributes that are plain data
+    (its constructor's numbers and flags).
     """
     position = {id(t): i for i, t in enumerate(distinct)}
     arguments = keras.tree.map_structure(
@@ -512,22 +513,23 @@ def _node_key(node, distinct, hooked=()):
     for layer in _layers_of(node.operation) or [node.operation]:
         if id(layer) in hooked:
             return None
-        config = _config(layer)
-        if config is None and layer is node.operation:
-            return None  # no config to compare by
         parts.append((type(layer).__module__, type(layer).__qualname__,
-                      config, _compat.remat_mode(layer),
+                      _config(layer), _compat.remat_mode(layer),
                       [(tuple(w.shape), str(w.dtype), bool(w.trainable))
                        for w in getattr(layer, "weights", [])]))
     return repr(parts) if _plain(parts) else None
 
 
 def _config(layer):
-    """`layer`'s config without its name, or None if it has none."""
+    """`layer`'s config without its name; if it has none, its public
+    attributes that are plain data (`_plain`), name aside."""
     try:
         config = dict(layer.get_config())
     except (NotImplementedError, TypeError, ValueError, AttributeError):
-        return None
+        config = {"attributes": {
+            key: value for key, value in vars(layer).items()
+            if not key.startswith("_") and _plain(value)}}
+        config["attributes"].pop("name", None)
     config.pop("name", None)
     return config
 

@@ -56,8 +56,9 @@ differ), `Transformer.causal` the share whose self-attention is causal
   vocabulary head (`Transformer.lm_head` False: a classifier, a bare
   backbone; "none") has no logits: nothing of this.
 - Tensor parallelism: per block 2 all-reduces of T·h forward and 2 in the
-  backward pass (one more each per cross attention) (with sequence parallelism a reduce-scatter and an
-  all-gather each, the same ring time), plus the embedding's forward and
+  backward pass, one more each per cross attention (with sequence
+  parallelism a reduce-scatter and an all-gather each, the same ring
+  time), plus the embedding's forward and
   the logits' backward one (the embedding's: the table's gather instead
   when `table_gathered`; the logits': none for a replicated head, and
   the partial logits' all-reduce too for a hidden-split one); a ring
@@ -1027,7 +1028,9 @@ def memory(model, cfg, global_batch):
     # recomputation rebuilds one block at a time (the workspace).
     scores = 0.0 if cfg.flash else (
         5.0 * model.heads * model.seq / model.hidden / t)
-    whole = 1.0 / t if cfg.sequence_parallel else 1.0  # else not split
+    # what tensor parallelism alone leaves whole (norms' inputs, dropout
+    # masks) sequence parallelism splits over t
+    whole = 1.0 / t if cfg.sequence_parallel else 1.0
     # Per attention: its norm's input, the query's input and the output's
     # dropout mask (5), Q, K, V and the output projection's input (8/t at
     # width h, × q/h), the scores; the MLP: its norm's input, its input

@@ -267,13 +267,19 @@ class Transformer:
                else self.mlp_params())
         # its attentions, the MLP with its bias and its norm's scale and
         # offset
-        return ((1 + self.cross_attention) * self.attention_params() + mlp
-                + f + 2 * h)
+        return self.attentions * self.attention_params() + mlp + f + 2 * h
 
     @property
     def attentions(self):
         """Attention layers per block: its own and `cross_attention`."""
         return 1 + self.cross_attention
+
+    @property
+    def branches(self):
+        """Residual branches per block, its attentions and its MLP: each
+        has a norm, a residual add and a tensor-parallel all-reduce each
+        way."""
+        return 1 + self.attentions
 
     def embedding_params(self):
         position = self.seq * self.hidden if self.position_embedding else 0
@@ -573,9 +579,9 @@ def _block(dev, model, cfg, backward=False):
     act = (3 + 2 * model.gated) if backward else (2 + model.gated)
     if model.experts:  # counted in `_experts`
         act = 0
-    # a norm and a residual add per attention and one for the MLP
-    elements = tokens(model, cfg) * ((1 + model.attentions) * (norm + add)
-                                     * h / split + act * f / t)
+    # a norm and a residual add per residual branch
+    elements = tokens(model, cfg) * (model.branches * (norm + add) * h / split
+                                     + act * f / t)
     dev.stream(time, elements * c)
     return time
 
@@ -691,12 +697,12 @@ def table_bytes(model):
 
 def _tensor_parallel(model, cfg, cluster, hw):
     """Seconds of one block's forward all-reduces over the model axis (its
-    backward costs the same): one per attention and one for the MLP; and
+    backward costs the same): one per residual branch; and
     (embedding, logits) of `_edges`."""
     nbytes = hidden_bytes(model, cfg)
     group = link(cluster, hw, cfg.model, 1)
     one = ring("all-reduce", nbytes, cfg.model, group)
-    return (1 + model.attentions) * one, _edges(model, cfg, group, one)
+    return model.branches * one, _edges(model, cfg, group, one)
 
 
 def expert_exchange_bytes(model, cfg):
@@ -1116,9 +1122,9 @@ def communication_bytes(model, cfg, global_batch):
     blocks = _stage_blocks(model.layers, cfg.pipe)[0]
     activation = hidden_bytes(model, cfg)
     full = cfg.recompute == "full"
-    # one all-reduce per attention and one for the MLP, forward, backward
-    # and (full recomputation) forward again
-    passes = (1 + model.attentions) * (2 + full)
+    # one all-reduce per residual branch, forward, backward and (full
+    # recomputation) forward again
+    passes = model.branches * (2 + full)
     params = _local_params(model, cfg, stage_params(
         model, blocks, True, cfg.pipe == 1), blocks, cfg.pipe == 1)
     grads = params * model.compute_bytes

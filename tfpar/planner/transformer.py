@@ -59,6 +59,7 @@ def transformer_of(profile):
                 elif o == hidden and i not in (hidden, vocab):
                     downs[i] += 1
     ffn, gated = _mlp(ups, downs, hidden, len(attention))
+    cross_share = len(cross) / len(attention)  # cross attentions per block
     experts, top_k, expert_width, expert_gated = _experts(profile)
     if experts:
         ffn, gated = expert_width, float(expert_gated)
@@ -76,10 +77,10 @@ def transformer_of(profile):
         token_tables=token_tables,
         experts=experts,
         top_k=top_k,
-        cross_attention=len(cross) / len(attention),
+        cross_attention=cross_share,
         # the blocks holding a cross attention are a decoder's, causal;
         # the encoder's are not
-        causal=min(1.0, len(cross) / len(attention)) if cross else True,
+        causal=min(1.0, cross_share) if cross else True,
         compute_bytes=profile.compute_itemsize,
         param_bytes=max(w.itemsize for op in profile.ops for w in op.weights),
         **_kept_per_block(profile, starts, hidden))

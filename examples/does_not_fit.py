@@ -11,7 +11,7 @@ LM (random weights, built from constructor arguments):
 3. save a checkpoint, restore it on a different mesh (data × model, laid
    out by `tfpar.auto_rules`) and train on, again beside one device.
 
-    python examples/does_not_fit.py [--memory 700000 --steps 4]
+    python examples/does_not_fit.py [--memory 900000 --steps 4]
 """
 
 import argparse
@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--memory", type=float, default=700_000,
+    parser.add_argument("--memory", type=float, default=900_000,
                         help="bytes a device may use (weights, optimizer "
                              "state, activations)")
     args = parser.parse_args()

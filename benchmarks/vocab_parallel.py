@@ -19,18 +19,27 @@ trained) for, per device:
   an argmax of the logits; tfpar computes it by reductions in a step,
   `tfpar.vocab_parallel`, else DTensor gathers the logits whole);
 - table gather: bytes of the all-gather of the embedding table the lookup
-  reads (DTensor gathers a vocab-split table whole for a lookup);
+  reads (DTensor alone gathers a vocab-split table whole for a lookup;
+  tfpar's `vocab_parallel.lookup` reads each device's rows);
 - model coll.: bytes of every collective over "model" (forward and
   backward);
-- saved: all forward activations the backward pass keeps.
+- data coll.: bytes of every collective over "data" (the gradients' sums;
+  a vocab-split tied table's whole gradient when its lookup gathers it);
+- saved: all forward activations the backward pass keeps;
+- step ms: the median of 10 timed training steps (after 2), each row's
+  steps timed in turn with the other rows' (round-robin).
 
-`--keras-argmax` measures with Keras' own argmax (tfpar's
-`vocab_parallel.PATCHES` not installed), for comparison.
+The row "vocab_parallel, gathered lookup" is GPT-2's vocab_parallel plan
+with DTensor's own lookup of its tied table (the table gathered; tfpar's
+before 2026-12-07), for comparison. `--keras-argmax` measures with Keras'
+own argmax (tfpar's `vocab_parallel.PATCHES` not installed).
 """
 
 import argparse
 import os
 import re
+import statistics
+import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -63,7 +72,10 @@ def build(name, vocab, seq):
     return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
-def measure(name, vocab, batch, seq, vocab_parallel):
+def measure(name, vocab, batch, seq, vocab_parallel, gathered=False):
+    """(the row's byte columns, the compiled model and its batch);
+    `gathered`: the token table's lookups DTensor's own (the
+    `vocab_parallel.lookup` call installed by `apply_rules` unwrapped)."""
     mesh = tfpar.Mesh({"data": 2, "model": 4})
     strategy = tfpar.ParallelStrategy(mesh)
     with strategy.scope():
@@ -73,6 +85,9 @@ def measure(name, vocab, batch, seq, vocab_parallel):
             rules = tfpar.auto_rules(model, mesh=mesh,
                                      vocab_parallel=vocab_parallel)
         strategy.apply_rules(model, rules)
+        if gathered:
+            table = model.backbone.token_embedding
+            table.call = table.call.__wrapped__
         # keras-hub's default weighted metric: SparseCategoricalAccuracy.
         model.compile(optimizer="sgd", loss=keras.losses
                       .SparseCategoricalCrossentropy(from_logits=True))
@@ -90,7 +105,24 @@ def measure(name, vocab, batch, seq, vocab_parallel):
     table = sum(c.bytes for c in gathers if TABLE_READ.search(c.name))
     whole = sum(c.bytes for c in gathers if c.shape[-1] == vocab)
     return (loss, logits, whole, table, report.total_bytes(spans="model"),
-            report.saved_activation_bytes)
+            report.total_bytes(spans="data"),
+            report.saved_activation_bytes), (model, x, np.roll(ids, -1, 1))
+
+
+def step_times(trained, rounds=10):
+    """Median seconds of one training step for each (model, x, y) of
+    `trained`, timed round-robin (2 steps of each first, not timed)."""
+    steps = []
+    for model, x, y in trained:
+        for _ in range(2):
+            model.train_on_batch(x, y)
+        steps.append([])
+    for _ in range(rounds):
+        for (model, x, y), times in zip(trained, steps):
+            start = time.perf_counter()
+            model.train_on_batch(x, y)
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in steps]
 
 
 def main():
@@ -104,16 +136,25 @@ def main():
         vocab_parallel.PATCHES = ()
     print(f"data=2 x model=4, vocab {args.vocab}, batch {args.batch}, "
           f"seq {args.seq}, hidden 64, float32; bytes per device")
-    print(f"{'model':6s} {'plan':14s} {'loss logits':>12s} "
+    print(f"{'model':6s} {'plan':32s} {'loss logits':>12s} "
           f"{'logits coll.':>13s} {'logits gath.':>13s} {'table gather':>13s} "
-          f"{'model coll.':>12s} {'saved':>12s}")
-    for name in ("gpt2", "llama"):
-        for split in (False, True):
-            row = measure(name, args.vocab, args.batch, args.seq,
-                          split)
-            plan = "vocab_parallel" if split else "default"
-            print(f"{name:6s} {plan:14s} {row[0]:12d} {row[1]:13d} "
-                  f"{row[2]:13d} {row[3]:13d} {row[4]:12d} {row[5]:12d}")
+          f"{'model coll.':>12s} {'data coll.':>11s} {'saved':>12s} "
+          f"{'step ms':>8s}")
+    rows, trained = [], []
+    for name, split, gathered in (
+            ("gpt2", False, False), ("gpt2", True, False),
+            ("gpt2", True, True), ("llama", False, False),
+            ("llama", True, False)):
+        row, compiled = measure(name, args.vocab, args.batch, args.seq,
+                                split, gathered)
+        plan = ("vocab_parallel" if split else "default") + (
+            ", gathered lookup" if gathered else "")
+        rows.append((name, plan, row))
+        trained.append(compiled)
+    for (name, plan, row), step in zip(rows, step_times(trained)):
+        print(f"{name:6s} {plan:32s} {row[0]:12d} {row[1]:13d} "
+              f"{row[2]:13d} {row[3]:13d} {row[4]:12d} {row[5]:11d} "
+              f"{row[6]:12d} {step * 1e3:8.1f}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_a_whole_head_costs_t_times_the_logits_of_a_split_one():
                                  embedding_head=False)
     t, batch = 4, 64
     split = roofline.Parallel(data=2, model=t, microbatch=4)
-    assert split.head == "vocab" and not split.table_gathered
+    assert split.head == "vocab" and not split.table_gradient_gemm
     hw = hardware.PRESETS["a100-80gb"]
     heads = {h: dataclasses.replace(split, head=h) for h in roofline.HEADS}
     steps = {h: roofline.step_time(model, cfg, hw, batch)
@@ -270,8 +270,9 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
     """A BERT classifier has no vocabulary head (its token embedding is
     looked up once, its last kernel makes 2 outputs): tfpar.estimate
     costs no logits — the masked LM on the same backbone (a tied reverse
-    projection, split over the vocabulary) costs 6·T·V·h/t FLOPs more,
-    the fp32 logits and the gathered table — and tfpar.plan splits no
+    projection, split over the vocabulary) costs 6·T·V·h/t FLOPs more
+    and the table gradient's one-hot GEMM (2·T·V·h/t), the fp32 logits
+    and the one-hot ids (T·V/t) — and tfpar.plan splits no
     head and costs a model-axis candidate as tfpar.estimate does."""
     def masked_lm():
         return keras_hub.models.BertMaskedLM(bert(), preprocessor=None)
@@ -287,10 +288,10 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
                   for build in (bert_classifier, masked_lm))
     tokens, vocab, hidden, t = 8 * SEQ, 1024, 64, 4  # float32 (4 bytes)
     assert tied.executed_flops - none.executed_flops == pytest.approx(
-        6 * tokens * vocab * hidden / t)
+        (6 + 2) * tokens * vocab * hidden / t)
     assert none.memory_per_device["workspace"] == 0
     assert tied.memory_per_device["workspace"] == pytest.approx(
-        8 * tokens * vocab / t + 2 * vocab * hidden * 4)
+        8 * tokens * vocab / t + 4 * tokens * vocab / t)
     with pytest.raises(ValueError, match="has no vocabulary head"):
         tfpar.estimate(bert_classifier, 16, cluster=A100, axes=axes,
                        sequence_length=SEQ, vocab_parallel=True)
@@ -355,21 +356,25 @@ def test_the_local_cost_all_reduces_a_hidden_split_head_s_logits():
         4 * SEQ * trained.VOCAB * 4)
 
 
-def test_the_local_cost_gathers_a_vocabulary_parallel_tied_table():
-    """A tied table split over the vocabulary is gathered whole for each
-    lookup (V·h per micro-batch over the model axis, instead of the
-    hidden-split lookup's T·h gather: 4 samples per device) and held
-    with its whole gradient (2·V·h workspace); the logits made from the
-    table's vocabulary split add their input gradient's all-reduce (T·h;
-    keras-hub Gemma's compiled step: tests/test_planner.py)."""
+def test_the_local_cost_sums_a_vocabulary_parallel_tied_tables_lookup():
+    """A tied table split over the vocabulary is looked up as Megatron-LM
+    does (`vocab_parallel.lookup`): an all-reduce of the lookup's T·h
+    output over the model axis (the backbone's hidden-split lookup
+    gathers T·h instead), with no gather of the V·h table; the logits
+    made from the table's vocabulary split add their input gradient's
+    all-reduce (T·h; keras-hub Gemma's compiled step:
+    tests/test_planner.py); the table's gradient a one-hot GEMM
+    (2·T·V/t·h FLOPs per device, backward only)."""
     found = local_estimates(2)
     assert found["lm_layout"].vocab_parallel
-    table = trained.VOCAB * 64 * 4
     model = {name: found[name].communication_bytes_by_axis["model"]
              for name in ("lm", "backbone")}
-    lookup = input_gradient = 4 * SEQ * 64 * 4
+    lookup = input_gradient = 4 * SEQ * 64 * 4  # 4 samples per device
     assert model["lm"] - model["backbone"] == pytest.approx(
-        table - lookup + input_gradient)
-    assert found["lm"].memory_per_device["workspace"] == pytest.approx(
-        2 * table)
+        lookup - lookup + input_gradient)
+    extra = found["lm"].breakdown["compute"] - found[
+        "backbone"].breakdown["compute"]
+    assert extra == pytest.approx((3 * 2 + 2) * 4 * SEQ * trained.VOCAB * 64
+                                  / 2 / LOCAL.device_flops)
+    assert found["lm"].memory_per_device["workspace"] == 0
     assert found["backbone"].memory_per_device["workspace"] == 0

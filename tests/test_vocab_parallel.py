@@ -95,14 +95,27 @@ def check_vocab_split(name, optimizer):
               if LOGITS_OPS.search(c.name)]
     assert [(c.kind, c.shape) for c in logits] == [
         ("all-reduce", (TOKENS, 1))] * 3, report
-    # Nothing of the head or the loss is gathered, forward or backward. (The
-    # gathers left are those of the default plan, hidden-split lookups' and
-    # Llama's first residual adds, plus, for a tied head, the lookup's read
-    # of the vocab-split table: DTensor 2.21 gathers a gather's params.)
+    # Nothing of the head, the loss or the table is gathered, forward or
+    # backward. (The gathers left are those of the default plan,
+    # hidden-split lookups' and Llama's first residual adds.) A tied
+    # table's lookup is Megatron-LM's vocab-parallel embedding
+    # (vocab_parallel.lookup): where DTensor 2.21 alone gathered the
+    # (vocab, hidden) table for it and summed its whole gradient over the
+    # data axis, the step sums each device's (vocab/4, hidden) block.
     gathers = report.select(purpose="all-gather", spans="model")
     assert not [c for c in gathers if LOGITS_OPS.search(c.name)], report
-    table_reads = [c for c in gathers if TABLE_READ.search(c.name)]
-    assert len(table_reads) == (0 if untied else 1), report
+    assert not [c for c in report.collectives
+                if TABLE_READ.search(c.name)], report
+    whole_table = (hub_models.VOCAB, logits_table.shape[1 - vocab_dim])
+    data_sums = [c.shape for c in report.select(spans="data")]
+    assert whole_table not in data_sums, report
+    if not untied:
+        assert (hub_models.VOCAB // 4, whole_table[1]) in data_sums, report
+        lookups = [(c.kind, c.shape) for c in report.select(spans="model")
+                   if "vocab_parallel_lookup/" in c.name]
+        assert lookups == [("all-reduce", (TOKENS // hub_models.SEQ_LEN,
+                                           hub_models.SEQ_LEN,
+                                           whole_table[1]))], report
     return report
 
 

@@ -82,6 +82,7 @@ from tfpar import collectives
 from tfpar import context_parallel
 from tfpar import layout as layout_lib
 from tfpar import parallel_dims
+from tfpar import vocab_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,8 +393,13 @@ class VocabParallel(Style):
     - Dense / EinsumDense head: like `ColumnParallel` (kernel columns, bias).
     - Embedding table (vocab, hidden) of a tied head (keras-hub's
       ReversibleEmbedding with `tie_weights=True`, a plain Embedding): by
-      vocabulary. DTensor 2.21 gathers the table whole for the lookup (a
-      transient vocab x hidden per device).
+      vocabulary. A tied ReversibleEmbedding's lookups are Megatron-LM's
+      vocab-parallel embedding (`vocab_parallel.lookup`: each device reads
+      the rows it holds, the (tokens, hidden) output all-reduced), where
+      DTensor 2.21 alone gathers the whole table on every device; a plain
+      Embedding's, a quantized table's, or those of a subclass with a
+      `call` of its own, still gather it
+      (`vocab_parallel.takes_vocab_parallel_lookups` says why).
     - Untied ReversibleEmbedding: `reverse_embeddings` (hidden, vocab) by
       vocabulary; the lookup table by hidden, its lookups (calls without
       `reverse=True`) gathered along the hidden dimension as
@@ -421,9 +427,12 @@ class VocabParallel(Style):
     def apply(self, layer, role, shape):
         """Installs, on an untied ReversibleEmbedding (lookup table split by
         hidden), the hidden gather of its lookups' outputs (and their ids
-        split over the batch), leaving its reverse calls' logits split."""
-        if layer is None or not (_is_embedding_table(role, shape)
-                                 and _untied(layer)):
+        split over the batch), leaving its reverse calls' logits split; on
+        a table split by vocabulary, the vocab-parallel lookup."""
+        if layer is None or not _is_embedding_table(role, shape):
+            return
+        if not _untied(layer):
+            _lookups_by_vocab_block(layer, self.axis)
             return
         _transform_lookups(layer, "tfpar_gather_hidden_lookups")
         installed = vars(layer).setdefault("_tfpar_activation_layouts", {})
@@ -475,6 +484,23 @@ def _transform_lookups(layer, name):
         return call
 
     _wrap_call_once(layer, name, make_call)
+
+
+def _lookups_by_vocab_block(layer, axis):
+    """Makes the lookups of `layer`, an Embedding whose table is split by
+    vocabulary over `axis`, `vocab_parallel.embedding_lookup`s (reverse
+    calls unchanged); one `vocab_parallel.takes_vocab_parallel_lookups`
+    refuses keeps Keras' lookup (the table gathered). Once per layer."""
+    def make_call(original_call):
+        def call(*args, **kwargs):
+            if (kwargs.get("reverse", args[1] if len(args) > 1 else False)
+                    or not args
+                    or not vocab_parallel.takes_vocab_parallel_lookups(layer)):
+                return original_call(*args, **kwargs)
+            return vocab_parallel.embedding_lookup(layer, args[0], axis)
+        return call
+
+    _wrap_call_once(layer, "tfpar_vocab_parallel_lookups", make_call)
 
 
 class SequenceParallel(Style):

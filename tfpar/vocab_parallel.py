@@ -1,4 +1,4 @@
-"""Vocabulary-parallel argmax: the index of the largest logit, by reductions.
+"""Vocabulary-parallel ops: the argmax of split logits, a split table's lookup.
 
 With the output head split over the vocabulary (`tfpar.VocabParallel`,
 `auto_rules(vocab_parallel=True)`) each device holds logits (batch,
@@ -21,6 +21,12 @@ rewrite is kept. Outside a step, and for other axes, Keras' own argmax runs.
 
 `PATCHES` is installed with the strategy's (`tfpar.patches.install`).
 
+A token table split by rows over the model axis (a tied head's, under
+`tfpar.VocabParallel`) is looked up as Megatron-LM's vocab-parallel
+embedding does (`lookup`): each device reads the rows it holds and the
+blocks are summed, an all-reduce of the (tokens, hidden) output instead of
+the whole table gathered on every device.
+
 Example:
 
 >>> z = tf.constant([[1.0, 3.0, 3.0, -2.0]])
@@ -30,10 +36,13 @@ Example:
 
 import functools
 
+import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import step_context
 from tfpar.step_context import in_spmd_step
 
 
@@ -75,6 +84,120 @@ def _argmax_in_step(original, hooks):
         return tf.expand_dims(index, -1) if keepdims else index
 
     return argmax
+
+
+def lookup(table, ids, mesh_axis):
+    """The rows `table[ids]` of a (vocab, hidden) `table` split by rows
+    over `mesh_axis`, as Megatron-LM's vocab-parallel embedding computes
+    them: device k of n holds rows [k·V/n, (k+1)·V/n) and reads, for each
+    id, row id - k·V/n where it holds it and zeros elsewhere; the (n,
+    *ids.shape, hidden) blocks summed over k (an all-reduce over
+    `mesh_axis` of the output, the size of the lookup) give each id its
+    row. Written on the global view: (n, V/n, hidden) blocks split over
+    `mesh_axis` along the first dimension and a batched gather, so that
+    DTensor runs each device's block locally; DTensor 2.21 gathers the
+    whole table for a plain `tf.gather` of a row-split table.
+
+    Backward: block k's gradient is onehot(local_k)ᵀ · dy, local_k the
+    ids' rows in block k (-1, a zero one-hot row, where k does not hold
+    the id): a batched matmul over the ids (2·T·V/n·hidden FLOPs per
+    device, T the ids on it; its (T, V/n) one-hot the size of a
+    vocab-parallel head's logits block, built in the backward pass),
+    dense as a tied table's gradient is anyway, summed over the data axis
+    as every gradient is; dy needs no communication. DTensor 2.21 runs
+    the gather's own gradient (a segment sum, whose output it cannot
+    split) as a (vocab, hidden) partial gradient on every device,
+    reduce-scattered over `mesh_axis`, with dy gathered over the data
+    axis (measured, tests/test_vocab_parallel_lookup.py). Outside a step,
+    or when `mesh_axis` is not an axis of the step's mesh with more than
+    one device: `tf.gather`. Ids (of rank up to 7) outside [0, V) read
+    zeros (a one-device gather on CPU raises).
+
+    Example (inside a step on Mesh({"data": 2, "model": 4}), a 512 × 64
+    table split [model, None]):
+
+    >>> lookup(table, token_ids, "model").shape   # token_ids: (8, 128)
+    TensorShape([8, 128, 64])
+    """
+    mesh = step_context.step_mesh()
+    mesh = None if mesh is None else mesh.dtensor_mesh
+    if (mesh is None or mesh_axis not in mesh.dim_names
+            or mesh.dim_size(mesh_axis) == 1):
+        return tf.gather(table, ids)
+    with tf.name_scope("vocab_parallel_lookup"):
+        return _lookup_by_blocks(table, ids, mesh_axis, mesh)
+
+
+def _lookup_by_blocks(table, ids, mesh_axis, mesh):
+    """`lookup` inside a step on `mesh` (see there)."""
+    n = mesh.dim_size(mesh_axis)
+    vocab, hidden = table.shape
+    rows = vocab // n
+    unsharded = dtensor.UNSHARDED
+    blocks = dtensor.relayout(
+        tf.reshape(table, (n, rows, hidden)),
+        dtensor.Layout([mesh_axis, unsharded, unsharded], mesh))
+    first_rows = dtensor.relayout(tf.range(n, dtype=ids.dtype) * rows,
+                                  dtensor.Layout([mesh_axis], mesh))
+    # local[k, ...] = ids - k·V/n: the row of block k, if block k holds it
+    # (else -1, whose one-hot row is zeros).
+    local = tf.expand_dims(ids, 0) - tf.reshape(
+        first_rows, [n] + [1] * ids.shape.rank)
+    held = tf.logical_and(local >= 0, local < rows)
+    local = tf.where(held, local, -tf.ones_like(local))
+    letters = "abcdefg"[:ids.shape.rank]  # the ids' dimensions
+    if ids.shape.rank > len(letters):
+        raise ValueError(
+            "vocab_parallel.lookup takes ids of rank up to 7. Received: "
+            f"ids of shape {ids.shape}. Reshape them to fewer dimensions.")
+
+    @tf.custom_gradient
+    def rows_of(blocks):
+        def gradient(dy):
+            # The one-hot ids (T × V/n) made from dy's values too, so that
+            # they are built in the backward pass, not kept from the
+            # forward one (-1 where dy is NaN: every row's gradient is NaN
+            # then, where one device's has NaN in that id's row).
+            waiting = tf.where(tf.math.is_nan(tf.reduce_sum(dy, axis=-1)),
+                               -tf.ones_like(ids), tf.zeros_like(ids))
+            return tf.einsum(f"k{letters}r,{letters}h->krh",
+                             tf.one_hot(local + waiting, rows, dtype=dy.dtype),
+                             dy)
+        read = tf.gather(blocks, tf.maximum(local, 0), batch_dims=1)
+        return tf.einsum(f"k{letters}h,k{letters}->{letters}h", read,
+                         tf.cast(held, read.dtype)), gradient
+
+    return rows_of(blocks)
+
+
+def takes_vocab_parallel_lookups(layer):
+    """Whether `embedding_lookup` computes `layer`'s lookups: a tied Keras
+    ReversibleEmbedding (keras-hub's too), not quantized, whose class does
+    not override `call` (its lookup is `take(embeddings, ids)` cast to the
+    compute dtype, the Embedding's mask set on it). Tied, because one
+    device's gradient of a tied table is dense (the projection's part
+    added to the lookup's rows), as `lookup`'s is: a table only looked up
+    has a sparse one, whose repeated ids Keras' Adam squares apart
+    (Σ g², not (Σ g)²), so it keeps Keras' lookup (the table gathered)."""
+    return (isinstance(layer, keras.layers.ReversibleEmbedding)
+            and type(layer).call is keras.layers.ReversibleEmbedding.call
+            and getattr(layer, "tie_weights", False)
+            and getattr(layer, "quantization_mode", None) is None)
+
+
+def embedding_lookup(layer, ids, mesh_axis):
+    """`layer(ids)` for a tied ReversibleEmbedding whose table is split by
+    rows over `mesh_axis` (`takes_vocab_parallel_lookups`), its rows read
+    by `lookup`; a LoRA-enabled table's `embeddings` (table + A·B) read
+    the same way."""
+    if ids.dtype not in (tf.int32, tf.int64):
+        ids = tf.cast(ids, tf.int32)
+    rows = tf.cast(lookup(tf.convert_to_tensor(layer.embeddings), ids,
+                          mesh_axis), layer.compute_dtype)
+    mask = keras.layers.Embedding.compute_mask(layer, ids)
+    if mask is not None:
+        _compat.set_keras_mask(rows, mask)
+    return rows
 
 
 def _keras_numpy():

@@ -35,8 +35,9 @@ weights' specs). A model has one iff `transformer.vocab_head` finds it
 (the rule `tfpar.estimate` asks too); what its weights do not show is
 added with the roofline's formulas (`Layout._add_head`): a tied reverse
 projection's FLOPs, a hidden-split head's partial logits' all-reduce
-(T·V) and a gathered tied table's gather (V·h per micro-batch, instead
-of its lookup's) and workspace (2·V·h).
+(T·V), and a vocabulary-split tied table's gradient GEMM (one-hot ids ×
+the output's gradient: 2·T·V/t·h, `vocab_parallel.lookup`; its lookup's
+all-reduce of T·h comes with its rule).
 
 Time (α-β): an all-reduce of B bytes over n devices costs
 2(n-1)·α + 2(n-1)/n · B/β (a ring), an all-gather or reduce-scatter half
@@ -109,6 +110,7 @@ import tensorflow as tf
 
 from tfpar import layout as layout_lib
 from tfpar import styles as tp
+from tfpar import vocab_parallel
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import roofline
 from tfpar.planner import transformer as transformer_lib
@@ -239,8 +241,8 @@ class Layout:
         self.grad_ratio = profile.compute_itemsize / max(params)
         self._weights = []  # per op: [(tp block shape, spec, itemsize, trainable)]
         fresh, exact = _rule_lookup(rules)
-        split_layers = _model_axis_collectives(
-            profile, rules, self._add_head(profile, vocab_parallel))
+        self._add_head(profile, vocab_parallel)
+        split_layers = _model_axis_collectives(profile, rules)
         # Sequence parallelism splits the tokens of every activation from the
         # first SequenceParallel norm to the last (the transformer stack;
         # embeddings before it and the head after it stay whole).
@@ -275,24 +277,28 @@ class Layout:
         roofline's formulas (`cfg`: a micro-batch of one sample): a tied
         reverse projection's FLOPs (T × V × h, on the op making the
         logits), a hidden-split head's partial logits' all-reduce (T·V),
-        a vocabulary-split reverse projection's input gradient's (T·h),
-        a gathered tied table's gather (V·h per micro-batch, instead of
-        its lookup's T·h gather: `table_bytes`, `table_count`), workspace
-        (it and its gradient: `table_workspace`) and whole gradient summed
-        over the data axis (V·h, `table_gradient`, beside its V·h/t
-        shard's sum). Returns the path of the gathered table's layer, or
-        None."""
-        n = len(profile.ops)
-        (self.table_bytes, self.table_count, self.table_workspace,
-         self.table_gradient) = np.zeros((4, n))
+        a vocabulary-split reverse projection's input gradient's (T·h)
+        and a vocabulary-split tied table's gradient, a GEMM of one-hot
+        ids and the lookup's output gradient (T × V/t × h per device,
+        backward only: a third of a forward op's three passes;
+        `vocab_parallel.lookup`), which DTensor sums over the data axis
+        apart from the projection's part (`table_gradient`: V/t × h once
+        more; measured on keras-hub Gemma)."""
+        self.table_gradient = np.zeros(len(profile.ops))
         model = self.transformer
         head, cfg = _vocab_head(profile, model, self.t, vocab_parallel)
         if head is None:
-            return None
+            return
+        whole = roofline.logits_flops(model, cfg) * cfg.model
         if head.tied:  # split over t both ways (V/t or h/t per device)
-            whole = roofline.logits_flops(model, cfg) * cfg.model
             (self.flops_split if self.t > 1 else self.flops_repl)[
                 head.logits_op] += whole
+            if cfg.head == "vocab" and self.t > 1:
+                self.flops_split[head.table_op] += whole / 3
+                table = max(profile.ops[head.table_op].weights,
+                            key=lambda w: math.prod(w.shape))
+                self.table_gradient[head.table_op] = (
+                    math.prod(table.shape) / self.t * table.itemsize)
         if cfg.head == "hidden":
             self.tp_bytes_fwd[head.logits_op] += roofline.logits_bytes(
                 model, cfg)
@@ -303,16 +309,6 @@ class Layout:
             self.tp_bytes_bwd[head.logits_op] += roofline.hidden_bytes(
                 model, cfg)
             self.tp_count_bwd[head.logits_op] += 1
-        if cfg.table_gathered:
-            self.table_bytes[head.table_op] = roofline.table_bytes(model)
-            self.table_count[head.table_op] = 1
-            self.table_workspace[head.table_op] = 2 * roofline.table_bytes(
-                model)
-            # summed over the data axis whole (V·h) beside its shard's
-            # sum (counted with the weights): measured on keras-hub Gemma
-            self.table_gradient[head.table_op] = roofline.table_bytes(model)
-            return profile.ops[head.table_op].layer.path
-        return None
 
     def _add_compute(self, i, op, fresh, exact):
         """FLOPs split over the model axis or not, and the internals kept,
@@ -388,8 +384,7 @@ class Layout:
                 "tp_count_fwd", "tp_count_bwd", "resplit_bytes",
                 "resplit_count", "kept", "kept_full", "internal",
                 "attention_internal",
-                "attention_flops", "table_bytes", "table_count",
-                "table_workspace", "table_gradient", "sparse_gradient")}
+                "attention_flops", "table_gradient", "sparse_gradient")}
             arrays.update(stored=state[:, 0], trainable=state[:, 1],
                           gathered=state[:, 2], count=state[:, 3],
                           weighted=(state[:, 3] > 0).astype(float))
@@ -500,11 +495,12 @@ def _rule_lookup(rules):
     return fresh, exact
 
 
-def _model_axis_collectives(profile, rules, gathered=None):
+def _model_axis_collectives(profile, rules):
     """{op index: [(kind, phase, per-sample elements)]} of the model
-    axis collectives each style implies, plus helper sets; none for
-    the lookups of a `gathered` table's layer (its path: costed by
-    `_add_head`); one backward all-reduce for the column-parallel
+    axis collectives each style implies, plus helper sets (a lookup of
+    a table split by rows, `RowParallel` or a tied `VocabParallel`, an
+    all-reduce of its output; one split by hidden, a gather where its
+    outputs meet); one backward all-reduce for the column-parallel
     layers of an op reading one tensor (`Weight.reads`: the compiled
     step sums their partial input gradients, dX = Σ dYᵢ·Wᵢᵀ, first)."""
     out = {"column_out": set(), "gathered": set()}
@@ -526,9 +522,7 @@ def _model_axis_collectives(profile, rules, gathered=None):
             out.setdefault("sequence_split", []).append(i)
         if isinstance(style, (tp.SequenceParallel, tp.Replicated)):
             continue
-        row = isinstance(style, tp.RowParallel)
-        if layer.path == gathered:
-            continue  # the table's gather replaces the lookup's
+        row = isinstance(style, tp.RowParallel) or _splits_rows(style, layer)
         if hasattr(layer, "input_dim") and hasattr(layer, "output_dim"):
             # DTensor gathers hidden-split embeddings once where their
             # outputs meet (e.g. token + position embeddings).
@@ -582,6 +576,16 @@ def _looked_up_tables(profile, weights):
                     and w.path.rsplit("/", 1)[-1] == "embeddings"):
                 out[i] += float(math.prod(block)) * itemsize
     return out
+
+
+def _splits_rows(style, layer):
+    """Whether `style` splits `layer`'s lookup table by rows and its
+    lookups are summed over the model axis: a tied ReversibleEmbedding
+    under `VocabParallel` (`vocab_parallel.takes_vocab_parallel_lookups`;
+    a plain Embedding's rows-split table, gathered for its lookups, is
+    costed as a hidden-split one's, T·h gathered, not V·h)."""
+    return (isinstance(style, tp.VocabParallel)
+            and vocab_parallel.takes_vocab_parallel_lookups(layer))
 
 
 def _op_of_layers(profile):
@@ -646,9 +650,6 @@ def _model_axis(layout, total, *, r, b, m, link, shared):
         # ... plus the embeddings' re-splits (again when recomputing).
         model_bytes += total("resplit_bytes") * (1 + r) * b
         count += total("resplit_count") * (1 + r) * m
-    # A gathered tied table: its gather per micro-batch.
-    model_bytes = model_bytes + total("table_bytes") * m
-    count = count + total("table_count") * m
     return model_bytes, _collective_time(kind, model_bytes, layout.t, link,
                                          count, shared)
 
@@ -688,8 +689,9 @@ def _data_axis(layout, total, *, d, m, r, fsdp, link, span, shared,
     p = len(gathered)
     # Gradients are summed in the compute dtype (bfloat16 under
     # mixed_bfloat16); fsdp gathers the stored (float32) weights. A
-    # gathered tied table's gradient is summed whole; a looked-up table's
-    # sparse gradient once per sum the optimizer's update makes of it.
+    # vocabulary-split tied table's block twice (its lookup's part, its
+    # projection's); a looked-up table's sparse gradient once per sum the
+    # optimizer's update makes of it.
     grads = (gathered + total("table_gradient") + (layout.table_sums - 1)
              * total("sparse_gradient")) * layout.grad_ratio
     if not (fsdp and d > 1):
@@ -890,8 +892,7 @@ def _memory(layout, total, *, before, recompute, d, fsdp, span, schedule, m,
     return {"params": stored, "gradients": trainable,
             "optimizer": slots * trainable,
             "activations": (kept * in_flight + saved_internal) * mb,
-            "workspace": (np.maximum(workspace, 0.0) + recomputing * mb
-                          + total("table_workspace"))}
+            "workspace": np.maximum(workspace, 0.0) + recomputing * mb}
 
 
 # Ops a compiled step runs, counted in the traced steps of Dense stacks

@@ -51,16 +51,17 @@ differ), `Transformer.causal` the share whose self-attention is causal
   over all T·V; whole ("replicated": a Dense head without
   `vocab_parallel`), T × V × h GEMMs on every device, its V·h weights
   and their gradients not split over t. tfpar's `VocabParallel` on a
-  tied table (`Parallel.table_gathered`) gathers the V × h table over t
-  for each lookup and writes its whole gradient. A model without a
+  tied table (`Parallel.table_gradient_gemm`) makes the table's gradient
+  a GEMM of one-hot ids and the lookup's output gradient (V/t × T × h per
+  device, its one-hot T × V/t held meanwhile), where Megatron-LM adds
+  rows (`vocab_parallel.lookup`). A model without a
   vocabulary head (`Transformer.lm_head` False: a classifier, a bare
   backbone; "none") has no logits: nothing of this.
 - Tensor parallelism: per block 2 all-reduces of T·h forward and 2 in the
   backward pass, one more each per cross attention (with sequence
   parallelism a reduce-scatter and an all-gather each, the same ring
   time), plus the embedding's forward and
-  the logits' backward one (the embedding's: the table's gather instead
-  when `table_gathered`; the logits': none for a replicated head, and
+  the logits' backward one (the logits': none for a replicated head, and
   the partial logits' all-reduce too for a hidden-split one); a ring
   over t: 2(t-1)/t · bytes/β + 2(t-1)·α, exposed (Megatron-LM does not
   overlap them); with `tp_overlap` (Megatron-Core's `--tp-comm-overlap`:
@@ -162,8 +163,8 @@ L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
 fsdp; a replicated head's not split over t), the last stage's fp32
 logits and their gradient (T·V/t, or T·V when the head is not
-vocabulary-parallel), and a gathered tied table with its whole gradient
-(2·V·h in the compute dtype).
+vocabulary-parallel), and with `table_gradient_gemm` the one-hot ids
+of the tied table's gradient (T × V/t in the compute dtype).
 
 >>> gpt = Transformer(layers=24, hidden=2304, heads=24, seq=2048,
 ...                   vocab=51200)
@@ -326,10 +327,11 @@ class Parallel:
     # over the vocabulary (Megatron-LM's vocab-parallel head, tfpar's
     # `VocabParallel`), over the hidden dimension (partial logits summed),
     # or replicated ("none": the model has no vocabulary head);
-    # `table_gathered`: a tied table split over the
-    # vocabulary is gathered whole for each lookup (tfpar under DTensor).
+    # `table_gradient_gemm`: a tied table split over the vocabulary gets
+    # its gradient from a GEMM of one-hot ids (tfpar under DTensor:
+    # `vocab_parallel.lookup`), not from rows added (Megatron-LM).
     head: str = "vocab"
-    table_gathered: bool = False
+    table_gradient_gemm: bool = False
 
     def __post_init__(self):
         if self.head not in HEADS:
@@ -589,15 +591,18 @@ def _block(dev, model, cfg, backward=False):
 def _embedding(dev, model, cfg, backward=False):
     """The lookup (T·h written, 4 elements per token with the position add
     and dropout) or its backward: T·h read and the dense gradient of the
-    table a device holds (V/t × h, or V × h when the table is gathered
-    for the lookup) added to the fp32 one (12 bytes per element)."""
+    table a device holds (V/t × h) added to the fp32 one (12 bytes per
+    element), made by a one-hot GEMM (V/t × h × T) with
+    `table_gradient_gemm`."""
     time = _Time()
     rows = tokens(model, cfg)
     c = model.compute_bytes
     if backward:
-        split = 1 if cfg.table_gathered else cfg.model
+        if cfg.table_gradient_gemm:
+            dev.gemm(time, model.vocab / cfg.model, model.hidden, rows,
+                     itemsize=c)
         dev.stream(time, rows * model.hidden * c
-                   + 12.0 * model.vocab / split * model.hidden)
+                   + 12.0 * model.vocab / cfg.model * model.hidden)
     else:
         dev.stream(time, 4.0 * rows * model.hidden * c)
     return time
@@ -644,31 +649,29 @@ def _logits(dev, model, cfg, backward=False):
 
 
 def head_layout(model, t, vocab_parallel):
-    """{"head", "table_gathered"}: the `Parallel` fields of the head tfpar
-    runs for `model` over a model axis of t — `VocabParallel` when
-    `vocab_parallel` (a tied table then gathered for each lookup), else
+    """{"head", "table_gradient_gemm"}: the `Parallel` fields of the head
+    tfpar runs for `model` over a model axis of t — `VocabParallel` when
+    `vocab_parallel` (a tied table's gradient then a one-hot GEMM), else
     auto_rules' default: an embedding head split by hidden (partial
     logits summed over t), a Dense head whole; "none" for a model
     without a vocabulary head (`Transformer.lm_head`)."""
     if not model.lm_head:
-        return {"head": "none", "table_gathered": False}
+        return {"head": "none", "table_gradient_gemm": False}
     if t == 1 or vocab_parallel:
         return {"head": "vocab",
-                "table_gathered": bool(t > 1 and model.tied)}
+                "table_gradient_gemm": bool(t > 1 and model.tied)}
     return {"head": "hidden" if model.embedding_head else "replicated",
-            "table_gathered": False}
+            "table_gradient_gemm": False}
 
 
 def _edges(model, cfg, group, one):
     """Seconds per micro-batch of the embedding's and the logits' model-axis
     collectives over `group` (α, β): `one` all-reduce of T·h each (the
-    lookup's, the input gradient's) — the table's gather (V·h, tfpar's
-    all-gather ring) instead for a gathered table; for the logits none
-    when the head is replicated, and the partial logits' all-reduce (T·V)
-    too when it is split over the hidden dimension."""
+    lookup's, the input gradient's); for the logits none when the head is
+    replicated, and the partial logits' all-reduce (T·V) too when it is
+    split over the hidden dimension."""
     t = cfg.model
-    embedding = (ring(gather_kind(cfg), table_bytes(model), t, group)
-                 if cfg.table_gathered else one)
+    embedding = one
     logits = {"vocab": one, "replicated": 0.0, "none": 0.0,
               "hidden": one + ring("all-reduce", logits_bytes(model, cfg),
                                    t, group)}[cfg.head]
@@ -686,13 +689,6 @@ def logits_bytes(model, cfg):
     """The partial logits one all-reduce sums (T·V, compute dtype) when the
     head is split over the hidden dimension."""
     return tokens(model, cfg) * model.vocab * model.compute_bytes
-
-
-def table_bytes(model):
-    """The token table (V × h, compute dtype) a `table_gathered` head
-    gathers for each lookup; its workspace holds it and its whole
-    gradient: 2 × this."""
-    return model.vocab * model.hidden * model.compute_bytes
 
 
 def _tensor_parallel(model, cfg, cluster, hw):
@@ -1064,8 +1060,8 @@ def memory(model, cfg, global_batch):
         # (whole unless split over the vocabulary)
         workspace += 8.0 * tokens(model, cfg) * model.vocab / (
             t if cfg.vocab_parallel else 1)
-    if cfg.table_gathered:  # the tied table gathered, and its gradient
-        workspace += 2.0 * table_bytes(model)
+    if cfg.table_gradient_gemm:  # the one-hot ids of the table's gradient
+        workspace += tokens(model, cfg) * model.vocab / t * model.compute_bytes
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
     # and the slots sharded over data, the half-precision copy whole.
     master = model.param_bytes - model.compute_bytes
@@ -1147,13 +1143,11 @@ def communication_bytes(model, cfg, global_batch):
 
 def _model_axis_bytes(model, cfg, collectives, m):
     """The model axis' message bytes of the first stage per step: its
-    blocks' `collectives` T·h all-reduces and the embedding's (the gathered
-    V × h table instead with `table_gathered`) per micro-batch, and when
+    blocks' `collectives` T·h all-reduces and the embedding's per
+    micro-batch, and when
     it holds a head split over the hidden dimension its partial logits'."""
     activation = hidden_bytes(model, cfg)
     nbytes = (collectives + 1) * activation * m
-    if cfg.table_gathered:
-        nbytes += (table_bytes(model) - activation) * m
     if cfg.pipe == 1 and cfg.head == "hidden":
         nbytes += logits_bytes(model, cfg) * m
     return nbytes

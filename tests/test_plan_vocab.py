@@ -156,6 +156,37 @@ def test_a_plan_keeps_a_head_whole_where_no_model_axis_divides_vocab():
         builder, 16, cluster=A100, vocab_parallel=False, **given).step_time_s)
 
 
+def test_tfpars_tied_table_gradient_is_costed_as_it_runs():
+    """tfpar's vocabulary-split tied table (`vocab_parallel.lookup`) beside
+    Megatron-LM's: its gradient a one-hot GEMM (2·T·V/t·h FLOPs more per
+    micro-batch, its T × V/t one-hot held meanwhile) and its block summed
+    over the data axis once more (V/t·h), apart from the projection's."""
+    model = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=1024,
+                                 vocab=51200)
+    assert model.tied
+    t, batch, b = 4, 64, 4
+    megatron = roofline.Parallel(data=2, model=t, microbatch=b)
+    tfpars = dataclasses.replace(megatron, table_gradient_gemm=True)
+    assert roofline.head_layout(model, t, True) == {
+        "head": "vocab", "table_gradient_gemm": True}
+    hw = hardware.PRESETS["a100-80gb"]
+    steps = [roofline.step_time(model, cfg, hw, batch)
+             for cfg in (megatron, tfpars)]
+    m = batch // (2 * b)
+    tokens = b * model.seq
+    assert steps[1]["executed_flops"] - steps[0]["executed_flops"] == (
+        pytest.approx(m * 2 * tokens * model.vocab / t * model.hidden))
+    data = [roofline.communication_bytes(model, cfg, batch)["data"]
+            for cfg in (megatron, tfpars)]
+    assert data[1] - data[0] == pytest.approx(
+        model.vocab / t * model.hidden * model.compute_bytes)
+    memory = [roofline.memory(model, cfg, batch)["workspace"]
+              for cfg in (megatron, tfpars)]
+    assert memory[1] - memory[0] == pytest.approx(
+        tokens * model.vocab / t * model.compute_bytes)
+    assert steps[1]["data"] >= steps[0]["data"]
+
+
 def test_a_keras_hub_head_is_read_as_the_embedding_s_projection():
     """GPT-2's tied table makes the logits (an MLP as wide as the
     vocabulary is not a head): without vocab_parallel it is split by

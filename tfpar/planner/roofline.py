@@ -54,7 +54,8 @@ differ), `Transformer.causal` the share whose self-attention is causal
   tied table (`Parallel.table_gradient_gemm`) makes the table's gradient
   a GEMM of one-hot ids and the lookup's output gradient (V/t × T × h per
   device, its one-hot T × V/t held meanwhile), where Megatron-LM adds
-  rows (`vocab_parallel.lookup`). A model without a
+  rows (`vocab_parallel.lookup`), and sums that gradient over the data
+  axis apart from the projection's (V/t × h once more). A model without a
   vocabulary head (`Transformer.lm_head` False: a classifier, a bare
   backbone; "none") has no logits: nothing of this.
 - Tensor parallelism: per block 2 all-reduces of T·h forward and 2 in the
@@ -965,7 +966,9 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
         backward = (parts["backward"].total() * blocks
                     + recompute.total() + model_axis / 2)
         params = stage_params(model, blocks, first, last)
-        data = _data_axis(model, cfg, cluster, hw, params, blocks=blocks,
+        data = _data_axis(model, cfg, cluster, hw,
+                          summed_params(model, cfg, params, first),
+                          blocks=blocks,
                           backward=backward, microbatches=m,
                           whole=replicated_head_params(model, cfg, last))
         local = _local_params(model, cfg, params, blocks, last) / (
@@ -980,6 +983,16 @@ def step_time(model, cfg, hw, global_batch, devices_per_host=None):
                         data=data, update=update, total=total,
                         executed_flops=m * (work.flops + recompute.flops))
     return best
+
+
+def summed_params(model, cfg, params, first):
+    """The parameters of a stage holding `params` whose gradients the data
+    axis sums: `params`, and under tfpar a vocabulary-split tied table
+    (`Parallel.table_gradient_gemm`) once more on the `first` stage: its
+    lookup's gradient (the one-hot GEMM) and its projection's are each
+    summed where DTensor makes them."""
+    return params + (model.vocab * model.hidden
+                     if cfg.table_gradient_gemm and first else 0.0)
 
 
 def microbatches(cfg, global_batch):
@@ -1121,8 +1134,8 @@ def communication_bytes(model, cfg, global_batch):
     # one all-reduce per residual branch, forward, backward and (full
     # recomputation) forward again
     passes = model.branches * (2 + full)
-    params = _local_params(model, cfg, stage_params(
-        model, blocks, True, cfg.pipe == 1), blocks, cfg.pipe == 1)
+    params = _local_params(model, cfg, summed_params(model, cfg, stage_params(
+        model, blocks, True, cfg.pipe == 1), True), blocks, cfg.pipe == 1)
     grads = params * model.compute_bytes
     data = (3 * m * grads if cfg.fsdp else grads) if cfg.replicas > 1 else 0.0
     return {"model": _model_axis_bytes(model, cfg, blocks * passes, m)

@@ -387,6 +387,8 @@ def sublayers(layer, include_self=True):
 
 
 def _leaf_attention(layer):
+    """The attention layers of `layer` (itself included), outermost first;
+    an attention nested in one already found is not (its parts)."""
     found = []
     for sub in sublayers(layer):
         if is_attention(sub):

@@ -29,13 +29,13 @@ def transformer_of(profile):
     ValueError for a model without attention."""
     cross = [sub for op in profile.ops for sub in op.cross_attention]
     crossing = {id(sub) for sub in cross}
-    attention = [sub for op in profile.ops
-                 for sub in profile_lib.sublayers(op.layer)
-                 if profile_lib.is_attention(sub) and id(sub) not in crossing]
-    # The ops holding a self-attention layer: where each block starts.
-    starts = [i for i, op in enumerate(profile.ops)
-              if any(profile_lib.is_attention(s) and id(s) not in crossing
-                     for s in profile_lib.sublayers(op.layer))]
+    # Per op, its self-attention layers; the ops holding one are where
+    # each block starts.
+    selfs = [[sub for sub in profile_lib.sublayers(op.layer)
+              if profile_lib.is_attention(sub) and id(sub) not in crossing]
+             for op in profile.ops]
+    attention = [sub for held in selfs for sub in held]
+    starts = [i for i, held in enumerate(selfs) if held]
     if not attention:
         raise ValueError(
             f"tfpar.estimate costs transformer stacks: model "

@@ -295,6 +295,7 @@ class Layout:
                 head.logits_op] += whole
             if cfg.head == "vocab" and self.t > 1:
                 self.flops_split[head.table_op] += whole / 3
+                # the token table: its op's largest weight
                 table = max(profile.ops[head.table_op].weights,
                             key=lambda w: math.prod(w.shape))
                 self.table_gradient[head.table_op] = (

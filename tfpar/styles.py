@@ -476,7 +476,7 @@ def _transform_lookups(layer, name):
     """
     def make_call(original_call):
         def call(*args, **kwargs):
-            if kwargs.get("reverse", args[1] if len(args) > 1 else False):
+            if _reverse_call(args, kwargs):
                 return original_call(*args, **kwargs)
             if args:
                 args = (_lookup_ids(args[0]),) + args[1:]
@@ -486,6 +486,12 @@ def _transform_lookups(layer, name):
     _wrap_call_once(layer, name, make_call)
 
 
+def _reverse_call(args, kwargs):
+    """Whether a ReversibleEmbedding's call (`args`, `kwargs`) projects
+    (`reverse=True`) rather than looks up."""
+    return kwargs.get("reverse", args[1] if len(args) > 1 else False)
+
+
 def _lookups_by_vocab_block(layer, axis):
     """Makes the lookups of `layer`, an Embedding whose table is split by
     vocabulary over `axis`, `vocab_parallel.embedding_lookup`s (reverse
@@ -493,8 +499,7 @@ def _lookups_by_vocab_block(layer, axis):
     refuses keeps Keras' lookup (the table gathered). Once per layer."""
     def make_call(original_call):
         def call(*args, **kwargs):
-            if (kwargs.get("reverse", args[1] if len(args) > 1 else False)
-                    or not args
+            if (_reverse_call(args, kwargs) or not args
                     or not vocab_parallel.takes_vocab_parallel_lookups(layer)):
                 return original_call(*args, **kwargs)
             return vocab_parallel.embedding_lookup(layer, args[0], axis)

@@ -671,12 +671,10 @@ def _edges(model, cfg, group, one):
     lookup's, the input gradient's); for the logits none when the head is
     replicated, and the partial logits' all-reduce (T·V) too when it is
     split over the hidden dimension."""
-    t = cfg.model
-    embedding = one
     logits = {"vocab": one, "replicated": 0.0, "none": 0.0,
               "hidden": one + ring("all-reduce", logits_bytes(model, cfg),
-                                   t, group)}[cfg.head]
-    return embedding, logits
+                                   cfg.model, group)}[cfg.head]
+    return one, logits
 
 
 def hidden_bytes(model, cfg):
@@ -1157,8 +1155,8 @@ def communication_bytes(model, cfg, global_batch):
 def _model_axis_bytes(model, cfg, collectives, m):
     """The model axis' message bytes of the first stage per step: its
     blocks' `collectives` T·h all-reduces and the embedding's per
-    micro-batch, and when
-    it holds a head split over the hidden dimension its partial logits'."""
+    micro-batch, and when it holds a head split over the hidden dimension
+    its partial logits'."""
     activation = hidden_bytes(model, cfg)
     nbytes = (collectives + 1) * activation * m
     if cfg.pipe == 1 and cfg.head == "hidden":

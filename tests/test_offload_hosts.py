@@ -10,9 +10,11 @@ on the same mesh and checks, on every host: parity with one device and
 with no offload, where this host's optimizer blocks live, the memory
 report, and a sharded checkpoint saved with offload restored without it
 (and back); and what offload refuses across hosts, alike on both.
-data=8 fsdp runs by default; data=8 and data=2 x model=4 are
-slow (about a minute each here), and so is `offload="optimizer+master"`
-on data=8 fsdp (82 s here: three trainings and two restores per host).
+data=8 fsdp runs by default (its issue's one two-host case); data=8 and
+data=2 x model=4 are slow (about a minute each here), and so are the
+pipelines whose stages live on different hosts (one launch for their
+cases, about a minute) and `offload="optimizer+master"` on data=8 fsdp
+(82 s here: three trainings and two restores per host).
 """
 
 import ast
@@ -136,11 +138,26 @@ def _check_checkpoint(host, config):
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """One launch of the two hosts for the default cases (data=8 fsdp, and
-    a pipeline whose stages live on different hosts): (workdir, both
-    hosts' results, the one-device run)."""
+    """One launch of the two hosts for the default case, data=8 fsdp:
+    (workdir, both hosts' results, the one-device run)."""
     workdir = tmp_path_factory.mktemp("offload_hosts")
-    return (workdir, *_run_hosts(workdir, ["fsdp", "pipe_adam"]))
+    return (workdir, *_run_hosts(workdir, ["fsdp"]))
+
+
+# The pipelines across hosts: Adam (1F1B, with its checkpoints), SGD with
+# momentum (GPipe) and plain SGD (1F1B), each with and without offload.
+PIPE_OPTIMIZERS = ("adam", "sgdm", "sgd")
+
+
+@pytest.fixture(scope="module")
+def pipelines_run(tmp_path_factory):
+    """One launch of the two hosts for the pipeline cases (slow): every
+    `PIPE_OPTIMIZERS` with and without offload, and "pipe_resume" (after
+    "pipe_adam", whose checkpoint it restores): as `default_run`."""
+    workdir = tmp_path_factory.mktemp("offload_hosts_pipelines")
+    return (workdir, *_run_hosts(workdir, [
+        f"pipe{plain}_{name}" for name in PIPE_OPTIMIZERS
+        for plain in ("", "_plain")] + ["pipe_resume"]))
 
 
 def test_offload_across_hosts_fsdp(default_run):
@@ -204,8 +221,9 @@ def _check_pipe_placement(runs, slots_per_weight):
             assert other["weights"][path] == [], path
 
 
+@pytest.mark.slow
 def test_offload_of_a_pipeline_whose_stages_live_on_different_hosts(
-        default_run):
+        pipelines_run):
     """pipe=2 x data=2, stage 0 on host 0, stage 1 on host 1 (the
     host-driven step of `tfpar.pipeline.cross_host`), Adam, 1F1B: in
     parity with one device; each stage's slots and counters on its own
@@ -214,7 +232,7 @@ def test_offload_of_a_pipeline_whose_stages_live_on_different_hosts(
     restored below, the "before"); the sharded checkpoint saved with
     offload restored without offload and that one's back into offload:
     weights and every optimizer variable equal to the bit."""
-    workdir, results, reference = default_run
+    workdir, results, reference = pipelines_run
     runs = _pipe_runs(results, "pipe_adam")
     _check_pipe_parity(runs, reference)
     _check_pipe_placement(runs, 2)  # Adam's m and v
@@ -305,25 +323,22 @@ def test_master_offload_across_hosts(tmp_path):
 
 
 @pytest.mark.slow
-def test_offload_of_cross_host_pipelines_equals_no_offload(tmp_path):
+def test_offload_of_cross_host_pipelines_equals_no_offload(pipelines_run):
     """Adam (1F1B), SGD with momentum (GPipe) and plain SGD (1F1B, Keras'
     defaults) in the pipeline across hosts: with offload equal to the
     same pipeline without (to the bit, on both hosts), both within 1e-4
     of one device; each stage's slots on its host's offload devices. And
     the checkpoint saved with offload, restored into the pipeline without
     offload and into one with offload, trains one more epoch alike."""
-    names = ("adam", "sgdm", "sgd")
-    results, _ = _run_hosts(tmp_path, [
-        f"pipe{plain}_{name}" for name in names
-        for plain in ("", "_plain")] + ["pipe_resume"])
+    workdir, results, _ = pipelines_run
     for run in _pipe_runs(results, "pipe_resume"):
         for key in ("losses", *(f"w{i}" for i in range(6))):
             assert models.relative_error(run[f"plain_{key}"],
                                          run[f"offload_{key}"]) < RTOL, key
-    for name, slots in zip(names, (2, 1, 0)):
+    for name, slots in zip(PIPE_OPTIMIZERS, (2, 1, 0)):
         offloaded = _pipe_runs(results, f"pipe_{name}")
         plain = _pipe_runs(results, f"pipe_plain_{name}")
-        reference = _one_device(tmp_path, name)
+        reference = _one_device(workdir, name)
         _check_pipe_parity(offloaded, reference)
         _check_pipe_parity(plain, reference)
         _check_pipe_placement(offloaded, slots)

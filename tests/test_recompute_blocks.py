@@ -146,11 +146,14 @@ def test_recomputed_blocks_match_one_device_and_keep_less_than_layers():
     assert saved["layers"] - saved["blocks"] > 2 * 8 * SEQ * DIM * 4, saved
 
 
+@pytest.mark.slow
 def test_recomputed_blocks_gather_fsdp_weights_again_in_parity():
     """data=4 × model=2 with fsdp: the recomputation of a block reads its
     weights again, so they are gathered again in the backward pass
     (`recompute`'s variable-read dependency) instead of being kept
-    gathered from the forward pass; the same training as one device."""
+    gathered from the forward pass; the same training as one device.
+    (Slow: layers recomputed one by one under fsdp, and their gathers
+    again, are the default case, `test_gpt_example`'s.)"""
     keras.utils.set_random_seed(0)
     weights = build_gpt().get_weights()
     reference, want, _ = train(None, weights, None)

@@ -339,6 +339,102 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
     assert split.estimate.step_time_s == pytest.approx(none.step_time_s)
 
 
+class HandTiedHead(keras.layers.Layer):
+    """A tied output projection written by hand: logits = h · Eᵀ with the
+    embedding layer's own table E (no keras-hub layer)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, hidden):
+        return keras.ops.matmul(
+            hidden, keras.ops.transpose(self.embedding.embeddings))
+
+
+def one_block_lm(hand_written):
+    """A one-block causal LM (vocabulary 1024, hidden 64) whose logits
+    use its token table: through `HandTiedHead` over a plain Embedding,
+    or keras-hub's ReversibleEmbedding called with reverse=True."""
+    tokens = keras.Input((SEQ,), dtype="int32")
+    table = (keras.layers.Embedding(1024, 64, name="tokens") if hand_written
+             else keras_hub.layers.ReversibleEmbedding(1024, 64,
+                                                       name="tokens"))
+    h = table(tokens)
+    a = keras.layers.MultiHeadAttention(4, 16, name="attention")(
+        h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name="norm")(h + a)
+    up = keras.layers.Dense(256, activation="gelu", name="up")(h)
+    h = h + keras.layers.Dense(64, name="down")(up)
+    logits = (HandTiedHead(table, name="head")(h) if hand_written
+              else table(h, reverse=True))
+    return keras.Model(tokens, logits)
+
+
+def test_a_tied_projection_written_by_hand_is_read_as_the_head():
+    """A layer of the user's holding the embedding layer and projecting
+    onto its table is a tied head (the table's layer runs again:
+    `transformer.vocab_head`); `tfpar.estimate` costs it as keras-hub's
+    tied ReversibleEmbedding: the same FLOPs, memory, bytes and time on
+    data 8 and on data 2 × model 4."""
+    head = transformer.vocab_head(profile.profile_model(one_block_lm(True)))
+    assert (head.vocab, head.tied, head.embedding) == (1024, True, True)
+    for axes in ({"data": 8}, {"data": 2, "model": 4}):
+        hand, hub = (tfpar.estimate(lambda: one_block_lm(hand_written), 16,
+                                    cluster=A100, axes=axes,
+                                    sequence_length=SEQ)
+                     for hand_written in (True, False))
+        assert hand.executed_flops == hub.executed_flops
+        assert hand.memory_per_device == hub.memory_per_device
+        assert (hand.communication_bytes_by_axis
+                == hub.communication_bytes_by_axis)
+        assert hand.step_time_s == hub.step_time_s
+
+
+def test_a_plan_keeps_a_hand_written_tied_head_whole_and_trains():
+    """auto_rules splits keras-hub's and Dense heads only: the plan's
+    model-axis candidate of the hand-written head splits the table by
+    hidden (the head's partial logits all-reduced), is not labelled
+    vocab-parallel, is costed as keras-hub's tied head laid out so, and
+    trains as one device does. (Before, the embedding's table was taken
+    for the head layer's own, which holds the embedding: auto_rules gave
+    the head a rule that matched no weight, and applying the plan failed.)"""
+    builder = lambda: one_block_lm(True)  # noqa: E731
+    plan = tfpar.plan(builder, 16, cluster=A100, check=False,
+                      sequence_length=SEQ)
+    candidate = next(c for c in plan.candidates
+                     if c.axes == {"data": 2, "pipe": 1, "model": 4}
+                     and not (c.fsdp or c.recompute or c.sequence_parallel))
+    assert not candidate.vocab_parallel
+    applied = measure.candidate_plan(candidate, builder, 16)
+    assert isinstance(dict(applied.rules.items())["tokens"],
+                      tfpar.ColumnParallel), applied.rules
+    layouts = {}
+    for hand_written in (True, False):
+        model = profile.build_without_weights(
+            lambda: one_block_lm(hand_written))  # noqa: B023
+        layout = search._layout(profile.profile_model(model, SEQ), model, 4)
+        layouts[hand_written] = cost.estimate(
+            layout.whole_head(), [0], d=2, p=1, m=1, schedule="1f1b",
+            fsdp=False, recompute=None, batch=16, cluster=LOCAL, slots=2)
+    assert layouts[True].breakdown == layouts[False].breakdown
+    assert layouts[True].memory_per_device == layouts[False].memory_per_device
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1024, (32, SEQ)).astype("int32")
+    y = rng.integers(0, 1024, (32, SEQ))
+    keras.utils.set_random_seed(0)
+    weights = builder().get_weights()
+    want = trained.fit(builder(), weights, x, y, 16,
+                       keras.optimizers.SGD(0.5))
+    with applied.strategy().scope():
+        model = applied.apply(builder())
+    got = trained.fit(model, weights, x, y, 16, keras.optimizers.SGD(0.5))
+    trained.assert_same(want, got)
+    blocks = dtensor.unpack(model.get_layer("tokens").embeddings.value
+                            .read_value())
+    assert {tuple(b.shape) for b in blocks} == {(1024, 16)}
+
+
 # A described 8-device host: the α-β cost path (no roofline).
 LOCAL = tfpar.Cluster(num_hosts=1, devices_per_host=8, device_memory=1e9,
                       device_flops=1e10, intra_host_bandwidth=1e9,

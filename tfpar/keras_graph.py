@@ -53,12 +53,27 @@ def functional_graph(model):
 
 
 def owning_layers(model):
-    """{id(weight): the innermost layer that owns it}."""
-    owners = {}
+    """{id(weight): the innermost layer that owns it}: a layer holding
+    another replaces it as a weight's owner only when nested in it. (Layers
+    come outermost first, but a layer shared by two — an embedding that a
+    hand-written output head holds to project onto its table — is listed
+    once, where it is met first: the head, met later, holds it and does
+    not own its table.)"""
+    owners, nested = {}, {}
     for layer in _compat.all_layers(model):
         for weight in layer.weights:
-            owners[id(weight)] = layer  # inner layers come later: they win
+            owner = owners.get(id(weight))
+            if owner is None or id(layer) in _nested_ids(owner, nested):
+                owners[id(weight)] = layer
     return owners
+
+
+def _nested_ids(layer, memo):
+    """ids of the layers nested in `layer` (memoised in `memo`)."""
+    if id(layer) not in memo:
+        memo[id(layer)] = {id(sub) for sub in _compat.all_layers(
+            layer, include_self=False)}
+    return memo[id(layer)]
 
 
 def call_count(layer):

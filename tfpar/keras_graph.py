@@ -53,12 +53,14 @@ def functional_graph(model):
 
 
 def owning_layers(model):
-    """{id(weight): the innermost layer that owns it}: a layer holding
-    another replaces it as a weight's owner only when nested in it. (Layers
-    come outermost first, but a layer shared by two — an embedding that a
-    hand-written output head holds to project onto its table — is listed
-    once, where it is met first: the head, met later, holds it and does
-    not own its table.)"""
+    """{id(weight): the innermost layer that owns it}. Layers come
+    outermost first, so a later layer holding the weight is usually
+    nested in its owner so far and takes its place; but a layer shared by
+    two (an embedding that a hand-written output head holds to project
+    onto its table; keras-hub's MaskedLMHead holding the token embedding)
+    is listed once, where it is met first, and the layer met later only
+    holds it: a layer takes a weight's place only when nested in its
+    owner so far."""
     owners, nested = {}, {}
     for layer in _compat.all_layers(model):
         for weight in layer.weights:

@@ -309,10 +309,12 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
     """A BERT classifier has no vocabulary head (its token embedding is
     looked up once, its last kernel makes 2 outputs): tfpar.estimate
     costs no logits — the masked LM on the same backbone (a tied reverse
-    projection, split over the vocabulary) costs 6·T·V·h/t FLOPs more
-    and the table gradient's one-hot GEMM (2·T·V·h/t), the fp32 logits
-    and the one-hot ids (T·V/t) — and tfpar.plan splits no
-    head and costs a model-axis candidate as tfpar.estimate does."""
+    projection inside keras-hub's MaskedLMHead, which auto_rules keeps
+    whole: the table split by hidden) costs 6·T·V·h/t FLOPs more and the
+    fp32 logits and their gradient over the whole vocabulary (partial
+    sums, all-reduced), and cannot be asked split — and tfpar.plan
+    splits no head and costs a model-axis candidate as tfpar.estimate
+    does."""
     def masked_lm():
         return keras_hub.models.BertMaskedLM(bert(), preprocessor=None)
 
@@ -327,12 +329,15 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
                   for build in (bert_classifier, masked_lm))
     tokens, vocab, hidden, t = 8 * SEQ, 1024, 64, 4  # float32 (4 bytes)
     assert tied.executed_flops - none.executed_flops == pytest.approx(
-        (6 + 2) * tokens * vocab * hidden / t)
+        6 * tokens * vocab * hidden / t)
     assert none.memory_per_device["workspace"] == 0
     assert tied.memory_per_device["workspace"] == pytest.approx(
-        8 * tokens * vocab / t + 4 * tokens * vocab / t)
+        8 * tokens * vocab)
     with pytest.raises(ValueError, match="has no vocabulary head"):
         tfpar.estimate(bert_classifier, 16, cluster=A100, axes=axes,
+                       sequence_length=SEQ, vocab_parallel=True)
+    with pytest.raises(ValueError, match="does not split this model's head"):
+        tfpar.estimate(masked_lm, 16, cluster=A100, axes=axes,
                        sequence_length=SEQ, vocab_parallel=True)
     plan = tfpar.plan(bert_classifier, 16, cluster=A100,
                       sequence_length=SEQ, check=False)
@@ -382,21 +387,34 @@ def one_block_lm(hand_written):
 def test_a_tied_projection_written_by_hand_is_read_as_the_head():
     """A layer of the user's holding the embedding layer and projecting
     onto its table is a tied head (the table's layer runs again:
-    `transformer.vocab_head`); `tfpar.estimate` costs it as keras-hub's
-    tied ReversibleEmbedding: the same FLOPs, memory, bytes and time on
-    data 8 and on data 2 × model 4."""
+    `transformer.vocab_head`). `tfpar.estimate` costs it as keras-hub's
+    tied ReversibleEmbedding laid out as tfpar's plans lay each out: the
+    same FLOPs, memory, bytes and time on data 8, and on data 2 × model 4
+    as the hub head kept whole (auto_rules splits the hub head over the
+    vocabulary, not the hand-written one: `head_rules`); asked to split
+    it, an error saying why."""
     head = transformer.vocab_head(profile.profile_model(one_block_lm(True)))
     assert (head.vocab, head.tied, head.embedding) == (1024, True, True)
-    for axes in ({"data": 8}, {"data": 2, "model": 4}):
-        hand, hub = (tfpar.estimate(lambda: one_block_lm(hand_written), 16,
-                                    cluster=A100, axes=axes,
-                                    sequence_length=SEQ)
-                     for hand_written in (True, False))
+
+    def estimate(hand_written, axes, vocab_parallel=None):
+        return tfpar.estimate(lambda: one_block_lm(hand_written), 16,
+                              cluster=A100, axes=axes, sequence_length=SEQ,
+                              vocab_parallel=vocab_parallel)
+
+    split = {"data": 2, "model": 4}
+    for hand, hub in ((estimate(True, {"data": 8}),
+                       estimate(False, {"data": 8})),
+                      (estimate(True, split),
+                       estimate(False, split, vocab_parallel=False))):
         assert hand.executed_flops == hub.executed_flops
         assert hand.memory_per_device == hub.memory_per_device
         assert (hand.communication_bytes_by_axis
                 == hub.communication_bytes_by_axis)
         assert hand.step_time_s == hub.step_time_s
+    assert estimate(False, split).communication_bytes_by_axis["model"] < (
+        estimate(True, split).communication_bytes_by_axis["model"])
+    with pytest.raises(ValueError, match="does not split this model's head"):
+        estimate(True, split, vocab_parallel=True)
 
 
 def test_a_plan_keeps_a_hand_written_tied_head_whole_and_trains():

@@ -19,6 +19,7 @@ import numpy as np
 
 from tfpar.planner import cost as cost_lib
 from tfpar.planner import hardware as hardware_lib
+from tfpar.planner import head_rules
 from tfpar.planner import optimizers
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import roofline
@@ -88,9 +89,13 @@ def estimate(model, global_batch_size, *, cluster, axes,
             (`auto_rules(vocab_parallel=True)`: each device computes V/t of
             the logits). None: as `tfpar.plan` lays it out — split when the
             model axis t > 1 divides the vocabulary, without sequence
-            parallelism and without a context axis, else whole (an
-            embedding head split over the hidden dimension, its partial
-            logits all-reduced; a Dense head replicated), and costed so.
+            parallelism, and auto_rules splits the head (a Dense or
+            EinsumDense head, keras-hub's ReversibleEmbedding; not a
+            projection onto the table written in a layer of the user's,
+            nor keras-hub's MaskedLMHead: `planner.head_rules`), else
+            whole (an embedding head split over the hidden dimension, its
+            partial logits all-reduced; a Dense head replicated), and
+            costed so.
             True where that cannot be is an error; False: whole. A model
             without a vocabulary head (a classifier, a bare backbone:
             neither a reverse call of its token embedding nor a last
@@ -140,6 +145,11 @@ def estimate(model, global_batch_size, *, cluster, axes,
         built = profile_lib.build_without_weights(model)
     profile = profile_lib.profile_model(built, sequence_length)
     transformer = transformer_of(profile)
+    t = shape.get("model", 1)
+    # Whether tfpar's plans split its head over the vocabulary on t (an
+    # auto_rules trace, only where the vocabulary and t allow it).
+    plans_split = vocab_parallel is False or t == 1 or head_rules.vocab_rules(
+        profile, built, t, bool(sequence_parallel)) is not None
     cfg = configuration(
         shape, batch, num_microbatches=num_microbatches, schedule=schedule,
         virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
@@ -148,7 +158,7 @@ def estimate(model, global_batch_size, *, cluster, axes,
         flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=transformer.layers, capacity_factor=capacity_factor,
         transformer=transformer, expert_axis=expert_axis,
-        vocab_parallel=vocab_parallel)
+        vocab_parallel=vocab_parallel, plans_split_head=plans_split)
     return estimate_transformer(transformer, cfg, batch, cluster)
 
 
@@ -193,11 +203,13 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
                   virtual_stages=1, sequence_parallel=False, recompute=None,
                   fsdp=False, slots=2, flash=False, tf32=False,
                   layers=None, capacity_factor=None, transformer=None,
-                  expert_axis="expert", vocab_parallel=None):
+                  expert_axis="expert", vocab_parallel=None,
+                  plans_split_head=True):
     """The `roofline.Parallel` of `estimate`'s arguments, checked
     (`layers`: the model's transformer blocks, when known; `transformer`:
     its `roofline.Transformer`, to check the expert and context axes and
-    to lay out its head: `_head`)."""
+    to lay out its head: `_head`; `plans_split_head`: False when
+    `auto_rules` does not split that head, `head_rules.vocab_rules`)."""
     d, p, t, e, c = (axes.get(k, 1) for k in AXES)
     on_data = _expert_placement(expert_axis, axes)
     if on_data:
@@ -233,15 +245,17 @@ def configuration(axes, batch, *, num_microbatches=None, schedule="1f1b",
         sequence_parallel=sequence_parallel,
         recompute=_RECOMPUTE[recompute], fsdp=bool(fsdp), flash=flash,
         tf32=tf32, optimizer_slots=slots,
-        **_head(transformer, t, sequence_parallel, vocab_parallel))
+        **_head(transformer, t, sequence_parallel, vocab_parallel,
+                plans_split_head))
 
 
-def _head(transformer, t, sequence_parallel, vocab_parallel):
+def _head(transformer, t, sequence_parallel, vocab_parallel,
+          plans_split_head=True):
     """The `Parallel` fields of the head (`roofline.head_layout`) tfpar
     runs: split over the vocabulary where `transformer_lib.vocab_parallel`
-    allows it (None: then; True: the same, or an error saying why not),
-    else whole. Without a `transformer`, the defaults
-    (vocabulary-parallel)."""
+    allows it and auto_rules splits it (`plans_split_head`; None: then;
+    True: the same, or an error saying why not), else whole. Without a
+    `transformer`, the defaults (vocabulary-parallel)."""
     if not (vocab_parallel is None or isinstance(vocab_parallel, bool)):
         raise ValueError(
             "tfpar.estimate(vocab_parallel) must be None, True or False. "
@@ -259,6 +273,17 @@ def _head(transformer, t, sequence_parallel, vocab_parallel):
             "vocab_parallel=True. Pass vocab_parallel=None.")
     allowed = transformer_lib.vocab_parallel(transformer, t,
                                              sequence_parallel)
+    if vocab_parallel and t > 1 and allowed and not plans_split_head:
+        raise ValueError(
+            "tfpar.estimate(vocab_parallel=True) splits the head over the "
+            "vocabulary as tfpar.auto_rules(vocab_parallel=True) lays it "
+            "out, and auto_rules does not split this model's head (it "
+            "splits Dense and EinsumDense heads and keras-hub's "
+            "ReversibleEmbedding; a projection onto the table written in "
+            "a layer of its own, or keras-hub's MaskedLMHead, stays "
+            "whole). Received: vocab_parallel=True. Pass "
+            "vocab_parallel=None (the head costed whole, as tfpar runs it).")
+    allowed = allowed and plans_split_head
     if vocab_parallel and t > 1 and not allowed:
         raise ValueError(
             "tfpar.estimate(vocab_parallel=True) splits the head over the "

@@ -12,8 +12,9 @@ schedule, fsdp and recomputation setting, each costed by `cost.estimate`.
   `sequence_parallel=True` (norms and the residual stream split over the
   sequence: every kept activation 1/t as large, Megatron-LM's sequence
   parallelism). A transformer's output head is split over the vocabulary
-  (`vocab_parallel=True`, `VocabParallel`) where t divides the vocabulary,
-  without sequence parallelism (`transformer.vocab_parallel`), else kept whole (`Layout.whole_head`);
+  (`vocab_parallel=True`, `VocabParallel`) where `head_rules.vocab_rules`
+  splits it (t divides the vocabulary, no sequence parallelism, a head
+  auto_rules splits), else kept whole (`Layout.whole_head`);
   the candidate records it (`Candidate.vocab_parallel`), the plan applies
   it and the cost model costs that head (`Layout`).
 - Stage cuts (Alpa's inter-op pass, simplified to one objective): for p
@@ -40,10 +41,9 @@ import warnings
 import numpy as np
 
 from tfpar import auto_plan as tp
-from tfpar import styles
 from tfpar.planner import cost as cost_lib
+from tfpar.planner import head_rules
 from tfpar.planner import roofline
-from tfpar.planner import transformer as transformer_lib
 
 
 @dataclasses.dataclass
@@ -237,9 +237,9 @@ def ranked(candidates):
 
 def _layout(profile, model, t, sequence_parallel=False, table_sums=1):
     """The cost `Layout` of `auto_rules` over a model axis of size t: with
-    the head split over the vocabulary where `_vocab_rules` gives it, else
-    whole."""
-    rules = _vocab_rules(profile, model, t, sequence_parallel)
+    the head split over the vocabulary where `head_rules.vocab_rules`
+    gives it, else whole."""
+    rules = head_rules.vocab_rules(profile, model, t, sequence_parallel)
     vocab_parallel = rules is not None
     if rules is None and t > 1:
         with warnings.catch_warnings():
@@ -251,36 +251,6 @@ def _layout(profile, model, t, sequence_parallel=False, table_sums=1):
                          "axis")
     return cost_lib.Layout(profile, rules, t, sequence_parallel,
                            vocab_parallel, table_sums)
-
-
-def _vocab_rules(profile, model, t, sequence_parallel):
-    """auto_rules(vocab_parallel=True) over t for a transformer with a
-    vocabulary head (`transformer.vocab_head`: a classifier or a bare
-    backbone has none, and no logits are costed) whose vocabulary t
-    divides, without sequence parallelism (`transformer.vocab_parallel`),
-    when it splits only the vocabulary's heads; else None (the head kept
-    whole, and costed whole): a model without attention, a head
-    auto_rules refuses, or a `VocabParallel` rule on a layer without the
-    vocabulary (another output of a model with several)."""
-    model_dims = transformer_lib.read(profile)
-    if model_dims is None or not transformer_lib.vocab_parallel(
-            model_dims, t, sequence_parallel):
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            rules = tp.auto_rules(model, axis_size=t, vocab_parallel=True)
-        except ValueError:
-            return None
-    heads = [cost_lib.layer_for(profile, pattern)
-             for pattern, style in rules.items()
-             if isinstance(style, styles.VocabParallel)]
-    if not heads or not all(
-            layer is not None and any(model_dims.vocab in tuple(w.shape)
-                                      for w in layer.weights)
-            for layer in heads):
-        return None
-    return rules
 
 
 def _reject_reason(axes, rule_error, global_batch_size, n_ops,

@@ -24,6 +24,7 @@ from tfpar.planner import roofline
 from tfpar.planner import search
 from tfpar.planner import transformer
 
+import models
 import test_plan_axes as axes_tests
 import test_plans_train as trained
 
@@ -309,12 +310,11 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
     """A BERT classifier has no vocabulary head (its token embedding is
     looked up once, its last kernel makes 2 outputs): tfpar.estimate
     costs no logits — the masked LM on the same backbone (a tied reverse
-    projection inside keras-hub's MaskedLMHead, which auto_rules keeps
-    whole: the table split by hidden) costs 6·T·V·h/t FLOPs more and the
-    fp32 logits and their gradient over the whole vocabulary (partial
-    sums, all-reduced), and cannot be asked split — and tfpar.plan
-    splits no head and costs a model-axis candidate as tfpar.estimate
-    does."""
+    projection inside keras-hub's MaskedLMHead, split over the
+    vocabulary) costs 6·T·V·h/t FLOPs more and the table gradient's
+    one-hot GEMM (2·T·V·h/t), the fp32 logits and the one-hot ids
+    (T·V/t) — and tfpar.plan splits no head and costs a model-axis
+    candidate as tfpar.estimate does."""
     def masked_lm():
         return keras_hub.models.BertMaskedLM(bert(), preprocessor=None)
 
@@ -329,15 +329,12 @@ def test_a_classifier_is_costed_without_logits_by_plan_and_estimate():
                   for build in (bert_classifier, masked_lm))
     tokens, vocab, hidden, t = 8 * SEQ, 1024, 64, 4  # float32 (4 bytes)
     assert tied.executed_flops - none.executed_flops == pytest.approx(
-        6 * tokens * vocab * hidden / t)
+        (6 + 2) * tokens * vocab * hidden / t)
     assert none.memory_per_device["workspace"] == 0
     assert tied.memory_per_device["workspace"] == pytest.approx(
-        8 * tokens * vocab)
+        8 * tokens * vocab / t + 4 * tokens * vocab / t)
     with pytest.raises(ValueError, match="has no vocabulary head"):
         tfpar.estimate(bert_classifier, 16, cluster=A100, axes=axes,
-                       sequence_length=SEQ, vocab_parallel=True)
-    with pytest.raises(ValueError, match="does not split this model's head"):
-        tfpar.estimate(masked_lm, 16, cluster=A100, axes=axes,
                        sequence_length=SEQ, vocab_parallel=True)
     plan = tfpar.plan(bert_classifier, 16, cluster=A100,
                       sequence_length=SEQ, check=False)
@@ -449,6 +446,63 @@ def test_a_plan_keeps_a_hand_written_tied_head_whole_and_trains():
     blocks = dtensor.unpack(model.get_layer("tokens").embeddings.value
                             .read_value())
     assert {tuple(b.shape) for b in blocks} == {(1024, 16)}
+
+
+def bert_masked_lm():
+    """keras-hub's BERT masked LM (vocabulary 1024, hidden 64, 2 layers),
+    without dropout (one device's and the mesh's masks differ)."""
+    return keras_hub.models.BertMaskedLM(keras_hub.models.BertBackbone(
+        vocabulary_size=1024, num_layers=2, num_heads=4, hidden_dim=64,
+        intermediate_dim=128, max_sequence_length=SEQ, dropout=0.0),
+        preprocessor=None)
+
+
+def test_a_masked_lms_head_is_split_over_the_vocabulary_and_trains():
+    """keras-hub's MaskedLMHead projects onto the token embedding it holds
+    and adds its own (vocab,) bias: the plan's model-axis candidate splits
+    the table by vocabulary (`VocabParallel`) and the bias with it (a raw
+    spec: the head's dense transform and norm stay whole), and trains as
+    one device does (SGD; Adam amplifies the float32 rounding of the
+    head's norm to 1.2e-4 here); each device holds 256 of the 1024 rows
+    and bias entries."""
+    plan = tfpar.plan(bert_masked_lm, 16, cluster=A100, check=False,
+                      sequence_length=SEQ)
+    candidate = next(c for c in plan.candidates
+                     if c.axes == {"data": 2, "pipe": 1, "model": 4}
+                     and not (c.fsdp or c.recompute or c.sequence_parallel))
+    assert candidate.vocab_parallel
+    applied = measure.candidate_plan(candidate, bert_masked_lm, 16)
+    rules = dict(applied.rules.items())
+    assert isinstance(rules["token_embedding"], tfpar.VocabParallel)
+    assert rules["mlm_head/output_bias"] == ("model",)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 1024, (32, SEQ)).astype("int32"),
+         "segment_ids": np.zeros((32, SEQ), "int32"),
+         "padding_mask": np.ones((32, SEQ), bool),
+         "mask_positions": rng.integers(0, SEQ, (32, 4)).astype("int32")}
+    y = rng.integers(0, 1024, (32, 4))
+    keras.utils.set_random_seed(0)
+    weights = bert_masked_lm().get_weights()
+
+    def fit(model):
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        losses = models.BatchLosses()
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0,
+                  callbacks=[losses])
+        return losses.losses, {w.path: np.asarray(w) for w in model.weights}
+
+    want = fit(bert_masked_lm())
+    with applied.strategy().scope():
+        model = applied.apply(bert_masked_lm())
+    trained.assert_same(want, fit(model))
+    for weight, shape in ((model.backbone.token_embedding.embeddings,
+                           (256, 64)),
+                          (model.get_layer("mlm_head").weights[0], (256,))):
+        blocks = dtensor.unpack(weight.value.read_value())
+        assert {tuple(b.shape) for b in blocks} == {shape}, weight.path
 
 
 # A described 8-device host: the α-β cost path (no roofline).

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfpar import _compat
 from tfpar import keras_graph
 from tfpar import parallel_dims
+from tfpar import vocab_parallel as vocab_parallel_lib
 from tfpar.layout import LayoutRules
 from tfpar.weightless import build_without_weights
 from tfpar.styles import (ColumnParallel, RowParallel, SequenceParallel,
@@ -99,7 +100,10 @@ def auto_rules(model, axis=None, axis_size=None, mesh=None,
       (`VocabParallel`): a Dense/EinsumDense head by its kernel's columns;
       an embedding whose reverse projection makes the logits (keras-hub's
       ReversibleEmbedding) by vocabulary, its `reverse_embeddings` if
-      untied (the lookup table stays split by hidden), else its table.
+      untied (the lookup table stays split by hidden), else its table; a
+      head projecting onto the token embedding it holds (keras-hub's
+      MaskedLMHead, `vocab_parallel.reverse_head_biases`): that table by
+      vocabulary and the head's (vocab,) bias with it (a raw spec).
       Each device then computes logits (batch, sequence, vocab/k), and
       DTensor's expansion of `SparseSoftmaxCrossEntropyWithLogits` (what
       Keras' `SparseCategoricalCrossentropy(from_logits=True)` runs) keeps
@@ -447,9 +451,18 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole,
     parallelism) or whole, output heads split over the vocabulary (with
     `vocab_parallel`) or whole, anything else whole with the reason."""
     axis = column.axis
-    if vocab_parallel and id(layer) in flow.heads and (
-            _is_projection(layer) or _embedding_table(layer) is not None):
+    head = vocab_parallel and id(layer) in flow.heads
+    if head and (_is_projection(layer) or _embedding_table(layer) is not None):
         plan[layer.path] = _vocab_split(layer, column, axis_size)
+    elif head and vocab_parallel_lib.reverse_head_biases(layer):
+        # A head projecting onto the token embedding it holds (keras-hub's
+        # MaskedLMHead): the table split by vocabulary, the logits' biases
+        # too (raw specs: the head's sublayers, before the projection,
+        # stay whole).
+        table_layer = layer.token_embedding
+        plan[table_layer.path] = _vocab_split(table_layer, column, axis_size)
+        for bias in vocab_parallel_lib.reverse_head_biases(layer):
+            plan[bias.path] = (axis,)
     elif isinstance(layer, keras.layers.MultiHeadAttention):
         _check_divides(layer, layer.num_heads, axis, axis_size, "num_heads")
         plan[layer.path] = column

@@ -185,6 +185,26 @@ def takes_vocab_parallel_lookups(layer):
             and getattr(layer, "quantization_mode", None) is None)
 
 
+def reverse_head_biases(head):
+    """The logits' biases of a head that projects onto a token embedding
+    it holds (`head.token_embedding`, keras-hub's MaskedLMHead: that
+    table's reverse call, then the head's own (vocab,) bias), or None for
+    any other layer: every weight the head owns itself (not through its
+    sublayers) must be such a bias. `auto_rules(vocab_parallel=True)`
+    splits the table and these biases over the vocabulary; the planner
+    costs them so."""
+    table_layer = getattr(head, "token_embedding", None)
+    table = getattr(table_layer, "embeddings", None)
+    if table is None or len(table.shape) != 2:
+        return None
+    inner = {id(w) for sub in _compat.all_layers(head, include_self=False)
+             for w in sub.weights}
+    own = [w for w in head.weights if id(w) not in inner]
+    if not own or any(tuple(w.shape) != (table.shape[0],) for w in own):
+        return None
+    return own
+
+
 def embedding_lookup(layer, ids, mesh_axis):
     """`layer(ids)` for a tied ReversibleEmbedding whose table is split by
     rows over `mesh_axis` (`takes_vocab_parallel_lookups`), its rows read

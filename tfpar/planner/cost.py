@@ -455,9 +455,16 @@ def _vocab_head(profile, model, t, vocab_parallel):
 def _whole_head_rules(profile, rules):
     """`rules` (auto_rules' with vocab_parallel=True) as auto_rules plans
     them without it: a `VocabParallel` embedding split by hidden
-    (`ColumnParallel`), a `VocabParallel` Dense head left whole."""
+    (`ColumnParallel`), a `VocabParallel` Dense head and the logits' bias
+    of a head holding its token embedding
+    (`vocab_parallel.reverse_head_biases`) left whole."""
     whole = {}
     for pattern, style in rules.items():
+        path = re.sub(r"\\(.)", r"\1", pattern)
+        if not callable(getattr(style, "spec_for", None)) and "/" in path:
+            head = layer_for(profile, re.escape(path.rsplit("/", 1)[0]))
+            if head is not None and vocab_parallel.reverse_head_biases(head):
+                continue  # a MaskedLMHead's logits bias: whole
         if isinstance(style, tp.VocabParallel):
             layer = layer_for(profile, pattern)
             if getattr(layer, "embeddings", None) is None:
@@ -474,6 +481,12 @@ def _spec(rules, exact, weight):
     if exact is None:
         return rules.spec_for(weight.path, weight.shape,
                               layer=_LayerShape(weight.owner))
+    # A raw spec over the model axis (auto_rules': a MaskedLMHead's logits
+    # bias; expert banks, over the expert axis, are costed by split_axes).
+    raw = exact.get(weight.path)
+    if (raw is not None and not callable(getattr(raw, "spec_for", None))
+            and set(raw) <= {None, "model"}):
+        return tuple(raw)
     parts = weight.path.split("/")
     for cut in range(len(parts) - 1, 0, -1):
         style = exact.get("/".join(parts[:cut]))
@@ -614,8 +627,8 @@ def layer_for(profile, pattern):
         return layer
     regex = re.compile(pattern)
     for path, candidate in profile.layers_by_path.items():
-        if regex.fullmatch(path):
-            return candidate
+        if path is not None and regex.fullmatch(path):  # (a layer no model
+            return candidate                            # has built: None)
     return None
 
 

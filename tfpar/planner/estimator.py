@@ -90,9 +90,9 @@ def estimate(model, global_batch_size, *, cluster, axes,
             the logits). None: as `tfpar.plan` lays it out — split when the
             model axis t > 1 divides the vocabulary, without sequence
             parallelism, and auto_rules splits the head (a Dense or
-            EinsumDense head, keras-hub's ReversibleEmbedding; not a
-            projection onto the table written in a layer of the user's,
-            nor keras-hub's MaskedLMHead: `planner.head_rules`), else
+            EinsumDense head, keras-hub's ReversibleEmbedding and
+            MaskedLMHead; not a projection onto the table written in a
+            layer of the user's: `planner.head_rules`), else
             whole (an embedding head split over the hidden dimension, its
             partial logits all-reduced; a Dense head replicated), and
             costed so.
@@ -279,9 +279,9 @@ def _head(transformer, t, sequence_parallel, vocab_parallel,
             "vocabulary as tfpar.auto_rules(vocab_parallel=True) lays it "
             "out, and auto_rules does not split this model's head (it "
             "splits Dense and EinsumDense heads and keras-hub's "
-            "ReversibleEmbedding; a projection onto the table written in "
-            "a layer of its own, or keras-hub's MaskedLMHead, stays "
-            "whole). Received: vocab_parallel=True. Pass "
+            "ReversibleEmbedding and MaskedLMHead; a projection onto the "
+            "table written in a layer of the user's stays whole). "
+            "Received: vocab_parallel=True. Pass "
             "vocab_parallel=None (the head costed whole, as tfpar runs it).")
     allowed = allowed and plans_split_head
     if vocab_parallel and t > 1 and not allowed:

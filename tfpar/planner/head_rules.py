@@ -6,10 +6,10 @@ A head is split when the model has one (`transformer.vocab_head`), the
 model axis t divides its vocabulary without sequence parallelism
 (`transformer.vocab_parallel`), and `tfpar.auto_rules(vocab_parallel=True)`
 gives it a `VocabParallel` rule on a layer holding the vocabulary: a Dense
-or EinsumDense head, keras-hub's `ReversibleEmbedding`. A head auto_rules
-does not split — a tied projection written by hand in a layer of the
-user's, keras-hub's `MaskedLMHead` calling the token embedding in reverse —
-stays whole (its table split by hidden, the partial logits all-reduced).
+or EinsumDense head, keras-hub's `ReversibleEmbedding`, keras-hub's
+`MaskedLMHead` (the table it holds). A head auto_rules does not split — a
+tied projection written by hand in a layer of the user's — stays whole
+(its table split by hidden, the partial logits all-reduced).
 
 >>> import keras_hub, tfpar
 >>> from tfpar.planner import head_rules, profile

@@ -452,16 +452,17 @@ def _plan_unpaired(layer, flow, column, axis_size, plan, whole,
     `vocab_parallel`) or whole, anything else whole with the reason."""
     axis = column.axis
     head = vocab_parallel and id(layer) in flow.heads
+    biases = head and vocab_parallel_lib.reverse_head_biases(layer)
     if head and (_is_projection(layer) or _embedding_table(layer) is not None):
         plan[layer.path] = _vocab_split(layer, column, axis_size)
-    elif head and vocab_parallel_lib.reverse_head_biases(layer):
+    elif biases:
         # A head projecting onto the token embedding it holds (keras-hub's
         # MaskedLMHead): the table split by vocabulary, the logits' biases
         # too (raw specs: the head's sublayers, before the projection,
         # stay whole).
         table_layer = layer.token_embedding
         plan[table_layer.path] = _vocab_split(table_layer, column, axis_size)
-        for bias in vocab_parallel_lib.reverse_head_biases(layer):
+        for bias in biases:
             plan[bias.path] = (axis,)
     elif isinstance(layer, keras.layers.MultiHeadAttention):
         _check_divides(layer, layer.num_heads, axis, axis_size, "num_heads")

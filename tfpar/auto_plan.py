@@ -341,7 +341,7 @@ def _expert_bank_weights(layer):
     `num_experts` attribute, every own weight of rank >= 2 leading with
     that many experts, one of rank 3: `[experts, in, out]`), else []."""
     experts = getattr(layer, "num_experts", None)
-    own = _own_weights(layer)
+    own = keras_graph.own_weights(layer)
     if (not isinstance(experts, int) or isinstance(experts, bool)
             or not own or not any(len(w.shape) == 3 for w in own)
             or any(len(w.shape) < 2 or w.shape[0] != experts for w in own)):
@@ -386,13 +386,6 @@ def _routers(units, planned):
     return {layer.path for layer in units
             if _is_projection(layer) and layer.path not in planned
             and any(layer.path.startswith(b) for b in blocks)}
-
-
-def _own_weights(layer):
-    """The weights `layer` owns itself (not through sublayers)."""
-    inner = {id(w) for sub in _compat.all_layers(layer, include_self=False)
-             for w in sub.weights}
-    return [w for w in layer.weights if id(w) not in inner]
 
 
 def _plan_attention(projection, sources, heads, made, column, row,

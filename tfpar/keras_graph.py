@@ -70,6 +70,13 @@ def owning_layers(model):
     return owners
 
 
+def own_weights(layer):
+    """The weights `layer` owns itself (not through sublayers)."""
+    inner = {id(w) for sub in _compat.all_layers(layer, include_self=False)
+             for w in sub.weights}
+    return [w for w in layer.weights if id(w) not in inner]
+
+
 def _nested_ids(layer, memo):
     """ids of the layers nested in `layer` (memoised in `memo`)."""
     if id(layer) not in memo:

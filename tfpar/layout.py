@@ -111,7 +111,7 @@ class LayoutRules:
         """{axis name: first rule naming it} over all specs and styles."""
         axes = {}
         for pattern, _, spec in self._rules:
-            for axis in (spec.axes() if _is_style(spec) else spec):
+            for axis in (spec.axes() if is_style(spec) else spec):
                 if axis is not None:
                     axes.setdefault(axis, pattern)
         return axes
@@ -134,7 +134,7 @@ class LayoutRules:
             return lora
         hits = []
         for pattern, regex, spec in self._rules:
-            if _is_style(spec):
+            if is_style(spec):
                 match = layer_prefix_match(regex, path)
                 if match is not None:
                     hits.append((pattern, (spec, match[1])))
@@ -150,7 +150,7 @@ class LayoutRules:
             )
         pattern, spec = hits[0]
         self._matched.add(pattern)
-        if isinstance(spec, tuple) and len(spec) == 2 and _is_style(spec[0]):
+        if isinstance(spec, tuple) and len(spec) == 2 and is_style(spec[0]):
             style, role = spec
             spec = style.spec_for(layer, role, tuple(shape))
         if len(spec) != len(shape):
@@ -171,7 +171,7 @@ class LayoutRules:
             return None
         kernel = getattr(layer, "_kernel", None)
         if kernel is None or any(
-                not _is_style(spec) and regex.fullmatch(path)
+                not is_style(spec) and regex.fullmatch(path)
                 for _, regex, spec in self._rules):
             return None
         kernel_shape, shape = tuple(kernel.shape), tuple(shape)
@@ -193,7 +193,7 @@ class LayoutRules:
         """
         for pattern, regex, spec in self._rules:
             if (layer_prefix_match(regex, path) is not None
-                    if _is_style(spec) else regex.fullmatch(path)):
+                    if is_style(spec) else regex.fullmatch(path)):
                 return pattern
         return None
 
@@ -247,7 +247,7 @@ def lora_factor_spec(name, kernel_spec):
     return (None, kernel_spec[-1])
 
 
-def _is_style(spec):
+def is_style(spec):
     return callable(getattr(spec, "spec_for", None))
 
 
@@ -266,7 +266,7 @@ def layer_prefix_match(regex, path):
 
 
 def _check_spec(pattern, spec):
-    if _is_style(spec):
+    if is_style(spec):
         return spec
     if isinstance(spec, list):
         spec = tuple(spec)

@@ -42,6 +42,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import _compat
+from tfpar import keras_graph
 from tfpar import step_context
 from tfpar.step_context import in_spmd_step
 
@@ -197,9 +198,7 @@ def reverse_head_biases(head):
     table = getattr(table_layer, "embeddings", None)
     if table is None or len(table.shape) != 2:
         return None
-    inner = {id(w) for sub in _compat.all_layers(head, include_self=False)
-             for w in sub.weights}
-    own = [w for w in head.weights if id(w) not in inner]
+    own = keras_graph.own_weights(head)
     if not own or any(tuple(w.shape) != (table.shape[0],) for w in own):
         return None
     return own

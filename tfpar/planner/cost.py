@@ -460,9 +460,9 @@ def _whole_head_rules(profile, rules):
     (`vocab_parallel.reverse_head_biases`) left whole."""
     whole = {}
     for pattern, style in rules.items():
-        path = re.sub(r"\\(.)", r"\1", pattern)
-        if not callable(getattr(style, "spec_for", None)) and "/" in path:
-            head = layer_for(profile, re.escape(path.rsplit("/", 1)[0]))
+        path = _unescaped(pattern)
+        if not layout_lib.is_style(style) and "/" in path:
+            head = profile.layers_by_path.get(path.rsplit("/", 1)[0])
             if head is not None and vocab_parallel.reverse_head_biases(head):
                 continue  # a MaskedLMHead's logits bias: whole
         if isinstance(style, tp.VocabParallel):
@@ -484,7 +484,7 @@ def _spec(rules, exact, weight):
     # A raw spec over the model axis (auto_rules': a MaskedLMHead's logits
     # bias; expert banks, over the expert axis, are costed by split_axes).
     raw = exact.get(weight.path)
-    if (raw is not None and not callable(getattr(raw, "spec_for", None))
+    if (raw is not None and not layout_lib.is_style(raw)
             and set(raw) <= {None, "model"}):
         return tuple(raw)
     parts = weight.path.split("/")
@@ -502,8 +502,8 @@ def _rule_lookup(rules):
     hand-written regexes are matched one by one)."""
     fresh = (layout_lib.LayoutRules(dict(rules.items()))
              if rules is not None else None)
-    exact = {re.sub(r"\\(.)", r"\1", p): s for p, s in rules.items()
-             if re.escape(re.sub(r"\\(.)", r"\1", p)) == p} if rules else {}
+    exact = {_unescaped(p): s for p, s in rules.items()
+             if re.escape(_unescaped(p)) == p} if rules else {}
     if fresh is not None and len(exact) < len(fresh):
         exact = None
     return fresh, exact
@@ -619,10 +619,16 @@ def block_shape_full(block, spec, t):
     return tuple(b * t if axis == "model" else b for b, axis in zip(block, spec))
 
 
+def _unescaped(pattern):
+    """`pattern` with its escapes removed (auto_rules' patterns are
+    `re.escape`d layer or weight paths)."""
+    return re.sub(r"\\(.)", r"\1", pattern)
+
+
 def layer_for(profile, pattern):
     """The layer of `profile` a rule's `pattern` (an escaped path or a
     regex) names, or None."""
-    layer = profile.layers_by_path.get(re.sub(r"\\(.)", r"\1", pattern))
+    layer = profile.layers_by_path.get(_unescaped(pattern))
     if layer is not None:
         return layer
     regex = re.compile(pattern)

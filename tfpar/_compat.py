@@ -367,6 +367,34 @@ def optimizer_strategy(optimizer):
     return getattr(optimizer, "_distribution_strategy", None)
 
 
+def weight_decay_exclusions(optimizer):
+    """What `optimizer.exclude_from_weight_decay` set, which Keras keeps on
+    the instance and not in its config: (the excluded variables' keys, as
+    `optimizer._var_key` gives them; the compiled name pattern or None)."""
+    return (set(getattr(optimizer, "_exclude_from_weight_decay", ()) or ()),
+            getattr(optimizer, "_exclude_from_weight_decay_pattern", None))
+
+
+def set_weight_decay_exclusions(optimizer, keys, pattern):
+    """Sets what `weight_decay_exclusions` reads (Keras' setter refuses a
+    built optimizer and takes variables, not keys), emptying the cache of
+    the answers Keras gave from the previous exclusions."""
+    optimizer._exclude_from_weight_decay = set(keys)
+    optimizer._exclude_from_weight_decay_pattern = pattern
+    optimizer._exclude_from_weight_decay_cache = {}
+
+
+def optimizer_variable_key(optimizer, variable):
+    """The key a Keras optimizer files `variable` under (its slots, its
+    weight-decay exclusions)."""
+    return optimizer._var_key(variable)
+
+
+def built_variables(optimizer):
+    """The variables a built Keras optimizer was built for, in order."""
+    return list(optimizer._trainable_variables)
+
+
 def optimizer_learning_rate_variable(optimizer):
     """The variable holding a Keras optimizer's learning rate, or None when
     it is a schedule (computed from `iterations`)."""

@@ -32,6 +32,7 @@ from tfpar import context_parallel
 from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import offload
+from tfpar import optimizer_copies
 from tfpar import patches
 from tfpar import placement
 from tfpar import recompute
@@ -491,7 +492,8 @@ def adopt_optimizer(model, strategy):
     built outside `strategy.scope()` therefore cannot train under it (Keras
     fails with "Mixing different tf.distribute.Strategy objects"). While it
     has no slots yet, an equal optimizer is rebuilt from its config under the
-    scope and becomes `model.optimizer`.
+    scope (with its weight-decay exclusions, which the config does not
+    hold: `optimizer_copies.copy_optimizer`) and becomes `model.optimizer`.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or _compat.optimizer_strategy(optimizer) in (
@@ -505,9 +507,8 @@ def adopt_optimizer(model, strategy):
             "it inside `with strategy.scope():` or pass its name to compile()."
         )
     try:
-        config = optimizer.get_config()
         with strategy.scope():
-            model.optimizer = type(optimizer).from_config(config)
+            model.optimizer = optimizer_copies.copy_optimizer(optimizer)
     except Exception as error:  # noqa: BLE001 (any failure: explain how to fix)
         raise ValueError(
             f"The optimizer {optimizer.name!r} was created outside the "

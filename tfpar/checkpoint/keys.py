@@ -2,10 +2,13 @@
 
 Keys are stable across meshes, optimizer names and rebuilds (see
 `tfpar.checkpoint`): a weight's path, "<weight path>:<slot>" for an
-optimizer slot, the name of any other optimizer variable. A
+optimizer slot, the name of any other optimizer variable (of a
+MultiOptimizer's i-th sub-optimizer: "optimizers/<i>/<name>"). A
 `tfpar.PipelineModel` (a `training.StagedModel`) saves the slots of every
 stage's optimizer under the same keys as the plain model's.
 """
+
+import keras
 
 from tfpar import training
 
@@ -29,8 +32,11 @@ def entries(model, optimizer):
         # The slots of tied weights' copies mirror the weights' own.
         mirrors = {id(v) for v in model.tied_copy_state()} if staged else ()
         for stage_opt in (model.stage_optimizers if staged else None) or [opt]:
+            delegated = _delegated_prefixes(stage_opt)
             for variable in stage_opt.variables:
                 key = _optimizer_key(variable, trainable)
+                if ":" not in key:
+                    key = delegated.get(id(variable), "") + key
                 if id(variable) in mirrors:
                     continue
                 if stage_opt is opt or ":" in key:
@@ -45,6 +51,17 @@ def entries(model, optimizer):
             f"Variables of model {model.name!r} share the checkpoint key(s) "
             f"{duplicates}. Give the layers unique names.")
     return entries
+
+
+def _delegated_prefixes(optimizer):
+    """{id(variable): "optimizers/<i>/"} for the variables of a
+    MultiOptimizer's i-th sub-optimizer, whose counters and learning rates
+    share their names with the MultiOptimizer's own and each other's."""
+    if not isinstance(optimizer, keras.optimizers.MultiOptimizer):
+        return {}
+    return {id(variable): f"optimizers/{i}/"
+            for i, inner in enumerate(optimizer.optimizers)
+            for variable in inner.variables}
 
 
 def _optimizer_key(variable, trainable):

@@ -19,6 +19,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import layout as layout_lib
+from tfpar import optimizer_copies
 from tfpar import placement as placement_lib
 from tfpar.mesh import Mesh, short_device_name
 from tfpar.offload import master as offload_master
@@ -193,8 +194,10 @@ class Offload:
         self._master = strategy.dims.offload == offload_master.OPTION
         self._build = self.optimizer.build
         self._apply = self.optimizer.apply
+        self._finalize = self.optimizer.finalize_variable_values
         self.optimizer.build = self.build
         self.optimizer.apply = self.apply
+        self.optimizer.finalize_variable_values = self.finalize
         for variable in self.optimizer.variables:  # iterations, rate
             self._registry.move_to(variable, self.mesh)
         self._update = tf.function(self._host_update)
@@ -235,9 +238,13 @@ class Offload:
         """`optimizer.build` over the host copies of `variables`: the
         slots are made on the host mesh, each laid out like its weight;
         state made apart from a weight (Nadam's `u_product`, Adafactor's
-        row and column factors: made on the devices) moves there too."""
+        row and column factors: made on the devices) moves there too. A
+        weight excluded from weight decay has its copy excluded."""
         with self._strategy.scope():
-            self._build([self.mirror(v) for v in variables])
+            copies = [self.mirror(v) for v in variables]
+            optimizer_copies.exclude_stand_ins(
+                self.optimizer, list(zip(variables, copies)))
+            self._build(copies)
         for variable in self.optimizer.variables:
             self._registry.move_to(variable, self.mesh)
         if self._loss_scale is not None:
@@ -255,6 +262,33 @@ class Offload:
             return None
         return self._apply(list(grads),
                            [self._host_copy(v) for v in trainable_variables])
+
+    def finalize(self, var_list):
+        """`optimizer.finalize_variable_values` (what `fit` ends with: an
+        EMA's averages written into the weights, a MultiOptimizer's
+        sub-optimizers each given theirs) run on the host copies of
+        `var_list`'s weights, which the optimizer was built for; each copy
+        it wrote is moved into its device weight."""
+        pairs = [self._mirrors[id(_compat.backing_variable(weight))]
+                 for weight in var_list
+                 if id(_compat.backing_variable(weight)) in self._mirrors]
+        before = [_compat.backing_variable(copy).writes for _, copy in pairs]
+        self._finalize([copy for _, copy in pairs])
+        for (weight, copy), writes in zip(pairs, before):
+            if _compat.backing_variable(copy).writes != writes:
+                self._write_back(weight,
+                                 offload_master.compute_cast(weight, copy))
+
+    def _write_back(self, weight, cast):
+        """Moves `weight`'s host copy into the device weight block by
+        block (a ComputeCopy: `cast`, the copy in its compute dtype)."""
+        backing = _compat.backing_variable(weight)
+        if cast is not None:
+            backing.sync(cast)
+        else:
+            backing.assign(move_blocks(
+                self.mirror(weight).value.read_value(), _layout_of(backing)))
+        self._seen[id(backing)] = backing.writes
 
     def _host_copy(self, variable):
         """`variable` if it is a host copy already, else its `mirror`."""
@@ -348,14 +382,7 @@ class Offload:
             self._loss_scale.refresh()
         for weight, grad, cast in zip(self.weights, grads, casts):
             if grad is not None:
-                backing = _compat.backing_variable(weight)
-                if cast is not None:  # a ComputeCopy: the host's cast moved
-                    backing.sync(cast)
-                else:
-                    backing.assign(move_blocks(
-                        self.mirror(weight).value.read_value(),
-                        _layout_of(backing)))
-                self._seen[id(backing)] = backing.writes
+                self._write_back(weight, cast)
 
     def _host_update(self, grads):
         """The compiled update on the host mesh: `optimizer.apply` to the

@@ -60,6 +60,7 @@ import tensorflow as tf
 from tfpar import _compat
 from tfpar import layout as layout_lib
 from tfpar import mesh as mesh_lib
+from tfpar import optimizer_copies
 from tfpar import placement
 from tfpar import styles
 from tfpar import training
@@ -338,10 +339,11 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
         # their counters on the first stage: the last stage updates them.
         state = list(self.metrics_variables)
         if self.optimizer is not None:
-            state.append(self.optimizer.iterations)
-            rate = _compat.optimizer_learning_rate_variable(self.optimizer)
-            if rate is not None:
-                state.append(rate)
+            for optimizer in optimizer_copies.with_delegates(self.optimizer):
+                state.append(optimizer.iterations)
+                rate = _compat.optimizer_learning_rate_variable(optimizer)
+                if rate is not None:
+                    state.append(rate)
         for variable in state:
             if self._extended.registry.owns(variable):
                 self._extended.registry.move_to(variable, last)
@@ -380,37 +382,27 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
                 copies = []
                 for s, mesh in enumerate(meshes[:-1]):
                     with self._extended.registry.placing_on(mesh):
-                        copy = type(optimizer).from_config(
-                            optimizer.get_config())
+                        copy = optimizer_copies.copy_optimizer(optimizer)
                     _build_optimizer(self, copy, self._parts[s])
                     copies.append(copy)
             self._optimizers = copies + [optimizer]
             for part, part_optimizer in zip(self._parts, self._optimizers):
                 part.optimizer = part_optimizer
+            _finalize_by_part(optimizer, self._parts, self._optimizers)
             self._learning_rate = None
             self.sync_stage_optimizers(iterations=True)
         return list(self._optimizers)
 
     def sync_stage_optimizers(self, iterations=False):
-        """Copies `self.optimizer`'s learning rate (a callback may have
-        changed it) and, with `iterations=True` (e.g. after restoring a
-        checkpoint), its step counter into the other stages' optimizers."""
+        """Copies `self.optimizer`'s learning rates (a callback may have
+        changed them; its delegates' too) and, with `iterations=True` (e.g.
+        after restoring a checkpoint), its step counters into the other
+        stages' optimizers."""
         optimizers = self.stage_optimizers  # creates them on first use
         if len(optimizers) < 2:
             return  # no optimizer, or a single stage
-        main, copies = optimizers[-1], optimizers[:-1]
-        rate = _compat.optimizer_learning_rate_variable(main)
-        if rate is not None:
-            value = float(rate.numpy())
-            if value != self._learning_rate:
-                for copy in copies:
-                    _compat.optimizer_learning_rate_variable(copy).assign(
-                        value)
-                self._learning_rate = value
-        if iterations:
-            step = int(main.iterations.numpy())
-            for copy in copies:
-                copy.iterations.assign(step)
+        self._learning_rate = optimizer_copies.keep_in_step(
+            optimizers[-1], optimizers[:-1], self._learning_rate, iterations)
 
     def fit(self, *args, **kwargs):
         self.microbatching.expect_full_batch()
@@ -446,6 +438,22 @@ def _build_optimizer(pipeline, optimizer, part):
     extended.place_optimizer_state(optimizer, part.mesh)
     with extended.registry.placing_on(part.mesh):
         optimizer.build(part.updated)
+
+
+def _finalize_by_part(main, parts, optimizers):
+    """Keras' `fit` ends with `model.optimizer.finalize_variable_values(
+    model.trainable_weights)` (an EMA's averages written into the weights,
+    a MultiOptimizer's sub-optimizers each given theirs), but each stage's
+    optimizer holds the state of its part's weights only: `main`'s call
+    runs every part's optimizer over the weights it was built for."""
+    finalizers = [(optimizer.finalize_variable_values, part)
+                  for part, optimizer in zip(parts, optimizers)]
+
+    def finalize_by_part(var_list):  # noqa: ARG001 (each part's own instead)
+        for finalize, part in finalizers:
+            finalize(part.updated)
+
+    main.finalize_variable_values = finalize_by_part
 
 
 def _check_can_generate(wrapped):

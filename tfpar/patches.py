@@ -23,7 +23,9 @@ model under one (None: Keras' own); `eager_call(strategy, call, model,
 args, kwargs)`; `strategy_of_layer(layer)`; `adopt_optimizer(model,
 strategy)`; `in_graph_step()`, whether a graph is traced under a tfpar
 strategy; `warn_if_never_entered(model)`, called when a model of no tfpar
-strategy starts training. Nothing here imports the strategy.
+strategy starts training; `ema_optimizers(model)`, the optimizers holding
+its moving averages (Keras' `SwapEMAWeights`). Nothing here imports the
+strategy.
 """
 
 import functools
@@ -257,8 +259,35 @@ _HOST_GRADIENT_PATCHES = (_compat.Patch(
     "apply", _host_gradients_placed),)
 
 
+def _every_ema_swapped(original, hooks):
+    """Keras' `SwapEMAWeights` swaps the weights with the moving averages
+    of `model.optimizer` alone; under a ParallelStrategy they also live in
+    each pipeline stage's optimizer, and an offloaded optimizer's beside
+    its host copies of the weights: it swaps each optimizer
+    `hooks.ema_optimizers(model)` lists and moves what the swap wrote to
+    the devices (Keras' own, with its errors, for the others)."""
+
+    @functools.wraps(original)
+    def apply_to_ema_optimizers(self, tf_fn, backend_fn):
+        found = hooks.ema_optimizers(self.model)
+        if not found:
+            return original(self, tf_fn, backend_fn)
+        for optimizer, written in found:
+            tf_fn(optimizer)
+            written()
+        return None
+
+    return apply_to_ema_optimizers
+
+
+_EMA_PATCHES = (_compat.Patch(
+    "swap_ema_weights",
+    lambda: _compat.keras_module("callbacks.swap_ema_weights").SwapEMAWeights,
+    "_apply_to_ema_optimizers", _every_ema_swapped),)
+
+
 def install(hooks):
-    """Installs the strategy's patches (routing, host gradients,
+    """Installs the strategy's patches (routing, host gradients, EMA swaps,
     `spmd_patches.PATCHES`, `spmd_image_patches.PATCHES`,
     `compile_errors.PATCHES`,
     `variable_creation.VARIABLE_CREATION_PATCHES`,
@@ -269,7 +298,8 @@ def install(hooks):
     own, also installed by `dispatch_experts` without a strategy); once per
     process."""
     _compat.install_group("strategy", (
-        *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *spmd_patches.PATCHES,
+        *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *_EMA_PATCHES,
+        *spmd_patches.PATCHES,
         *spmd_image_patches.PATCHES, *compile_errors.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,
         *context_parallel.PATCHES, *context_keras_hub.PATCHES,

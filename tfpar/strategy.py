@@ -526,6 +526,31 @@ def _adopt_and_offload(model, strategy):
             getattr(model, "optimizer", None))
 
 
+def ema_optimizers(model):
+    """[(optimizer, written)]: the optimizers with moving averages of
+    `model`'s weights (`use_ema=True`), for Keras' `SwapEMAWeights`
+    (`patches`), each with what moves a swap's writes to the devices:
+    every stage's optimizer of a pipeline and the optimizers each
+    delegates to; an offloaded one swaps host copies of the weights, which
+    `Offload.write_back_all` then writes into them. None for a model of no
+    ParallelStrategy (Keras' own swap)."""
+    if not isinstance(strategy_of_layer(model), ParallelStrategy):
+        return None
+    staged = isinstance(model, training.StagedModel)
+    found = []
+    for optimizer in model.stage_optimizers if staged else [model.optimizer]:
+        host = offload.offload_of(optimizer)
+        written = host.write_back_all if host is not None else _nothing
+        found.extend((inner, written)
+                     for inner in optimizer_copies.with_delegates(optimizer)
+                     if getattr(inner, "use_ema", False))
+    return found
+
+
+def _nothing():
+    """What follows a swap of weights on the devices themselves."""
+
+
 # Strategies with rules whose scope was never entered: a model trained
 # outside them ignores their rules (`warn_if_never_entered`).
 _NEVER_ENTERED = weakref.WeakSet()
@@ -587,6 +612,7 @@ def compat_hooks():
             tf.distribute.get_strategy()),
         strategy_of_layer=strategy_of_layer,
         adopt_optimizer=_adopt_and_offload,
+        ema_optimizers=ema_optimizers,
         warn_if_never_entered=warn_if_never_entered,
         place_host_gradients=place_host_gradients)
 

@@ -89,7 +89,8 @@ Example (8 virtual CPUs: the mesh on CPU:0-3, the "host" CPU:4-7):
 """
 
 from tfpar.offload.host import (  # noqa: F401 (the package's names)
-    DeviceLossScale, Offload, attach, host_mesh, move_alike, move_blocks)
+    DeviceLossScale, Offload, attach, host_mesh, move_alike, move_blocks,
+    offload_of)
 from tfpar.offload.runners import (  # noqa: F401
     OffloadCrossHostRunner, OffloadPipelineRunner, OffloadRunner,
     part_offloads, run_and_update)

@@ -84,7 +84,7 @@ def attach(optimizer, strategy, mesh=None):
     `Offload` (None for no optimizer)."""
     if optimizer is None:
         return None
-    existing = getattr(optimizer, "_tfpar_offload", None)
+    existing = offload_of(optimizer)
     if existing is not None:
         return existing
     _check_optimizer(optimizer)
@@ -93,6 +93,11 @@ def attach(optimizer, strategy, mesh=None):
     offload = Offload(optimizer, strategy, host_mesh(strategy.dims, mesh))
     optimizer._tfpar_offload = offload  # noqa: SLF001 (tfpar's own)
     return offload
+
+
+def offload_of(optimizer):
+    """The `Offload` `attach` gave `optimizer`, or None (not offloaded)."""
+    return getattr(optimizer, "_tfpar_offload", None)
 
 
 def _check_optimizer(optimizer):
@@ -278,6 +283,13 @@ class Offload:
             if _compat.backing_variable(copy).writes != writes:
                 self._write_back(weight,
                                  offload_master.compute_cast(weight, copy))
+
+    def write_back_all(self):
+        """Moves every host copy into its device weight: after something
+        other than the host update wrote the copies (Keras'
+        `SwapEMAWeights` swapping them with the moving averages)."""
+        for weight, copy in list(self._mirrors.values()):
+            self._write_back(weight, offload_master.compute_cast(weight, copy))
 
     def _write_back(self, weight, cast):
         """Moves `weight`'s host copy into the device weight block by

@@ -89,7 +89,7 @@ class OffloadPipelineRunner(pipeline_runner.PipelineRunner):
 
 def part_offloads(pipeline):
     """Each part's optimizer's `Offload` (building them on first use)."""
-    return [optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+    return [host.offload_of(optimizer)
             for optimizer in pipeline.stage_optimizers]
 
 
@@ -131,7 +131,7 @@ class OffloadCrossHostRunner(cross_host.CrossHostRunner):
     def _offload_body(self, part, training, sums, factor):
         """Traced: the part's optimizer call records its gradients (the
         `Offload` captures it), which the function returns."""
-        offload = part.optimizer._tfpar_offload  # noqa: SLF001 (tfpar's own)
+        offload = host.offload_of(part.optimizer)
         with offload.capturing() as captured:
             self._apply_body(part, training, sums, factor)
         return offload.step_gradients(captured)

@@ -9,8 +9,8 @@ on the instance only, so a plain `from_config` copy decays the weights the
 user excluded (AdamW's norms and biases, typically) and trains differently
 from one device without a word. `copy_optimizer` carries those exclusions
 over, into a `LossScaleOptimizer`'s inner optimizer and a
-`MultiOptimizer`'s sub-optimizers too; `exclude_stand_ins` extends them to
-the variables an optimizer updates in a weight's place (offload's host
+`MultiOptimizer`'s sub-optimizers too; `stand_in_exclusions` extends them
+to the variables an optimizer updates in a weight's place (offload's host
 copies, `tfpar.offload.host.Offload.mirror`).
 
 >>> import keras
@@ -61,21 +61,31 @@ def _carry_exclusions(source, target):
         _carry_exclusions(inner, inner_copy)
 
 
-def exclude_stand_ins(optimizer, stand_ins):
-    """Makes `optimizer` (unbuilt) exclude from weight decay, for each
-    (weight, stand_in) pair of `stand_ins`, the stand-in when it excludes
-    the weight itself: the variable it will update in the weight's place.
-    (Exclusions by name need nothing: a stand-in keeps its weight's name.)"""
-    keys, pattern = _compat.weight_decay_exclusions(optimizer)
-    stand_ins = list(stand_ins)
-    if keys:
-        added = {_compat.optimizer_variable_key(optimizer, stand_in)
-                 for weight, stand_in in stand_ins
-                 if _compat.optimizer_variable_key(optimizer, weight) in keys}
-        _compat.set_weight_decay_exclusions(optimizer, keys | added, pattern)
-    for inner in sub_optimizers(optimizer):
-        exclude_stand_ins(inner, stand_ins)
+def stand_in_exclusions(optimizer, weights):
+    """Reads which of `weights` `optimizer` (unbuilt; and each optimizer
+    it delegates to) excludes from weight decay, and returns
+    `exclude(stand_ins)`, which makes it exclude the stand-in of each of
+    them (`stand_ins[i]` updated in the place of `weights[i]`). Call it
+    before the stand-ins exist: offload's "+master" gives a weight new
+    storage, and with it a new key. (Exclusions by name need nothing: a
+    stand-in keeps its weight's name.)"""
+    excluded = []
+    for inner in with_delegates(optimizer):
+        keys, _ = _compat.weight_decay_exclusions(inner)
+        excluded.append((inner, [
+            _compat.optimizer_variable_key(inner, weight) in keys
+            for weight in weights]))
 
+    def exclude(stand_ins):
+        for inner, flags in excluded:
+            keys, pattern = _compat.weight_decay_exclusions(inner)
+            added = {_compat.optimizer_variable_key(inner, stand_in)
+                     for stand_in, flag in zip(stand_ins, flags) if flag}
+            if added:
+                _compat.set_weight_decay_exclusions(inner, keys | added,
+                                                    pattern)
+
+    return exclude
 
 
 def with_delegates(optimizer):

@@ -245,10 +245,12 @@ class Offload:
         state made apart from a weight (Nadam's `u_product`, Adafactor's
         row and column factors: made on the devices) moves there too. A
         weight excluded from weight decay has its copy excluded."""
+        variables = list(variables)
+        exclude = optimizer_copies.stand_in_exclusions(self.optimizer,
+                                                       variables)
         with self._strategy.scope():
             copies = [self.mirror(v) for v in variables]
-            optimizer_copies.exclude_stand_ins(
-                self.optimizer, list(zip(variables, copies)))
+            exclude(copies)
             self._build(copies)
         for variable in self.optimizer.variables:
             self._registry.move_to(variable, self.mesh)

@@ -5,7 +5,10 @@ device, or is refused with a clear error before the first step.
 Drawn: p in {2, 4} stages (the rest of the 8 devices a data axis), m in
 {1, 2, 3, 4, 8} micro-batches, schedule gpipe / 1f1b / an unknown name,
 virtual stages 1-3, boundaries: none (balanced by parameters) or random
-layer names (possibly unsorted, repeated or unknown).
+layer names (possibly unsorted, repeated or unknown), and the model: an
+MLP, or padded token sequences whose Keras mask (`Embedding(mask_zero=
+True)`) attention reads from its inputs wherever the cuts fall (masks
+were lost at a cut until 2026-12-07).
 """
 
 import hypothesis
@@ -20,6 +23,8 @@ import models
 
 DEPTH, N, BATCH = 6, 32, 16
 NAMES = [f"dense{i}" for i in range(DEPTH)] + ["head"]
+MASKED_NAMES = ["embed", "dense0", "attend", "dense1", "dense2", "pool",
+                "head"]
 
 CASES = st.tuples(
     st.sampled_from([2, 4]),
@@ -27,7 +32,9 @@ CASES = st.tuples(
     st.sampled_from(["gpipe", "1f1b", "zigzag"]),
     st.integers(1, 3),
     st.one_of(st.none(), st.lists(
-        st.sampled_from(NAMES[1:] + ["nowhere"]), min_size=1, max_size=6)),
+        st.sampled_from(sorted(set(NAMES[1:] + MASKED_NAMES[1:]))
+                        + ["nowhere"]), min_size=1, max_size=6)),
+    st.sampled_from(["mlp", "masked"]),
 )
 
 
@@ -37,13 +44,38 @@ def mlp():
         for name in NAMES[:-1]] + [keras.layers.Dense(3, name="head")])
 
 
+def masked():
+    """Token ids (0: padding) through a mask_zero Embedding; the attention
+    (no biases: a key bias has no gradient, only float32 noise) reads the
+    mask from its inputs, the pooling from its mask argument."""
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(12, 8, mask_zero=True, name="embed")(tokens)
+    h = keras.layers.Dense(8, activation="tanh", name="dense0")(h)
+    h = keras.layers.MultiHeadAttention(2, 4, use_bias=False,
+                                        name="attend")(h, h)
+    h = keras.layers.Dense(8, activation="tanh", name="dense1")(h)
+    h = keras.layers.Dense(8, activation="tanh", name="dense2")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(tokens, keras.layers.Dense(3, name="head")(h))
+
+
+def _inputs(model_kind, rng):
+    if model_kind == "mlp":
+        return rng.normal(size=(N, 8)).astype("float32")
+    tokens = rng.randint(1, 12, size=(N, 6)).astype("int32")
+    tokens[:, 4:] = 0
+    tokens[::3, 2:] = 0
+    return tokens
+
+
 def check_pipeline(case):
-    stages, micro, schedule, virtual, boundaries = case
+    stages, micro, schedule, virtual, boundaries, model_kind = case
+    build = mlp if model_kind == "mlp" else masked
     rng = np.random.RandomState(0)
-    x = rng.normal(size=(N, 8)).astype("float32")
+    x = _inputs(model_kind, rng)
     y = rng.normal(size=(N, 3)).astype("float32")
     keras.utils.set_random_seed(0)
-    single = mlp()
+    single = build()
     weights = single.get_weights()
     want_losses, want_weights = fuzzing.train(single, x, y, weights,
                                               models.BatchLosses())
@@ -53,7 +85,7 @@ def check_pipeline(case):
             tfpar.Mesh({"pipe": stages, "data": 8 // stages}))
         with strategy.scope():
             pipe = tfpar.PipelineModel(
-                mlp(), num_microbatches=micro, schedule=schedule,
+                build(), num_microbatches=micro, schedule=schedule,
                 stage_boundaries=boundaries, virtual_stages=virtual)
         built(pipe)
         return fuzzing.train(pipe, x, y, weights, losses)
@@ -61,7 +93,7 @@ def check_pipeline(case):
     if fuzzing.parity_or_refused(build_and_train, weights, want_losses,
                                  want_weights) is None:
         return
-    hypothesis.event(f"trained in parity: {schedule}")
+    hypothesis.event(f"trained in parity: {schedule}, {model_kind}")
 
 
 test_random_pipeline_trains_in_parity_or_is_refused, \

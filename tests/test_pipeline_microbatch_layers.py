@@ -1,4 +1,5 @@
-"""Layers whose result depends on the whole batch, in a pipeline.
+"""Layers whose result depends on the whole batch, and Keras masks, in a
+pipeline.
 
 A pipeline runs each batch as m micro-batches and sums their gradients, so
 a layer that normalises by the batch's statistics (BatchNormalization in
@@ -11,13 +12,20 @@ moving statistics updated per micro-batch in order). Losses that are means
 over the batch (Keras divides activity regularisers by the batch size)
 and weight regularisers are in parity with one device on the whole batch
 (`tests/test_pipeline.py`).
+
+Keras masks (`Embedding(mask_zero=True)`) cross a stage cut with their
+tensors: MultiHeadAttention reads its inputs' masks from the values
+themselves, and attended to padding on the stage after the cut (losses 2%
+and predictions 48% off one device's, found 2026-12-07).
 """
 import keras
 import numpy as np
 import pytest
 
 import tfpar
+from tfpar.pipeline import cross_host
 
+import fuzzing
 import models
 
 M = 2  # micro-batches
@@ -77,3 +85,50 @@ def test_a_pipeline_trains_as_keras_gradient_accumulation(layer):
     # depend on the batch.
     assert max(models.relative_error(a, b)
                for a, b in zip(whole, got)) > 1e-2
+
+
+def masked_attention():
+    """tokens (0: padding) -> Embedding(mask_zero) -> Dense -> [cut] ->
+    MultiHeadAttention (the mask read from its inputs) -> masked mean."""
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(12, 8, mask_zero=True, name="embed")(tokens)
+    h = keras.layers.Dense(8, activation="tanh", name="up")(h)
+    h = keras.layers.MultiHeadAttention(2, 4, name="attend")(h, h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(tokens, keras.layers.Dense(3, name="out")(h))
+
+
+def _padded_tokens():
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 12, size=(32, 6)).astype("int32")
+    tokens[:, 4:] = 0
+    tokens[::3, 2:] = 0
+    return tokens, rng.normal(size=(32, 3)).astype("float32")
+
+
+def test_a_keras_mask_crosses_the_stage_cut():
+    """One epoch of SGD, as one device (attention's key bias, whose true
+    gradient is zero, to float32's own noise: `fuzzing.assert_parity`
+    against float64); then the predictions."""
+    keras.utils.set_random_seed(0)
+    weights = masked_attention().get_weights()
+    x, y = _padded_tokens()
+    single = masked_attention()
+    want = fuzzing.train(single, x, y, weights, models.BatchLosses(),
+                         keras.optimizers.SGD(0.1))
+    exact = fuzzing.train_in_float64(masked_attention, x, y, weights,
+                                     keras.optimizers.SGD(0.1))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(masked_attention(), num_microbatches=M,
+                                   stage_boundaries=["attend"])
+    got = fuzzing.train(pipe, x, y, weights, models.BatchLosses(),
+                        keras.optimizers.SGD(0.1))
+    fuzzing.assert_parity(want[0], got[0], want[1], got[1], exact=exact)
+    assert models.relative_error(
+        single.predict(x, batch_size=16, verbose=0),
+        pipe.predict(x, batch_size=16, verbose=0)) < 1e-4
+    # Stages on different hosts do not carry masks: refused by name.
+    with pytest.raises(ValueError, match=r"part 0 sends masked tensors .*"
+                       r"stage boundary after layer 'up'"):
+        cross_host.check_no_masks_across(pipe.parts)

@@ -208,6 +208,26 @@ def _no_loss(part, own_loss):
             "stage (stage_boundaries).")
 
 
+def check_no_masks_across(parts):
+    """Keras masks (`Embedding(mask_zero=True)` and the layers after it)
+    on the tensors one part sends the next are not carried across hosts:
+    each part's step is a function of its own, whose results carry no
+    mask, so a layer reading its input's mask on the next part
+    (MultiHeadAttention) would attend to padding. Refused before training."""
+    for part in parts[:-1]:
+        masked = [t.name for t in part.graph.outputs
+                  if _compat.keras_mask(t) is not None]
+        if masked:
+            raise ValueError(
+                "Pipeline stages on different hosts carry activations "
+                f"without their Keras masks, but part {part.index} sends "
+                f"masked tensors {masked} (a mask_zero Embedding or a "
+                "Masking layer before the cut). Received: "
+                f"a stage boundary after layer {part.graph.layer_names[-1]!r}."
+                " Cut before the masking layer or after the last layer "
+                "that reads the mask, or keep the stages on one host.")
+
+
 class CrossHostRunner(PipelineRunner):
     """The host-driven train/test/predict step of a `PipelineModel` whose
     stages live on different hosts (see module doc).
@@ -228,6 +248,7 @@ class CrossHostRunner(PipelineRunner):
                 f"on {len(pipeline.parts)} stages over "
                 f"{dtensor.num_clients()} hosts. Use record_timeline=False.")
         super().__init__(pipeline, mode)
+        check_no_masks_across(self._parts)
         self.bridge = Bridge()
         self._stage_functions = {}
 

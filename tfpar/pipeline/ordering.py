@@ -17,6 +17,8 @@ Example:
 
 import tensorflow as tf
 
+from tfpar import _compat
+
 
 def token_of(tensors, rows):
     """Zeros that depend on `tensors`. From a tensor with `rows` (micro-batch)
@@ -60,8 +62,11 @@ def after(values, token):
         if t.shape.rank:
             t = tf.reshape(t, [-1] + [1] * (v.shape.rank - 1))
         if v.dtype.is_floating or v.dtype.is_complex:
-            out.append(v + tf.cast(t, v.dtype))
+            waiting = v + tf.cast(t, v.dtype)
         else:
-            out.append(v + tf.minimum(tf.cast(tf.math.is_nan(t), v.dtype),
-                                      0))
+            waiting = v + tf.minimum(tf.cast(tf.math.is_nan(t), v.dtype), 0)
+        # The same value, so the same Keras mask (a layer that reads its
+        # input's mask, e.g. MultiHeadAttention, reads it from the value).
+        _compat.set_keras_mask(waiting, _compat.keras_mask(v))
+        out.append(waiting)
     return out

@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar import _compat
 from tfpar import collectives
 from tfpar import keras_graph
 from tfpar import layout as layout_lib
@@ -214,9 +215,18 @@ class PipelineRunner(training.Runner):
     # -- traced: moves between parts ------------------------------------------
 
     def _send(self, tensor, source, target, split):
-        return collectives.send_activation(tensor, source, target,
+        """`tensor` moved from part `source` to part `target`, with its
+        Keras mask (`Embedding(mask_zero=True)` and the layers after it):
+        a layer that reads its inputs' masks rather than a mask argument
+        (MultiHeadAttention) sees them on the next part as on one device."""
+        sent = collectives.send_activation(tensor, source, target,
                                            self._meshes, split,
                                            self._data_axis)
+        mask = _compat.keras_mask(tensor)
+        if mask is not None:
+            _compat.set_keras_mask(sent, collectives.send_activation(
+                mask, source, target, self._meshes, split, self._data_axis))
+        return sent
 
     def _send_forward(self, k, i, outputs, losses, split):
         """Part k's outputs of micro-batch i, and the losses so far, to

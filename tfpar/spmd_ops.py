@@ -678,3 +678,74 @@ def cumprod_by_shifts(cumprod, x, axis, exclusive=False, reverse=False,
         x = x * shifted(x, k)
         k *= 2
     return shifted(x, 1) if exclusive and n else x
+
+
+def diag_part_by_selection(diag_part, input, k, padding_value,  # noqa: A002
+                           align="RIGHT_LEFT", name=None):
+    """TF's `MatrixDiagPartV3` (`tf.linalg.diag_part`; Keras' `ops.diag`
+    of a matrix and `ops.diagonal` of the last two axes) of the main
+    diagonal (k = 0) of a tensor whose last two dimensions M, N are
+    static: with L = min(M, N), d[..., i] = Σ_j where(i = j, x[..., i, j],
+    0) over the leading L × L block, which is x[..., i, i] (one term per
+    sum; a selection, not a product, so an infinite or NaN entry off the
+    diagonal stays out). Anything else (another diagonal, a band, unknown
+    sizes): `diag_part` itself.
+
+    DTensor 2.21 cannot lay out MatrixDiagPartV3 ("'tf.MatrixDiagPartV3'
+    op does not implement layout propagation"): Keras' IoU metrics
+    (MeanIoU, IoU, BinaryIoU, OneHotIoU, OneHotMeanIoU) read their
+    confusion matrix's diagonal in every step. A selection and a sum lay
+    out.
+
+    >>> diag_part_by_selection(tf.linalg.diag_part, tf.reshape(
+    ...     tf.range(6.0), (2, 3)), 0, 0.0).numpy()
+    array([0., 4.], dtype=float32)
+    """
+    static_k = tf.get_static_value(k)
+    x = tf.convert_to_tensor(input)
+    rank = x.shape.rank
+    if (static_k is None or np.ndim(static_k) or int(static_k) != 0
+            or rank is None or rank < 2 or None in x.shape[-2:]):
+        return diag_part(input, k, padding_value, align=align, name=name)
+    size = min(int(x.shape[-2]), int(x.shape[-1]))
+    block = x[..., :size, :size]
+    on_diagonal = tf.constant(np.eye(size, dtype=bool))
+    return tf.reduce_sum(tf.where(on_diagonal, block, tf.zeros_like(block)),
+                         axis=-1)
+
+
+def scatter_by_segment_sum(scatter, indices, values, shape):
+    """Keras' `ops.scatter(indices, values, shape)` (TF's `ScatterNd`: a
+    zero tensor of `shape` with `values` added at `indices`, duplicates
+    summed) of a static `shape`, as one unsorted segment sum: the first D
+    dimensions (D = indices.shape[-1]) flattened row-major, each index
+    turned into its position there, Σ_d indices[..., d] · Π shape[d+1:D],
+    and the values summed per position. Anything else (an unknown shape or
+    index depth): `scatter` itself.
+
+    Inside a DTensor step ScatterNd fails at run time with a TF-internal
+    "input shape[0] expected type int64 != int32" when its indices are
+    int64 and its shape a Python tuple (Keras' confusion matrix, which the
+    IoU metrics update in every step, does both); a segment sum lays out.
+
+    >>> scatter_by_segment_sum(None, tf.constant([[0, 1], [1, 0], [0, 1]]),
+    ...                        tf.constant([1.0, 2.0, 3.0]), (2, 2)).numpy()
+    array([[0., 4.],
+           [2., 0.]], dtype=float32)
+    """
+    static_shape = tf.get_static_value(tf.convert_to_tensor(shape))
+    indices = tf.convert_to_tensor(indices)
+    depth = indices.shape[-1] if indices.shape.rank else None
+    if static_shape is None or depth is None or not 0 < depth <= len(
+            static_shape):
+        return scatter(indices, values, shape)
+    static_shape = [int(d) for d in static_shape]
+    strides = [int(np.prod(static_shape[d + 1:depth])) for d in range(depth)]
+    position = tf.reduce_sum(
+        indices * tf.constant(strides, dtype=indices.dtype), axis=-1)
+    values = tf.convert_to_tensor(values)
+    rows = int(np.prod(static_shape[:depth]))
+    flat = tf.math.unsorted_segment_sum(
+        tf.reshape(values, [-1] + static_shape[depth:]),
+        tf.reshape(position, [-1]), num_segments=rows)
+    return tf.reshape(flat, static_shape)

@@ -541,6 +541,32 @@ def _keras_nn():
     return _compat.keras_module("backend.tensorflow.nn")
 
 
+def _diag_part_on_mesh(original, hooks):
+    """TF's `MatrixDiagPartV3` as `spmd_ops.diag_part_by_selection` in a
+    step. Eagerly on a DTensor (a metric's `result()` read after the step:
+    Keras' IoU metrics) TF's op returns a regular tensor, which the next
+    op with a DTensor refuses: there the diagonal of the value fetched to
+    the host, put back on the mesh replicated. Elsewhere TF's op."""
+    @functools.wraps(original)
+    def matrix_diag_part_v3(input, k, padding_value,  # noqa: A002
+                            align="RIGHT_LEFT", name=None):
+        if hooks.in_graph_step():
+            return spmd_ops.diag_part_by_selection(
+                original, input, k, padding_value, align=align, name=name)
+        if not tf.executing_eagerly():  # another strategy's graph
+            return original(input, k, padding_value, align=align, name=name)
+        # (A Keras variable reaches TF's op as itself: read its value.)
+        value = tf.convert_to_tensor(input)
+        if not dtensor.is_dtensor(value):
+            return original(value, k, padding_value, align=align, name=name)
+        diagonal = original(tf.constant(placement.fetch(value)), k,
+                            padding_value, align=align, name=name)
+        return dtensor.copy_to_mesh(diagonal, dtensor.Layout.replicated(
+            dtensor.fetch_layout(value).mesh, diagonal.shape.rank))
+
+    return matrix_diag_part_v3
+
+
 def _eye_by_comparison_in_step(original, hooks):
     """Keras' TF `numpy.eye` of the main diagonal (k=0) as
     `spmd_ops.eye_by_comparison` in a step: TF's `tf.eye` is a
@@ -603,6 +629,13 @@ PATCHES = (
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
+    # DTensor 2.21 cannot lay out `MatrixDiagPartV3`, and its `ScatterNd`
+    # fails at run time (both in Keras' IoU metrics' confusion matrix).
+    _compat.Patch("scatter", _compat.keras_tf_core, "scatter",
+                  _compat.in_graph_step_instead(
+                      spmd_ops.scatter_by_segment_sum)),
+    _compat.Patch("matrix_diag_part_v3", _gen_array_ops,
+                  "matrix_diag_part_v3", _diag_part_on_mesh),
     # DTensor 2.21 cannot lay out `Roll` (Swin's shifted windows),
     # `MirrorPad` (a reflecting `tf.pad`; Keras' centred `ops.stft`, so
     # MelSpectrogram) nor `Cumprod`.

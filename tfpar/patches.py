@@ -41,6 +41,7 @@ from tfpar import context_keras_hub
 from tfpar import context_parallel
 from tfpar import hub_positions
 from tfpar import moe_keras_hub
+from tfpar import placement
 from tfpar import recurrent
 from tfpar import spmd_image_patches
 from tfpar import spmd_patches
@@ -280,14 +281,85 @@ def _every_ema_swapped(original, hooks):
     return apply_to_ema_optimizers
 
 
-_EMA_PATCHES = (_compat.Patch(
-    "swap_ema_weights",
-    lambda: _compat.keras_module("callbacks.swap_ema_weights").SwapEMAWeights,
-    "_apply_to_ema_optimizers", _every_ema_swapped),)
+class _HostSummaries:
+    """`tf.summary` whose histograms are of host copies of their tensors
+    (`placement.fetch`): TensorBoard buckets a histogram with regular
+    tensors, which eager DTensor ops refuse ("got a regular tensor ... but
+    was expecting a DTensor")."""
+
+    def __init__(self, summary):
+        self._summary = summary
+
+    def __getattr__(self, name):
+        return getattr(self._summary, name)
+
+    def histogram(self, name, data, *args, **kwargs):
+        return self._summary.histogram(name, _on_host(data), *args, **kwargs)
+
+
+def _on_host(value):
+    """`value` (a variable read) as a host copy when it is a DTensor."""
+    value = tf.convert_to_tensor(value)
+    return (tf.constant(placement.fetch(value)) if dtensor.is_dtensor(value)
+            else value)
+
+
+def _weights_logged_from_host(original, hooks):
+    """Keras' `TensorBoard(histogram_freq=n)` logs each weight's
+    histogram eagerly from the weight itself; a weight of a
+    ParallelStrategy is a DTensor, whose histogram TensorBoard cannot
+    compute: such a model's weights are logged from host copies
+    (`_HostSummaries`), one weight at a time."""
+
+    @functools.wraps(original)
+    def _log_weights(self, epoch):
+        if hooks.strategy_of_layer(self.model) is None:
+            return original(self, epoch)
+        summary = self.summary
+        self._summary_module = _HostSummaries(summary)
+        try:
+            return original(self, epoch)
+        finally:
+            self._summary_module = summary
+
+    return _log_weights
+
+
+def _image_from_host(original, hooks):
+    """`TensorBoard(write_images=True)` reshapes each weight into an image
+    eagerly; a weight split over a mesh cannot be reshaped there ("Trying
+    to copy a non-single-device and non-replicated DTensor"): a
+    ParallelStrategy model's weight is drawn from its host copy."""
+
+    @functools.wraps(original)
+    def _log_weight_as_image(self, weight, weight_name, epoch):
+        if hooks.strategy_of_layer(self.model) is not None:
+            weight = _on_host(weight)
+        return original(self, weight, weight_name, epoch)
+
+    return _log_weight_as_image
+
+
+_CALLBACK_PATCHES = (
+    _compat.Patch(
+        "swap_ema_weights",
+        lambda: _compat.keras_module(
+            "callbacks.swap_ema_weights").SwapEMAWeights,
+        "_apply_to_ema_optimizers", _every_ema_swapped),
+    _compat.Patch(
+        "tensorboard_weights",
+        lambda: _compat.keras_module("callbacks.tensorboard").TensorBoard,
+        "_log_weights", _weights_logged_from_host),
+    _compat.Patch(
+        "tensorboard_images",
+        lambda: _compat.keras_module("callbacks.tensorboard").TensorBoard,
+        "_log_weight_as_image", _image_from_host),
+)
 
 
 def install(hooks):
-    """Installs the strategy's patches (routing, host gradients, EMA swaps,
+    """Installs the strategy's patches (routing, host gradients, Keras'
+    callbacks' EMA swaps and TensorBoard weight histograms,
     `spmd_patches.PATCHES`, `spmd_image_patches.PATCHES`,
     `compile_errors.PATCHES`,
     `variable_creation.VARIABLE_CREATION_PATCHES`,
@@ -298,7 +370,7 @@ def install(hooks):
     own, also installed by `dispatch_experts` without a strategy); once per
     process."""
     _compat.install_group("strategy", (
-        *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *_EMA_PATCHES,
+        *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *_CALLBACK_PATCHES,
         *spmd_patches.PATCHES,
         *spmd_image_patches.PATCHES, *compile_errors.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,

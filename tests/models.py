@@ -409,3 +409,20 @@ def train_plan_beside_one_device(plan, build, vocab=64, seq_len=16):
         model.compile(optimizer="sgd", loss=loss)
     got = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
     return model, reference, got, expected
+
+
+def built_on(build, axes=None, pipeline_cut=None, devices=None, **options):
+    """`build()` on one device (`axes` None) or under a ParallelStrategy
+    on `tfpar.Mesh(axes, devices)` with `options`; given `pipeline_cut`
+    (a layer name), a PipelineModel of 2 micro-batches whose second stage
+    starts there."""
+    if axes is None:
+        return build()
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes, devices=devices),
+                                      **options)
+    with strategy.scope():
+        model = build()
+        if pipeline_cut is not None:
+            model = tfpar.PipelineModel(model, num_microbatches=2,
+                                        stage_boundaries=[pipeline_cut])
+    return model

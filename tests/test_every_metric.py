@@ -20,7 +20,6 @@ import keras
 import numpy as np
 import pytest
 
-import tfpar
 from tfpar import spmd_ops
 
 import models
@@ -94,18 +93,12 @@ def logged(task, mesh=None):
     x, _, _ = _labels()
     keras.utils.set_random_seed(0)
     weights = build(activation, width).get_weights()
-    if mesh is None:
-        model = build(activation, width)
-    else:
-        axes, pipelined = MESHES[mesh]
-        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules={
-            r".*up/kernel": (None, "model"),
-            r".*mid/kernel": ("model", None)} if "model" in axes else None)
-        with strategy.scope():
-            model = build(activation, width)
-            if pipelined:
-                model = tfpar.PipelineModel(model, num_microbatches=2,
-                                            stage_boundaries=["mid"])
+    axes, pipelined = MESHES[mesh] if mesh else (None, False)
+    model = models.built_on(
+        lambda: build(activation, width), axes, "mid" if pipelined else None,
+        rules={r".*up/kernel": (None, "model"),
+               r".*mid/kernel": ("model", None)} if axes and "model" in axes
+        else None)
     model.set_weights(weights)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss,
                   metrics=metrics())

@@ -91,16 +91,13 @@ def trains_like_one_device(make, axes, *, inside_scope=True, pipeline=False,
     before "mid" when `pipeline`), made inside the strategy's scope or not,
     as on one device."""
     want_losses, want_weights, weights = one_device(make)
-    strategy = tfpar.ParallelStrategy(
-        tfpar.Mesh(axes, devices=DEVICES if "offload" in options else None),
-        **options)
-    with strategy.scope():
-        model = build()
-        if pipeline:
-            model = tfpar.PipelineModel(model, num_microbatches=2,
-                                        stage_boundaries=["mid"])
-        optimizer = make(model) if inside_scope else None
-    if not inside_scope:
+    model = models.built_on(
+        build, axes, "mid" if pipeline else None,
+        DEVICES if "offload" in options else None, **options)
+    if inside_scope:
+        with model.distribute_strategy.scope():
+            optimizer = make(model)
+    else:
         optimizer = make(model)
     x, y = data()
     losses, final = fuzzing.train(model, x, y, weights, models.BatchLosses(),
@@ -163,12 +160,9 @@ def test_offload_keeps_the_optimizers_settings(optimizer, pipeline):
 
 
 def _compiled(axes, pipeline=False, **options):
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), **options)
-    with strategy.scope():
-        model = build()
-        if pipeline:
-            model = tfpar.PipelineModel(model, num_microbatches=2,
-                                        stage_boundaries=["mid"])
+    model = models.built_on(build, axes, "mid" if pipeline else None,
+                            **options)
+    with model.distribute_strategy.scope():
         model.compile(optimizer=multi(model), loss="mse")
     return model
 
@@ -202,17 +196,9 @@ def _history_with_ema_swaps(axes=None, pipeline=False, **options):
     x, y = data()
     keras.utils.set_random_seed(0)
     weights = build().get_weights()
-    if axes is None:
-        model = build()
-    else:
-        strategy = tfpar.ParallelStrategy(tfpar.Mesh(
-            axes, devices=DEVICES if "offload" in options else None),
-            **options)
-        with strategy.scope():
-            model = build()
-            if pipeline:
-                model = tfpar.PipelineModel(model, num_microbatches=2,
-                                            stage_boundaries=["mid"])
+    model = models.built_on(
+        build, axes, "mid" if pipeline else None,
+        DEVICES if "offload" in options else None, **options)
     model.set_weights(weights)
     model.compile(optimizer=ema(model), loss="mse")
     history = model.fit(

@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfpar
-
 import models
 
 
@@ -49,17 +47,11 @@ def logged(directory, axes=None, pipeline=False):
     y = rng.normal(size=(32, 3)).astype("float32")
     keras.utils.set_random_seed(0)
     weights = build().get_weights()
-    if axes is None:
-        model = build()
-    else:
-        strategy = tfpar.ParallelStrategy(tfpar.Mesh(axes), rules={
-            r".*embed/embeddings": (None, "model"),
-            r".*mid/kernel": (None, "model")} if "model" in axes else None)
-        with strategy.scope():
-            model = build()
-            if pipeline:
-                model = tfpar.PipelineModel(model, num_microbatches=2,
-                                            stage_boundaries=["mid"])
+    model = models.built_on(
+        build, axes, "mid" if pipeline else None,
+        rules={r".*embed/embeddings": (None, "model"),
+               r".*mid/kernel": (None, "model")} if axes and "model" in axes
+        else None)
     model.set_weights(weights)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,

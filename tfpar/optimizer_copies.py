@@ -11,7 +11,10 @@ from one device without a word. `copy_optimizer` carries those exclusions
 over, into a `LossScaleOptimizer`'s inner optimizer and a
 `MultiOptimizer`'s sub-optimizers too; `stand_in_exclusions` extends them
 to the variables an optimizer updates in a weight's place (offload's host
-copies, `tfpar.offload.host.Offload.mirror`).
+copies, `tfpar.offload.host.Offload.mirror`). A copy then follows its
+original's learning rates and step counters, and those of every optimizer
+they delegate to (`with_delegates`, `keep_in_step`: what a pipeline's stage
+copies take after a callback or a checkpoint restore).
 
 >>> import keras
 >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

@@ -60,6 +60,12 @@ _ADVICE = (
      "(contracts) over different mesh axes: split that dimension over the "
      "same axis on both sides (a row-parallel kernel after a "
      "column-parallel one), or leave it whole (None) on one side."),
+    ("'tf.LookupTable",
+     "a lookup table (Keras' StringLookup, IntegerLookup, "
+     "TextVectorization) cannot run inside a DTensor step: apply the layer "
+     "to the data before the model, in the input pipeline (`dataset.map("
+     "lambda x, y: (lookup(x), y))`, as Keras advises for distributed "
+     "training), and give the model the integer ids."),
     ("only supports batch parallel layouts",
      "this op runs only on tensors split over the batch: replicate the "
      "weights of the layers around it (their rules make its inputs or "

@@ -749,3 +749,26 @@ def scatter_by_segment_sum(scatter, indices, values, shape):
         tf.reshape(values, [-1] + static_shape[depth:]),
         tf.reshape(position, [-1]), num_segments=rows)
     return tf.reshape(flat, static_shape)
+
+
+def digitize_by_comparison(digitize, x, bins):
+    """Keras' `ops.digitize(x, bins)` (TF's `Bucketize`: the index i with
+    bins[i-1] <= x < bins[i]) of a dense tensor, as the number of bins at
+    or below each value: Σ_j [bins[j] <= x], the same int32 index (bins are
+    sorted). Ragged and sparse tensors: `digitize` itself.
+
+    DTensor 2.21 cannot lay out `Bucketize` ("'tf.Bucketize' op does not
+    implement layout propagation": Keras' Discretization layer inside a
+    model); a comparison and a sum lay out.
+
+    >>> digitize_by_comparison(None, tf.constant([-2.0, 0.0, 0.5, 3.0]),
+    ...                        [-1.0, 0.0, 1.0]).numpy()
+    array([0, 2, 2, 3], dtype=int32)
+    """
+    if isinstance(x, (tf.RaggedTensor, tf.SparseTensor)):
+        return digitize(x, bins)
+    x = tf.convert_to_tensor(x)
+    dtype = x.dtype if x.dtype.is_floating else tf.float64
+    edges = tf.constant([float(b) for b in bins], dtype=dtype)
+    return tf.reduce_sum(tf.cast(tf.cast(x, dtype)[..., None] >= edges,
+                                 tf.int32), axis=-1)

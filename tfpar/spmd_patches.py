@@ -50,7 +50,8 @@ def _eager_captures_replicated(original, hooks):
 
     @functools.wraps(original)
     def capture(self, tensor, name=None, shape=None):
-        if in_spmd_step() and isinstance(tensor, _eager_tensor()):
+        if in_spmd_step() and isinstance(tensor, _eager_tensor()) and (
+                tensor.dtype != tf.resource):
             tensor = _replicated_on_step_mesh(tensor)
         return original(self, tensor, name, shape)
 
@@ -541,6 +542,26 @@ def _keras_nn():
     return _compat.keras_module("backend.tensorflow.nn")
 
 
+def _keras_tf_utils():
+    return _compat.keras_module("utils.tf_utils")
+
+
+def _portable_encoding_in_step(original, hooks):
+    """Keras' TF fast path of CategoryEncoding's "count" and "multi_hot"
+    (`tf.math.bincount`, a `DenseBincount` DTensor 2.21 cannot lay out) in
+    a step: refused with the ValueError on which Keras' own encoder falls
+    back to its portable path (one-hot vectors summed or maxed over the
+    tokens, which lay out; the same counts). Elsewhere the fast path."""
+    @functools.wraps(original)
+    def tf_encode_categorical_inputs(*args, **kwargs):
+        if hooks.in_graph_step():
+            raise ValueError("tfpar: bincount has no DTensor layout; "
+                             "Keras' portable encoding instead")
+        return original(*args, **kwargs)
+
+    return tf_encode_categorical_inputs
+
+
 def _diag_part_on_mesh(original, hooks):
     """TF's `MatrixDiagPartV3` as `spmd_ops.diag_part_by_selection` in a
     step. Eagerly on a DTensor (a metric's `result()` read after the step:
@@ -629,6 +650,15 @@ PATCHES = (
     _compat.Patch("concat_v2", _gen_array_ops, "concat_v2",
                   _concat_whole_along_axis_in_step),
     _compat.Patch("pack", _gen_array_ops, "pack", _stack_by_concat_in_step),
+    # DTensor 2.21 cannot lay out `Bucketize` (Keras' Discretization) nor
+    # `DenseBincount` (CategoryEncoding's TF fast path, which Keras leaves
+    # for its portable one on a ValueError).
+    _compat.Patch("digitize", _keras_numpy, "digitize",
+                  _compat.in_graph_step_instead(
+                      spmd_ops.digitize_by_comparison)),
+    _compat.Patch("encode_categorical", _keras_tf_utils,
+                  "tf_encode_categorical_inputs",
+                  _portable_encoding_in_step),
     # DTensor 2.21 cannot lay out `MatrixDiagPartV3`, and its `ScatterNd`
     # fails at run time (both in Keras' IoU metrics' confusion matrix).
     _compat.Patch("scatter", _compat.keras_tf_core, "scatter",

@@ -390,11 +390,6 @@ def optimizer_variable_key(optimizer, variable):
     return optimizer._var_key(variable)
 
 
-def built_variables(optimizer):
-    """The variables a built Keras optimizer was built for, in order."""
-    return list(optimizer._trainable_variables)
-
-
 def optimizer_learning_rate_variable(optimizer):
     """The variable holding a Keras optimizer's learning rate, or None when
     it is a schedule (computed from `iterations`)."""

@@ -4,9 +4,10 @@ pipeline.
 A pipeline runs each batch as m micro-batches and sums their gradients, so
 a layer that normalises by the batch's statistics (BatchNormalization in
 training), a loss a layer adds that is not a mean over the batch
-(`add_loss` of a sum) and a loss over the whole batch (Keras' Dice and
-Tversky: ratios of sums over every sample) see micro-batches: one device on the whole batch is not the
-oracle for those. What they equal is Keras' own gradient accumulation:
+(`add_loss` of a sum), a loss over the whole batch (Keras' Dice and
+Tversky: ratios of sums over every sample) and random draws (Dropout
+draws each micro-batch's mask) see micro-batches: one device on the whole
+batch is not the oracle for those. What they equal is Keras' own gradient accumulation:
 one device with `gradient_accumulation_steps=m` on batches of the
 micro-batch's size (checked here, final weights within 1e-4 relative; BN's
 moving statistics updated per micro-batch in order). Losses that are means
@@ -52,11 +53,13 @@ def build(batch_layer=None):
 
 
 # (the layer after `up`, the loss): BatchNormalization's statistics, a
-# sum added in call(), and Dice, a ratio of sums over the whole batch.
+# sum added in call(), Dice, a ratio of sums over the whole batch, and
+# Dropout, whose draws are made per micro-batch.
 CASES = {
     "batch-norm": (lambda: keras.layers.BatchNormalization(name="bn"), "mse"),
     "add-loss-of-a-sum": (lambda: AddsSumOfSquares(name="adds"), "mse"),
     "dice-loss": (None, "dice"),
+    "dropout": (lambda: keras.layers.Dropout(0.3, name="drop"), "mse"),
 }
 
 
@@ -81,10 +84,13 @@ def test_a_pipeline_trains_as_keras_gradient_accumulation(case):
     layer, loss = CASES[case]
     keras.utils.set_random_seed(0)
     weights = build(layer).get_weights()
+    keras.utils.set_random_seed(1)  # each model: the same dropout seeds
     whole = _trained(build(layer), weights, 16, loss)
+    keras.utils.set_random_seed(1)
     accumulated = _trained(build(layer), weights, 16 // M, loss,
                            accumulation=M)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
+    keras.utils.set_random_seed(1)
     with strategy.scope():
         pipe = tfpar.PipelineModel(build(layer), num_microbatches=M,
                                    stage_boundaries=["mid"])

@@ -232,6 +232,23 @@ def all_layers(layer, include_self=True):
                                       recursive=True))
 
 
+def trained_weights(layer):
+    """The weights of `layer` that training updates: those whose variable
+    is trainable, as Keras' `Model.trainable_weights` reads them. A
+    layer's own `trainable_weights` is empty when the layer is frozen,
+    even where a sublayer was made trainable again after (keras-hub's
+    `enable_lora` freezes every block, then unfreezes the LoRA targets).
+
+    >>> import keras
+    >>> block = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> block.trainable = False
+    >>> block.layers[0].trainable = True
+    >>> len(block.trainable_weights), len(trained_weights(block))
+    (0, 2)
+    """
+    return [w for w in getattr(layer, "weights", []) if w.trainable]
+
+
 def backing_variable(variable):
     """The tf.Variable behind a Keras Variable (or `variable` itself)."""
     return variable if isinstance(variable, tf.Variable) else variable.value

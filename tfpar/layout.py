@@ -211,6 +211,19 @@ class LayoutRules:
 
 LORA_FACTORS = ("lora_kernel_a", "lora_kernel_b")
 
+# The weights Keras' `quantize` adds beside a layer's int8/int4 (GPTQ,
+# AWQ) kernel or table: per-channel or per-row scales, zero points, group
+# indices. Constants: no call changes them.
+QUANTIZATION_CONSTANTS = frozenset({
+    "kernel_scale", "kernel_zero", "embeddings_scale", "embeddings_zero",
+    "reverse_embeddings_scale", "reverse_embeddings_zero", "zero_point",
+    "g_idx", "awq_scales"})
+# And float8's (Keras' `quantize("float8")`): scales and amax histories,
+# which every training call updates.
+QUANTIZATION_STATE = QUANTIZATION_CONSTANTS | frozenset({
+    "inputs_scale", "outputs_grad_scale", "inputs_amax_history",
+    "kernel_amax_history", "outputs_grad_amax_history"})
+
 
 def lora_factor_spec(name, kernel_spec):
     """The spec of LoRA factor `name` of a kernel laid out by `kernel_spec`.

@@ -42,6 +42,7 @@ from tfpar import context_parallel
 from tfpar import hub_positions
 from tfpar import moe_keras_hub
 from tfpar import placement
+from tfpar import quantization
 from tfpar import recurrent
 from tfpar import spmd_image_patches
 from tfpar import spmd_patches
@@ -340,6 +341,22 @@ def _image_from_host(original, hooks):
     return _log_weight_as_image
 
 
+def _dtensors_fetched_to_numpy(original, hooks):
+    """Keras' `ops.convert_to_numpy` of an eager DTensor: its global value
+    (`placement.fetch`). TF's `numpy()` refuses a split one ("Trying to
+    copy a non-single-device and non-replicated DTensor"): Keras'
+    `quantize("int4")` reads a split table's transpose so, in the
+    strategy's scope."""
+
+    @functools.wraps(original)
+    def convert_to_numpy(x):
+        if isinstance(x, tf.Tensor) and dtensor.is_dtensor(x):
+            return placement.fetch(x)
+        return original(x)
+
+    return convert_to_numpy
+
+
 _CALLBACK_PATCHES = (
     _compat.Patch(
         "swap_ema_weights",
@@ -350,6 +367,8 @@ _CALLBACK_PATCHES = (
         "tensorboard_weights",
         lambda: _compat.keras_module("callbacks.tensorboard").TensorBoard,
         "_log_weights", _weights_logged_from_host),
+    _compat.Patch("convert_to_numpy", lambda: _compat.keras_module(
+        "backend"), "convert_to_numpy", _dtensors_fetched_to_numpy),
     _compat.Patch(
         "tensorboard_images",
         lambda: _compat.keras_module("callbacks.tensorboard").TensorBoard,
@@ -365,7 +384,7 @@ def install(hooks):
     `variable_creation.VARIABLE_CREATION_PATCHES`,
     `context_parallel.PATCHES`, `context_keras_hub.PATCHES`,
     `hub_positions.PATCHES`, `vocab_parallel.PATCHES`,
-    `recurrent.PATCHES`) with `hooks`, and
+    `recurrent.PATCHES`, `quantization.PATCHES`) with `hooks`, and
     keras-hub's MoE blocks' (`moe_keras_hub.install`, a group of their
     own, also installed by `dispatch_experts` without a strategy); once per
     process."""
@@ -376,7 +395,7 @@ def install(hooks):
         *variable_creation.VARIABLE_CREATION_PATCHES,
         *context_parallel.PATCHES, *context_keras_hub.PATCHES,
         *hub_positions.PATCHES, *vocab_parallel.PATCHES,
-        *recurrent.PATCHES), hooks)
+        *recurrent.PATCHES, *quantization.PATCHES), hooks)
     moe_keras_hub.install()
 
 

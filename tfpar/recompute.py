@@ -472,7 +472,7 @@ def _full_layers(model):
             layer, keras.Model) else None
         if graph is not None and _compat.nodes_by_depth(graph) is not None:
             out.extend(_full_layers(layer))
-        elif layer.trainable_weights:
+        elif _compat.trained_weights(layer):
             out.append(layer)
     return out
 

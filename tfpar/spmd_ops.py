@@ -772,3 +772,63 @@ def digitize_by_comparison(digitize, x, bins):
     edges = tf.constant([float(b) for b in bins], dtype=dtype)
     return tf.reduce_sum(tf.cast(tf.cast(x, dtype)[..., None] >= edges,
                                  tf.int32), axis=-1)
+
+
+def integer_matmul_in_float(batch_mat_mul_v3, x, y, Tout, adj_x=False,  # noqa: N803
+                            adj_y=False, grad_x=False, grad_y=False,
+                            name=None):
+    """TF's `BatchMatMulV3` of two integer tensors into an integer result
+    (Keras' `ops.matmul` of int8 operands, int32 out: a Dense quantized by
+    `model.quantize("int8")` or `"int4"`) as a float32 matmul of the same
+    integers, cast back to `Tout`. Other dtypes: `batch_mat_mul_v3` itself.
+
+    Exact while no partial sum exceeds 2**24 in magnitude — for int8
+    operands (|x|, |y| <= 128, so each product <= 2**14) whenever the
+    contracted length is at most 1024; beyond that each addition rounds to
+    float32's 24 bits (relative 6e-8), below the rounding of the float cast
+    Keras applies to the int32 result next. DTensor 2.21 cannot lay out
+    `BatchMatMulV3` ("does not implement layout propagation"); a float
+    `BatchMatMulV2` lays out on every device type, a split contraction
+    included.
+
+    >>> x = tf.constant([[127, -128]], tf.int8)
+    >>> y = tf.constant([[-128], [-128]], tf.int8)
+    >>> integer_matmul_in_float(None, x, y, tf.int32).numpy()
+    array([[128]], dtype=int32)
+    """
+    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+    if not (x.dtype.is_integer and y.dtype.is_integer
+            and tf.as_dtype(Tout).is_integer):
+        return batch_mat_mul_v3(x, y, Tout, adj_x=adj_x, adj_y=adj_y,
+                                grad_x=grad_x, grad_y=grad_y, name=name)
+    product = tf.linalg.matmul(tf.cast(x, tf.float32), tf.cast(y, tf.float32),
+                               adjoint_a=adj_x, adjoint_b=adj_y)
+    return tf.cast(product, Tout)
+
+
+
+def expand_then_squeeze_by_reshape(x, expand_axes, squeeze_axes):
+    """`ops.squeeze(ops.expand_dims(x, expand_axes), squeeze_axes)` of a
+    tensor of static shape as one `Reshape` (either tuple may be empty):
+    both only add or drop dimensions of size 1.
+
+    DTensor 2.21's `Squeeze` fails to compile when its input is replicated
+    and its consumer wants the result split ("SPMD expansion resulted in op
+    output inconsistent with the provided layout": the int8 kernel scale of
+    an EinsumDense whose kernel is split, brought to the kernel's shape in
+    the backward pass); a `Reshape` lays out.
+
+    >>> expand_then_squeeze_by_reshape(tf.ones((1, 1, 4, 16)), (), (1,)).shape
+    TensorShape([1, 4, 16])
+    >>> expand_then_squeeze_by_reshape(tf.ones((4, 16)), (0, 2), (0,)).shape
+    TensorShape([4, 1, 16])
+    """
+    shape = list(x.shape)
+    rank = len(shape) + len(expand_axes)
+    for axis in sorted(a % rank for a in expand_axes):
+        shape.insert(axis, 1)
+    dropped = {a % len(shape) for a in squeeze_axes}
+    if any(shape[a] != 1 for a in dropped):
+        raise ValueError(f"Cannot squeeze axes {tuple(squeeze_axes)} of "
+                         f"shape {tuple(shape)}: not all of size 1.")
+    return tf.reshape(x, [d for a, d in enumerate(shape) if a not in dropped])

@@ -515,6 +515,28 @@ def _lora_kernel_as_einsum_in_step(original, hooks):
     return property(kernel)
 
 
+def _scale_reshaped_in_step(original, hooks):
+    """`EinsumDense._adjust_scale_for_dequant` in a step (the int8 kernel
+    scale brought to the kernel's shape: Keras' backward pass of a
+    quantized EinsumDense) with its expand and squeeze as one reshape
+    (`spmd_ops.expand_then_squeeze_by_reshape`), then Keras' transpose:
+    DTensor 2.21's Squeeze of the replicated scale failed for a kernel
+    split on its heads (keras-hub GPT-2, Gemma)."""
+    @functools.wraps(original)
+    def adjust(self, scale):
+        if not hooks.in_graph_step():
+            return original(self, scale)
+        scale = spmd_ops.expand_then_squeeze_by_reshape(
+            tf.convert_to_tensor(scale), self._kernel_squeeze_axes or (),
+            self._kernel_expand_axes or ())
+        if self._kernel_transpose_axes:
+            inverse = np.argsort(self._kernel_transpose_axes).tolist()
+            scale = _keras_numpy().transpose(scale, axes=inverse)
+        return scale
+
+    return adjust
+
+
 def _static_sparse_division(original, hooks):
     """Keras' TF `ops.divide(sparse, dense)` with static shapes in a graph
     step.
@@ -666,6 +688,13 @@ PATCHES = (
                       spmd_ops.scatter_by_segment_sum)),
     _compat.Patch("matrix_diag_part_v3", _gen_array_ops,
                   "matrix_diag_part_v3", _diag_part_on_mesh),
+    # DTensor 2.21 cannot lay out `BatchMatMulV3` (the int8 x int8 -> int32
+    # matmul of a Dense quantized by Keras' `model.quantize`).
+    _compat.Patch("scale_for_dequant", _einsum_dense,
+                  "_adjust_scale_for_dequant", _scale_reshaped_in_step),
+    _compat.Patch("batch_mat_mul_v3", _gen_math_ops, "batch_mat_mul_v3",
+                  _compat.in_graph_step_instead(
+                      spmd_ops.integer_matmul_in_float)),
     # DTensor 2.21 cannot lay out `Roll` (Swin's shifted windows),
     # `MirrorPad` (a reflecting `tf.pad`; Keras' centred `ops.stft`, so
     # MelSpectrogram) nor `Cumprod`.

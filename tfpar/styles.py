@@ -580,10 +580,19 @@ def _is_embedding_table(role, shape):
     return role.rsplit("/", 1)[-1] == "embeddings" and len(shape) == 2
 
 
+def _is_quantization_state(name):
+    """Whether `name` is one of the weights Keras' `quantize` adds
+    (`layout.QUANTIZATION_STATE`): kept whole on every device (a 4096 x
+    4096 kernel's int8 scale is 0.1% of its bytes)."""
+    return name in layout_lib.QUANTIZATION_STATE
+
+
 def _split(layer, role, shape, axis, row, owner):
     """Spec splitting the input (row) or output (column) side of a weight."""
     name = role.rsplit("/", 1)[-1]
     spec = [None] * len(shape)
+    if _is_quantization_state(name):
+        return tuple(spec)
     if _is_embedding_table(role, shape):
         spec[0 if row else 1] = axis  # vocab-wise or hidden-wise
         return tuple(spec)

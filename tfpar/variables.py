@@ -414,7 +414,8 @@ class VariableRegistry:
             raise ValueError(
                 f"Model weight {variable.path!r} was created outside the "
                 "strategy's scope. Build the model inside "
-                "`with strategy.scope():`."
+                "`with strategy.scope():`, and call what adds weights to a "
+                "built model there too (Keras' `quantize`, `enable_lora`)."
             )
         return place
 

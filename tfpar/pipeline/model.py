@@ -535,7 +535,7 @@ def _check_separable(model, schedule):
     for layer in _compat.all_layers(model):  # outermost first
         if getattr(layer, "activity_regularizer", None) is not None:
             owner[id(layer)] = layer.name
-        for w in layer.trainable_weights:
+        for w in _compat.trained_weights(layer):
             if getattr(w, "regularizer", None) is not None:
                 owner[id(w)] = layer.name
     regularized = list(dict.fromkeys(owner.values()))

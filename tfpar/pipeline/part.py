@@ -251,8 +251,9 @@ class ModelPart:
         flight = self._in_flight.pop(i)
         targets, seeds = self._targets_and_seeds(i, flight, token)
         sources = [v for v in flight.watched if v is not None]
-        tied = [w for w, _ in flight.guests]  # updated on their home part
-        own = self.weights + [value for _, value in flight.guests]
+        trained = _trained(flight.guests)
+        tied = [w for w, _ in trained]  # updated on their home part
+        own = self.weights + [value for _, value in trained]
         # d(targets · seeds)/d(inputs, own): the vector-Jacobian product.
         # Unconnected: None (a weight keeps no gradient, so a tied sparse
         # embedding is not made dense by a zero); inputs' are zeros.
@@ -302,9 +303,10 @@ class ModelPart:
         # The rest: W takes them from the part's whole product.
         simple = {id(w) for key in layers for w in self._weights_of(key)}
         tangled = [w for w in self.weights if id(w) not in simple]
-        wholes = tangled + [value for _, value in flight.guests]
+        trained = _trained(flight.guests)
+        wholes = tangled + [value for _, value in trained]
         if wholes:
-            products.append((tangled + [w for w, _ in flight.guests],
+            products.append((tangled + [w for w, _ in trained],
                              wholes, targets, seeds))
         self._owed[i] = (flight.tape, products)
         return self._input_gradients(flight, grads), _computed(grads)
@@ -325,6 +327,12 @@ class ModelPart:
                 self.ties.add_gradient(self, w, g)
             done += _computed(grads)
         return done
+
+
+def _trained(guests):
+    """The (tied weight, value) pairs of `guests` that take a gradient:
+    those of trainable weights (frozen ones are only read)."""
+    return [(w, value) for w, value in guests if w.trainable]
 
 
 def _tensors(sources):

@@ -211,9 +211,11 @@ def model_graph(model):
 
 def weights_of(operation, trainable=False):
     """A graph operation's weights ([] for plain Keras ops such as
-    `keras.ops.add` applied to symbolic tensors, which are not layers)."""
-    return list(getattr(operation,
-                        "trainable_weights" if trainable else "weights", []))
+    `keras.ops.add` applied to symbolic tensors, which are not layers);
+    with `trainable`, those training updates (`_compat.trained_weights`)."""
+    if trainable:
+        return _compat.trained_weights(operation)
+    return list(getattr(operation, "weights", []))
 
 
 def num_params(operation):

@@ -24,6 +24,11 @@ by that stage's optimizer with its own slots. A step then
    elementwise the same floating-point operations, so the copies stay
    bit-equal (tests/test_pipeline_tied.py reads every device's block).
 
+Frozen weights (`frozen_weights`: non-trainable, and no call assigns
+them — a backbone frozen by keras-hub's `enable_lora`, the int8 table and
+scales of Keras' `quantize`) are read the same way, with no gradient: a
+copy that no optimizer updates, filled once and refilled by `sync`.
+
 Two weight-sized moves per step (the copies' summed gradients to the home
 part and back), instead of 2m with `mode="per_step"`, where the later
 stage holds no copy and receives the weight in every micro-batch forward
@@ -74,7 +79,9 @@ MODES = ("persistent", "per_step")
 class TiedCopy:
     """A persistent copy of tied `weight` (updated on part `home`, index
     `index` of its weights) on the mesh of part `holder`, which updates
-    `variable` (index `slot` of its `updated` variables)."""
+    `variable` (index `slot` of its `updated` variables). A frozen
+    weight's copy (`frozen_weights`) has `index` and `slot` None: no
+    optimizer updates it."""
 
     weight: object
     home: object
@@ -94,12 +101,61 @@ def check_mode(mode):
             f"Received: tied_weights={mode!r}")
 
 
+def _read_only_weights():
+    """{a Keras layer's `call`: the names of the weights it reads and never
+    assigns} (Keras 3.15's sources); any such layer's LoRA factors and
+    int8/int4 quantization constants too."""
+    layers = keras.layers
+    kernel = {"kernel", "bias"}
+    return {layers.Embedding.call: {"embeddings"},
+            layers.ReversibleEmbedding.call: {"embeddings",
+                                              "reverse_embeddings"},
+            layers.Dense.call: kernel, layers.EinsumDense.call: kernel,
+            layers.LayerNormalization.call: {"gamma", "beta"},
+            layers.RMSNormalization.call: {"scale"}}
+
+
+def _never_assigned(weight, layer, read_only):
+    """Whether `layer`'s calls never assign `weight`: a weight of its own
+    (by name) that its class's `call` only reads (`read_only`:
+    `_read_only_weights()`); not under float8, whose calls update their
+    scales and amax histories."""
+    names = read_only.get(type(layer).call)
+    if names is None or getattr(layer, "quantization_mode", None) == "float8":
+        return False
+    name = weight.path.rsplit("/", 1)[-1]
+    return name in names or name in layout_lib.QUANTIZATION_CONSTANTS or (
+        name in layout_lib.LORA_FACTORS)
+
+
+def frozen_weights(parts):
+    """Ids of the non-trainable variables that no call of a layer holding
+    them assigns (`_never_assigned`): weights frozen by the user
+    (keras-hub's `enable_lora` freezes the backbone) or made by Keras'
+    int8/int4 `quantize`. A later stage may read them as tied weights are
+    read, with no gradient. Other non-trainable variables are state (a
+    BatchNormalization's moving mean, a counter): refused by
+    `check_ties`."""
+    read_only, holders = _read_only_weights(), {}
+    for part in parts:
+        for layer in part.layers:
+            for w in split_lib.weights_of(layer):
+                if not w.trainable:
+                    holders.setdefault(id(w), []).append((w, layer))
+    return {key for key, held in holders.items()
+            if all(_never_assigned(w, layer, read_only)
+                   for w, layer in held)}
+
+
 def check_ties(parts, unit):
     """Raises where a tie cannot be honoured: state (a non-trainable
-    variable, which calls update) read on two parts (`unit`: "stage" or
-    "part"), through a layer called on both or held by layers of both."""
+    variable which calls may update: not one of `frozen_weights`) read on
+    two parts (`unit`: "stage" or "part"), through a layer called on both
+    or held by layers of both."""
+    frozen = frozen_weights(parts)
     for part in parts:
-        state = [w for w in part.shared if not w.trainable]
+        state = [w for w in part.shared
+                 if not w.trainable and id(w) not in frozen]
         if state:
             holders = [layer.name for layer in part.layers if any(
                 w is v for w in state for v in split_lib.weights_of(layer))]
@@ -112,7 +168,7 @@ def check_ties(parts, unit):
                 f"{unit} (stage_boundaries).")
         for guest in part.guests:
             state = [v.path for v in getattr(guest, "variables", [])
-                     if not v.trainable]
+                     if not v.trainable and id(v) not in frozen]
             if state:
                 raise ValueError(
                     f"Layer {guest.name!r} is called on {unit} "
@@ -132,11 +188,20 @@ class TiedWeights:
         self.mode = mode
         self._parts = parts
         self._meshes = [part.mesh for part in parts]
-        # Where each weight is updated: (part, index in its weights).
+        # Where each weight is updated: (part, index in its weights); a
+        # frozen one lives with its first holder: (part, None).
         self._home = {id(w): (part, j) for part in parts
                       for j, w in enumerate(part.weights)}
+        frozen = frozen_weights([part.graph for part in parts])
+        for part in parts:
+            for layer in part.layers:
+                for w in split_lib.weights_of(layer):
+                    if id(w) in frozen:
+                        self._home.setdefault(id(w), (part, None))
+        self._reads = {id(part): _guest_weights(part.graph, frozen)
+                       for part in parts}
         self._specs = {id(w): registry.placement_of(w).spec
-                       for part in parts for w in _guest_weights(part)}
+                       for part in parts for w in self._reads[id(part)]}
         self.copies = []
         self._copy_of = {}  # (id(weight), id(mesh)) -> TiedCopy
         if mode == "persistent":
@@ -146,16 +211,20 @@ class TiedWeights:
 
     def _make_copies(self, registry):
         """One copy per tied weight and stage mesh other than its home's,
-        held by the first part on that mesh that reads it."""
+        held by the first part on that mesh that reads it; the part's
+        optimizer updates the copy of a trainable weight (`slot`: its index
+        in `part.updated`), none that of a frozen one (`slot` None)."""
         for part in self._parts:
-            for w in _guest_weights(part):
+            for w in self._reads[id(part)]:
                 home, j = self._home[id(w)]
                 key = (id(w), id(part.mesh))
                 if part.mesh is home.mesh or key in self._copy_of:
                     continue
-                copy = TiedCopy(w, home, j, part, len(part.updated),
+                copy = TiedCopy(w, home, j, part,
+                                len(part.updated) if w.trainable else None,
                                 _new_copy(registry, w, part))
-                part.copies.append(copy.variable)
+                if w.trainable:
+                    part.copies.append(copy.variable)
                 self._copy_of[key] = copy
                 self.copies.append(copy)
 
@@ -193,7 +262,7 @@ class TiedWeights:
         home weight itself on the home's mesh; else (per_step) the home
         weight moved here."""
         pairs = []
-        for w in _guest_weights(part):
+        for w in self._reads[id(part)]:
             home = self._home[id(w)][0]
             copy = self._copy_of.get((id(w), id(part.mesh)))
             if copy is not None:
@@ -206,7 +275,7 @@ class TiedWeights:
                 value = collectives.send_tied(
                     value, home.index, part.index, self._meshes,
                     (None,) * len(w.shape), "weight")
-            if watch is not None:
+            if watch is not None and w.trainable:
                 watch(value)
             pairs.append((w, value))
         return pairs
@@ -250,6 +319,8 @@ class TiedWeights:
         one device gives sparse rows then too; dense otherwise)."""
         by_weight = {}
         for copy in self.copies:
+            if copy.slot is None:  # a frozen weight's: no gradient
+                continue
             by_weight.setdefault(id(copy.weight), []).append(copy)
         for copies in by_weight.values():
             w, home, j = copies[0].weight, copies[0].home, copies[0].index
@@ -285,13 +356,14 @@ def accumulate(total, gradient):
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(gradient)
 
 
-def _guest_weights(part):
-    """The tied weights `part` reads: the trainable weights of the layers it
-    calls as a guest, and those its layers share with an earlier part."""
-    weights = [w for layer in part.graph.guests
-               for w in split_lib.weights_of(layer, trainable=True)]
-    return list({id(w): w for w in weights + [
-        w for w in part.graph.shared if w.trainable]}.values())
+def _guest_weights(graph, frozen):
+    """The tied weights split part `graph` reads: the trainable and the
+    `frozen` weights of the layers it calls as a guest, and those its
+    layers share with an earlier part."""
+    weights = [w for layer in graph.guests
+               for w in split_lib.weights_of(layer)] + list(graph.shared)
+    return list({id(w): w for w in weights
+                 if w.trainable or id(w) in frozen}.values())
 
 
 def _new_copy(registry, weight, part):
@@ -303,7 +375,7 @@ def _new_copy(registry, weight, part):
             f"tied_copy_on_part_{part.index}"):
         variable = keras.Variable(
             np.asarray(placement.fetch(tf.convert_to_tensor(weight.value))),
-            dtype=weight.dtype, trainable=True,
+            dtype=weight.dtype, trainable=weight.trainable,
             name=weight.path.replace("/", "_"))
     backing = _compat.backing_variable(variable)
     backing.placement = place.replace(path=variable.path, mesh=None)

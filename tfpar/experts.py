@@ -235,7 +235,7 @@ def expert_ffn(slots, up_kernel, gate_kernel, down_kernel,
 def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
         capacity_factor=None, group_size=None, router="softmax",
         normalize=True, expert_axis=None, batch_axis=None,
-        router_bias=None):
+        router_bias=None, router_logits=None):
     """A mixture-of-experts block on `inputs` [batch, seq, hidden] (the
     module docstring says how it is computed and laid out).
 
@@ -255,6 +255,10 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
             When it is `expert_axis`, GShard's placement: slots are
             exchanged over it (module docstring).
         router_bias: None or [experts], added to the logits (GPT-OSS).
+        router_logits: None, or the logits [batch * seq, experts] the
+            caller's router computed (a quantized router, whose kernel is
+            not a float matrix: Keras' int8 Dense), routed in float32
+            instead of `inputs @ router_kernel` (then None) + `router_bias`.
 
     Returns:
         `MoEOutput(outputs, aux_loss, dropped, capacity, routing)`.
@@ -264,9 +268,13 @@ def moe(inputs, router_kernel, expert_fn, num_experts, top_k,
     groups = tf.reshape(inputs, [-1, group, hidden])
     slots = capacity(group, num_experts, top_k, capacity_factor)
     with tf.name_scope("router"):
-        logits = tf.matmul(tf.cast(groups, tf.float32),
-                           tf.cast(router_kernel, tf.float32))
-        if router_bias is not None:
+        if router_logits is not None:
+            logits = tf.reshape(tf.cast(router_logits, tf.float32),
+                                [-1, group, num_experts])
+        else:
+            logits = tf.matmul(tf.cast(groups, tf.float32),
+                               tf.cast(router_kernel, tf.float32))
+        if router_bias is not None and router_logits is None:
             logits = logits + tf.cast(router_bias, tf.float32)
         routing = route(logits, top_k, router, normalize)
         plan = dispatch_plan(routing, num_experts, slots)

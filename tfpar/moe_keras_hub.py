@@ -259,9 +259,12 @@ def _dispatched_call(block, hidden_states, attention_mask=None,
     dims = (parallel_dims.current() if step_context.in_spmd_step()
             else None)
     compute_dtype = tf.convert_to_tensor(hidden_states).dtype
+    # A quantized router (Keras' int8 Dense) routes by its own logits: its
+    # `kernel` is the int8 matrix, not the float one.
+    quantized = getattr(router, "quantization_mode", None) is not None
     out = experts.moe(
         tf.cast(hidden_states, tf.float32),  # combined in float32
-        tf.convert_to_tensor(router.kernel),
+        None if quantized else tf.convert_to_tensor(router.kernel),
         _in_compute_dtype(_expert_fn(block), compute_dtype),
         block.num_experts, block.top_k,
         capacity_factor=settings.capacity_factor,
@@ -270,12 +273,14 @@ def _dispatched_call(block, hidden_states, attention_mask=None,
         expert_axis=None if dims is None else dims.expert_axis,
         batch_axis=None if dims is None else dims.data_axis,
         router_bias=(tf.convert_to_tensor(router.bias) if router.use_bias
-                     else None))
+                     else None),
+        router_logits=logits if quantized else None)
     block.tfpar_dropped = out.dropped
     outputs = tf.cast(out.outputs, compute_dtype) + _shared_expert(
         block, flat, hidden_states)
     if training:  # from float32 logits (keras-hub's own fails on bf16)
-        _add_aux_loss(block, _float32_logits(router, flat), attention_mask)
+        _add_aux_loss(block, tf.cast(logits, tf.float32) if quantized
+                      else _float32_logits(router, flat), attention_mask)
     if hasattr(block, "router"):  # GPT-OSS returns its router scores
         return outputs, _router_scores(out.routing, block.num_experts,
                                        logits.dtype)

@@ -367,8 +367,6 @@ _CALLBACK_PATCHES = (
         "tensorboard_weights",
         lambda: _compat.keras_module("callbacks.tensorboard").TensorBoard,
         "_log_weights", _weights_logged_from_host),
-    _compat.Patch("convert_to_numpy", lambda: _compat.keras_module(
-        "backend"), "convert_to_numpy", _dtensors_fetched_to_numpy),
     _compat.Patch(
         "tensorboard_images",
         lambda: _compat.keras_module("callbacks.tensorboard").TensorBoard,
@@ -376,9 +374,16 @@ _CALLBACK_PATCHES = (
 )
 
 
+_HOST_READ_PATCHES = (
+    _compat.Patch("convert_to_numpy", lambda: _compat.keras_module(
+        "backend"), "convert_to_numpy", _dtensors_fetched_to_numpy),
+)
+
+
 def install(hooks):
     """Installs the strategy's patches (routing, host gradients, Keras'
-    callbacks' EMA swaps and TensorBoard weight histograms,
+    callbacks' EMA swaps and TensorBoard weight histograms, Keras'
+    `convert_to_numpy` of a split DTensor,
     `spmd_patches.PATCHES`, `spmd_image_patches.PATCHES`,
     `compile_errors.PATCHES`,
     `variable_creation.VARIABLE_CREATION_PATCHES`,
@@ -390,6 +395,7 @@ def install(hooks):
     process."""
     _compat.install_group("strategy", (
         *_ROUTING_PATCHES, *_HOST_GRADIENT_PATCHES, *_CALLBACK_PATCHES,
+        *_HOST_READ_PATCHES,
         *spmd_patches.PATCHES,
         *spmd_image_patches.PATCHES, *compile_errors.PATCHES,
         *variable_creation.VARIABLE_CREATION_PATCHES,

@@ -4,11 +4,13 @@ Inside a tfpar step (`tfpar.spmd_patches`, installed when the first
 `ParallelStrategy` is made) Keras' `slice_update`, `random.categorical`,
 `ops.divide(sparse, dense)`, `ops.einsum` of two activations,
 `ops.transpose`, `numpy.flip`, `numpy.eye`, `core.map`/`scan`, TF's
-`ConcatV2`, `Pack`, `Roll`, `Cumprod`, `TopKV2`, `MirrorPad`,
+`ConcatV2`, `Pack`, `Roll`, `Cumprod`, `TopKV2`, `MirrorPad`, the int8
+`BatchMatMulV3` of Keras' quantized layers,
 RandomCrop's drawn window and TF's `tensor[key]` use these instead of ops
 DTensor cannot lay out or lays out wrongly (convolutions, pooling and
 image ops: `tfpar.spmd_image_ops`). Each gives the same values as the op
-it replaces (the sampler: the same distribution).
+it replaces (the sampler: the same distribution; the int8 matmul: float32's
+rounding once a partial sum passes 2**24).
 
 Example:
 

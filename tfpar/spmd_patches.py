@@ -688,8 +688,9 @@ PATCHES = (
                       spmd_ops.scatter_by_segment_sum)),
     _compat.Patch("matrix_diag_part_v3", _gen_array_ops,
                   "matrix_diag_part_v3", _diag_part_on_mesh),
-    # DTensor 2.21 cannot lay out `BatchMatMulV3` (the int8 x int8 -> int32
-    # matmul of a Dense quantized by Keras' `model.quantize`).
+    # Keras' int8 layers (`model.quantize("int8")`): DTensor 2.21 cannot
+    # lay out `BatchMatMulV3` (their int8 x int8 -> int32 matmul), nor an
+    # EinsumDense's scale squeezed into a kernel split by heads.
     _compat.Patch("scale_for_dequant", _einsum_dense,
                   "_adjust_scale_for_dequant", _scale_reshaped_in_step),
     _compat.Patch("batch_mat_mul_v3", _gen_math_ops, "batch_mat_mul_v3",

@@ -194,10 +194,26 @@ def check_int8_layout(run):
     assert scales and all(set(specs[p]) == {None} for p in scales)
 
 
-def test_int8_gpt2_qlora_on_data2_model4():
+def test_int8_gpt2_qlora_on_data2_model4(tmp_path):
     """The default case: GPT-2's tied int8 table, biases and Keras'
-    MultiHeadAttention split on heads, fine-tuned through LoRA."""
-    check_int8_layout(check_parity("gpt2", "int8", {"data": 2, "model": 4}))
+    MultiHeadAttention split on heads, fine-tuned through LoRA; the
+    adapters saved (keras-hub's `save_lora_weights`) load into a
+    one-device model."""
+    run = check_parity("gpt2", "int8", {"data": 2, "model": 4})
+    check_int8_layout(run)
+    path = str(tmp_path / "adapters.lora.h5")
+    run.model.backbone.save_lora_weights(path)
+    backbone_cls, _, arguments, _ = FAMILIES["gpt2"]
+    fresh = backbone_cls(**arguments)
+    fresh.quantize("int8")
+    fresh.enable_lora(RANK)
+    fresh.load_lora_weights(path)
+    saved = {w.path: np.asarray(w) for w in run.model.backbone.weights}
+    factors = [w for w in fresh.weights
+               if w.path.endswith(tfpar.layout.LORA_FACTORS)]
+    assert factors
+    for w in factors:
+        np.testing.assert_array_equal(np.asarray(w), saved[w.path])
 
 
 @pytest.mark.slow
@@ -478,3 +494,17 @@ def test_int8_generation_and_a_resharded_checkpoint(tmp_path):
     tfpar.restore_checkpoint(other, str(tmp_path / "ckpt"), optimizer=False)
     for a, b in zip(model.weights, other.weights):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_exporting_a_quantized_model_to_transformers_is_refused(tmp_path):
+    """Keras' `kernel` of an int8 layer is its int8 matrix: written as is,
+    the export loaded back as other weights with no error."""
+    backbone_cls, _, arguments, _ = FAMILIES["llama3"]
+    backbone = backbone_cls(**arguments)
+    backbone.quantize("int8")
+    with pytest.raises(ValueError, match=r"got a model with 15 quantized "
+                       r"layer\(s\) .*first 'token_embedding'.*"
+                       r"save_lora_weights"):
+        tfpar.pretrained.export_to_transformers(backbone, str(tmp_path))
+    assert not list(tmp_path.iterdir())  # nothing written
+

@@ -453,6 +453,23 @@ def _backbone(model):
     return getattr(model, "backbone", model)
 
 
+def _check_not_quantized(backbone):
+    """Refuses a backbone with layers quantized by Keras' `quantize`: a
+    Hugging Face checkpoint holds float weights, and Keras' `kernel` of an
+    int8 layer is its int8 matrix (written as is, the export would load
+    as different weights, with no error)."""
+    quantized = [layer.path for layer in _compat.all_layers(backbone)
+                 if getattr(layer, "quantization_mode", None) is not None]
+    if quantized:
+        raise ValueError(
+            f"export_to_transformers(model) got a model with "
+            f"{len(quantized)} quantized layer(s) (Keras' `quantize`; "
+            f"first {quantized[0]!r}): a Hugging Face checkpoint holds "
+            "float weights, and Keras keeps no float copy of a quantized "
+            "one. Export the float model (before `quantize`); after QLoRA, "
+            "save the adapters with `backbone.save_lora_weights(path)`.")
+
+
 def _read_json(path):
     with open(path) as f:
         return json.load(f)
@@ -505,6 +522,7 @@ def export_to_transformers(model, path, max_shard_bytes=None):
         The safetensors file names written.
     """
     backbone = _backbone(model)
+    _check_not_quantized(backbone)
     exporter = importlib.import_module(
         "keras_hub.src.utils.transformers.export.hf_exporter")
     kind = type(backbone).__name__

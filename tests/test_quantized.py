@@ -267,6 +267,16 @@ def test_lora_pipelined_matrix(family, mode):
     check_parity(family, mode, PIPE, pipelined=True)
 
 
+def regression_data(width):
+    """16 seeded samples of `width` features and targets; Keras' seed set
+    for the weights built next."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, width)).astype("float32")
+    y = rng.normal(size=(16, width)).astype("float32")
+    keras.utils.set_random_seed(0)
+    return x, y
+
+
 class Block(keras.layers.Layer):
     """Two Dense layers: frozen as a block, the first unfrozen again (as
     keras-hub's `enable_lora` leaves each transformer block)."""
@@ -283,11 +293,9 @@ class Block(keras.layers.Layer):
 def test_a_frozen_blocks_unfrozen_sublayer_trains_in_a_pipeline():
     """Keras trains a weight whose variable is trainable, whatever its
     block's flag; the pipeline asked the block for `trainable_weights`
-    (empty for a frozen block) and left the sublayer as it was."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 8)).astype("float32")
-    y = rng.normal(size=(16, 8)).astype("float32")
-    keras.utils.set_random_seed(0)
+    (empty for a frozen block) and left the sublayer as it was. (State
+    read on two stages is still refused: tests/test_pipeline_nested.py.)"""
+    x, y = regression_data(8)
 
     def build():
         inputs = keras.Input((8,))
@@ -322,32 +330,12 @@ def test_a_frozen_blocks_unfrozen_sublayer_trains_in_a_pipeline():
         assert relative_error(value, found[1][path]) < RTOL, path
 
 
-def test_state_read_on_two_stages_is_still_refused():
-    """A non-trainable variable that calls may update (a
-    BatchNormalization's moving mean) on a layer a later stage calls
-    again: refused, as before frozen weights could be tied."""
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
-    with strategy.scope():
-        inputs = keras.Input((8,))
-        norm = keras.layers.BatchNormalization(name="norm")
-        h = keras.layers.Dense(8, name="mid")(norm(inputs))
-        model = keras.Model(inputs, norm(h))
-        with pytest.raises(ValueError, match=r"Layer 'norm' is called on "
-                           r"stage 1 and on an earlier stage, and has state "
-                           r"\['norm/moving_mean', 'norm/moving_variance'\]"):
-            tfpar.PipelineModel(model, num_microbatches=2,
-                                stage_boundaries=["mid"])
-
-
 def plain_quantized(mode, mesh=None):
     """(model, per-batch losses, strategy): a plain Keras model (a
     column- then a row-parallel Dense on a model axis) quantized whole
     with `mode`, two epochs of SGD at batch 8; on one device (`mesh`
     None) or in a strategy on `mesh`."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 16)).astype("float32")
-    y = rng.normal(size=(16, 16)).astype("float32")
-    keras.utils.set_random_seed(0)
+    x, y = regression_data(16)
 
     def layers():
         inputs = keras.Input((16,))

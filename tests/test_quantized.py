@@ -94,8 +94,8 @@ FAMILIES = {
 def fine_tuned(family, mode, mesh=None, pipelined=False):
     """A namespace of `model` (the causal LM), `strategy` (or None),
     `trained` (the model or its PipelineModel), `losses` (per step),
-    `predictions` (before training) and `start` (the LoRA factors'
-    starting values): the seeded
+    `predictions` (before training; None when `pipelined`) and `start`
+    (the LoRA factors' starting values): the seeded
     backbone quantized (`mode` "int8", or None: float), LoRA of rank 4 on
     keras-hub's default targets with seeded factors, two SGD steps; built
     on one device (`mesh` None) or in a strategy on `mesh` with
@@ -140,7 +140,10 @@ def fine_tuned(family, mode, mesh=None, pipelined=False):
                                               stage_boundaries=[cut])
                 trained.compile(optimizer=keras.optimizers.SGD(0.1),
                                 loss=hub_models.loss("llama"))
-    predictions = trained.predict(x, batch_size=4, verbose=0)
+    # (A pipeline's predict is tested elsewhere: here the losses check
+    # its forward, and skipping it saves a compile.)
+    predictions = None if pipelined else trained.predict(
+        x, batch_size=4, verbose=0)
     losses = models.BatchLosses()
     trained.fit(x, y, batch_size=4, shuffle=False, verbose=0,
                 callbacks=[losses])
@@ -156,7 +159,9 @@ def check_parity(family, mode, mesh, pipelined=False):
     one_device = fine_tuned(family, mode, None, pipelined)
     run = fine_tuned(family, mode, mesh, pipelined)
     reference, model, start = one_device.model, run.model, one_device.start
-    assert relative_error(one_device.predictions, run.predictions) < RTOL
+    if not pipelined:
+        assert relative_error(one_device.predictions,
+                              run.predictions) < RTOL
     assert len(run.losses) == 2
     assert relative_error(one_device.losses, run.losses) < RTOL, (
         one_device.losses, run.losses)

@@ -1,7 +1,8 @@
-"""Keras' int8 quantization (`model.quantize("int8")`) under tfpar, against
-one device: QLoRA — a quantized keras-hub causal LM fine-tuned through LoRA
-factors — on data 2 x model 4 and pipelined, a plain quantized Dense model
-whose biases train, generation and a resharded checkpoint.
+"""Keras' quantization (`model.quantize`) under tfpar, against one
+device: QLoRA — a quantized keras-hub causal LM fine-tuned through LoRA
+factors — on data 2 x model 4, pipelined and on expert meshes (Mixtral,
+Qwen3-MoE, GPT-OSS), a plain quantized Dense model (int8, float8, int4),
+generation, a resharded checkpoint, the adapters saved.
 
 Found on 2026-12-07: no int8 model ran under a ParallelStrategy. Keras'
 int8 matmul (`BatchMatMulV3`) has no DTensor layout, and neither did an
@@ -15,7 +16,10 @@ the output head on the last stage, was taken for state that calls
 update), and once past that, every LoRA factor stayed untrained with no
 error: keras-hub's `enable_lora` freezes each block and unfreezes the
 targets inside it, and the pipeline asked each block for its
-`trainable_weights`, empty for a frozen block.
+`trainable_weights`, empty for a frozen block. An int8 Mixtral trained
+silently wrong on an expert mesh (tfpar's dispatch routed by the int8
+router's raw matrix), and `export_to_transformers` wrote int8 matrices as
+float weights.
 
 Layout: each int8 kernel is split as its float kernel was (each device
 holds its block); Keras' scales (one float per output channel or table
@@ -24,10 +28,10 @@ float8 trains with its kernels split too; int4 only on whole weights
 (`tfpar.quantization` refuses it on a split layer, naming it).
 
 Default profile: GPT-2 (a tied table, biases, Keras' MultiHeadAttention
-split on heads) on data 2 x model 4; Llama3 pipelined; the plain int8
-model; int4 refused on a split layer; the repro's pins; the stand-ins'
-examples. The rest are slow (float8 with split kernels and int4 on a data
-mesh in parity too).
+split on heads) on data 2 x model 4; Llama3 pipelined; Mixtral on data 2 x
+expert 4; the plain int8 model; a frozen block's unfrozen sublayer in a
+pipeline; the int4, export and outside-the-scope errors; the repro's
+pins; the stand-ins' examples. The rest are slow.
 """
 
 import doctest

@@ -232,6 +232,14 @@ def all_layers(layer, include_self=True):
                                       recursive=True))
 
 
+def kernel_variable(layer):
+    """A Dense or EinsumDense layer's kernel variable (None: it has none).
+    Keras' `kernel` property is a new tensor when LoRA is enabled (the
+    kernel plus its factors' product); the variable is `_kernel`."""
+    kernel = getattr(layer, "_kernel", None)
+    return kernel if kernel is not None else getattr(layer, "kernel", None)
+
+
 def trained_weights(layer):
     """The weights of `layer` that training updates: those whose variable
     is trainable, as Keras' `Model.trainable_weights` reads them. A

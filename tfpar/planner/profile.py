@@ -439,11 +439,11 @@ def _query_weight(layer):
 def _query_kernel(layer):
     """(the layer owning attention's query kernel, the kernel's shape)."""
     if isinstance(layer, keras.layers.MultiHeadAttention):
-        kernel = layer.query_dense.kernel
+        kernel = _compat.kernel_variable(layer.query_dense)
     else:
         kernel = _query_weight(layer)
     owner = next((sub for sub in sublayers(layer)
-                  if getattr(sub, "kernel", None) is kernel), layer)
+                  if _compat.kernel_variable(sub) is kernel), layer)
     return owner, tuple(int(d) for d in kernel.shape)
 
 

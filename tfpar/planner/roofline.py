@@ -161,8 +161,8 @@ stage is the last, the final norm's and the head's inputs, 2 + 2;
 × compute bytes / 2 for other than 16-bit activations; the first stage
 holds p micro-batches of its
 L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
-weights `param_bytes`, fp32 gradients, fp32 optimizer slots (/d with
-fsdp; a replicated head's not split over t), the last stage's fp32
+weights `param_bytes`, fp32 gradients and optimizer slots of the
+`trainable_share` that trains (/d with fsdp; a replicated head's not split over t), the last stage's fp32
 logits and their gradient (T·V/t, or T·V when the head is not
 vocabulary-parallel), and with `table_gradient_gemm` the one-hot ids
 of the tied table's gradient (T × V/t in the compute dtype).
@@ -212,7 +212,12 @@ class Transformer:
     position_embedding: bool = True
     token_tables: int = 1   # V × h tables (an encoder's and a decoder's)
     compute_bytes: int = 2  # bf16/fp16 activations
-    param_bytes: int = 4    # stored weights (fp32 master; 2 + 4 Megatron)
+    param_bytes: float = 4  # stored weights (fp32 master; 2 + 4 Megatron;
+    #                         a Keras model's mean over its weights: an
+    #                         int8-quantized one ~1)
+    # The share of the weights that train (their gradients and optimizer
+    # slots): < 1 with frozen weights (a LoRA fine-tune's backbone).
+    trainable_share: float = 1.0
     experts: int = 0        # mixture-of-experts MLPs (0: a dense MLP)
     top_k: int = 0          # experts per token
     # Logits over the vocabulary (`transformer.vocab_head`); False: none
@@ -1075,13 +1080,14 @@ def memory(model, cfg, global_batch):
         workspace += tokens(model, cfg) * model.vocab / t * model.compute_bytes
     # ZeRO-1 (Megatron's distributed optimizer): the fp32 master weights
     # and the slots sharded over data, the half-precision copy whole.
-    master = model.param_bytes - model.compute_bytes
-    param_bytes = (model.compute_bytes + master / d if cfg.zero1
-                   else model.param_bytes)
+    master = max(0.0, model.param_bytes - model.compute_bytes)
+    param_bytes = (min(model.compute_bytes, model.param_bytes) + master / d
+                   if cfg.zero1 else model.param_bytes)
     optimizer_split = d if cfg.zero1 else trainable_split
+    trained = params * model.trainable_share
     return {"params": params * param_bytes / trainable_split,
-            "gradients": params * 4 / trainable_split,
-            "optimizer": params * 4 * cfg.optimizer_slots / optimizer_split,
+            "gradients": trained * 4 / trainable_split,
+            "optimizer": trained * 4 * cfg.optimizer_slots / optimizer_split,
             "activations": activations, "workspace": workspace}
 
 

@@ -9,6 +9,7 @@ import collections
 import dataclasses
 
 import keras
+import numpy as np
 
 from tfpar.planner import profile as profile_lib
 from tfpar.planner import roofline
@@ -82,8 +83,23 @@ def transformer_of(profile):
         # the encoder's are not
         causal=min(1.0, cross_share) if cross else True,
         compute_bytes=profile.compute_itemsize,
-        param_bytes=max(w.itemsize for op in profile.ops for w in op.weights),
+        **_stored_and_trained(profile),
         **_kept_per_block(profile, starts, hidden))
+
+
+def _stored_and_trained(profile):
+    """{param_bytes, trainable_share} of `roofline.Transformer`: the
+    weights' bytes per element and the share of elements that train,
+    each weighted by the weights' sizes (int8 kernels of Keras'
+    `quantize("int8")`: ~1 byte; a LoRA fine-tune: a small share)."""
+    weights = list({w.path: w for op in profile.ops
+                    for w in op.weights}.values())
+    sizes = [float(np.prod(w.shape)) for w in weights]
+    total = sum(sizes) or 1.0
+    return {"param_bytes": sum(s * w.itemsize for s, w in zip(
+                sizes, weights)) / total,
+            "trainable_share": sum(s for s, w in zip(sizes, weights)
+                                   if w.trainable) / total}
 
 
 def _mlp(ups, downs, hidden, blocks):

@@ -511,12 +511,15 @@ def test_estimates_of_lora_and_int8_fine_tunes():
     """`tfpar.estimate` of a LoRA fine-tune (it failed: Keras' `kernel` of
     a LoRA query is a new tensor, so the planner took the attention for
     cross attention and found none) and of QLoRA: gradients and optimizer
-    slots for the LoRA factors only, int8 weights at a byte each."""
-    def llama(mode=None, rank=None):
+    slots for the LoRA factors only, int8 weights at a byte each, the
+    frozen weights' weight-gradient GEMMs not counted (a Llama 3 8B-wide
+    block: built without weights, as `estimate` builds)."""
+    def llama(mode=None, rank=None, hidden=256, ffn=512):
         def build():
             backbone = keras_hub.models.Llama3Backbone(
                 vocabulary_size=1000, num_layers=2, num_query_heads=8,
-                num_key_value_heads=8, hidden_dim=256, intermediate_dim=512)
+                num_key_value_heads=8, hidden_dim=hidden,
+                intermediate_dim=ffn)
             if mode is not None:
                 backbone.quantize(mode)
             if rank is not None:
@@ -525,14 +528,13 @@ def test_estimates_of_lora_and_int8_fine_tunes():
                                                    preprocessor=None)
         return build
 
-    def memory(build):
+    def estimate(build, batch=8, seq=128):
         return tfpar.estimate(
-            build, 8, cluster=tfpar.Cluster.preset("a100-80gb"),
-            axes={"data": 2, "model": 4},
-            sequence_length=128).memory_per_device
+            build, batch, cluster=tfpar.Cluster.preset("a100-80gb"),
+            axes={"data": 2, "model": 4}, sequence_length=seq)
 
-    full, lora, qlora = (memory(llama()), memory(llama(rank=4)),
-                         memory(llama("int8", rank=4)))
+    full, lora, qlora = (estimate(build).memory_per_device for build in (
+        llama(), llama(rank=4), llama("int8", rank=4)))
     model = llama(rank=4)()
     share = sum(int(np.prod(w.shape)) for w in model.trainable_weights) / (
         sum(int(np.prod(w.shape)) for w in model.weights))
@@ -543,3 +545,9 @@ def test_estimates_of_lora_and_int8_fine_tunes():
         assert qlora[kind] < 1.01 * lora[kind]
     # int8 kernels and tables: about a quarter of float32's bytes.
     assert 0.24 < qlora["params"] / full["params"] < 0.3
+    # Where the blocks' GEMMs dominate, dropping the frozen weights'
+    # weight gradients saves nearly a third of the step.
+    wide = {"hidden": 4096, "ffn": 14336}
+    full_time, lora_time = (estimate(build, 16, 2048).step_time_s for build
+                            in (llama(**wide), llama(rank=8, **wide)))
+    assert 0.6 * full_time < lora_time < 0.8 * full_time

@@ -26,7 +26,9 @@ differ), `Transformer.causal` the share whose self-attention is causal
   (skinny or small matmuls — a tensor-parallel slice, attention's head
   width — run below peak; `peak` is the compute dtype's: bf16's, float32
   as TF32 when `Parallel.tf32`). Backward: the data and weight gradients, two
-  GEMMs of the same FLOPs each.
+  GEMMs of the same FLOPs each (the weight gradients' × the share of the
+  weights that train, `Transformer.trainable_share`: < 1 for a LoRA
+  fine-tune).
 - Attention without a fused kernel: QKᵀ and the product with V are
   batched GEMMs over b·a/t heads (s×s×dₕ: memory-bound below dₕ ≈ 156 on
   an A100), the fused scale-mask-softmax and the dropout stream the b·a/t·s²
@@ -573,7 +575,9 @@ def _block(dev, model, cfg, backward=False):
     for m, n, k, count in _gemm_shapes(model, cfg):
         if backward:
             dev.gemm(time, m, k, n, count=count, itemsize=c)  # data grad
-            dev.gemm(time, k, n, m, count=count, itemsize=c)  # weight grad
+            # weight grad: the trained share's (frozen weights have none)
+            dev.gemm(time, k, n, m, count=count * model.trainable_share,
+                     itemsize=c)
         else:
             dev.gemm(time, m, n, k, count=count, itemsize=c)
     time.merge(_attention_core(dev, model, cfg, backward))

@@ -551,3 +551,29 @@ def test_estimates_of_lora_and_int8_fine_tunes():
     full_time, lora_time = (estimate(build, 16, 2048).step_time_s for build
                             in (llama(**wide), llama(rank=8, **wide)))
     assert 0.6 * full_time < lora_time < 0.8 * full_time
+
+
+def test_auto_rules_of_a_quantized_builder_split_it_as_the_float_one():
+    """Keras runs a quantized layer's `quantized_call`, never its `call`:
+    auto_rules' trace hooked `call` only, saw no projection feed another
+    and kept every weight of an int8 model whole, with no error (and the
+    styles' activation hooks would have been skipped the same way)."""
+    backbone_cls, _, arguments, _ = FAMILIES["llama3"]
+
+    def builder(mode=None, rank=None):
+        def build():
+            backbone = backbone_cls(**arguments)
+            if mode is not None:
+                backbone.quantize(mode)
+            if rank is not None:
+                backbone.enable_lora(rank)
+            return backbone
+        return build
+
+    mesh = tfpar.Mesh({"data": 2, "model": 4})
+    want = dict(tfpar.auto_rules(builder(), mesh=mesh).items())
+    assert len(want) >= 14  # 7 projections in each of 2 blocks
+    for mode, rank in (("int8", None), ("int8", RANK), (None, RANK)):
+        got = dict(tfpar.auto_rules(builder(mode, rank), mesh=mesh).items())
+        assert got == want, (mode, rank)
+

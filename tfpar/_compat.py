@@ -232,6 +232,12 @@ def all_layers(layer, include_self=True):
                                       recursive=True))
 
 
+# The methods Keras' `Layer.__call__` runs: `call`, or `quantized_call`
+# for a layer quantized by Keras' `quantize` (which never runs `call`). A
+# hook of a layer's calls wraps both.
+CALL_METHODS = ("call", "quantized_call")
+
+
 def kernel_variable(layer):
     """A Dense or EinsumDense layer's kernel variable (None: it has none).
     Keras' `kernel` property is a new tensor when LoRA is enabled (the

@@ -24,7 +24,7 @@ from tfpar import _compat
 from tfpar import keras_graph
 from tfpar import parallel_dims
 from tfpar import vocab_parallel as vocab_parallel_lib
-from tfpar.layout import LayoutRules
+from tfpar.layout import QUANTIZATION_STATE, LayoutRules
 from tfpar.weightless import build_without_weights
 from tfpar.styles import (ColumnParallel, RowParallel, SequenceParallel,
                           VocabParallel)
@@ -625,11 +625,13 @@ def _split_size(layer, row):
 
 def _embedding_table(layer):
     """The (vocab, hidden) `embeddings` weight of a layer whose weights are
-    embedding tables (and a reverse one), or None."""
+    embedding tables (and a reverse one; int8's scales beside them), or
+    None."""
     tables = {w.path.rsplit("/", 1)[-1]: w for w in layer.weights}
     table = tables.get("embeddings")
     if (table is None or len(table.shape) != 2
-            or not set(tables) <= {"embeddings", "reverse_embeddings"}):
+            or not set(tables) - QUANTIZATION_STATE <= {
+                "embeddings", "reverse_embeddings"}):
         return None
     return table
 

@@ -240,9 +240,10 @@ def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
     if struct is None:
         return None
     log = []
-    saved = [(layer, layer.__dict__.get("call")) for layer in layers]
-    for layer in layers:
-        layer.call = _recording(layer, log)
+    saved = [(layer, method, layer.__dict__.get(method)) for layer in layers
+             for method in _compat.CALL_METHODS if hasattr(layer, method)]
+    for layer, method, _ in saved:
+        setattr(layer, method, _recording(layer, method, log))
     try:
         # Recomputation changes no weight read and no shape, and TF's
         # `tf.recompute_grad` refuses keyword arguments (`training=`) in a
@@ -250,7 +251,7 @@ def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
         with _compat.remat_off():
             traced = None
             if by_node:
-                hooked = {id(layer) for layer, previous in saved
+                hooked = {id(layer) for layer, _, previous in saved
                           if previous is not None}
                 traced = _traced_by_node(model, layers, log, hooked,
                                          unknown_size)
@@ -262,11 +263,11 @@ def trace_layer_calls(model, layers, by_node=True, unknown_size=None):
             else:
                 calls, outputs = traced
     finally:
-        for layer, previous in saved:
+        for layer, method, previous in saved:
             if previous is None:
-                del layer.__dict__["call"]
+                del layer.__dict__[method]
             else:
-                layer.call = previous
+                setattr(layer, method, previous)
     return calls, outputs
 
 
@@ -327,10 +328,10 @@ def _trace_whole(model, struct, unknown_size=None):
     return _graph_tensors(traced.structured_outputs)
 
 
-def _recording(layer, log):
-    """`layer.call` appending (layer, flat input tensors, flat output
-    tensors) of each call to `log`."""
-    original = layer.call
+def _recording(layer, method, log):
+    """`layer.<method>` (`call` or `quantized_call`) appending (layer, flat
+    input tensors, flat output tensors) of each call to `log`."""
+    original = getattr(layer, method)
 
     @functools.wraps(original)
     def call(*args, **kwargs):
@@ -430,7 +431,8 @@ class _NodeTracer:
         # a style's): their nodes are traced on their own.
         self.hooked = set(hooked) | {
             id(layer) for layer in _compat.all_layers(model)
-            if id(layer) not in self.calls and "call" in layer.__dict__}
+            if id(layer) not in self.calls and any(
+                method in layer.__dict__ for method in _compat.CALL_METHODS)}
         self.log = log
         self.traces = {}  # node key -> _Trace
         self.count = 0    # node calls so far (each names its tensors)

@@ -78,6 +78,7 @@ import functools
 import inspect
 import re
 
+from tfpar import _compat
 from tfpar import collectives
 from tfpar import context_parallel
 from tfpar import layout as layout_lib
@@ -212,12 +213,16 @@ def _wrap_call_once(layer, name, make_call,
     """`layer.call = make_call(layer.call)`, once per `name` (recorded in
     the layer's `registry` set): wraps this one layer object's `call` (not
     its class), keeping its signature for Keras' argument inspection
-    (`functools.wraps`)."""
+    (`functools.wraps`); and its `quantized_call` alike, which Keras runs
+    instead once the layer is quantized (`_compat.CALL_METHODS`)."""
     applied = layer.__dict__.setdefault(registry, set())
     if name in applied:
         return
-    original_call = layer.call
-    layer.call = functools.wraps(original_call)(make_call(original_call))
+    for method in _compat.CALL_METHODS:
+        original = getattr(layer, method, None)
+        if original is not None:
+            setattr(layer, method,
+                    functools.wraps(original)(make_call(original)))
     applied.add(name)
 
 

@@ -553,11 +553,38 @@ def test_estimates_of_lora_and_int8_fine_tunes():
     assert 0.6 * full_time < lora_time < 0.8 * full_time
 
 
-def test_auto_rules_of_a_quantized_builder_split_it_as_the_float_one():
+def test_auto_rules_of_a_quantized_mlp_split_it_as_the_float_one():
     """Keras runs a quantized layer's `quantized_call`, never its `call`:
     auto_rules' trace hooked `call` only, saw no projection feed another
     and kept every weight of an int8 model whole, with no error (and the
     styles' activation hooks would have been skipped the same way)."""
+    def builder(mode=None, rank=None):
+        def build():
+            inputs = keras.Input((16,))
+            h = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+            model = keras.Model(inputs, keras.layers.Dense(16, name="down")(
+                keras.layers.Dense(32, activation="relu", name="mid")(h)))
+            if mode is not None:
+                model.quantize(mode)
+            if rank is not None:
+                for layer in model.layers[1:]:
+                    layer.enable_lora(rank)
+            return model
+        return build
+
+    mesh = tfpar.Mesh({"data": 2, "model": 4})
+    want = dict(tfpar.auto_rules(builder(), mesh=mesh).items())
+    assert len(want) == 2  # one column- and row-parallel pair
+    got = dict(tfpar.auto_rules(builder("int8", RANK), mesh=mesh).items())
+    assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, rank", [("int8", None), ("int8", RANK),
+                                        (None, RANK)])
+def test_auto_rules_of_a_quantized_hub_builder(mode, rank):
+    """A keras-hub Llama3's rules, quantized or with LoRA, equal the float
+    builder's (its int8 table with its scales is still an embedding)."""
     backbone_cls, _, arguments, _ = FAMILIES["llama3"]
 
     def builder(mode=None, rank=None):
@@ -572,8 +599,6 @@ def test_auto_rules_of_a_quantized_builder_split_it_as_the_float_one():
 
     mesh = tfpar.Mesh({"data": 2, "model": 4})
     want = dict(tfpar.auto_rules(builder(), mesh=mesh).items())
-    assert len(want) >= 14  # 7 projections in each of 2 blocks
-    for mode, rank in (("int8", None), ("int8", RANK), (None, RANK)):
-        got = dict(tfpar.auto_rules(builder(mode, rank), mesh=mesh).items())
-        assert got == want, (mode, rank)
-
+    assert len(want) >= 15  # 7 projections in each of 2 blocks, the table
+    got = dict(tfpar.auto_rules(builder(mode, rank), mesh=mesh).items())
+    assert got == want

@@ -129,20 +129,22 @@ def _never_assigned(weight, layer, read_only):
 
 
 def frozen_weights(parts):
-    """Ids of the non-trainable variables that no call of a layer holding
-    them assigns (`_never_assigned`): weights frozen by the user
+    """{id: index in `parts` of the first part holding it} of the
+    non-trainable variables that no call of a layer holding them assigns
+    (`_never_assigned`): weights frozen by the user
     (keras-hub's `enable_lora` freezes the backbone) or made by Keras'
     int8/int4 `quantize`. A later stage may read them as tied weights are
     read, with no gradient. Other non-trainable variables are state (a
     BatchNormalization's moving mean, a counter): refused by
     `check_ties`."""
-    read_only, holders = _read_only_weights(), {}
-    for part in parts:
+    read_only, holders, first = _read_only_weights(), {}, {}
+    for k, part in enumerate(parts):
         for layer in part.layers:
             for w in split_lib.weights_of(layer):
                 if not w.trainable:
                     holders.setdefault(id(w), []).append((w, layer))
-    return {key for key, held in holders.items()
+                    first.setdefault(id(w), k)
+    return {key: first[key] for key, held in holders.items()
             if all(_never_assigned(w, layer, read_only)
                    for w, layer in held)}
 
@@ -193,11 +195,8 @@ class TiedWeights:
         self._home = {id(w): (part, j) for part in parts
                       for j, w in enumerate(part.weights)}
         frozen = frozen_weights([part.graph for part in parts])
-        for part in parts:
-            for layer in part.layers:
-                for w in split_lib.weights_of(layer):
-                    if id(w) in frozen:
-                        self._home.setdefault(id(w), (part, None))
+        for key, k in frozen.items():
+            self._home.setdefault(key, (parts[k], None))
         self._reads = {id(part): _guest_weights(part.graph, frozen)
                        for part in parts}
         self._specs = {id(w): registry.placement_of(w).spec

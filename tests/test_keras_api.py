@@ -268,3 +268,50 @@ def test_strategy_run_eagerly_and_in_tf_function():
         tf.data.Dataset.from_tensor_slices(x).batch(4))
     traced = tf.function(lambda b: loop.run(step, args=(b,)))
     assert [float(traced(b)) for b in batches] == [2 * x[:4].sum(), 2 * x[4:].sum()]
+
+
+def _teacher_and_student():
+    """keras.distillation.Distiller of a 64-wide teacher into a 32-wide
+    student (both the module's MLP shape), logits and hidden features."""
+    def network(width, seed, name):
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(width, activation="gelu", name="up")(inputs)
+        hidden = keras.layers.Dense(16, name="down")(hidden)
+        return keras.Model(inputs, keras.layers.Dense(3, name="out")(hidden),
+                           name=name)
+
+    return keras.distillation.Distiller(
+        teacher=network(64, 1, "teacher"), student=network(32, 2, "student"),
+        distillation_losses=[
+            keras.distillation.LogitsDistillation(temperature=2.0),
+            keras.distillation.FeatureDistillation(
+                loss="mse", teacher_layer_name="down",
+                student_layer_name="down")])
+
+
+@pytest.mark.filterwarnings("ignore:tfpar.auto_rules keeps")
+def test_distiller_trains_the_student_as_one_device():
+    """Keras' knowledge distillation with both models split by rules: the
+    student trains as on one device (Adam, default), the frozen teacher is
+    untouched, and each student kernel holds only its block."""
+    x, y = data(64)
+    y = (np.abs(y[:, 0]) * 3 % 3).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    single = _teacher_and_student()
+    mesh = strategy().mesh
+    with strategy().scope():
+        parallel = _teacher_and_student()
+        for model in (parallel.teacher, parallel.student):
+            strategy().apply_rules(model, tfpar.auto_rules(model, mesh=mesh))
+    teacher = [w.copy() for w in single.teacher.get_weights()]
+    for model in (single, parallel):
+        model.compile(optimizer="adam", loss=loss)
+    logs = [model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                      verbose=0).history for model in (single, parallel)]
+    assert_logs_close(*logs)
+    assert_weights_close(single.student, parallel.student)
+    for before, after in zip(teacher, parallel.teacher.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    up = parallel.student.get_layer("up").kernel
+    models.assert_one_block_per_device(up, (None, "model"))

@@ -19,7 +19,7 @@ targets inside it, and the pipeline asked each block for its
 `trainable_weights`, empty for a frozen block. An int8 Mixtral trained
 silently wrong on an expert mesh (tfpar's dispatch routed by the int8
 router's raw matrix), and `export_to_transformers` wrote int8 matrices as
-float weights.
+float weights (now dequantized, LoRA merged).
 
 Layout: each int8 kernel is split as its float kernel was (each device
 holds its block); Keras' scales (one float per output channel or table
@@ -493,18 +493,81 @@ def test_int8_generation_and_a_resharded_checkpoint(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_exporting_a_quantized_model_to_transformers_is_refused(tmp_path):
-    """Keras' `kernel` of an int8 layer is its int8 matrix: written as is,
-    the export loaded back as other weights with no error."""
-    backbone_cls, _, arguments, _ = FAMILIES["llama3"]
-    backbone = backbone_cls(**arguments)
-    backbone.quantize("int8")
-    with pytest.raises(ValueError, match=r"got a model with 15 quantized "
-                       r"layer\(s\) .*first 'token_embedding'.*"
-                       r"save_lora_weights"):
-        tfpar.pretrained.export_to_transformers(backbone, str(tmp_path))
-    assert not list(tmp_path.iterdir())  # nothing written
+def exported_and_loaded(backbone, path):
+    """`backbone` written by export_to_transformers to `path`, loaded back
+    into a fresh one-device keras-hub backbone."""
+    tfpar.pretrained.export_to_transformers(backbone, path)
+    loaded = tfpar.pretrained.transformers_backbone(path)
+    tfpar.pretrained.load_weights(loaded, path)
+    return loaded
 
+
+def test_an_int8_qlora_model_exports_dequantized(tmp_path):
+    """An int8 QLoRA Llama3 (untied head: int8 table, head, EinsumDense
+    and Dense kernels, LoRA on query and value) split on data 2 × model 4
+    exports as float weights: each loaded weight is the float weight it was
+    quantized from plus the LoRA product, within int8's rounding (max|w| /
+    254 per channel); before, Keras' `kernel` (the int8 matrix, plus the
+    LoRA product) was written as is."""
+    backbone_cls, lm_cls, arguments, _ = FAMILIES["llama3"]
+    keras.utils.set_random_seed(0)
+    float_weights = {w.path: np.asarray(w)
+                     for w in backbone_cls(**arguments).weights}
+    mesh = tfpar.Mesh({"data": 2, "model": 4})
+    strategy = tfpar.ParallelStrategy(mesh, rules=tfpar.auto_rules(
+        lambda: backbone_cls(**arguments), mesh=mesh))
+    rng = np.random.default_rng(2)
+    with strategy.scope():
+        backbone = backbone_cls(**arguments)
+        for w in backbone.weights:
+            w.assign(float_weights[w.path])
+        backbone.quantize("int8")
+        backbone.enable_lora(RANK)
+        for w in backbone.weights:
+            if w.path.endswith(tfpar.layout.LORA_FACTORS):
+                w.assign(0.1 * rng.normal(size=w.shape).astype("float32"))
+    expected = dict(float_weights)
+    for layer in _compat.all_layers(backbone):
+        if getattr(layer, "lora_enabled", False):
+            path = layer._kernel.path.replace("_kernel", "kernel")
+            expected[path] = expected[path] + np.matmul(
+                np.asarray(layer.lora_kernel_a),
+                np.asarray(layer.lora_kernel_b)) * layer.lora_alpha / RANK
+    loaded = exported_and_loaded(backbone, str(tmp_path))
+    rounded = []
+    for w in loaded.weights:
+        want = expected[w.path]
+        error = relative_error(want, np.asarray(w))
+        assert error <= 1 / 127, (w.path, error)
+        rounded += [error] if error > 0 else []
+    # int8's rounding on the 14 quantized kernels and the two tables (the
+    # norms' scales exact), the LoRA products merged
+    assert len(rounded) == 16
+    x = {"token_ids": np.arange(1, 17, dtype="int32").reshape(2, 8),
+         "padding_mask": np.ones((2, 8), "int32")}
+    assert relative_error(backbone.predict(x, verbose=0),
+                          loaded.predict(x, verbose=0)) < 0.05
+
+
+def test_a_float8_model_exports_as_is_and_int4_is_refused(tmp_path):
+    """float8 keeps the float kernels (its scales are the activations'):
+    exported exactly. int4 (packed, grouped scales) is refused by name,
+    before anything is written."""
+    backbone_cls, _, arguments, _ = FAMILIES["llama3"]
+    keras.utils.set_random_seed(0)
+    backbone = backbone_cls(**arguments)
+    weights = [np.asarray(w) for w in backbone.weights]
+    backbone.quantize("float8")
+    loaded = exported_and_loaded(backbone, str(tmp_path / "float8"))
+    for want, got in zip(weights, loaded.weights):
+        np.testing.assert_array_equal(want, np.asarray(got))
+    other = backbone_cls(**arguments)
+    other.quantize("int4")
+    with pytest.raises(ValueError, match=r"layer 'token_embedding' "
+                       r"\(ReversibleEmbedding\) is quantized as 'int4'.*"
+                       r"save_lora_weights"):
+        tfpar.pretrained.export_to_transformers(other, str(tmp_path / "int4"))
+    assert not (tmp_path / "int4").exists()  # nothing written
 
 
 def test_estimates_of_lora_and_int8_fine_tunes():

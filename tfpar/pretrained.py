@@ -453,21 +453,119 @@ def _backbone(model):
     return getattr(model, "backbone", model)
 
 
-def _check_not_quantized(backbone):
-    """Refuses a backbone with layers quantized by Keras' `quantize`: a
-    Hugging Face checkpoint holds float weights, and Keras' `kernel` of an
-    int8 layer is its int8 matrix (written as is, the export would load
-    as different weights, with no error)."""
-    quantized = [layer.path for layer in _compat.all_layers(backbone)
-                 if getattr(layer, "quantization_mode", None) is not None]
-    if quantized:
-        raise ValueError(
-            f"export_to_transformers(model) got a model with "
-            f"{len(quantized)} quantized layer(s) (Keras' `quantize`; "
-            f"first {quantized[0]!r}): a Hugging Face checkpoint holds "
-            "float weights, and Keras keeps no float copy of a quantized "
-            "one. Export the float model (before `quantize`); after QLoRA, "
-            "save the adapters with `backbone.save_lora_weights(path)`.")
+# Keras' modes whose layers keep their float weights (float8 adds scales
+# for the inputs and outputs only); int8 is written dequantized.
+_FLOAT_WEIGHT_MODES = (None, "float8")
+
+
+def _dequantized_weights(backbone):
+    """{id(stored int8 variable): _Deferred of the float weight it stands
+    for} of every int8 layer of `backbone`, LoRA merged.
+
+    Keras' int8 (`quantize("int8")`) keeps q = round(w · scale) with one
+    scale per output channel of a kernel (Dense: (units,), EinsumDense:
+    Keras' reduced layout, `_adjust_scale_for_dequant` brings it back) and
+    per row of a table (Embedding: (input_dim,); an untied
+    ReversibleEmbedding's output table (output_dim, input_dim): one per
+    column), so the float weight is q / scale, plus (alpha / rank) · A @ B
+    with LoRA (what the layer computes; the export is the model that was
+    trained, with int8's rounding: |error| ≤ max|w| / 254 per channel).
+    Other modes (int4, GPTQ, AWQ) and other quantized layers are refused,
+    naming the first."""
+    table = {}
+    for layer in _compat.all_layers(backbone):
+        mode = getattr(layer, "quantization_mode", None)
+        if mode in _FLOAT_WEIGHT_MODES:
+            continue
+        if mode != "int8" or not isinstance(layer, (
+                keras.layers.Dense, keras.layers.EinsumDense,
+                keras.layers.Embedding)):
+            raise ValueError(
+                f"export_to_transformers(model) writes float weights and "
+                f"dequantizes int8 Dense, EinsumDense and Embedding layers; "
+                f"layer {layer.path!r} ({type(layer).__name__}) is quantized "
+                f"as {mode!r}, which it cannot dequantize. Export the float "
+                "model (before `quantize`) or quantize with 'int8'; after "
+                "QLoRA, `backbone.save_lora_weights(path)` keeps the "
+                "adapters.")
+        table.update(_int8_layer_weights(layer))
+    return table
+
+
+def _int8_layer_weights(layer):
+    """`_dequantized_weights` of one int8 layer."""
+    dtype = keras.backend.standardize_dtype(layer.variable_dtype)
+    lora = (layer.lora_alpha / layer.lora_rank) if layer.lora_enabled else 0
+    if isinstance(layer, keras.layers.Embedding):
+        found = {id(layer._embeddings): _dequantize(
+            layer._embeddings, layer.embeddings_scale,
+            lambda scale: scale[:, None], dtype,
+            (layer.lora_embeddings_a, layer.lora_embeddings_b, lora)
+            if lora else None)}
+        if not getattr(layer, "tie_weights", True):
+            found[id(layer.reverse_embeddings)] = _dequantize(
+                layer.reverse_embeddings, layer.reverse_embeddings_scale,
+                lambda scale: scale[None, :], dtype)
+        return found
+    if isinstance(layer, keras.layers.EinsumDense):
+        def to_kernel(scale):
+            return keras.ops.convert_to_numpy(
+                layer._adjust_scale_for_dequant(scale))
+    else:
+        def to_kernel(scale):  # (units,): the kernel's last axis
+            return scale
+    return {id(layer._kernel): _dequantize(
+        layer._kernel, layer.kernel_scale, to_kernel, dtype,
+        (layer.lora_kernel_a, layer.lora_kernel_b, lora) if lora else None)}
+
+
+def _dequantize(stored, scale, to_weight_shape, dtype, lora=None):
+    """A _Deferred of stored / to_weight_shape(scale), plus
+    (alpha / rank) · A @ B when `lora` (A, B, alpha / rank) is given."""
+
+    def compute(q, s, *factors):
+        weight = q.astype("float32") / np.asarray(to_weight_shape(s),
+                                                  "float32")
+        if factors:
+            weight = weight + lora[2] * np.matmul(*factors)
+        return weight.astype(tf.dtypes.as_dtype(dtype).as_numpy_dtype)
+
+    inputs = [stored, scale] + (list(lora[:2]) if lora else [])
+    return _Deferred(compute, inputs, stored.shape, dtype)
+
+
+@contextlib.contextmanager
+def _lora_unmerged(backbone):
+    """While keras-hub's map reads them, an int8 layer with LoRA gives its
+    stored variable (Keras would add the float LoRA product to the int8
+    matrix itself), which `_dequantized_weights` then replaces."""
+    quantized = [layer for layer in _compat.all_layers(backbone)
+                 if getattr(layer, "quantization_mode", None)
+                 not in _FLOAT_WEIGHT_MODES and layer.lora_enabled]
+    for layer in quantized:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in quantized:
+            layer.lora_enabled = True
+
+
+def _substituted(x, table):
+    """(`x` with each stored variable of `table` replaced by its float
+    _Deferred, the float dtype or None where nothing was replaced): a
+    keras-hub map entry made from int8 weights takes their float dtype."""
+    if isinstance(x, (list, tuple)):
+        pairs = [_substituted(item, table) for item in x]
+        return ([value for value, _ in pairs],
+                next((d for _, d in pairs if d is not None), None))
+    if isinstance(x, _Deferred):
+        inputs, dtype = _substituted(x.inputs, table)
+        if dtype is None:
+            return x, None
+        return _Deferred(x.function, inputs, x.shape, dtype), dtype
+    found = table.get(id(x))
+    return (x, None) if found is None else (found, found.dtype)
 
 
 def _read_json(path):
@@ -511,6 +609,10 @@ def export_to_transformers(model, path, max_shard_bytes=None):
     gets `lm_head.weight`: keras-hub leaves it out of a backbone's export,
     and the checkpoint would not load back.
 
+    A model quantized by Keras' `quantize("int8")` (QLoRA) is written
+    dequantized, each LoRA product merged (`_dequantized_weights`);
+    float8 as is; int4, GPTQ and AWQ are refused by layer name.
+
     Args:
         model: a keras-hub Backbone or a task with `.backbone`.
         path: the directory to write (made if missing).
@@ -522,7 +624,7 @@ def export_to_transformers(model, path, max_shard_bytes=None):
         The safetensors file names written.
     """
     backbone = _backbone(model)
-    _check_not_quantized(backbone)
+    dequantized = _dequantized_weights(backbone)
     exporter = importlib.import_module(
         "keras_hub.src.utils.transformers.export.hf_exporter")
     kind = type(backbone).__name__
@@ -532,10 +634,13 @@ def export_to_transformers(model, path, max_shard_bytes=None):
             f"{sorted(exporter.MODEL_EXPORTERS)}.")
     include_lm_head = model is not backbone or not getattr(
         backbone, "tie_word_embeddings", True)
-    tensors = _lazy_weights_map(exporter.MODEL_EXPORTERS[kind], backbone,
-                                include_lm_head)
-    if kind in _MAP_FIXES:
-        tensors.update(_MAP_FIXES[kind](backbone))
+    with _lora_unmerged(backbone):
+        tensors = _lazy_weights_map(exporter.MODEL_EXPORTERS[kind],
+                                    backbone, include_lm_head)
+        if kind in _MAP_FIXES:
+            tensors.update(_MAP_FIXES[kind](backbone))
+    tensors = {name: _substituted(value, dequantized)[0]
+               for name, value in tensors.items()}
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, _HF_CONFIG), "w") as f:
         json.dump(exporter.MODEL_CONFIGS[kind](backbone), f, indent=2)

@@ -4,7 +4,10 @@ Each test runs the same calls on a single-device twin built from the same
 initial weights and compares the results.
 """
 
+import contextlib
+
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -315,3 +318,65 @@ def test_distiller_trains_the_student_as_one_device():
         np.testing.assert_array_equal(before, after)
     up = parallel.student.get_layer("up").kernel
     models.assert_one_block_per_device(up, (None, "model"))
+
+
+def test_class_weight_validation_split_and_weighted_metrics():
+    """Keras turns `class_weight` into sample weights and holds out the
+    last quarter for validation: logs and weights as one device's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 3, 64)
+    pair = twins()
+    runs = []
+    for model in pair:
+        model.compile(optimizer="adam", metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), weighted_metrics=["accuracy"])
+        runs.append(model.fit(
+            x, y, batch_size=16, epochs=2, class_weight={0: 1, 1: 3, 2: 0.5},
+            validation_split=0.25, shuffle=False, verbose=0).history)
+    assert_logs_close(*runs)
+    assert "val_weighted_accuracy" in runs[1]
+    assert_weights_close(*pair)
+
+
+@pytest.mark.slow
+def test_a_keras_hub_task_with_its_preprocessor_trains_on_strings():
+    """GPT2CausalLM with its tokenizer and preprocessor: `fit` on raw
+    strings (tokenized in the input pipeline), then `generate` on a
+    string, on data 2 × model 4 as on one device."""
+    vocabulary = {"<|endoftext|>": 0, "a": 1, "b": 2, "c": 3, "Ġ": 4,
+                  "Ġa": 5, "Ġb": 6, "ab": 7, "Ġc": 8}
+    texts = ["a b c ab", "b a c", "ab ab a", "c c b a", "a", "b b b",
+             "c a b", "ab c"] * 2
+    mesh = tfpar.Mesh({"data": 2, "model": 4})
+    strategy = tfpar.ParallelStrategy(mesh)
+    runs = []
+    for scope in (None, strategy):
+        with scope.scope() if scope else contextlib.nullcontext():
+            keras.utils.set_random_seed(1)
+            tokenizer = keras_hub.models.GPT2Tokenizer(
+                vocabulary=vocabulary, merges=["Ġ a", "Ġ b", "a b", "Ġ c"])
+            lm = keras_hub.models.GPT2CausalLM(
+                keras_hub.models.GPT2Backbone(
+                    vocabulary_size=9, num_layers=1, num_heads=4,
+                    hidden_dim=16, intermediate_dim=32,
+                    max_sequence_length=8, dropout=0.0),
+                preprocessor=keras_hub.models.GPT2CausalLMPreprocessor(
+                    tokenizer, sequence_length=8))
+            if scope:
+                scope.apply_rules(lm, tfpar.auto_rules(lm, mesh=mesh))
+            lm.compile(optimizer="sgd")
+        history = lm.fit(texts, batch_size=8, epochs=2, shuffle=False,
+                         verbose=0).history
+        runs.append((history, lm, lm.generate(["a b"], max_length=8)))
+    (one, single, text), (many, parallel, parallel_text) = runs
+    assert_logs_close(one, many)
+    assert text == parallel_text
+    for a, b in zip(single.weights, parallel.weights):
+        # softmax ignores the key bias: its gradient is rounding noise
+        if not a.path.endswith("key/bias"):
+            assert models.relative_error(a, b) < RTOL, a.path
+    query = parallel.backbone.get_layer("transformer_layer_0")
+    models.assert_one_block_per_device(
+        query._self_attention_layer._query_dense.kernel, (None, "model", None))

@@ -3,7 +3,9 @@
     python -m tfpar.launch --hosts 2 --virtual-cpus 4 \
         hosts_pipeline_child.py WORKDIR CASE...
 
-Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]", e.g.
+Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]" (or
+"AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
+"AXES:SCHEDULE:sgd:dropout": `run_dropout`), e.g.
 "pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
 `tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
 Keras' defaults). For each case the script (nothing host-specific:
@@ -31,6 +33,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
+import hub_models  # noqa: E402
 import models  # noqa: E402
 
 
@@ -76,7 +79,76 @@ def checkpoint(workdir, case, pipe, given, out):
         out[f"{name}_losses"] = np.array(losses.losses)
 
 
+def run_hub(workdir, case):
+    """Case "AXES:SCHEDULE:adam:hub-NAME": keras-hub's causal LM NAME,
+    Adam(1e-3)
+    (`hub_models`: GPT-2's tied table, read again by its output head, is
+    held on the last stage as a persistent copy), `auto_rules` inside the
+    stages, from WORKDIR/hub-NAME.npz; per-batch losses and final weights,
+    and the copies' values, which must equal their weights'."""
+    name = case.rsplit("hub-", 1)[1]
+    given = np.load(f"{workdir}/hub-{name}.npz")
+    axes = case.split(":")[0]
+    shape = {a: int(n) for a, n in re.findall(r"([a-z]+)(\d+)", axes)}
+    mesh = tfpar.Mesh(shape)
+    build = hub_models.BUILDERS[name]
+    strategy = tfpar.ParallelStrategy(mesh, rules=tfpar.auto_rules(
+        build, mesh=mesh))
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(build(), num_microbatches=2,
+                                   schedule=case.split(":")[1])
+        pipe.set_weights([given[f"w{i}"] for i in range(len(given) - 2)])
+        pipe.compile(optimizer=keras.optimizers.Adam(1e-3),
+                     loss=hub_models.loss(name))
+    x, y = {"token_ids": given["x"],
+            "padding_mask": np.ones_like(given["x"])}, given["y"]
+    losses = models.BatchLosses()
+    pipe.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+             callbacks=[losses])
+    out = {"losses": np.array(losses.losses),
+           "copies": np.array([c.variable.path for c in pipe.ties.copies])}
+    out.update({f"w{i}": w for i, w in enumerate(pipe.get_weights())})
+    for i, copy in enumerate(pipe.ties.copies):
+        out[f"copy{i}"] = tfpar.placement.fetch(
+            copy.variable.value.read_value())
+        out[f"copy{i}_weight"] = tfpar.placement.fetch(
+            copy.weight.value.read_value())
+    np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
+             **{k: np.asarray(v) for k, v in out.items()})
+
+
+def run_dropout(workdir, case):
+    """Case "AXES:SCHEDULE:sgd:dropout": `models.host_token_mlp` cut at
+    "mid" (an embedding lookup and Dropout on stage 0, host 0, whose
+    backward recomputes its forward),
+    SGD(0.1), 2 micro-batches, two epochs of WORKDIR/dropout.npz in order
+    (the seeds set as the test's one-device run sets them); its final
+    weights."""
+    given = np.load(f"{workdir}/dropout.npz")
+    shape = {a: int(n) for a, n in
+             re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape))
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        pipe = tfpar.PipelineModel(models.host_token_mlp(),
+                                   num_microbatches=2,
+                                   schedule=case.split(":")[1],
+                                   stage_boundaries=["mid"])
+        pipe.set_weights([given[f"w{i}"] for i in range(len(given) - 2)])
+        pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    pipe.fit(given["x"], given["y"], batch_size=16, epochs=2,
+             shuffle=False, verbose=0)
+    np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
+             **{f"w{i}": w for i, w in enumerate(pipe.get_weights())})
+
+
 def run(workdir, case):
+    if ":hub-" in case:
+        run_hub(workdir, case)
+        return
+    if case.endswith(":dropout"):
+        run_dropout(workdir, case)
+        return
     given = np.load(f"{workdir}/given.npz")
     deep = case.startswith("pipe4")
     pipe = build(case, [given[f"{'d' if deep else 'w'}{i}"]
@@ -123,21 +195,23 @@ def refused(build, fit=False, **options):
     return ""
 
 
-def dropout_mlp():
-    return keras.Sequential([keras.Input((16,)),
-                             keras.layers.Dense(8, name="d0"),
-                             keras.layers.Dropout(0.5, name="drop"),
-                             keras.layers.Dense(3, name="d1")])
+def tied_mlp():
+    """Layer "shared" called first and again on the last stage."""
+    shared = keras.layers.Dense(16, name="shared")
+    x = keras.Input((16,))
+    h = keras.layers.Dense(16, name="mid")(shared(x))
+    return keras.Model(x, keras.layers.Dense(3, name="out")(shared(h)))
 
 
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
-    zero-bubble schedule, interleaving, a random layer, per-host input,
+    zero-bubble schedule, interleaving, tied weights sent
+    in every micro-batch (tied_weights="per_step"), per-host input,
     record_timeline (at fit), and a mesh whose stages would straddle the
     hosts (pipe not first)."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
            "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
-           "random": refused(dropout_mlp),
+           "tied_per_step": refused(tied_mlp, tied_weights="per_step"),
            "per_host": refused(models.host_mlp, per_host_input=True),
            "timeline": refused(models.host_mlp, fit=True,
                                record_timeline=True)}

@@ -34,12 +34,21 @@ actions from Python instead, on every host in the same order:
   collective). Under a `LossScaleOptimizer` all parts skip an overflowing
   step together (`tfpar.pipeline.loss_scale`): each part's finite flag
   moves through the bridge to the last part, whose verdict (a factor, 1
-  or NaN) comes back to every part before it applies.
+  or NaN) comes back to every part before it applies;
+- weights tied across stages (a causal LM's embedding read again by its
+  output head; frozen weights a later stage reads) are held as on one
+  host, a persistent copy on each later stage (`tfpar.pipeline.tied`);
+  after the last action each copy's gradient sum moves to the weight's
+  home part, is added there, and the sum moves back to every copy
+  (`TiedAcrossHosts`: two weight-sized moves per copy and step).
 
 Each backward recomputes its forward, so a step costs one more forward
-per stage but the last (whose forward runs inside its backward); hence
-random layers (Dropout) are refused, as are zero-bubble schedules,
-interleaving and weights tied across stages (`check_supported`).
+per stage but the last (whose forward runs inside its backward); the
+random seeds F(k, i) drew (Dropout's masks) are returned with its outputs
+and replayed by B(k, i) (`step_context.Seeds`), so the recomputation
+draws the same numbers: random layers train as on one host. Zero-bubble
+schedules, interleaving and `tied_weights="per_step"` are refused
+(`check_supported`).
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -52,6 +61,8 @@ tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
 >>> pipe.fit(x, y, batch_size=16)                         # doctest: +SKIP
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -61,6 +72,7 @@ from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar import step_context
 from tfpar.mesh import Mesh
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
@@ -73,17 +85,15 @@ def spans_hosts(extended):
     return dtensor.num_clients() > 1 and len(extended.stage_meshes) > 1
 
 
-def check_supported(model, parts, schedule, extended):
+def check_supported(model, parts, schedule, extended, tied_weights):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, interleaving, weights
-    tied across stages, random layers (each backward recomputes its
-    forward, which would draw other random numbers). (Per-host input is
+    tied across stages sent in every micro-batch (`tied_weights=
+    "per_step"`: a move inside a stage's step). (Per-host input is
     refused by the strategy: the pipe axis along the hosts gives every
     host every data coordinate.)"""
     if not spans_hosts(extended):
         return
-    random = [layer.name for layer in _compat.all_layers(model)
-              if getattr(layer, "seed_generator", None) is not None]
     problem = None
     if schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
@@ -91,11 +101,11 @@ def check_supported(model, parts, schedule, extended):
     elif schedule.virtual_stages > 1:
         problem = (f"virtual_stages={schedule.virtual_stages}",
                    "virtual_stages=1")
-    elif any(part.shared or part.guests for part in parts):
-        problem = ("weights tied across stages", "untied weights")
-    elif random:
-        problem = (f"random layers {random} (each backward recomputes its "
-                   "forward)", "rate=0 or no such layers")
+    elif tied_weights == "per_step" and any(
+            part.shared or part.guests for part in parts):
+        problem = ("tied_weights='per_step' (weights tied across stages "
+                   "sent in every micro-batch)",
+                   "tied_weights='persistent' (the default)")
     if problem is not None:
         raise ValueError(
             "Pipeline stages on different hosts run a host-driven step "
@@ -228,6 +238,87 @@ def check_no_masks_across(parts):
                 "that reads the mask, or keep the stages on one host.")
 
 
+def _portable(gradients):
+    """A part's gradient sums as every host can pass them to a compiled
+    function: each IndexedSlices (an embedding lookup's rows) without its
+    dense shape, a tensor that a host not holding the part cannot read —
+    tracing a function reads it, and that host crashed
+    (`_with_dense_shape` restores it inside the function)."""
+    return [tf.IndexedSlices(g.values, g.indices)
+            if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+
+
+def _whole(tensor):
+    """The spec of `tensor` replicated."""
+    return (None,) * tensor.shape.rank
+
+
+def _with_dense_shape(gradient, shape):
+    """Inside a stage function: a `_portable` IndexedSlices with the dense
+    shape of its variable (static `shape`) again."""
+    if isinstance(gradient, tf.IndexedSlices) and \
+            gradient.dense_shape is None:
+        return tf.IndexedSlices(gradient.values, gradient.indices,
+                                tf.constant(tuple(shape), tf.int32))
+    return gradient
+
+
+class TiedAcrossHosts:
+    """Weights tied across stages on different hosts: the gradient
+    exchange of `CrossHostRunner` (`exchange`), its compiled parts the
+    runner's "tie_sum" and "tied_layout" stage functions."""
+
+    def __init__(self, ties, bridge, meshes, stage_function):
+        self._ties, self._bridge, self._meshes = ties, bridge, meshes
+        self._stage_function = stage_function
+
+    def exchange(self, sums):
+        """Weights tied across stages (`tfpar.pipeline.tied`: a persistent
+        copy on each later stage that reads one): the one-host step's
+        `TiedWeights.exchange` through the bridge. Each copy's gradient
+        sum g_c moves to the weight's home part, which adds them,
+        g = g_home + Σ_c g_c (a compiled sum on its mesh), and g moves back
+        to every copy: home and copies apply one g, so they stay equal."""
+        for copies in self._ties.trained_copies():
+            weight, home, j = copies[0].weight, copies[0].home.index, \
+                copies[0].index
+            terms = [self._move(sums[c.holder.index][c.slot], weight,
+                                c.holder.index, home)
+                     for c in copies if sums[c.holder.index][c.slot]
+                     is not None]
+            total = sums[home][j]
+            if terms:
+                total = self._stage_function("tie_sum", home)(
+                    total, terms, tuple(weight.shape))
+            if total is None:
+                continue  # no micro-batch reached it: zeros everywhere
+            sums[home][j] = total
+            for c in copies:
+                sums[c.holder.index][c.slot] = self._move(
+                    total, weight, home, c.holder.index)
+
+    def _move(self, gradient, weight, source, target):
+        """A tied weight's gradient sum from part `source` to `target`:
+        dense laid out as the weight; sparse (an embedding lookup's
+        IndexedSlices) as its rows and their indices, whole."""
+        spec = self._ties.spec_of(weight)
+        # Laid out in a compiled function of the source's (an eager
+        # relayout on the host not holding it would crash that host), so
+        # the bridge's own relayout has nothing to do.
+        gradient = self._stage_function("tied_layout", source)(gradient,
+                                                               spec)
+
+        def move(tensor, layout):
+            return self._bridge.move(tensor, self._meshes[source],
+                                     self._meshes[target], layout)
+
+        if isinstance(gradient, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                move(gradient.values, _whole(gradient.values)),
+                move(gradient.indices, (None,)))
+        return move(gradient, spec)
+
+
 class CrossHostRunner(PipelineRunner):
     """The host-driven train/test/predict step of a `PipelineModel` whose
     stages live on different hosts (see module doc).
@@ -251,6 +342,9 @@ class CrossHostRunner(PipelineRunner):
         check_no_masks_across(self._parts)
         self.bridge = Bridge()
         self._stage_functions = {}
+        self._drawn = {}
+        self._tied = TiedAcrossHosts(self._ties, self.bridge, self._meshes,
+                                     self._stage_function)
 
     # -- host side -----------------------------------------------------------
 
@@ -318,6 +412,7 @@ class CrossHostRunner(PipelineRunner):
 
     def _train(self, xs, targets, split, rows):
         sums = self._gradient_sums(xs, targets, split, rows)
+        self._tied.exchange(sums)
         for k, (part_sums, factor) in enumerate(
                 zip(sums, self._overflow_factors(sums))):
             self._stage_function("apply", k)(part_sums, factor)
@@ -326,6 +421,7 @@ class CrossHostRunner(PipelineRunner):
         """Every action of the schedule; each part's weight gradients
         summed over the micro-batches (on its mesh)."""
         schedule = self._schedule_for(len(xs))
+        self._drawn = {}  # (part, micro-batch) -> the seeds its F drew
         inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
         sums = [None] * len(self._parts)
@@ -360,8 +456,8 @@ class CrossHostRunner(PipelineRunner):
         part's forward runs inside its backward)."""
         if k == len(self._parts) - 1:
             return
-        outputs = self._stage_function("forward", k, True)(
-            inputs[k, i], split)
+        outputs, self._drawn[k, i] = self._stage_function(
+            "forward_drawing", k)(inputs[k, i], split)
         inputs[k + 1, i] = self._send(outputs, k, k + 1, split)
 
     def _backward_action(self, k, i, inputs, incoming, targets, sums, how):
@@ -371,7 +467,9 @@ class CrossHostRunner(PipelineRunner):
         last = k == len(self._parts) - 1
         gradients, weights = self._stage_function("backward", k)(
             inputs.pop((k, i)), incoming.pop((k, i), None),
-            targets[i] if last else None, scale, rows, split)
+            targets[i] if last else None, scale, rows, split,
+            self._drawn.pop((k, i), None))
+        weights = _portable(weights)
         sums[k] = list(weights) if sums[k] is None else [
             b if a is None else a if b is None else accumulate(a, b)
             for a, b in zip(sums[k], weights)]
@@ -420,6 +518,13 @@ class CrossHostRunner(PipelineRunner):
                                                  part.mesh), part.mesh)
                 for o in outputs]
 
+    def _forward_drawing_body(self, part, training, values, split):
+        """F(k, i) training: (the outputs, the random seeds its layers drew,
+        which B(k, i) replays)."""
+        with step_context.pushed("seeds", step_context.Seeds()) as drawn:
+            outputs = self._forward_body(part, training, values, split)
+        return outputs, drawn.values
+
     def _metrics_of(self, outputs, own_loss, targets):
         """(y_pred, y, sample_weight, loss) of the last part's outputs."""
         y, sample_weight = targets
@@ -434,9 +539,10 @@ class CrossHostRunner(PipelineRunner):
                                                      targets))
 
     def _backward_body(self, part, training, values, gradients, targets,
-                       scale, rows, split):
-        """The part's forward again under a tape, then its backward:
-        (its inputs' gradients, its weights' gradients)."""
+                       scale, rows, split, drawn):
+        """The part's forward again under a tape, with the seeds its F drew
+        (`drawn`; None for the last part, which has no F: it draws), then
+        its backward: (its inputs' gradients, its weights' gradients)."""
         del training
         part.start_step()
         if gradients is not None:
@@ -451,13 +557,36 @@ class CrossHostRunner(PipelineRunner):
             loss = seen[0][-1]
             return self._model.optimizer.scale_loss(loss * scale), loss
 
-        part.forward(0, list(values), objective_of, False)
+        replay = step_context.Seeds(drawn or (), replaying=True)
+        with step_context.pushed("seeds", replay) if drawn is not None \
+                else contextlib.nullcontext():
+            part.forward(0, list(values), objective_of, False)
         if seen:
             self._update_metrics(rows, *seen[0])
         grads, _ = part.backward(0, None)
         return ([None if g is None else placement.relayout(
             g, self._spec(g.shape.rank, split, part.mesh), part.mesh)
             for g in grads], list(part.gradient_sums))
+
+    def _tie_sum_body(self, part, training, total, terms, shape):
+        """On a tied weight's home part (of `shape`): its gradient sum plus
+        the copies' (`TiedAcrossHosts.exchange`)."""
+        del part, training
+        total = _with_dense_shape(total, shape)
+        for gradient in terms:
+            total = accumulate(total, _with_dense_shape(gradient, shape))
+        return total
+
+    def _tied_layout_body(self, part, training, gradient, spec):
+        """A tied weight's gradient sum laid out as the weight (`spec`), or
+        a sparse one's rows and indices whole (`TiedAcrossHosts`)."""
+        del training
+        if isinstance(gradient, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                placement.relayout(gradient.values, _whole(gradient.values),
+                                   part.mesh),
+                placement.relayout(gradient.indices, (None,), part.mesh))
+        return placement.relayout(gradient, spec, part.mesh)
 
     def _finite_body(self, part, training, sums):
         """1.0 when all the part's gradient sums are finite, else 0.0."""
@@ -472,5 +601,7 @@ class CrossHostRunner(PipelineRunner):
     def _apply_body(self, part, training, sums, factor):
         """The part's optimizer step on its sums (times `factor`, if any)."""
         del training
-        part.gradient_sums = [loss_scale.times(g, factor) for g in sums]
+        part.gradient_sums = [
+            loss_scale.times(_with_dense_shape(g, w.shape), factor)
+            for g, w in zip(sums, part.updated)]
         part.apply_gradients()

@@ -161,7 +161,8 @@ class PipelineModel(cross_host.MetricsOnEveryHost, keras.Model,
             _check_separable(model, full_schedule.name)
         layers = split_lib.split_model(model, num_stages * virtual_stages,
                                        stage_boundaries, costs)
-        cross_host.check_supported(model, layers, full_schedule, extended)
+        cross_host.check_supported(model, layers, full_schedule, extended,
+                                   tied_weights)
         super().__init__(name=name or f"pipeline_{model.name}")
         self.wrapped = model
         self._extended = extended

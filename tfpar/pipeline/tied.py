@@ -309,6 +309,20 @@ class TiedWeights:
                 move(indices, (None,)), gradient.dense_shape)
         return move(tf.convert_to_tensor(gradient), self._specs[id(weight)])
 
+    def trained_copies(self):
+        """The copies of each trained tied weight, one list per weight (in
+        the order the copies were made: the same on every host); frozen
+        weights' copies take no gradient."""
+        by_weight = {}
+        for copy in self.copies:
+            if copy.slot is not None:
+                by_weight.setdefault(id(copy.weight), []).append(copy)
+        return list(by_weight.values())
+
+    def spec_of(self, weight):
+        """The layout spec of tied `weight` at home (and of its copies)."""
+        return self._specs[id(weight)]
+
     def exchange(self):
         """After the step's last backward: each tied weight's gradient summed
         over its home and its copies, g = g_home + Σ_c g_c (each copy's sum
@@ -316,12 +330,7 @@ class TiedWeights:
         one g (sparse when every term is an embedding lookup's rows: a
         sparse update differs from a dense one in Keras' optimizers, and
         one device gives sparse rows then too; dense otherwise)."""
-        by_weight = {}
-        for copy in self.copies:
-            if copy.slot is None:  # a frozen weight's: no gradient
-                continue
-            by_weight.setdefault(id(copy.weight), []).append(copy)
-        for copies in by_weight.values():
+        for copies in self.trained_copies():
             w, home, j = copies[0].weight, copies[0].home, copies[0].index
             total = home.gradient_sums[j]
             for copy in copies:

@@ -371,8 +371,9 @@ class PipelineRunner(training.Runner):
         seen = {}
 
         def objective_of(outputs, own_loss):
-            if not last:
-                return (None if own_loss is None else own_loss * batch.scale,
+            if not last:  # loss-scaled as the last part's objective is
+                return (None if own_loss is None else
+                        part.optimizer.scale_loss(own_loss * batch.scale),
                         None)
             y, sample_weight = self._microbatch(batch.targets, i, -1,
                                                 batch.split)

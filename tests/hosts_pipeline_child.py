@@ -5,7 +5,7 @@
 
 Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]" (or
 "AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
-"AXES:SCHEDULE:sgd:dropout": `run_dropout`), e.g.
+"AXES:SCHEDULE:sgd:tokens": `run_tokens`), e.g.
 "pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
 `tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
 Keras' defaults). For each case the script (nothing host-specific:
@@ -84,8 +84,8 @@ def run_hub(workdir, case):
     Adam(1e-3)
     (`hub_models`: GPT-2's tied table, read again by its output head, is
     held on the last stage as a persistent copy), `auto_rules` inside the
-    stages, from WORKDIR/hub-NAME.npz; per-batch losses and final weights,
-    and the copies' values, which must equal their weights'."""
+    stages, from WORKDIR/hub-NAME.npz; per-batch losses, final weights and
+    evaluate, and the copies' values, which must equal their weights'."""
     name = case.rsplit("hub-", 1)[1]
     given = np.load(f"{workdir}/hub-{name}.npz")
     axes = case.split(":")[0]
@@ -106,6 +106,8 @@ def run_hub(workdir, case):
     pipe.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
              callbacks=[losses])
     out = {"losses": np.array(losses.losses),
+           "evaluate": np.asarray(pipe.evaluate(x, y, batch_size=8,
+                                                verbose=0)),
            "copies": np.array([c.variable.path for c in pipe.ties.copies])}
     out.update({f"w{i}": w for i, w in enumerate(pipe.get_weights())})
     for i, copy in enumerate(pipe.ties.copies):
@@ -117,18 +119,15 @@ def run_hub(workdir, case):
              **{k: np.asarray(v) for k, v in out.items()})
 
 
-def run_dropout(workdir, case):
-    """Case "AXES:SCHEDULE:sgd:dropout": `models.host_token_mlp` cut at
-    "mid" (an embedding lookup and Dropout on stage 0, host 0, whose
-    backward recomputes its forward),
-    SGD(0.1), 2 micro-batches, two epochs of WORKDIR/dropout.npz in order
-    (the seeds set as the test's one-device run sets them); its final
-    weights."""
-    given = np.load(f"{workdir}/dropout.npz")
+def run_tokens(workdir, case):
+    """Case "AXES:SCHEDULE:sgd:tokens": `models.host_token_mlp` cut at
+    "mid" (an embedding lookup on stage 0, host 0), SGD(0.1), 2
+    micro-batches, two epochs of WORKDIR/tokens.npz in order; its final
+    weights and evaluate."""
+    given = np.load(f"{workdir}/tokens.npz")
     shape = {a: int(n) for a, n in
              re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape))
-    keras.utils.set_random_seed(1)
     with strategy.scope():
         pipe = tfpar.PipelineModel(models.host_token_mlp(),
                                    num_microbatches=2,
@@ -138,7 +137,10 @@ def run_dropout(workdir, case):
         pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     pipe.fit(given["x"], given["y"], batch_size=16, epochs=2,
              shuffle=False, verbose=0)
+    evaluated = pipe.evaluate(given["x"], given["y"], batch_size=16,
+                              verbose=0)
     np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
+             evaluate=np.asarray(evaluated),
              **{f"w{i}": w for i, w in enumerate(pipe.get_weights())})
 
 
@@ -146,8 +148,8 @@ def run(workdir, case):
     if ":hub-" in case:
         run_hub(workdir, case)
         return
-    if case.endswith(":dropout"):
-        run_dropout(workdir, case)
+    if case.endswith(":tokens"):
+        run_tokens(workdir, case)
         return
     given = np.load(f"{workdir}/given.npz")
     deep = case.startswith("pipe4")
@@ -195,6 +197,13 @@ def refused(build, fit=False, **options):
     return ""
 
 
+def dropout_mlp():
+    return keras.Sequential([keras.Input((16,)),
+                             keras.layers.Dense(8, name="d0"),
+                             keras.layers.Dropout(0.5, name="drop"),
+                             keras.layers.Dense(3, name="d1")])
+
+
 def tied_mlp():
     """Layer "shared" called first and again on the last stage."""
     shared = keras.layers.Dense(16, name="shared")
@@ -205,12 +214,13 @@ def tied_mlp():
 
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
-    zero-bubble schedule, interleaving, tied weights sent
+    zero-bubble schedule, interleaving, a random layer, tied weights sent
     in every micro-batch (tied_weights="per_step"), per-host input,
     record_timeline (at fit), and a mesh whose stages would straddle the
     hosts (pipe not first)."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
            "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
+           "random": refused(dropout_mlp),
            "tied_per_step": refused(tied_mlp, tied_weights="per_step"),
            "per_host": refused(models.host_mlp, per_host_input=True),
            "timeline": refused(models.host_mlp, fit=True,

@@ -43,12 +43,9 @@ actions from Python instead, on every host in the same order:
   (`TiedAcrossHosts`: two weight-sized moves per copy and step).
 
 Each backward recomputes its forward, so a step costs one more forward
-per stage but the last (whose forward runs inside its backward); the
-random seeds F(k, i) drew (Dropout's masks) are returned with its outputs
-and replayed by B(k, i) (`step_context.Seeds`), so the recomputation
-draws the same numbers: random layers train as on one host. Zero-bubble
-schedules, interleaving and `tied_weights="per_step"` are refused
-(`check_supported`).
+per stage but the last (whose forward runs inside its backward); hence
+random layers (Dropout) are refused, as are zero-bubble schedules,
+interleaving and `tied_weights="per_step"` (`check_supported`).
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -61,8 +58,6 @@ tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
 >>> pipe.fit(x, y, batch_size=16)                         # doctest: +SKIP
 """
 
-import contextlib
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -72,7 +67,6 @@ from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import placement
-from tfpar import step_context
 from tfpar.mesh import Mesh
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
@@ -89,11 +83,14 @@ def check_supported(model, parts, schedule, extended, tied_weights):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, interleaving, weights
     tied across stages sent in every micro-batch (`tied_weights=
-    "per_step"`: a move inside a stage's step). (Per-host input is
-    refused by the strategy: the pipe axis along the hosts gives every
-    host every data coordinate.)"""
+    "per_step"`: a move inside a stage's step), random layers (each
+    backward recomputes its forward, which would draw other random
+    numbers). (Per-host input is refused by the strategy: the pipe axis
+    along the hosts gives every host every data coordinate.)"""
     if not spans_hosts(extended):
         return
+    random = [layer.name for layer in _compat.all_layers(model)
+              if getattr(layer, "seed_generator", None) is not None]
     problem = None
     if schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
@@ -106,6 +103,9 @@ def check_supported(model, parts, schedule, extended, tied_weights):
         problem = ("tied_weights='per_step' (weights tied across stages "
                    "sent in every micro-batch)",
                    "tied_weights='persistent' (the default)")
+    elif random:
+        problem = (f"random layers {random} (each backward recomputes its "
+                   "forward)", "rate=0 or no such layers")
     if problem is not None:
         raise ValueError(
             "Pipeline stages on different hosts run a host-driven step "
@@ -342,7 +342,6 @@ class CrossHostRunner(PipelineRunner):
         check_no_masks_across(self._parts)
         self.bridge = Bridge()
         self._stage_functions = {}
-        self._drawn = {}
         self._tied = TiedAcrossHosts(self._ties, self.bridge, self._meshes,
                                      self._stage_function)
 
@@ -421,7 +420,6 @@ class CrossHostRunner(PipelineRunner):
         """Every action of the schedule; each part's weight gradients
         summed over the micro-batches (on its mesh)."""
         schedule = self._schedule_for(len(xs))
-        self._drawn = {}  # (part, micro-batch) -> the seeds its F drew
         inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
         sums = [None] * len(self._parts)
@@ -456,8 +454,8 @@ class CrossHostRunner(PipelineRunner):
         part's forward runs inside its backward)."""
         if k == len(self._parts) - 1:
             return
-        outputs, self._drawn[k, i] = self._stage_function(
-            "forward_drawing", k)(inputs[k, i], split)
+        outputs = self._stage_function("forward", k, True)(
+            inputs[k, i], split)
         inputs[k + 1, i] = self._send(outputs, k, k + 1, split)
 
     def _backward_action(self, k, i, inputs, incoming, targets, sums, how):
@@ -467,8 +465,7 @@ class CrossHostRunner(PipelineRunner):
         last = k == len(self._parts) - 1
         gradients, weights = self._stage_function("backward", k)(
             inputs.pop((k, i)), incoming.pop((k, i), None),
-            targets[i] if last else None, scale, rows, split,
-            self._drawn.pop((k, i), None))
+            targets[i] if last else None, scale, rows, split)
         weights = _portable(weights)
         sums[k] = list(weights) if sums[k] is None else [
             b if a is None else a if b is None else accumulate(a, b)
@@ -518,13 +515,6 @@ class CrossHostRunner(PipelineRunner):
                                                  part.mesh), part.mesh)
                 for o in outputs]
 
-    def _forward_drawing_body(self, part, training, values, split):
-        """F(k, i) training: (the outputs, the random seeds its layers drew,
-        which B(k, i) replays)."""
-        with step_context.pushed("seeds", step_context.Seeds()) as drawn:
-            outputs = self._forward_body(part, training, values, split)
-        return outputs, drawn.values
-
     def _metrics_of(self, outputs, own_loss, targets):
         """(y_pred, y, sample_weight, loss) of the last part's outputs."""
         y, sample_weight = targets
@@ -539,10 +529,9 @@ class CrossHostRunner(PipelineRunner):
                                                      targets))
 
     def _backward_body(self, part, training, values, gradients, targets,
-                       scale, rows, split, drawn):
-        """The part's forward again under a tape, with the seeds its F drew
-        (`drawn`; None for the last part, which has no F: it draws), then
-        its backward: (its inputs' gradients, its weights' gradients)."""
+                       scale, rows, split):
+        """The part's forward again under a tape, then its backward:
+        (its inputs' gradients, its weights' gradients)."""
         del training
         part.start_step()
         if gradients is not None:
@@ -557,10 +546,7 @@ class CrossHostRunner(PipelineRunner):
             loss = seen[0][-1]
             return self._model.optimizer.scale_loss(loss * scale), loss
 
-        replay = step_context.Seeds(drawn or (), replaying=True)
-        with step_context.pushed("seeds", replay) if drawn is not None \
-                else contextlib.nullcontext():
-            part.forward(0, list(values), objective_of, False)
+        part.forward(0, list(values), objective_of, False)
         if seen:
             self._update_metrics(rows, *seen[0])
         grads, _ = part.backward(0, None)

@@ -133,15 +133,10 @@ def run_tokens(workdir, case):
                                    num_microbatches=2,
                                    schedule=case.split(":")[1],
                                    stage_boundaries=["mid"])
-        pipe.set_weights([given[f"w{i}"] for i in range(len(given) - 2)])
-        pipe.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    pipe.fit(given["x"], given["y"], batch_size=16, epochs=2,
-             shuffle=False, verbose=0)
-    evaluated = pipe.evaluate(given["x"], given["y"], batch_size=16,
-                              verbose=0)
+        weights, evaluated = models.fit_tokens(pipe, given)
     np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
              evaluate=np.asarray(evaluated),
-             **{f"w{i}": w for i, w in enumerate(pipe.get_weights())})
+             **{f"w{i}": w for i, w in enumerate(weights)})
 
 
 def run(workdir, case):

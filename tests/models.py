@@ -390,6 +390,18 @@ def host_token_mlp():
                                              name="out")(h))
 
 
+def fit_tokens(model, given):
+    """`host_token_mlp` (or its pipeline) from `given`'s weights w<i>,
+    SGD(0.1) and mse, two epochs of batch 16 in order on its x, y:
+    (final weights, evaluate's loss)."""
+    model.set_weights([given[f"w{i}"] for i in range(len(given) - 2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(given["x"], given["y"], batch_size=16, epochs=2,
+              shuffle=False, verbose=0)
+    return model.get_weights(), model.evaluate(
+        given["x"], given["y"], batch_size=16, verbose=0)
+
+
 def host_deep_mlp():
     """A 5-layer MLP for pipelines of 4 stages across hosts
     (tests/test_hosts_pipeline.py)."""

@@ -125,17 +125,11 @@ def test_an_embedding_on_the_other_hosts_stage(default_run):
     step without reading the lookup's sparse gradient (reading it crashed
     host 1). Weights (SGD 0.1, two epochs of batch 16 in 2 micro-batches)
     and evaluate as one device's."""
-    given = np.load(default_run / "tokens.npz")
-    model = models.host_token_mlp()
-    model.set_weights([given[f"w{i}"] for i in range(len(given) - 2)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    model.fit(given["x"], given["y"], batch_size=16, epochs=2,
-              shuffle=False, verbose=0)
-    evaluated = model.evaluate(given["x"], given["y"], batch_size=16,
-                               verbose=0)
+    weights, evaluated = models.fit_tokens(
+        models.host_token_mlp(), np.load(default_run / "tokens.npz"))
     for h in (0, 1):
         host = np.load(default_run / f"{TOKENS}-host{h}.npz")
-        for i, want in enumerate(model.get_weights()):
+        for i, want in enumerate(weights):
             assert models.relative_error(want, host[f"w{i}"]) < RTOL
         assert models.relative_error(evaluated, host["evaluate"]) < RTOL
 

@@ -390,6 +390,17 @@ def host_token_mlp():
                                              name="out")(h))
 
 
+def host_tied_mlp():
+    """x -> shared -> mid -> shared again -> head: layer "shared" is called
+    on both stages of a 2-stage pipeline (a tied weight, held as a copy on
+    stage 1; tests/test_offload_hosts.py)."""
+    shared = keras.layers.Dense(16, activation="tanh", name="shared")
+    x = keras.Input((16,))
+    h = keras.layers.Dense(16, activation="tanh", name="mid")(shared(x))
+    return keras.Model(x, keras.layers.Dense(3, name="head")(shared(h)),
+                       name="tied_mlp")
+
+
 def fit_tokens(model, given):
     """`host_token_mlp` (or its pipeline) from `given`'s weights w<i>,
     SGD(0.1) and mse, two epochs of batch 16 in order on its x, y:

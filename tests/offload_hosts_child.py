@@ -329,7 +329,28 @@ def pipe_loss_scale_case(given):
     return out
 
 
+def pipe_tied_case(given):
+    """`models.host_tied_mlp` (its "shared" layer on both stages: a copy
+    on host 1) as a pipeline across the hosts, Adam, without and with
+    offload: losses, weights "w<i>", evaluate, and the copy's value."""
+    out = {}
+    for run, offload in (("plain", None), ("offload", "optimizer")):
+        strategy = pipe_strategy(offload)
+        pipe = pipe_model(strategy, "adam", models.host_tied_mlp)
+        with strategy.scope():
+            losses, weights, evaluated, _ = models.train_host_mlp(
+                pipe, given["x"], given["y"],
+                [given[f"t{i}"] for i in range(6)], "adam")
+        key = f"pipe_tied_{run}"
+        out.update({f"{key}_losses": losses, f"{key}_evaluate": evaluated,
+                    f"{key}_copy": tfpar.placement.fetch(
+                        pipe.ties.copies[0].variable.value.read_value())})
+        out.update({f"{key}_w{i}": w for i, w in enumerate(weights)})
+    return out
+
+
 PIPE_CASES = {"pipe_master": pipe_master_case,
+              "pipe_tied": pipe_tied_case,
               "pipe_loss_scale": pipe_loss_scale_case,
               "pipe_resume": pipe_resume_case}
 

@@ -53,12 +53,14 @@ def _run_hosts(workdir, configs):
     # at 2**20, and only that one: test_offload_pipeline's case.)
     keras.utils.set_random_seed(0)
     mixed = models.host_mixed_mlp().get_weights()
+    tied = models.host_tied_mlp().get_weights()
     rng = np.random.default_rng(0)
     np.savez(workdir / "given.npz", x=x, y=y,
              mx=rng.standard_normal((64, 16)).astype("float32"),
              my=rng.standard_normal((64, 8)).astype("float32"),
              **{f"w{i}": w for i, w in enumerate(weights)},
-             **{f"m{i}": w for i, w in enumerate(mixed)})
+             **{f"m{i}": w for i, w in enumerate(mixed)},
+             **{f"t{i}": w for i, w in enumerate(tied)})
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DTENSOR_", "TFPAR_"))}
     env["PYTHONPATH"] = os.pathsep.join(
@@ -157,7 +159,7 @@ def pipelines_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("offload_hosts_pipelines")
     return (workdir, *_run_hosts(workdir, [
         f"pipe{plain}_{name}" for name in PIPE_OPTIMIZERS
-        for plain in ("", "_plain")] + ["pipe_resume"]))
+        for plain in ("", "_plain")] + ["pipe_resume", "pipe_tied"]))
 
 
 def test_offload_across_hosts_fsdp(default_run):
@@ -323,6 +325,31 @@ def test_master_offload_across_hosts(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_tied_weight_in_a_cross_host_pipeline_with_offload(
+        pipelines_run):
+    """A layer called on both stages (its weights' copy on host 1, their
+    gradients summed between the hosts after each step) trains with
+    offload as without, both within 1e-4 of one device (Adam); the copy
+    equals its weight after training."""
+    workdir, results, _ = pipelines_run
+    given = np.load(workdir / "given.npz")
+    losses, weights, evaluated, _ = models.train_host_mlp(
+        models.host_tied_mlp(), given["x"], given["y"],
+        [given[f"t{i}"] for i in range(6)], "adam")
+    for host in results:
+        for run in ("plain", "offload"):
+            key = f"pipe_tied_{run}"
+            assert models.relative_error(losses, host[f"{key}_losses"]) < \
+                RTOL
+            assert models.relative_error(evaluated,
+                                         host[f"{key}_evaluate"]) < RTOL
+            for i, want in enumerate(weights):
+                assert models.relative_error(want, host[f"{key}_w{i}"]) < \
+                    RTOL, (run, i)
+            np.testing.assert_array_equal(host[f"{key}_copy"],
+                                          host[f"{key}_w0"])  # shared/kernel
+
+
 def test_offload_of_cross_host_pipelines_equals_no_offload(pipelines_run):
     """Adam (1F1B), SGD with momentum (GPipe) and plain SGD (1F1B, Keras'
     defaults) in the pipeline across hosts: with offload equal to the

@@ -411,14 +411,14 @@ class CrossHostRunner(PipelineRunner):
 
     def _train(self, xs, targets, split, rows):
         sums = self._gradient_sums(xs, targets, split, rows)
-        self._tied.exchange(sums)
         for k, (part_sums, factor) in enumerate(
                 zip(sums, self._overflow_factors(sums))):
             self._stage_function("apply", k)(part_sums, factor)
 
     def _gradient_sums(self, xs, targets, split, rows):
         """Every action of the schedule; each part's weight gradients
-        summed over the micro-batches (on its mesh)."""
+        summed over the micro-batches (on its mesh), tied weights' summed
+        between their stages (`TiedAcrossHosts`)."""
         schedule = self._schedule_for(len(xs))
         inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
@@ -430,6 +430,7 @@ class CrossHostRunner(PipelineRunner):
             else:
                 self._backward_action(k, i, inputs, incoming, targets,
                                       sums, (split, rows, 1.0 / len(xs)))
+        self._tied.exchange(sums)
         return sums
 
     def _overflow_factors(self, sums):

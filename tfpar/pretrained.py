@@ -458,21 +458,12 @@ def _backbone(model):
 _FLOAT_WEIGHT_MODES = (None, "float8")
 
 
-def _dequantized_weights(backbone):
-    """{id(stored int8 variable): _Deferred of the float weight it stands
-    for} of every int8 layer of `backbone`, LoRA merged.
-
-    Keras' int8 (`quantize("int8")`) keeps q = round(w · scale) with one
-    scale per output channel of a kernel (Dense: (units,), EinsumDense:
-    Keras' reduced layout, `_adjust_scale_for_dequant` brings it back) and
-    per row of a table (Embedding: (input_dim,); an untied
-    ReversibleEmbedding's output table (output_dim, input_dim): one per
-    column), so the float weight is q / scale, plus (alpha / rank) · A @ B
-    with LoRA (what the layer computes; the export is the model that was
-    trained, with int8's rounding: |error| ≤ max|w| / 254 per channel).
-    Other modes (int4, GPTQ, AWQ) and other quantized layers are refused,
-    naming the first."""
-    table = {}
+def _int8_layers(backbone):
+    """The layers of `backbone` quantized by Keras' `quantize("int8")`
+    (float8 layers keep their float weights); any other quantized layer
+    (int4, GPTQ, AWQ, or a kind `_int8_layer_weights` does not know) is
+    refused, naming the first."""
+    found = []
     for layer in _compat.all_layers(backbone):
         mode = getattr(layer, "quantization_mode", None)
         if mode in _FLOAT_WEIGHT_MODES:
@@ -488,6 +479,24 @@ def _dequantized_weights(backbone):
                 "model (before `quantize`) or quantize with 'int8'; after "
                 "QLoRA, `backbone.save_lora_weights(path)` keeps the "
                 "adapters.")
+        found.append(layer)
+    return found
+
+
+def _dequantized_weights(layers):
+    """{id(stored int8 variable): _Deferred of the float weight it stands
+    for} of every int8 layer of `layers` (`_int8_layers`), LoRA merged.
+
+    Keras' int8 (`quantize("int8")`) keeps q = round(w · scale) with one
+    scale per output channel of a kernel (Dense: (units,), EinsumDense:
+    Keras' reduced layout, `_adjust_scale_for_dequant` brings it back) and
+    per row of a table (Embedding: (input_dim,); an untied
+    ReversibleEmbedding's output table (output_dim, input_dim): one per
+    column), so the float weight is q / scale, plus (alpha / rank) · A @ B
+    with LoRA (what the layer computes; the export is the model that was
+    trained, with int8's rounding: |error| ≤ max|w| / 254 per channel)."""
+    table = {}
+    for layer in layers:
         table.update(_int8_layer_weights(layer))
     return table
 
@@ -535,13 +544,12 @@ def _dequantize(stored, scale, to_weight_shape, dtype, lora=None):
 
 
 @contextlib.contextmanager
-def _lora_unmerged(backbone):
-    """While keras-hub's map reads them, an int8 layer with LoRA gives its
-    stored variable (Keras would add the float LoRA product to the int8
-    matrix itself), which `_dequantized_weights` then replaces."""
-    quantized = [layer for layer in _compat.all_layers(backbone)
-                 if getattr(layer, "quantization_mode", None)
-                 not in _FLOAT_WEIGHT_MODES and layer.lora_enabled]
+def _lora_unmerged(layers):
+    """While keras-hub's map reads them, each int8 layer of `layers` with
+    LoRA gives its stored variable (Keras would add the float LoRA product
+    to the int8 matrix itself), which `_dequantized_weights` then
+    replaces."""
+    quantized = [layer for layer in layers if layer.lora_enabled]
     for layer in quantized:
         layer.lora_enabled = False
     try:
@@ -624,7 +632,8 @@ def export_to_transformers(model, path, max_shard_bytes=None):
         The safetensors file names written.
     """
     backbone = _backbone(model)
-    dequantized = _dequantized_weights(backbone)
+    int8 = _int8_layers(backbone)
+    dequantized = _dequantized_weights(int8)
     exporter = importlib.import_module(
         "keras_hub.src.utils.transformers.export.hf_exporter")
     kind = type(backbone).__name__
@@ -634,7 +643,7 @@ def export_to_transformers(model, path, max_shard_bytes=None):
             f"{sorted(exporter.MODEL_EXPORTERS)}.")
     include_lm_head = model is not backbone or not getattr(
         backbone, "tie_word_embeddings", True)
-    with _lora_unmerged(backbone):
+    with _lora_unmerged(int8):
         tensors = _lazy_weights_map(exporter.MODEL_EXPORTERS[kind],
                                     backbone, include_lm_head)
         if kind in _MAP_FIXES:

@@ -166,8 +166,9 @@ L/p blocks (1F1B; × (1 + (p-1)/(p·v)) interleaved, m with GPipe);
 weights `param_bytes`, fp32 gradients and optimizer slots of the
 `trainable_share` that trains (/d with fsdp; a replicated head's not
 split over t), the last stage's fp32 logits and their gradient (T·V/t,
-or T·V when the head is not vocabulary-parallel), and with `table_gradient_gemm` the one-hot ids
-of the tied table's gradient (T × V/t in the compute dtype).
+or T·V when the head is not vocabulary-parallel), and with
+`table_gradient_gemm` the one-hot ids of the tied table's gradient
+(T × V/t in the compute dtype).
 
 >>> gpt = Transformer(layers=24, hidden=2304, heads=24, seq=2048,
 ...                   vocab=51200)

@@ -5,7 +5,8 @@
 
 Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]" (or
 "AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
-"AXES:SCHEDULE:sgd:tokens": `run_tokens`), e.g.
+"AXES:SCHEDULE:sgd:tokens": `run_tokens`, or "AXES:SCHEDULE:sgd:labels":
+`run_labels`), e.g.
 "pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
 `tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
 Keras' defaults). For each case the script (nothing host-specific:
@@ -43,7 +44,7 @@ def local_ids(variable):
     return [int(i) for i in mesh.local_device_ids()]
 
 
-def build(case, weights):
+def build(case, weights, loss="mse", metrics=("mae",)):
     """The case's strategy and compiled PipelineModel, from `weights`."""
     axes, schedule, optimizer = case.split(":")[:3]
     shape = {name: int(size) for name, size in
@@ -58,7 +59,7 @@ def build(case, weights):
         pipe.set_weights(weights)
         pipe.compile(optimizer=keras.optimizers.Adam(0.01)
                      if optimizer == "adam" else keras.optimizers.SGD(),
-                     loss="mse", metrics=["mae"])
+                     loss=loss, metrics=list(metrics))
     return pipe
 
 
@@ -121,13 +122,15 @@ def run_hub(workdir, case):
 
 def run_tokens(workdir, case):
     """Case "AXES:SCHEDULE:sgd:tokens": `models.host_token_mlp` cut at
-    "mid" (an embedding lookup on stage 0, host 0), SGD(0.1), 2
-    micro-batches, two epochs of WORKDIR/tokens.npz in order; its final
-    weights and evaluate."""
+    "mid" (an embedding lookup and Dropout on stage 0, host 0; Keras
+    seeded as the test's one-device run), SGD(0.1), 2 micro-batches, two
+    epochs of WORKDIR/tokens.npz in order; its final weights and
+    evaluate."""
     given = np.load(f"{workdir}/tokens.npz")
     shape = {a: int(n) for a, n in
              re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape))
+    keras.utils.set_random_seed(1)
     with strategy.scope():
         pipe = tfpar.PipelineModel(models.host_token_mlp(),
                                    num_microbatches=2,
@@ -139,12 +142,32 @@ def run_tokens(workdir, case):
              **{f"w{i}": w for i, w in enumerate(weights)})
 
 
+def run_labels(workdir, case):
+    """Case "AXES:SCHEDULE:sgd:labels": `build`'s pipeline trained on
+    integer class labels (sparse cross-entropy of its 3 logits), SGD, one
+    epoch of batch 16, then evaluated with batches of 16 and of 8 (a
+    new move shape: programs compiled after training); its final weights
+    and both evaluates."""
+    given = np.load(f"{workdir}/given.npz")
+    pipe = build(case, [given[f"w{i}"] for i in range(6)],
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                 metrics=())
+    labels = given["labels"]
+    pipe.fit(given["x"], labels, batch_size=16, epochs=1, shuffle=False,
+             verbose=0)
+    np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
+             evaluate=[pipe.evaluate(given["x"], labels, batch_size=size,
+                                     verbose=0) for size in (16, 8)],
+             **{f"w{i}": w for i, w in enumerate(pipe.get_weights())})
+
+
+RUNNERS = {"hub": run_hub, "tokens": run_tokens, "labels": run_labels}
+
+
 def run(workdir, case):
-    if ":hub-" in case:
-        run_hub(workdir, case)
-        return
-    if case.endswith(":tokens"):
-        run_tokens(workdir, case)
+    kind = case.split(":")[-1].split("-")[0]
+    if kind in RUNNERS:
+        RUNNERS[kind](workdir, case)
         return
     given = np.load(f"{workdir}/given.npz")
     deep = case.startswith("pipe4")
@@ -192,13 +215,6 @@ def refused(build, fit=False, **options):
     return ""
 
 
-def dropout_mlp():
-    return keras.Sequential([keras.Input((16,)),
-                             keras.layers.Dense(8, name="d0"),
-                             keras.layers.Dropout(0.5, name="drop"),
-                             keras.layers.Dense(3, name="d1")])
-
-
 def tied_mlp():
     """Layer "shared" called first and again on the last stage."""
     shared = keras.layers.Dense(16, name="shared")
@@ -209,13 +225,12 @@ def tied_mlp():
 
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
-    zero-bubble schedule, interleaving, a random layer, tied weights sent
+    zero-bubble schedule, interleaving, tied weights sent
     in every micro-batch (tied_weights="per_step"), per-host input,
     record_timeline (at fit), and a mesh whose stages would straddle the
     hosts (pipe not first)."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
            "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
-           "random": refused(dropout_mlp),
            "tied_per_step": refused(tied_mlp, tied_weights="per_step"),
            "per_host": refused(models.host_mlp, per_host_input=True),
            "timeline": refused(models.host_mlp, fit=True,

@@ -7,9 +7,10 @@ A `PipelineModel` of `models.host_mlp` whose pipe axis runs along the hosts
 `tfpar.pipeline.cross_host` in parity with single-device Keras on the same
 weights and data: per-batch losses, final weights, evaluate and predict
 within 1e-4 relative (fp32); each host holds only its stage's weights and
-optimizer slots; both hosts read back the same weights. keras-hub GPT-2 and
-Llama (a table read again by the output head on the other host: a
-persistent copy there) train in parity too (slow). What stays refused
+optimizer slots; both hosts read back the same weights. An embedding and
+Dropout on the other host's stage, integer labels and keras-hub
+GPT-2 and Llama (a table read again by the output head on the other host:
+a persistent copy there; slow) train in parity too. What stays refused
 across hosts is the same clear error on both hosts.
 """
 
@@ -22,10 +23,14 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.dtensor.python import api as dtensor_api
+from tensorflow.experimental import dtensor
 
 import hub_models
 import models
 import tfpar
+from tfpar.pipeline import cross_host
 
 TESTS = Path(__file__).resolve().parent
 CHILD = TESTS / "hosts_pipeline_child.py"
@@ -34,8 +39,11 @@ RTOL = 1e-4
 # host (moves inside a host and across) with a checkpoint; the rest slow.
 DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt"]
 # An embedding lookup on stage 0 (host 0): a sparse gradient, which
-# crashed host 1 when it traced that stage's step.
+# crashed host 1 when it traced that stage's step; and Dropout there, whose
+# seeds (small integers) made host 0 alone compile that stage's step again.
 TOKENS = "pipe2-data4:1f1b:sgd:tokens"
+# Integer labels on the last stage of a mesh without a data axis.
+LABELS = "pipe2-model4:1f1b:sgd:labels"
 SLOW = ["pipe2-data4:1f1b:sgd", "pipe2-data2-model2:1f1b:sgd",
         "pipe2-data4:gpipe:adam"]
 
@@ -60,7 +68,8 @@ def given(workdir):
     weights = models.host_mlp().get_weights()
     deep = models.host_deep_mlp().get_weights()
     x, y = models.mlp_data(n=64)
-    np.savez(workdir / "given.npz", x=x, y=y,
+    labels = np.random.RandomState(1).randint(0, 3, size=64).astype("int32")
+    np.savez(workdir / "given.npz", x=x, y=y, labels=labels,
              **{f"w{i}": w for i, w in enumerate(weights)},
              **{f"d{i}": w for i, w in enumerate(deep)})
 
@@ -102,7 +111,7 @@ def default_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hosts_pipeline")
     given(workdir)
     tokens_given(workdir)
-    launch(workdir, DEFAULT + [TOKENS, "refusals"])
+    launch(workdir, DEFAULT + [TOKENS, LABELS, "refusals"])
     return workdir
 
 
@@ -120,18 +129,75 @@ def tokens_given(workdir):
             models.host_token_mlp().get_weights())})
 
 
-def test_an_embedding_on_the_other_hosts_stage(default_run):
-    """Stage 0 (host 0) looks up an embedding: host 1 traces that stage's
-    step without reading the lookup's sparse gradient (reading it crashed
-    host 1). Weights (SGD 0.1, two epochs of batch 16 in 2 micro-batches)
-    and evaluate as one device's."""
-    weights, evaluated = models.fit_tokens(
-        models.host_token_mlp(), np.load(default_run / "tokens.npz"))
+def tokens_on_one_device(workdir, accumulation):
+    keras.utils.set_random_seed(1)  # as the child: the Dropout's seeds
+    return models.fit_tokens(models.host_token_mlp(),
+                             np.load(workdir / "tokens.npz"), accumulation)
+
+
+def test_an_embedding_and_dropout_on_the_other_hosts_stage(default_run):
+    """Stage 0 (host 0) looks up an embedding and applies Dropout: host 1
+    traces that stage's step without reading the lookup's sparse gradient
+    (reading it crashed host 1); each backward recomputes its forward with
+    the seeds that forward drew; and an evaluate after training runs (it
+    hung: the seeds, small integers, made host 0 alone compile the stage's
+    backward again, which put the hosts' collectives out of step). Weights
+    (SGD 0.1, two epochs of batch 16 in 2 micro-batches) and evaluate as
+    Keras' gradient accumulation over 2 steps on one device (one Dropout
+    mask per micro-batch, as a pipeline on one host draws:
+    tests/test_pipeline_microbatch_layers.py); other masks (the whole
+    batch's) would not match."""
+    weights, evaluated = tokens_on_one_device(default_run, 2)
     for h in (0, 1):
         host = np.load(default_run / f"{TOKENS}-host{h}.npz")
         for i, want in enumerate(weights):
             assert models.relative_error(want, host[f"w{i}"]) < RTOL
         assert models.relative_error(evaluated, host["evaluate"]) < RTOL
+    whole, _ = tokens_on_one_device(default_run, 1)
+    assert max(models.relative_error(a, host[f"w{i}"])
+               for i, a in enumerate(whole)) > 1e-3
+
+
+def test_dtensor_compiles_again_when_a_small_integer_input_changes():
+    """Why stage functions take integers as bits (`cross_host.
+    IntegersAsBits`): DTensor (TF 2.21) compiles a function again the
+    first time the value of a small replicated integer input changes — on
+    the host holding the stage, not on one passing a stand-in — but never
+    for the same values' bits."""
+    mesh = tfpar.Mesh({"data": 8}).dtensor_mesh
+    whole = dtensor.Layout.replicated(mesh, 1)
+    ones = dtensor.call_with_layout(tf.ones, whole, shape=[8])
+
+    def misses():
+        return dtensor_api._dtensor_device()._get_stats()[
+            "function_manager.miss"]
+
+    def counted(function, compiled):
+        def call(*args):
+            before = misses()
+            result = function(*args)
+            compiled.append(misses() - before)
+            return result
+        return call
+
+    def scaled(x, seed):
+        return x * tf.cast(seed[0], tf.float32)
+
+    def scaled_from_bits(encoded, *args):
+        return scaled(*cross_host.from_bits(encoded, args))
+
+    seeds = [dtensor.copy_to_mesh(tf.constant([v, 7], tf.int64), whole)
+             for v in range(3)]
+    plain, as_bits = [], []
+    function = counted(tf.function(scaled), plain)
+    for seed in seeds:
+        function(ones, seed)
+    stage = cross_host.IntegersAsBits(
+        counted(tf.function(scaled_from_bits), as_bits))
+    for seed in seeds:
+        np.testing.assert_array_equal(stage(ones, seed), scaled(ones, seed))
+    assert plain == [1, 1, 0]
+    assert as_bits == [1, 0, 0]
 
 
 def check_case(workdir, case):
@@ -183,13 +249,12 @@ def test_each_host_holds_only_its_stages_weights_and_slots(default_run):
 def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
         default_run):
     hosts = [np.load(default_run / f"refusals-host{h}.npz") for h in (0, 1)]
-    for key in ("zero_bubble", "interleaved", "random", "tied_per_step",
+    for key in ("zero_bubble", "interleaved", "tied_per_step",
                 "per_host", "timeline", "straddling"):
         assert str(hosts[0][key]) == str(hosts[1][key])
     assert "does not support schedule='zb-h1'" in str(hosts[0]["zero_bubble"])
     assert "Use schedule='gpipe' or '1f1b'" in str(hosts[0]["zero_bubble"])
     assert "does not support virtual_stages=2" in str(hosts[0]["interleaved"])
-    assert "random layers ['drop']" in str(hosts[0]["random"])
     assert "does not support tied_weights='per_step'" in str(
         hosts[0]["tied_per_step"])
     assert "Use tied_weights='persistent' (the default)" in str(
@@ -243,6 +308,28 @@ def test_other_schedules_and_optimizers_in_parity(tmp_path):
     launch(tmp_path, SLOW)
     for case in SLOW:
         check_case(tmp_path, case)
+
+
+def test_integer_labels_on_a_mesh_without_a_data_axis(default_run):
+    """Integer labels (batches of 8 per micro-batch: small) on the last
+    stage, tensor-parallel on model=4 (collectives in its step): weights
+    after one epoch and evaluates at batch 16 and at 8 (compiled after
+    training: they hung when host 1 alone had compiled the last stage's
+    backward twice) as one device's."""
+    workdir = default_run
+    model, data = plain_model(workdir, LABELS)
+    model.compile(optimizer=keras.optimizers.SGD(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    model.fit(data["x"], data["labels"], batch_size=16, epochs=1,
+              shuffle=False, verbose=0)
+    evaluated = [model.evaluate(data["x"], data["labels"], batch_size=size,
+                                verbose=0) for size in (16, 8)]
+    for h in (0, 1):
+        host = np.load(workdir / f"{LABELS}-host{h}.npz")
+        for i, want in enumerate(model.get_weights()):
+            assert models.relative_error(want, host[f"w{i}"]) < RTOL
+        assert models.relative_error(evaluated, host["evaluate"]) < RTOL
 
 
 # keras-hub causal LMs across the hosts: the token embedding (stage 0, host

@@ -46,16 +46,6 @@ from tfpar.step_context import pushed
 _KERAS_CALL_CONTEXT = ("current_call_ctx", "autocast_scope")
 
 
-class _Seeds:
-    """The Keras random seeds a checkpointed call drew in its forward pass,
-    handed out again in the same order when it is recomputed (`replaying`),
-    so Dropout applies the same mask twice."""
-
-    def __init__(self, values=(), replaying=False):
-        self.values = list(values)
-        self.replaying = replaying
-
-
 def next_seed(generator, original, check_replay, ordered=True):
     """`keras.random.SeedGenerator.next`, replaying inside a recomputation
     (after `check_replay(generator)`, which may refuse)."""
@@ -139,8 +129,8 @@ def _recomputed_gradients(call, tensors, read, seeds, context, upstream,
             tf.GradientTape() as tape:
         tape.watch([t for t in again if t.dtype.is_floating])
         tape.watch(variables)
-        with pushed("dependencies", zero), \
-                pushed("seeds", _Seeds(seeds.values, True)) as replay, \
+        replay = step_context.Seeds(seeds.values, replaying=True)
+        with pushed("dependencies", zero), pushed("seeds", replay), \
                 keras.StatelessScope() as stateless:
             stateless.state_mapping.update(zip(read, again[own:]))
             recomputed = call.run(*again[:own])
@@ -182,7 +172,8 @@ def _checkpointed(call):
     @tf.custom_gradient
     def checkpointed(*tensors):
         # Keep no intermediate results; note the seeds drawn.
-        with _compat.stop_recording(), pushed("seeds", _Seeds()) as seeds:
+        with _compat.stop_recording(), \
+                pushed("seeds", step_context.Seeds()) as seeds:
             result = call.run(*tensors[:own])
         made["masks"] = [_compat.keras_mask(t)
                          for t in tf.nest.flatten(result)]

@@ -114,6 +114,18 @@ def pushed(name, value):
         values.pop()
 
 
+class Seeds:
+    """The Keras random seeds a call drew (a frame of stack "seeds":
+    `recompute.next_seed` appends each seed drawn), handed out again in the
+    same order when it runs again (`replaying`): a recomputation of
+    `keras.RematScope`, the backward of a pipeline stage on another host
+    (`tfpar.pipeline.cross_host`), so Dropout applies the same mask twice."""
+
+    def __init__(self, values=(), replaying=False):
+        self.values = list(values)
+        self.replaying = replaying
+
+
 def layout_free_draw():
     """A context for drawing a seed whose random numbers do not depend on
     how DTensor lays the tensor out (the one-device Dropout of

@@ -43,9 +43,12 @@ actions from Python instead, on every host in the same order:
   (`TiedAcrossHosts`: two weight-sized moves per copy and step).
 
 Each backward recomputes its forward, so a step costs one more forward
-per stage but the last (whose forward runs inside its backward); hence
-random layers (Dropout) are refused, as are zero-bubble schedules,
-interleaving and `tied_weights="per_step"` (`check_supported`).
+per stage but the last (whose forward runs inside its backward); the
+random seeds F(k, i) drew (Dropout's masks) are returned with its outputs
+and replayed by B(k, i) (`step_context.Seeds`), so the recomputation
+draws the same numbers: random layers train as on one host. Zero-bubble
+schedules, interleaving and `tied_weights="per_step"` are refused
+(`check_supported`).
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -58,6 +61,8 @@ tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
 >>> pipe.fit(x, y, batch_size=16)                         # doctest: +SKIP
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -67,6 +72,7 @@ from tfpar import _compat
 from tfpar import collectives
 from tfpar import layout as layout_lib
 from tfpar import placement
+from tfpar import step_context
 from tfpar.mesh import Mesh
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
@@ -83,14 +89,11 @@ def check_supported(model, parts, schedule, extended, tied_weights):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, interleaving, weights
     tied across stages sent in every micro-batch (`tied_weights=
-    "per_step"`: a move inside a stage's step), random layers (each
-    backward recomputes its forward, which would draw other random
-    numbers). (Per-host input is refused by the strategy: the pipe axis
-    along the hosts gives every host every data coordinate.)"""
+    "per_step"`: a move inside a stage's step). (Per-host input is
+    refused by the strategy: the pipe axis along the hosts gives every
+    host every data coordinate.)"""
     if not spans_hosts(extended):
         return
-    random = [layer.name for layer in _compat.all_layers(model)
-              if getattr(layer, "seed_generator", None) is not None]
     problem = None
     if schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
@@ -103,9 +106,6 @@ def check_supported(model, parts, schedule, extended, tied_weights):
         problem = ("tied_weights='per_step' (weights tied across stages "
                    "sent in every micro-batch)",
                    "tied_weights='persistent' (the default)")
-    elif random:
-        problem = (f"random layers {random} (each backward recomputes its "
-                   "forward)", "rate=0 or no such layers")
     if problem is not None:
         raise ValueError(
             "Pipeline stages on different hosts run a host-driven step "
@@ -319,6 +319,60 @@ class TiedAcrossHosts:
         return move(gradient, spec)
 
 
+_BITS = {tf.int32: tf.uint32, tf.int64: tf.uint64}
+_FROM_BITS = {bits: integer for integer, bits in _BITS.items()}
+
+# An integer tensor as its bits: on the tensor's own mesh (a stand-in's
+# too: a no-op on the hosts without that mesh), shapes relaxed.
+_to_bits = tf.function(lambda t: tf.bitcast(t, _BITS[t.dtype]),
+                       reduce_retracing=True)
+
+
+class IntegersAsBits:
+    """A stage function whose integer inputs arrive as their bits.
+
+    DTensor (TF 2.21) keys a compiled program on the values of its small
+    replicated int32/int64 inputs (it reads them as shapes and axes) and
+    compiles it again the first time such a value changes. Across hosts,
+    only the host holding a stage sees those values — elsewhere they are
+    zero stand-ins that never change — so that host alone compiled the
+    stage's step a second time (a Dropout's seeds, sparse labels on a mesh
+    without a data axis, an embedding's row indices), and the collectives
+    of that extra program advanced its collective instance keys: the next
+    program compiled on every host (a bridge move of a new shape, the
+    first `evaluate`) then waited for keys the other host never used — a
+    hang (`tests/test_hosts_pipeline.py`'s folding test shows the
+    recompilation on one host). So every int32/int64 tensor enters a stage
+    function as uint32/uint64 bits (`_to_bits`; DTensor folds neither),
+    bitcast back inside (`from_bits`): exact, and each program is compiled
+    once on every host."""
+
+    def __init__(self, function):
+        self._function = function
+
+    def __call__(self, *args):
+        leaves = tf.nest.flatten(args, expand_composites=True)
+        encoded = tuple(i for i, leaf in enumerate(leaves)
+                        if tf.is_tensor(leaf) and leaf.dtype in _BITS)
+        if encoded:
+            leaves = [_to_bits(leaf) if i in encoded else leaf
+                      for i, leaf in enumerate(leaves)]
+            args = tf.nest.pack_sequence_as(args, leaves,
+                                            expand_composites=True)
+        return self._function(encoded, *args)
+
+
+def from_bits(encoded, args):
+    """Inside a stage function: `args` with the leaves at positions
+    `encoded` (`IntegersAsBits`) bitcast back to their integer type."""
+    if not encoded:
+        return args
+    leaves = tf.nest.flatten(args, expand_composites=True)
+    for i in encoded:
+        leaves[i] = tf.bitcast(leaves[i], _FROM_BITS[leaves[i].dtype])
+    return tf.nest.pack_sequence_as(args, leaves, expand_composites=True)
+
+
 class CrossHostRunner(PipelineRunner):
     """The host-driven train/test/predict step of a `PipelineModel` whose
     stages live on different hosts (see module doc).
@@ -342,6 +396,7 @@ class CrossHostRunner(PipelineRunner):
         check_no_masks_across(self._parts)
         self.bridge = Bridge()
         self._stage_functions = {}
+        self._drawn = {}
         self._tied = TiedAcrossHosts(self._ties, self.bridge, self._meshes,
                                      self._stage_function)
 
@@ -420,6 +475,7 @@ class CrossHostRunner(PipelineRunner):
         summed over the micro-batches (on its mesh), tied weights' summed
         between their stages (`TiedAcrossHosts`)."""
         schedule = self._schedule_for(len(xs))
+        self._drawn = {}  # (part, micro-batch) -> the seeds its F drew
         inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
         sums = [None] * len(self._parts)
@@ -455,8 +511,8 @@ class CrossHostRunner(PipelineRunner):
         part's forward runs inside its backward)."""
         if k == len(self._parts) - 1:
             return
-        outputs = self._stage_function("forward", k, True)(
-            inputs[k, i], split)
+        outputs, self._drawn[k, i] = self._stage_function(
+            "forward_drawing", k)(inputs[k, i], split)
         inputs[k + 1, i] = self._send(outputs, k, k + 1, split)
 
     def _backward_action(self, k, i, inputs, incoming, targets, sums, how):
@@ -466,7 +522,8 @@ class CrossHostRunner(PipelineRunner):
         last = k == len(self._parts) - 1
         gradients, weights = self._stage_function("backward", k)(
             inputs.pop((k, i)), incoming.pop((k, i), None),
-            targets[i] if last else None, scale, rows, split)
+            targets[i] if last else None, scale, rows, split,
+            self._drawn.pop((k, i), None))
         weights = _portable(weights)
         sums[k] = list(weights) if sums[k] is None else [
             b if a is None else a if b is None else accumulate(a, b)
@@ -493,16 +550,19 @@ class CrossHostRunner(PipelineRunner):
 
     def _stage_function(self, kind, k, training=True):
         """The compiled `kind` step of part k ("forward", "backward",
-        "evaluate", "apply"), on its mesh."""
+        "evaluate", "apply"), on its mesh (its integer inputs passed as
+        bits: `IntegersAsBits`)."""
         key = (kind, k, training)
         if key not in self._stage_functions:
-            self._stage_functions[key] = self.compiled(self._step_of(
-                getattr(self, f"_{kind}_body"), self._parts[k], training),
-                reduce_retracing=False)
+            self._stage_functions[key] = IntegersAsBits(self.compiled(
+                self._step_of(getattr(self, f"_{kind}_body"),
+                              self._parts[k], training),
+                reduce_retracing=False))
         return self._stage_functions[key]
 
     def _step_of(self, body, part, training):
-        def step(*args):
+        def step(encoded, *args):
+            args = from_bits(encoded, args)
             with self._extended.replica_scope(), part.on_mesh():
                 return body(part, training, *args)
 
@@ -515,6 +575,13 @@ class CrossHostRunner(PipelineRunner):
         return [placement.relayout(o, self._spec(o.shape.rank, split,
                                                  part.mesh), part.mesh)
                 for o in outputs]
+
+    def _forward_drawing_body(self, part, training, values, split):
+        """F(k, i) training: (the outputs, the random seeds its layers drew,
+        which B(k, i) replays)."""
+        with step_context.pushed("seeds", step_context.Seeds()) as drawn:
+            outputs = self._forward_body(part, training, values, split)
+        return outputs, drawn.values
 
     def _metrics_of(self, outputs, own_loss, targets):
         """(y_pred, y, sample_weight, loss) of the last part's outputs."""
@@ -530,9 +597,10 @@ class CrossHostRunner(PipelineRunner):
                                                      targets))
 
     def _backward_body(self, part, training, values, gradients, targets,
-                       scale, rows, split):
-        """The part's forward again under a tape, then its backward:
-        (its inputs' gradients, its weights' gradients)."""
+                       scale, rows, split, drawn):
+        """The part's forward again under a tape, with the seeds its F drew
+        (`drawn`; None for the last part, which has no F: it draws), then
+        its backward: (its inputs' gradients, its weights' gradients)."""
         del training
         part.start_step()
         if gradients is not None:
@@ -547,7 +615,10 @@ class CrossHostRunner(PipelineRunner):
             loss = seen[0][-1]
             return self._model.optimizer.scale_loss(loss * scale), loss
 
-        part.forward(0, list(values), objective_of, False)
+        replay = step_context.Seeds(drawn or (), replaying=True)
+        with step_context.pushed("seeds", replay) if drawn is not None \
+                else contextlib.nullcontext():
+            part.forward(0, list(values), objective_of, False)
         if seen:
             self._update_metrics(rows, *seen[0])
         grads, _ = part.backward(0, None)

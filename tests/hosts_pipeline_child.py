@@ -122,10 +122,10 @@ def run_hub(workdir, case):
 
 def run_tokens(workdir, case):
     """Case "AXES:SCHEDULE:sgd:tokens": `models.host_token_mlp` cut at
-    "mid" (an embedding lookup and Dropout on stage 0, host 0; Keras
-    seeded as the test's one-device run), SGD(0.1), 2 micro-batches, two
-    epochs of WORKDIR/tokens.npz in order; its final weights and
-    evaluate."""
+    "mid" (an embedding lookup, a regularizer and Dropout on stage 0, host
+    0; Keras seeded as the test's one-device run), SGD(0.1), 2
+    micro-batches, two epochs of WORKDIR/tokens.npz in order; its final
+    weights, evaluate and each epoch's loss."""
     given = np.load(f"{workdir}/tokens.npz")
     shape = {a: int(n) for a, n in
              re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
@@ -136,9 +136,9 @@ def run_tokens(workdir, case):
                                    num_microbatches=2,
                                    schedule=case.split(":")[1],
                                    stage_boundaries=["mid"])
-        weights, evaluated = models.fit_tokens(pipe, given)
+        weights, evaluated, losses = models.fit_tokens(pipe, given)
     np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
-             evaluate=np.asarray(evaluated),
+             evaluate=np.asarray(evaluated), losses=np.asarray(losses),
              **{f"w{i}": w for i, w in enumerate(weights)})
 
 

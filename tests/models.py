@@ -378,14 +378,15 @@ def train_loss_scaled(pipe, given):
 
 
 def host_token_mlp():
-    """tokens -> Embedding -> mean -> up -> Dropout -> [cut: "mid"] -> mid
-    -> out: an embedding lookup (a sparse gradient) and a random layer on
-    the first stage of a pipeline across hosts
-    (tests/test_hosts_pipeline.py)."""
+    """tokens -> Embedding -> mean -> up (L2-regularized) -> Dropout ->
+    [cut: "mid"] -> mid -> out: an embedding lookup (a sparse gradient), a
+    loss added before the last stage and a random layer on the first stage
+    of a pipeline across hosts (tests/test_hosts_pipeline.py)."""
     x = keras.Input((6,), dtype="int32")
     h = keras.layers.Embedding(16, 8, name="embed")(x)
     h = keras.layers.GlobalAveragePooling1D(name="mean")(h)
-    h = keras.layers.Dense(16, activation="tanh", name="up")(h)
+    h = keras.layers.Dense(16, activation="tanh", name="up",
+                           kernel_regularizer=keras.regularizers.L2(0.01))(h)
     h = keras.layers.Dropout(0.3, name="drop")(h)
     h = keras.layers.Dense(16, activation="tanh", name="mid")(h)
     return keras.Model(x, keras.layers.Dense(3, activation="sigmoid",
@@ -407,16 +408,18 @@ def fit_tokens(model, given, accumulation=1):
     """`host_token_mlp` (or its pipeline) from `given`'s weights w<i>,
     SGD(0.1) and mse, two epochs of batch 16 in order on its x, y — in
     batches of 16 // `accumulation` whose gradients Keras accumulates over
-    `accumulation` steps: (final weights, evaluate's loss). Seed Keras
-    before building the model (its Dropout's seeds)."""
+    `accumulation` steps: (final weights, evaluate's loss, each epoch's
+    loss). Seed Keras before building the model (its Dropout's seeds)."""
     model.set_weights([given[f"w{i}"] for i in range(len(given) - 2)])
     model.compile(optimizer=keras.optimizers.SGD(
         0.1, gradient_accumulation_steps=accumulation if accumulation > 1
         else None), loss="mse")
-    model.fit(given["x"], given["y"], batch_size=16 // accumulation,
-              epochs=2, shuffle=False, verbose=0)
+    history = model.fit(given["x"], given["y"],
+                        batch_size=16 // accumulation, epochs=2,
+                        shuffle=False, verbose=0)
     return model.get_weights(), model.evaluate(
-        given["x"], given["y"], batch_size=16, verbose=0)
+        given["x"], given["y"], batch_size=16, verbose=0), \
+        history.history["loss"]
 
 
 def host_deep_mlp():

@@ -39,8 +39,9 @@ RTOL = 1e-4
 # host (moves inside a host and across) with a checkpoint; the rest slow.
 DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt"]
 # An embedding lookup on stage 0 (host 0): a sparse gradient, which
-# crashed host 1 when it traced that stage's step; and Dropout there, whose
-# seeds (small integers) made host 0 alone compile that stage's step again.
+# crashed host 1 when it traced that stage's step; an L2 loss and Dropout
+# there, whose value and seeds (small tensors) made one host alone compile a
+# stage's step again.
 TOKENS = "pipe2-data4:1f1b:sgd:tokens"
 # Integer labels on the last stage of a mesh without a data axis.
 LABELS = "pipe2-model4:1f1b:sgd:labels"
@@ -135,35 +136,41 @@ def tokens_on_one_device(workdir, accumulation):
                              np.load(workdir / "tokens.npz"), accumulation)
 
 
-def test_an_embedding_and_dropout_on_the_other_hosts_stage(default_run):
-    """Stage 0 (host 0) looks up an embedding and applies Dropout: host 1
-    traces that stage's step without reading the lookup's sparse gradient
-    (reading it crashed host 1); each backward recomputes its forward with
-    the seeds that forward drew; and an evaluate after training runs (it
-    hung: the seeds, small integers, made host 0 alone compile the stage's
-    backward again, which put the hosts' collectives out of step). Weights
+def test_an_embedding_a_regularizer_and_dropout_on_the_other_hosts_stage(
+        default_run):
+    """Stage 0 (host 0) looks up an embedding, adds an L2 loss and applies
+    Dropout: host 1 traces that stage's step without reading the lookup's
+    sparse gradient (reading it crashed host 1); the L2 loss is stage 0's
+    objective and its value reaches the last stage's loss; each backward
+    recomputes its forward with the seeds that forward drew; and an
+    evaluate after training runs (it hung: the seeds and the carried loss,
+    small tensors, made one host alone compile a stage's step again, which
+    put the hosts' collectives out of step). Weights, each epoch's loss
     (SGD 0.1, two epochs of batch 16 in 2 micro-batches) and evaluate as
     Keras' gradient accumulation over 2 steps on one device (one Dropout
     mask per micro-batch, as a pipeline on one host draws:
     tests/test_pipeline_microbatch_layers.py); other masks (the whole
     batch's) would not match."""
-    weights, evaluated = tokens_on_one_device(default_run, 2)
+    weights, evaluated, losses = tokens_on_one_device(default_run, 2)
     for h in (0, 1):
         host = np.load(default_run / f"{TOKENS}-host{h}.npz")
         for i, want in enumerate(weights):
             assert models.relative_error(want, host[f"w{i}"]) < RTOL
         assert models.relative_error(evaluated, host["evaluate"]) < RTOL
-    whole, _ = tokens_on_one_device(default_run, 1)
+        assert models.relative_error(losses, host["losses"]) < RTOL
+    whole, *_ = tokens_on_one_device(default_run, 1)
     assert max(models.relative_error(a, host[f"w{i}"])
                for i, a in enumerate(whole)) > 1e-3
 
 
-def test_dtensor_compiles_again_when_a_small_integer_input_changes():
-    """Why stage functions take integers as bits (`cross_host.
-    IntegersAsBits`): DTensor (TF 2.21) compiles a function again the
-    first time the value of a small replicated integer input changes — on
-    the host holding the stage, not on one passing a stand-in — but never
-    for the same values' bits."""
+@pytest.mark.parametrize("dtype", ["int64", "int32", "float32"])
+def test_dtensor_compiles_again_when_a_small_input_changes(dtype):
+    """Why stage functions take small tensors as bits (`cross_host.
+    SmallTensorsAsBits`): DTensor (TF 2.21) compiles a function again the
+    first time the value of a small replicated int64 (a seed), int32 (a
+    label) or float32 (a loss) input changes — on the host holding the
+    stage, not on one passing a stand-in — but never for their bits; the
+    function computes the same."""
     mesh = tfpar.Mesh({"data": 8}).dtensor_mesh
     whole = dtensor.Layout.replicated(mesh, 1)
     ones = dtensor.call_with_layout(tf.ones, whole, shape=[8])
@@ -180,19 +187,19 @@ def test_dtensor_compiles_again_when_a_small_integer_input_changes():
             return result
         return call
 
-    def scaled(x, seed):
-        return x * tf.cast(seed[0], tf.float32)
+    def scaled(x, small):
+        return x * tf.cast(small[0], tf.float32)
 
     def scaled_from_bits(encoded, *args):
         return scaled(*cross_host.from_bits(encoded, args))
 
-    seeds = [dtensor.copy_to_mesh(tf.constant([v, 7], tf.int64), whole)
+    seeds = [dtensor.copy_to_mesh(tf.constant([v, 7], dtype), whole)
              for v in range(3)]
     plain, as_bits = [], []
     function = counted(tf.function(scaled), plain)
     for seed in seeds:
         function(ones, seed)
-    stage = cross_host.IntegersAsBits(
+    stage = cross_host.SmallTensorsAsBits(
         counted(tf.function(scaled_from_bits), as_bits))
     for seed in seeds:
         np.testing.assert_array_equal(stage(ones, seed), scaled(ones, seed))

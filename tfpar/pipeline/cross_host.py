@@ -40,7 +40,14 @@ actions from Python instead, on every host in the same order:
   host, a persistent copy on each later stage (`tfpar.pipeline.tied`);
   after the last action each copy's gradient sum moves to the weight's
   home part, is added there, and the sum moves back to every copy
-  (`TiedAcrossHosts`: two weight-sized moves per copy and step).
+  (`TiedAcrossHosts`: two weight-sized moves per copy and step);
+- a loss a layer before the last part adds (add_loss, a regularizer) is
+  part of its part's objective in B(k, i); its value, returned by F(k, i),
+  moves to the last part, whose loss adds it (a scalar move per
+  micro-batch and such part);
+- every small int32/int64/float32 tensor enters a stage function as its
+  bits (`SmallTensorsAsBits`), so that every host compiles each program
+  once.
 
 Each backward recomputes its forward, so a step costs one more forward
 per stage but the last (whose forward runs inside its backward); the
@@ -204,20 +211,6 @@ class MetricsOnEveryHost:
             if dtensor.is_dtensor(t) else t, results)
 
 
-def _no_loss(part, own_loss):
-    """Losses added by layers of a part but the last are not carried
-    across hosts."""
-    if own_loss is not None:
-        raise ValueError(
-            "Pipeline stages on different hosts carry activations only: "
-            f"part {part.index}'s layers "
-            f"{[layer.name for layer in part.layers if layer.losses]} add "
-            "losses (add_loss, regularizers), which would have to reach "
-            "the last stage. Received: a model with such losses before its "
-            "last stage. Remove them, or move those layers to the last "
-            "stage (stage_boundaries).")
-
-
 def check_no_masks_across(parts):
     """Keras masks (`Embedding(mask_zero=True)` and the layers after it)
     on the tensors one part sends the next are not carried across hosts:
@@ -319,57 +312,66 @@ class TiedAcrossHosts:
         return move(gradient, spec)
 
 
-_BITS = {tf.int32: tf.uint32, tf.int64: tf.uint64}
-_FROM_BITS = {bits: integer for integer, bits in _BITS.items()}
-
-# An integer tensor as its bits: on the tensor's own mesh (a stand-in's
-# too: a no-op on the hosts without that mesh), shapes relaxed.
-_to_bits = tf.function(lambda t: tf.bitcast(t, _BITS[t.dtype]),
-                       reduce_retracing=True)
+# The dtypes whose small replicated tensors DTensor folds, and their bits.
+_BITS = {tf.int32: tf.uint32, tf.int64: tf.uint64, tf.float32: tf.uint32}
+# Fewer elements than this are small (DTensor folded up to 17 here).
+_SMALL = 64
 
 
-class IntegersAsBits:
-    """A stage function whose integer inputs arrive as their bits.
+def _to_bits(tensor):
+    """A small tensor as its bits (`SmallTensorsAsBits`), computed on its
+    own mesh (a no-op on the hosts without it, as a stage function)."""
+    return _bitcast(tensor, _BITS[tensor.dtype])
+
+
+_bitcast = tf.function(tf.bitcast, reduce_retracing=True)
+
+
+class SmallTensorsAsBits:
+    """A stage function whose small int32/int64/float32 inputs arrive as
+    their bits.
 
     DTensor (TF 2.21) keys a compiled program on the values of its small
-    replicated int32/int64 inputs (it reads them as shapes and axes) and
-    compiles it again the first time such a value changes. Across hosts,
-    only the host holding a stage sees those values — elsewhere they are
-    zero stand-ins that never change — so that host alone compiled the
-    stage's step a second time (a Dropout's seeds, sparse labels on a mesh
-    without a data axis, an embedding's row indices), and the collectives
-    of that extra program advanced its collective instance keys: the next
-    program compiled on every host (a bridge move of a new shape, the
-    first `evaluate`) then waited for keys the other host never used — a
-    hang (`tests/test_hosts_pipeline.py`'s folding test shows the
-    recompilation on one host). So every int32/int64 tensor enters a stage
-    function as uint32/uint64 bits (`_to_bits`; DTensor folds neither),
-    bitcast back inside (`from_bits`): exact, and each program is compiled
-    once on every host."""
+    replicated int32, int64 and float32 inputs (it reads them as shapes,
+    axes and constants) and compiles it again the first time such a value
+    changes. Across hosts only the host holding a stage sees those values
+    — elsewhere they are stand-ins that never change — so that host alone
+    compiled the stage's step a second time (a Dropout's seeds, sparse
+    labels on a mesh without a data axis, a loss carried from an earlier
+    stage, a loss-scaling verdict), and the collectives of that extra
+    program advanced its collective instance keys: the next program
+    compiled on every host (a move of a new shape, the first `evaluate`)
+    then waited for keys the other host never used — a hang (the
+    recompilation: `tests/test_hosts_pipeline.py`). So every such tensor
+    of fewer than `_SMALL` elements enters a stage function as uint32/
+    uint64 bits (`_to_bits`; DTensor folds neither), bitcast back inside
+    (`from_bits`): exact, and each program compiles once on every host."""
 
     def __init__(self, function):
         self._function = function
 
     def __call__(self, *args):
         leaves = tf.nest.flatten(args, expand_composites=True)
-        encoded = tuple(i for i, leaf in enumerate(leaves)
-                        if tf.is_tensor(leaf) and leaf.dtype in _BITS)
+        encoded = tuple(
+            (i, leaf.dtype.name) for i, leaf in enumerate(leaves)
+            if tf.is_tensor(leaf) and leaf.dtype in _BITS
+            and leaf.shape.num_elements() < _SMALL)
         if encoded:
-            leaves = [_to_bits(leaf) if i in encoded else leaf
-                      for i, leaf in enumerate(leaves)]
+            for i, _ in encoded:
+                leaves[i] = _to_bits(leaves[i])
             args = tf.nest.pack_sequence_as(args, leaves,
                                             expand_composites=True)
         return self._function(encoded, *args)
 
 
 def from_bits(encoded, args):
-    """Inside a stage function: `args` with the leaves at positions
-    `encoded` (`IntegersAsBits`) bitcast back to their integer type."""
+    """Inside a stage function: `args` with the leaves `encoded` by
+    `SmallTensorsAsBits` ((position, dtype name) pairs) bitcast back."""
     if not encoded:
         return args
     leaves = tf.nest.flatten(args, expand_composites=True)
-    for i in encoded:
-        leaves[i] = tf.bitcast(leaves[i], _FROM_BITS[leaves[i].dtype])
+    for i, dtype in encoded:
+        leaves[i] = tf.bitcast(leaves[i], dtype)
     return tf.nest.pack_sequence_as(args, leaves, expand_composites=True)
 
 
@@ -397,6 +399,7 @@ class CrossHostRunner(PipelineRunner):
         self.bridge = Bridge()
         self._stage_functions = {}
         self._drawn = {}
+        self._carried = {}
         self._tied = TiedAcrossHosts(self._ties, self.bridge, self._meshes,
                                      self._stage_function)
 
@@ -476,6 +479,7 @@ class CrossHostRunner(PipelineRunner):
         between their stages (`TiedAcrossHosts`)."""
         schedule = self._schedule_for(len(xs))
         self._drawn = {}  # (part, micro-batch) -> the seeds its F drew
+        self._carried = {}  # micro-batch -> earlier parts' losses, on last
         inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
         sums = [None] * len(self._parts)
@@ -511,9 +515,19 @@ class CrossHostRunner(PipelineRunner):
         part's forward runs inside its backward)."""
         if k == len(self._parts) - 1:
             return
-        outputs, self._drawn[k, i] = self._stage_function(
+        (outputs, losses), self._drawn[k, i] = self._stage_function(
             "forward_drawing", k)(inputs[k, i], split)
+        self._carry(k, i, losses)
         inputs[k + 1, i] = self._send(outputs, k, k + 1, split)
+
+    def _carry(self, k, i, losses):
+        """The losses part k's layers added in micro-batch i (add_loss,
+        regularizers: their gradients are part k's own) to the last part,
+        whose loss adds their values (as one host's `carried`)."""
+        last = len(self._parts) - 1
+        self._carried.setdefault(i, []).extend(
+            self.bridge.move(loss, self._meshes[k], self._meshes[last], ())
+            for loss in losses)
 
     def _backward_action(self, k, i, inputs, incoming, targets, sums, how):
         """B(k, i): part k's backward (its weight gradients added to
@@ -522,8 +536,8 @@ class CrossHostRunner(PipelineRunner):
         last = k == len(self._parts) - 1
         gradients, weights = self._stage_function("backward", k)(
             inputs.pop((k, i)), incoming.pop((k, i), None),
-            targets[i] if last else None, scale, rows, split,
-            self._drawn.pop((k, i), None))
+            (targets[i], self._carried.pop(i, [])) if last else None,
+            scale, rows, split, self._drawn.pop((k, i), None))
         weights = _portable(weights)
         sums[k] = list(weights) if sums[k] is None else [
             b if a is None else a if b is None else accumulate(a, b)
@@ -537,24 +551,28 @@ class CrossHostRunner(PipelineRunner):
         updated (None)."""
         values = tf.nest.flatten(x)
         last = len(self._parts) - 1
+        self._carried = {}
         for k in range(last):
-            outputs = self._stage_function("forward", k, False)(values,
-                                                                split)
+            outputs, losses = self._stage_function("forward", k, False)(
+                values, split)
+            if targets is not None:
+                self._carry(k, 0, losses)
             values = self._send(outputs, k, k + 1, split)
         if targets is not None:
             return self._stage_function("evaluate", last, False)(
-                values, targets, rows)
-        return self._stage_function("forward", last, False)(values, split)
+                values, (targets, self._carried.pop(0, [])), rows)
+        return self._stage_function("forward", last, False)(values,
+                                                            split)[0]
 
     # -- traced: one part's functions ------------------------------------------
 
     def _stage_function(self, kind, k, training=True):
         """The compiled `kind` step of part k ("forward", "backward",
         "evaluate", "apply"), on its mesh (its integer inputs passed as
-        bits: `IntegersAsBits`)."""
+        bits: `SmallTensorsAsBits`)."""
         key = (kind, k, training)
         if key not in self._stage_functions:
-            self._stage_functions[key] = IntegersAsBits(self.compiled(
+            self._stage_functions[key] = SmallTensorsAsBits(self.compiled(
                 self._step_of(getattr(self, f"_{kind}_body"),
                               self._parts[k], training),
                 reduce_retracing=False))
@@ -570,24 +588,28 @@ class CrossHostRunner(PipelineRunner):
         return step
 
     def _forward_body(self, part, training, values, split):
+        """(The part's outputs, the losses its layers added: [] or one.)"""
         outputs, own_loss = part.run(list(values), training)
-        _no_loss(part, own_loss)
         return [placement.relayout(o, self._spec(o.shape.rank, split,
                                                  part.mesh), part.mesh)
-                for o in outputs]
+                for o in outputs], [] if own_loss is None else [
+            placement.relayout(own_loss, (), part.mesh)]
 
     def _forward_drawing_body(self, part, training, values, split):
-        """F(k, i) training: (the outputs, the random seeds its layers drew,
-        which B(k, i) replays)."""
+        """F(k, i) training: ((the outputs, the losses its layers added),
+        the random seeds its layers drew, which B(k, i) replays)."""
         with step_context.pushed("seeds", step_context.Seeds()) as drawn:
             outputs = self._forward_body(part, training, values, split)
         return outputs, drawn.values
 
     def _metrics_of(self, outputs, own_loss, targets):
-        """(y_pred, y, sample_weight, loss) of the last part's outputs."""
-        y, sample_weight = targets
+        """(y_pred, y, sample_weight, loss) of the last part's outputs;
+        `targets` (y, sample_weight) and the losses carried from the
+        earlier parts (values only: their gradients are those parts')."""
+        (y, sample_weight), carried = targets
         y_pred = self._y_pred(outputs)
-        loss = self._loss(y_pred, y, sample_weight, [own_loss])
+        loss = self._loss(y_pred, y, sample_weight, [own_loss] + [
+            tf.stop_gradient(c) for c in carried])
         return y_pred, y, sample_weight, loss
 
     def _evaluate_body(self, part, training, values, targets, rows):
@@ -608,9 +630,9 @@ class CrossHostRunner(PipelineRunner):
         seen = []
 
         def objective_of(outputs, own_loss):
-            if targets is None:
-                _no_loss(part, own_loss)
-                return None, None
+            if targets is None:  # loss-scaled as the last part's objective
+                return (None if own_loss is None else
+                        part.optimizer.scale_loss(own_loss * scale), None)
             seen.append(self._metrics_of(outputs, own_loss, targets))
             loss = seen[0][-1]
             return self._model.optimizer.scale_loss(loss * scale), loss

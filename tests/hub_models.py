@@ -5,7 +5,7 @@ weights (nothing can be downloaded here): each model is built from its
 backbone's constructor with widths that every mesh axis of size 2, 4 or 8
 divides (heads 8, hidden 32 or 64, intermediate 64 or 128), random weights,
 `preprocessor=None`, token ids (or images) in. Dropout is 0 so training is
-deterministic and comparable with one device.
+deterministic and comparable with one device (but in RANDOM_BUILDERS).
 
 >>> model = hub_models.build("llama_gqa")
 >>> x, y = hub_models.data("llama_gqa", batch=8)
@@ -21,10 +21,10 @@ IMAGE_SHAPE = (16, 16, 3)
 NUM_CLASSES = 4
 
 
-def _gpt2():
+def _gpt2(dropout=0.0):
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCAB, num_layers=2, num_heads=8, hidden_dim=32,
-        intermediate_dim=64, dropout=0.0, max_sequence_length=SEQ_LEN)
+        intermediate_dim=64, dropout=dropout, max_sequence_length=SEQ_LEN)
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
 
@@ -112,6 +112,9 @@ MOE_BUILDERS = {
     "gpt_oss": _gpt_oss,
 }
 MOE_LMS = tuple(MOE_BUILDERS)
+# With keras-hub's own Dropout (tests that seed Keras alike on both sides:
+# tests/test_hosts_pipeline.py).
+RANDOM_BUILDERS = {"gpt2_dropout": lambda: _gpt2(dropout=0.1)}
 CAUSAL_LMS = ("gpt2", "llama", "llama_gqa", "gemma", "mistral")
 
 # Hand-written Megatron plans (attention by heads, MLP column -> row) that
@@ -148,7 +151,7 @@ def megatron_rules(name):
 def build(name, seed=0):
     """The model `name` (a key of BUILDERS), built, with seeded weights."""
     keras.utils.set_random_seed(seed)
-    model = {**BUILDERS, **MOE_BUILDERS}[name]()
+    model = {**BUILDERS, **MOE_BUILDERS, **RANDOM_BUILDERS}[name]()
     if not model.built:  # keras-hub's functional models build in __init__
         x, _ = data(name, batch=2)
         model(x)

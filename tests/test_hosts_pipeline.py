@@ -392,3 +392,48 @@ def test_a_keras_hub_lm_with_tied_weights_trains_across_two_hosts(
         for i in range(len(table.weights)):
             np.testing.assert_array_equal(host[f"copy{i}"],
                                           host[f"copy{i}_weight"])
+
+
+@pytest.mark.slow
+def test_keras_hub_gpt2_with_dropout_trains_across_two_hosts(tmp_path):
+    """keras-hub GPT-2 with its Dropout (0.1; every block's attention,
+    residual and embedding dropout on both hosts' stages) pipelined as
+    above: weights and evaluate as Keras' gradient accumulation over the
+    2 micro-batches on one device, Keras seeded alike (Adam 1e-3, 2 steps
+    of batch 8)."""
+    name = "gpt2_dropout"
+    weights = hub_models.build(name).get_weights()
+    x, y = hub_models.data(name, batch=16)
+    np.savez(tmp_path / f"hub-{name}.npz", x=x["token_ids"], y=y,
+             **{f"w{i}": w for i, w in enumerate(weights)})
+
+    def one_device(accumulation):
+        keras.utils.set_random_seed(1)  # as the child
+        model = hub_models.RANDOM_BUILDERS[name]()
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adam(
+            1e-3, gradient_accumulation_steps=accumulation or None),
+            loss=hub_models.loss(name))
+        model.fit(x, y, batch_size=8 // max(accumulation, 1), epochs=1,
+                  shuffle=False, verbose=0)
+        return model
+
+    whole = one_device(0).get_weights()  # one mask per batch of 8
+    model = one_device(2)
+    # the loss (keras-hub's compile adds an accuracy the pipeline's lacks)
+    evaluated = model.evaluate(x, y, batch_size=8, verbose=0)[0]
+    case = f"{HUB_AXES}:hub-{name}"
+    launch(tmp_path, [case])
+    for h in (0, 1):
+        host = np.load(tmp_path / f"{case}-host{h}.npz")
+        assert models.relative_error(evaluated, host["evaluate"]) < RTOL
+        for i, (variable, want) in enumerate(zip(model.weights,
+                                                 model.get_weights())):
+            got = host[f"w{i}"]
+            if variable.path.endswith(ZERO_GRADIENT):
+                assert np.abs(want - got).max() < RTOL, variable.path
+            else:
+                assert models.relative_error(want, got) < RTOL, \
+                    variable.path
+    assert max(models.relative_error(a, host[f"w{i}"])
+               for i, a in enumerate(whole)) > 1e-3  # masks matter

@@ -314,17 +314,15 @@ class TiedAcrossHosts:
 
 # The dtypes whose small replicated tensors DTensor folds, and their bits.
 _BITS = {tf.int32: tf.uint32, tf.int64: tf.uint64, tf.float32: tf.uint32}
-# Fewer elements than this are small (DTensor folded up to 17 here).
+# Fewer elements than this are small (DTensor folded 17, not 31, here).
 _SMALL = 64
+_bitcast = tf.function(tf.bitcast, reduce_retracing=True)
 
 
 def _to_bits(tensor):
     """A small tensor as its bits (`SmallTensorsAsBits`), computed on its
     own mesh (a no-op on the hosts without it, as a stage function)."""
     return _bitcast(tensor, _BITS[tensor.dtype])
-
-
-_bitcast = tf.function(tf.bitcast, reduce_retracing=True)
 
 
 class SmallTensorsAsBits:
@@ -568,7 +566,7 @@ class CrossHostRunner(PipelineRunner):
 
     def _stage_function(self, kind, k, training=True):
         """The compiled `kind` step of part k ("forward", "backward",
-        "evaluate", "apply"), on its mesh (its integer inputs passed as
+        "evaluate", "apply"), on its mesh (its small inputs passed as
         bits: `SmallTensorsAsBits`)."""
         key = (kind, k, training)
         if key not in self._stage_functions:

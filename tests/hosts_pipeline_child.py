@@ -5,8 +5,8 @@
 
 Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]" (or
 "AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
-"AXES:SCHEDULE:sgd:tokens": `run_tokens`, or "AXES:SCHEDULE:sgd:labels":
-`run_labels`), e.g.
+"AXES:SCHEDULE:sgd:tokens": `run_tokens`, "AXES:SCHEDULE:sgd:labels":
+`run_labels`, or "AXES:SCHEDULE:sgd:masked": `run_masked`), e.g.
 "pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
 `tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
 Keras' defaults). For each case the script (nothing host-specific:
@@ -34,6 +34,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
+import fuzzing  # noqa: E402
 import hub_models  # noqa: E402
 import models  # noqa: E402
 
@@ -162,7 +163,31 @@ def run_labels(workdir, case):
              **{f"w{i}": w for i, w in enumerate(pipe.get_weights())})
 
 
-RUNNERS = {"hub": run_hub, "tokens": run_tokens, "labels": run_labels}
+def run_masked(workdir, case):
+    """Case "AXES:SCHEDULE:sgd:masked": `models.masked_attention` cut at
+    "attend" (its Keras mask crosses the hosts), one epoch of SGD(0.1)
+    from WORKDIR/masked.npz (`fuzzing.train`); per-batch losses, final
+    weights and predictions."""
+    given = np.load(f"{workdir}/masked.npz")
+    shape = {a: int(n) for a, n in
+             re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
+    with tfpar.ParallelStrategy(tfpar.Mesh(shape)).scope():
+        pipe = tfpar.PipelineModel(models.masked_attention(),
+                                   num_microbatches=2,
+                                   schedule=case.split(":")[1],
+                                   stage_boundaries=["attend"])
+    losses, weights = fuzzing.train(
+        pipe, given["x"], given["y"],
+        [given[f"w{i}"] for i in range(len(given) - 2)],
+        models.BatchLosses(), keras.optimizers.SGD(0.1))
+    np.savez(f"{workdir}/{case}-host{tfpar.hosts.host_id()}.npz",
+             losses=losses, predict=pipe.predict(given["x"], batch_size=16,
+                                                 verbose=0),
+             **{f"w{i}": w for i, w in enumerate(weights)})
+
+
+RUNNERS = {"hub": run_hub, "tokens": run_tokens, "labels": run_labels,
+           "masked": run_masked}
 
 
 def run(workdir, case):

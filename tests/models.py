@@ -393,6 +393,29 @@ def host_token_mlp():
                                              name="out")(h))
 
 
+def masked_attention():
+    """tokens (0: padding) -> Embedding(mask_zero) -> Dense -> [cut:
+    "attend"] -> MultiHeadAttention (the mask read from its inputs) ->
+    masked mean: a Keras mask crossing a pipeline's cut
+    (tests/test_pipeline_microbatch_layers.py, test_hosts_pipeline.py)."""
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(12, 8, mask_zero=True, name="embed")(tokens)
+    h = keras.layers.Dense(8, activation="tanh", name="up")(h)
+    h = keras.layers.MultiHeadAttention(2, 4, name="attend")(h, h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(tokens, keras.layers.Dense(3, name="out")(h))
+
+
+def padded_tokens():
+    """(tokens padded with 0 at the end, float targets) for
+    `masked_attention`."""
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 12, size=(32, 6)).astype("int32")
+    tokens[:, 4:] = 0
+    tokens[::3, 2:] = 0
+    return tokens, rng.normal(size=(32, 3)).astype("float32")
+
+
 def host_tied_mlp():
     """x -> shared -> mid -> shared again -> head: layer "shared" is called
     on both stages of a 2-stage pipeline (a tied weight, held as a copy on

@@ -27,6 +27,7 @@ import tensorflow as tf
 from tensorflow.dtensor.python import api as dtensor_api
 from tensorflow.experimental import dtensor
 
+import fuzzing
 import hub_models
 import models
 import tfpar
@@ -45,6 +46,9 @@ DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt"]
 TOKENS = "pipe2-data4:1f1b:sgd:tokens"
 # Integer labels on the last stage of a mesh without a data axis.
 LABELS = "pipe2-model4:1f1b:sgd:labels"
+# A Keras mask crossing the hosts (the padding of a mask_zero Embedding on
+# host 0, read by attention on host 1).
+MASKED = "pipe2-data4:1f1b:sgd:masked"
 SLOW = ["pipe2-data4:1f1b:sgd", "pipe2-data2-model2:1f1b:sgd",
         "pipe2-data4:gpipe:adam"]
 
@@ -112,7 +116,8 @@ def default_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hosts_pipeline")
     given(workdir)
     tokens_given(workdir)
-    launch(workdir, DEFAULT + [TOKENS, LABELS, "refusals"])
+    masked_given(workdir)
+    launch(workdir, DEFAULT + [TOKENS, LABELS, MASKED, "refusals"])
     return workdir
 
 
@@ -128,6 +133,37 @@ def tokens_given(workdir):
     np.savez(workdir / "tokens.npz", x=x, y=y, **{
         f"w{i}": w for i, w in enumerate(
             models.host_token_mlp().get_weights())})
+
+
+def masked_given(workdir):
+    keras.utils.set_random_seed(0)
+    x, y = models.padded_tokens()
+    np.savez(workdir / "masked.npz", x=x, y=y, **{
+        f"w{i}": w for i, w in enumerate(
+            models.masked_attention().get_weights())})
+
+
+def test_a_keras_mask_crosses_the_hosts(default_run):
+    """The mask of host 0's mask_zero Embedding reaches host 1's attention
+    (it was refused): per-batch losses and weights after one epoch of SGD
+    as one device's (attention's key bias, whose true gradient is zero, to
+    float32's own noise: `fuzzing.assert_parity` against float64), and
+    predictions. Without the mask, attention would attend to padding."""
+    given = np.load(default_run / "masked.npz")
+    weights = [given[f"w{i}"] for i in range(len(given) - 2)]
+    x, y = given["x"], given["y"]
+    single = models.masked_attention()
+    want = fuzzing.train(single, x, y, weights, models.BatchLosses(),
+                         keras.optimizers.SGD(0.1))
+    exact = fuzzing.train_in_float64(models.masked_attention, x, y, weights,
+                                     keras.optimizers.SGD(0.1))
+    predicted = single.predict(x, batch_size=16, verbose=0)
+    for h in (0, 1):
+        host = np.load(default_run / f"{MASKED}-host{h}.npz")
+        got = [host[f"w{i}"] for i in range(len(weights))]
+        fuzzing.assert_parity(want[0], host["losses"], want[1], got,
+                              exact=exact)
+        assert models.relative_error(predicted, host["predict"]) < RTOL
 
 
 def tokens_on_one_device(workdir, accumulation):

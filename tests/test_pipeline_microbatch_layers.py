@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 import tfpar
-from tfpar.pipeline import cross_host
 
 import fuzzing
 import models
@@ -130,40 +129,22 @@ def test_a_loss_added_before_the_last_stage_is_loss_scaled():
         assert models.relative_error(want, got) < 1e-4
 
 
-def masked_attention():
-    """tokens (0: padding) -> Embedding(mask_zero) -> Dense -> [cut] ->
-    MultiHeadAttention (the mask read from its inputs) -> masked mean."""
-    tokens = keras.Input((6,), dtype="int32")
-    h = keras.layers.Embedding(12, 8, mask_zero=True, name="embed")(tokens)
-    h = keras.layers.Dense(8, activation="tanh", name="up")(h)
-    h = keras.layers.MultiHeadAttention(2, 4, name="attend")(h, h)
-    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    return keras.Model(tokens, keras.layers.Dense(3, name="out")(h))
-
-
-def _padded_tokens():
-    rng = np.random.RandomState(0)
-    tokens = rng.randint(1, 12, size=(32, 6)).astype("int32")
-    tokens[:, 4:] = 0
-    tokens[::3, 2:] = 0
-    return tokens, rng.normal(size=(32, 3)).astype("float32")
-
-
 def test_a_keras_mask_crosses_the_stage_cut():
     """One epoch of SGD, as one device (attention's key bias, whose true
     gradient is zero, to float32's own noise: `fuzzing.assert_parity`
-    against float64); then the predictions."""
+    against float64); then the predictions. (Across hosts:
+    tests/test_hosts_pipeline.py.)"""
     keras.utils.set_random_seed(0)
-    weights = masked_attention().get_weights()
-    x, y = _padded_tokens()
-    single = masked_attention()
+    weights = models.masked_attention().get_weights()
+    x, y = models.padded_tokens()
+    single = models.masked_attention()
     want = fuzzing.train(single, x, y, weights, models.BatchLosses(),
                          keras.optimizers.SGD(0.1))
-    exact = fuzzing.train_in_float64(masked_attention, x, y, weights,
+    exact = fuzzing.train_in_float64(models.masked_attention, x, y, weights,
                                      keras.optimizers.SGD(0.1))
     strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}))
     with strategy.scope():
-        pipe = tfpar.PipelineModel(masked_attention(), num_microbatches=M,
+        pipe = tfpar.PipelineModel(models.masked_attention(), num_microbatches=M,
                                    stage_boundaries=["attend"])
     got = fuzzing.train(pipe, x, y, weights, models.BatchLosses(),
                         keras.optimizers.SGD(0.1))
@@ -171,7 +152,3 @@ def test_a_keras_mask_crosses_the_stage_cut():
     assert models.relative_error(
         single.predict(x, batch_size=16, verbose=0),
         pipe.predict(x, batch_size=16, verbose=0)) < 1e-4
-    # Stages on different hosts do not carry masks: refused by name.
-    with pytest.raises(ValueError, match=r"part 0 sends masked tensors .*"
-                       r"stage boundary after layer 'up'"):
-        cross_host.check_no_masks_across(pipe.parts)

@@ -41,6 +41,9 @@ actions from Python instead, on every host in the same order:
   after the last action each copy's gradient sum moves to the weight's
   home part, is added there, and the sum moves back to every copy
   (`TiedAcrossHosts`: two weight-sized moves per copy and step);
+- a Keras mask on a tensor part k sends (`Embedding(mask_zero=True)` and
+  the layers after it) moves with it, so attention on part k+1 ignores
+  padding as on one host;
 - a loss a layer before the last part adds (add_loss, a regularizer) is
   part of its part's objective in B(k, i); its value, returned by F(k, i),
   moves to the last part, whose loss adds it (a scalar move per
@@ -211,24 +214,32 @@ class MetricsOnEveryHost:
             if dtensor.is_dtensor(t) else t, results)
 
 
-def check_no_masks_across(parts):
-    """Keras masks (`Embedding(mask_zero=True)` and the layers after it)
-    on the tensors one part sends the next are not carried across hosts:
-    each part's step is a function of its own, whose results carry no
-    mask, so a layer reading its input's mask on the next part
-    (MultiHeadAttention) would attend to padding. Refused before training."""
-    for part in parts[:-1]:
-        masked = [t.name for t in part.graph.outputs
-                  if _compat.keras_mask(t) is not None]
-        if masked:
-            raise ValueError(
-                "Pipeline stages on different hosts carry activations "
-                f"without their Keras masks, but part {part.index} sends "
-                f"masked tensors {masked} (a mask_zero Embedding or a "
-                "Masking layer before the cut). Received: "
-                f"a stage boundary after layer {part.graph.layer_names[-1]!r}."
-                " Cut before the masking layer or after the last layer "
-                "that reads the mask, or keep the stages on one host.")
+def _unmasked(x):
+    """Host input `x` as the first part's (values, masks): no masks."""
+    values = tf.nest.flatten(x)
+    return values, [None] * len(values)
+
+
+def _sent_mask(output, spec_of, mesh):
+    """Inside a stage function: `output`'s Keras mask (`Embedding(
+    mask_zero=True)` and the layers after it) as int32, laid out as a
+    micro-batch (`spec_of(rank)`), to move with it; None without one."""
+    mask = _compat.keras_mask(output)
+    if mask is None:
+        return None
+    return placement.relayout(tf.cast(mask, tf.int32),
+                              spec_of(mask.shape.rank), mesh)
+
+
+def _masked(inputs):
+    """Inside a stage function: a part's input tensors from (values,
+    masks), each value with its Keras mask again (a layer that reads its
+    inputs' masks, MultiHeadAttention, sees them as on one host)."""
+    values, masks = inputs
+    for value, mask in zip(values, masks):
+        if mask is not None:
+            _compat.set_keras_mask(value, tf.cast(mask, tf.bool))
+    return list(values)
 
 
 def _portable(gradients):
@@ -393,7 +404,6 @@ class CrossHostRunner(PipelineRunner):
                 f"on {len(pipeline.parts)} stages over "
                 f"{dtensor.num_clients()} hosts. Use record_timeline=False.")
         super().__init__(pipeline, mode)
-        check_no_masks_across(self._parts)
         self.bridge = Bridge()
         self._stage_functions = {}
         self._drawn = {}
@@ -478,7 +488,7 @@ class CrossHostRunner(PipelineRunner):
         schedule = self._schedule_for(len(xs))
         self._drawn = {}  # (part, micro-batch) -> the seeds its F drew
         self._carried = {}  # micro-batch -> earlier parts' losses, on last
-        inputs = {(0, i): tf.nest.flatten(x) for i, x in enumerate(xs)}
+        inputs = {(0, i): _unmasked(x) for i, x in enumerate(xs)}
         incoming = {}  # (part, micro-batch) -> its outputs' gradients
         sums = [None] * len(self._parts)
         for action in schedule.execution_order():
@@ -513,10 +523,14 @@ class CrossHostRunner(PipelineRunner):
         part's forward runs inside its backward)."""
         if k == len(self._parts) - 1:
             return
-        (outputs, losses), self._drawn[k, i] = self._stage_function(
+        (sent, losses), self._drawn[k, i] = self._stage_function(
             "forward_drawing", k)(inputs[k, i], split)
         self._carry(k, i, losses)
-        inputs[k + 1, i] = self._send(outputs, k, k + 1, split)
+        inputs[k + 1, i] = self._send_masked(sent, k, split)
+
+    def _send_masked(self, sent, k, split):
+        """Part k's (outputs, their masks) on part k+1's mesh."""
+        return tuple(self._send(values, k, k + 1, split) for values in sent)
 
     def _carry(self, k, i, losses):
         """The losses part k's layers added in micro-batch i (add_loss,
@@ -547,20 +561,21 @@ class CrossHostRunner(PipelineRunner):
         """Every part forward on one micro-batch (not training): the last
         part's outputs, or, given `targets`, its loss and metrics
         updated (None)."""
-        values = tf.nest.flatten(x)
+        values = _unmasked(x)
         last = len(self._parts) - 1
         self._carried = {}
         for k in range(last):
-            outputs, losses = self._stage_function("forward", k, False)(
+            sent, losses = self._stage_function("forward", k, False)(
                 values, split)
             if targets is not None:
                 self._carry(k, 0, losses)
-            values = self._send(outputs, k, k + 1, split)
+            values = self._send_masked(sent, k, split)
         if targets is not None:
             return self._stage_function("evaluate", last, False)(
                 values, (targets, self._carried.pop(0, [])), rows)
-        return self._stage_function("forward", last, False)(values,
-                                                            split)[0]
+        (outputs, _), _ = self._stage_function("forward", last, False)(
+            values, split)
+        return outputs
 
     # -- traced: one part's functions ------------------------------------------
 
@@ -585,19 +600,25 @@ class CrossHostRunner(PipelineRunner):
         step.__name__ = f"{body.__name__[1:]}_part{part.index}"
         return step
 
-    def _forward_body(self, part, training, values, split):
-        """(The part's outputs, the losses its layers added: [] or one.)"""
-        outputs, own_loss = part.run(list(values), training)
-        return [placement.relayout(o, self._spec(o.shape.rank, split,
-                                                 part.mesh), part.mesh)
-                for o in outputs], [] if own_loss is None else [
-            placement.relayout(own_loss, (), part.mesh)]
+    def _forward_body(self, part, training, inputs, split):
+        """((the part's outputs, their Keras masks), the losses its layers
+        added: [] or one)."""
+        outputs, own_loss = part.run(_masked(inputs), training)
 
-    def _forward_drawing_body(self, part, training, values, split):
-        """F(k, i) training: ((the outputs, the losses its layers added),
-        the random seeds its layers drew, which B(k, i) replays)."""
+        def spec_of(rank):
+            return self._spec(rank, split, part.mesh)
+
+        return ([placement.relayout(o, spec_of(o.shape.rank), part.mesh)
+                 for o in outputs],
+                [_sent_mask(o, spec_of, part.mesh) for o in outputs]), [
+            placement.relayout(loss, (), part.mesh)
+            for loss in ([] if own_loss is None else [own_loss])]
+
+    def _forward_drawing_body(self, part, training, inputs, split):
+        """F(k, i) training: (`_forward_body`'s, the random seeds its
+        layers drew, which B(k, i) replays)."""
         with step_context.pushed("seeds", step_context.Seeds()) as drawn:
-            outputs = self._forward_body(part, training, values, split)
+            outputs = self._forward_body(part, training, inputs, split)
         return outputs, drawn.values
 
     def _metrics_of(self, outputs, own_loss, targets):
@@ -610,13 +631,13 @@ class CrossHostRunner(PipelineRunner):
             tf.stop_gradient(c) for c in carried])
         return y_pred, y, sample_weight, loss
 
-    def _evaluate_body(self, part, training, values, targets, rows):
+    def _evaluate_body(self, part, training, inputs, targets, rows):
         del training
-        outputs, own_loss = part.run(list(values), False)
+        outputs, own_loss = part.run(_masked(inputs), False)
         self._update_metrics(rows, *self._metrics_of(outputs, own_loss,
                                                      targets))
 
-    def _backward_body(self, part, training, values, gradients, targets,
+    def _backward_body(self, part, training, inputs, gradients, targets,
                        scale, rows, split, drawn):
         """The part's forward again under a tape, with the seeds its F drew
         (`drawn`; None for the last part, which has no F: it draws), then
@@ -638,7 +659,7 @@ class CrossHostRunner(PipelineRunner):
         replay = step_context.Seeds(drawn or (), replaying=True)
         with step_context.pushed("seeds", replay) if drawn is not None \
                 else contextlib.nullcontext():
-            part.forward(0, list(values), objective_of, False)
+            part.forward(0, _masked(inputs), objective_of, False)
         if seen:
             self._update_metrics(rows, *seen[0])
         grads, _ = part.backward(0, None)

@@ -267,10 +267,51 @@ def _with_dense_shape(gradient, shape):
     return gradient
 
 
+def _tie_sum_body(part, training, total, terms, shape):
+    """On a tied weight's home part (of `shape`): its gradient sum plus
+    the copies' (`TiedAcrossHosts.exchange`)."""
+    del part, training
+    total = _with_dense_shape(total, shape)
+    for gradient in terms:
+        total = accumulate(total, _with_dense_shape(gradient, shape))
+    return total
+
+
+def _tied_layout_body(part, training, gradient, spec):
+    """A tied weight's gradient sum laid out as the weight (`spec`), or a
+    sparse one's rows and indices whole (`TiedAcrossHosts`)."""
+    del training
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            placement.relayout(gradient.values, _whole(gradient.values),
+                               part.mesh),
+            placement.relayout(gradient.indices, (None,), part.mesh))
+    return placement.relayout(gradient, spec, part.mesh)
+
+
+def _finite_body(part, training, sums):
+    """1.0 when all the part's gradient sums are finite, else 0.0."""
+    del training
+    return placement.relayout(loss_scale.all_finite(sums), (), part.mesh)
+
+
+def _verdict_body(part, training, flags):
+    """On the last part: every part's flag -> the factor (1 or NaN)."""
+    del training
+    return placement.relayout(loss_scale.factor_of(flags), (), part.mesh)
+
+
+# Stage functions whose bodies need no runner (the rest are its methods
+# `_<kind>_body`), by kind (`CrossHostRunner._stage_function`).
+_PART_BODIES = {"tie_sum": _tie_sum_body, "tied_layout": _tied_layout_body,
+                "finite": _finite_body, "verdict": _verdict_body}
+
+
 class TiedAcrossHosts:
     """Weights tied across stages on different hosts: the gradient
     exchange of `CrossHostRunner` (`exchange`), its compiled parts the
-    runner's "tie_sum" and "tied_layout" stage functions."""
+    "tie_sum" and "tied_layout" stage functions (`_tie_sum_body`,
+    `_tied_layout_body`)."""
 
     def __init__(self, ties, bridge, meshes, stage_function):
         self._ties, self._bridge, self._meshes = ties, bridge, meshes
@@ -585,9 +626,9 @@ class CrossHostRunner(PipelineRunner):
         bits: `SmallTensorsAsBits`)."""
         key = (kind, k, training)
         if key not in self._stage_functions:
+            body = _PART_BODIES.get(kind) or getattr(self, f"_{kind}_body")
             self._stage_functions[key] = SmallTensorsAsBits(self.compiled(
-                self._step_of(getattr(self, f"_{kind}_body"),
-                              self._parts[k], training),
+                self._step_of(body, self._parts[k], training),
                 reduce_retracing=False))
         return self._stage_functions[key]
 
@@ -666,36 +707,6 @@ class CrossHostRunner(PipelineRunner):
         return ([None if g is None else placement.relayout(
             g, self._spec(g.shape.rank, split, part.mesh), part.mesh)
             for g in grads], list(part.gradient_sums))
-
-    def _tie_sum_body(self, part, training, total, terms, shape):
-        """On a tied weight's home part (of `shape`): its gradient sum plus
-        the copies' (`TiedAcrossHosts.exchange`)."""
-        del part, training
-        total = _with_dense_shape(total, shape)
-        for gradient in terms:
-            total = accumulate(total, _with_dense_shape(gradient, shape))
-        return total
-
-    def _tied_layout_body(self, part, training, gradient, spec):
-        """A tied weight's gradient sum laid out as the weight (`spec`), or
-        a sparse one's rows and indices whole (`TiedAcrossHosts`)."""
-        del training
-        if isinstance(gradient, tf.IndexedSlices):
-            return tf.IndexedSlices(
-                placement.relayout(gradient.values, _whole(gradient.values),
-                                   part.mesh),
-                placement.relayout(gradient.indices, (None,), part.mesh))
-        return placement.relayout(gradient, spec, part.mesh)
-
-    def _finite_body(self, part, training, sums):
-        """1.0 when all the part's gradient sums are finite, else 0.0."""
-        del training
-        return placement.relayout(loss_scale.all_finite(sums), (), part.mesh)
-
-    def _verdict_body(self, part, training, flags):
-        """On the last part: every part's flag -> the factor (1 or NaN)."""
-        del training
-        return placement.relayout(loss_scale.factor_of(flags), (), part.mesh)
 
     def _apply_body(self, part, training, sums, factor):
         """The part's optimizer step on its sums (times `factor`, if any)."""

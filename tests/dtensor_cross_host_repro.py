@@ -78,6 +78,17 @@ Conclusion (TF 2.21, CPU; observed on this machine):
     hosts run the function (on host 1 a no-op, as in (b)), then the
     full-mesh collective.
 
+(e) Corollary of (d), not a case of this script: DTensor compiles a
+    function again the first time the value of a small replicated int32,
+    int64 or float32 input changes (it folds such values into the
+    program). The host holding a stage sees its values change, the other
+    host's stand-ins never do, so the holder alone compiles the stage's
+    step twice and its collective keys drift from the other host's: the
+    next program both compile hangs. tfpar passes such inputs as their
+    bits (`cross_host.SmallTensorsAsBits`); the recompilation is pinned by
+    `tests/test_hosts_pipeline.py::test_dtensor_compiles_again_when_a_
+    small_input_changes`.
+
 What tfpar does (tfpar/pipeline/cross_host.py, tests/test_hosts_pipeline.py):
 the bridge (2), keeping tfpar's heterogeneous stages, sub-meshes and
 schedules. `Mesh` builds a stage's sub-mesh (consecutive devices of one

@@ -3,7 +3,8 @@
     python -m tfpar.launch --hosts 2 --virtual-cpus 4 \
         hosts_pipeline_child.py WORKDIR CASE...
 
-Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt]" (or
+Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt|:v2]" (":v2": 2 virtual stages
+per stage, `host_deep_mlp`) (or
 "AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
 "AXES:SCHEDULE:sgd:tokens": `run_tokens`, "AXES:SCHEDULE:sgd:labels":
 `run_labels`, or "AXES:SCHEDULE:sgd:masked": `run_masked`), e.g.
@@ -52,11 +53,13 @@ def build(case, weights, loss="mse", metrics=("mae",)):
              re.findall(r"([a-z]+)(\d+)", axes)}
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape), rules=(
         tfpar.LayoutRules(models.HOST_RULES) if "model" in shape else None))
+    interleaved = case.endswith(":v2")
     with strategy.scope():
-        model = models.host_mlp() if shape["pipe"] == 2 else \
-            models.host_deep_mlp()
+        model = models.host_mlp() if shape["pipe"] == 2 and not \
+            interleaved else models.host_deep_mlp()
         pipe = tfpar.PipelineModel(model, num_microbatches=2,
-                                   schedule=schedule)
+                                   schedule=schedule,
+                                   virtual_stages=2 if interleaved else 1)
         pipe.set_weights(weights)
         pipe.compile(optimizer=keras.optimizers.Adam(0.01)
                      if optimizer == "adam" else keras.optimizers.SGD(),
@@ -196,7 +199,7 @@ def run(workdir, case):
         RUNNERS[kind](workdir, case)
         return
     given = np.load(f"{workdir}/given.npz")
-    deep = case.startswith("pipe4")
+    deep = case.startswith("pipe4") or case.endswith(":v2")
     pipe = build(case, [given[f"{'d' if deep else 'w'}{i}"]
                         for i in range(10 if deep else 6)])
     losses = models.BatchLosses()
@@ -251,12 +254,11 @@ def tied_mlp():
 
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
-    zero-bubble schedule, interleaving, tied weights sent
+    zero-bubble schedule, tied weights sent
     in every micro-batch (tied_weights="per_step"), per-host input,
     record_timeline (at fit), and a mesh whose stages would straddle the
     hosts (pipe not first)."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
-           "interleaved": refused(models.host_deep_mlp, virtual_stages=2),
            "tied_per_step": refused(tied_mlp, tied_weights="per_step"),
            "per_host": refused(models.host_mlp, per_host_input=True),
            "timeline": refused(models.host_mlp, fit=True,

@@ -56,9 +56,10 @@ Each backward recomputes its forward, so a step costs one more forward
 per stage but the last (whose forward runs inside its backward); the
 random seeds F(k, i) drew (Dropout's masks) are returned with its outputs
 and replayed by B(k, i) (`step_context.Seeds`), so the recomputation
-draws the same numbers: random layers train as on one host. Zero-bubble
-schedules, interleaving and `tied_weights="per_step"` are refused
-(`check_supported`).
+draws the same numbers: random layers train as on one host. Interleaved
+schedules run as they are (a host holds every stage of its own, so parts
+alternate between the hosts). Zero-bubble schedules and
+`tied_weights="per_step"` are refused (`check_supported`).
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -97,7 +98,7 @@ def spans_hosts(extended):
 
 def check_supported(model, parts, schedule, extended, tied_weights):
     """Raises (on every host alike, before any step) for what the
-    host-driven step does not run: split backwards, interleaving, weights
+    host-driven step does not run: split backwards, weights
     tied across stages sent in every micro-batch (`tied_weights=
     "per_step"`: a move inside a stage's step). (Per-host input is
     refused by the strategy: the pipe axis along the hosts gives every
@@ -108,9 +109,6 @@ def check_supported(model, parts, schedule, extended, tied_weights):
     if schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
                    "backwards)", "schedule='gpipe' or '1f1b'")
-    elif schedule.virtual_stages > 1:
-        problem = (f"virtual_stages={schedule.virtual_stages}",
-                   "virtual_stages=1")
     elif tied_weights == "per_step" and any(
             part.shared or part.guests for part in parts):
         problem = ("tied_weights='per_step' (weights tied across stages "

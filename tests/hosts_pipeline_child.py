@@ -46,11 +46,17 @@ def local_ids(variable):
     return [int(i) for i in mesh.local_device_ids()]
 
 
+def mesh_shape(case):
+    """The mesh axes of `case` ("pipe2-data2-model2:..." -> {"pipe": 2,
+    ...})."""
+    return {name: int(size) for name, size in
+            re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
+
+
 def build(case, weights, loss="mse", metrics=("mae",)):
     """The case's strategy and compiled PipelineModel, from `weights`."""
-    axes, schedule, optimizer = case.split(":")[:3]
-    shape = {name: int(size) for name, size in
-             re.findall(r"([a-z]+)(\d+)", axes)}
+    schedule, optimizer = case.split(":")[1:3]
+    shape = mesh_shape(case)
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape), rules=(
         tfpar.LayoutRules(models.HOST_RULES) if "model" in shape else None))
     interleaved = case.endswith(":v2")
@@ -93,9 +99,7 @@ def run_hub(workdir, case):
     evaluate, and the copies' values, which must equal their weights'."""
     name = case.rsplit("hub-", 1)[1]
     given = np.load(f"{workdir}/hub-{name}.npz")
-    axes = case.split(":")[0]
-    shape = {a: int(n) for a, n in re.findall(r"([a-z]+)(\d+)", axes)}
-    mesh = tfpar.Mesh(shape)
+    mesh = tfpar.Mesh(mesh_shape(case))
     build = {**hub_models.BUILDERS, **hub_models.RANDOM_BUILDERS}[name]
     strategy = tfpar.ParallelStrategy(mesh, rules=tfpar.auto_rules(
         build, mesh=mesh))
@@ -132,9 +136,7 @@ def run_tokens(workdir, case):
     micro-batches, two epochs of WORKDIR/tokens.npz in order; its final
     weights, evaluate and each epoch's loss."""
     given = np.load(f"{workdir}/tokens.npz")
-    shape = {a: int(n) for a, n in
-             re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh_shape(case)))
     keras.utils.set_random_seed(1)
     with strategy.scope():
         pipe = tfpar.PipelineModel(models.host_token_mlp(),
@@ -172,9 +174,7 @@ def run_masked(workdir, case):
     from WORKDIR/masked.npz (`fuzzing.train`); per-batch losses, final
     weights and predictions."""
     given = np.load(f"{workdir}/masked.npz")
-    shape = {a: int(n) for a, n in
-             re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
-    with tfpar.ParallelStrategy(tfpar.Mesh(shape)).scope():
+    with tfpar.ParallelStrategy(tfpar.Mesh(mesh_shape(case))).scope():
         pipe = tfpar.PipelineModel(models.masked_attention(),
                                    num_microbatches=2,
                                    schedule=case.split(":")[1],

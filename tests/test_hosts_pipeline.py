@@ -245,6 +245,28 @@ def test_dtensor_compiles_again_when_a_small_input_changes(dtype):
     assert as_bits == [1, 0, 0]
 
 
+def test_integer_labels_on_a_mesh_without_a_data_axis(default_run):
+    """Integer labels (batches of 8 per micro-batch: small) on the last
+    stage, tensor-parallel on model=4 (collectives in its step): weights
+    after one epoch and evaluates at batch 16 and at 8 (compiled after
+    training: they hung when host 1 alone had compiled the last stage's
+    backward twice) as one device's."""
+    workdir = default_run
+    model, data = plain_model(workdir, LABELS)
+    model.compile(optimizer=keras.optimizers.SGD(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    model.fit(data["x"], data["labels"], batch_size=16, epochs=1,
+              shuffle=False, verbose=0)
+    evaluated = [model.evaluate(data["x"], data["labels"], batch_size=size,
+                                verbose=0) for size in (16, 8)]
+    for h in (0, 1):
+        host = np.load(workdir / f"{LABELS}-host{h}.npz")
+        for i, want in enumerate(model.get_weights()):
+            assert models.relative_error(want, host[f"w{i}"]) < RTOL
+        assert models.relative_error(evaluated, host["evaluate"]) < RTOL
+
+
 def check_case(workdir, case):
     *reference, _ = one_device(workdir, case)
     losses, weights = reference[:2]
@@ -352,28 +374,6 @@ def test_other_schedules_and_optimizers_in_parity(tmp_path):
     launch(tmp_path, SLOW)
     for case in SLOW:
         check_case(tmp_path, case)
-
-
-def test_integer_labels_on_a_mesh_without_a_data_axis(default_run):
-    """Integer labels (batches of 8 per micro-batch: small) on the last
-    stage, tensor-parallel on model=4 (collectives in its step): weights
-    after one epoch and evaluates at batch 16 and at 8 (compiled after
-    training: they hung when host 1 alone had compiled the last stage's
-    backward twice) as one device's."""
-    workdir = default_run
-    model, data = plain_model(workdir, LABELS)
-    model.compile(optimizer=keras.optimizers.SGD(),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
-    model.fit(data["x"], data["labels"], batch_size=16, epochs=1,
-              shuffle=False, verbose=0)
-    evaluated = [model.evaluate(data["x"], data["labels"], batch_size=size,
-                                verbose=0) for size in (16, 8)]
-    for h in (0, 1):
-        host = np.load(workdir / f"{LABELS}-host{h}.npz")
-        for i, want in enumerate(model.get_weights()):
-            assert models.relative_error(want, host[f"w{i}"]) < RTOL
-        assert models.relative_error(evaluated, host["evaluate"]) < RTOL
 
 
 # keras-hub causal LMs across the hosts: the token embedding (stage 0, host

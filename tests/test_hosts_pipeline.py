@@ -218,9 +218,9 @@ def test_dtensor_compiles_again_when_a_small_input_changes(dtype):
             "function_manager.miss"]
 
     def counted(function, compiled):
-        def call(*args):
+        def call(*args, **kwargs):
             before = misses()
-            result = function(*args)
+            result = function(*args, **kwargs)
             compiled.append(misses() - before)
             return result
         return call
@@ -228,7 +228,7 @@ def test_dtensor_compiles_again_when_a_small_input_changes(dtype):
     def scaled(x, small):
         return x * tf.cast(small[0], tf.float32)
 
-    def scaled_from_bits(encoded, *args):
+    def scaled_from_bits(*args, encoded=()):
         return scaled(*cross_host.from_bits(encoded, args))
 
     seeds = [dtensor.copy_to_mesh(tf.constant([v, 7], dtype), whole)

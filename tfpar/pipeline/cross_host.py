@@ -402,19 +402,20 @@ class SmallTensorsAsBits:
         leaves = tf.nest.flatten(args, expand_composites=True)
         encoded = tuple(
             (i, leaf.dtype.name) for i, leaf in enumerate(leaves)
-            if tf.is_tensor(leaf) and leaf.dtype in _BITS
+            if isinstance(leaf, tf.Tensor) and leaf.dtype in _BITS
             and leaf.shape.num_elements() < _SMALL)
-        if encoded:
-            for i, _ in encoded:
-                leaves[i] = _to_bits(leaves[i])
-            args = tf.nest.pack_sequence_as(args, leaves,
-                                            expand_composites=True)
-        return self._function(encoded, *args)
+        if not encoded:
+            return self._function(*args)
+        for i, _ in encoded:
+            leaves[i] = _to_bits(leaves[i])
+        return self._function(*tf.nest.pack_sequence_as(
+            args, leaves, expand_composites=True), encoded=encoded)
 
 
 def from_bits(encoded, args):
     """Inside a stage function: `args` with the leaves `encoded` by
-    `SmallTensorsAsBits` ((position, dtype name) pairs) bitcast back."""
+    `SmallTensorsAsBits` ((position, dtype name) pairs; its keyword
+    argument `encoded`, given only when some are) bitcast back."""
     if not encoded:
         return args
     leaves = tf.nest.flatten(args, expand_composites=True)
@@ -631,7 +632,7 @@ class CrossHostRunner(PipelineRunner):
         return self._stage_functions[key]
 
     def _step_of(self, body, part, training):
-        def step(encoded, *args):
+        def step(*args, encoded=()):
             args = from_bits(encoded, args)
             with self._extended.replica_scope(), part.on_mesh():
                 return body(part, training, *args)

@@ -5,7 +5,7 @@ weights (nothing can be downloaded here): each model is built from its
 backbone's constructor with widths that every mesh axis of size 2, 4 or 8
 divides (heads 8, hidden 32 or 64, intermediate 64 or 128), random weights,
 `preprocessor=None`, token ids (or images) in. Dropout is 0 so training is
-deterministic and comparable with one device (but in RANDOM_BUILDERS).
+deterministic and comparable with one device (RANDOM_BUILDERS keep theirs).
 
 >>> model = hub_models.build("llama_gqa")
 >>> x, y = hub_models.data("llama_gqa", batch=8)

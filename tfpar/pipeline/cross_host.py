@@ -87,6 +87,8 @@ from tfpar import step_context
 from tfpar.mesh import Mesh
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
+from tfpar.pipeline.runner import extra_losses
+from tfpar.pipeline.runner import part_objective
 from tfpar.pipeline.schedules import FORWARD
 from tfpar.pipeline.tied import accumulate
 
@@ -648,11 +650,12 @@ class CrossHostRunner(PipelineRunner):
         def spec_of(rank):
             return self._spec(rank, split, part.mesh)
 
-        return ([placement.relayout(o, spec_of(o.shape.rank), part.mesh)
+        sent = ([placement.relayout(o, spec_of(o.shape.rank), part.mesh)
                  for o in outputs],
-                [_sent_mask(o, spec_of, part.mesh) for o in outputs]), [
-            placement.relayout(loss, (), part.mesh)
-            for loss in ([] if own_loss is None else [own_loss])]
+                [_sent_mask(o, spec_of, part.mesh) for o in outputs])
+        losses = [] if own_loss is None else [
+            placement.relayout(own_loss, (), part.mesh)]
+        return sent, losses
 
     def _forward_drawing_body(self, part, training, inputs, split):
         """F(k, i) training: (`_forward_body`'s, the random seeds its
@@ -667,9 +670,8 @@ class CrossHostRunner(PipelineRunner):
         earlier parts (values only: their gradients are those parts')."""
         (y, sample_weight), carried = targets
         y_pred = self._y_pred(outputs)
-        loss = self._loss(y_pred, y, sample_weight, [own_loss] + [
-            tf.stop_gradient(c) for c in carried])
-        return y_pred, y, sample_weight, loss
+        return y_pred, y, sample_weight, self._loss(
+            y_pred, y, sample_weight, extra_losses(own_loss, carried))
 
     def _evaluate_body(self, part, training, inputs, targets, rows):
         del training
@@ -689,9 +691,8 @@ class CrossHostRunner(PipelineRunner):
         seen = []
 
         def objective_of(outputs, own_loss):
-            if targets is None:  # loss-scaled as the last part's objective
-                return (None if own_loss is None else
-                        part.optimizer.scale_loss(own_loss * scale), None)
+            if targets is None:
+                return part_objective(part, own_loss, scale), None
             seen.append(self._metrics_of(outputs, own_loss, targets))
             loss = seen[0][-1]
             return self._model.optimizer.scale_loss(loss * scale), loss

@@ -105,6 +105,24 @@ def _check_no_load_balance(extended):
             "(the context split itself works in pipeline stages).")
 
 
+def extra_losses(own_loss, carried):
+    """The losses the last part's loss adds to Keras' compiled one: its
+    layers' own (with their gradients) and the values of those `carried`
+    from the earlier parts (in training their gradients are those parts'
+    own: `part_objective`)."""
+    return [own_loss] + [tf.stop_gradient(loss) for loss in carried]
+
+
+def part_objective(part, own_loss, scale):
+    """The objective of a part before the last: the losses its layers
+    added (add_loss, regularizers) times the micro-batch's share `scale`,
+    loss-scaled by the part's optimizer as the last part's objective is (a
+    `LossScaleOptimizer` unscales its gradients); None without such
+    losses."""
+    return None if own_loss is None else part.optimizer.scale_loss(
+        own_loss * scale)
+
+
 class PipelineRunner(training.Runner):
     """Runs train/test/predict steps of a `PipelineModel` (see module doc)."""
 
@@ -371,15 +389,13 @@ class PipelineRunner(training.Runner):
         seen = {}
 
         def objective_of(outputs, own_loss):
-            if not last:  # loss-scaled as the last part's objective is
-                return (None if own_loss is None else
-                        part.optimizer.scale_loss(own_loss * batch.scale),
-                        None)
+            if not last:
+                return part_objective(part, own_loss, batch.scale), None
             y, sample_weight = self._microbatch(batch.targets, i, -1,
                                                 batch.split)
             y_pred = self._y_pred(outputs)
-            loss = self._loss(y_pred, y, sample_weight, [own_loss] + [
-                tf.stop_gradient(e) for e in carried])
+            loss = self._loss(y_pred, y, sample_weight,
+                              extra_losses(own_loss, carried))
             seen["metrics"] = (y_pred, y, sample_weight, loss)
             return self._model.optimizer.scale_loss(loss * batch.scale), loss
 

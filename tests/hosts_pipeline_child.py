@@ -1,14 +1,16 @@
-"""One host of a pipeline across two hosts (run by tests/test_hosts_pipeline.py).
+"""One host of a pipeline across hosts (run by tests/test_hosts_pipeline.py).
 
     python -m tfpar.launch --hosts 2 --virtual-cpus 4 \
         hosts_pipeline_child.py WORKDIR CASE...
 
-Each CASE is "AXES:SCHEDULE:OPTIMIZER[:ckpt|:v2]" (":v2": 2 virtual stages
-per stage, `host_deep_mlp`) (or
+(or 4 hosts of 2 virtual CPUs; 4 of 4 for ":offload"). Each CASE is
+"AXES:SCHEDULE:OPTIMIZER[:ckpt|:v2|:offload]" (":v2": 2 virtual stages
+per stage, `host_deep_mlp`; ":offload": the mesh on the first half of
+each host's devices, `offload="optimizer"` to the other half) (or
 "AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
 "AXES:SCHEDULE:sgd:tokens": `run_tokens`, "AXES:SCHEDULE:sgd:labels":
 `run_labels`, or "AXES:SCHEDULE:sgd:masked": `run_masked`), e.g.
-"pipe2-data2-model2:gpipe:adam" (axes of the 8-device mesh, pipe first; a
+"pipe2-data2-model2:gpipe:adam" (the mesh's axes, in order; a
 `tfpar.PipelineModel` schedule; "adam" = Adam(0.01), "sgd" = plain SGD,
 Keras' defaults). For each case the script (nothing host-specific:
 `tfpar.connect_hosts()` reads the launcher's environment) trains
@@ -24,7 +26,6 @@ into a fresh pipeline and trains both one more epoch (`checkpoint`). CASE
 of what stays refused across hosts.
 """
 
-import re
 import sys
 
 import tfpar
@@ -43,22 +44,38 @@ import models  # noqa: E402
 def local_ids(variable):
     """Global ids of this host's devices holding blocks of `variable`."""
     mesh = dtensor.fetch_layout(variable.value).mesh
-    return [int(i) for i in mesh.local_device_ids()]
+    return [int(name.rsplit(":", 1)[1])
+            for name in tfpar.mesh.local_device_names(mesh)]
 
 
-def mesh_shape(case):
-    """The mesh axes of `case` ("pipe2-data2-model2:..." -> {"pipe": 2,
-    ...})."""
-    return {name: int(size) for name, size in
-            re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}
+def devices(case, offload=False):
+    """The case's mesh devices: all, or with ":offload" the first half of
+    each host's (`offload`: the other half, the optimizer's)."""
+    count = dtensor.num_global_devices("CPU")
+    if not case.endswith(":offload"):
+        return [f"CPU:{i}" for i in range(count)]
+    half = dtensor.num_local_devices("CPU") // 2
+    return [f"CPU:{i}" for i in range(count)
+            if (i % (2 * half) >= half) == offload]
+
+
+def offloaded(case):
+    """The strategy's offload options: with ":offload", the optimizer's
+    state on the other half of each host's devices."""
+    if not case.endswith(":offload"):
+        return {}
+    return {"offload": "optimizer",
+            "offload_devices": devices(case, offload=True)}
 
 
 def build(case, weights, loss="mse", metrics=("mae",)):
     """The case's strategy and compiled PipelineModel, from `weights`."""
     schedule, optimizer = case.split(":")[1:3]
-    shape = mesh_shape(case)
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape), rules=(
-        tfpar.LayoutRules(models.HOST_RULES) if "model" in shape else None))
+    shape = models.mesh_shape(case)
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape, devices=devices(
+        case)), rules=(tfpar.LayoutRules(models.HOST_RULES)
+                       if "model" in shape else None),
+        **offloaded(case))
     interleaved = case.endswith(":v2")
     with strategy.scope():
         model = models.host_mlp() if shape["pipe"] == 2 and not \
@@ -99,7 +116,7 @@ def run_hub(workdir, case):
     evaluate, and the copies' values, which must equal their weights'."""
     name = case.rsplit("hub-", 1)[1]
     given = np.load(f"{workdir}/hub-{name}.npz")
-    mesh = tfpar.Mesh(mesh_shape(case))
+    mesh = tfpar.Mesh(models.mesh_shape(case))
     build = {**hub_models.BUILDERS, **hub_models.RANDOM_BUILDERS}[name]
     strategy = tfpar.ParallelStrategy(mesh, rules=tfpar.auto_rules(
         build, mesh=mesh))
@@ -136,7 +153,7 @@ def run_tokens(workdir, case):
     micro-batches, two epochs of WORKDIR/tokens.npz in order; its final
     weights, evaluate and each epoch's loss."""
     given = np.load(f"{workdir}/tokens.npz")
-    strategy = tfpar.ParallelStrategy(tfpar.Mesh(mesh_shape(case)))
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh(models.mesh_shape(case)))
     keras.utils.set_random_seed(1)
     with strategy.scope():
         pipe = tfpar.PipelineModel(models.host_token_mlp(),
@@ -174,7 +191,7 @@ def run_masked(workdir, case):
     from WORKDIR/masked.npz (`fuzzing.train`); per-batch losses, final
     weights and predictions."""
     given = np.load(f"{workdir}/masked.npz")
-    with tfpar.ParallelStrategy(tfpar.Mesh(mesh_shape(case))).scope():
+    with tfpar.ParallelStrategy(tfpar.Mesh(models.mesh_shape(case))).scope():
         pipe = tfpar.PipelineModel(models.masked_attention(),
                                    num_microbatches=2,
                                    schedule=case.split(":")[1],
@@ -224,13 +241,14 @@ def run(workdir, case):
              **{k: np.asarray(v) for k, v in out.items()})
 
 
-def refused(build, fit=False, **options):
-    """The error of `tfpar.PipelineModel(build(), 2, **options)` on pipe=2 ×
-    data=4 (and, with `fit`, of fitting it; "" if none); `per_host_input`
-    goes to the strategy."""
+def refused(build, fit=False, axes=(("pipe", 2), ("data", 4)),
+            **options):
+    """The error of `tfpar.PipelineModel(build(), 2, **options)` on `axes`
+    (and, with `fit`, of fitting it; "" if none); `per_host_input` goes to
+    the strategy."""
     per_host = options.pop("per_host_input", False)
     try:
-        strategy = tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}),
+        strategy = tfpar.ParallelStrategy(tfpar.Mesh(dict(axes)),
                                           per_host_input=per_host)
         with strategy.scope():
             pipe = tfpar.PipelineModel(build(), num_microbatches=2,
@@ -255,21 +273,25 @@ def tied_mlp():
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
     zero-bubble schedule, tied weights sent
-    in every micro-batch (tied_weights="per_step"), per-host input,
-    record_timeline (at fit), and a mesh whose stages would straddle the
-    hosts (pipe not first)."""
+    in every micro-batch (tied_weights="per_step"), per-host input (with
+    the pipe axis first, and with the data axis first: each host holding
+    its own data range), record_timeline (at fit), and a mesh whose
+    devices are not in increasing order."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
            "tied_per_step": refused(tied_mlp, tied_weights="per_step"),
            "per_host": refused(models.host_mlp, per_host_input=True),
+           "per_host_data_first": refused(
+               models.host_mlp, axes=(("data", 2), ("pipe", 2),
+                                      ("model", 2)), per_host_input=True),
            "timeline": refused(models.host_mlp, fit=True,
                                record_timeline=True)}
     try:
-        tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "pipe": 2,
-                                           "model": 2})).stage_meshes[
+        tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4}, devices=[
+            f"CPU:{i}" for i in range(7, -1, -1)])).stage_meshes[
             0].dtensor_mesh  # noqa: B018
-        out["straddling"] = ""
+        out["reordered"] = ""
     except ValueError as error:
-        out["straddling"] = str(error)
+        out["reordered"] = str(error)
     np.savez(f"{workdir}/refusals-host{tfpar.hosts.host_id()}.npz", **out)
 
 

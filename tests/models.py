@@ -8,6 +8,7 @@ its own `add_weight`.
 """
 
 import contextlib
+import re
 
 import keras
 import numpy as np
@@ -494,3 +495,10 @@ def built_on(build, axes=None, pipeline_cut=None, devices=None, **options):
             model = tfpar.PipelineModel(model, num_microbatches=2,
                                         stage_boundaries=[pipeline_cut])
     return model
+
+
+def mesh_shape(case):
+    """The mesh axes a two-host case names ("pipe2-data2-model2:..." ->
+    {"pipe": 2, "data": 2, "model": 2}, in order)."""
+    return {name: int(size) for name, size in
+            re.findall(r"([a-z]+)(\d+)", case.split(":")[0])}

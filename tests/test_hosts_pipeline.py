@@ -10,8 +10,10 @@ within 1e-4 relative (fp32); each host holds only its stage's weights and
 optimizer slots; both hosts read back the same weights. An embedding and
 Dropout on the other host's stage, integer labels and keras-hub
 GPT-2 and Llama (a table read again by the output head on the other host:
-a persistent copy there; slow) train in parity too. What stays refused
-across hosts is the same clear error on both hosts.
+a persistent copy there; slow) train in parity too. So do a pipeline on
+each host (the data axis first) and, on four processes of 2 virtual CPUs,
+stages over two hosts each. What stays refused across hosts is the same
+clear error on both hosts.
 """
 
 import ast
@@ -41,6 +43,9 @@ RTOL = 1e-4
 DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt",
            # interleaved: 4 parts alternating between the hosts
            "pipe2-data4:1f1b:sgd:v2"]
+# The data axis first: each stage on both hosts (CPU:0, 1 and CPU:4, 5 for
+# stage 0), a replica of the pipeline on each host.
+DATA_FIRST = "data2-pipe2-model2:gpipe:adam"
 # An embedding lookup on stage 0 (host 0): a sparse gradient, which
 # crashed host 1 when it traced that stage's step; an L2 loss and Dropout
 # there, whose value and seeds (small tensors) made one host alone compile a
@@ -55,15 +60,17 @@ SLOW = ["pipe2-data4:1f1b:sgd", "pipe2-data2-model2:1f1b:sgd",
         "pipe2-data4:gpipe:adam"]
 
 
-def launch(workdir, cases, timeout=900):
-    """Runs the child on 2 hosts for `cases`; asserts that both finished."""
+def launch(workdir, cases, hosts=2, devices=8, timeout=900):
+    """Runs the child on `hosts` hosts (`devices` virtual CPUs in all) for
+    `cases`; asserts that every host finished."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DTENSOR_", "TFPAR_"))}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-m", "tfpar.launch", "--hosts", "2",
-         "--virtual-cpus", "4", str(CHILD), str(workdir), *cases],
+        [sys.executable, "-m", "tfpar.launch", "--hosts", str(hosts),
+         "--virtual-cpus", str(devices // hosts), str(CHILD), str(workdir),
+         *cases],
         capture_output=True, text=True, timeout=timeout, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
@@ -119,7 +126,8 @@ def default_run(tmp_path_factory):
     given(workdir)
     tokens_given(workdir)
     masked_given(workdir)
-    launch(workdir, DEFAULT + [TOKENS, LABELS, MASKED, "refusals"])
+    launch(workdir, DEFAULT + [DATA_FIRST, TOKENS, LABELS, MASKED,
+                               "refusals"])
     return workdir
 
 
@@ -146,12 +154,16 @@ def masked_given(workdir):
 
 
 def test_a_keras_mask_crosses_the_hosts(default_run):
+    check_masked(default_run, 2)
+
+
+def check_masked(workdir, hosts):
     """The mask of host 0's mask_zero Embedding reaches host 1's attention
     (it was refused): per-batch losses and weights after one epoch of SGD
     as one device's (attention's key bias, whose true gradient is zero, to
     float32's own noise: `fuzzing.assert_parity` against float64), and
     predictions. Without the mask, attention would attend to padding."""
-    given = np.load(default_run / "masked.npz")
+    given = np.load(workdir / "masked.npz")
     weights = [given[f"w{i}"] for i in range(len(given) - 2)]
     x, y = given["x"], given["y"]
     single = models.masked_attention()
@@ -160,8 +172,8 @@ def test_a_keras_mask_crosses_the_hosts(default_run):
     exact = fuzzing.train_in_float64(models.masked_attention, x, y, weights,
                                      keras.optimizers.SGD(0.1))
     predicted = single.predict(x, batch_size=16, verbose=0)
-    for h in (0, 1):
-        host = np.load(default_run / f"{MASKED}-host{h}.npz")
+    for h in range(hosts):
+        host = np.load(workdir / f"{MASKED}-host{h}.npz")
         got = [host[f"w{i}"] for i in range(len(weights))]
         fuzzing.assert_parity(want[0], host["losses"], want[1], got,
                               exact=exact)
@@ -176,6 +188,10 @@ def tokens_on_one_device(workdir, accumulation):
 
 def test_an_embedding_a_regularizer_and_dropout_on_the_other_hosts_stage(
         default_run):
+    check_tokens(default_run, 2)
+
+
+def check_tokens(workdir, hosts):
     """Stage 0 (host 0) looks up an embedding, adds an L2 loss and applies
     Dropout: host 1 traces that stage's step without reading the lookup's
     sparse gradient (reading it crashed host 1); the L2 loss is stage 0's
@@ -189,14 +205,14 @@ def test_an_embedding_a_regularizer_and_dropout_on_the_other_hosts_stage(
     mask per micro-batch, as a pipeline on one host draws:
     tests/test_pipeline_microbatch_layers.py); other masks (the whole
     batch's) would not match."""
-    weights, evaluated, losses = tokens_on_one_device(default_run, 2)
-    for h in (0, 1):
-        host = np.load(default_run / f"{TOKENS}-host{h}.npz")
+    weights, evaluated, losses = tokens_on_one_device(workdir, 2)
+    for h in range(hosts):
+        host = np.load(workdir / f"{TOKENS}-host{h}.npz")
         for i, want in enumerate(weights):
             assert models.relative_error(want, host[f"w{i}"]) < RTOL
         assert models.relative_error(evaluated, host["evaluate"]) < RTOL
         assert models.relative_error(losses, host["losses"]) < RTOL
-    whole, *_ = tokens_on_one_device(default_run, 1)
+    whole, *_ = tokens_on_one_device(workdir, 1)
     assert max(models.relative_error(a, host[f"w{i}"])
                for i, a in enumerate(whole)) > 1e-3
 
@@ -246,12 +262,15 @@ def test_dtensor_compiles_again_when_a_small_input_changes(dtype):
 
 
 def test_integer_labels_on_a_mesh_without_a_data_axis(default_run):
+    check_labels(default_run, 2)
+
+
+def check_labels(workdir, hosts):
     """Integer labels (batches of 8 per micro-batch: small) on the last
     stage, tensor-parallel on model=4 (collectives in its step): weights
     after one epoch and evaluates at batch 16 and at 8 (compiled after
     training: they hung when host 1 alone had compiled the last stage's
     backward twice) as one device's."""
-    workdir = default_run
     model, data = plain_model(workdir, LABELS)
     model.compile(optimizer=keras.optimizers.SGD(),
                   loss=keras.losses.SparseCategoricalCrossentropy(
@@ -260,64 +279,74 @@ def test_integer_labels_on_a_mesh_without_a_data_axis(default_run):
               shuffle=False, verbose=0)
     evaluated = [model.evaluate(data["x"], data["labels"], batch_size=size,
                                 verbose=0) for size in (16, 8)]
-    for h in (0, 1):
+    for h in range(hosts):
         host = np.load(workdir / f"{LABELS}-host{h}.npz")
         for i, want in enumerate(model.get_weights()):
             assert models.relative_error(want, host[f"w{i}"]) < RTOL
         assert models.relative_error(evaluated, host["evaluate"]) < RTOL
 
 
-def check_case(workdir, case):
+def check_case(workdir, case, hosts=2):
     *reference, _ = one_device(workdir, case)
     losses, weights = reference[:2]
-    hosts = [np.load(workdir / f"{case}-host{h}.npz") for h in (0, 1)]
+    results = [np.load(workdir / f"{case}-host{h}.npz")
+               for h in range(hosts)]
     assert len(losses) == 4  # 64 samples, batch 16
-    for host in hosts:
-        models.assert_trained_like(reference, host, RTOL)
-    # One program: both hosts report the same losses and read back the
+    for result in results:
+        models.assert_trained_like(reference, result, RTOL)
+    # One program: every host reports the same losses and reads back the
     # same weights.
-    np.testing.assert_array_equal(hosts[0]["losses"], hosts[1]["losses"])
-    for i in range(len(weights)):
-        np.testing.assert_array_equal(hosts[0][f"w{i}"], hosts[1][f"w{i}"])
-    return hosts
+    for result in results[1:]:
+        np.testing.assert_array_equal(results[0]["losses"],
+                                      result["losses"])
+        for i in range(len(weights)):
+            np.testing.assert_array_equal(results[0][f"w{i}"],
+                                          result[f"w{i}"])
+    return results
 
 
-@pytest.mark.parametrize("case", DEFAULT)
+@pytest.mark.parametrize("case", DEFAULT + [DATA_FIRST])
 def test_stages_on_two_hosts_train_in_parity_with_one_device(default_run,
                                                              case):
     check_case(default_run, case)
 
 
-def check_held(hosts, stage_of, stage_size):
-    """Each weight and slot of stage s (`stage_of` a layer name) has blocks
-    on stage s's devices of its host only, none on the other host."""
-    held = [ast.literal_eval(str(host["held"])) for host in hosts]
+def check_held(workdir, case, stage_of):
+    """Each weight and slot of stage s (`stage_of` a layer name) of `case`
+    (its hosts' results in `workdir`) has blocks on stage s's devices
+    only: on each host, those of its own devices (8 devices over the
+    hosts, in order), none on the other hosts."""
+    shape = models.mesh_shape(case)
+    grid = np.arange(8).reshape(tuple(shape.values()))
+    held = [ast.literal_eval(str(np.load(workdir / f"{case}-host{h}.npz")[
+        "held"])) for h in range(len(list(workdir.glob(f"{case}-host*"))))]
+    per_host = 8 // len(held)
     slots = [p for p in held[0] if p.startswith("adam")]  # adam_1/...
     assert len(slots) == 2 * len(held[0]) // 3  # momentum, velocity each
     for path in held[0]:
         stage = next(s for name, s in stage_of.items() if name in path)
-        owner = stage * stage_size // 4  # 4 devices per host
-        devices = [stage * stage_size + d for d in range(stage_size)]
-        assert held[owner][path] == devices, path
-        assert held[1 - owner][path] == [], path
+        devices = np.take(grid, stage, axis=list(shape).index("pipe"))
+        for h, on_host in enumerate(held):
+            assert on_host[path] == sorted(
+                int(d) for d in devices.ravel() if d // per_host == h), (
+                    h, path)
 
 
 def test_each_host_holds_only_its_stages_weights_and_slots(default_run):
     """Stage 0 (up0) on host 0's devices 0..3, stage 1 (down0, head) on
     host 1's 4..7 (split_report's cut); pipe=4: two stages per host. The
     other host holds no block of them, Adam's slots likewise."""
-    check_held([np.load(default_run / f"{DEFAULT[0]}-host{h}.npz")
-                for h in (0, 1)], {"up0": 0, "down0": 1, "head": 1}, 4)
-    check_held([np.load(default_run / f"{DEFAULT[1]}-host{h}.npz")
-                for h in (0, 1)],
-               {"up0": 0, "down0": 1, "up1": 2, "down1": 3, "head": 3}, 2)
+    check_held(default_run, DEFAULT[0], {"up0": 0, "down0": 1, "head": 1})
+    check_held(default_run, DEFAULT[1],
+               {"up0": 0, "down0": 1, "up1": 2, "down1": 3, "head": 3})
+    check_held(default_run, DATA_FIRST, {"up0": 0, "down0": 1, "head": 1})
 
 
 def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
         default_run):
     hosts = [np.load(default_run / f"refusals-host{h}.npz") for h in (0, 1)]
-    for key in ("zero_bubble", "tied_per_step",
-                "per_host", "timeline", "straddling"):
+    for key in ("zero_bubble", "tied_per_step", "per_host",
+                "per_host_data_first", "timeline", "reordered"):
         assert str(hosts[0][key]) == str(hosts[1][key])
     assert "does not support schedule='zb-h1'" in str(hosts[0]["zero_bubble"])
     assert "Use schedule='gpipe' or '1f1b'" in str(hosts[0]["zero_bubble"])
@@ -332,9 +361,14 @@ def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
         str(hosts[0]["per_host"])
     assert "host 1 holding data coordinates [0, 1, 2, 3]" in str(
         hosts[0]["per_host"])
-    message = str(hosts[0]["straddling"])
-    assert "consecutive devices of one host" in message
-    assert "devices=[CPU:0, CPU:1, CPU:4, CPU:5]" in message
+    # The data axis first: each host holds its own data range, which the
+    # strategy accepts, but the host-driven step reads every global batch.
+    assert "does not support per_host_input=True" in str(
+        hosts[0]["per_host_data_first"])
+    assert "Use per_host_input=False" in str(hosts[0]["per_host_data_first"])
+    message = str(hosts[0]["reordered"])
+    assert "list the devices in increasing order" in message
+    assert "devices=[CPU:7, CPU:6, CPU:5, CPU:4])" in message  # stage 0
 
 
 def test_two_stages_per_host_and_their_checkpoint(default_run):
@@ -345,8 +379,24 @@ def test_two_stages_per_host_and_their_checkpoint(default_run):
     and as one device's second epoch does; and restores into plain Keras
     on one device here."""
     case = DEFAULT[1]
-    *_, predicted, second_epoch = one_device(default_run, case)
-    for host in check_case(default_run, case):
+    files = check_checkpoint(default_run, case, 2)
+    # up0 on stage 0 (devices 0, 1: replicated, device 0 writes), up1 on
+    # stage 2 (host 1's devices 4, 5: device 4 writes).
+    assert [f for f in files if "_up0_kernel.b" in f] == [
+        "v0000_deep_mlp_up0_kernel.b0.npy"]
+    assert [f for f in files if "_up1_kernel.b" in f] == [
+        "v0004_deep_mlp_up1_kernel.b4.npy"]
+
+
+def check_checkpoint(workdir, case, hosts):
+    """Case `case` (":ckpt") trained in parity on `hosts` hosts; its
+    sharded checkpoint (each host wrote its stages' blocks) restores into
+    a fresh pipeline of the same layout (predictions equal), which then
+    trains on exactly as the original does and as one device's second
+    epoch does; and restores into plain Keras on one device here. Returns
+    the checkpoint's file names."""
+    *_, predicted, second_epoch = one_device(workdir, case)
+    for host in check_case(workdir, case, hosts):
         assert int(host["restored_step"]) == 4
         assert models.relative_error(predicted,
                                      host["restored_predict"]) < RTOL
@@ -354,18 +404,84 @@ def test_two_stages_per_host_and_their_checkpoint(default_run):
                                      host["continued_losses"]) < RTOL
         assert models.relative_error(second_epoch,
                                      host["resumed_losses"]) < RTOL
-    directory = default_run / f"{case.replace(':', '_')}-ckpt"
-    files = sorted(p.name for p in (directory / "ckpt-4").iterdir())
-    # up0 on stage 0 (devices 0, 1: replicated, device 0 writes), up1 on
-    # stage 2 (host 1's devices 4, 5: device 4 writes).
-    assert [f for f in files if "_up0_kernel.b" in f] == [
-        "v0000_deep_mlp_up0_kernel.b0.npy"]
-    assert [f for f in files if "_up1_kernel.b" in f] == [
-        "v0004_deep_mlp_up1_kernel.b4.npy"]
-    plain, data = plain_model(default_run, case)
+    directory = workdir / f"{case.replace(':', '_')}-ckpt"
+    plain, data = plain_model(workdir, case)
     tfpar.restore_checkpoint(plain, directory, optimizer=False)
     assert models.relative_error(predicted, plain.predict(
         data["x"], batch_size=16, verbose=0)) < RTOL
+    return sorted(p.name for p in (directory / "ckpt-4").iterdir())
+
+
+# Stages over several hosts (4 hosts × 2 devices, the pipe axis first):
+# stage 0 on hosts 0 and 1, stage 1 on hosts 2 and 3, as Megatron-LM lays
+# out a pipeline with more hosts than stages (here data, or model, across
+# a stage's hosts). Moves go from two hosts to two others.
+SPANNING = ["pipe2-data2-model2:1f1b:adam:ckpt", TOKENS]
+SPANNING_SLOW = ["pipe2-data4:1f1b:sgd:v2", LABELS, MASKED]
+
+
+@pytest.fixture(scope="module")
+def spanning_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("hosts_pipeline_spanning")
+    given(workdir)
+    tokens_given(workdir)
+    launch(workdir, SPANNING, hosts=4)
+    return workdir
+
+
+def test_stages_over_two_hosts_each_train_and_checkpoint(spanning_run):
+    """pipe=2 × data=2 × model=2 on 4 hosts: stage s on hosts 2s and 2s+1
+    (data across them, model inside each). Losses, weights, evaluate and
+    predict as one device's, every host reading back the same; each host
+    holds only its own devices' blocks of its stage's weights and Adam
+    slots; the sharded checkpoint restores and trains on exactly."""
+    case = SPANNING[0]
+    files = check_checkpoint(spanning_run, case, 4)
+    check_held(spanning_run, case, {"up0": 0, "down0": 1, "head": 1})
+    # down0's kernel (row-parallel over model) is written by its first
+    # replica (data 0): devices 4 and 5, both on host 2.
+    assert [f for f in files if "down0_kernel.b" in f] == [
+        "v0002_mlp_down0_kernel.b4.npy",
+        "v0002_mlp_down0_kernel.b5.npy"]
+
+
+def test_dropout_and_a_regularizer_on_a_stage_over_two_hosts(spanning_run):
+    """`TOKENS` on 4 hosts (its data axis across each stage's two hosts):
+    as on two hosts, Keras' gradient accumulation on one device."""
+    check_tokens(spanning_run, 4)
+
+
+@pytest.mark.slow
+def test_more_stages_over_two_hosts_each(tmp_path):
+    """Interleaved stages, integer labels on model=4 across two hosts (its
+    collectives span them) and a Keras mask, on 4 hosts."""
+    given(tmp_path)
+    masked_given(tmp_path)
+    launch(tmp_path, SPANNING_SLOW, hosts=4)
+    check_case(tmp_path, SPANNING_SLOW[0], 4)
+    check_labels(tmp_path, 4)
+    check_masked(tmp_path, 4)
+
+
+@pytest.mark.slow
+def test_offload_of_stages_over_two_hosts_each(tmp_path):
+    """`offload="optimizer"` with pipe=2 × data=4 on CPU:0, 1 of each of 4
+    hosts (4 CPUs each; stage s on hosts 2s and 2s+1), the optimizer's
+    state on CPU:2, 3 of each: in parity with one device; each host holds
+    its stage's weights on its CPU:0, 1 and their Adam slots on its
+    CPU:2, 3."""
+    case = "pipe2-data4:1f1b:adam:offload"
+    given(tmp_path)
+    launch(tmp_path, [case], hosts=4, devices=16)
+    check_case(tmp_path, case, 4)
+    for h in range(4):
+        held = ast.literal_eval(str(np.load(tmp_path / f"{case}-host{h}.npz")
+                                    ["held"]))
+        for path, devices in held.items():
+            stage = 0 if "up0" in path else 1
+            mine = [4 * h + (2 if path.startswith("adam") else 0) + k
+                    for k in (0, 1)]
+            assert devices == (mine if stage == h // 2 else []), (h, path)
 
 
 @pytest.mark.slow
@@ -388,13 +504,15 @@ ZERO_GRADIENT = "/key/bias"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+@pytest.mark.parametrize("name,hosts", [("gpt2", 2), ("llama_gqa", 2),
+                                        ("gpt2", 4)])
 def test_a_keras_hub_lm_with_tied_weights_trains_across_two_hosts(
-        tmp_path, name):
-    """A keras-hub causal LM pipelined on pipe 2 (one stage per host) ×
-    data 2 × model 2 with auto_rules: per-batch losses and weights as one
-    device's (Adam 1e-3, 2 steps of batch 8), each copy on host 1 equal
-    bit for bit to its weight on host 0 after training."""
+        tmp_path, name, hosts):
+    """A keras-hub causal LM pipelined on pipe 2 (one stage per host; on 4
+    hosts one stage per two) × data 2 × model 2 with auto_rules: per-batch
+    losses and weights as one device's (Adam 1e-3, 2 steps of batch 8),
+    each copy on the last stage equal bit for bit to its weight on the
+    first after training."""
     keras.utils.set_random_seed(0)
     model = hub_models.build(name)
     weights = model.get_weights()
@@ -409,11 +527,11 @@ def test_a_keras_hub_lm_with_tied_weights_trains_across_two_hosts(
     # the loss (keras-hub's compile adds an accuracy the pipeline's lacks)
     evaluated = model.evaluate(x, y, batch_size=8, verbose=0)[0]
     case = f"{HUB_AXES}:hub-{name}"
-    launch(tmp_path, [case])
-    hosts = [np.load(tmp_path / f"{case}-host{h}.npz") for h in (0, 1)]
+    launch(tmp_path, [case], hosts=hosts)
     paths = [w.path for w in model.weights]
     table = model.get_layer("token_embedding")
-    for host in hosts:
+    for host in [np.load(tmp_path / f"{case}-host{h}.npz")
+                 for h in range(hosts)]:
         assert len(host["losses"]) == 2
         assert models.relative_error(losses.losses, host["losses"]) < RTOL
         assert models.relative_error(evaluated, host["evaluate"]) < RTOL

@@ -31,15 +31,16 @@ Example (two processes; in the second, `host_id=1`):
 >>> tfpar.connect_hosts(["localhost:23451", "localhost:23452"], host_id=0)
 >>> strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "model": 4}))
 
-Pipeline stages may live on different hosts: with the pipe axis first,
-along the hosts, each stage's sub-mesh is consecutive devices of one host
+Pipeline stages may live on different hosts (with the pipe axis first,
+along the hosts, each stage's sub-mesh is one host's devices or whole
+hosts'; with the data axis first, every host holds a part of every stage)
 and `PipelineModel` trains with a host-driven step
 (`tfpar.pipeline.cross_host`). A mesh may also use the same local
 devices of every host (e.g. CPU:0-3 of each, the rest for
 `offload_devices`: each host keeps its blocks' optimizer state on its own
-CPUs, `tfpar.offload`; with the pipe axis first, each stage's on its
-own host's). Not across hosts: other meshes over a subset or a
-reordering of the devices (`Mesh` refuses them on every host);
+CPUs, `tfpar.offload`; each stage's on its own hosts'). Not across
+hosts: other meshes over a subset or a reordering of the devices (`Mesh`
+refuses them on every host);
 `visualize_layout` and `summary` show this host's devices only. Host names or IPv4 addresses only
 (no IPv6). Tested only with processes on one machine (`tests/test_hosts.py`).
 """

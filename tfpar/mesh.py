@@ -219,7 +219,6 @@ class Mesh:
             )
         self._devices = tuple(devices)
         self._dtensor_mesh = None
-        self._may_spread = True  # (see `_cluster_mesh`)
 
     @classmethod
     def from_keras(cls, device_mesh):
@@ -304,7 +303,6 @@ class Mesh:
         grid = np.arange(self.size).reshape(tuple(self._axes.values()))
         picked = np.take(grid, index, axis=self.axis_names.index(axis))
         stage = Mesh(rest, devices=[self._devices[i] for i in picked.ravel()])
-        stage._may_spread = False  # a stage straddling the hosts: refused
         return stage
 
     @property
@@ -326,34 +324,37 @@ class Mesh:
         DTensor numbers the cluster's devices in order, host h's local
         device k being global device h * L + k (L devices per host), and
         needs a mesh's ids increasing by one. A mesh across hosts is one of:
-        all devices in order; consecutive devices of one host (a pipeline
-        stage's sub-mesh when the pipe axis runs along the hosts), its ids
-        the global ones; or the same local devices of every host, host 0's
-        first, in increasing order ("spread": e.g. CPU:0-3 of every host,
-        the others left to `offload_devices`; not a `submesh`: pipeline
-        stages straddling the hosts are refused), its ids the mesh
-        positions 0..n-1 and its devices named by DeviceSpecs. Built
-        on every host, its local devices this host's ([] on the others).
-        Anything else (a reordering, another subset) is refused by the
-        same check on every host."""
+        all devices in order; consecutive devices of one host, or of whole
+        consecutive hosts (a pipeline stage's sub-mesh with the pipe axis
+        first), its ids the global ones; or the same local devices of each
+        of consecutive hosts, the first host's first, in increasing order
+        ("spread": e.g. CPU:0-3 of every host, the others left to
+        `offload_devices`, or a stage's sub-mesh with the pipe axis not
+        first), its ids the mesh positions 0..n-1 and its devices named
+        by DeviceSpecs. Built on every host, its local devices this host's
+        ([] on the others). Anything else (a reordering, another subset)
+        is refused by the same check on every host."""
         kind = self.device_type
         per_host = dtensor.num_local_devices(kind)
         everything = default_devices()
         ids = [_device_index(d) for d in self._devices]
         whole = ids == list(range(len(everything)))
-        one_host = (ids == list(range(ids[0], ids[0] + len(ids)))
-                    and ids[0] // per_host == ids[-1] // per_host)
-        spread = self._may_spread and _spread_over_hosts(ids, per_host)
-        if not (whole or one_host or spread):
+        consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
+        contiguous = consecutive and (  # inside one host, or whole hosts
+            ids[0] // per_host == ids[-1] // per_host
+            or (ids[0] % per_host == 0 and len(ids) % per_host == 0))
+        spread = not (whole or contiguous) and _spread_over_hosts(
+            ids, per_host)
+        if not (whole or contiguous or spread):
             raise ValueError(
                 f"Across hosts a mesh must use all {len(everything)} devices "
                 f"in order ({_device_range(everything)}), or consecutive "
-                f"devices of one host ({per_host} per host: e.g. CPU:"
-                f"{per_host}..CPU:{2 * per_host - 1} of host 1), or the same "
-                "devices of every host (e.g. CPU:0-3 of each), host 0's "
-                f"first. Received: {self!r}. Reorderings and other subsets "
-                "are not supported across hosts; for pipeline stages put "
-                "the pipe axis first (Mesh({'pipe': hosts, ...})).")
+                f"devices of one host or of whole hosts ({per_host} per "
+                f"host: e.g. CPU:{per_host}..CPU:{2 * per_host - 1} of host "
+                "1), or the same devices of each of consecutive hosts (e.g. "
+                "CPU:0-3 of each), the first host's first. Received: "
+                f"{self!r}. Reorderings and other subsets are not supported "
+                "across hosts; list the devices in increasing order.")
 
         def spec(i):
             return tf.DeviceSpec(job=dtensor.job_name(), replica=0,
@@ -465,15 +466,19 @@ def _normalize_devices(devices):
 
 
 def _spread_over_hosts(ids, per_host):
-    """Whether global device `ids` are the same local devices of every host
-    (host 0's first, each host's in increasing order): a "spread" mesh."""
-    hosts = dtensor.num_clients()
-    if len(ids) % hosts:
+    """Whether global device `ids` are the same local devices of each of a
+    run of consecutive hosts (every host, or a pipeline stage's), the
+    first host's first, each host's in increasing order: a "spread"
+    mesh."""
+    hosts = sorted({i // per_host for i in ids})
+    if len(ids) % len(hosts) or hosts != list(range(hosts[0],
+                                                    hosts[-1] + 1)):
         return False
-    share = len(ids) // hosts
-    first = ids[:share]
-    return sorted(set(first)) == first and first[-1] < per_host and ids == [
-        h * per_host + i for h in range(hosts) for i in first]
+    share = len(ids) // len(hosts)
+    first = [i - hosts[0] * per_host for i in ids[:share]]
+    return sorted(set(first)) == first and 0 <= first[0] and \
+        first[-1] < per_host and ids == [
+            h * per_host + i for h in hosts for i in first]
 
 
 def _device_range(devices):

@@ -204,9 +204,15 @@ def fetch(value):
     if not dtensor.is_dtensor(value):
         return np.asarray(value)
     layout = dtensor.fetch_layout(value)
-    owner = host_of(layout.mesh)
-    if dtensor.num_clients() > 1 and owner is not None:
-        return _from_host(value, layout, owner)
+    holders = hosts_of(layout.mesh)
+    if dtensor.num_clients() > 1 and len(holders) < dtensor.num_clients():
+        return _from_hosts(value, layout, holders)
+    return _gathered(value, layout)
+
+
+def _gathered(value, layout):
+    """The global value of `value`, on each host holding devices of its
+    mesh (a collective among them when the blocks are spread over hosts)."""
     if layout.is_fully_replicated():
         return dtensor.unpack(value)[0].numpy()
     dmesh = layout.mesh
@@ -241,29 +247,42 @@ def local_locations(dtensor_mesh):
             for i in dtensor_mesh.local_device_ids()]
 
 
-def host_of(dtensor_mesh):
-    """The host holding every device of `dtensor_mesh` (0 on one host),
-    None when it spans several hosts (across hosts, DTensor's global
-    device i is device i mod L of host i // L)."""
+def hosts_of(dtensor_mesh):
+    """The hosts holding devices of `dtensor_mesh`, in increasing order
+    ((0,) on one host; across hosts a pipeline stage's sub-mesh holds one
+    host or several whole ones, a "spread" mesh every host: see
+    `tfpar.Mesh._cluster_mesh`, which names the devices of every mesh but
+    the cluster's whole one)."""
     if dtensor.num_clients() == 1:
-        return 0
-    if 0 < dtensor_mesh.num_local_devices() < dtensor_mesh.size:
-        return None  # (a spread mesh's ids are positions, not devices)
-    per_host = dtensor.num_local_devices(dtensor_mesh.device_type())
-    hosts = {int(i) // per_host
-             for i in np.ravel(dtensor_mesh.global_device_ids())}
-    return hosts.pop() if len(hosts) == 1 else None
+        return (0,)
+    devices = dtensor_mesh.global_devices()
+    if not devices:  # every device of the cluster, in order
+        return tuple(range(dtensor.num_clients()))
+    return tuple(sorted({tf.DeviceSpec.from_string(d).task
+                         for d in devices}))
 
 
-def _from_host(value, layout, owner):
-    """The global value of `value` (on a mesh of host `owner`'s devices
-    only) on every host (see `from_host`)."""
-    if dtensor.client_id() == owner:
-        array = _assemble(value, layout)
+def host_of(dtensor_mesh):
+    """The one host holding every device of `dtensor_mesh` (0 on one
+    host), None when it spans several hosts."""
+    holders = hosts_of(dtensor_mesh)
+    return holders[0] if len(holders) == 1 else None
+
+
+def _from_hosts(value, layout, holders):
+    """The global value of `value` (on a mesh of the hosts `holders` only)
+    on every host: gathered among the holders, then sent from the first
+    (see `from_host`). The others run the gather too, on their stand-in:
+    every host compiles the same programs in the same order."""
+    if dtensor.client_id() in holders:
+        array = _gathered(value, layout)
     else:
+        if len(holders) > 1 and not layout.is_fully_replicated():
+            dtensor.relayout(value, dtensor.Layout.replicated(
+                layout.mesh, layout.rank))
         array = np.zeros(value.shape.as_list(),
                          dtype=value.dtype.as_numpy_dtype)
-    return from_host(array, owner)
+    return from_host(array, holders[0])
 
 
 def from_host(array, owner):

@@ -1,15 +1,17 @@
 """Pipeline stages on different hosts: the host-driven step.
 
-With several hosts (`tfpar.connect_hosts`) and the pipe axis along them
-(e.g. `Mesh({"pipe": 2, "data": 2, "model": 2})` on 2 hosts × 4 devices),
-each stage's sub-mesh lies on one host. DTensor (TF 2.21) cannot copy a
+With several hosts (`tfpar.connect_hosts`) the stages' sub-meshes lie on
+different hosts: with the pipe axis along them (e.g. `Mesh({"pipe": 2,
+"data": 2, "model": 2})` on 2 hosts × 4 devices) each on one host, or on
+whole hosts when there are more hosts than stages; with the data axis
+first, on every host. DTensor (TF 2.21) cannot copy a
 tensor between two hosts' meshes ("Send and receive hosts don't match",
 `tests/dtensor_cross_host_repro.py`), so the one-`tf.function` step of
 `tfpar.pipeline.runner` cannot run. `CrossHostRunner` runs the schedule's
 actions from Python instead, on every host in the same order:
 
 - F(k, i): part k's forward of micro-batch i, a `tf.function` on its
-  stage's mesh. Only the host holding that mesh computes it; every other
+  stage's mesh. Only the hosts holding that mesh compute it; every other
   host runs it too, as a no-op on stand-ins of the right layout (DTensor
   numbers the collectives of the programs each host compiles in order, so
   every host must compile the same programs in the same order: case (d)
@@ -19,18 +21,19 @@ actions from Python instead, on every host in the same order:
   vector-Jacobian product with the output gradients from part k+1 (the
   last part: its loss, whose metrics it updates); the weight gradients are
   summed over the micro-batches;
-- a move from part k to a part on another host is `Bridge.move`: the
-  sender puts each device's block in its slot of a tensor laid out over
-  every device of the cluster, a compiled all-gather over the hosts
-  carries the slots across, and the receiver packs its slots onto its
-  stage's mesh (exact; each device sends its block, or zeros, to every
-  other host). Moves between two meshes of one host go through that host
-  alone (its blocks, device by device);
+- a move from part k to a part on other hosts is `Bridge.move`: each
+  sending host puts each of its devices' blocks in the slot of the
+  receiving device's local position, in a tensor laid out over every
+  device of the cluster, a compiled all-gather over the hosts carries the
+  slots across, and each receiving host packs its slots onto its stage's
+  mesh (exact; each device sends its block, or zeros, to every other
+  host). Moves between two meshes of the same hosts go through each of
+  them alone (its blocks, device by device);
 - after the last action each part's optimizer applies its summed
   gradients (a `tf.function` each; under `offload="optimizer"` the
-  update runs on the stage's host's offload devices instead,
+  update runs on the stage's hosts' offload devices instead,
   `tfpar.offload.OffloadCrossHostRunner`); logs and predictions are the
-  owner's values, sent to every host (`tfpar.placement.fetch`: a
+  holders' values, sent to every host (`tfpar.placement.fetch`: a
   collective). Under a `LossScaleOptimizer` all parts skip an overflowing
   step together (`tfpar.pipeline.loss_scale`): each part's finite flag
   moves through the bridge to the last part, whose verdict (a factor, 1
@@ -58,8 +61,9 @@ random seeds F(k, i) drew (Dropout's masks) are returned with its outputs
 and replayed by B(k, i) (`step_context.Seeds`), so the recomputation
 draws the same numbers: random layers train as on one host. Interleaved
 schedules run as they are (a host holds every stage of its own, so parts
-alternate between the hosts). Zero-bubble schedules and
-`tied_weights="per_step"` are refused (`check_supported`).
+alternate between the hosts). Zero-bubble schedules,
+`tied_weights="per_step"` and per-host input are refused
+(`check_supported`).
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -85,6 +89,8 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import step_context
 from tfpar.mesh import Mesh
+from tfpar.mesh import local_device_names
+from tfpar.mesh import short_device_name
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.pipeline.runner import extra_losses
@@ -102,13 +108,16 @@ def check_supported(model, parts, schedule, extended, tied_weights):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, weights
     tied across stages sent in every micro-batch (`tied_weights=
-    "per_step"`: a move inside a stage's step). (Per-host input is
-    refused by the strategy: the pipe axis along the hosts gives every
-    host every data coordinate.)"""
+    "per_step"`: a move inside a stage's step), per-host input (the step
+    reads every global batch on every host; with the pipe axis first the
+    strategy refuses it too: every host holds every data coordinate)."""
     if not spans_hosts(extended):
         return
     problem = None
-    if schedule.split_backward:
+    if extended.input_placer.per_host:
+        problem = ("per_host_input=True (every host reads each global "
+                   "batch)", "per_host_input=False")
+    elif schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
                    "backwards)", "schedule='gpipe' or '1f1b'")
     elif tied_weights == "per_step" and any(
@@ -126,8 +135,9 @@ def check_supported(model, parts, schedule, extended, tied_weights):
 
 
 class Bridge:
-    """Moves DTensors between stage meshes of one host or of two (module
-    doc). Every host calls `move` for every move, in the same order."""
+    """Moves DTensors between stage meshes on the same hosts or on others
+    (module doc). Every host calls `move` for every move, in the same
+    order."""
 
     total_bytes_sent = 0  # by this host's devices, over all bridges
 
@@ -152,39 +162,44 @@ class Bridge:
 
     def move(self, value, source, target, spec):
         """`value` (a DTensor laid out by `spec` on `tfpar.Mesh` `source`,
-        held by the source's host; elsewhere a stand-in of its shape) on
-        `target`, held by the target's host (a stand-in elsewhere)."""
-        src = placement.host_of(source.dtensor_mesh)
-        dst = placement.host_of(target.dtensor_mesh)
+        held by the source's hosts; elsewhere a stand-in of its shape) on
+        `target`, held by the target's hosts (a stand-in elsewhere)."""
+        senders = placement.hosts_of(source.dtensor_mesh)
+        receivers = placement.hosts_of(target.dtensor_mesh)
         layout = layout_lib.to_dtensor_layout(spec, target)
         value = placement.relayout(value, spec, source)
         shape = value.shape.as_list()
-        if src == dst:  # one host: its blocks, device by device
-            if self._host != src:
+        if senders == receivers:  # each host its own blocks, in place
+            if self._host not in senders:
                 return placement.stand_in(layout, shape, value.dtype)
             return dtensor.pack(dtensor.unpack(value), layout)
         block = _block_shape(shape, spec, source)
-        first = _first_local(target, self._per_host)
-        blocks = dtensor.unpack(value) if self._host == src else None
+        # The block at mesh position j goes from global device from_ids[j]
+        # to to_ids[j], in the slot of its receiver's local position
+        # to_ids[j] mod L, sent by the host of from_ids[j] (stage meshes
+        # are consecutive devices: no two blocks of a host share a slot).
+        from_ids = _global_ids(source)
+        to_ids = _global_ids(target)
+        L = self._per_host
         zeros = tf.zeros([1, 1] + block, value.dtype)
-        # Device p of the sender's host carries block p - first: the block
-        # of the receiver's device at local position p. Zeros elsewhere.
-        components = [
-            blocks[p - first][None, None] if blocks is not None
-            and 0 <= p - first < source.size else zeros
-            for p in range(self._per_host)]
+        components = [zeros] * L
+        if self._host in senders:
+            blocks = dict(zip(_local_ids(source), dtensor.unpack(value)))
+            for sent_from, sent_to in zip(from_ids, to_ids):
+                if sent_from // L == self._host:
+                    components[sent_to % L] = blocks[sent_from][None, None]
         slots = dtensor.Layout(["tfpar_hosts", "tfpar_local"] + [
             "unsharded"] * len(shape), self._mesh)
         whole = self._gather(len(shape))(dtensor.pack(components, slots))
-        sent = (self._hosts - 1) * self._per_host * int(
-            np.prod(block)) * value.dtype.size
+        sent = (self._hosts - 1) * L * int(np.prod(block)) * value.dtype.size
         self.bytes_sent += sent
         Bridge.total_bytes_sent += sent
-        if self._host != dst:
+        if self._host not in receivers:
             return placement.stand_in(layout, shape, value.dtype)
         gathered = dtensor.unpack(whole)
-        return dtensor.pack([gathered[first + j][src, 0]
-                             for j in range(target.size)], layout)
+        sender_of = dict(zip(to_ids, from_ids))
+        return dtensor.pack([gathered[i % L][sender_of[i] // L, 0]
+                             for i in _local_ids(target)], layout)
 
 
 def _block_shape(shape, spec, mesh):
@@ -194,10 +209,20 @@ def _block_shape(shape, spec, mesh):
             for d, a in zip(shape, spec)]
 
 
-def _first_local(mesh, per_host):
-    """The local position (on its host) of `mesh`'s first device."""
-    return int(np.ravel(mesh.dtensor_mesh.global_device_ids()).min()) % \
-        per_host
+def _global_ids(mesh):
+    """The global device ids of stage mesh `mesh`, by mesh position."""
+    return [_index(name) for name in mesh.devices]
+
+
+def _local_ids(mesh):
+    """The global ids of this host's devices of stage mesh `mesh`, in
+    DTensor's local order (that of `dtensor.unpack`)."""
+    return [_index(name) for name in local_device_names(mesh.dtensor_mesh)]
+
+
+def _index(name):
+    """7 for "CPU:7" (a global device name across hosts)."""
+    return int(short_device_name(name).rsplit(":", 1)[1])
 
 
 class MetricsOnEveryHost:

@@ -134,6 +134,14 @@ def main():
         out["subset_error"] = ""
     except ValueError as error:
         out["subset_error"] = str(error)
+    # A strategy on host 0's devices only (host 1 crashed in its first
+    # step): refused on every host.
+    try:
+        tfpar.ParallelStrategy(tfpar.Mesh({"data": 4}, devices=[
+            f"CPU:{i}" for i in range(4)]))
+        out["one_host_strategy_error"] = ""
+    except ValueError as error:
+        out["one_host_strategy_error"] = str(error)
     np.savez(f"{workdir}/host{host_id}.npz",
              **{k: np.asarray(v) for k, v in out.items()})
     print(f"host {host_id} done", flush=True)

@@ -163,6 +163,17 @@ def test_a_subset_mesh_is_a_clear_error_on_every_host(cluster):
         assert "devices=CPU:2..CPU:5" in message
 
 
+def test_a_strategy_on_one_hosts_devices_is_a_clear_error_on_every_host(
+        cluster):
+    """A strategy whose mesh leaves out a host (host 0's CPU:0-3): host 1
+    crashed (a segfault) in the first step."""
+    results, _ = cluster
+    for host in results:
+        message = str(host["one_host_strategy_error"])
+        assert "must include devices of every host" in message
+        assert "on host(s) [0] of 2; host(s) [1] hold none of it" in message
+
+
 def test_hosts_agree_on_weights_they_made_on_their_own(cluster):
     """Unseeded initializers and set_weights of each host's own random
     arrays give every host host 0's values under tfpar (plain Keras on the

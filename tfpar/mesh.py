@@ -371,6 +371,20 @@ class Mesh:
             np.array(mesh_ids).reshape(tuple(self._axes.values())),
             [m for m, _ in local], [d for _, d in local], **extra)
 
+    def hosts(self):
+        """The hosts (`tfpar.connect_hosts`) holding this mesh's devices, in
+        increasing order: host h holds global devices h·L … h·L + L − 1 (L
+        devices per host); (0,) on one host.
+
+        >>> tfpar.Mesh({"data": 8}).hosts()
+        (0,)
+        """
+        if dtensor.num_clients() == 1:
+            return (0,)
+        per_host = dtensor.num_local_devices(self.device_type)
+        return tuple(sorted({_device_index(d) // per_host
+                             for d in self._devices}))
+
     def is_local(self):
         """Whether this host holds any of the mesh's devices (always on one
         host; across hosts, False for another host's stage sub-mesh).

@@ -389,13 +389,25 @@ def check_virtual_stages(value, owner):
 
 
 def check_mesh(mesh):
-    """Raises TypeError unless `mesh` is a `tfpar.Mesh`."""
+    """Raises TypeError unless `mesh` is a `tfpar.Mesh`, and ValueError
+    (on every host alike) when, across hosts, some host holds none of its
+    devices: every host runs every step, and TensorFlow crashes on a host
+    running a step on a mesh it holds nothing of."""
     if not isinstance(mesh, Mesh):
         raise TypeError(
             "ParallelStrategy(mesh) needs a tfpar.Mesh, e.g. "
             "tfpar.Mesh({'data': 2, 'model': 4}). "
             f"Received: mesh={mesh!r} of type {type(mesh).__name__}"
         )
+    hosts = dtensor.num_clients()
+    missing = sorted(set(range(hosts)) - set(mesh.hosts()))
+    if missing:
+        raise ValueError(
+            "Across hosts the strategy's mesh must include devices of every "
+            f"host (each host runs every step). Received: mesh={mesh!r} on "
+            f"host(s) {list(mesh.hosts())} of {hosts}; host(s) {missing} "
+            "hold none of it. Use all devices (tfpar.Mesh({...}) without "
+            "devices=), or the same devices of every host.")
 
 
 def _check_axis_name(option, value):

@@ -176,8 +176,10 @@ class Bridge:
         block = _block_shape(shape, spec, source)
         # The block at mesh position j goes from global device from_ids[j]
         # to to_ids[j], in the slot of its receiver's local position
-        # to_ids[j] mod L, sent by the host of from_ids[j] (stage meshes
-        # are consecutive devices: no two blocks of a host share a slot).
+        # to_ids[j] mod L, sent by the host of from_ids[j]. Two stages'
+        # devices are each other's shifted by one offset (sub-meshes of one
+        # mesh), so a host's blocks, from ids under L apart, go to ids
+        # under L apart: distinct slots.
         from_ids = _global_ids(source)
         to_ids = _global_ids(target)
         L = self._per_host

@@ -29,21 +29,25 @@ VOCAB, HIDDEN = 64, 32
 COUNTER = re.compile(r"_\d+(?=/|$)")
 
 
-def language_model(seq, mixture):
-    """Token ids -> embedding -> causal attention -> (8 experts, top 2 |
-    a dense MLP) -> logits, every layer named (CI's workers share Keras'
-    name counter)."""
+def language_model(seq, mixture, blocks=1, aux_loss=0.01):
+    """Token ids -> embedding -> `blocks` × (causal attention -> (8
+    experts, top 2 | a dense MLP)) -> logits, every layer named (CI's
+    workers share Keras' name counter; the first block's names carry no
+    suffix)."""
     ids = keras.Input((seq,), dtype="int32", name="ids")
     x = keras.layers.Embedding(VOCAB, HIDDEN, name="embed")(ids)
-    a = keras.layers.MultiHeadAttention(2, HIDDEN // 2, name="attn")(
-        x, x, use_causal_mask=True)
-    x = keras.layers.Add(name="res1")([x, a])
-    if mixture:
-        m = tfpar.layers.MixtureOfExperts(8, 2, 128, name="moe")(x)
-    else:
-        m = keras.layers.Dense(64, activation="relu", name="up")(x)
-        m = keras.layers.Dense(HIDDEN, name="down")(m)
-    x = keras.layers.Add(name="res2")([x, m])
+    for b in range(blocks):
+        n = f"_{b}" if b else ""
+        a = keras.layers.MultiHeadAttention(2, HIDDEN // 2, name=f"attn{n}")(
+            x, x, use_causal_mask=True)
+        x = keras.layers.Add(name=f"res1{n}")([x, a])
+        if mixture:
+            m = tfpar.layers.MixtureOfExperts(
+                8, 2, 128, aux_loss_coef=aux_loss, name=f"moe{n}")(x)
+        else:
+            m = keras.layers.Dense(64, activation="relu", name=f"up{n}")(x)
+            m = keras.layers.Dense(HIDDEN, name=f"down{n}")(m)
+        x = keras.layers.Add(name=f"res2{n}")([x, m])
     return keras.Model(ids, keras.layers.Dense(VOCAB, name="head")(x),
                        name="lm")
 
@@ -131,6 +135,32 @@ def test_memory_limit_makes_the_plan_split_experts_and_it_trains(tmp_path):
     loaded = tfpar.Plan.load(tmp_path / "plan.json")
     assert (loaded.expert_axis, loaded.axes) == (plan.expert_axis, plan.axes)
     assert loaded.estimate.split_axes == plan.estimate.split_axes
+
+
+def test_only_a_pipeline_with_an_expert_axis_fits_and_it_trains():
+    """Two mixture-of-experts blocks, Adam: at 600 kB per device neither
+    an expert split alone (both blocks' banks on each device) nor a
+    pipeline alone fits; pipe 2 × expert 4 does (each stage one block's
+    banks, a quarter of them per device). The plan is a PipelineModel with
+    an expert axis in its stages, in parity with one device (the aux loss
+    off: under a pipeline it is each micro-batch's)."""
+    def build():
+        return language_model(16, mixture=True, blocks=2, aux_loss=0.0)
+
+    plan = tfpar.plan(build, 16, cluster=HOST, memory_per_device=6e5)
+    assert (plan.axes.get("pipe"), plan.axes.get("expert"),
+            plan.expert_axis) == (2, 4, "expert"), plan.explain()
+    usable = [c for c in plan.candidates if c.rejected is None]
+    assert all(c.axes["pipe"] == 2 and c.expert_axis for c in usable)
+    assert any(c.axes["pipe"] > 1 and not c.expert_axis
+               and c.estimate is not None for c in plan.candidates)
+    assert "Expert axis: 8 experts (top 2, dropless) split 4 ways" in \
+        plan.explain()
+    model, reference, got, expected, _ = train_beside_one_device(
+        plan, build, 16, 16, samples=32)
+    assert isinstance(model, tfpar.PipelineModel)
+    assert [p.mesh.shape for p in model.parts] == [{"expert": 4}] * 2
+    assert_parity(model, reference, got, expected)
 
 
 def test_memory_limit_makes_the_plan_split_the_sequence_and_it_trains():

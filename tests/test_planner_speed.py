@@ -253,9 +253,10 @@ def test_trillion_parameter_gpt_is_planned_in_seconds_in_little_memory():
     (14.6 s of CPU time at that load). Memory: a small plan first loads
     what any first plan in a process loads (lazily imported modules and
     kernels), then the peak growth is the trillion-parameter plan's own:
-    0.48–0.51 GB in a fresh process (the search's transient Python objects,
-    0.42 GB at their peak by tracemalloc), ~0.1 GB after other tests whose
-    freed heap it reuses."""
+    0.25 GB in a fresh process (2026-12-07: 0.72 GB before each estimate
+    held its per-stage memory as arrays, `cost.ByStage`, not a dict per
+    stage; 17,997 candidates, pipelines with an expert or context axis
+    among them), less after other tests whose freed heap it reuses."""
     tfpar.plan(paper_gpt(1024, 16, 2), 64, cluster=a100_cluster(64))
     before = _peak_rss_reset()
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -264,6 +265,6 @@ def test_trillion_parameter_gpt_is_planned_in_seconds_in_little_memory():
     cpu_seconds = time.process_time() - cpu_start
     growth = _peak_rss() - before
     assert cpu_seconds < 40, (cpu_seconds, time.perf_counter() - start)
-    assert growth < 0.75e9, growth
+    assert growth < 0.4e9, growth
     assert plan.info["num_params"] > 1e12
     assert plan.axes["model"] == 8 and plan.estimate.total_memory <= 80e9

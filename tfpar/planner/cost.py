@@ -100,6 +100,7 @@ two layers' worth with full recomputation — and the internals of the one
 layer, or attention core, being recomputed, for one micro-batch).
 """
 
+import collections.abc
 import dataclasses
 import math
 import re
@@ -116,6 +117,37 @@ from tfpar.planner import roofline
 from tfpar.planner import transformer as transformer_lib
 
 KINDS = ("params", "gradients", "optimizer", "activations", "workspace")
+
+
+class ByStage(collections.abc.Sequence):
+    """`Estimate.memory_by_stage` as a search holds it: reads as a list of
+    {kind: bytes} per pipeline stage, each made when read from
+    {kind: per-stage array} (a plan's search holds thousands of estimates
+    of up to hundreds of stages: a dict per stage took ~0.15 GB for a
+    trillion-parameter GPT's).
+
+    >>> ByStage({"params": [1.0, 2.0]})[1]
+    {'params': 2.0}
+    """
+
+    def __init__(self, arrays):
+        self._arrays = {k: np.array(v, float) for k, v in arrays.items()}
+
+    def __len__(self):
+        return len(next(iter(self._arrays.values())))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        return {k: float(a[index]) for k, a in self._arrays.items()}
+
+    def __eq__(self, other):
+        return list(self) == list(other)
+
+    def __repr__(self):
+        return repr(list(self))
+
+
 @dataclasses.dataclass
 class Estimate:
     """Predicted cost of one plan (per device, per training step).
@@ -160,7 +192,11 @@ class Estimate:
         return sum(self.memory_per_device.values())
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(
+            self, memory_by_stage=None))
+        if self.memory_by_stage is not None:
+            out["memory_by_stage"] = list(self.memory_by_stage)
+        return out
 
     @classmethod
     def from_dict(cls, d):
@@ -834,15 +870,13 @@ def _per_device(step, time_s, executed, memory, comm):
     """The `Estimate` of per-stage `memory` and `comm` arrays: those of the
     stage with the most memory (what must fit on every device)."""
     w = int(np.argmax(sum(memory.values())))
-    stages = len(memory["params"])
     return Estimate(
         step_time_s=float(step),
         memory_per_device={kind: float(x[w]) for kind, x in memory.items()},
         communication_bytes_per_device=float(sum(x[w] for x in comm.values())),
         communication_bytes_by_axis={a: float(x[w]) for a, x in comm.items()},
         time_s=time_s,
-        memory_by_stage=[{kind: float(x[i]) for kind, x in memory.items()}
-                         for i in range(stages)],
+        memory_by_stage=ByStage(memory),
         executed_flops=executed)
 
 

@@ -286,8 +286,7 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
     """Every (micro-batches, schedule, fsdp, recompute) choice on one mesh
     shape, estimated; those over `memory_limit` marked rejected."""
     d, p = axes["data"], axes["pipe"]
-    stages = _cuts(_stage_cost(layout), p) if p > 1 else [0]
-    boundaries = [profile.ops[i].name for i in stages[1:]] if p > 1 else None
+    stages, boundaries = stage_cuts(profile, layout, p)
     found = []
     # Selective recomputation only where there is attention to recompute.
     recomputes = ((None, "selective", "full") if layout.attention_flops.any()
@@ -309,6 +308,15 @@ def _candidates(profile, layout, axes, global_batch_size, cluster,
     return found + _interleaved(profile, layout, found, stages,
                                 global_batch_size, cluster, memory_limit,
                                 slots)
+
+
+def stage_cuts(profile, layout, p):
+    """(stage start indices, stage boundaries) of the min-max cut into p
+    stages of the layout's per-op costs ([0], None for p = 1)."""
+    if p == 1:
+        return [0], None
+    stages = _cuts(_stage_cost(layout), p)
+    return stages, [profile.ops[i].name for i in stages[1:]]
 
 
 def _in_faster_order(candidate, layout, cluster, estimate):

@@ -2,7 +2,11 @@
 that split a mixture-of-experts model's expert banks, or a long
 sequence, besides data × pipe × model.
 
-Which candidates (on one pipeline stage, no sequence parallelism):
+Which candidates (no sequence parallelism), without a pipe axis and with
+one of every size p that divides the devices per model coordinate and
+the transformer's blocks (each stage at least one cut point; the
+search's min-max stage cut; 1F1B with the three largest micro-batch
+counts m ≥ p):
 
 - Expert axis, for a model with mixture-of-experts blocks (the planner
   reads them as `tfpar.estimate` does: a layer with integer
@@ -11,21 +15,23 @@ Which candidates (on one pipeline stage, no sequence parallelism):
   GPT-OSS blocks): a separate axis, data × expert × model with e dividing
   the experts (the devices of the expert axis hold the same tokens), and
   the banks over the data axis (`ParallelStrategy(expert_axis="data")`,
-  GShard's placement) when the data axis divides the experts.
+  GShard's placement) when the data axis divides the experts (without a
+  pipe axis only: not run inside pipeline stages).
 - Context axis, for a transformer whose sequence 2·c divides (the causal
   load balance's 2·c chunks, `tfpar.context_parallel.load_balance`):
   data × context × model.
 
 How they are costed: the step of the same configuration without the new
-axis (data d', pipe 1, model t: the cost model every other candidate
-gets) scaled by the roofline's ratio (`roofline.py`, `tfpar.estimate`'s)
-of the step with the axis to the step without it, and each kind of its
-memory by the roofline's ratio of that kind (banks split e ways,
-activations over c):
+axis (data d', pipe p, model t, m micro-batches: the cost model every
+other candidate gets) scaled by the roofline's ratio (`roofline.py`,
+`tfpar.estimate`'s) of the step with the axis to the step without it,
+and each kind of each stage's memory by the roofline's ratio of that
+kind (banks split e ways, activations over c):
 
-    step = step_base(d', t) · roofline(d', t, e or c) / roofline(d', t)
-    memory[kind] = memory_base[kind] · roofline_mem[kind](with)
-                                      / roofline_mem[kind](without)
+    step = step_base(d', p, t) · roofline(d', p, t, e or c)
+                               / roofline(d', p, t)
+    memory[stage][kind] = memory_base[stage][kind]
+                          · roofline_mem[kind](with) / roofline_mem[kind](without)
 
 so that on a preset cluster (whose base step is that roofline) it is
 exactly `tfpar.estimate`'s step, and on `Cluster.local()` the measured
@@ -50,32 +56,58 @@ from tfpar.planner import search as search_lib
 def candidates(profile, layouts, batch, cluster, memory_limit, slots):
     """The expert and context `Candidate`s of a profiled model (`layouts`:
     `search.search`'s {(model size, sequence parallel): Layout}), each
-    estimated; those over `memory_limit` marked rejected. [] for a model
-    without attention (the roofline's transformer)."""
+    estimated, with and without a pipe axis; those over `memory_limit`
+    marked rejected. [] for a model without attention (the roofline's
+    transformer)."""
     found = []
     cf = capacity_factor(profile)
     for (t, sp), layout in sorted(layouts.items()):
         model = layout.transformer
         if sp or model is None:
             continue
-        for data, extra, expert_axis in _shapes(model,
-                                                cluster.num_devices // t):
-            axes = {"data": data, "pipe": 1, "model": t, **extra}
-            if batch % data:
-                found.append(search_lib.Candidate(
-                    axes, False, None, 1, "1f1b", None,
-                    rejected=f"global_batch_size {batch} does not split over "
-                             f"data={data}", expert_axis=expert_axis))
-                continue
-            for fsdp, recompute in _options(layout, data):
-                c = search_lib.Candidate(
-                    axes, fsdp, recompute, 1, "1f1b", None,
-                    expert_axis=expert_axis,
-                    vocab_parallel=layout.vocab_parallel)
-                c.estimate = _estimate(layout, c, batch, cluster, slots, cf)
-                search_lib.reject_unfit(c, memory_limit)
-                found.append(c)
+        for p in _pipe_sizes(cluster.num_devices // t, len(profile.ops),
+                             model.layers):
+            stages, boundaries = search_lib.stage_cuts(profile, layout, p)
+            for data, extra, expert_axis in _shapes(
+                    model, cluster.num_devices // (t * p), pipelined=p > 1):
+                axes = {"data": data, "pipe": p, "model": t, **extra}
+                if batch % data:
+                    found.append(search_lib.Candidate(
+                        axes, False, None, 1, "1f1b", None,
+                        rejected=f"global_batch_size {batch} does not "
+                                 f"split over data={data}",
+                        expert_axis=expert_axis))
+                    continue
+                for m in _microbatch_counts(batch // data, p):
+                    for fsdp, recompute in _options(layout, data):
+                        c = search_lib.Candidate(
+                            axes, fsdp, recompute, m, "1f1b", boundaries,
+                            expert_axis=expert_axis,
+                            vocab_parallel=layout.vocab_parallel,
+                            stage_starts=([int(i) for i in stages]
+                                          if p > 1 else None))
+                        c.estimate = _estimate(layout, c, stages, batch,
+                                               cluster, slots, cf)
+                        search_lib.reject_unfit(c, memory_limit)
+                        found.append(c)
     return found
+
+
+def _pipe_sizes(devices, cut_points, blocks):
+    """Pipeline sizes p (1 first) that divide `devices` (per model
+    coordinate) and the transformer's blocks (balanced stages), with at
+    least one cut point per stage."""
+    return [p for p in range(1, devices + 1)
+            if devices % p == 0 and blocks % p == 0 and p <= cut_points]
+
+
+def _microbatch_counts(per_replica, p):
+    """The three largest of the search's micro-batch counts
+    (`search.microbatch_counts`) that fill a pipeline of p stages (m ≥ p:
+    fewer leave a 1F1B's stages idle for longer than a smaller pipe
+    would), or the largest count when none does."""
+    counts = search_lib.microbatch_counts(per_replica, p)
+    return [m for m in counts if m >= p][-3:] or counts[-1:]
 
 
 def capacity_factor(profile):
@@ -88,16 +120,17 @@ def capacity_factor(profile):
     return None
 
 
-def _shapes(model, devices):
+def _shapes(model, devices, pipelined=False):
     """(data size, {expert or context: size}, expert axis) of every split
-    `devices` (per model coordinate) allows: separate expert axes e | E,
-    the data axis when it divides E, context axes with 2·c | s."""
+    `devices` (per model and pipe coordinate) allows: separate expert axes
+    e | E, the data axis when it divides E (not `pipelined`: untested
+    inside pipeline stages), context axes with 2·c | s."""
     divisors = [k for k in range(2, devices + 1) if devices % k == 0]
     if model.experts:
         for e in divisors:
             if model.experts % e == 0:
                 yield devices // e, {"expert": e}, "expert"
-        if model.experts % devices == 0 and devices > 1:
+        if model.experts % devices == 0 and devices > 1 and not pipelined:
             yield devices, {}, "data"
     for c in divisors:
         if model.seq % (2 * c) == 0:
@@ -114,12 +147,14 @@ def _options(layout, data):
             yield fsdp, recompute
 
 
-def _estimate(layout, candidate, batch, cluster, slots, cf):
-    """The candidate's `Estimate`: the base configuration's (its data and
-    model axes alone) scaled by the roofline (module docstring)."""
-    d = candidate.axes["data"]
+def _estimate(layout, candidate, stages, batch, cluster, slots, cf):
+    """The candidate's `Estimate`: the base configuration's (its data,
+    pipe and model axes alone; `stages`: its stage starts) scaled by the
+    roofline (module docstring)."""
+    d, p = candidate.axes["data"], candidate.axes["pipe"]
     base = cost_lib.estimate(
-        layout, [0], d=d, p=1, m=1, schedule="1f1b", fsdp=candidate.fsdp,
+        layout, stages, d=d, p=p, m=candidate.num_microbatches,
+        schedule="1f1b", fsdp=candidate.fsdp,
         recompute=candidate.recompute, batch=batch, cluster=cluster,
         slots=slots)
     with_axis = _roofline(layout.transformer, candidate, batch, cluster,
@@ -127,15 +162,17 @@ def _estimate(layout, candidate, batch, cluster, slots, cf):
     without = _roofline(layout.transformer, candidate, batch, cluster,
                         slots, cf, split=False)
     ratio = with_axis.step_time_s / without.step_time_s
-    memory = {k: _scaled(v, with_axis.memory_per_device.get(k, 0.0),
-                         without.memory_per_device.get(k, 0.0))
-              for k, v in base.memory_per_device.items()}
+    stages = [{k: _scaled(v, with_axis.memory_per_device.get(k, 0.0),
+                          without.memory_per_device.get(k, 0.0))
+               for k, v in stage.items()} for stage in base.memory_by_stage]
+    memory = max(stages, key=lambda stage: sum(stage.values()))
     comm = dict(base.communication_bytes_by_axis)
     for axis in ("expert", "context"):
         comm[axis] = with_axis.communication_bytes_by_axis.get(axis, 0.0)
     return dataclasses.replace(
         base, step_time_s=base.step_time_s * ratio, memory_per_device=memory,
-        memory_by_stage=[memory],
+        memory_by_stage=cost_lib.ByStage(
+            {k: [stage[k] for stage in stages] for k in memory}),
         time_s={k: v * ratio for k, v in base.time_s.items()},
         communication_bytes_by_axis=comm,
         communication_bytes_per_device=float(sum(comm.values())),
@@ -152,13 +189,15 @@ def _scaled(base, with_axis, without):
 
 def _roofline(model, candidate, batch, cluster, slots, cf, split):
     """`tfpar.estimate`'s Estimate of the candidate (`split`) or of its
-    base configuration, the data and model axes alone (not `split`)."""
-    axes = {"data": candidate.axes["data"], "model": candidate.axes["model"]}
+    base configuration, the data, pipe and model axes alone (not
+    `split`)."""
+    axes = {k: candidate.axes[k] for k in ("data", "pipe", "model")}
     if split:
         axes.update((k, v) for k, v in candidate.axes.items()
                     if k in ("expert", "context"))
     cfg = estimator.configuration(
-        axes, batch, recompute=candidate.recompute, fsdp=candidate.fsdp,
+        axes, batch, num_microbatches=candidate.num_microbatches,
+        recompute=candidate.recompute, fsdp=candidate.fsdp,
         slots=slots, flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=model.layers, capacity_factor=cf, transformer=model,
         expert_axis="data" if split and candidate.expert_axis == "data"

@@ -490,9 +490,8 @@ def _spread_over_hosts(ids, per_host):
         return False
     share = len(ids) // len(hosts)
     first = [i - hosts[0] * per_host for i in ids[:share]]
-    return sorted(set(first)) == first and 0 <= first[0] and \
-        first[-1] < per_host and ids == [
-            h * per_host + i for h in hosts for i in first]
+    return sorted(set(first)) == first and first[-1] < per_host and ids == [
+        h * per_host + i for h in hosts for i in first]
 
 
 def _device_range(devices):

@@ -1,18 +1,20 @@
-"""Two hosts vs one host on the same mesh: step time and the bytes each
-host sends per step.
+"""Two (or four) hosts vs one host on the same mesh: step time and the
+bytes each host sends per step.
 
 Run it with
 
     python benchmarks/hosts.py             # width 512, 20 timed steps
     python benchmarks/hosts.py --quick     # width 128, 5 timed steps
     python benchmarks/hosts.py --meshes data8,data2xmodel4,pipe --help
+    python benchmarks/hosts.py --meshes pipe --hosts 4
     python benchmarks/hosts.py --failures  # detect a dead host, restart
 
 It trains one MLP (Input(W) -> 4 x Dense(W, relu) -> Dense(8); Megatron
 rules on a model axis: the 1st and 3rd Dense column-parallel, the 2nd and
 4th row-parallel) with Adam on batch 64, on each mesh twice, each in fresh
 processes: 1 host x 8 virtual CPUs (one process) and 2 hosts x 4 virtual
-CPUs (`python -m tfpar.launch --hosts 2 --virtual-cpus 4`). Meshes:
+CPUs (`python -m tfpar.launch --hosts 2 --virtual-cpus 4`; `--hosts 4`:
+4 x 2). Meshes:
 
 - data8: {"data": 8}, a `ParallelStrategy` step over both hosts (DTensor
   multi-client: one SPMD program, collectives across the hosts);
@@ -22,12 +24,16 @@ CPUs (`python -m tfpar.launch --hosts 2 --virtual-cpus 4`). Meshes:
   one-`tf.function` step (`tfpar.pipeline.runner`); on two, stage s on
   host s and the host-driven step of `tfpar.pipeline.cross_host` (each
   backward recomputes its forward; each stage-to-stage move an all-gather
-  over the hosts).
+  over the hosts). With `--hosts 4` each stage spans two hosts (its data
+  axis across them);
+- pipe-data-first: {"data": 2, "pipe": 2, "model": 2}, the same pipeline
+  with a whole pipeline on each host (every move inside a host; the
+  gradients' all-reduce over data across them).
 
 Each run does 3 untimed steps (compilation), then `--steps` timed
 `train_on_batch` calls (each returns the loss: the host waits for the
 step); the median is shown. Bytes sent per host per step: for data8 and
-data2xmodel4 what the host's 4 devices send in the step's collectives
+data2xmodel4 what the host's devices (8 / hosts) send in the step's collectives
 (ring: 2(n-1)/n of each all-reduce's message per device, from
 `tfpar.communication_report` on one host; the same program runs on two,
 and how much of it crosses between the hosts depends on DTensor's ring
@@ -61,7 +67,8 @@ ROOT = os.path.dirname(HERE)
 
 
 MESHES = {"data8": {"data": 8}, "data2xmodel4": {"data": 2, "model": 4},
-          "pipe": {"pipe": 2, "data": 2, "model": 2}}
+          "pipe": {"pipe": 2, "data": 2, "model": 2},
+          "pipe-data-first": {"data": 2, "pipe": 2, "model": 2}}
 
 
 def worker(width, steps, mesh_name):
@@ -96,7 +103,7 @@ def worker(width, steps, mesh_name):
     sent_per_step = None
     if "pipe" not in axes and tfpar.hosts.num_hosts() == 1:
         report = tfpar.communication_report(model, x, y)
-        sent_per_step = report.total_ring_bytes() * 4  # a host's 4 devices
+        sent_per_step = report.total_ring_bytes()  # per device
     for _ in range(3):
         model.train_on_batch(x, y)
     sent = cross_host.Bridge.total_bytes_sent
@@ -123,7 +130,7 @@ def run(hosts, width, steps, mesh_name):
                "--steps", str(steps), "--meshes", mesh_name]
     if hosts > 1:
         command = ["-m", "tfpar.launch", "--hosts", str(hosts),
-                   "--virtual-cpus", "4"] + command
+                   "--virtual-cpus", str(8 // hosts)] + command
     result = subprocess.run([sys.executable] + command, env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=1800)
     found = [json.loads(line.split("RESULT ", 1)[1])
@@ -177,6 +184,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--meshes", default="data8,data2xmodel4,pipe",
                         help=f"comma-separated, of {sorted(MESHES)}")
+    parser.add_argument("--hosts", type=int, default=2, choices=(2, 4),
+                        help="hosts of 8 / hosts virtual CPUs each")
     parser.add_argument("--quick", action="store_true",
                         help="width 128, 5 timed steps")
     parser.add_argument("--failures", action="store_true",
@@ -201,15 +210,16 @@ def main():
         return
     print(f"MLP width {options.width}, batch 64, Adam; median of "
           f"{options.steps} steps (pipe: 4 micro-batches, 1F1B)")
+    hosts = options.hosts
     for name in options.meshes.split(","):
         one = run(1, options.width, options.steps, name)[0]
-        two = run(2, options.width, options.steps, name)
+        several = run(hosts, options.width, options.steps, name)
         print(f"{name}: 1 host x 8 CPUs {one['step_s'] * 1e3:8.1f} ms/step")
-        for r in two:
+        for r in several:
             sent = r["bytes_per_step"]
-            if sent is None:
-                sent = one["bytes_per_step"]  # the same program on 2 hosts
-            print(f"  2 hosts x 4 CPUs, host {r['host']}: "
+            if sent is None:  # the same program: a host's devices' bytes
+                sent = one["bytes_per_step"] * 8 // hosts
+            print(f"  {hosts} hosts x {8 // hosts} CPUs, host {r['host']}: "
                   f"{r['step_s'] * 1e3:8.1f} ms/step "
                   f"({r['step_s'] / one['step_s']:.2f}x), "
                   f"{sent / 1e6:.3f} MB sent per step")

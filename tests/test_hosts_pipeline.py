@@ -17,6 +17,7 @@ clear error on both hosts.
 """
 
 import ast
+import itertools
 import os
 import subprocess
 import sys
@@ -215,6 +216,51 @@ def check_tokens(workdir, hosts):
     whole, *_ = tokens_on_one_device(workdir, 1)
     assert max(models.relative_error(a, host[f"w{i}"])
                for i, a in enumerate(whole)) > 1e-3
+
+
+def stage_ids(axes, index):
+    """Global device ids of pipeline stage `index` of a mesh over every
+    device in order with `axes` (as `tfpar.Mesh.submesh` picks them)."""
+    grid = np.arange(int(np.prod(list(axes.values())))).reshape(
+        tuple(axes.values()))
+    return [int(i) for i in np.take(grid, index, axis=list(axes).index(
+        "pipe")).ravel()]
+
+
+def test_every_pipeline_layout_across_hosts_moves_each_block_to_its_device():
+    """Every mesh of pipe × data × model (pipe ≥ 2, every order) over 2 or
+    4 hosts of 1, 2 or 4 devices: each stage's sub-mesh is one `Mesh`
+    accepts across hosts (so no such pipeline layout is refused by its
+    shape), and a bridge move between any two stages
+    (`cross_host.slot_plan`) gives each receiving device exactly the block
+    of the sending device at its mesh position, no two blocks of a host in
+    one slot. (With 3 devices per host a stage can hold 2 devices of one
+    host and 1 of another: `Mesh` refuses that across hosts.)"""
+    assert tfpar.mesh.cluster_mesh_kind([0, 2, 4], 3, 6) is None
+    kinds = set()
+    for hosts, per_host in itertools.product((2, 4), (1, 2, 4)):
+        total = hosts * per_host
+        for pipe, data in itertools.product(range(2, total + 1), repeat=2):
+            if total % (pipe * data):
+                continue
+            sizes = {"pipe": pipe, "data": data, "model": total // (
+                pipe * data)}
+            for order in itertools.permutations(sizes):
+                axes = {name: sizes[name] for name in order}
+                assert tfpar.mesh.cluster_mesh_kind(
+                    list(range(total)), per_host, total) == "whole"
+                stages = [stage_ids(axes, k) for k in range(pipe)]
+                for ids in stages:
+                    kind = tfpar.mesh.cluster_mesh_kind(ids, per_host,
+                                                        total)
+                    assert kind is not None, (hosts, per_host, axes, ids)
+                    kinds.add(kind)
+                for source, target in itertools.product(stages, repeat=2):
+                    plan = cross_host.slot_plan(source, target, per_host)
+                    for sent_from, sent_to in zip(source, target):
+                        assert plan[sent_from // per_host][
+                            sent_to % per_host] == sent_from
+    assert kinds == {"global", "spread"}
 
 
 @pytest.mark.parametrize("dtype", ["int64", "int32", "float32"])
@@ -416,7 +462,10 @@ def check_checkpoint(workdir, case, hosts):
 # stage 0 on hosts 0 and 1, stage 1 on hosts 2 and 3, as Megatron-LM lays
 # out a pipeline with more hosts than stages (here data, or model, across
 # a stage's hosts). Moves go from two hosts to two others.
-SPANNING = ["pipe2-data2-model2:1f1b:adam:ckpt", TOKENS]
+SPANNING = ["pipe2-data2-model2:1f1b:adam:ckpt", TOKENS,
+            # the data axis first: stage 0 on hosts 0 and 2, stage 1 on
+            # hosts 1 and 3 (a pipeline over each pair of hosts)
+            DATA_FIRST]
 SPANNING_SLOW = ["pipe2-data4:1f1b:sgd:v2", LABELS, MASKED]
 
 
@@ -443,6 +492,14 @@ def test_stages_over_two_hosts_each_train_and_checkpoint(spanning_run):
     assert [f for f in files if "down0_kernel.b" in f] == [
         "v0002_mlp_down0_kernel.b4.npy",
         "v0002_mlp_down0_kernel.b5.npy"]
+
+
+def test_stages_over_two_hosts_that_are_not_neighbours(spanning_run):
+    """`DATA_FIRST` on 4 hosts × 2: each stage on two hosts that are not
+    neighbours (stage 0 on hosts 0 and 2), in parity with one device,
+    each host holding only its own devices' blocks."""
+    check_case(spanning_run, DATA_FIRST, 4)
+    check_held(spanning_run, DATA_FIRST, {"up0": 0, "down0": 1, "head": 1})
 
 
 def test_dropout_and_a_regularizer_on_a_stage_over_two_hosts(spanning_run):

@@ -327,7 +327,7 @@ class Mesh:
         all devices in order; consecutive devices of one host, or of whole
         consecutive hosts (a pipeline stage's sub-mesh with the pipe axis
         first), its ids the global ones; or the same local devices of each
-        of consecutive hosts, the first host's first, in increasing order
+        of some hosts, in increasing host order, each host's in order
         ("spread": e.g. CPU:0-3 of every host, the others left to
         `offload_devices`, or a stage's sub-mesh with the pipe axis not
         first), its ids the mesh positions 0..n-1 and its devices named
@@ -338,23 +338,21 @@ class Mesh:
         per_host = dtensor.num_local_devices(kind)
         everything = default_devices()
         ids = [_device_index(d) for d in self._devices]
-        whole = ids == list(range(len(everything)))
-        consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
-        contiguous = consecutive and (  # inside one host, or whole hosts
-            ids[0] // per_host == ids[-1] // per_host
-            or (ids[0] % per_host == 0 and len(ids) % per_host == 0))
-        spread = not (whole or contiguous) and _spread_over_hosts(
-            ids, per_host)
-        if not (whole or contiguous or spread):
+        shape = cluster_mesh_kind(ids, per_host, len(everything))
+        whole, spread = shape == "whole", shape == "spread"
+        if shape is None:
             raise ValueError(
                 f"Across hosts a mesh must use all {len(everything)} devices "
                 f"in order ({_device_range(everything)}), or consecutive "
                 f"devices of one host or of whole hosts ({per_host} per "
                 f"host: e.g. CPU:{per_host}..CPU:{2 * per_host - 1} of host "
-                "1), or the same devices of each of consecutive hosts (e.g. "
-                "CPU:0-3 of each), the first host's first. Received: "
-                f"{self!r}. Reorderings and other subsets are not supported "
-                "across hosts; list the devices in increasing order.")
+                "1), or the same devices of each of some hosts (e.g. "
+                "CPU:0-3 of each), in host order. Received: "
+                f"{self!r}. Reorderings, and subsets whose hosts hold "
+                "different numbers of their devices, are not supported "
+                "across hosts: list the devices in increasing order, as "
+                "many on each host (for a pipeline's stages: axis sizes "
+                "that split each host's devices evenly).")
 
         def spec(i):
             return tf.DeviceSpec(job=dtensor.job_name(), replica=0,
@@ -479,14 +477,37 @@ def _normalize_devices(devices):
     return names
 
 
+def cluster_mesh_kind(ids, per_host, total):
+    """How a mesh of global device `ids` (`per_host` devices per host,
+    `total` in the cluster) is built across hosts (`Mesh._cluster_mesh`):
+    "whole" (every device in order), "global" (consecutive devices inside
+    one host or of whole hosts: its ids the global ones), "spread" (the
+    same local devices of each of some hosts: its ids positions), or None
+    (refused: a reordering, or hosts holding different numbers of its
+    devices).
+
+    >>> cluster_mesh_kind([4, 5, 6, 7], per_host=4, total=8)
+    'global'
+    >>> cluster_mesh_kind([0, 1, 4, 5], per_host=4, total=8)
+    'spread'
+    >>> cluster_mesh_kind([0, 1, 2, 4], per_host=4, total=8) is None
+    True
+    """
+    if ids == list(range(total)):
+        return "whole"
+    if ids == list(range(ids[0], ids[0] + len(ids))) and (
+            ids[0] // per_host == ids[-1] // per_host
+            or (ids[0] % per_host == 0 and len(ids) % per_host == 0)):
+        return "global"
+    return "spread" if _spread_over_hosts(ids, per_host) else None
+
+
 def _spread_over_hosts(ids, per_host):
-    """Whether global device `ids` are the same local devices of each of a
-    run of consecutive hosts (every host, or a pipeline stage's), the
-    first host's first, each host's in increasing order: a "spread"
-    mesh."""
+    """Whether global device `ids` are the same local devices of each of
+    some hosts (every host, or a pipeline stage's), in increasing host
+    order, each host's in increasing order: a "spread" mesh."""
     hosts = sorted({i // per_host for i in ids})
-    if len(ids) % len(hosts) or hosts != list(range(hosts[0],
-                                                    hosts[-1] + 1)):
+    if len(ids) % len(hosts):
         return False
     share = len(ids) // len(hosts)
     first = [i - hosts[0] * per_host for i in ids[:share]]

@@ -174,12 +174,6 @@ class Bridge:
                 return placement.stand_in(layout, shape, value.dtype)
             return dtensor.pack(dtensor.unpack(value), layout)
         block = _block_shape(shape, spec, source)
-        # The block at mesh position j goes from global device from_ids[j]
-        # to to_ids[j], in the slot of its receiver's local position
-        # to_ids[j] mod L, sent by the host of from_ids[j]. Two stages'
-        # devices are each other's shifted by one offset (sub-meshes of one
-        # mesh), so a host's blocks, from ids under L apart, go to ids
-        # under L apart: distinct slots.
         from_ids = _global_ids(source)
         to_ids = _global_ids(target)
         L = self._per_host
@@ -187,9 +181,9 @@ class Bridge:
         components = [zeros] * L
         if self._host in senders:
             blocks = dict(zip(_local_ids(source), dtensor.unpack(value)))
-            for sent_from, sent_to in zip(from_ids, to_ids):
-                if sent_from // L == self._host:
-                    components[sent_to % L] = blocks[sent_from][None, None]
+            for slot, sent_from in slot_plan(from_ids, to_ids, L).get(
+                    self._host, {}).items():
+                components[slot] = blocks[sent_from][None, None]
         slots = dtensor.Layout(["tfpar_hosts", "tfpar_local"] + [
             "unsharded"] * len(shape), self._mesh)
         whole = self._gather(len(shape))(dtensor.pack(components, slots))
@@ -202,6 +196,34 @@ class Bridge:
         sender_of = dict(zip(to_ids, from_ids))
         return dtensor.pack([gathered[i % L][sender_of[i] // L, 0]
                              for i in _local_ids(target)], layout)
+
+
+def slot_plan(from_ids, to_ids, per_host):
+    """{sending host: {slot: global id of the device whose block it
+    sends}} of a bridge move from stage devices `from_ids` to `to_ids`
+    (global ids by mesh position): the block at position j goes from
+    from_ids[j]'s host in the slot of to_ids[j]'s local position, where
+    to_ids[j] reads it. Two stages' devices are each other's shifted by
+    one offset (sub-meshes of one mesh), so a host's blocks, from ids
+    under L apart, go to ids under L apart: distinct slots. A clash
+    would swap blocks silently, so it raises.
+
+    >>> slot_plan([0, 1, 2, 3], [4, 5, 6, 7], per_host=2)
+    {0: {0: 0, 1: 1}, 1: {0: 2, 1: 3}}
+    """
+    plan = {}
+    for sent_from, sent_to in zip(from_ids, to_ids):
+        slots = plan.setdefault(sent_from // per_host, {})
+        slot = sent_to % per_host
+        if slot in slots:
+            raise RuntimeError(
+                f"Bridge.move: devices {slots[slot]} and {sent_from} of "
+                f"host {sent_from // per_host} would send in one slot "
+                f"({slot}): stage devices {from_ids} -> {to_ids}, "
+                f"{per_host} per host. This is a tfpar bug; please report "
+                "it with the mesh.")
+        slots[slot] = sent_from
+    return plan
 
 
 def _block_shape(shape, spec, mesh):

@@ -137,29 +137,34 @@ def test_memory_limit_makes_the_plan_split_experts_and_it_trains(tmp_path):
     assert loaded.estimate.split_axes == plan.estimate.split_axes
 
 
-def test_only_a_pipeline_with_an_expert_axis_fits_and_it_trains():
-    """Two mixture-of-experts blocks, Adam: at 600 kB per device neither
-    an expert split alone (both blocks' banks on each device) nor a
-    pipeline alone fits; pipe 2 × expert 4 does (each stage one block's
-    banks, a quarter of them per device). The plan is a PipelineModel with
-    an expert axis in its stages, in parity with one device (the aux loss
-    off: under a pipeline it is each micro-batch's)."""
+def test_only_a_pipeline_with_split_experts_fits_and_it_trains():
+    """Two mixture-of-experts blocks, Adam (the plan's default): at 600 kB
+    per device neither an expert split alone (both blocks' banks on each
+    device) nor a pipeline alone fits; a pipe of 2 with the banks split 4
+    ways does, over the data axis (GShard's placement, the fastest) or a
+    separate expert axis. The plan is a PipelineModel whose stages split
+    their banks over data, trained with SGD in parity with one device (the
+    aux loss off: under a pipeline it is each micro-batch's)."""
     def build():
         return language_model(16, mixture=True, blocks=2, aux_loss=0.0)
 
     plan = tfpar.plan(build, 16, cluster=HOST, memory_per_device=6e5)
-    assert (plan.axes.get("pipe"), plan.axes.get("expert"),
-            plan.expert_axis) == (2, 4, "expert"), plan.explain()
+    assert (plan.axes, plan.expert_axis) == (
+        {"data": 4, "pipe": 2}, "data"), plan.explain()
     usable = [c for c in plan.candidates if c.rejected is None]
     assert all(c.axes["pipe"] == 2 and c.expert_axis for c in usable)
+    assert {c.expert_axis for c in usable} == {"data", "expert"}
     assert any(c.axes["pipe"] > 1 and not c.expert_axis
                and c.estimate is not None for c in plan.candidates)
-    assert "Expert axis: 8 experts (top 2, dropless) split 4 ways" in \
-        plan.explain()
+    assert "Expert axis: 8 experts (top 2, dropless) split 4 ways over " \
+        "the data axis" in plan.explain()
     model, reference, got, expected, _ = train_beside_one_device(
         plan, build, 16, 16, samples=32)
     assert isinstance(model, tfpar.PipelineModel)
-    assert [p.mesh.shape for p in model.parts] == [{"expert": 4}] * 2
+    assert [p.mesh.shape for p in model.parts] == [{"data": 4}] * 2
+    bank = model.get_layer("moe").up_kernel
+    assert {tuple(b.shape) for b in dtensor.unpack(bank.value.read_value())
+            } == {(2, HIDDEN, 128)}
     assert_parity(model, reference, got, expected)
 
 

@@ -15,8 +15,7 @@ counts m ≥ p):
   GPT-OSS blocks): a separate axis, data × expert × model with e dividing
   the experts (the devices of the expert axis hold the same tokens), and
   the banks over the data axis (`ParallelStrategy(expert_axis="data")`,
-  GShard's placement) when the data axis divides the experts (without a
-  pipe axis only: not run inside pipeline stages).
+  GShard's placement) when the data axis divides the experts.
 - Context axis, for a transformer whose sequence 2·c divides (the causal
   load balance's 2·c chunks, `tfpar.context_parallel.load_balance`):
   data × context × model.
@@ -69,7 +68,7 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                              model.layers):
             stages, boundaries = search_lib.stage_cuts(profile, layout, p)
             for data, extra, expert_axis in _shapes(
-                    model, cluster.num_devices // (t * p), pipelined=p > 1):
+                    model, cluster.num_devices // (t * p)):
                 axes = {"data": data, "pipe": p, "model": t, **extra}
                 if batch % data:
                     found.append(search_lib.Candidate(
@@ -120,17 +119,16 @@ def capacity_factor(profile):
     return None
 
 
-def _shapes(model, devices, pipelined=False):
+def _shapes(model, devices):
     """(data size, {expert or context: size}, expert axis) of every split
     `devices` (per model and pipe coordinate) allows: separate expert axes
-    e | E, the data axis when it divides E (not `pipelined`: untested
-    inside pipeline stages), context axes with 2·c | s."""
+    e | E, the data axis when it divides E, context axes with 2·c | s."""
     divisors = [k for k in range(2, devices + 1) if devices % k == 0]
     if model.experts:
         for e in divisors:
             if model.experts % e == 0:
                 yield devices // e, {"expert": e}, "expert"
-        if model.experts % devices == 0 and devices > 1 and not pipelined:
+        if model.experts % devices == 0 and devices > 1:
             yield devices, {}, "data"
     for c in divisors:
         if model.seq % (2 * c) == 0:

@@ -27,6 +27,7 @@ import pytest
 import tfpar
 
 import fuzzing
+import hub_models
 import models
 
 M = 2  # micro-batches
@@ -152,3 +153,35 @@ def test_a_keras_mask_crosses_the_stage_cut():
     assert models.relative_error(
         single.predict(x, batch_size=16, verbose=0),
         pipe.predict(x, batch_size=16, verbose=0)) < 1e-4
+
+
+def test_a_router_loss_on_the_stage_reading_a_tied_table():
+    """keras-hub Mixtral (8 experts, router loss 0.02) cut before its
+    second block: the last stage reads the token embedding's table again
+    (its ReversibleEmbedding's reverse call), which tfpar reads through a
+    `keras.StatelessScope`; that scope dropped the router loss the second
+    block adds, so the pipeline trained without it (weights 1% off,
+    found 2026-12-07). Weights and loss as Keras' gradient accumulation
+    over the M micro-batches on one device (the router loss is each
+    micro-batch's), SGD, two steps of batch 16."""
+    weights = hub_models.build("mixtral").get_weights()
+    x, y = hub_models.data("mixtral", batch=32)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = hub_models.build("mixtral")
+    reference.set_weights(weights)
+    reference.compile(optimizer=keras.optimizers.SGD(
+        gradient_accumulation_steps=M), loss=loss)
+    expected = reference.fit(x, y, batch_size=16 // M, shuffle=False,
+                             verbose=0).history["loss"]
+    with tfpar.ParallelStrategy(tfpar.Mesh({"pipe": 2, "data": 4})).scope():
+        pipe = tfpar.PipelineModel(hub_models.build("mixtral"), M,
+                                   stage_boundaries=["transformer_layer_1"])
+        pipe.set_weights(weights)
+        pipe.compile(optimizer="sgd", loss=loss)
+    got = pipe.fit(x, y, batch_size=16, shuffle=False,
+                   verbose=0).history["loss"]
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    for variable, want, have in zip(reference.weights,
+                                    reference.get_weights(),
+                                    pipe.get_weights()):
+        assert models.relative_error(want, have) < 1e-4, variable.path

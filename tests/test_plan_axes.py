@@ -5,6 +5,7 @@ in parity with one device, and `explain()` names the axis and its costs.
 """
 
 import dataclasses
+import itertools
 import re
 import types
 
@@ -239,26 +240,32 @@ def test_a_planned_keras_hub_mixtral_splits_its_banks_and_trains():
     margins test_moe_keras_hub asserts for it)."""
     whole = tfpar.plan(hub_models.MOE_BUILDERS["mixtral"], 16,
                        cluster=HOST, sequence_length=hub_models.SEQ_LEN)
-    for placement in ("expert", "data"):
+    for placement, pipelined in itertools.product(("expert", "data"),
+                                                  (False, True)):
         best = next(c for c in whole.candidates if c.expert_axis == placement
-                    and c.rejected is None)
+                    and c.rejected is None
+                    and (c.axes["pipe"] > 1) == pipelined)
         check_mixtral_candidate(measure.candidate_plan(
             best, hub_models.MOE_BUILDERS["mixtral"], 16))
 
 
 def check_mixtral_candidate(plan):
-    """`plan` trains Mixtral in parity with one device, banks split."""
+    """`plan` trains Mixtral in parity with one device, banks split (a
+    pipelined plan: with Keras' gradient accumulation over its
+    micro-batches, as Mixtral's aux loss is each micro-batch's)."""
     weights = hub_models.build("mixtral").get_weights()
     x, y = hub_models.data("mixtral", batch=32)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    steps = plan.num_microbatches if "pipe" in plan.axes else 1
 
     def fit(model):
         model.set_weights(weights)
         return model
 
     reference = fit(hub_models.build("mixtral"))
-    reference.compile(optimizer="sgd", loss=loss)
-    expected = reference.fit(x, y, batch_size=16, shuffle=False,
+    reference.compile(optimizer=keras.optimizers.SGD(
+        gradient_accumulation_steps=steps if steps > 1 else None), loss=loss)
+    expected = reference.fit(x, y, batch_size=16 // steps, shuffle=False,
                              verbose=0).history["loss"]
     with plan.strategy().scope():
         model = plan.apply(fit(hub_models.build("mixtral")))

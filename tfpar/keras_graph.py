@@ -188,11 +188,15 @@ def reading_values(pairs, variables=()):
     """Keras weights read as the given tensors: `pairs` of (weight, value)
     (a tied weight's copy on another pipeline stage, `tfpar.pipeline.part`). Built on `keras.StatelessScope`,
     which also holds back the updates of other `variables` made inside it:
-    those are applied when the block ends."""
+    those are applied when the block ends. Losses layers add inside it
+    (`add_loss`: keras-hub Mixtral's router loss) are the scope's, read
+    from `layer.losses` inside the block only (a scope that did not
+    collect them dropped them)."""
     if not pairs:
         yield
         return
-    with keras.StatelessScope(state_mapping=list(pairs)) as scope:
+    with keras.StatelessScope(state_mapping=list(pairs),
+                              collect_losses=True) as scope:
         yield
     replaced = {id(w) for w, _ in pairs}
     for variable in variables:

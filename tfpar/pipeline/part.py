@@ -166,10 +166,11 @@ class ModelPart:
                 v for layer in graph.layers
                 for v in getattr(layer, "variables", [])]):
             self._run_nodes(tensors, training, layer_outputs)
+            # Inside the block: with guests, what layers added is its.
+            losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
+                      for layer in graph.layers
+                      for loss in getattr(layer, "losses", [])]
         outputs = [tensors[id(k)] for k in graph.outputs]
-        losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
-                  for layer in graph.layers
-                  for loss in getattr(layer, "losses", [])]
         if losses and layer_outputs is not None:
             raise ValueError(inseparable_message(
                 self._model.schedule.name,

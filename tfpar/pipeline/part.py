@@ -166,7 +166,7 @@ class ModelPart:
                 v for layer in graph.layers
                 for v in getattr(layer, "variables", [])]):
             self._run_nodes(tensors, training, layer_outputs)
-            # Inside the block: with guests, what layers added is its.
+            # Read inside the block: with guests, added losses are its.
             losses = [self._model._aggregate_additional_loss(loss)  # noqa: SLF001
                       for layer in graph.layers
                       for loss in getattr(layer, "losses", [])]

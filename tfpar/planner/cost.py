@@ -123,8 +123,8 @@ class ByStage(collections.abc.Sequence):
     """`Estimate.memory_by_stage` as a search holds it: reads as a list of
     {kind: bytes} per pipeline stage, each made when read from
     {kind: per-stage array} (a plan's search holds thousands of estimates
-    of up to hundreds of stages: a dict per stage took ~0.15 GB for a
-    trillion-parameter GPT's).
+    of up to hundreds of stages: with a dict per stage a trillion-parameter
+    GPT's plan grew the process by 0.72 GB, with these by 0.25 GB).
 
     >>> ByStage({"params": [1.0, 2.0]})[1]
     {'params': 2.0}

@@ -44,7 +44,7 @@ import models  # noqa: E402
 def local_ids(variable):
     """Global ids of this host's devices holding blocks of `variable`."""
     mesh = dtensor.fetch_layout(variable.value).mesh
-    return [int(name.rsplit(":", 1)[1])
+    return [tfpar.mesh.device_index(name)
             for name in tfpar.mesh.local_device_names(mesh)]
 
 

@@ -144,11 +144,13 @@ def _pick_devices(logical_devices):
         by_type.setdefault(str(device_type).upper(), {})[short] = None
     for device_type in _DEVICE_PREFERENCE:
         if by_type.get(device_type):
-            return sorted(by_type[device_type], key=_device_index)
+            return sorted(by_type[device_type], key=device_index)
     return []
 
 
-def _device_index(name):
+def device_index(name):
+    """7 for "CPU:7" (across hosts a global device name: host 7 // L's
+    local device 7 mod L, L devices per host)."""
     return int(name.rsplit(":", 1)[-1])
 
 
@@ -337,7 +339,7 @@ class Mesh:
         kind = self.device_type
         per_host = dtensor.num_local_devices(kind)
         everything = default_devices()
-        ids = [_device_index(d) for d in self._devices]
+        ids = [device_index(d) for d in self._devices]
         shape = cluster_mesh_kind(ids, per_host, len(everything))
         whole, spread = shape == "whole", shape == "spread"
         if shape is None:
@@ -380,7 +382,7 @@ class Mesh:
         if dtensor.num_clients() == 1:
             return (0,)
         per_host = dtensor.num_local_devices(self.device_type)
-        return tuple(sorted({_device_index(d) // per_host
+        return tuple(sorted({device_index(d) // per_host
                              for d in self._devices}))
 
     def is_local(self):
@@ -452,14 +454,14 @@ def _normalize_devices(devices):
     logical = tf.config.list_logical_devices()
     local = sorted({short_device_name(d.name) for d in logical
                     if d.device_type.upper() == device_type},
-                   key=_device_index)
+                   key=device_index)
     available = set(_global_names(local)) if local else set()
     missing = [n for n in names if n not in available]
     if missing:
         if available:
             hint = (
                 f"Choose among the available {device_type} devices "
-                f"{sorted(available, key=_device_index)}"
+                f"{sorted(available, key=device_index)}"
             )
         else:
             hint = (
@@ -518,7 +520,7 @@ def _spread_over_hosts(ids, per_host):
 def _device_range(devices):
     short = [short_device_name(d) for d in devices]
     kind = short[0].split(":")[0]
-    indices = [_device_index(d) for d in short]
+    indices = [device_index(d) for d in short]
     contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
     if len(short) > 2 and contiguous and all(d.startswith(kind) for d in short):
         return f"{short[0]}..{short[-1]}"

@@ -262,13 +262,6 @@ def hosts_of(dtensor_mesh):
                          for d in devices}))
 
 
-def host_of(dtensor_mesh):
-    """The one host holding every device of `dtensor_mesh` (0 on one
-    host), None when it spans several hosts."""
-    holders = hosts_of(dtensor_mesh)
-    return holders[0] if len(holders) == 1 else None
-
-
 def _from_hosts(value, layout, holders):
     """The global value of `value` (on a mesh of the hosts `holders` only)
     on every host: gathered among the holders, then sent from the first

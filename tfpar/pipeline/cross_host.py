@@ -89,8 +89,8 @@ from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import step_context
 from tfpar.mesh import Mesh
+from tfpar.mesh import device_index
 from tfpar.mesh import local_device_names
-from tfpar.mesh import short_device_name
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.pipeline.runner import extra_losses
@@ -164,8 +164,7 @@ class Bridge:
         """`value` (a DTensor laid out by `spec` on `tfpar.Mesh` `source`,
         held by the source's hosts; elsewhere a stand-in of its shape) on
         `target`, held by the target's hosts (a stand-in elsewhere)."""
-        senders = placement.hosts_of(source.dtensor_mesh)
-        receivers = placement.hosts_of(target.dtensor_mesh)
+        senders, receivers = source.hosts(), target.hosts()
         layout = layout_lib.to_dtensor_layout(spec, target)
         value = placement.relayout(value, spec, source)
         shape = value.shape.as_list()
@@ -235,18 +234,14 @@ def _block_shape(shape, spec, mesh):
 
 def _global_ids(mesh):
     """The global device ids of stage mesh `mesh`, by mesh position."""
-    return [_index(name) for name in mesh.devices]
+    return [device_index(name) for name in mesh.devices]
 
 
 def _local_ids(mesh):
     """The global ids of this host's devices of stage mesh `mesh`, in
     DTensor's local order (that of `dtensor.unpack`)."""
-    return [_index(name) for name in local_device_names(mesh.dtensor_mesh)]
-
-
-def _index(name):
-    """7 for "CPU:7" (a global device name across hosts)."""
-    return int(short_device_name(name).rsplit(":", 1)[1])
+    return [device_index(name)
+            for name in local_device_names(mesh.dtensor_mesh)]
 
 
 class MetricsOnEveryHost:

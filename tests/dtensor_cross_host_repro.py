@@ -91,15 +91,16 @@ Conclusion (TF 2.21, CPU; observed on this machine):
 
 What tfpar does (tfpar/pipeline/cross_host.py, tests/test_hosts_pipeline.py):
 the bridge (2), keeping tfpar's heterogeneous stages, sub-meshes and
-schedules. `Mesh` builds a stage's sub-mesh (consecutive devices of one
-host) on every host; the step is a host-driven loop over the schedule's
-actions, each F / B a `tf.function` on its stage's sub-mesh that EVERY
-host runs (d) -- computed by the owner, a no-op elsewhere, where values
+schedules. `Mesh` builds a stage's sub-mesh (one host's devices, whole
+hosts', or the same devices of several hosts) on every host; the step is
+a host-driven loop over the schedule's actions, each F / B a
+`tf.function` on its stage's sub-mesh that EVERY host runs (d) --
+computed by the hosts holding it, a no-op elsewhere, where values
 are stand-ins of the right layout (`call_with_layout(tf.zeros, ...)`:
 packing [] crashes, (b)); each cross-host move is the bridge, block by
 block over a {"tfpar_hosts", "tfpar_local"} mesh of every device; each
 backward recomputes its forward (a tape cannot outlive a `tf.function`);
-reads (`get_weights`, logs, predictions) are the owner's values summed
+reads (`get_weights`, logs, predictions) are the holders' values summed
 with zeros over every device. The SPMD route (1) fits only models of
 identical blocks (GPT-style stacks): a separate "stacked stages" mode,
 not today's PipelineModel.

@@ -186,6 +186,43 @@ def test_memory_limit_makes_the_plan_split_the_sequence_and_it_trains():
     assert_parity(*train_beside_one_device(plan, build, 2, 256)[:4])
 
 
+def test_only_experts_and_context_together_fit_and_both_placements_train():
+    """A mixture-of-experts model on two sequences of 256 tokens: at 1.2 MB
+    per device neither splitting the sequence alone (Adam's state of the
+    whole banks on every device) nor the banks alone (the 256 × 256
+    scores) fits; every candidate that fits splits both. The plan (the
+    banks over the data axis, the sequence over context) and the best
+    candidate with a separate expert axis each train in parity with one
+    device (SGD), each device holding its experts' share of the banks."""
+    def build():
+        return language_model(256, mixture=True)
+
+    plan = tfpar.plan(build, 2, cluster=HOST, memory_per_device=1.2e6)
+    usable = [c for c in plan.candidates if c.rejected is None]
+    assert usable and all(c.expert_axis and c.axes.get("context", 1) > 1
+                          for c in usable), plan.explain()
+    assert any(c.estimate is not None and c.rejected
+               and (c.expert_axis or c.axes.get("context", 1) > 1)
+               and not (c.expert_axis and c.axes.get("context", 1) > 1)
+               for c in plan.candidates)
+    text = plan.explain()
+    assert "Expert axis: 8 experts" in text
+    assert "Context axis: the sequence of 256 split" in text
+    separate = next(c for c in usable if c.expert_axis == "expert")
+    for chosen in (plan, measure.candidate_plan(separate, build, 2)):
+        facts = chosen.estimate.split_axes
+        assert set(facts) == {"expert", "context"}
+        model, reference, got, expected, _ = train_beside_one_device(
+            chosen, build, 2, 256)
+        assert_parity(model, reference, got, expected)
+        assert chosen.strategy().extended.dims.context_axis == "context"
+        # The experts dimension split (fsdp may split another over
+        # data × context besides).
+        bank = model.get_layer("moe").up_kernel
+        assert {b.shape[0] for b in dtensor.unpack(
+            bank.value.read_value())} == {8 // facts["expert"]["size"]}
+
+
 MOE = roofline.Transformer(layers=4, hidden=1024, heads=16, seq=2048,
                            vocab=32000, ffn=3584, gated=True, dropout=False,
                            tied=False, position_embedding=False, experts=8,

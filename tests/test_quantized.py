@@ -42,6 +42,8 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+import tensorflow as tf
+from keras.src.quantizers import gptq_core
 
 import tfpar
 from tfpar import _compat
@@ -413,6 +415,49 @@ def test_int4_on_a_split_layer_is_refused_by_name():
             model.quantize("int4")
     assert [w.dtype for w in model.weights] == ["float32"] * 4
     assert all(layer.quantization_mode is None for layer in model.layers)
+
+
+def calibration_config(mode, tokens):
+    """Keras' GPTQ or AWQ configuration calibrating on `tokens` (token id
+    rows: Keras reads arrays as tokens, and needs a tokenizer only for
+    strings)."""
+    kind = {"gptq": keras.quantizers.GPTQConfig,
+            "awq": keras.quantizers.AWQConfig}[mode]
+    return kind(dataset=list(tokens), tokenizer=object(), weight_bits=4,
+                num_samples=4, sequence_length=tokens.shape[1], group_size=32)
+
+
+def test_gptq_and_awq_are_refused_before_any_layer_changes():
+    """Found 2026-12-07: keras-hub Llama3 on a data=8 mesh (every weight
+    whole), `quantize("gptq", config)` stopped in a TensorFlow
+    UnimplementedError ("expecting a DTensor") with every layer already
+    turned into its GPTQ form, its float weights gone: Keras calibrates by
+    calling the layers eagerly on plain tensors, which DTensor 2.21 does
+    not accept beside weights on a mesh (shown here by Keras' calibration
+    called directly). Both calibrated modes are refused by name, the model
+    left as it was."""
+    backbone, causal_lm, arguments, _ = FAMILIES["llama3"]
+    tokens = np.random.default_rng(0).integers(
+        0, hub_models.VOCAB, (8, 16)).astype("int32")
+    strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 8}))
+    with strategy.scope():
+        model = causal_lm(backbone=backbone(**arguments), preprocessor=None)
+    before = [w.numpy() for w in model.weights]
+    for mode in ("gptq", "awq"):
+        with pytest.raises(ValueError, match=(
+                rf"cannot be quantized with mode='{mode}' under a tfpar "
+                r"ParallelStrategy: Keras calibrates .* eagerly on plain "
+                r"tensors.*Quantize with .* on one device")):
+            model.quantize(mode, config=calibration_config(mode, tokens))
+    assert all(layer.quantization_mode is None
+               for layer in model._flatten_layers())
+    for weight, value in zip(model.weights, before, strict=True):
+        np.testing.assert_array_equal(weight.numpy(), value)
+    structure = model.get_quantization_layer_structure("gptq")
+    with pytest.raises(tf.errors.UnimplementedError,
+                       match="was expecting a DTensor"):
+        gptq_core.gptq_quantize(calibration_config("gptq", tokens),
+                                structure)
 
 
 def test_dtensor_still_cannot_compile_the_int8_ops():

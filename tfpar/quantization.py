@@ -8,11 +8,18 @@ packs two 4-bit values per byte along the output dimension and
 dequantizes its sub-channel groups by gathers that DTensor 2.21 cannot
 lay out when the layer's weights are split ("input and output layout do
 not agree on non-axis dim 1"): int4 runs in parity only on a layer whose
-weights are whole (a data-parallel mesh). GPTQ and AWQ (calibrated from
-data) have not been run under tfpar. So `quantize(mode)` of a layer with
-a split weight is refused, naming the layer, for every mode but int8 and
-float8 — before anything changes, where the step would otherwise fail to
-compile.
+weights are whole (a data-parallel mesh). So `quantize(mode)` of a layer
+with a split weight is refused, naming the layer, for every mode but int8
+and float8 — before anything changes, where the step would otherwise fail
+to compile.
+
+GPTQ and AWQ are refused under a ParallelStrategy on any mesh: Keras
+calibrates them by calling the model's layers eagerly on plain tensors
+(`keras.src.quantizers.gptq_core`, `awq_core`), which DTensor 2.21 does
+not accept beside weights on a mesh ("expecting a DTensor"), and by then
+Keras has already turned every layer into its quantized form, its float
+weights gone (tests/test_quantized.py shows both). Refused before any
+layer changes.
 
 >>> from tfpar import quantization
 >>> quantization.SPLITTABLE_MODES
@@ -30,6 +37,8 @@ from tfpar import _compat
 # The modes whose quantized layers run under tfpar with their weights
 # split (tested); any other needs the layer's weights whole.
 SPLITTABLE_MODES = ("int8", "float8")
+# The modes Keras calibrates from data, eagerly (module docstring).
+CALIBRATED_MODES = ("gptq", "awq")
 
 
 def split_weights(layer):
@@ -65,6 +74,8 @@ def _unsplittable_modes_refused(original, hooks):
         original(self, mode, compute_dtype)
         if mode in SPLITTABLE_MODES or hooks.strategy_of_layer(self) is None:
             return
+        if mode in CALIBRATED_MODES:
+            raise ValueError(_calibrated_refusal(self, mode))
         for layer in _quantized_layers(self):
             split = split_weights(layer)
             if split:
@@ -82,6 +93,18 @@ def _refusal(layer, mode, split):
             "split kernel). Use quantize('int8'), or keep this layer's "
             "weights whole (a LayoutRules entry of `tfpar.Replicated()` "
             "for it, or a mesh without a model axis).")
+
+
+def _calibrated_refusal(layer, mode):
+    return (f"Layer {layer.path!r} ({type(layer).__name__}) cannot be "
+            f"quantized with mode={mode!r} under a tfpar ParallelStrategy: "
+            f"Keras calibrates {mode!r} by calling the model's layers "
+            "eagerly on plain tensors, which DTensor 2.21 does not accept "
+            "beside weights on a mesh, after it has already replaced every "
+            f"layer's float weights. Received: mode={mode!r}. Quantize with "
+            f"{mode!r} on one device, outside every strategy scope; under "
+            "tfpar use quantize('int8') or quantize('float8') (split "
+            "weights) or quantize('int4') (whole weights).")
 
 
 PATCHES = (

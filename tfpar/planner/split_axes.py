@@ -19,6 +19,12 @@ counts m ≥ p):
 - Context axis, for a transformer whose sequence 2·c divides (the causal
   load balance's 2·c chunks, `tfpar.context_parallel.load_balance`):
   data × context × model.
+- Both, for a mixture-of-experts model with such a sequence: the context
+  axis c first, then either expert placement on the devices it leaves
+  (data × expert × context × model with e·c dividing them, or the banks
+  over the data axis of data × context × model when that axis divides
+  the experts): long-sequence MoE training, where Megatron-Core
+  combines expert and context parallelism too.
 
 How they are costed: the step of the same configuration without the new
 axis (data d', pipe p, model t, m micro-batches: the cost model every
@@ -120,19 +126,28 @@ def capacity_factor(profile):
 
 
 def _shapes(model, devices):
-    """(data size, {expert or context: size}, expert axis) of every split
-    `devices` (per model and pipe coordinate) allows: separate expert axes
-    e | E, the data axis when it divides E, context axes with 2·c | s."""
-    divisors = [k for k in range(2, devices + 1) if devices % k == 0]
-    if model.experts:
-        for e in divisors:
-            if model.experts % e == 0:
-                yield devices // e, {"expert": e}, "expert"
-        if model.experts % devices == 0 and devices > 1:
-            yield devices, {}, "data"
-    for c in divisors:
-        if model.seq % (2 * c) == 0:
-            yield devices // c, {"context": c}, None
+    """(data size, {expert and/or context: size}, expert axis) of every
+    split `devices` (per model and pipe coordinate) allows: a context axis
+    c with 2·c | s (or none), and on the devices it leaves a separate
+    expert axis e | E, the data axis when it divides E, or neither (a
+    context axis alone)."""
+    for c in _divisors(devices, first=1):
+        if c > 1 and model.seq % (2 * c):
+            continue
+        rest, context = devices // c, ({"context": c} if c > 1 else {})
+        if model.experts:
+            for e in _divisors(rest, first=2):
+                if model.experts % e == 0:
+                    yield rest // e, {"expert": e, **context}, "expert"
+            if model.experts % rest == 0 and rest > 1:
+                yield rest, context, "data"
+        if c > 1:
+            yield rest, context, None
+
+
+def _divisors(n, first):
+    """The divisors of n from `first` up."""
+    return [k for k in range(first, n + 1) if n % k == 0]
 
 
 def _options(layout, data):
@@ -204,22 +219,26 @@ def _roofline(model, candidate, batch, cluster, slots, cf, split):
 
 
 def _facts(model, candidate, with_axis, without, cf):
-    """{"expert": {...}} or {"context": {...}}: what `Plan.explain` says
-    of the axis (sizes, exchanged bytes per step and device, bank or
-    activation memory with and without it)."""
+    """{"expert": {...}, "context": {...}} (either or both): what
+    `Plan.explain` says of each split axis (sizes, exchanged bytes per
+    step and device, bank or activation memory with and without it)."""
+    facts = {}
     if candidate.expert_axis:
         size = (candidate.axes["data"] if candidate.expert_axis == "data"
                 else candidate.axes["expert"])
         whole = (model.layers * model.bank_params() * model.param_bytes
                  / candidate.axes["model"])
-        return {"expert": {
+        facts["expert"] = {
             "axis": candidate.expert_axis, "size": size,
             "experts": model.experts, "top_k": model.top_k,
             "capacity_factor": cf,
             "exchange_bytes": with_axis.communication_bytes_by_axis["expert"],
-            "bank_bytes": whole / size, "bank_bytes_whole": whole}}
-    return {"context": {
-        "size": candidate.axes["context"], "sequence": model.seq,
-        "gather_bytes": with_axis.communication_bytes_by_axis["context"],
-        "activation_bytes": with_axis.memory_per_device["activations"],
-        "activation_bytes_whole": without.memory_per_device["activations"]}}
+            "bank_bytes": whole / size, "bank_bytes_whole": whole}
+    if candidate.axes.get("context", 1) > 1:
+        facts["context"] = {
+            "size": candidate.axes["context"], "sequence": model.seq,
+            "gather_bytes": with_axis.communication_bytes_by_axis["context"],
+            "activation_bytes": with_axis.memory_per_device["activations"],
+            "activation_bytes_whole":
+                without.memory_per_device["activations"]}
+    return facts

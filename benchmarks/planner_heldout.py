@@ -52,8 +52,9 @@ The rule for what a row leaves unstated (written before evaluating):
   heads span twice its width. Left out: the 1024B rows (its script's
   `ici_tensor_parallelism=8\\ ici_data_parallelism=16` passes one
   argument, the axes it ran with are not readable) and every two-slice
-  row (slices joined by the data-center network, which the TPU presets
-  do not describe).
+  row (fsdp inside each slice, data parallelism across the data-center
+  network: hybrid sharding, which neither tfpar nor `tfpar.estimate`
+  runs; the presets' `num_slices` costs tfpar's own layouts).
 - MaxText on TPU v4: the v4 README's first commit (76bd53b0, 2023-12),
   with that commit's scripts and `base.yml` (a ReLU MLP, heads 256 wide,
   logits through the token table, V = 32768, s = 2048, flash attention)

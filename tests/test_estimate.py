@@ -416,6 +416,72 @@ def test_megatron_rank_order_gives_a_data_group_its_hosts_ports():
     assert megatron_order["data"] < tfpar_order["data"] / 3
 
 
+def test_slices_cost_groups_that_span_them_on_the_data_center_network():
+    """`Cluster.preset("tpu-v5p", num_hosts=32, num_slices=2)`: 128 chips
+    in two slices of 64. A group inside a slice keeps ICI; a group over
+    both runs hierarchically (`hardware.across_slices`: a ring in each
+    slice, then one over the slices at Google's 50 Gb/s per chip), and a
+    group of one chip per slice is the data-center link itself. The
+    α-β `Cluster.link` and the roofline's `link` agree on that shape; a
+    pipeline whose stages sit in two slices sends at the data-center
+    rate; with one slice nothing changes."""
+    hw = hardware.PRESETS["tpu-v5p"]
+    two = tfpar.Cluster.preset("tpu-v5p", num_hosts=32, num_slices=2)
+    one = tfpar.Cluster.preset("tpu-v5p", num_hosts=32)
+    assert (two.devices_per_slice, two.slice_bandwidth) == (64, 50e9 / 8)
+    dcn = (hw.dcn_latency, hw.dcn_bandwidth * hw.network_inter)
+    assert roofline.link(two, hw, 64, 1) == roofline.link(one, hw, 64, 1)
+    assert roofline.link(two, hw, 2, 64) == pytest.approx(dcn)
+    ici = roofline.link(one, hw, 64, 1)
+    assert roofline.link(two, hw, 128, 1) == pytest.approx(
+        hardware.across_slices(128, 64, ici, dcn))
+    # The same seconds as the two rings run one after the other.
+    nbytes = 1e9
+    assert roofline.ring("all-reduce", nbytes, 128, roofline.link(
+        two, hw, 128, 1)) == pytest.approx(
+            roofline.ring("all-reduce", nbytes, 64, ici)
+            + roofline.ring("all-reduce", nbytes / 64, 2, dcn))
+    assert two.link(128, 1) == pytest.approx(hardware.across_slices(
+        128, 64, two.link(64, 1), (two.slice_latency, two.slice_bandwidth)))
+    gpt = roofline.Transformer(layers=16, hidden=4096, heads=32, seq=2048,
+                               vocab=32000)
+
+    def step(cluster, **axes):
+        return roofline.step_time(gpt, roofline.Parallel(**axes), hw, 256,
+                                  cluster)
+
+    data = dict(data=32, model=4, grad_overlap=False)
+    assert step(two, **data)["data"] > step(one, **data)["data"]
+    assert step(two, **data)["compute"] == step(one, **data)["compute"]
+    pipe = dict(data=16, pipe=2, model=4, pipe_outermost=True)  # slice s
+    assert step(two, **pipe)["pipe"] > 3 * step(one, **pipe)["pipe"]
+    estimate = tfpar.estimate(gpt_builder(1024, 16, 4, seq_len=512), 64,
+                              cluster=tfpar.Cluster.preset(
+                                  "tpu-v5p", num_hosts=4, num_slices=2),
+                              axes={"data": 16}, fsdp=True)
+    assert estimate.step_time_s > tfpar.estimate(
+        gpt_builder(1024, 16, 4, seq_len=512), 64,
+        cluster=tfpar.Cluster.preset("tpu-v5p", num_hosts=4),
+        axes={"data": 16}, fsdp=True).step_time_s
+
+
+def test_slices_are_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match=r"slices are a TPU pod's"):
+        tfpar.Cluster.preset("a100-80gb", num_hosts=2, num_slices=2)
+    with pytest.raises(ValueError, match=r"does not publish for tpu-v4\. "
+                       r"Pass slice_bandwidth="):
+        tfpar.Cluster.preset("tpu-v4", num_hosts=2, num_slices=2)
+    assert tfpar.Cluster.preset("tpu-v4", num_hosts=2, num_slices=2,
+                                slice_bandwidth=6e9).slice_bandwidth == 6e9
+    with pytest.raises(ValueError, match=r"num_slices\) must divide "
+                       r"num_hosts \(3\)"):
+        tfpar.Cluster.preset("tpu-v5p", num_hosts=3, num_slices=2)
+    with pytest.raises(ValueError, match=r"needs slice_bandwidth"):
+        tfpar.Cluster(num_hosts=2, devices_per_host=4, device_memory=1e9,
+                      device_flops=1e12, intra_host_bandwidth=1e9,
+                      inter_host_bandwidth=1e9, num_slices=2)
+
+
 def test_the_order_of_estimates_axes_is_the_meshs():
     """`tfpar.estimate(axes)` lays devices out in the dict's order, as
     `tfpar.Mesh` does: on 8-GPU hosts with t=2, p=2, "pipe" before "data"

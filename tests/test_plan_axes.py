@@ -7,7 +7,6 @@ in parity with one device, and `explain()` names the axis and its costs.
 import dataclasses
 import itertools
 import re
-import types
 
 import keras
 import numpy as np
@@ -246,7 +245,7 @@ def test_expert_exchange_bytes_and_time_by_the_issues_formula():
     formula = tokens * MOE.hidden * MOE.top_k * cf * MOE.compute_bytes
     sizes = roofline.expert_exchange_bytes(MOE, folded)
     assert sizes == {"forward": 2 * e * formula, "backward": 2 * e * formula}
-    host = types.SimpleNamespace(devices_per_host=8)  # one host of 8
+    host = roofline.Network(devices_per_host=8)  # one host of 8
     forward, backward, _ = roofline._exchanges(MOE, folded, host, hw)
     alpha, beta = roofline.link(host, hw, e, 1)         # NVLink
     ring = 2 * (e - 1) * alpha + 2 * (e - 1) / e * e * formula / beta

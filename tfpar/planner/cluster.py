@@ -30,7 +30,7 @@ from tfpar.planner import hardware as hardware_lib
 
 
 _ZERO_OK = ("update_bandwidth", "op_time", "send_time", "conv_flops",
-            "conv_time")
+            "conv_time", "slice_bandwidth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,12 @@ class Cluster:
             default) for a described cluster.
         hardware: the `hardware.Hardware` of a preset (vendor figures and
             efficiency constants for `tfpar.estimate`'s roofline), or None.
+        num_slices: the hosts' slices (TPU pods: each slice one ICI
+            torus of num_hosts / num_slices hosts), joined by a data-center
+            network; 1 (the default): one network.
+        slice_bandwidth: bytes/s each device sends across slices (its
+            share of the data-center network; needed with num_slices > 1).
+        slice_latency: seconds per message across slices.
     """
 
     num_hosts: int
@@ -94,14 +100,30 @@ class Cluster:
     source: dict = dataclasses.field(default=None, compare=False)
     of_this_process: bool = dataclasses.field(default=False, compare=False)
     hardware: object = dataclasses.field(default=None, compare=False)
+    num_slices: int = 1
+    slice_bandwidth: float = 0.0
+    slice_latency: float = 1e-5
 
     def __post_init__(self):
-        for name in ("num_hosts", "devices_per_host"):
+        for name in ("num_hosts", "devices_per_host", "num_slices"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(
                     f"Cluster({name}) must be a positive integer. "
                     f"Received: {name}={value!r}")
+        if self.num_hosts % self.num_slices:
+            raise ValueError(
+                f"Cluster(num_slices) must divide num_hosts ({self.num_hosts}"
+                f"): each slice holds whole hosts. Received: num_slices="
+                f"{self.num_slices}.")
+        if self.num_slices > 1 and not (
+                isinstance(self.slice_bandwidth, (int, float, np.number))
+                and self.slice_bandwidth > 0):
+            raise ValueError(
+                f"Cluster(num_slices={self.num_slices}) needs "
+                "slice_bandwidth, the bytes/s each device sends across "
+                "slices (its share of the data-center network). Received: "
+                f"slice_bandwidth={self.slice_bandwidth!r}.")
         if not isinstance(self.shared_host, (bool, np.bool_)):
             raise ValueError(
                 "Cluster(shared_host) must be True or False. Received: "
@@ -109,7 +131,8 @@ class Cluster:
         for name in ("device_memory", "device_flops", "intra_host_bandwidth",
                      "inter_host_bandwidth", "intra_host_latency",
                      "inter_host_latency", "update_bandwidth", "op_time",
-                     "send_time", "conv_flops", "conv_time"):
+                     "send_time", "conv_flops", "conv_time",
+                     "slice_bandwidth", "slice_latency"):
             value = getattr(self, name)
             zero_ok = "latency" in name or name in _ZERO_OK
             if not isinstance(value, (int, float, np.number)) or value < 0 or (
@@ -122,20 +145,35 @@ class Cluster:
     def num_devices(self):
         return self.num_hosts * self.devices_per_host
 
+    @property
+    def devices_per_slice(self):
+        """Devices per slice (the whole cluster when it is one)."""
+        return self.num_devices // self.num_slices
+
     def link(self, group_size, stride):
         """(α seconds, β bytes/s) of a group of `group_size` devices whose
         members are `stride` devices apart in the row-major device order
-        (hosts hold consecutive devices): inter-host once the group spans
-        more than one host."""
-        if group_size * stride > self.devices_per_host:
-            return self.inter_host_latency, self.inter_host_bandwidth
-        return self.intra_host_latency, self.intra_host_bandwidth
+        (hosts hold consecutive devices, slices consecutive hosts):
+        inter-host once the group spans more than one host, and across
+        slices hierarchical (`hardware.across_slices`) once it spans more
+        than one slice."""
+        if group_size * stride <= self.devices_per_host:
+            return self.intra_host_latency, self.intra_host_bandwidth
+        inter = self.inter_host_latency, self.inter_host_bandwidth
+        if group_size > 1 and group_size * stride > self.devices_per_slice:
+            per_slice = self.devices_per_slice // stride
+            return hardware_lib.across_slices(
+                group_size, per_slice,
+                self.link(per_slice, stride) if per_slice > 1 else inter,
+                (self.slice_latency, self.slice_bandwidth))
+        return inter
 
     def to_dict(self):
         return dataclasses.asdict(self)
 
     @classmethod
-    def preset(cls, name, num_hosts=1, devices_per_host=None):
+    def preset(cls, name, num_hosts=1, devices_per_host=None, num_slices=1,
+               slice_bandwidth=None):
         """A cluster of `num_hosts` hosts of a known accelerator, in its
         vendor's figures (`tfpar/planner/hardware.py` cites each).
 
@@ -143,6 +181,11 @@ class Cluster:
         hosts of 8 GPUs: NVLink inside, one InfiniBand port per GPU
         across), "tpu-v4", "tpu-v5p" (hosts of 4 chips; the ICI torus
         spans hosts, so groups inside and across hosts get the same link).
+        `num_slices` cuts a TPU cluster's hosts into that many slices (ICI
+        inside each) joined by the data-center network, at the vendor's
+        bandwidth per chip (v5p) or `slice_bandwidth` (bytes/s per
+        device; v4 has no published figure); collectives over a group
+        spanning slices are costed hierarchically.
         `device_flops` is the sustained rate of a large bf16 GEMM (the
         dense peak × the hardware's fitted `gemm` efficiency, what
         `tfpar.plan`'s cost model multiplies FLOPs by); `hardware` carries
@@ -158,6 +201,7 @@ class Cluster:
                 f"{', '.join(sorted(hardware_lib.PRESETS))}; describe other "
                 "hardware with tfpar.Cluster(...).")
         hw = hardware_lib.PRESETS[name]
+        slices = _slice_link(name, hw, num_slices, slice_bandwidth)
         return cls(
             num_hosts=num_hosts,
             devices_per_host=(hw.devices_per_host if devices_per_host is None
@@ -170,7 +214,7 @@ class Cluster:
             inter_host_latency=hw.inter_latency,
             source={"all": f"preset {name!r} (vendor figures: "
                            "tfpar/planner/hardware.py)"},
-            hardware=hw)
+            hardware=hw, num_slices=num_slices, **slices)
 
     def calibrated(self, measured_step_time_s, estimate):
         """This cluster with its devices' speed scaled so that `estimate`
@@ -337,6 +381,30 @@ def _host_memory():
 def _device_memory(device):
     info = tf.config.experimental.get_memory_info(device.split("device:")[-1])
     return info.get("limit") or info.get("peak")
+
+
+def _slice_link(name, hw, num_slices, slice_bandwidth):
+    """`Cluster.preset`'s slice fields: none for one slice; the
+    data-center network's bandwidth (given, or the vendor's) and latency
+    for several, on TPUs only."""
+    if num_slices == 1:
+        return {}
+    if hw.nics_shared:
+        raise ValueError(
+            f"Cluster.preset({name!r}, num_slices={num_slices}): slices are "
+            "a TPU pod's (ICI tori joined by the data-center network); a "
+            "GPU cluster is one network (NVLink in a host, InfiniBand "
+            "across). Leave num_slices=1, or describe other networks with "
+            "tfpar.Cluster(..., num_slices=, slice_bandwidth=).")
+    bandwidth = slice_bandwidth or hw.dcn_bandwidth
+    if bandwidth is None:
+        raise ValueError(
+            f"Cluster.preset({name!r}, num_slices={num_slices}) needs the "
+            "data-center network's bandwidth per chip, which Google does not "
+            f"publish for {name}. Pass slice_bandwidth= (bytes/s per chip "
+            "and direction).")
+    return {"slice_bandwidth": float(bandwidth),
+            "slice_latency": hw.dcn_latency or 1e-5}
 
 
 def _faster(cluster, k):

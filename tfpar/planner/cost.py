@@ -900,7 +900,7 @@ def _roofline_time(layout, alpha_beta, *, d, p, m, schedule, fsdp, recompute,
         **roofline.head_layout(
             layout.transformer, layout.t, layout.vocab_parallel))
     parts = roofline.step_time(layout.transformer, cfg, cluster.hardware,
-                               batch, cluster.devices_per_host)
+                               batch, cluster)
     step = parts.pop("total")
     return step, parts, parts.pop("executed_flops")
 

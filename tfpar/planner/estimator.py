@@ -167,7 +167,7 @@ def estimate_transformer(transformer, cfg, global_batch_size, cluster):
     `roofline.Parallel`) on `cluster`."""
     hw = hardware_of(cluster)
     parts = roofline.step_time(transformer, cfg, hw, global_batch_size,
-                               cluster.devices_per_host)
+                               cluster)
     step = parts.pop("total")
     executed = parts.pop("executed_flops")
     comm = roofline.communication_bytes(transformer, cfg, global_batch_size)

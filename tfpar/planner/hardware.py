@@ -13,6 +13,7 @@ hosts) and the achievable-efficiency constants the roofline cost model
 | in a host, per device per direction | NVLink3 300 GB/s | NVLink3 300 GB/s | NVLink4 450 GB/s | NVLink4 450 GB/s | ICI | ICI |
 | across hosts, per device per direction | HDR IB 25 GB/s | HDR IB 25 GB/s | NDR IB 50 GB/s | NDR IB 50 GB/s | ICI | ICI |
 | devices per host | 8 (DGX A100) | 8 | 8 (DGX H100) | 8 | 4 | 4 |
+| across slices (data-center network), per chip | – | – | – | – | not published | 50 Gb/s |
 
 Sources: NVIDIA A100 Tensor Core GPU datasheet (2021, dense figures, the
 sparse ones are 2×) and the DGX A100 user guide (8 × 200 Gb/s HDR
@@ -24,6 +25,16 @@ v4 (275 TFLOP/s bf16, 32 GiB, 1,200 GB/s, ICI 2,400 Gb/s per chip over 6
 links of a 3-D torus) and v5p (459 TFLOP/s, 95 GB, 2,765 GB/s, ICI 4,800
 Gb/s). A TPU slice's torus spans hosts: a ring along one torus axis uses 2
 of a chip's 6 links, a third of its ICI bandwidth, inside a host or across.
+
+Slices (TPU): a pod is cut into slices, each one ICI torus; slices are
+joined by the data-center network (DCN), which Google gives per chip for
+v5p: 50 Gb/s (Cloud TPU v5p page, "Data center network (DCN) bandwidth
+per chip"), taken as per direction. For v4 Google publishes no DCN
+figure (`dcn_bandwidth` None: `Cluster.preset("tpu-v4", num_slices=2)`
+asks for one). The DCN's latency is not published either: InfiniBand's
+10 µs is taken, and its efficiency is `network_inter`'s. A collective
+over a group spanning slices runs hierarchically, as XLA's and NCCL's do
+(`across_slices`).
 
 Latencies (α per ring step): NCCL's measured small-message all-reduce
 latency inside a DGX is ~5–10 µs for 8 GPUs (NCCL tests; Calculon and
@@ -100,6 +111,10 @@ class Hardware:
         collective_share: the fraction of the device's cores a collective's
             kernels occupy while it overlaps compute (NCCL runs on the SMs:
             the compute beside it slows by that much).
+        dcn_bandwidth, dcn_latency: bytes/s per device per direction and
+            seconds per message of the data-center network joining a
+            pod's slices (TPUs; None where the vendor publishes none, or
+            the platform has no slices).
     """
 
     name: str
@@ -119,6 +134,8 @@ class Hardware:
     network_inter: float = 0.9
     flash: float = 0.6
     collective_share: float = 0.0
+    dcn_bandwidth: float = None
+    dcn_latency: float = None
 
     def peak(self, dtype):
         """Dense peak FLOP/s in `dtype` (float16 counts as bfloat16)."""
@@ -156,6 +173,9 @@ _NCCL_BLOCKS = 24
 # a ring along one axis uses 2 of them (a third), per direction half.
 _TPU_LINKS = dict(intra_latency=5e-6, inter_latency=5e-6, devices_per_host=4,
                   nics_shared=False)
+# The v5p's data-center network: 50 Gb/s per chip (Cloud TPU v5p page);
+# latency not published, InfiniBand's 10 µs taken.
+_V5P_DCN = dict(dcn_bandwidth=50e9 / 8, dcn_latency=1e-5)
 
 PRESETS = {
     "a100-40gb": Hardware("a100-40gb", _A100_FLOPS, 40e9, 1.555e12, 300e9,
@@ -173,5 +193,30 @@ PRESETS = {
     "tpu-v4": Hardware("tpu-v4", {"bfloat16": 275e12}, 32 * 2**30, 1.2e12, 2400e9 / 8 / 3 / 2,
                        2400e9 / 8 / 3 / 2, **_TPU_LINKS),
     "tpu-v5p": Hardware("tpu-v5p", {"bfloat16": 459e12}, 95e9, 2.765e12, 4800e9 / 8 / 3 / 2,
-                        4800e9 / 8 / 3 / 2, **_TPU_LINKS),
+                        4800e9 / 8 / 3 / 2, **_TPU_LINKS, **_V5P_DCN),
 }
+
+
+def across_slices(n, per_slice, inner, outer):
+    """(α, β) of a ring collective over n devices spread evenly over
+    slices, `per_slice` of them in each, run hierarchically (as XLA and
+    NCCL do): a ring over each slice's k = `per_slice` members on the
+    slice's link `inner` = (α_i, β_i), then a ring over the s = n / k
+    slices on the data-center link `outer` = (α_o, β_o), each of the k
+    members carrying 1/k of the bytes on its own chip's link. As one
+    ring's figures (`roofline.ring`: steps · α + steps / n · bytes / β,
+    steps c·(n − 1)), the same seconds:
+
+        α = ((k − 1) α_i + (s − 1) α_o) / (n − 1)
+        β = ((n − 1) / n) / ((k − 1) / (k β_i) + (s − 1) / (s k β_o))
+
+    >>> across_slices(4, 1, (1e-6, 1e11), (1e-5, 1e9))   # 1 per slice
+    (1e-05, 1000000000.0)
+    """
+    k = max(1, min(n, per_slice))
+    s = n // k
+    (alpha_in, beta_in), (alpha_out, beta_out) = inner, outer
+    alpha = ((k - 1) * alpha_in + (s - 1) * alpha_out) / (n - 1)
+    beta = ((n - 1) / n) / ((k - 1) / (k * beta_in)
+                            + (s - 1) / (s * k * beta_out))
+    return alpha, beta

@@ -463,14 +463,28 @@ class _Device:
 
 def link(cluster, hw, n, stride):
     """(α seconds per ring step, β bus bytes/s) of a group of n devices
-    `stride` apart in row-major device order."""
+    `stride` apart in row-major device order (`cluster`: a `Network`, or
+    a `Cluster`); over several slices hierarchical
+    (`hardware.across_slices`: a ring in each slice, then one over the
+    slices on the data-center network)."""
     per_host = cluster.devices_per_host
     if n * stride <= per_host:
         return hw.intra_latency, hw.intra_bandwidth * hw.network_intra
+    per_slice = cluster.devices_per_slice
+    if n > 1 and n * stride > per_slice:
+        members = per_slice // stride
+        inner = (link(cluster, hw, members, stride) if members > 1
+                 else _across_hosts(hw, 1))
+        return hardware.across_slices(n, members, inner, (
+            cluster.slice_latency, cluster.slice_bandwidth * hw.network_inter))
+    return _across_hosts(hw, max(1, min(n, per_host // stride)))
+
+
+def _across_hosts(hw, members):
+    """(α, β) across hosts of a group with `members` per host: with
+    shared network ports (GPU hosts) the k members use k of them."""
     beta = hw.inter_bandwidth * hw.network_inter
     if hw.nics_shared:
-        # k members of the group per host use k of the host's ports.
-        members = max(1, min(n, per_host // stride))
         beta = min(beta * members, hw.intra_bandwidth * hw.network_intra)
     return hw.inter_latency, beta
 
@@ -859,6 +873,12 @@ def _pipe_seconds(model, cfg, cluster, hw, stage):
         gather = 0.0
     else:
         alpha, beta = hw.inter_latency, hw.inter_bandwidth * hw.network_inter
+        if p * cfg.pipe_stride > cluster.devices_per_slice:
+            # Stages in other slices: the sends at a slice boundary take
+            # the data-center network, and the stages between wait for
+            # them, so every send is costed at its rate.
+            alpha = cluster.slice_latency
+            beta = cluster.slice_bandwidth * hw.network_inter
         gather = ring("all-gather", nbytes, t, link(cluster, hw, t, 1))
         nbytes /= t
     return sends * (alpha + nbytes / beta + gather)
@@ -955,11 +975,12 @@ def _reduction_link(cluster, hw, cfg, n):
     return link(cluster, hw, n, cfg.model)
 
 
-def step_time(model, cfg, hw, global_batch, devices_per_host=None):
+def step_time(model, cfg, hw, global_batch, network=None):
     """{part: seconds} of one training step on the slowest stage (their sum
     under "total"), and "executed_flops" per device (recomputation
-    included)."""
-    cluster = _Host(devices_per_host or hw.devices_per_host)
+    included). `network`: the cluster's hosts and slices (a `Cluster` or
+    a `Network`; default one slice of `hw`'s hosts)."""
+    cluster = network or Network(hw.devices_per_host)
     dev = _Device(hw, model.compute_bytes, cfg.tf32)
     parts = _parts(dev, model, cfg, cluster)
     m = microbatches(cfg, global_batch)
@@ -1028,11 +1049,16 @@ def replicated_head_params(model, cfg, last=True):
     return float(model.vocab * model.hidden)
 
 
-class _Host:
-    """What `link` reads of a cluster."""
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """What `link` reads of a cluster (a `Cluster` has the same
+    attributes): devices per host and per slice, and the data-center
+    network's bandwidth per device and latency between slices."""
 
-    def __init__(self, devices_per_host):
-        self.devices_per_host = devices_per_host
+    devices_per_host: int
+    devices_per_slice: float = math.inf
+    slice_bandwidth: float = 0.0
+    slice_latency: float = 0.0
 
 
 def memory(model, cfg, global_batch):

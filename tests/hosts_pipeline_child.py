@@ -4,9 +4,12 @@
         hosts_pipeline_child.py WORKDIR CASE...
 
 (or 4 hosts of 2 virtual CPUs; 4 of 4 for ":offload"). Each CASE is
-"AXES:SCHEDULE:OPTIMIZER[:ckpt|:v2|:offload]" (":v2": 2 virtual stages
-per stage, `host_deep_mlp`; ":offload": the mesh on the first half of
-each host's devices, `offload="optimizer"` to the other half) (or
+"AXES:SCHEDULE:OPTIMIZER[:ckpt|:v2|:offload|:per_host]" (":v2": 2
+virtual stages per stage, `host_deep_mlp`; ":offload": the mesh on the
+first half of each host's devices, `offload="optimizer"` to the other
+half; ":per_host": `per_host_input=True`, host h feeding rows [8h, 8h+8)
+of each 16-row global batch, in 8-row batches, to fit, evaluate and
+predict; it also writes the error of a 3-row evaluate batch) (or
 "AXES:SCHEDULE:adam:hub-NAME", a keras-hub causal LM: `run_hub`, or
 "AXES:SCHEDULE:sgd:tokens": `run_tokens`, "AXES:SCHEDULE:sgd:labels":
 `run_labels`, or "AXES:SCHEDULE:sgd:masked": `run_masked`), e.g.
@@ -75,7 +78,7 @@ def build(case, weights, loss="mse", metrics=("mae",)):
     strategy = tfpar.ParallelStrategy(tfpar.Mesh(shape, devices=devices(
         case)), rules=(tfpar.LayoutRules(models.HOST_RULES)
                        if "model" in shape else None),
-        **offloaded(case))
+        per_host_input=case.endswith(":per_host"), **offloaded(case))
     interleaved = case.endswith(":v2")
     with strategy.scope():
         model = models.host_mlp() if shape["pipe"] == 2 and not \
@@ -219,13 +222,24 @@ def run(workdir, case):
     deep = case.startswith("pipe4") or case.endswith(":v2")
     pipe = build(case, [given[f"{'d' if deep else 'w'}{i}"]
                         for i in range(10 if deep else 6)])
+    x, y, batch = given["x"], given["y"], 16
+    if case.endswith(":per_host"):  # this host's share of every batch
+        batch //= dtensor.num_clients()
+        mine = np.arange(len(x)) % 16 // batch == tfpar.hosts.host_id()
+        x, y = x[mine], y[mine]
     losses = models.BatchLosses()
-    pipe.fit(given["x"], given["y"], batch_size=16, epochs=1, shuffle=False,
-             verbose=0, callbacks=[losses])
+    pipe.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+             callbacks=[losses])
     out = {"losses": np.array(losses.losses),
-           "evaluate": np.array(pipe.evaluate(given["x"], given["y"],
-                                              batch_size=16, verbose=0)),
-           "predict": pipe.predict(given["x"], batch_size=16, verbose=0)}
+           "evaluate": np.array(pipe.evaluate(x, y, batch_size=batch,
+                                              verbose=0)),
+           "predict": pipe.predict(x, batch_size=batch, verbose=0)}
+    if case.endswith(":per_host"):
+        try:
+            pipe.evaluate(x[:3], y[:3], batch_size=3, verbose=0)
+            out["uneven"] = ""
+        except ValueError as error:
+            out["uneven"] = str(error)
     out.update({f"w{i}": w for i, w in enumerate(pipe.get_weights())})
     held = {w.path: local_ids(w) for w in pipe.weights}
     for optimizer_ in pipe.stage_optimizers:
@@ -273,16 +287,13 @@ def tied_mlp():
 def refusals(workdir):
     """What stays refused across hosts, as each host's error message: a
     zero-bubble schedule, tied weights sent
-    in every micro-batch (tied_weights="per_step"), per-host input (with
-    the pipe axis first, and with the data axis first: each host holding
-    its own data range), record_timeline (at fit), and a mesh whose
+    in every micro-batch (tied_weights="per_step"), per-host input with
+    the pipe axis first (every host holding every data coordinate: the
+    strategy's refusal), record_timeline (at fit), and a mesh whose
     devices are not in increasing order."""
     out = {"zero_bubble": refused(models.host_mlp, schedule="zb-h1"),
            "tied_per_step": refused(tied_mlp, tied_weights="per_step"),
            "per_host": refused(models.host_mlp, per_host_input=True),
-           "per_host_data_first": refused(
-               models.host_mlp, axes=(("data", 2), ("pipe", 2),
-                                      ("model", 2)), per_host_input=True),
            "timeline": refused(models.host_mlp, fit=True,
                                record_timeline=True)}
     try:

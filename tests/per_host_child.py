@@ -6,7 +6,9 @@ Global batch k (32 rows) is x[32k : 32k+32]; host h holds and feeds only
 rows x[32k + 16h : 32k + 16h + 16] of it (`per_host_input=True`, data=8:
 host h's devices hold data blocks 4h..4h+3). MODE: "arrays" and "dataset"
 train `models.host_mlp` for 2 epochs (plain SGD) from numpy arrays or a
-tf.data.Dataset of those rows, writing the per-batch losses; "files" the
+tf.data.Dataset of those rows, writing the per-batch losses ("arrays"
+then also evaluates and predicts on this host's rows, writing the loss
+and the predictions predict returns: every host's, in order); "files" the
 same from files sharded by host (WORKDIR/rows-NNN.npz, file 2k+h holding
 host h's rows of batch k, read by a tf.data pipeline of every other file); "function"
 iterates `strategy.distribute_datasets_from_function` (each host shards a
@@ -84,4 +86,9 @@ else:
     model.fit(*data, batch_size=None if mode in ("dataset", "files") else 16,
               epochs=2, shuffle=False, verbose=0, callbacks=[recorder])
     write("losses", recorder.losses)
+    if mode == "arrays":
+        write("evaluate", model.evaluate(x[mine], y[mine], batch_size=16,
+                                         verbose=0))
+        write("predict", model.predict(x[mine], batch_size=16,
+                                       verbose=0).tolist())
 print(f"host {host} done", flush=True)

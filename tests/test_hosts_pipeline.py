@@ -47,6 +47,9 @@ DEFAULT = ["pipe2-data2-model2:gpipe:adam", "pipe4-data2:1f1b:adam:ckpt",
 # The data axis first: each stage on both hosts (CPU:0, 1 and CPU:4, 5 for
 # stage 0), a replica of the pipeline on each host.
 DATA_FIRST = "data2-pipe2-model2:gpipe:adam"
+# The same with per-host input: each host feeds only its share (its data
+# coordinate's rows) of every batch to fit, evaluate and predict.
+PER_HOST = "data2-pipe2-model2:1f1b:adam:per_host"
 # An embedding lookup on stage 0 (host 0): a sparse gradient, which
 # crashed host 1 when it traced that stage's step; an L2 loss and Dropout
 # there, whose value and seeds (small tensors) made one host alone compile a
@@ -127,8 +130,8 @@ def default_run(tmp_path_factory):
     given(workdir)
     tokens_given(workdir)
     masked_given(workdir)
-    launch(workdir, DEFAULT + [DATA_FIRST, TOKENS, LABELS, MASKED,
-                               "refusals"])
+    launch(workdir, DEFAULT + [DATA_FIRST, PER_HOST, TOKENS, LABELS,
+                               MASKED, "refusals"])
     return workdir
 
 
@@ -357,6 +360,23 @@ def test_stages_on_two_hosts_train_in_parity_with_one_device(default_run,
     check_case(default_run, case)
 
 
+def test_each_host_feeds_only_its_share_to_a_pipeline_on_each_host(
+        default_run):
+    """Per-host input (`PER_HOST`): host h feeds rows [8h, 8h+8) of each
+    16-row batch to fit, evaluate and predict; the losses, weights and
+    evaluate equal one device's on the whole batches, and predict returns
+    the whole batches' predictions in order on both hosts. A host batch
+    that does not split into 2 micro-batches is the same clear error on
+    both hosts."""
+    results = check_case(default_run, PER_HOST)
+    check_held(default_run, PER_HOST, {"up0": 0, "down0": 1, "head": 1})
+    uneven = [str(result["uneven"]) for result in results]
+    assert uneven[0] == uneven[1].replace("host 1", "host 0")
+    assert "each host's batch of a pipeline splits into num_microbatches " \
+        "(2) micro-batches of its 1 block(s) of the data axis, so it must " \
+        "divide by 2. Received: a batch of 3 rows on host 0" in uneven[0]
+
+
 def check_held(workdir, case, stage_of):
     """Each weight and slot of stage s (`stage_of` a layer name) of `case`
     (its hosts' results in `workdir`) has blocks on stage s's devices
@@ -391,8 +411,8 @@ def test_each_host_holds_only_its_stages_weights_and_slots(default_run):
 def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
         default_run):
     hosts = [np.load(default_run / f"refusals-host{h}.npz") for h in (0, 1)]
-    for key in ("zero_bubble", "tied_per_step", "per_host",
-                "per_host_data_first", "timeline", "reordered"):
+    for key in ("zero_bubble", "tied_per_step", "per_host", "timeline",
+                "reordered"):
         assert str(hosts[0][key]) == str(hosts[1][key])
     assert "does not support schedule='zb-h1'" in str(hosts[0]["zero_bubble"])
     assert "Use schedule='gpipe' or '1f1b'" in str(hosts[0]["zero_bubble"])
@@ -407,11 +427,6 @@ def test_what_stays_refused_is_the_same_clear_error_on_both_hosts(
         str(hosts[0]["per_host"])
     assert "host 1 holding data coordinates [0, 1, 2, 3]" in str(
         hosts[0]["per_host"])
-    # The data axis first: each host holds its own data range, which the
-    # strategy accepts, but the host-driven step reads every global batch.
-    assert "does not support per_host_input=True" in str(
-        hosts[0]["per_host_data_first"])
-    assert "Use per_host_input=False" in str(hosts[0]["per_host_data_first"])
     message = str(hosts[0]["reordered"])
     assert "list the devices in increasing order" in message
     assert "devices=[CPU:7, CPU:6, CPU:5, CPU:4])" in message  # stage 0
@@ -466,7 +481,9 @@ SPANNING = ["pipe2-data2-model2:1f1b:adam:ckpt", TOKENS,
             # the data axis first: stage 0 on hosts 0 and 2, stage 1 on
             # hosts 1 and 3 (a pipeline over each pair of hosts)
             DATA_FIRST]
-SPANNING_SLOW = ["pipe2-data4:1f1b:sgd:v2", LABELS, MASKED]
+# Per-host input to a whole pipeline on each of 4 hosts (its 2 devices).
+PER_HOST_4 = "data4-pipe2:gpipe:sgd:per_host"
+SPANNING_SLOW = ["pipe2-data4:1f1b:sgd:v2", LABELS, MASKED, PER_HOST_4]
 
 
 @pytest.fixture(scope="module")
@@ -511,11 +528,13 @@ def test_dropout_and_a_regularizer_on_a_stage_over_two_hosts(spanning_run):
 @pytest.mark.slow
 def test_more_stages_over_two_hosts_each(tmp_path):
     """Interleaved stages, integer labels on model=4 across two hosts (its
-    collectives span them) and a Keras mask, on 4 hosts."""
+    collectives span them) and a Keras mask, on 4 hosts; and per-host
+    input to a pipeline on each host."""
     given(tmp_path)
     masked_given(tmp_path)
     launch(tmp_path, SPANNING_SLOW, hosts=4)
     check_case(tmp_path, SPANNING_SLOW[0], 4)
+    check_case(tmp_path, PER_HOST_4, 4)
     check_labels(tmp_path, 4)
     check_masked(tmp_path, 4)
 

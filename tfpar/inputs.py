@@ -14,6 +14,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar import context_parallel
+from tfpar import layout as layout_lib
 from tfpar import placement
 
 
@@ -37,6 +38,12 @@ class InputPlacer:
         if per_host:
             self._first_block, self._local_blocks = _host_blocks(
                 mesh, data_axis)
+
+    @property
+    def blocks_per_host(self):
+        """How many coordinates of the data axis each host's share holds
+        (per-host input only)."""
+        return self._local_blocks
 
     def splits_evenly(self, batch, batch_dim=0):
         """Whether the data axis divides every tensor's batch dimension
@@ -177,6 +184,30 @@ class InputPlacer:
                 "dataset.shard(num_hosts, host_id).batch(b, "
                 "drop_remainder=True) on every host).")
         return batch
+
+    def host_batch_of(self, batch):
+        """`batch` as host tensors (`host_batch`); per host, a DTensor this
+        placer placed (Keras' predict loop reads batches through the
+        distributed dataset's iterator, which places them) back as this
+        host's share: the blocks of its data coordinates, from its own
+        devices, in order."""
+        batch = host_batch(batch)
+        if not self.per_host:
+            return batch
+
+        def share(tensor):
+            if tensor is None or not dtensor.is_dtensor(tensor):
+                return tensor
+            layout = dtensor.fetch_layout(tensor)
+            axis = layout_lib.spec_of(layout).index(self._data_axis)
+            blocks = {}
+            for component, location in zip(
+                    dtensor.unpack(tensor),
+                    layout.mesh.local_device_locations()):
+                blocks.setdefault(location[self._data_axis], component)
+            return tf.concat([blocks[c] for c in sorted(blocks)], axis)
+
+        return tf.nest.map_structure(share, batch)
 
     def restore(self, outputs):
         """Predictions (host arrays) in the order the inputs were given:

@@ -272,7 +272,7 @@ def make_function(model, extended, mode, runner=None):
             # Keras passes a list of up to steps_per_execution batches.
             with logs.quiet_steps():
                 return watchdog.run_watched(lambda: runner.run(
-                    [inputs_lib.host_batch(b) for b in data]))
+                    [extended.input_placer.host_batch_of(b) for b in data]))
 
         return predict_function
 

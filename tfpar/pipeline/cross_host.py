@@ -61,9 +61,17 @@ random seeds F(k, i) drew (Dropout's masks) are returned with its outputs
 and replayed by B(k, i) (`step_context.Seeds`), so the recomputation
 draws the same numbers: random layers train as on one host. Interleaved
 schedules run as they are (a host holds every stage of its own, so parts
-alternate between the hosts). Zero-bubble schedules,
-`tied_weights="per_step"` and per-host input are refused
-(`check_supported`).
+alternate between the hosts). Zero-bubble schedules
+and `tied_weights="per_step"` are refused (`check_supported`).
+
+Per-host input (`ParallelStrategy(per_host_input=True)`, which needs the
+data axis first: each host holds its own range of it, so a whole
+pipeline): each host's batch is its share of the global batch, and
+micro-batch i of the global batch is every host's i-th micro-batch of
+its share, in host order (`HostShares`). The micro-batches' gradients sum
+to the whole batch's, as in Keras' gradient accumulation; predictions
+come back in the global batch's order (host 0's rows, then host 1's...),
+as the strategy's do.
 
 Example (the same script on every host, e.g. under `python -m
 tfpar.launch --hosts 2 --virtual-cpus 4`; `fit` picks this runner):
@@ -85,6 +93,7 @@ from tensorflow.experimental import dtensor
 
 from tfpar import _compat
 from tfpar import collectives
+from tfpar import inputs
 from tfpar import layout as layout_lib
 from tfpar import placement
 from tfpar import step_context
@@ -108,16 +117,11 @@ def check_supported(model, parts, schedule, extended, tied_weights):
     """Raises (on every host alike, before any step) for what the
     host-driven step does not run: split backwards, weights
     tied across stages sent in every micro-batch (`tied_weights=
-    "per_step"`: a move inside a stage's step), per-host input (the step
-    reads every global batch on every host; with the pipe axis first the
-    strategy refuses it too: every host holds every data coordinate)."""
+    "per_step"`: a move inside a stage's step)."""
     if not spans_hosts(extended):
         return
     problem = None
-    if extended.input_placer.per_host:
-        problem = ("per_host_input=True (every host reads each global "
-                   "batch)", "per_host_input=False")
-    elif schedule.split_backward:
+    if schedule.split_backward:
         problem = (f"schedule={schedule.name!r} (zero-bubble: split "
                    "backwards)", "schedule='gpipe' or '1f1b'")
     elif tied_weights == "per_step" and any(
@@ -195,6 +199,58 @@ class Bridge:
         sender_of = dict(zip(to_ids, from_ids))
         return dtensor.pack([gathered[i % L][sender_of[i] // L, 0]
                              for i in _local_ids(target)], layout)
+
+
+class HostShares:
+    """Per-host input to a pipeline across hosts (module doc): places
+    each host's micro-batches of its share on the first and last parts'
+    meshes, and puts predictions back in the global batch's order.
+
+    Host h holds coordinates [h·c, (h+1)·c) of the data axis (size D) in
+    every stage (the strategy checks it: the data axis first), so the
+    global batch has D / c shares (`shares`): host h's micro-batch i is
+    rows [i·r, (i+1)·r) of its share (r = its rows / m), and the global
+    micro-batch i is the hosts' in host order."""
+
+    def __init__(self, meshes, data_axis):
+        self._placers = {k: inputs.InputPlacer(meshes[k], data_axis,
+                                               per_host=True)
+                         for k in (0, -1)}
+        self.shares = meshes[0].axis_size(data_axis) // self._placers[
+            0].blocks_per_host
+
+    def place(self, block, part):
+        """This host's `block` of a micro-batch on part `part`'s mesh
+        (0, or -1: the last), each local device its data coordinate's
+        rows."""
+        return self._placers[part].place(inputs.host_batch(block))
+
+    def check(self, rows, m, split):
+        """Raises unless this host's `rows` split into m micro-batches
+        of whole blocks of its data coordinates (`split`: the global
+        micro-batch splits over the data axis)."""
+        blocks = self._placers[0].blocks_per_host
+        if split and rows % m == 0:
+            return
+        raise ValueError(
+            "With per_host_input=True each host's batch of a pipeline "
+            f"splits into num_microbatches ({m}) micro-batches of its "
+            f"{blocks} block(s) of the data axis, so it must divide by "
+            f"{m * blocks}. Received: a batch of {rows} rows on host "
+            f"{dtensor.client_id()}. Use a per-host batch size that is a "
+            f"multiple of {m * blocks} (and drop_remainder=True in "
+            "dataset.batch).")
+
+    def in_global_order(self, outputs):
+        """Predictions of the m global micro-batches (each the hosts'
+        shares in host order) as the global batch's rows: every host's
+        micro-batches in turn, host by host."""
+        def reorder(*per_microbatch):
+            # (shares, m, rows of a share's micro-batch, ...)
+            stacked = np.stack([np.reshape(o, (self.shares, -1, *o.shape[1:]))
+                                for o in per_microbatch], axis=1)
+            return stacked.reshape((-1, *stacked.shape[3:]))
+        return tf.nest.map_structure(reorder, *outputs)
 
 
 def slot_plan(from_ids, to_ids, per_host):
@@ -496,6 +552,8 @@ class CrossHostRunner(PipelineRunner):
         self._carried = {}
         self._tied = TiedAcrossHosts(self._ties, self.bridge, self._meshes,
                                      self._stage_function)
+        self._shares = (HostShares(self._meshes, self._data_axis)
+                        if self._extended.input_placer.per_host else None)
 
     # -- host side -----------------------------------------------------------
 
@@ -506,27 +564,37 @@ class CrossHostRunner(PipelineRunner):
 
     def _run_batch(self, batch):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        size = int(np.shape(tf.nest.flatten(x)[0])[0])
         training_step = self._mode == "train"
-        m, split = self._model.microbatching.split(size, training_step)
+        m, split, rows = self._microbatches(x, training_step)
         xs = self._cut(x, 0, m, split)
         targets = self._cut((y, sample_weight), -1, m, split)
         if training_step:
             self._model.sync_stage_optimizers()
-            self._train(xs, targets, split, size // m)
+            self._train(xs, targets, split, rows)
             return
         for i in range(m):
-            self._forward_all(xs[i], targets[i], split, size // m)
+            self._forward_all(xs[i], targets[i], split, rows)
 
     def predict_inputs(self, x):
-        size = int(np.shape(tf.nest.flatten(x)[0])[0])
-        m, split = self._model.microbatching.split(size, training=False)
+        m, split, rows = self._microbatches(x, training=False)
         outputs = [self._y_pred([placement.fetch(v) for v in
-                                 self._forward_all(xs, None, split,
-                                                   size // m)])
+                                 self._forward_all(xs, None, split, rows)])
                    for xs in self._cut(x, 0, m, split)]
+        if self._shares is not None:
+            return self._shares.in_global_order(outputs)
         return tf.nest.map_structure(lambda *ys: np.concatenate(ys),
                                      *outputs)
+
+    def _microbatches(self, x, training):
+        """(m, whether each micro-batch splits over the data axis, the
+        global rows of one) of the batch whose host inputs are `x` (per
+        host: this host's share of it)."""
+        size = int(np.shape(tf.nest.flatten(x)[0])[0])
+        total = size * (self._shares.shares if self._shares else 1)
+        m, split = self._model.microbatching.split(total, training)
+        if self._shares is not None:
+            self._shares.check(size, m, split)
+        return m, split, total // m
 
     def _spec(self, rank, split, mesh):
         """A micro-batch's layout: split over the data axis when `split`
@@ -545,8 +613,11 @@ class CrossHostRunner(PipelineRunner):
                 return None
             array = np.asarray(t)
             rows = array.shape[0] // m
-            return placement.put(array[i * rows:(i + 1) * rows],
-                                 self._spec(array.ndim, split, mesh), mesh)
+            block = array[i * rows:(i + 1) * rows]
+            if self._shares is not None:
+                return self._shares.place(block, part)
+            return placement.put(block, self._spec(array.ndim, split, mesh),
+                                 mesh)
 
         return [tf.nest.map_structure(lambda t, i=i: put(t, i), structure)
                 for i in range(m)]

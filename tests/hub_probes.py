@@ -147,6 +147,18 @@ BACKBONES = {
     "edrec": lambda: _M.EdRecBackbone(
         vocab_size=VOCAB, num_layers_enc=2, num_layers_dec=2,
         hidden_dim=HIDDEN, intermediate_dim=FFN, num_heads=HEADS),
+    # a recurrence (the generalized delta rule) written with a TensorArray
+    "rwkv7": lambda: _M.RWKV7Backbone(
+        hidden_size=HIDDEN, head_size=HEAD_DIM, num_layers=2,
+        vocabulary_size=VOCAB, intermediate_dim=FFN, gate_lora=8, mv_lora=8,
+        aaa_lora=8, decay_lora=8),
+    # Qwen3.5's dense model: linear-attention and full-attention layers
+    "qwen3_5": lambda: _M.Qwen3_5Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=HEADS,
+        num_key_value_heads=2, head_dim=HEAD_DIM, hidden_dim=HIDDEN,
+        intermediate_dim=FFN, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8),
     "deit": lambda: _M.DeiTBackbone(
         image_shape=(16, 16, 3), patch_size=4, num_layers=2,
         num_heads=HEADS, hidden_dim=HIDDEN, intermediate_dim=FFN),

@@ -16,13 +16,16 @@ in a step, so Keras takes that generic path on a GPU as well.
 
 Keras' `ops.map` and `ops.scan` loop over TensorArrays too; a step
 writes their loops out as well (`spmd_ops.unrolled_map`,
-`spmd_ops.unrolled_scan`).
+`spmd_ops.unrolled_scan`). keras-hub's RWKV-7 runs its recurrence (the
+generalized delta rule) as a Python loop writing each time step's output
+to a `tf.TensorArray`, stacked at the end: a step stacks them from a list
+instead (`delta_rule_stacked`, the same math).
 
-Outside a step Keras' functions run unchanged.
+Outside a step Keras' and keras-hub's functions run unchanged.
 
 >>> import tfpar
 >>> [patch.attribute for patch in PATCHES]
-['rnn', 'lstm', 'gru']
+['rnn', 'lstm', 'gru', 'rnn_generalized_delta_rule']
 """
 
 import functools
@@ -30,6 +33,7 @@ import warnings
 
 import keras
 import tensorflow as tf
+from keras import ops
 
 from tfpar import _compat
 from tfpar.step_context import in_spmd_step
@@ -141,8 +145,65 @@ def _no_cudnn_in_step(original, hooks):
     return cudnn_recurrence
 
 
+def delta_rule_stacked(r, w, k, v, a, b, initial_state=None,
+                       output_final_state=True, head_first=False):
+    """keras-hub RWKV-7's recurrence (`rwkv7_layer.
+    rnn_generalized_delta_rule`, the same arguments and math), each time
+    step's output stacked from a Python list where keras-hub writes a
+    `tf.TensorArray` (its `TensorListStack` has no DTensor layout). Per
+    head, with S the N × N state and r, w, k, v, a, b the step's vectors
+    (w = exp(-exp(w)) the decay):
+
+        S ← S · diag(w) + (S a) bᵀ + v kᵀ,   o = S r
+
+    >>> import numpy as np
+    >>> x = np.ones((1, 2, 1, 2), "float32")      # (batch, time, heads, N)
+    >>> out, state = delta_rule_stacked(x, x, x, x, x * 0, x * 0)
+    >>> out.shape, state.shape
+    (TensorShape([1, 2, 1, 2]), TensorShape([1, 1, 2, 2]))
+    """
+    dtype = r.dtype
+    batch, steps, heads, n = ops.shape(r)
+    r, w, k, v, a, b = (ops.cast(ops.transpose(x, (0, 2, 1, 3))
+                                 if head_first else x, "float32")
+                        for x in (r, w, k, v, a, b))
+    w = ops.exp(-ops.exp(w))
+    state = (ops.zeros((batch, heads, n, n)) if initial_state is None
+             else ops.broadcast_to(initial_state, (batch, heads, n, n)))
+    state = ops.cast(state, "float32")
+    outputs = []
+    for t in range(steps):
+        kk = ops.reshape(k[:, t, :], (batch, heads, 1, n))
+        rr = ops.reshape(r[:, t, :], (batch, heads, n, 1))
+        vv = ops.reshape(v[:, t, :], (batch, heads, n, 1))
+        aa = ops.reshape(a[:, t, :], (batch, heads, n, 1))
+        bb = ops.reshape(b[:, t, :], (batch, heads, 1, n))
+        state = state * w[:, t, :, None, :] + state @ aa @ bb + vv @ kk
+        outputs.append(ops.reshape(ops.cast(state @ rr, dtype),
+                                   (batch, heads, n)))
+    out = ops.stack(outputs, axis=1)
+    return (out, state) if output_final_state else out
+
+
+def _delta_rule_stacked_in_step(original, hooks):
+    """keras-hub RWKV-7's recurrence stacked from a list in a step
+    (`delta_rule_stacked`), its own elsewhere."""
+    @functools.wraps(original)
+    def delta_rule(*args, **kwargs):
+        if in_spmd_step():
+            return delta_rule_stacked(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return delta_rule
+
+
 PATCHES = (
     _compat.Patch("rnn", _keras_backend, "rnn", _unrolled_in_step),
     _compat.Patch("lstm", _keras_backend, "lstm", _no_cudnn_in_step),
     _compat.Patch("gru", _keras_backend, "gru", _no_cudnn_in_step),
+    # keras-hub binds it to each RWKV-7 time-mix layer as it is built (in
+    # the strategy's scope, after the patch).
+    _compat.Patch("rwkv7_delta_rule", _compat.optional_owner(
+        "keras_hub.src.models.rwkv7.rwkv7_layer"),
+        "rnn_generalized_delta_rule", _delta_rule_stacked_in_step),
 )

@@ -385,6 +385,21 @@ CONVOLUTIONAL = {
         stackwise_conv_filters=[[16, 32], [HIDDEN, HIDDEN]],
         stackwise_pooling=[False, True], image_shape=IMAGE),
 }
+
+
+def _basnet():
+    """BASNet: its prediction and refinement modules over a ResNet's
+    four stages (64 filters, BASNet's own projection width)."""
+    encoder = _M.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64] * 4, stackwise_num_blocks=[1] * 4,
+        stackwise_num_strides=[1, 2, 2, 2], block_type="basic_block",
+        use_pre_activation=False, image_shape=(None, None, 3))
+    return _M.BASNetBackbone(image_encoder=encoder, num_classes=1,
+                             image_shape=IMAGE, projection_filters=64)
+
+
+CONVOLUTIONAL["basnet"] = _basnet
 VISION.update(CONVOLUTIONAL)
 BACKBONES.update(VISION)
 

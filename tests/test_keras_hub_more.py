@@ -122,7 +122,7 @@ def test_keras_hub_vision_model_trains_like_one_device(name, float64):
     PaliGemma, Depth Anything, PARSeq, VideoPrism, SegFormer and the other
     convolutional backbones (`hub_probes.CONVOLUTIONAL`, on data=8: CSPNet,
     VGG, MobileNetV5, RetinaNet, EfficientNet, DenseNet, Xception) passed
-    when first run here (2026-12-06). In float64: their BatchNormalizations
+    when first run here (2026-12-06), BASNet too (2026-12-07). In float64: their BatchNormalizations
     amplify float32 rounding."""
     if name in hub_probes.CONVOLUTIONAL:  # auto_rules splits nothing
         hub_probes.assert_data_parallel_like_one_device(name, 1e-10)

@@ -473,6 +473,8 @@ def test_slices_are_refused_where_they_do_not_apply():
         tfpar.Cluster.preset("tpu-v4", num_hosts=2, num_slices=2)
     assert tfpar.Cluster.preset("tpu-v4", num_hosts=2, num_slices=2,
                                 slice_bandwidth=6e9).slice_bandwidth == 6e9
+    with pytest.raises(ValueError, match=r"num_slices=1 has none"):
+        tfpar.Cluster.preset("tpu-v4", num_hosts=2, slice_bandwidth=6e9)
     with pytest.raises(ValueError, match=r"num_slices\) must divide "
                        r"num_hosts \(3\)"):
         tfpar.Cluster.preset("tpu-v5p", num_hosts=3, num_slices=2)

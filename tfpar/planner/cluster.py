@@ -388,6 +388,12 @@ def _slice_link(name, hw, num_slices, slice_bandwidth):
     data-center network's bandwidth (given, or the vendor's) and latency
     for several, on TPUs only."""
     if num_slices == 1:
+        if slice_bandwidth is not None:
+            raise ValueError(
+                f"Cluster.preset({name!r}, slice_bandwidth="
+                f"{slice_bandwidth!r}) sets the network between slices, and "
+                "num_slices=1 has none. Received: num_slices=1. Pass "
+                "num_slices= too, or drop slice_bandwidth.")
         return {}
     if hw.nics_shared:
         raise ValueError(

@@ -39,8 +39,17 @@ def keras_variable_layout(path):
     created (`keras.Variable(..., layout=TensorLayout(axes))`, stored as
     its private `_layout`, which Keras' TF backend ignores), or None."""
     variable = keras_variable_being_created()
+    if variable is None or variable.path != path:
+        return None
+    return layout_spec_of(variable)
+
+
+def layout_spec_of(variable):
+    """The spec of the layout a Keras Variable was made with
+    (`keras.Variable(..., layout=...)`, its private `_layout`), or None:
+    `tfpar.layers.MixtureOfExperts` lays its banks out so."""
     layout = getattr(variable, "_layout", None)
-    if layout is None or variable.path != path:
+    if layout is None:
         return None
     if isinstance(layout, dtensor.Layout):
         return tuple(None if s == dtensor.UNSHARDED else s

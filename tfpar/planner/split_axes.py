@@ -24,7 +24,8 @@ counts m ≥ p):
   (data × expert × context × model with e·c dividing them, or the banks
   over the data axis of data × context × model when that axis divides
   the experts): long-sequence MoE training, where Megatron-Core
-  combines expert and context parallelism too.
+  combines expert and context parallelism too. Not with a pipe axis: no
+  such stage has compiled here (`tests/test_plan_axes.py` pins it).
 
 How they are costed: the step of the same configuration without the new
 axis (data d', pipe p, model t, m micro-batches: the cost model every
@@ -74,7 +75,7 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                              model.layers):
             stages, boundaries = search_lib.stage_cuts(profile, layout, p)
             for data, extra, expert_axis in _shapes(
-                    model, cluster.num_devices // (t * p)):
+                    model, cluster.num_devices // (t * p), pipelined=p > 1):
                 axes = {"data": data, "pipe": p, "model": t, **extra}
                 if batch % data:
                     found.append(search_lib.Candidate(
@@ -125,17 +126,19 @@ def capacity_factor(profile):
     return None
 
 
-def _shapes(model, devices):
+def _shapes(model, devices, pipelined=False):
     """(data size, {expert and/or context: size}, expert axis) of every
     split `devices` (per model and pipe coordinate) allows: a context axis
     c with 2·c | s (or none), and on the devices it leaves a separate
     expert axis e | E, the data axis when it divides E, or neither (a
-    context axis alone)."""
+    context axis alone). Not both in `pipelined` stages: no stage that
+    splits experts and sequences together has compiled here
+    (`tests/test_plan_axes.py` pins it)."""
     for c in _divisors(devices, first=1):
         if c > 1 and model.seq % (2 * c):
             continue
         rest, context = devices // c, ({"context": c} if c > 1 else {})
-        if model.experts:
+        if model.experts and not (pipelined and c > 1):
             for e in _divisors(rest, first=2):
                 if model.experts % e == 0:
                     yield rest // e, {"expert": e, **context}, "expert"

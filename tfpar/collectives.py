@@ -563,14 +563,37 @@ def batch_spec(rank, split, data_axis):
     return tuple(spec)
 
 
+def sequence_split(spec, shape, context, min_rank):
+    """`spec` with dimension 1 (a sequence) split over the context axis
+    of `context` (a `context_parallel.ContextSplit`; None: `spec`) when
+    the tensor has at least `min_rank` dimensions and the axis divides
+    that length: as the strategy places a step's inputs (every one of
+    rank ≥ 2), so that a pipeline part reads the sequences it receives as
+    a step on one mesh reads them. (Sent whole along the sequence, an
+    activation that attention split over context and another layer read
+    too failed to compile: `tests/test_plan_axes.py`.)
+
+    >>> import types
+    >>> split = types.SimpleNamespace(axis="context", size=2)
+    >>> sequence_split(("data", None, None), (4, 16, 8), split, 3)
+    ('data', 'context', None)
+    """
+    if (context is None or len(shape) < min_rank or shape[1] is None
+            or shape[1] % context.size):
+        return tuple(spec)
+    return tuple(spec[:1]) + (context.axis,) + tuple(spec[2:])
+
+
 def send_activation(tensor, source_part, target_part, meshes, split,
-                    data_axis):
+                    data_axis, context=None):
     """An activation (or its gradient) of part `source_part` moved to part
     `target_part` (`meshes[k]`: part k's mesh), batch-split as every
-    activation is (`batch_spec`)."""
+    activation is (`batch_spec`), its sequence over the context axis
+    (`sequence_split`, of `context`: the strategy's, or None)."""
     return move_to_mesh(
         tensor, meshes[source_part], meshes[target_part],
-        batch_spec(tensor.shape.rank, split, data_axis),
+        sequence_split(batch_spec(tensor.shape.rank, split, data_axis),
+                       tensor.shape, context, 3),
         f"send_{source_part}_to_{target_part}")
 
 

@@ -105,6 +105,29 @@ def _check_no_load_balance(extended):
             "(the context split itself works in pipeline stages).")
 
 
+def check_context_with_fsdp(extended):
+    """Raises if the strategy splits weights over data × context (fsdp
+    with a context axis) on a mesh whose data axis comes before its pipe
+    axis (each stage on devices that are not consecutive): DTensor 2.21
+    does not compile such a stage's step ("'tf.Sum' op CopyToMeshOp must
+    be used to send data across mesh"; `tests/test_context_more.py` pins
+    it), where the pipe axis first, or either split alone, works."""
+    split, dims = extended.input_placer.context, extended.dims
+    names = list(dims.mesh.axis_names)
+    if split is None or not dims.fsdp or dims.data_axis not in names or (
+            names.index(dims.data_axis) > names.index(dims.pipeline_axis)):
+        return
+    raise ValueError(
+        "A PipelineModel cannot train with fsdp=True beside the context "
+        f"axis {split.axis!r} (size {split.size}) when the data axis comes "
+        "before the pipe axis: DTensor 2.21 does not compile a stage whose "
+        "weights are split over data and context on devices that are not "
+        f"consecutive. Received: fsdp=True on mesh {dims.mesh!r}. Put the "
+        f"pipe axis first (e.g. Mesh({{{dims.pipeline_axis!r}: ..., "
+        f"{dims.data_axis!r}: ..., {split.axis!r}: ...}})), use fsdp=False, "
+        "or drop the context axis.")
+
+
 def extra_losses(own_loss, carried):
     """The losses the last part's loss adds to Keras' compiled one: its
     layers' own (with their gradients) and the values of those `carried`
@@ -134,11 +157,16 @@ class PipelineRunner(training.Runner):
     def __init__(self, pipeline, mode):
         extended = pipeline.distribute_strategy.extended
         _check_no_load_balance(extended)
+        check_context_with_fsdp(extended)
         super().__init__(pipeline, extended, mode)
         self._parts = pipeline.parts
         self._ties = pipeline.ties
         self._meshes = [part.mesh for part in self._parts]
         self._data_axis = extended.data_axis
+        # The strategy's context split (None without a context axis): a
+        # part's sequences, received or cut from the batch, are split
+        # over it as the strategy places a step's inputs.
+        self._context = extended.input_placer.context
         with extended.registry.placing_on(self._meshes[-1]):
             extended.registry.adopt_state_variables(pipeline)
         self._functions = {}
@@ -157,7 +185,8 @@ class PipelineRunner(training.Runner):
     def _place(self, structure, part, m, split):
         """Host tensors of B samples as DTensors (m, B/m, ...) on part
         `part`'s mesh, each micro-batch split over the data axis when
-        `split`."""
+        `split` and its sequence over the context axis
+        (`collectives.sequence_split`)."""
         mesh = self._meshes[part]
 
         def put(t):
@@ -165,10 +194,12 @@ class PipelineRunner(training.Runner):
                 return None
             array = np.asarray(t)
             array = array.reshape((m, array.shape[0] // m) + array.shape[1:])
-            spec = [None] * array.ndim
-            if split and mesh.axis_size(self._data_axis) > 1:
-                spec[1] = self._data_axis
-            return placement.put(array, tuple(spec), mesh)
+            spec = collectives.sequence_split(
+                collectives.batch_spec(
+                    array.ndim - 1,
+                    split and mesh.axis_size(self._data_axis) > 1,
+                    self._data_axis), array.shape[1:], self._context, 2)
+            return placement.put(array, (None, *spec), mesh)
 
         return tf.nest.map_structure(put, structure)
 
@@ -239,11 +270,12 @@ class PipelineRunner(training.Runner):
         (MultiHeadAttention) sees them on the next part as on one device."""
         sent = collectives.send_activation(tensor, source, target,
                                            self._meshes, split,
-                                           self._data_axis)
+                                           self._data_axis, self._context)
         mask = _compat.keras_mask(tensor)
         if mask is not None:
             _compat.set_keras_mask(sent, collectives.send_activation(
-                mask, source, target, self._meshes, split, self._data_axis))
+                mask, source, target, self._meshes, split, self._data_axis,
+                self._context))
         return sent
 
     def _send_forward(self, k, i, outputs, losses, split):
@@ -269,8 +301,10 @@ class PipelineRunner(training.Runner):
         mesh = self._meshes[part]
         return tf.nest.map_structure(
             lambda t: None if t is None else placement.relayout(
-                tf.gather(t, i), collectives.batch_spec(
-                    t.shape.rank - 1, split, self._data_axis), mesh),
+                tf.gather(t, i), collectives.sequence_split(
+                    collectives.batch_spec(t.shape.rank - 1, split,
+                                           self._data_axis),
+                    t.shape[1:], self._context, 2), mesh),
             structure)
 
     # -- traced: the last part's loss and metrics --------------------------------

@@ -24,8 +24,9 @@ counts m ≥ p):
   (data × expert × context × model with e·c dividing them, or the banks
   over the data axis of data × context × model when that axis divides
   the experts): long-sequence MoE training, where Megatron-Core
-  combines expert and context parallelism too. Not with a pipe axis: no
-  such stage has compiled here (`tests/test_plan_axes.py` pins it).
+  combines expert and context parallelism too.
+
+With a pipe axis and a context axis no fsdp (`_options`).
 
 How they are costed: the step of the same configuration without the new
 axis (data d', pipe p, model t, m micro-batches: the cost model every
@@ -75,7 +76,7 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                              model.layers):
             stages, boundaries = search_lib.stage_cuts(profile, layout, p)
             for data, extra, expert_axis in _shapes(
-                    model, cluster.num_devices // (t * p), pipelined=p > 1):
+                    model, cluster.num_devices // (t * p)):
                 axes = {"data": data, "pipe": p, "model": t, **extra}
                 if batch % data:
                     found.append(search_lib.Candidate(
@@ -85,7 +86,8 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                         expert_axis=expert_axis))
                     continue
                 for m in _microbatch_counts(batch // data, p):
-                    for fsdp, recompute in _options(layout, data):
+                    fsdp_ok = p == 1 or "context" not in extra
+                    for fsdp, recompute in _options(layout, data, fsdp_ok):
                         c = search_lib.Candidate(
                             axes, fsdp, recompute, m, "1f1b", boundaries,
                             expert_axis=expert_axis,
@@ -126,19 +128,17 @@ def capacity_factor(profile):
     return None
 
 
-def _shapes(model, devices, pipelined=False):
+def _shapes(model, devices):
     """(data size, {expert and/or context: size}, expert axis) of every
     split `devices` (per model and pipe coordinate) allows: a context axis
     c with 2·c | s (or none), and on the devices it leaves a separate
     expert axis e | E, the data axis when it divides E, or neither (a
-    context axis alone). Not both in `pipelined` stages: no stage that
-    splits experts and sequences together has compiled here
-    (`tests/test_plan_axes.py` pins it)."""
+    context axis alone."""
     for c in _divisors(devices, first=1):
         if c > 1 and model.seq % (2 * c):
             continue
         rest, context = devices // c, ({"context": c} if c > 1 else {})
-        if model.experts and not (pipelined and c > 1):
+        if model.experts:
             for e in _divisors(rest, first=2):
                 if model.experts % e == 0:
                     yield rest // e, {"expert": e, **context}, "expert"
@@ -153,12 +153,15 @@ def _divisors(n, first):
     return [k for k in range(first, n + 1) if n % k == 0]
 
 
-def _options(layout, data):
-    """(fsdp, recompute) choices: fsdp with a data axis; selective
+def _options(layout, data, fsdp=True):
+    """(fsdp, recompute) choices: fsdp with a data axis (and `fsdp`: not
+    beside a context axis in pipeline stages laid out data first, as the
+    candidates are, which DTensor 2.21 does not compile:
+    `tfpar.pipeline.runner.check_context_with_fsdp`); selective
     recomputation where there is attention."""
     recomputes = ((None, "selective", "full") if layout.attention_flops.any()
                   else (None, "full"))
-    for fsdp in (False, True) if data > 1 else (False,):
+    for fsdp in (False, True) if data > 1 and fsdp else (False,):
         for recompute in recomputes:
             yield fsdp, recompute
 

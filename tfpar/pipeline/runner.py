@@ -107,25 +107,32 @@ def _check_no_load_balance(extended):
 
 def check_context_with_fsdp(extended):
     """Raises if the strategy splits weights over data × context (fsdp
-    with a context axis) on a mesh whose data axis comes before its pipe
-    axis (each stage on devices that are not consecutive): DTensor 2.21
-    does not compile such a stage's step ("'tf.Sum' op CopyToMeshOp must
-    be used to send data across mesh"; `tests/test_context_more.py` pins
-    it), where the pipe axis first, or either split alone, works."""
-    split, dims = extended.input_placer.context, extended.dims
-    names = list(dims.mesh.axis_names)
-    if split is None or not dims.fsdp or dims.data_axis not in names or (
-            names.index(dims.data_axis) > names.index(dims.pipeline_axis)):
+    with a context axis): a pipeline stage's step then does not compile on
+    DTensor 2.21 ("'tf.Sum' op CopyToMeshOp must be used to send data
+    across mesh"; `tests/test_context_more.py` pins it with the data axis
+    first; with the pipe axis first it compiled alone and failed after
+    other context tests in one process), where either split alone
+    works."""
+    split = extended.input_placer.context
+    if split is None or not extended.dims.fsdp:
         return
     raise ValueError(
         "A PipelineModel cannot train with fsdp=True beside the context "
-        f"axis {split.axis!r} (size {split.size}) when the data axis comes "
-        "before the pipe axis: DTensor 2.21 does not compile a stage whose "
-        "weights are split over data and context on devices that are not "
-        f"consecutive. Received: fsdp=True on mesh {dims.mesh!r}. Put the "
-        f"pipe axis first (e.g. Mesh({{{dims.pipeline_axis!r}: ..., "
-        f"{dims.data_axis!r}: ..., {split.axis!r}: ...}})), use fsdp=False, "
-        "or drop the context axis.")
+        f"axis {split.axis!r} (size {split.size}): DTensor 2.21 does not "
+        "compile a stage whose weights are split over data and context "
+        f"together. Received: fsdp=True on mesh {extended.mesh!r}. Use "
+        "fsdp=False (the context split works in pipeline stages), or drop "
+        "the context axis.")
+
+
+def _input_spec(shape, split, mesh, data_axis, context):
+    """The layout of a micro-batch input of `shape` on `mesh`: its batch
+    split over `data_axis` when `split` (and the mesh has that axis), its
+    sequence over the context axis of `context`, as the strategy places a
+    step's inputs (`collectives.sequence_split`)."""
+    return collectives.sequence_split(collectives.batch_spec(
+        len(shape), split and mesh.axis_size(data_axis) > 1, data_axis),
+        shape, context, 2)
 
 
 def extra_losses(own_loss, carried):
@@ -163,10 +170,7 @@ class PipelineRunner(training.Runner):
         self._ties = pipeline.ties
         self._meshes = [part.mesh for part in self._parts]
         self._data_axis = extended.data_axis
-        # The strategy's context split (None without a context axis): a
-        # part's sequences, received or cut from the batch, are split
-        # over it as the strategy places a step's inputs.
-        self._context = extended.input_placer.context
+        self._context = extended.input_placer.context  # or None
         with extended.registry.placing_on(self._meshes[-1]):
             extended.registry.adopt_state_variables(pipeline)
         self._functions = {}
@@ -194,12 +198,9 @@ class PipelineRunner(training.Runner):
                 return None
             array = np.asarray(t)
             array = array.reshape((m, array.shape[0] // m) + array.shape[1:])
-            spec = collectives.sequence_split(
-                collectives.batch_spec(
-                    array.ndim - 1,
-                    split and mesh.axis_size(self._data_axis) > 1,
-                    self._data_axis), array.shape[1:], self._context, 2)
-            return placement.put(array, (None, *spec), mesh)
+            return placement.put(array, (None, *_input_spec(
+                array.shape[1:], split, mesh, self._data_axis,
+                self._context)), mesh)
 
         return tf.nest.map_structure(put, structure)
 
@@ -301,10 +302,9 @@ class PipelineRunner(training.Runner):
         mesh = self._meshes[part]
         return tf.nest.map_structure(
             lambda t: None if t is None else placement.relayout(
-                tf.gather(t, i), collectives.sequence_split(
-                    collectives.batch_spec(t.shape.rank - 1, split,
-                                           self._data_axis),
-                    t.shape[1:], self._context, 2), mesh),
+                tf.gather(t, i), _input_spec(t.shape[1:], split, mesh,
+                                             self._data_axis, self._context),
+                mesh),
             structure)
 
     # -- traced: the last part's loss and metrics --------------------------------

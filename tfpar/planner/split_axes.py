@@ -155,9 +155,8 @@ def _divisors(n, first):
 
 def _options(layout, data, fsdp=True):
     """(fsdp, recompute) choices: fsdp with a data axis (and `fsdp`: not
-    beside a context axis in pipeline stages laid out data first, as the
-    candidates are, which DTensor 2.21 does not compile:
-    `tfpar.pipeline.runner.check_context_with_fsdp`); selective
+    beside a context axis in pipeline stages, which DTensor 2.21 does not
+    compile: `tfpar.pipeline.runner.check_context_with_fsdp`); selective
     recomputation where there is attention."""
     recomputes = ((None, "selective", "full") if layout.attention_flops.any()
                   else (None, "full"))

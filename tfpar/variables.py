@@ -548,20 +548,18 @@ class VariableRegistry:
 
     def _relayout_plan(self, model, rules):
         """[(Keras weight, backing, new Placement)] of the weights of
-        `model` that `rules` lay out differently (raises on a bad rule). A
-        weight made with its own Keras layout (`keras.Variable(layout=)`:
-        `tfpar.layers.MixtureOfExperts`' banks) keeps it, as when it was
-        made: it wins over the rules, as in Keras."""
+        `model` that `rules` lay out differently (raises on a bad rule); a
+        weight's own Keras layout (`keras.Variable(layout=)`: tfpar's
+        MixtureOfExperts banks) wins over them, as when it was made."""
         owners = owning_layers(model)
         changes = []
         for variable in model.weights:
             place = self.require_on_mesh(variable)
             backing = _compat.backing_variable(variable)
+            layout = variable_creation.layout_spec_of(variable)
             plan = self._plan(variable.path, backing.shape.as_list(),
                               place.mesh, backing.trainable,
-                              owners.get(id(variable)), rules,
-                              layout=variable_creation.layout_spec_of(
-                                  variable))
+                              owners.get(id(variable)), rules, layout=layout)
             new = place.replace(kind=plan.kind, spec=plan.spec,
                                 compute_spec=plan.compute_spec)
             if (new.spec, new.compute_spec) != (place.spec,

@@ -547,10 +547,9 @@ class VariableRegistry:
                                     for v in model.weights])
 
     def _relayout_plan(self, model, rules):
-        """[(Keras weight, backing, new Placement)] of the weights of
-        `model` that `rules` lay out differently (raises on a bad rule); a
-        weight's own Keras layout (`keras.Variable(layout=)`: tfpar's
-        MixtureOfExperts banks) wins over them, as when it was made."""
+        """[(Keras weight, backing, new Placement)] of `model`'s weights
+        `rules` lay out differently (raises on a bad rule); a weight's own
+        Keras layout (tfpar's MixtureOfExperts banks) wins, as when made."""
         owners = owning_layers(model)
         changes = []
         for variable in model.weights:

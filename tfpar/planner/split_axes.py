@@ -133,7 +133,7 @@ def _shapes(model, devices):
     split `devices` (per model and pipe coordinate) allows: a context axis
     c with 2·c | s (or none), and on the devices it leaves a separate
     expert axis e | E, the data axis when it divides E, or neither (a
-    context axis alone."""
+    context axis alone)."""
     for c in _divisors(devices, first=1):
         if c > 1 and model.seq % (2 * c):
             continue

@@ -169,14 +169,15 @@ IMAGE = (32, 32, 3)
 _VIT = dict(num_layers=2, num_heads=HEADS, hidden_dim=HIDDEN)  # 2-layer ViTs
 
 
-def _resnet(stages=3):
+def _resnet(stages=3, image_shape=IMAGE):
     """A small ResNet (keras-hub requires 64 filters in its first stack),
     its `stages` strided 1, then 2."""
     return _M.ResNetBackbone(
         input_conv_filters=[64], input_conv_kernel_sizes=[3],
         stackwise_num_filters=[64] * stages, stackwise_num_blocks=[1] * stages,
         stackwise_num_strides=[1] + [2] * (stages - 1),
-        block_type="basic_block", use_pre_activation=False, image_shape=IMAGE)
+        block_type="basic_block", use_pre_activation=False,
+        image_shape=image_shape)
 
 
 def _dfine():
@@ -389,14 +390,11 @@ CONVOLUTIONAL = {
 
 def _basnet():
     """BASNet: its prediction and refinement modules over a ResNet's
-    four stages (64 filters, BASNet's own projection width)."""
-    encoder = _M.ResNetBackbone(
-        input_conv_filters=[64], input_conv_kernel_sizes=[3],
-        stackwise_num_filters=[64] * 4, stackwise_num_blocks=[1] * 4,
-        stackwise_num_strides=[1, 2, 2, 2], block_type="basic_block",
-        use_pre_activation=False, image_shape=(None, None, 3))
-    return _M.BASNetBackbone(image_encoder=encoder, num_classes=1,
-                             image_shape=IMAGE, projection_filters=64)
+    four stages (64 filters, BASNet's own projection width; BASNet takes
+    the image shape, its encoder none)."""
+    return _M.BASNetBackbone(
+        image_encoder=_resnet(stages=4, image_shape=(None, None, 3)),
+        num_classes=1, image_shape=IMAGE, projection_filters=64)
 
 
 CONVOLUTIONAL["basnet"] = _basnet

@@ -29,6 +29,7 @@ into a fresh pipeline and trains both one more epoch (`checkpoint`). CASE
 of what stays refused across hosts.
 """
 
+import contextlib
 import sys
 
 import tfpar
@@ -110,13 +111,32 @@ def checkpoint(workdir, case, pipe, given, out):
         out[f"{name}_losses"] = np.array(losses.losses)
 
 
+@contextlib.contextmanager
+def recorded_moves():
+    """Records "shape spec" of each value `Bridge.move` moves between
+    stage meshes (activations, their gradients, tied weights' sums)."""
+    moved = []
+    move = tfpar.pipeline.cross_host.Bridge.move
+
+    def recording(self, value, source, target, spec):
+        moved.append(f"{value.shape.as_list()} {list(spec)}")
+        return move(self, value, source, target, spec)
+
+    tfpar.pipeline.cross_host.Bridge.move = recording
+    try:
+        yield moved
+    finally:
+        tfpar.pipeline.cross_host.Bridge.move = move
+
+
 def run_hub(workdir, case):
     """Case "AXES:SCHEDULE:adam:hub-NAME": keras-hub's causal LM NAME,
     Adam(1e-3)
     (`hub_models`: GPT-2's tied table, read again by its output head, is
     held on the last stage as a persistent copy), `auto_rules` inside the
     stages, from WORKDIR/hub-NAME.npz; per-batch losses, final weights and
-    evaluate, and the copies' values, which must equal their weights'."""
+    evaluate, the copies' values, which must equal their weights', and
+    what training moved between the stages (`recorded_moves`)."""
     name = case.rsplit("hub-", 1)[1]
     given = np.load(f"{workdir}/hub-{name}.npz")
     mesh = tfpar.Mesh(models.mesh_shape(case))
@@ -133,9 +153,10 @@ def run_hub(workdir, case):
     x, y = {"token_ids": given["x"],
             "padding_mask": np.ones_like(given["x"])}, given["y"]
     losses = models.BatchLosses()
-    pipe.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-             callbacks=[losses])
-    out = {"losses": np.array(losses.losses),
+    with recorded_moves() as moved:
+        pipe.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                 callbacks=[losses])
+    out = {"losses": np.array(losses.losses), "moved": np.array(moved),
            "evaluate": np.asarray(pipe.evaluate(x, y, batch_size=8,
                                                 verbose=0)),
            "copies": np.array([c.variable.path for c in pipe.ties.copies])}

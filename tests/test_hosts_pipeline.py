@@ -579,16 +579,24 @@ HUB_AXES = "pipe2-data2-model2:1f1b:adam"
 ZERO_GRADIENT = "/key/bias"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,hosts", [("gpt2", 2), ("llama_gqa", 2),
-                                        ("gpt2", 4)])
+CONTEXT_AXES = "pipe2-data2-context2:1f1b:adam"
+
+
+@pytest.mark.parametrize("name,hosts,axes", [
+    pytest.param("gpt2", 2, HUB_AXES, marks=pytest.mark.slow),
+    pytest.param("llama_gqa", 2, HUB_AXES, marks=pytest.mark.slow),
+    pytest.param("gpt2", 4, HUB_AXES, marks=pytest.mark.slow),
+    ("gpt2", 2, CONTEXT_AXES)])
 def test_a_keras_hub_lm_with_tied_weights_trains_across_two_hosts(
-        tmp_path, name, hosts):
+        tmp_path, name, hosts, axes):
     """A keras-hub causal LM pipelined on pipe 2 (one stage per host; on 4
-    hosts one stage per two) × data 2 × model 2 with auto_rules: per-batch
+    hosts one stage per two) × data 2 × model 2 (or × context 2: its
+    sequences split over the context axis) with auto_rules: per-batch
     losses and weights as one device's (Adam 1e-3, 2 steps of batch 8),
     each copy on the last stage equal bit for bit to its weight on the
-    first after training."""
+    first after training. Every activation and gradient the stages send
+    each other is laid out as the strategy lays out a step's: its batch
+    over data, its sequence over context (`microbatch_spec`)."""
     keras.utils.set_random_seed(0)
     model = hub_models.build(name)
     weights = model.get_weights()
@@ -602,8 +610,9 @@ def test_a_keras_hub_lm_with_tied_weights_trains_across_two_hosts(
               callbacks=[losses])
     # the loss (keras-hub's compile adds an accuracy the pipeline's lacks)
     evaluated = model.evaluate(x, y, batch_size=8, verbose=0)[0]
-    case = f"{HUB_AXES}:hub-{name}"
+    case = f"{axes}:hub-{name}"
     launch(tmp_path, [case], hosts=hosts)
+    sequence = "'context'" if "context" in axes else "None"
     paths = [w.path for w in model.weights]
     table = model.get_layer("token_embedding")
     for host in [np.load(tmp_path / f"{case}-host{h}.npz")
@@ -623,6 +632,10 @@ def test_a_keras_hub_lm_with_tied_weights_trains_across_two_hosts(
         for i in range(len(table.weights)):
             np.testing.assert_array_equal(host[f"copy{i}"],
                                           host[f"copy{i}_weight"])
+        sent = [m for m in map(str, host["moved"])
+                if m.startswith(f"[4, {x['token_ids'].shape[1]}, ")]
+        assert sent and all(m.endswith(f"['data', {sequence}, None]")
+                            for m in sent), host["moved"]
 
 
 @pytest.mark.slow

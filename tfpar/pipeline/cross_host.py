@@ -103,6 +103,7 @@ from tfpar.mesh import local_device_names
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.pipeline.runner import extra_losses
+from tfpar.pipeline.runner import microbatch_spec
 from tfpar.pipeline.runner import part_objective
 from tfpar.pipeline.schedules import FORWARD
 from tfpar.pipeline.tied import accumulate
@@ -323,12 +324,12 @@ def _unmasked(x):
 def _sent_mask(output, spec_of, mesh):
     """Inside a stage function: `output`'s Keras mask (`Embedding(
     mask_zero=True)` and the layers after it) as int32, laid out as a
-    micro-batch (`spec_of(rank)`), to move with it; None without one."""
+    micro-batch (`spec_of(shape)`), to move with it; None without one."""
     mask = _compat.keras_mask(output)
     if mask is None:
         return None
     return placement.relayout(tf.cast(mask, tf.int32),
-                              spec_of(mask.shape.rank), mesh)
+                              spec_of(mask.shape), mesh)
 
 
 def _masked(inputs):
@@ -596,12 +597,13 @@ class CrossHostRunner(PipelineRunner):
             self._shares.check(size, m, split)
         return m, split, total // m
 
-    def _spec(self, rank, split, mesh):
-        """A micro-batch's layout: split over the data axis when `split`
-        (and the mesh has one), the rest whole."""
-        return collectives.batch_spec(
-            rank, split and mesh.axis_size(self._data_axis) > 1,
-            self._data_axis)
+    def _spec(self, shape, split, mesh, min_rank=3):
+        """The layout of a micro-batch tensor of `shape` (an activation's
+        or gradient's; an input's with `min_rank`=2), as the single-host
+        runner lays it out (`microbatch_spec`): batch over the data axis
+        when `split`, sequence over the context axis if any."""
+        return microbatch_spec(shape, split, mesh, self._data_axis,
+                               self._context, min_rank)
 
     def _cut(self, structure, part, m, split):
         """Micro-batches 0..m-1 of host tensors on part `part`'s mesh
@@ -616,8 +618,8 @@ class CrossHostRunner(PipelineRunner):
             block = array[i * rows:(i + 1) * rows]
             if self._shares is not None:
                 return self._shares.place(block, part)
-            return placement.put(block, self._spec(array.ndim, split, mesh),
-                                 mesh)
+            return placement.put(block, self._spec(block.shape, split,
+                                                   mesh, min_rank=2), mesh)
 
         return [tf.nest.map_structure(lambda t, i=i: put(t, i), structure)
                 for i in range(m)]
@@ -627,7 +629,7 @@ class CrossHostRunner(PipelineRunner):
         `target`'s mesh."""
         return [None if v is None else self.bridge.move(
             v, self._meshes[source], self._meshes[target],
-            self._spec(v.shape.rank, split, self._meshes[source]))
+            self._spec(v.shape, split, self._meshes[source]))
             for v in values]
 
     # -- the schedule --------------------------------------------------------
@@ -762,10 +764,10 @@ class CrossHostRunner(PipelineRunner):
         added: [] or one)."""
         outputs, own_loss = part.run(_masked(inputs), training)
 
-        def spec_of(rank):
-            return self._spec(rank, split, part.mesh)
+        def spec_of(shape):
+            return self._spec(shape, split, part.mesh)
 
-        sent = ([placement.relayout(o, spec_of(o.shape.rank), part.mesh)
+        sent = ([placement.relayout(o, spec_of(o.shape), part.mesh)
                  for o in outputs],
                 [_sent_mask(o, spec_of, part.mesh) for o in outputs])
         losses = [] if own_loss is None else [
@@ -820,7 +822,7 @@ class CrossHostRunner(PipelineRunner):
             self._update_metrics(rows, *seen[0])
         grads, _ = part.backward(0, None)
         return ([None if g is None else placement.relayout(
-            g, self._spec(g.shape.rank, split, part.mesh), part.mesh)
+            g, self._spec(g.shape, split, part.mesh), part.mesh)
             for g in grads], list(part.gradient_sums))
 
     def _apply_body(self, part, training, sums, factor):

@@ -125,14 +125,17 @@ def check_context_with_fsdp(extended):
         "the context axis.")
 
 
-def _input_spec(shape, split, mesh, data_axis, context):
-    """The layout of a micro-batch input of `shape` on `mesh`: its batch
+def microbatch_spec(shape, split, mesh, data_axis, context, min_rank=2):
+    """The layout of a micro-batch tensor of `shape` on `mesh`: its batch
     split over `data_axis` when `split` (and the mesh has that axis), its
-    sequence over the context axis of `context`, as the strategy places a
-    step's inputs (`collectives.sequence_split`)."""
+    sequence over the context axis of `context` (None: no context axis)
+    when it has at least `min_rank` dimensions (2: an input's [batch,
+    tokens]; 3: an activation's [batch, sequence, width] or its gradient),
+    as the strategy places a step's inputs (`collectives.sequence_split`).
+    """
     return collectives.sequence_split(collectives.batch_spec(
         len(shape), split and mesh.axis_size(data_axis) > 1, data_axis),
-        shape, context, 2)
+        shape, context, min_rank)
 
 
 def extra_losses(own_loss, carried):
@@ -198,7 +201,7 @@ class PipelineRunner(training.Runner):
                 return None
             array = np.asarray(t)
             array = array.reshape((m, array.shape[0] // m) + array.shape[1:])
-            return placement.put(array, (None, *_input_spec(
+            return placement.put(array, (None, *microbatch_spec(
                 array.shape[1:], split, mesh, self._data_axis,
                 self._context)), mesh)
 
@@ -299,13 +302,12 @@ class PipelineRunner(training.Runner):
         `split`). tf.gather, not t[i]: DTensor mis-lays out a strided slice
         dropping the leading dimension; the explicit layout keeps DTensor
         from propagating a consumer's layout into the gather."""
-        mesh = self._meshes[part]
+        mesh, axis, context = (self._meshes[part], self._data_axis,
+                               self._context)
         return tf.nest.map_structure(
-            lambda t: None if t is None else placement.relayout(
-                tf.gather(t, i), _input_spec(t.shape[1:], split, mesh,
-                                             self._data_axis, self._context),
-                mesh),
-            structure)
+            lambda t: None if t is None else placement.relayout(tf.gather(
+                t, i), microbatch_spec(t.shape[1:], split, mesh, axis,
+                                       context), mesh), structure)
 
     # -- traced: the last part's loss and metrics --------------------------------
 

@@ -129,6 +129,9 @@ def test_sequence_parallel_errors_name_the_argument():
         tfpar.auto_rules(mlp, axis_size=2, sequence_parallel="yes")
     with pytest.raises(TypeError, match=r"ColumnParallel\(sequence_parallel\).*Received: sequence_parallel=1"):
         tfpar.ColumnParallel(sequence_parallel=1)
+    with pytest.raises(TypeError, match=r"SequenceParallel\(gather_output\)"
+                       r".*Received: gather_output='yes'"):
+        tfpar.SequenceParallel(gather_output="yes")
 
 
 def test_sequence_parallel_plan_and_styles():

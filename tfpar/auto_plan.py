@@ -416,6 +416,11 @@ def _plan_attention(projection, sources, heads, made, column, row,
                 f"{size} key/value heads, which mesh axis {axis!r} of "
                 f"size {axis_size} does not divide (grouped-query "
                 "attention): every device uses them whole"))
+            if column.sequence_parallel:
+                # Each device projects its tokens; attention reads the
+                # heads whole (read split, DTensor 2.21 fails in the
+                # backward of keras-hub's repeat of the heads).
+                plan[source.path] = SequenceParallel(axis, gather_output=True)
         else:
             _check_divides(source, size, axis, axis_size, "heads")
 

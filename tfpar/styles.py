@@ -38,7 +38,8 @@ Every style's `axis` defaults to the strategy's model axis
   hidden (the lookup needs no whole table).
 - `Replicated()` keeps every weight whole on every device.
 - `SequenceParallel(axis)` (for LayerNormalization/RMSNormalization) keeps
-  the weights whole and the layer's activations split along the sequence.
+  the weights whole and the layer's activations split along the sequence
+  (`gather_output=True`: its output gathered whole along it).
 
 Sequence parallelism (Megatron-SP, Korthikanti et al. 2022): with
 `sequence_parallel=True`, activations between the tensor-parallel blocks
@@ -526,10 +527,28 @@ class SequenceParallel(Style):
     `ColumnParallel(sequence_parallel=True)` / `RowParallel(...)` (what
     `auto_rules(model, sequence_parallel=True)` plans).
 
+    With `gather_output=True` the layer still computes its s/k tokens, and
+    its output is then gathered whole along the sequence (all-gather
+    forward, reduce-scatter backward): for a projection with whole weights
+    whose output attention reads whole — grouped-query key/value heads the
+    model axis does not divide (what `auto_rules` plans for them), which
+    gathers (b, s, kv heads × head size) rather than the (b, s, hidden)
+    input.
+
     Example:
 
     >>> rules = tfpar.LayoutRules({r".*ln\\d": tfpar.SequenceParallel()})
+    >>> str(tfpar.SequenceParallel(gather_output=True).output_layout)
+    "sequence gathered over 'model'"
     """
+
+    def __init__(self, axis=None, gather_output=False):
+        super().__init__(axis)
+        if not isinstance(gather_output, bool):
+            raise TypeError(
+                "SequenceParallel(gather_output) must be True or False. "
+                f"Received: gather_output={gather_output!r}")
+        self.gather_output = gather_output
 
     @property
     def input_layout(self):
@@ -537,10 +556,17 @@ class SequenceParallel(Style):
 
     @property
     def output_layout(self):
-        return ActivationLayout("sequence", self.axis, True)
+        return ActivationLayout("sequence", self.axis, not self.gather_output)
 
     def spec_for(self, layer, role, shape):
         return (None,) * len(shape)
+
+    def _key(self):
+        return (type(self), self.axis, self.gather_output)
+
+    def __repr__(self):
+        extra = ", gather_output=True" if self.gather_output else ""
+        return f"{type(self).__name__}(axis={self.axis!r}{extra})"
 
 
 _ATTENTION_OUTPUT = ("attention_output", "output")

@@ -63,7 +63,9 @@ def hub_causal_lm(kind):
     preprocessor, dropout 0): "llama3" (grouped-query, 4 query / 2 key-value
     heads), "mistral" (its sliding window 12 < the sequence), "gemma" (2
     layers: logit soft-caps, a sliding window of 12 on the first, Gemma 2's
-    post norms), "gpt2" (learned positions)."""
+    post norms), "gpt2" (learned positions), "mixtral" (2 layers of 4
+    experts, top 2, its window 12; no router aux loss, which a pipeline
+    computes per micro-batch)."""
     hub = keras_hub.models
     sizes = dict(vocabulary_size=HUB_VOCAB, num_layers=1, hidden_dim=32,
                  intermediate_dim=64)
@@ -81,6 +83,10 @@ def hub_causal_lm(kind):
             use_sliding_window_attention=True, sliding_window_size=12,
             use_post_ffw_norm=True, use_post_attention_norm=True),
             preprocessor=None)
+    if kind == "mixtral":
+        return hub.MixtralCausalLM(hub.MixtralBackbone(
+            **dict(gqa, num_layers=2), num_experts=4, top_k=2,
+            sliding_window=12, router_aux_loss_coef=0.0), preprocessor=None)
     if kind == "gpt2":
         return hub.GPT2CausalLM(hub.GPT2Backbone(
             **sizes, num_heads=4, dropout=0.0,

@@ -1,4 +1,5 @@
-"""Context parallelism for keras-hub decoders (Llama, Llama 3, Mistral).
+"""Context parallelism for keras-hub decoders (Llama, Llama 3, Mistral,
+Mixtral, Gemma, GPT-2).
 
 Under a `context` mesh axis (see `context_parallel`) a keras-hub decoder
 keeps its activations split along the sequence; three of its pieces see
@@ -18,12 +19,12 @@ the whole sequence and are patched here, inside a step on such a mesh only
   `decoder_attention_mask`, the padding mask, causal and sliding window
   stay factored (`context_parallel.FactoredMask`: a (batch, s) key
   validity vector, by global position: query i sees key j iff order[i] >=
-  order[j], and order[i] < order[j] + window for Mistral's and Gemma's
-  windows); blockwise attention builds each key tile's mask, so no
+  order[j], and order[i] < order[j] + window for Mistral's, Mixtral's
+  and Gemma's windows); blockwise attention builds each key tile's mask, so no
   (batch, s/cp, s) mask exists. With a user mask, keras-hub's dense merge
   and `compute_causal_mask` by global position (quadratic in s).
 - The attention core (`LlamaAttention._compute_attention`,
-  `MistralAttention._compute_attention`): keys and values gathered over
+  `MistralAttention._compute_attention`, Mixtral's copy of it): keys and values gathered over
   the context axis, `blockwise_attention` with the decoder's mask
   (`context_parallel.attend_across_context`).
 
@@ -396,8 +397,65 @@ def _hub_module(module):
 _ROTARY = "layers.modeling.rotary_embedding"
 _DECODERS = ("models.llama.llama_decoder",
              "models.mistral.mistral_transformer_decoder",
+             "models.mixtral.mixtral_decoder",
              "models.gemma.gemma_decoder_block",
              "layers.modeling.transformer_decoder")
+
+# The attention layers whose masks and cores a context split computes by
+# global position: Keras' own (patched in `context_parallel`) and
+# keras-hub's patched here (`_compute_attention` not overridden below them).
+_BY_GLOBAL_POSITION = (
+    _compat.optional_owner("keras.layers", "MultiHeadAttention"),
+    _compat.optional_owner("keras.layers", "GroupQueryAttention"),
+    _hub_attribute("models.llama.llama_attention", "LlamaAttention"),
+    _hub_attribute("models.mistral.mistral_attention",
+                   "CachedMistralAttention"),
+    _hub_attribute("models.mixtral.mixtral_attention",
+                   "CachedMixtralAttention"),
+    _hub_attribute("models.gemma.gemma_attention", "CachedGemmaAttention"),
+)
+
+
+def _by_global_position(layer, owners):
+    """Whether `layer` is one of `owners` (attention classes) and computes
+    its attention as that class does."""
+    return any(isinstance(layer, owner) and getattr(
+        type(layer), "_compute_attention", None) is getattr(
+            owner, "_compute_attention", None) for owner in owners)
+
+
+def check_load_balance(model, split):
+    """Raises ValueError naming the first attention layer of `model` whose
+    mask tfpar does not compute by global position, when the strategy's
+    context split `split` (a `context_parallel.ContextSplit`, or None)
+    load-balances. The balance reorders each sequence (`ContextSplit
+    .order`); such a layer builds its causal mask by local position and
+    would silently attend to other tokens than on one device (keras-hub
+    Qwen3-MoE and GPT-OSS trained 8e-4 and 1.7e-3 from one device's loss).
+    Without the balance DTensor runs it correctly, unsplit. An attention
+    layer is a layer whose class name has "Attention" and no attention
+    layer tfpar splits inside it."""
+    if split is None or not split.load_balance:
+        return
+    owners = tuple(owner for owner in (find() for find in _BY_GLOBAL_POSITION)
+                   if owner is not _compat.Absent)
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001
+        if "Attention" not in type(layer).__name__ or any(
+                _by_global_position(inner, owners)
+                for inner in layer._flatten_layers()):  # noqa: SLF001
+            continue
+        raise ValueError(
+            f"Layer {layer.path!r} ({type(layer).__name__}) computes its "
+            "attention in a way tfpar does not split over the context "
+            f"axis {split.axis!r}, and load_balance reorders each sequence "
+            "there: its causal mask, by local position, would attend to "
+            "other tokens than on one device. Received: "
+            "context_parallel.load_balance(strategy) with this layer. Use "
+            "load_balance(strategy, False) (DTensor then runs the layer "
+            "unsplit, correctly), or Keras MultiHeadAttention / "
+            "GroupQueryAttention or a keras-hub Llama, Mistral, Mixtral, "
+            "Gemma or GPT-2 decoder.")
+
 
 PATCHES = (
     _compat.Patch("hub_rotary_positions", _hub_attribute(
@@ -416,6 +474,9 @@ PATCHES = (
     _compat.Patch("hub_mistral_attention", _hub_attribute(
         "models.mistral.mistral_attention", "CachedMistralAttention"),
         "_compute_attention", _grouped_attention),
+    _compat.Patch("hub_mixtral_attention", _hub_attribute(
+        "models.mixtral.mixtral_attention", "CachedMixtralAttention"),
+        "_compute_attention", _grouped_attention),
     _compat.Patch("hub_llama_mask", _hub_attribute(
         "models.llama.llama_decoder", "LlamaTransformerDecoder"),
         "_compute_self_attention_mask", _decoder_mask),
@@ -423,6 +484,9 @@ PATCHES = (
         "models.mistral.mistral_transformer_decoder",
         "MistralTransformerDecoder"), "_compute_self_attention_mask",
         _decoder_mask),
+    _compat.Patch("hub_mixtral_mask", _hub_attribute(
+        "models.mixtral.mixtral_decoder", "MixtralTransformerDecoder"),
+        "_compute_self_attention_mask", _decoder_mask),
     _compat.Patch("hub_transformer_decoder_mask", _hub_attribute(
         "layers.modeling.transformer_decoder", "TransformerDecoder"),
         "_compute_self_attention_mask", _transformer_decoder_mask),

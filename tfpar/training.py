@@ -308,8 +308,9 @@ def keras_function(extended, model, mode):
     extended.check_context()
     if model.built:  # else its weights come in the first step
         extended.registry.check_rules_used()
-    if mode == "generate":
+    if mode == "generate":  # unsplit over the context axis
         return make_generate_function(model, extended)
+    context_keras_hub.check_load_balance(model, extended.input_placer.context)
     return compile_errors.explaining(
         make_function(model, extended, mode), model, extended, mode)
 
@@ -325,6 +326,7 @@ def eager_model_call(strategy, call, model, args, kwargs):
     extended.check_context()
     if isinstance(model, StagedModel):
         return model.eager_call(args, kwargs)
+    context_keras_hub.check_load_balance(model, extended.input_placer.context)
     if extended.registry.placement_mesh is None:  # weights still on the host
         return call(model, *args, **kwargs)
     args, kwargs = extended.input_placer.place_arrays((args, kwargs))

@@ -5,7 +5,10 @@ planner's self-check of its choice, and pipeline cuts counted as
 per-step losses and final weights within 1e-4 relative."""
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import keras
 import keras_hub
@@ -271,3 +274,27 @@ def test_newcomers_gpt2_plan_trains_like_one_device(source, limit):
         model = plan.apply(built(small_gpt2, x))
     assert_same(want, fit(model, weights, x, y, 16,
                           keras.optimizers.SGD(0.5)))
+
+
+@pytest.mark.slow
+def test_fsdp_pipeline_after_another_mesh_fails_with_advice_and_trains_fresh():
+    """Found training every planner candidate of keras-hub GPT-2 in one
+    process: a PipelineModel on data 2 × pipe 2 × model 2 with fsdp trains
+    in a fresh process and, once another mesh was used (a model built
+    under a data=8 strategy), fails to compile in DTensor 2.21 ("CopyToMeshOp
+    must be used": a constant of the step placed on another mesh). Pinned
+    both ways in fresh processes (`mesh_history_child.py`); the error says
+    what to do. When DTensor compiles it, this test fails: drop the advice."""
+    child = os.path.join(os.path.dirname(__file__), "mesh_history_child.py")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(child)), os.path.dirname(child)])}
+    printed = {}
+    for case in ("fresh", "after_another_mesh"):
+        result = subprocess.run([sys.executable, child, case],
+                                capture_output=True, text=True, timeout=900,
+                                env=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed[case] = result.stdout.strip().splitlines()[-1]
+    assert printed["fresh"] == "trained"
+    assert "CopyToMeshOp must be used" in printed["after_another_mesh"]
+    assert "train it in a fresh process" in printed["after_another_mesh"]

@@ -66,6 +66,13 @@ _ADVICE = (
      "to the data before the model, in the input pipeline (`dataset.map("
      "lambda x, y: (lookup(x), y))`, as Keras advises for distributed "
      "training), and give the model the integer ids."),
+    ("CopyToMeshOp must be used",
+     "an op reads tensors of two meshes. DTensor 2.21 does this in a "
+     "PipelineModel whose stages split weights over data and model with "
+     "fsdp=True once another mesh was used earlier in the same process "
+     "(tests/test_plans_train.py): train it in a fresh process, before any "
+     "other strategy. Otherwise change the layout of the weights listed, "
+     "e.g. replicate one of them, until the step compiles."),
     ("only supports batch parallel layouts",
      "this op runs only on tensors split over the batch: replicate the "
      "weights of the layers around it (their rules make its inputs or "

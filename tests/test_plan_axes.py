@@ -375,3 +375,24 @@ def check_mixtral_candidate(plan):
     for bank in banks:
         assert {b.shape[0] for b in dtensor.unpack(bank.value.read_value())
                 } == {8 // size}, bank.path
+
+
+def test_no_context_axis_for_attention_tfpar_does_not_split():
+    """keras-hub Qwen3-MoE's attention is not split over a context axis by
+    tfpar (DTensor would gather it whole): every context candidate is
+    rejected naming the layer. Mixtral's is split (patched as
+    Mistral's): its context candidates are costed."""
+    for name, offered in (("qwen3_moe", False), ("mixtral", True)):
+        plan = tfpar.plan(lambda n=name: hub_models.build(n), 8,
+                          cluster=HOST, memory_per_device=1e9,
+                          sequence_length=hub_models.SEQ_LEN)
+        context = [c for c in plan.candidates
+                   if c.axes.get("context", 1) > 1]
+        assert context, name
+        if offered:
+            assert any(c.rejected is None for c in context), name
+        else:
+            assert all(re.fullmatch(
+                r"layer 'transformer_layer_\d/self_attention' "
+                r"\(Qwen3MoeAttention\) computes attention tfpar does not "
+                r"split over a context axis", c.rejected) for c in context)

@@ -424,37 +424,50 @@ def _by_global_position(layer, owners):
             owner, "_compute_attention", None) for owner in owners)
 
 
-def check_load_balance(model, split):
-    """Raises ValueError naming the first attention layer of `model` whose
-    mask tfpar does not compute by global position, when the strategy's
-    context split `split` (a `context_parallel.ContextSplit`, or None)
-    load-balances. The balance reorders each sequence (`ContextSplit
-    .order`); such a layer builds its causal mask by local position and
-    would silently attend to other tokens than on one device (keras-hub
-    Qwen3-MoE and GPT-OSS trained 8e-4 and 1.7e-3 from one device's loss).
-    Without the balance DTensor runs it correctly, unsplit. An attention
-    layer is a layer whose class name has "Attention" and no attention
-    layer tfpar splits inside it."""
-    if split is None or not split.load_balance:
-        return
+def unsplit_attention(layers):
+    """The first of `layers` (Keras layers) that computes attention in a
+    way a context split does not split by global position, or None. An
+    attention layer is a layer whose class name has "Attention" and no
+    layer of `_BY_GLOBAL_POSITION` (with its `_compute_attention`) inside
+    it (a user's block around Keras' MultiHeadAttention is split). DTensor
+    runs such a layer correctly on a context axis, unsplit: it gathers what
+    the layer reads, with (s/cp × s) scores per device."""
     owners = tuple(owner for owner in (find() for find in _BY_GLOBAL_POSITION)
                    if owner is not _compat.Absent)
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001
-        if "Attention" not in type(layer).__name__ or any(
+    for layer in layers:
+        if "Attention" in type(layer).__name__ and not any(
                 _by_global_position(inner, owners)
-                for inner in layer._flatten_layers()):  # noqa: SLF001
-            continue
-        raise ValueError(
-            f"Layer {layer.path!r} ({type(layer).__name__}) computes its "
-            "attention in a way tfpar does not split over the context "
-            f"axis {split.axis!r}, and load_balance reorders each sequence "
-            "there: its causal mask, by local position, would attend to "
-            "other tokens than on one device. Received: "
-            "context_parallel.load_balance(strategy) with this layer. Use "
-            "load_balance(strategy, False) (DTensor then runs the layer "
-            "unsplit, correctly), or Keras MultiHeadAttention / "
-            "GroupQueryAttention or a keras-hub Llama, Mistral, Mixtral, "
-            "Gemma or GPT-2 decoder.")
+                for inner in _compat.all_layers(layer)):
+            return layer
+    return None
+
+
+def check_load_balance(model, split):
+    """Raises ValueError naming the first attention layer of `model` whose
+    mask tfpar does not compute by global position (`unsplit_attention`),
+    when the strategy's context split `split` (a
+    `context_parallel.ContextSplit`, or None) load-balances. The balance
+    reorders each sequence (`ContextSplit.order`); such a layer builds its
+    causal mask by local position and would silently attend to other
+    tokens than on one device (keras-hub Qwen3-MoE and GPT-OSS trained
+    8e-4 and 1.7e-3 from one device's loss). Without the balance DTensor
+    runs it correctly, unsplit."""
+    if split is None or not split.load_balance:
+        return
+    layer = unsplit_attention(_compat.all_layers(model, include_self=False))
+    if layer is None:
+        return
+    raise ValueError(
+        f"Layer {layer.path!r} ({type(layer).__name__}) computes its "
+        "attention in a way tfpar does not split over the context "
+        f"axis {split.axis!r}, and load_balance reorders each sequence "
+        "there: its causal mask, by local position, would attend to "
+        "other tokens than on one device. Received: "
+        "context_parallel.load_balance(strategy) with this layer. Use "
+        "load_balance(strategy, False) (DTensor then runs the layer "
+        "unsplit, correctly), or Keras MultiHeadAttention / "
+        "GroupQueryAttention or a keras-hub Llama, Mistral, Mixtral, "
+        "Gemma or GPT-2 decoder.")
 
 
 PATCHES = (

@@ -18,7 +18,9 @@ counts m ≥ p):
   GShard's placement) when the data axis divides the experts.
 - Context axis, for a transformer whose sequence 2·c divides (the causal
   load balance's 2·c chunks, `tfpar.context_parallel.load_balance`):
-  data × context × model.
+  data × context × model. Rejected, naming the layer, when an attention
+  layer is not one tfpar splits over the sequence
+  (`context_keras_hub.unsplit_attention`: DTensor would run it whole).
 - Both, for a mixture-of-experts model with such a sequence: the context
   axis c first, then either expert placement on the devices it leaves
   (data × expert × context × model with e·c dividing them, or the banks
@@ -55,6 +57,7 @@ roofline's (`Estimate.split_axes`). The exchange bytes (expert), gather bytes
 
 import dataclasses
 
+from tfpar import context_keras_hub
 from tfpar.planner import cost as cost_lib
 from tfpar.planner import estimator
 from tfpar.planner import search as search_lib
@@ -64,10 +67,12 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
     """The expert and context `Candidate`s of a profiled model (`layouts`:
     `search.search`'s {(model size, sequence parallel): Layout}), each
     estimated, with and without a pipe axis; those over `memory_limit`
-    marked rejected. [] for a model without attention (the roofline's
-    transformer)."""
+    and context axes over attention tfpar does not split marked rejected.
+    [] for a model without attention (the roofline's transformer)."""
     found = []
     cf = capacity_factor(profile)
+    unsplit = context_keras_hub.unsplit_attention(
+        profile.layers_by_path.values())
     for (t, sp), layout in sorted(layouts.items()):
         model = layout.transformer
         if sp or model is None:
@@ -78,6 +83,15 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
             for data, extra, expert_axis in _shapes(
                     model, cluster.num_devices // (t * p)):
                 axes = {"data": data, "pipe": p, "model": t, **extra}
+                if "context" in extra and unsplit is not None:
+                    found.append(search_lib.Candidate(
+                        axes, False, None, 1, "1f1b", None,
+                        rejected=f"layer {unsplit.path!r} ("
+                                 f"{type(unsplit).__name__}) computes "
+                                 "attention tfpar does not split over a "
+                                 "context axis",
+                        expert_axis=expert_axis))
+                    continue
                 if batch % data:
                     found.append(search_lib.Candidate(
                         axes, False, None, 1, "1f1b", None,

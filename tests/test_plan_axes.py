@@ -396,3 +396,30 @@ def test_no_context_axis_for_attention_tfpar_does_not_split():
                 r"layer 'transformer_layer_\d/self_attention' "
                 r"\(Qwen3MoeAttention\) computes attention tfpar does not "
                 r"split over a context axis", c.rejected) for c in context)
+
+
+def test_experts_beside_sequence_parallelism_are_planned_and_train():
+    """The search pairs an expert axis (both placements) with sequence
+    parallelism over the model axis (never with a context axis: one
+    sequence split, `ParallelDims`): an MoE's data × model × expert plan
+    with sequence-parallel rules trains in parity with one device, its
+    banks split over the expert axis."""
+    def build():
+        return language_model(16, mixture=True, aux_loss=0.0)
+
+    plan = tfpar.plan(build, 8, cluster=HOST, memory_per_device=1e9)
+    offered = [c for c in plan.candidates if c.rejected is None
+               and c.sequence_parallel and c.expert_axis]
+    assert {c.expert_axis for c in offered} == {"expert", "data"}
+    assert not any(c.axes.get("context", 1) > 1 for c in offered)
+    chosen = next(c for c in offered if c.axes["pipe"] == 1
+                  and c.axes["model"] == 2 and c.axes.get("expert") == 2
+                  and not c.fsdp and c.recompute is None)
+    planned = measure.candidate_plan(chosen, build, 8)
+    model, reference, got, expected, _ = train_beside_one_device(
+        planned, build, 8, 16, samples=16)
+    assert_parity(model, reference, got, expected)
+    banks = [w for w in model.weights if "moe" in w.path and len(w.shape) == 3]
+    assert banks and all(
+        "expert" in dtensor.fetch_layout(w.value).sharding_specs
+        for w in banks)

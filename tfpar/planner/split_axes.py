@@ -2,7 +2,9 @@
 that split a mixture-of-experts model's expert banks, or a long
 sequence, besides data × pipe × model.
 
-Which candidates (no sequence parallelism), without a pipe axis and with
+Which candidates (for each of the search's layouts: with sequence
+parallelism beside an expert axis only, as a context axis splits the
+sequence itself, `ParallelDims`), without a pipe axis and with
 one of every size p that divides the devices per model coordinate and
 the transformer's blocks (each stage at least one cut point; the
 search's min-max stage cut; 1F1B with the three largest micro-batch
@@ -75,13 +77,17 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
         profile.layers_by_path.values())
     for (t, sp), layout in sorted(layouts.items()):
         model = layout.transformer
-        if sp or model is None:
+        if model is None:
             continue
         for p in _pipe_sizes(cluster.num_devices // t, len(profile.ops),
                              model.layers):
             stages, boundaries = search_lib.stage_cuts(profile, layout, p)
             for data, extra, expert_axis in _shapes(
                     model, cluster.num_devices // (t * p)):
+                if sp and ("context" in extra or p > 1 and data == 1):
+                    # One sequence split only (ParallelDims); in pipeline
+                    # stages only beside a data axis (search's rejection).
+                    continue
                 axes = {"data": data, "pipe": p, "model": t, **extra}
                 if "context" in extra and unsplit is not None:
                     found.append(search_lib.Candidate(
@@ -104,7 +110,7 @@ def candidates(profile, layouts, batch, cluster, memory_limit, slots):
                     for fsdp, recompute in _options(layout, data, fsdp_ok):
                         c = search_lib.Candidate(
                             axes, fsdp, recompute, m, "1f1b", boundaries,
-                            expert_axis=expert_axis,
+                            sequence_parallel=sp, expert_axis=expert_axis,
                             vocab_parallel=layout.vocab_parallel,
                             stage_starts=([int(i) for i in stages]
                                           if p > 1 else None))
@@ -233,7 +239,8 @@ def _roofline(model, candidate, batch, cluster, slots, cf, split):
         slots=slots, flash=cost_lib.flash_attention(), tf32=cost_lib.tf32(),
         layers=model.layers, capacity_factor=cf, transformer=model,
         expert_axis="data" if split and candidate.expert_axis == "data"
-        else "expert", vocab_parallel=candidate.vocab_parallel)
+        else "expert", vocab_parallel=candidate.vocab_parallel,
+        sequence_parallel=candidate.sequence_parallel)
     return estimator.estimate_transformer(model, cfg, batch, cluster)
 
 

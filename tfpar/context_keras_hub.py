@@ -20,13 +20,13 @@ the whole sequence and are patched here, inside a step on such a mesh only
   stay factored (`context_parallel.FactoredMask`: a (batch, s) key
   validity vector, by global position: query i sees key j iff order[i] >=
   order[j], and order[i] < order[j] + window for Mistral's, Mixtral's
-  and Gemma's windows); blockwise attention builds each key tile's mask, so no
-  (batch, s/cp, s) mask exists. With a user mask, keras-hub's dense merge
-  and `compute_causal_mask` by global position (quadratic in s).
+  and Gemma's windows); blockwise attention builds each key tile's mask,
+  so no (batch, s/cp, s) mask exists. With a user mask, keras-hub's dense
+  merge and `compute_causal_mask` by global position (quadratic in s).
 - The attention core (`LlamaAttention._compute_attention`,
-  `MistralAttention._compute_attention`, Mixtral's copy of it): keys and values gathered over
-  the context axis, `blockwise_attention` with the decoder's mask
-  (`context_parallel.attend_across_context`).
+  `MistralAttention._compute_attention`, Mixtral's copy of it): keys and
+  values gathered over the context axis, `blockwise_attention` with the
+  decoder's mask (`context_parallel.attend_across_context`).
 
 `generate()` (prefill and KV-cache decoding) runs unsplit over the context
 axis (`sequences_unsplit`, entered by `training.make_generate_function`):

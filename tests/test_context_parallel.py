@@ -7,6 +7,7 @@ the inputs, and attention is computed blockwise (no device holds an
 s/cp × s score matrix), read from the compiled step.
 """
 
+import contextlib
 import keras
 import numpy as np
 import pytest
@@ -361,40 +362,38 @@ def test_load_balance_refuses_attention_it_does_not_split():
     """Load balance reorders each sequence over the context axis: an
     attention layer tfpar does not split by global position (keras-hub
     Qwen3-MoE's) would mask by local position, silently (8e-4 from one
-    device's loss when it ran). Refused before the first step, naming the
-    layer; without the balance the same model trains in parity (DTensor
-    runs that attention unsplit); a user's block around Keras' attention
-    is accepted."""
+    device's loss when it ran). Refused before the first step (or the
+    eager call that builds the model), naming the layer; without the
+    balance the same model trains in parity (DTensor runs that attention
+    unsplit); a user's block around Keras' attention is accepted."""
     x, y = hub_models.data("qwen3_moe", batch=8)
     weights = hub_models.build("qwen3_moe").get_weights()
-    expected = None
-    for balance in (True, False, None):
-        strategy = tfpar.ParallelStrategy(tfpar.Mesh({"data": 2,
-                                                      "context": 4}))
-        with strategy.scope():
+
+    def compiled(strategy):
+        with strategy.scope() if strategy else contextlib.nullcontext():
             model = hub_models.build("qwen3_moe")
             model.set_weights(weights)
             model.compile(optimizer="sgd", loss=hub_models.loss("qwen3_moe"))
-        if balance is None:  # one device
-            model = hub_models.build("qwen3_moe")
-            model.set_weights(weights)
-            model.compile(optimizer="sgd", loss=hub_models.loss("qwen3_moe"))
-        elif balance:
-            context_parallel.load_balance(strategy)
-            with pytest.raises(ValueError, match=(
-                    r"Layer 'transformer_layer_\d/self_attention' "
-                    r"\(Qwen3MoeAttention\).*load_balance\(strategy, "
-                    "False\)")):
-                model.fit(x, y, batch_size=8, verbose=0)
-            for before, after in zip(weights, model.get_weights()):
-                np.testing.assert_array_equal(before, after)
-            continue
-        losses = model.fit(x, y, batch_size=8, shuffle=False,
-                           verbose=0).history["loss"]
-        if expected is None:
-            expected = losses
-        else:
-            np.testing.assert_allclose(losses, expected, rtol=1e-4)
+        return model
+
+    def data_context():
+        return tfpar.ParallelStrategy(tfpar.Mesh({"data": 2, "context": 4}))
+
+    balanced = data_context()
+    model = compiled(balanced)  # built (a call) before the balance is on
+    context_parallel.load_balance(balanced)
+    refused = (r"Layer 'transformer_layer_\d/self_attention' "
+               r"\(Qwen3MoeAttention\).*load_balance\(strategy, False\)")
+    with pytest.raises(ValueError, match=refused):
+        model.fit(x, y, batch_size=8, verbose=0)
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    with pytest.raises(ValueError, match=refused):  # a call builds it
+        compiled(balanced)
+    expected, got = (compiled(strategy).fit(
+        x, y, batch_size=8, shuffle=False, verbose=0).history["loss"]
+        for strategy in (None, data_context()))
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
     ids = keras.Input((16,), dtype="int32")
     h = WrappedAttention(name="block")(keras.layers.Embedding(8, 8)(ids))
     model = keras.Model(ids, h)

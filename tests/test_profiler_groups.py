@@ -31,11 +31,21 @@ def start_child(*flags):
                             stderr=subprocess.PIPE, text=True)
 
 
-def collect(child):
-    """(group-forming log lines before the profiler ran, inside it)."""
+# SIGSEGV, SIGABRT: TF's native abort at the profiler's stop.
+NATIVE_ABORT = (-11, -6)
+
+
+def collect(child, may_abort=False):
+    """(group-forming log lines before the profiler ran, inside it).
+    `may_abort`: the child forms groups while the profiler runs, so TF's
+    native abort may end it when the profiler stops (the crash the forming
+    first avoids, `tests/tf_profiler_crash_repro.py`; it ended CI's child
+    once, 2026-12-08): then it must have reached the stop."""
     stdout, stderr = child.communicate(timeout=600)
-    assert child.returncode == 0, stderr[-3000:]
-    assert "TIMELINE 8" in stdout, stdout  # 2 stages x 2 micro-batches x F/B
+    if not (may_abort and child.returncode in NATIVE_ABORT):
+        assert child.returncode == 0, stderr[-3000:]
+        # 2 stages x 2 micro-batches x F/B (printed after the stop)
+        assert "TIMELINE 8" in stdout, stdout
     before, inside, where = [], [], None
     for line in stderr.splitlines():
         if "TFPAR-PROFILER-STARTED" in line:
@@ -54,5 +64,5 @@ def test_record_timeline_forms_collective_groups_before_profiling():
     assert before and not inside, inside[:3]
     # The same step without forming first: its groups form while TF's
     # profiler runs (so the check above can fail).
-    _, inside = collect(unformed)
+    _, inside = collect(unformed, may_abort=True)
     assert inside

@@ -584,16 +584,29 @@ def sequence_split(spec, shape, context, min_rank):
     return tuple(spec[:1]) + (context.axis,) + tuple(spec[2:])
 
 
+def microbatch_spec(shape, split, mesh, data_axis, context, min_rank=2):
+    """The layout of a micro-batch tensor of `shape` on `mesh`: its batch
+    split over `data_axis` when `split` (and the mesh has that axis), its
+    sequence over the context axis of `context` (None: no context axis)
+    when it has at least `min_rank` dimensions (2: an input's [batch,
+    tokens]; 3: an activation's [batch, sequence, width] or its gradient),
+    as the strategy places a step's inputs (`sequence_split`).
+    """
+    return sequence_split(batch_spec(
+        len(shape), split and mesh.axis_size(data_axis) > 1, data_axis),
+        shape, context, min_rank)
+
+
 def send_activation(tensor, source_part, target_part, meshes, split,
                     data_axis, context=None):
     """An activation (or its gradient) of part `source_part` moved to part
     `target_part` (`meshes[k]`: part k's mesh), batch-split as every
-    activation is (`batch_spec`), its sequence over the context axis
-    (`sequence_split`, of `context`: the strategy's, or None)."""
+    activation is, its sequence over the context axis (`microbatch_spec`,
+    of `context`: the strategy's, or None)."""
     return move_to_mesh(
         tensor, meshes[source_part], meshes[target_part],
-        sequence_split(batch_spec(tensor.shape.rank, split, data_axis),
-                       tensor.shape, context, 3),
+        microbatch_spec(tensor.shape, split, meshes[source_part], data_axis,
+                        context, min_rank=3),
         f"send_{source_part}_to_{target_part}")
 
 

@@ -103,7 +103,6 @@ from tfpar.mesh import local_device_names
 from tfpar.pipeline import loss_scale
 from tfpar.pipeline.runner import PipelineRunner
 from tfpar.pipeline.runner import extra_losses
-from tfpar.pipeline.runner import microbatch_spec
 from tfpar.pipeline.runner import part_objective
 from tfpar.pipeline.schedules import FORWARD
 from tfpar.pipeline.tied import accumulate
@@ -602,8 +601,9 @@ class CrossHostRunner(PipelineRunner):
         or gradient's; an input's with `min_rank`=2), as the single-host
         runner lays it out (`microbatch_spec`): batch over the data axis
         when `split`, sequence over the context axis if any."""
-        return microbatch_spec(shape, split, mesh, self._data_axis,
-                               self._context, min_rank)
+        return collectives.microbatch_spec(shape, split, mesh,
+                                           self._data_axis, self._context,
+                                           min_rank)
 
     def _cut(self, structure, part, m, split):
         """Micro-batches 0..m-1 of host tensors on part `part`'s mesh

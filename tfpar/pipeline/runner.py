@@ -125,19 +125,6 @@ def check_context_with_fsdp(extended):
         "the context axis.")
 
 
-def microbatch_spec(shape, split, mesh, data_axis, context, min_rank=2):
-    """The layout of a micro-batch tensor of `shape` on `mesh`: its batch
-    split over `data_axis` when `split` (and the mesh has that axis), its
-    sequence over the context axis of `context` (None: no context axis)
-    when it has at least `min_rank` dimensions (2: an input's [batch,
-    tokens]; 3: an activation's [batch, sequence, width] or its gradient),
-    as the strategy places a step's inputs (`collectives.sequence_split`).
-    """
-    return collectives.sequence_split(collectives.batch_spec(
-        len(shape), split and mesh.axis_size(data_axis) > 1, data_axis),
-        shape, context, min_rank)
-
-
 def extra_losses(own_loss, carried):
     """The losses the last part's loss adds to Keras' compiled one: its
     layers' own (with their gradients) and the values of those `carried`
@@ -201,7 +188,7 @@ class PipelineRunner(training.Runner):
                 return None
             array = np.asarray(t)
             array = array.reshape((m, array.shape[0] // m) + array.shape[1:])
-            return placement.put(array, (None, *microbatch_spec(
+            return placement.put(array, (None, *collectives.microbatch_spec(
                 array.shape[1:], split, mesh, self._data_axis,
                 self._context)), mesh)
 
@@ -306,8 +293,9 @@ class PipelineRunner(training.Runner):
                                self._context)
         return tf.nest.map_structure(
             lambda t: None if t is None else placement.relayout(tf.gather(
-                t, i), microbatch_spec(t.shape[1:], split, mesh, axis,
-                                       context), mesh), structure)
+                t, i), collectives.microbatch_spec(
+                    t.shape[1:], split, mesh, axis, context), mesh),
+            structure)
 
     # -- traced: the last part's loss and metrics --------------------------------
 

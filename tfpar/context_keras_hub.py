@@ -404,16 +404,19 @@ _DECODERS = ("models.llama.llama_decoder",
 # The attention layers whose masks and cores a context split computes by
 # global position: Keras' own (patched in `context_parallel`) and
 # keras-hub's patched here (`_compute_attention` not overridden below them).
+_LLAMA_ATTENTION = _hub_attribute("models.llama.llama_attention",
+                                  "LlamaAttention")
+_MISTRAL_ATTENTION = _hub_attribute("models.mistral.mistral_attention",
+                                    "CachedMistralAttention")
+_MIXTRAL_ATTENTION = _hub_attribute("models.mixtral.mixtral_attention",
+                                    "CachedMixtralAttention")
+_GEMMA_ATTENTION = _hub_attribute("models.gemma.gemma_attention",
+                                  "CachedGemmaAttention")
 _BY_GLOBAL_POSITION = (
     _compat.optional_owner("keras.layers", "MultiHeadAttention"),
     _compat.optional_owner("keras.layers", "GroupQueryAttention"),
-    _hub_attribute("models.llama.llama_attention", "LlamaAttention"),
-    _hub_attribute("models.mistral.mistral_attention",
-                   "CachedMistralAttention"),
-    _hub_attribute("models.mixtral.mixtral_attention",
-                   "CachedMixtralAttention"),
-    _hub_attribute("models.gemma.gemma_attention", "CachedGemmaAttention"),
-)
+    _LLAMA_ATTENTION, _MISTRAL_ATTENTION, _MIXTRAL_ATTENTION,
+    _GEMMA_ATTENTION)
 
 
 def _by_global_position(layer, owners):
@@ -481,14 +484,11 @@ PATCHES = (
     *(_compat.Patch(f"hub_causal_mask_{module}", _hub_module(module),
                     "compute_causal_mask", _causal_mask)
       for module in _DECODERS),
-    _compat.Patch("hub_llama_attention", _hub_attribute(
-        "models.llama.llama_attention", "LlamaAttention"),
+    _compat.Patch("hub_llama_attention", _LLAMA_ATTENTION,
         "_compute_attention", _grouped_attention),
-    _compat.Patch("hub_mistral_attention", _hub_attribute(
-        "models.mistral.mistral_attention", "CachedMistralAttention"),
+    _compat.Patch("hub_mistral_attention", _MISTRAL_ATTENTION,
         "_compute_attention", _grouped_attention),
-    _compat.Patch("hub_mixtral_attention", _hub_attribute(
-        "models.mixtral.mixtral_attention", "CachedMixtralAttention"),
+    _compat.Patch("hub_mixtral_attention", _MIXTRAL_ATTENTION,
         "_compute_attention", _grouped_attention),
     _compat.Patch("hub_llama_mask", _hub_attribute(
         "models.llama.llama_decoder", "LlamaTransformerDecoder"),
@@ -506,11 +506,9 @@ PATCHES = (
     _compat.Patch("hub_gemma_mask", _hub_attribute(
         "models.gemma.gemma_decoder_block", "GemmaDecoderBlock"),
         "_compute_attention_mask", _gemma_decoder_mask),
-    _compat.Patch("hub_gemma_rope", _hub_attribute(
-        "models.gemma.gemma_attention", "CachedGemmaAttention"),
+    _compat.Patch("hub_gemma_rope", _GEMMA_ATTENTION,
         "_apply_rope", _gemma_rope),
-    _compat.Patch("hub_gemma_attention", _hub_attribute(
-        "models.gemma.gemma_attention", "CachedGemmaAttention"),
+    _compat.Patch("hub_gemma_attention", _GEMMA_ATTENTION,
         "_compute_attention", _gemma_attention),
     _compat.Patch("hub_learned_positions", _hub_attribute(
         "layers.modeling.position_embedding", "PositionEmbedding"), "call",
